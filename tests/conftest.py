@@ -1,0 +1,29 @@
+"""Shared test set-up.
+
+``TRITON_INTERPRET`` must be set before any ``@triton.jit`` kernel module is imported (Triton reads
+it at decoration time), so it is set here, before the package is imported by any test module.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(os.environ.get("MAGI2_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures"))
+
+# The golden fixtures were produced with one thread; fp32 bit-level agreement assumes it.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """Root of the read-only golden fixtures (``../shared/fixtures`` beside the checkout)."""
+    if not FIXTURES.is_dir():
+        pytest.fail(f"golden fixtures not found at {FIXTURES}; set MAGI2_FIXTURES")
+    return FIXTURES
