@@ -1,0 +1,291 @@
+"""Per-modality building blocks shared by the MAGI-2 Preview and Refiner transformers.
+
+MAGI-2 packs video, audio and text tokens of one or more samples into a single token sequence.
+Several weights exist once per modality ("grouped" or "multi-modality" weights). They are stored
+modality-major along dim 0 (block ``m`` in video, audio, text order is rows ``m*out:(m+1)*out``),
+exactly as in SandAI's released checkpoints (reference spec §1.6, §2.2).
+
+Grouped ops in this module expect their tokens **sorted by modality** (all video, then audio, then
+text) and take the per-modality token counts as a tuple of Python ints
+(:class:`Magi2ModalityDispatch` computes both once per forward). Single-modality modules
+(``num_modality == 1``) ignore the group sizes, so the same code serves the refiner (no mHC, GQA,
+fp32 residual after layer 0) and the preview.
+
+Everything here follows the math of SandAI's ``magi2_preview.py`` (``Modality``,
+``ModalityDispatcher``, ``MultiModalityRMSNorm``, ``CustomGroupedLinear``, ``swiglu7``) but is an
+independent implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "Modality",
+    "Magi2ModalityDispatch",
+    "Magi2MultiModalityRMSNorm",
+    "Magi2ModalityGroupedLinear",
+    "swiglu7_interleaved",
+    "SWIGLU7_ALPHA",
+    "SWIGLU7_LIMIT",
+]
+
+SWIGLU7_ALPHA = 1.702
+SWIGLU7_LIMIT = 7.0
+
+
+class Modality(IntEnum):
+    """Token modality ids used in ``modality_mapping`` (matches SandAI reference ``Modality``).
+
+    ``TIME`` only exists as an input marker; models remap it to ``TEXT`` before dispatching, so the
+    number of per-modality weight blocks is always 3 (video, audio, text).
+    """
+
+    VIDEO = 0
+    AUDIO = 1
+    TEXT = 2
+    TIME = 3
+
+
+NUM_MODALITIES = 3
+
+
+@dataclass
+class Magi2ModalityDispatch:
+    """Modality-sorted token order for one packed sequence (cf. SandAI ``ModalityDispatcher``).
+
+    Attributes:
+        modality_ids: ``[N]`` int64, per-token modality in *packed* order (TIME already mapped to TEXT).
+        permutation: ``[N]`` int64, stable ``argsort(modality_ids)``; ``x[permutation]`` is sorted
+            (video, audio, text), preserving packed order inside each modality.
+        inverse_permutation: ``[N]`` int64 with ``sorted[inverse_permutation] == packed``.
+        group_sizes: tuple of ``num_modalities`` Python ints, tokens per modality in sorted order.
+        sorted_modality_ids: ``[N]`` int64, ``modality_ids[permutation]``.
+    """
+
+    modality_ids: torch.Tensor
+    permutation: torch.Tensor
+    inverse_permutation: torch.Tensor
+    group_sizes: tuple[int, ...]
+    sorted_modality_ids: torch.Tensor
+
+    @classmethod
+    def from_modality_mapping(
+        cls, modality_mapping: torch.Tensor, num_modalities: int = NUM_MODALITIES
+    ) -> "Magi2ModalityDispatch":
+        """Build the dispatch from a per-token modality tensor.
+
+        Args:
+            modality_mapping: ``[N]`` integer tensor of :class:`Modality` values (``TIME`` allowed,
+                it is treated as ``TEXT``).
+            num_modalities: number of weight blocks (3 for MAGI-2).
+
+        Raises:
+            ValueError: if ``modality_mapping`` is not 1-D or holds ids outside ``[0, 3]``.
+        """
+        if modality_mapping.dim() != 1:
+            raise ValueError(
+                f"modality_mapping must be 1-D [N], got shape {tuple(modality_mapping.shape)}"
+            )
+        ids = modality_mapping.to(torch.int64)
+        ids = torch.where(ids == int(Modality.TIME), torch.full_like(ids, int(Modality.TEXT)), ids)
+        if ids.numel() > 0 and (int(ids.min()) < 0 or int(ids.max()) >= num_modalities):
+            raise ValueError(
+                f"modality_mapping holds ids outside [0, {num_modalities - 1}] (TIME=3 is mapped to TEXT)"
+            )
+        permutation = torch.argsort(ids, stable=True)
+        inverse = torch.argsort(permutation)
+        sorted_ids = ids.index_select(0, permutation)
+        counts = torch.bincount(ids, minlength=num_modalities)
+        group_sizes = tuple(int(c) for c in counts.tolist())
+        return cls(ids, permutation, inverse, group_sizes, sorted_ids)
+
+    def sort(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed order -> modality-sorted order along dim 0."""
+        return x.index_select(0, self.permutation)
+
+    def unsort(self, x: torch.Tensor) -> torch.Tensor:
+        """Modality-sorted order -> packed order along dim 0."""
+        return x.index_select(0, self.inverse_permutation)
+
+    def to(self, device: torch.device) -> "Magi2ModalityDispatch":
+        """Return a copy whose index tensors live on ``device``."""
+        return Magi2ModalityDispatch(
+            self.modality_ids.to(device),
+            self.permutation.to(device),
+            self.inverse_permutation.to(device),
+            self.group_sizes,
+            self.sorted_modality_ids.to(device),
+        )
+
+
+def _check_groups(num_tokens: int, group_sizes: Optional[Sequence[int]], num_modality: int, what: str):
+    if group_sizes is None:
+        raise ValueError(f"{what}: modality group sizes are required when num_modality={num_modality} > 1")
+    if len(group_sizes) != num_modality:
+        raise ValueError(f"{what}: expected {num_modality} modality group sizes, got {len(group_sizes)}")
+    if sum(group_sizes) != num_tokens:
+        raise ValueError(
+            f"{what}: modality group sizes {tuple(group_sizes)} sum to {sum(group_sizes)}, "
+            f"but the input has {num_tokens} tokens"
+        )
+
+
+class Magi2MultiModalityRMSNorm(nn.Module):
+    """Zero-centred RMSNorm with one weight block per modality (SandAI ``MultiModalityRMSNorm``).
+
+    ``y = x * rsqrt(mean(x**2, -1) + eps) * (1 + w_m)``, computed in fp32, where ``w_m`` is the
+    block of ``weight`` (fp32, shape ``[num_modality * dim]``, modality-major) of the token's
+    modality. Leading dims of ``x`` other than the token dim are allowed (e.g. q/k norms on
+    ``[N, heads, head_dim]``: one weight shared by all heads).
+
+    Args:
+        dim: normalised (last) dimension.
+        num_modality: 1 (one weight for all tokens) or 3 (video, audio, text blocks).
+        eps: added to the mean square (1e-6 everywhere in MAGI-2).
+        out_dtype: output dtype; ``None`` keeps the input dtype (q/k/mHC norms use fp32).
+
+    Shapes: ``x`` ``[N, ..., dim]`` any float dtype, tokens sorted by modality if
+    ``num_modality > 1``; returns the same shape.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_modality: int = 1,
+        eps: float = 1e-6,
+        out_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.dim = dim
+        self.num_modality = num_modality
+        self.eps = eps
+        self.out_dtype = out_dtype
+        self.weight = nn.Parameter(torch.zeros(num_modality * dim, dtype=torch.float32))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_modality={self.num_modality}, eps={self.eps}, out_dtype={self.out_dtype}"
+
+    def forward(
+        self, x: torch.Tensor, group_sizes: Optional[Sequence[int]] = None
+    ) -> torch.Tensor:
+        """Normalise ``x`` ``[N, ..., dim]``; ``group_sizes`` = tokens per modality (sorted order).
+
+        Raises:
+            ValueError: if ``x``'s last dim is not ``dim`` or the group sizes do not match.
+        """
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm expects last dim {self.dim}, got input shape {tuple(x.shape)}")
+        out_dtype = self.out_dtype if self.out_dtype is not None else x.dtype
+        t = x.float()
+        t = t * torch.rsqrt(t.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        gain = self.weight.float().view(self.num_modality, self.dim) + 1.0
+        if self.num_modality == 1:
+            return (t * gain[0]).to(out_dtype)
+        _check_groups(x.shape[0], group_sizes, self.num_modality, "Magi2MultiModalityRMSNorm")
+        parts = torch.split(t, list(group_sizes), dim=0)
+        out = [p * gain[m] for m, p in enumerate(parts)]
+        return torch.cat(out, dim=0).to(out_dtype)
+
+
+class Magi2ModalityGroupedLinear(nn.Module):
+    """Linear layer with one weight matrix per modality (SandAI ``CustomGroupedLinear``).
+
+    ``weight`` has shape ``[num_modality * out_features, in_features]`` (block ``m`` = rows
+    ``m*out:(m+1)*out``) and is applied as ``x @ W_m.T`` to the tokens of modality ``m``.
+    The input is cast to the weight dtype (bf16 matmul for bf16 weights, as the reference); the
+    result is returned in ``out_dtype`` if given, else the weight dtype.
+
+    Args:
+        in_features, out_features: per-modality matrix size.
+        num_modality: 1 or 3.
+        bias: whether to add a per-modality bias ``[num_modality * out_features]``.
+        dtype: parameter dtype (None → torch default).
+
+    Shapes: ``x`` ``[N, in_features]`` sorted by modality when ``num_modality > 1``;
+    returns ``[N, out_features]``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        num_modality: int = 1,
+        bias: bool = False,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.num_modality = num_modality
+        self.weight = nn.Parameter(torch.empty(num_modality * out_features, in_features, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(num_modality * out_features, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"num_modality={self.num_modality}, bias={self.bias is not None}"
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        group_sizes: Optional[Sequence[int]] = None,
+        out_dtype: Optional[torch.dtype] = None,
+    ) -> torch.Tensor:
+        """Apply the per-modality matrices; see class docstring.
+
+        Raises:
+            ValueError: wrong input width or group sizes that do not match the token count.
+        """
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"grouped linear expects input width {self.in_features}, got shape {tuple(x.shape)}"
+            )
+        w = self.weight
+        x = x.to(w.dtype)
+        if self.num_modality == 1:
+            y = F.linear(x, w, self.bias)
+        else:
+            _check_groups(x.shape[0], group_sizes, self.num_modality, "Magi2ModalityGroupedLinear")
+            wb = w.view(self.num_modality, self.out_features, self.in_features)
+            bb = None if self.bias is None else self.bias.view(self.num_modality, self.out_features)
+            parts = torch.split(x, list(group_sizes), dim=0)
+            y = torch.cat(
+                [F.linear(p, wb[m], None if bb is None else bb[m]) for m, p in enumerate(parts)], dim=0
+            )
+        return y if out_dtype is None else y.to(out_dtype)
+
+
+def swiglu7_interleaved(
+    x: torch.Tensor,
+    alpha: float = SWIGLU7_ALPHA,
+    limit: float = SWIGLU7_LIMIT,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """swiglu7 on a fused, **interleaved** gate/linear projection (SandAI ``swiglu7``).
+
+    ``x`` ``[..., 2I]``: even columns are the gate (glu) half, odd columns the linear half.
+    ``glu = min(glu, limit)``, ``lin = clamp(lin, -limit, limit)``,
+    ``out = glu * sigmoid(alpha * glu) * (lin + 1)`` computed in fp32 and returned as
+    ``out_dtype`` (default: input dtype), shape ``[..., I]``.
+
+    Raises:
+        ValueError: if the last dim is odd.
+    """
+    if x.shape[-1] % 2:
+        raise ValueError(f"swiglu7_interleaved needs an even last dim, got {x.shape[-1]}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    t = x.float()
+    glu = t[..., 0::2].clamp(max=limit)
+    lin = t[..., 1::2].clamp(min=-limit, max=limit)
+    return (glu * torch.sigmoid(alpha * glu) * (lin + 1.0)).to(out_dtype)
