@@ -1,0 +1,461 @@
+"""Prompt handling for MAGI-2: prompt normalisation, tokenisation and Qwen3.5 feature extraction.
+
+Everything here reproduces SandAI's text-encoder wrapper (``inference/model/qwen35.py``,
+``Qwen35TextEncoder``) and the prompt edits of ``Magi2InferenceEngine`` (``inference_engine.py``)
+at commit ``f68a0f9`` (spec ``magi2_reference_spec.md`` §5.5); the code is written for this package.
+
+The pieces, in the order the pipeline uses them:
+
+1. :func:`add_figure_reference` — I2V only: make the prompt mention ``<Figure 1>``.
+2. :func:`normalize_prompt` — a JSON prompt with a ``global_layer`` becomes compact markdown
+   (:func:`json_to_compact_markdown`).
+3. :func:`apply_cjk_pre_tokenizer_split` — the extra leading pre-tokenizer split, including the
+   reference's regex quirk (see its docstring).
+4. :func:`encode_prompt_features` — token ids (right padding, at most 7,000 tokens, no chat
+   template) → ``hidden_states[-3]``.
+5. :func:`pool_target_features` — the ``<Figure 1>`` special-token embedding: mean of the features of
+   the tokens whose character offsets overlap the target string.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "CJK_SPLIT_PATTERN",
+    "DEFAULT_MAX_SEQUENCE_LENGTH",
+    "DEFAULT_SKIP_LAYERS",
+    "FIGURE_REFERENCE_TEXT",
+    "add_figure_reference",
+    "apply_cjk_pre_tokenizer_split",
+    "encode_prompt_features",
+    "find_target_token_indices",
+    "has_cjk_pre_tokenizer_split",
+    "json_to_compact_markdown",
+    "normalize_prompt",
+    "pool_target_features",
+    "tokenize_prompt",
+]
+
+#: The reference's CJK isolation pattern, character for character. It is compiled by the
+#: ``tokenizers`` library (Oniguruma), which does not understand ``\U00020000``/``\U0002FFFF``:
+#: the tail of the class is read as the literal range ``0``–``U`` (0x30–0x55) plus a few literal
+#: characters. So the split ALSO isolates digits, ``:;<=>?@`` and the capitals ``A``–``U`` (each
+#: becomes its own pre-token) and does NOT isolate CJK Extension B. The released model was trained
+#: with these token ids, so the quirk is reproduced on purpose (fixture ``text_encoder/``,
+#: ``cjk_split_isolates_ascii``). Do not "fix" it with Python ``re``.
+CJK_SPLIT_PATTERN = (
+    r"([\u1100-\u11ff\u2e80-\ua4cf\ua840-\uD7AF\uF900-\uFAFF\uFE30-\uFE4F\uFF65-\uFFDC"
+    r"\U00020000-\U0002FFFF])"
+)
+
+#: ``max_length`` of the reference tokenizer call (truncation on).
+DEFAULT_MAX_SEQUENCE_LENGTH = 7000
+#: ``skip_layer`` of the reference: the feature is ``hidden_states[-(skip_layer + 1)]``.
+DEFAULT_SKIP_LAYERS = 2
+#: Text the reference engine adds for an I2V prompt (``_ensure_figure_tokens``).
+FIGURE_REFERENCE_TEXT = "The first frame refers to <Figure 1>"
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer: CJK pre-tokenizer split
+# --------------------------------------------------------------------------------------------
+
+
+def _backend(tokenizer: Any):
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(
+            f"the MAGI-2 prompt wrapper needs a fast (`tokenizers`-backed) tokenizer; got "
+            f"{type(tokenizer).__name__}, which has no `backend_tokenizer`"
+        )
+    return backend
+
+
+def _is_cjk_split(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and entry.get("type") == "Split"
+        and isinstance(entry.get("pattern"), dict)
+        and entry["pattern"].get("Regex") == CJK_SPLIT_PATTERN
+    )
+
+
+def has_cjk_pre_tokenizer_split(tokenizer: Any) -> bool:
+    """Whether ``tokenizer``'s backend pre-tokenizer already starts with the MAGI-2 CJK split.
+
+    Args:
+        tokenizer: a transformers fast tokenizer (has ``backend_tokenizer``).
+
+    Returns:
+        ``True`` when the first pre-tokenizer is a ``Split`` with exactly :data:`CJK_SPLIT_PATTERN`.
+
+    Raises:
+        ValueError: the tokenizer has no ``tokenizers`` backend.
+    """
+    state = json.loads(_backend(tokenizer).to_str()).get("pre_tokenizer")
+    if state is None:
+        return False
+    if _is_cjk_split(state):
+        return True
+    if state.get("type") == "Sequence":
+        entries = state.get("pretokenizers") or []
+        return bool(entries) and _is_cjk_split(entries[0])
+    return False
+
+
+def apply_cjk_pre_tokenizer_split(tokenizer: Any) -> Any:
+    """Prepend the reference's CJK ``Split`` pre-tokenizer (behaviour "isolated"), idempotently.
+
+    Matches SandAI ``Qwen35TextEncoder.__init__``, which wraps the tokenizer's own pre-tokenizer as
+    ``Sequence([cjk_split, original])``. Applying it twice is a no-op, so a tokenizer saved by this
+    pipeline (which may already carry the split) can be loaded again safely. The regex quirk of
+    :data:`CJK_SPLIT_PATTERN` is kept by compiling the same pattern with ``tokenizers.Regex``.
+
+    Args:
+        tokenizer: a transformers fast tokenizer; modified in place.
+
+    Returns:
+        The same tokenizer object.
+
+    Raises:
+        ValueError: the tokenizer has no ``tokenizers`` backend.
+    """
+    from tokenizers import Regex, pre_tokenizers
+
+    if has_cjk_pre_tokenizer_split(tokenizer):
+        return tokenizer
+    backend = _backend(tokenizer)
+    split = pre_tokenizers.Split(pattern=Regex(CJK_SPLIT_PATTERN), behavior="isolated")
+    original = backend.pre_tokenizer
+    backend.pre_tokenizer = split if original is None else pre_tokenizers.Sequence([split, original])
+    return tokenizer
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt normalisation
+# --------------------------------------------------------------------------------------------
+
+
+def _drop_empty(value: Any) -> Any:
+    """Remove ``None``/``[]``/``{}`` dict values (after cleaning them) and ``None`` list items."""
+    if isinstance(value, dict):
+        cleaned = {}
+        for key, child in value.items():
+            child = _drop_empty(child)
+            if child is None or (isinstance(child, (list, dict)) and len(child) == 0):
+                continue
+            cleaned[key] = child
+        return cleaned
+    if isinstance(value, list):
+        return [_drop_empty(item) for item in value if item is not None]
+    return value
+
+
+def _flat(value: Any) -> str:
+    """One line of text: ``None`` → ``""``, other values ``str()``-ed, whitespace runs → one space."""
+    if value is None:
+        return ""
+    return " ".join(str(value).split())
+
+
+def _mapping(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _items(value: Any) -> list:
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+def _joined(parts: Iterable[str], sep: str) -> str:
+    return sep.join(part for part in parts if part)
+
+
+def _render_global(global_layer: dict, lines: list[str]) -> None:
+    context = _flat(global_layer.get("context"))
+    description = _flat(global_layer.get("description"))
+    if context or description:
+        lines.append(f"context: {context}" if context else "context")
+        if description:
+            lines.append(description)
+
+    aesthetics = _mapping(global_layer.get("aesthetics"))
+    looks = [
+        f"{label}={_flat(aesthetics.get(key))}"
+        for label, key in (("style", "style"), ("mood", "mood_atmosphere"), ("color", "color_scheme"))
+        if _flat(aesthetics.get(key))
+    ]
+    if looks:
+        lines.append("aesthetics: " + "; ".join(looks))
+
+    audio = _mapping(global_layer.get("audio_baseline"))
+    dialogue = _mapping(audio.get("dialogue"))
+    sound = []
+    if _flat(dialogue.get("language")):
+        sound.append(f"language={_flat(dialogue.get('language'))}")
+    speakers = _items(dialogue.get("speaker_tags"))
+    if speakers:
+        sound.append("speakers=" + ",".join(_flat(s) for s in speakers))
+    if _flat(audio.get("ambience")):
+        sound.append(f"ambience={_flat(audio.get('ambience'))}")
+    if sound:
+        lines.append("audio: " + "; ".join(sound))
+
+    subjects = global_layer.get("alive_subjects_static")
+    if isinstance(subjects, list) and subjects:
+        lines.append("subjects:")
+        for subject in subjects:
+            if not isinstance(subject, dict):
+                continue
+            row = " - " + _joined((_flat(subject.get("subject_id")), _flat(subject.get("description"))), " | ")
+            where = _joined((_flat(subject.get("position")), _flat(subject.get("orientation"))), "; ")
+            if where:
+                row += f" ({where})"
+            visual = _mapping(subject.get("visual_attributes"))
+            attrs = []
+            for key in ("gender", "age_group", "ethnicity", "clothing", "appearance_details"):
+                if visual.get(key) in (None, [], {}):
+                    continue
+                text = _flat(visual[key])
+                if text:
+                    attrs.append(f"{key}={text}")
+            if attrs:
+                row += " :: " + "; ".join(attrs)
+            lines.append(row)
+
+    objects = global_layer.get("objects_static")
+    if isinstance(objects, list) and objects:
+        lines.append("objects:")
+        for item in objects:
+            if not isinstance(item, dict):
+                continue
+            row = " - " + _joined((_flat(item.get("object_id")), _flat(item.get("description"))), " | ")
+            details = _joined((_flat(item.get("shape_and_color")), _flat(item.get("position"))), "; ")
+            if details:
+                row += " :: " + details
+            lines.append(row)
+
+
+def _render_timeline(dynamic_layer: dict, lines: list[str]) -> None:
+    segments = dynamic_layer.get("timeline_segments")
+    if not (isinstance(segments, list) and segments):
+        return
+    lines.append("timeline:")
+    for segment in segments:
+        if not isinstance(segment, dict):
+            continue
+        basic = _mapping(segment.get("segment_basic_info"))
+        stamp = _flat(basic.get("timestamp_range"))
+        head = f" - {stamp}" if stamp else " -"
+        if _flat(basic.get("segment_description")):
+            head += " " + _flat(basic.get("segment_description"))
+        lines.append(head.rstrip())
+
+        for said in _mapping(segment.get("audio")).get("dialogue_lines", []) or []:
+            if not isinstance(said, dict) or not _flat(said.get("text")):
+                continue
+            speaker = _flat(said.get("speaker"))
+            line = (f"   - dialogue {speaker}: " if speaker else "   - dialogue: ") + _flat(said.get("text"))
+            if _flat(said.get("timestamp")):
+                line += f" ({_flat(said.get('timestamp'))})"
+            lines.append(line)
+
+        for alive in segment.get("alive_subjects", []) or []:
+            if not isinstance(alive, dict):
+                continue
+            action = _mapping(alive.get("action"))
+            what = _joined(
+                (_flat(action.get(k)) for k in ("primary_action", "interaction", "facial_expression")), "; "
+            )
+            if what:
+                lines.append(f"   - action {_flat(alive.get('subject_id'))}: {what}")
+
+        for item in segment.get("objects", []) or []:
+            if not isinstance(item, dict):
+                continue
+            state = _mapping(item.get("dynamic_state"))
+            what = _joined((_flat(state.get(k)) for k in ("state_change", "motion_detail")), "; ")
+            if what:
+                lines.append(f"   - objects {_flat(item.get('object_id'))}: {what}")
+
+
+def json_to_compact_markdown(prompt: str | dict) -> str:
+    """Render a structured MAGI-2 prompt (``global_layer`` / ``dynamic_layer`` / ``reference_layer``)
+    as the compact markdown the model was trained on.
+
+    Same output as SandAI ``inference/model/qwen35.py::json_to_compact_markdown``: empty values
+    (``None``, ``[]``, ``{}``; and empty strings, which render to nothing) are dropped; whitespace
+    runs inside values collapse to one space; sections ``context``, ``aesthetics``, ``audio``,
+    ``subjects``, ``objects``, ``timeline`` and then the ``reference_layer`` lines, joined by
+    ``"\\n"``, blank lines removed. An object without ``global_layer`` (or a non-object) is returned
+    unchanged (the original string, or ``json.dumps(..., ensure_ascii=False)`` for a dict).
+
+    Args:
+        prompt: JSON text or an already parsed object.
+
+    Returns:
+        The rendered prompt text.
+
+    Raises:
+        json.JSONDecodeError: ``prompt`` is a string that is not valid JSON.
+    """
+    parsed = json.loads(prompt.strip()) if isinstance(prompt, str) else prompt
+    parsed = _drop_empty(parsed)
+    if not isinstance(parsed, dict) or "global_layer" not in parsed:
+        return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+
+    lines: list[str] = []
+    _render_global(_mapping(parsed.get("global_layer")), lines)
+    _render_timeline(_mapping(parsed.get("dynamic_layer")), lines)
+    references = parsed.get("reference_layer", [])
+    if isinstance(references, list):
+        lines.extend(str(line) for line in references if str(line).strip())
+    return "\n".join(line for line in lines if line.strip())
+
+
+def normalize_prompt(prompt: str) -> str:
+    """The text the tokenizer sees: JSON prompts (objects or arrays) go through
+    :func:`json_to_compact_markdown`; anything else is returned unchanged.
+
+    Matches SandAI ``Qwen35TextEncoder._normalize_prompt``.
+    """
+    try:
+        parsed = json.loads(prompt)
+    except (json.JSONDecodeError, TypeError):
+        return prompt
+    if isinstance(parsed, (dict, list)):
+        return json_to_compact_markdown(prompt)
+    return prompt
+
+
+def add_figure_reference(prompt: str) -> str:
+    """Make an I2V prompt mention ``<Figure 1>`` the way the reference engine does.
+
+    A JSON-object prompt gets ``"reference_layer": ["The first frame refers to <Figure 1>"]``
+    (replacing any existing one) and is re-serialised with ``json.dumps(ensure_ascii=False)``; any
+    other prompt gets ``"reference_layer:The first frame refers to <Figure 1>"`` appended with no
+    separator. Matches SandAI ``Magi2InferenceEngine._ensure_figure_tokens`` (single image).
+    """
+    try:
+        parsed = json.loads(prompt)
+    except (json.JSONDecodeError, TypeError):
+        parsed = None
+    if isinstance(parsed, dict):
+        parsed["reference_layer"] = [FIGURE_REFERENCE_TEXT]
+        return json.dumps(parsed, ensure_ascii=False)
+    return prompt + "reference_layer:" + FIGURE_REFERENCE_TEXT
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenisation and features
+# --------------------------------------------------------------------------------------------
+
+
+def tokenize_prompt(
+    tokenizer: Any,
+    prompt: str,
+    max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
+    return_offsets_mapping: bool = False,
+) -> dict:
+    """Tokenise one already-normalised prompt like the reference: right padding, truncation at
+    ``max_sequence_length`` tokens, no chat template, no added special tokens beyond the tokenizer's
+    own post-processor.
+
+    Returns:
+        the tokenizer's ``BatchEncoding`` with ``input_ids``/``attention_mask`` ``[1, Lt]`` int64
+        (and ``offset_mapping`` ``[1, Lt, 2]`` when asked).
+    """
+    tokenizer.padding_side = "right"
+    return tokenizer(
+        [prompt],
+        return_tensors="pt",
+        padding="longest",
+        max_length=max_sequence_length,
+        truncation=True,
+        return_offsets_mapping=return_offsets_mapping,
+    )
+
+
+@torch.no_grad()
+def encode_prompt_features(
+    text_encoder: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    skip_layers: int = DEFAULT_SKIP_LAYERS,
+) -> torch.Tensor:
+    """Qwen3.5 features of a tokenised prompt: ``hidden_states[-(skip_layers + 1)]``.
+
+    ``hidden_states`` has ``num_hidden_layers + 1`` entries (embeddings first, the last one after
+    the final norm), so the default ``skip_layers=2`` returns the raw output of decoder layer
+    ``num_hidden_layers - 3`` (SandAI ``Qwen35TextEncoder.encode`` with ``skip_layer=2``);
+    ``skip_layers=0`` returns ``last_hidden_state``.
+
+    Args:
+        text_encoder: a transformers ``Qwen3_5TextModel`` (or any model returning ``hidden_states``).
+        input_ids, attention_mask: ``[B, Lt]`` int64, on the encoder's device.
+        skip_layers: number of final layers to skip (≥ 0).
+
+    Returns:
+        ``[B, Lt, hidden]`` in the text encoder's dtype.
+    """
+    outputs = text_encoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        output_hidden_states=True,
+        return_dict=True,
+    )
+    if skip_layers == 0:
+        return outputs.last_hidden_state
+    return outputs.hidden_states[-(skip_layers + 1)]
+
+
+def find_target_token_indices(
+    text: str, offsets: Sequence[Sequence[int]] | torch.Tensor, target: str
+) -> list[int]:
+    """Indices of the tokens whose character span overlaps the first occurrence of ``target``.
+
+    Tokens with offset ``(0, 0)`` other than the first are skipped (special/padding tokens).
+    Matches SandAI ``Qwen35TextEncoder.get_target_token_indices``.
+
+    Args:
+        text: the normalised prompt the offsets refer to.
+        offsets: ``[Lt, 2]`` (start, end) character offsets of each token.
+        target: e.g. ``"<Figure 1>"``.
+
+    Returns:
+        the token indices (empty when ``target`` does not occur).
+    """
+    start = text.find(target)
+    if not target or start < 0:
+        return []
+    end = start + len(target)
+    if isinstance(offsets, torch.Tensor):
+        offsets = offsets.tolist()
+    found = []
+    for index, (lo, hi) in enumerate(offsets):
+        if lo == 0 and hi == 0 and index != 0:
+            continue
+        if max(lo, start) < min(hi, end):
+            found.append(index)
+    return found
+
+
+def pool_target_features(features: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+    """Mean of ``features[0, indices]`` (the special-token embedding of an image), or a zero vector
+    when ``indices`` is empty. Matches SandAI ``Qwen35TextEncoder.get_special_token``.
+
+    Args:
+        features: ``[1, Lt, C]`` prompt features.
+        indices: token indices from :func:`find_target_token_indices`.
+
+    Returns:
+        ``[C]`` in ``features``' dtype.
+    """
+    if len(indices) == 0:
+        return features.new_zeros(features.shape[-1])
+    return features[0, list(indices), :].mean(dim=0)

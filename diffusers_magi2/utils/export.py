@@ -1,0 +1,222 @@
+"""Write MAGI-2 output (frames + stereo audio) to an mp4 with PyAV.
+
+diffusers' ``export_to_video``/``encode_video`` take an integer fps and scale any numpy frames by
+255; MAGI-2 needs a rational 12.5 fps (25/2) and may hand over uint8 frames (the reference decoder
+produces uint8), so this module writes the container itself.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["export_to_video_with_audio", "frames_to_uint8", "probe_streams"]
+
+_AUDIO_CHUNK = 1024  # AAC frame size
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to("cpu")
+            if value.dtype in (torch.bfloat16, torch.float16):
+                value = value.float()
+            return value.numpy()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return np.asarray(value)
+
+
+def frames_to_uint8(video: Any) -> np.ndarray:
+    """Convert frames to a ``[F, H, W, 3]`` uint8 array without double scaling.
+
+    Accepted inputs:
+
+    * uint8 arrays/tensors ``[F, H, W, 3]`` (or a batch of one ``[1, F, H, W, 3]``): used as they are;
+    * float arrays/tensors in ``[0, 1]``, same layouts: ``clip(x, 0, 1) * 255`` then truncated to
+      uint8, exactly as the reference's final ``.mul(255).numpy().astype(np.uint8)``;
+    * a list of ``PIL.Image`` (RGB) or of ``[H, W, 3]`` arrays.
+
+    Raises:
+        ValueError: wrong rank/channel count, an empty clip, or an unsupported dtype.
+    """
+    if isinstance(video, (list, tuple)):
+        if len(video) == 0:
+            raise ValueError("video has no frames")
+        frames = [np.asarray(frame.convert("RGB")) if hasattr(frame, "convert") else _as_numpy(frame) for frame in video]
+        video = np.stack(frames, axis=0)
+    else:
+        video = _as_numpy(video)
+    if video.ndim == 5:
+        if video.shape[0] != 1:
+            raise ValueError(f"video must hold one clip; got a batch of {video.shape[0]} (shape {video.shape})")
+        video = video[0]
+    if video.ndim != 4 or video.shape[-1] != 3:
+        raise ValueError(f"video must be [frames, height, width, 3] (RGB); got shape {tuple(video.shape)}")
+    if video.shape[0] == 0:
+        raise ValueError("video has no frames")
+    if video.dtype == np.uint8:
+        return np.ascontiguousarray(video)
+    if np.issubdtype(video.dtype, np.floating):
+        return np.ascontiguousarray((np.clip(video.astype(np.float32), 0.0, 1.0) * 255.0).astype(np.uint8))
+    raise ValueError(f"video dtype must be uint8 (0-255) or float (0-1); got {video.dtype}")
+
+
+def _audio_planar(audio: Any) -> np.ndarray:
+    """``[channels, samples]`` float32 from ``[samples, C]``, ``[C, samples]`` or ``[1, C, samples]``."""
+    audio = _as_numpy(audio)
+    if audio.ndim == 3:
+        if audio.shape[0] != 1:
+            raise ValueError(f"audio must hold one clip; got shape {tuple(audio.shape)}")
+        audio = audio[0]
+    if audio.ndim == 1:
+        audio = audio[None, :]
+    if audio.ndim != 2:
+        raise ValueError(f"audio must be [samples, channels] or [channels, samples]; got shape {tuple(audio.shape)}")
+    if audio.shape[0] not in (1, 2) and audio.shape[1] in (1, 2):
+        audio = audio.T
+    if audio.shape[0] not in (1, 2):
+        raise ValueError(f"audio must have 1 or 2 channels; got shape {tuple(audio.shape)}")
+    if audio.shape[0] == 1:
+        audio = np.repeat(audio, 2, axis=0)
+    if not np.issubdtype(audio.dtype, np.floating):
+        raise ValueError(f"audio must be float samples in [-1, 1]; got dtype {audio.dtype}")
+    return np.ascontiguousarray(audio.astype(np.float32))
+
+
+def export_to_video_with_audio(
+    video: Any,
+    output_path: str | os.PathLike,
+    audio: Any = None,
+    fps: float | Fraction = Fraction(25, 2),
+    audio_sample_rate: int = 44100,
+    video_codec: str = "libx264",
+    crf: int = 18,
+    audio_bitrate: int = 192_000,
+) -> str:
+    """Write an mp4: H.264 (yuv420p) video at an exact rational frame rate, plus a stereo AAC track.
+
+    Frames get presentation times ``i / fps`` exactly (12.5 fps is stored as 25/2, never truncated to
+    an int), so for MAGI-2's 125 frames the video lasts 10 s, and 441,000 audio samples at 44.1 kHz
+    last 10 s: the two durations agree within one frame. The file is written to a temporary name in
+    the target folder and renamed into place only when complete.
+
+    Args:
+        video: ``[F, H, W, 3]`` uint8 (0–255, used unchanged) or float (0–1) frames, as numpy, a torch
+            tensor or a list of PIL images. ``Magi2PipelineOutput.frames`` of any ``output_type`` except
+            ``"latent"`` (take ``frames[0]`` for a batch). H and W must be even (yuv420p).
+        output_path: destination ``.mp4``.
+        audio: optional waveform ``[samples, channels]`` or ``[channels, samples]`` (mono is duplicated
+            to stereo), float in [-1, 1]; numpy or torch.
+        fps: frame rate; a float is converted exactly with ``Fraction`` (12.5 → 25/2).
+        audio_sample_rate: samples per second of ``audio`` (44,100 for MAGI-2).
+        video_codec: PyAV/FFmpeg encoder name.
+        crf: x264 constant-rate factor.
+        audio_bitrate: AAC bitrate in bit/s.
+
+    Returns:
+        ``str(output_path)``.
+
+    Raises:
+        ValueError: bad frames/audio shapes or dtypes, odd frame size, non-positive fps or sample rate.
+    """
+    import av
+
+    frames = frames_to_uint8(video)
+    num_frames, height, width, _ = frames.shape
+    if height % 2 or width % 2:
+        raise ValueError(f"frame height and width must be even for yuv420p; got {height}x{width}")
+    rate = fps if isinstance(fps, Fraction) else Fraction(fps).limit_denominator(1001)
+    if rate <= 0:
+        raise ValueError(f"fps must be positive; got {fps}")
+    samples = None
+    if audio is not None:
+        if int(audio_sample_rate) <= 0:
+            raise ValueError(f"audio_sample_rate must be positive; got {audio_sample_rate}")
+        samples = _audio_planar(audio)
+
+    output_path = Path(output_path)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp_name = tempfile.mkstemp(prefix=f".{output_path.stem}.", suffix=".mp4", dir=output_path.parent)
+    os.close(handle)
+    try:
+        with av.open(tmp_name, mode="w", format="mp4") as container:
+            vstream = container.add_stream(video_codec, rate=rate)
+            vstream.width, vstream.height = width, height
+            vstream.pix_fmt = "yuv420p"
+            vstream.time_base = Fraction(1, 1) / rate
+            if video_codec == "libx264":
+                vstream.options = {"crf": str(crf)}
+            astream = None
+            if samples is not None:
+                astream = container.add_stream("aac", rate=int(audio_sample_rate))
+                astream.layout = "stereo"
+                astream.bit_rate = int(audio_bitrate)
+                astream.time_base = Fraction(1, int(audio_sample_rate))
+
+            for index in range(num_frames):
+                frame = av.VideoFrame.from_ndarray(frames[index], format="rgb24")
+                frame.pts = index
+                container.mux(vstream.encode(frame))
+            container.mux(vstream.encode(None))
+
+            if astream is not None:
+                for start in range(0, samples.shape[1], _AUDIO_CHUNK):
+                    chunk = samples[:, start : start + _AUDIO_CHUNK]
+                    aframe = av.AudioFrame.from_ndarray(chunk, format="fltp", layout="stereo")
+                    aframe.sample_rate = int(audio_sample_rate)
+                    aframe.pts = start
+                    aframe.time_base = Fraction(1, int(audio_sample_rate))
+                    container.mux(astream.encode(aframe))
+                container.mux(astream.encode(None))
+        os.replace(tmp_name, output_path)
+    except BaseException:
+        if os.path.exists(tmp_name):
+            os.remove(tmp_name)
+        raise
+    return str(output_path)
+
+
+def probe_streams(path: str | os.PathLike) -> dict[str, Any]:
+    """Read back what an mp4 holds (used by tests and ``examples/generate.py``).
+
+    Returns:
+        dict with ``video_frames`` (decoded count), ``fps`` (``Fraction`` average rate),
+        ``video_duration_s`` (frames / fps), ``video_stream_duration_s`` (container metadata) and, if
+        an audio track exists, ``audio_sample_rate``, ``audio_channels``, ``audio_stream_duration_s``
+        (container metadata), ``audio_samples`` (decoded count; the AAC decoder returns whole
+        1024-sample frames, so up to 1023 samples of padding) and ``audio_duration_s``.
+    """
+    import av
+
+    info: dict[str, Any] = {}
+    with av.open(str(path)) as container:
+        vstream = container.streams.video[0]
+        info["fps"] = Fraction(vstream.average_rate)
+        if vstream.duration is not None:
+            info["video_stream_duration_s"] = float(vstream.duration * vstream.time_base)
+        count = 0
+        for _ in container.decode(vstream):
+            count += 1
+        info["video_frames"] = count
+        info["video_duration_s"] = float(count / info["fps"])
+    with av.open(str(path)) as container:
+        if container.streams.audio:
+            astream = container.streams.audio[0]
+            info["audio_sample_rate"] = astream.rate
+            info["audio_channels"] = astream.channels
+            if astream.duration is not None:
+                info["audio_stream_duration_s"] = float(astream.duration * astream.time_base)
+            total = 0
+            for frame in container.decode(astream):
+                total += frame.samples
+            info["audio_samples"] = total
+            info["audio_duration_s"] = total / astream.rate
+    return info
