@@ -1,0 +1,348 @@
+"""Expert parallelism (EP) for the MAGI-2 multi-head MoE: group set-up, head layout and the collectives.
+
+Dims used below: ``S`` tokens on this rank, ``H`` real MoE heads, ``Hp`` heads padded to a multiple of the EP size
+``N``, ``Hl = Hp / N`` heads owned by each rank, ``Dh`` channels per head.
+
+Rank ``r`` owns the contiguous heads ``[r·Hl, (r+1)·Hl)``; heads ``≥ H`` are zero padding, so a rank whose first
+head is ``≥ H`` idles (it still joins every collective). This follows the SandAI reference (`CoreMultiHeadMoE`
+with ``psm.get_world_size("ep")``, spec §3.6), but the group comes from Accelerate + a ``torch.distributed``
+device mesh instead of a global process-group manager, and two token layouts are supported:
+
+(a) replicated tokens (default): every rank holds the same ``[S, H, Dh]``; each computes its own heads for every
+    token and one ``all_gather`` over the EP group assembles ``[S, Hp, Dh]``; padded heads are dropped.
+(b) sharded tokens (sequence/context parallel layout): rank ``r`` holds ``S_r`` tokens (host integers known to every
+    rank, zero allowed); one ``all_to_all_single`` sends each rank every token's slice for its heads, the local heads
+    are computed for all ``ΣS_r`` tokens, and a second ``all_to_all_single`` sends the results back.
+
+Neither layout synchronises with the host or exchanges sizes inside the layer. ``N = 1`` is the single-device path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Magi2ExpertParallelConfig",
+    "Magi2ExpertParallelGroup",
+    "Magi2EPHeadLayout",
+    "check_same_on_all_ranks",
+    "ep_dispatch",
+    "ep_gather_heads",
+    "ep_head_layout",
+    "ep_undispatch",
+    "expert_parallel_heads_forward",
+    "resolve_expert_parallel",
+]
+
+EP_MESH_DIM = "ep"
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same signature)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclasses.dataclass
+class Magi2ExpertParallelConfig:
+    """User-facing expert-parallel request.
+
+    Args:
+        ep_degree (`int`, defaults to 1): number of ranks the routed experts are split over. Must equal the world
+            size of the default process group when ``mesh`` is not given (other layouts arrive with context
+            parallelism). ``1`` means no EP (every expert local).
+        mesh (`torch.distributed.device_mesh.DeviceMesh`, *optional*): a mesh that already has an ``"ep"`` dimension
+            of size ``ep_degree``; its group is used as is. When omitted, a 1-D ``("ep",)`` mesh over all ranks is
+            built (after ``accelerate.PartialState`` initialised the default group, if needed).
+
+    Raises:
+        ValueError: ``ep_degree`` is not a positive int, or ``mesh`` has no ``"ep"`` dimension of that size.
+    """
+
+    ep_degree: int = 1
+    mesh: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ep_degree, bool) or not isinstance(self.ep_degree, int) or self.ep_degree < 1:
+            raise ValueError(f"Magi2ExpertParallelConfig.ep_degree must be an int >= 1, got {self.ep_degree!r}")
+        if self.mesh is not None:
+            names = tuple(getattr(self.mesh, "mesh_dim_names", None) or ())
+            if EP_MESH_DIM not in names:
+                raise ValueError(
+                    f"Magi2ExpertParallelConfig.mesh must have a dimension named {EP_MESH_DIM!r}; got dims {names}"
+                )
+            if self.mesh[EP_MESH_DIM].size() != self.ep_degree:
+                raise ValueError(
+                    f"mesh[{EP_MESH_DIM!r}] has size {self.mesh[EP_MESH_DIM].size()} but ep_degree={self.ep_degree}"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class Magi2ExpertParallelGroup:
+    """Resolved EP group: ``group`` is ``None`` only for the single-device case (``size == 1``)."""
+
+    group: Optional[Any]
+    rank: int
+    size: int
+    device_type: str = "cpu"
+    mesh: Optional[Any] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Magi2EPHeadLayout:
+    """Which MoE heads (and flattened expert rows) one EP rank owns.
+
+    Attributes:
+        num_heads: real heads ``H``. ep_size / ep_rank: ``N`` / ``r``.
+        padded_num_heads: ``Hp = ceil(H / N) · N``. local_num_heads: ``Hl = Hp / N``.
+        local_head_start: ``r · Hl`` (may be ``≥ H`` for an idle rank).
+        num_real_local_heads: how many of the local heads are real (``0 … Hl``).
+    """
+
+    num_heads: int
+    ep_size: int
+    ep_rank: int
+    padded_num_heads: int
+    local_num_heads: int
+    local_head_start: int
+    num_real_local_heads: int
+
+    @property
+    def has_real_heads(self) -> bool:
+        return self.num_real_local_heads > 0
+
+    def expert_rows(self, num_experts: int) -> tuple[int, int]:
+        """``(start, stop)`` rows of a head-major ``[H·E, ...]`` tensor owned by this rank (stop may pass ``H·E``)."""
+        return self.local_head_start * num_experts, (self.local_head_start + self.local_num_heads) * num_experts
+
+
+def ep_head_layout(num_heads: int, ep_size: int, ep_rank: int) -> Magi2EPHeadLayout:
+    """Head padding and ownership for one rank (SandAI ``CoreMultiHeadMoE.__init__`` padding rule, spec §3.6).
+
+    Raises:
+        ValueError: non-positive ``num_heads``/``ep_size`` or ``ep_rank`` outside ``[0, ep_size)``.
+    """
+    if num_heads < 1 or ep_size < 1:
+        raise ValueError(f"num_heads and ep_size must be >= 1, got num_heads={num_heads}, ep_size={ep_size}")
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank must be in [0, {ep_size}), got {ep_rank}")
+    padded = -(-num_heads // ep_size) * ep_size
+    local = padded // ep_size
+    start = ep_rank * local
+    real = max(0, min(num_heads, start + local) - start)
+    return Magi2EPHeadLayout(num_heads, ep_size, ep_rank, padded, local, start, real)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# group creation
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _launched_world_size() -> int:
+    """World size announced by a launcher (torchrun / accelerate) through the environment; 1 when absent."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def resolve_expert_parallel(config: Magi2ExpertParallelConfig) -> Magi2ExpertParallelGroup:
+    """Turn a config into an EP group (cached on the config, so every model sharing it shares the group).
+
+    With ``config.mesh`` the mesh's ``"ep"`` group is used. Otherwise, for ``ep_degree > 1``: if the default process
+    group is not initialised yet but a launcher started several processes (``WORLD_SIZE > 1``), Accelerate's
+    ``PartialState(cpu=not torch.cuda.is_available())`` initialises it (nccl on GPU, gloo on CPU); then a 1-D
+    ``init_device_mesh(device, (N,), mesh_dim_names=("ep",))`` supplies the group. Must be called on every rank.
+
+    Raises:
+        ValueError: EP requested but no process group could be initialised (e.g. ``accelerate launch --cpu``, which
+            starts a single process), or ``ep_degree`` differs from the world size.
+    """
+    cached = getattr(config, "_resolved", None)
+    if cached is not None:
+        return cached
+    if config.mesh is not None:
+        sub = config.mesh[EP_MESH_DIM]
+        resolved = Magi2ExpertParallelGroup(
+            group=sub.get_group(), rank=sub.get_local_rank(), size=sub.size(), device_type=sub.device_type, mesh=sub
+        )
+    elif config.ep_degree == 1:
+        resolved = Magi2ExpertParallelGroup(group=None, rank=0, size=1)
+    else:
+        if not dist.is_initialized() and _launched_world_size() > 1:
+            from accelerate import PartialState
+
+            PartialState(cpu=not torch.cuda.is_available())
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                f"expert parallelism with ep_degree={config.ep_degree} needs an initialised torch.distributed process "
+                f"group, but this process runs alone (world size {_launched_world_size()}). Launch one process per "
+                f"rank, e.g. `accelerate launch --multi_gpu --num_processes {config.ep_degree} ...` (on CPU too: "
+                "`accelerate launch --cpu` starts only ONE process), or `torchrun --nproc_per_node "
+                f"{config.ep_degree} ...`."
+            )
+        world = dist.get_world_size()
+        if world != config.ep_degree:
+            raise ValueError(
+                f"ep_degree={config.ep_degree} must equal the world size ({world}) of the default process group; "
+                "other layouts need a mesh with an 'ep' dimension (Magi2ExpertParallelConfig(mesh=...))."
+            )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        backend = str(dist.get_backend())
+        device_type = "cuda" if ("nccl" in backend and torch.cuda.is_available()) else "cpu"
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=(EP_MESH_DIM,))
+        resolved = Magi2ExpertParallelGroup(
+            group=mesh.get_group(EP_MESH_DIM),
+            rank=mesh.get_local_rank(EP_MESH_DIM),
+            size=world,
+            device_type=device_type,
+            mesh=mesh,
+        )
+    object.__setattr__(config, "_resolved", resolved)
+    return resolved
+
+
+def _fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def check_same_on_all_ranks(value: Any, ep: Magi2ExpertParallelGroup, what: str) -> None:
+    """Check that ``value`` (JSON-serialisable: a config dict, a checkpoint path …) is identical on every EP rank.
+
+    One ``all_gather_object`` over the EP group at set-up time (never inside a forward). No-op for ``ep.size == 1``.
+
+    Raises:
+        ValueError: on every rank, naming the ranks whose ``what`` differs from rank 0's.
+    """
+    if ep.size == 1:
+        return
+    mine = _fingerprint(value)
+    gathered: list = [None] * ep.size
+    dist.all_gather_object(gathered, mine, group=ep.group)
+    bad = [r for r, fp in enumerate(gathered) if fp != gathered[0]]
+    if bad:
+        raise ValueError(
+            f"expert-parallel ranks disagree on the {what}: ranks {bad} differ from rank 0 (fingerprints {gathered}); "
+            "every rank must load the same checkpoint with the same config."
+        )
+
+
+def warn_if_idle(layout: Magi2EPHeadLayout) -> None:
+    """Warn (once per layout) that a rank owns only padding heads: it joins the collectives but computes nothing."""
+    if not layout.has_real_heads:
+        warnings.warn(
+            f"EP rank {layout.ep_rank} of {layout.ep_size} owns only padding heads "
+            f"[{layout.local_head_start}, {layout.local_head_start + layout.local_num_heads}) of {layout.num_heads} "
+            "real MoE heads: it idles in the routed experts (choose an ep_degree that divides the head count to "
+            "avoid idle ranks).",
+            stacklevel=2,
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# collectives
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def ep_gather_heads(local_out: torch.Tensor, layout: Magi2EPHeadLayout, group: Any) -> torch.Tensor:
+    """Layout (a): assemble every rank's head outputs ``[S, Hl, Dh]`` into ``[S, H, Dh]`` (one all-gather).
+
+    Padded heads are dropped. ``S`` must be equal on all ranks (tokens replicated).
+    """
+    if layout.ep_size == 1:
+        return local_out[:, : layout.num_heads]
+    S, Hl, Dh = local_out.shape
+    gathered = local_out.new_empty((layout.ep_size * S, Hl, Dh))
+    _all_gather_single(gathered, local_out.contiguous(), group=group)
+    out = gathered.view(layout.ep_size, S, Hl, Dh).permute(1, 0, 2, 3).reshape(S, layout.padded_num_heads, Dh)
+    return out[:, : layout.num_heads]
+
+
+def _validate_token_counts(token_counts: Sequence[int], layout: Magi2EPHeadLayout, num_local_tokens: int) -> list:
+    counts = list(token_counts)
+    if len(counts) != layout.ep_size or any(
+        isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts
+    ):
+        raise ValueError(
+            f"ep_token_counts must be {layout.ep_size} non-negative host ints (one per EP rank), got {token_counts!r}"
+        )
+    if counts[layout.ep_rank] != num_local_tokens:
+        raise ValueError(
+            f"ep_token_counts[{layout.ep_rank}] = {counts[layout.ep_rank]} but this rank holds {num_local_tokens} tokens"
+        )
+    return counts
+
+
+def ep_dispatch(
+    x: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPHeadLayout, group: Any
+) -> torch.Tensor:
+    """Layout (b) dispatch: this rank's ``[S_r, H, Dh]`` → every rank's tokens for this rank's heads ``[ΣS, Hl, Dh]``.
+
+    Heads are zero-padded to ``Hp``; one ``all_to_all_single`` with uneven splits (``S_r`` rows to each rank, ``S_q``
+    rows received from rank ``q``; zero allowed). Output rows are in global token order (rank 0's tokens first).
+    Same role as SandAI ``ep_dispatch``, which requires equal ``S_r``.
+    """
+    counts = _validate_token_counts(token_counts, layout, x.shape[0])
+    S, H, Dh = x.shape
+    if H != layout.num_heads:
+        raise ValueError(f"ep_dispatch expects {layout.num_heads} heads, got x of shape {tuple(x.shape)}")
+    N, Hl = layout.ep_size, layout.local_num_heads
+    if layout.padded_num_heads != H:
+        x = torch.cat([x, x.new_zeros(S, layout.padded_num_heads - H, Dh)], dim=1)
+    if N == 1:
+        return x
+    send = x.view(S, N, Hl, Dh).transpose(0, 1).reshape(N * S, Hl, Dh)
+    recv = x.new_empty((sum(counts), Hl, Dh))
+    dist.all_to_all_single(recv, send, output_split_sizes=counts, input_split_sizes=[S] * N, group=group)
+    return recv
+
+
+def ep_undispatch(
+    y: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPHeadLayout, group: Any
+) -> torch.Tensor:
+    """Inverse of :func:`ep_dispatch`: ``[ΣS, Hl, Dh]`` local-head results → this rank's ``[S_r, H, Dh]``."""
+    counts = list(token_counts)
+    N, Hl = layout.ep_size, layout.local_num_heads
+    S = counts[layout.ep_rank]
+    Dh = y.shape[-1]
+    if N == 1:
+        return y[:, : layout.num_heads]
+    back = y.new_empty((N * S, Hl, Dh))
+    dist.all_to_all_single(back, y.contiguous(), output_split_sizes=[S] * N, input_split_sizes=counts, group=group)
+    out = back.view(N, S, Hl, Dh).transpose(0, 1).reshape(S, layout.padded_num_heads, Dh)
+    return out[:, : layout.num_heads]
+
+
+def expert_parallel_heads_forward(
+    x: torch.Tensor,
+    compute_local_heads: Callable[[torch.Tensor], torch.Tensor],
+    layout: Magi2EPHeadLayout,
+    group: Any,
+    token_counts: Optional[Sequence[int]] = None,
+) -> torch.Tensor:
+    """Run the routed experts of ``x`` ``[S, H, Dh]`` with the heads spread over the EP group.
+
+    Args:
+        x: per-head hidden states of this rank's tokens ``[S, H, Dh]`` (any float dtype; collectives move this dtype).
+        compute_local_heads: maps ``[S', Hl, Dh]`` (this rank's heads, padding heads zero) to ``[S', Hl, Dh]``
+            (routing + experts of the local heads; must return zeros for padding heads).
+        layout: this rank's :class:`Magi2EPHeadLayout`. group: the EP process group (``None`` when ``N = 1``).
+        token_counts: ``None`` for layout (a) (tokens replicated); per-rank host ints for layout (b).
+
+    Returns:
+        ``[S, H, Dh]``, equal (up to summation order) to computing every head on one device.
+    """
+    if token_counts is None:
+        start, Hl = layout.local_head_start, layout.local_num_heads
+        local_in = x[:, start : start + Hl]
+        if local_in.shape[1] < Hl:  # partially or fully padded rank
+            pad = x.new_zeros(x.shape[0], Hl - local_in.shape[1], x.shape[2])
+            local_in = torch.cat([local_in, pad], dim=1)
+        return ep_gather_heads(compute_local_heads(local_in), layout, group)
+    local_in = ep_dispatch(x, token_counts, layout, group)
+    return ep_undispatch(compute_local_heads(local_in), token_counts, layout, group)
