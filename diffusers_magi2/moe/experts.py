@@ -1,0 +1,187 @@
+"""Torch twin of the fused multi-head expert kernel: the CPU backend and the oracle for ``experts_triton.py``.
+
+The computation follows SandAI's ``_mh_moe_fwd_kernel`` (``inference/flash_mh_moe/triton/mh_moe_fwd.py``,
+commit ``f68a0f9``) with its rounding points, see ``magi2_reference_spec.md`` §1.11 and §3.4:
+
+* gate/up GEMMs: inputs in the activation/weight dtype, fp32 accumulation (no rounding of gate/up);
+* swiglu7 in fp32, the result rounded to the ``W_down`` dtype;
+* down GEMM with fp32 accumulation, times the (already ``route_scale``-d) fp32 route weight;
+* rounded to the activation dtype and summed per (token, head) in the activation dtype, in ascending global
+  expert id order (the reference's deterministic scatter order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["swiglu7_pair", "torch_mh_moe_forward"]
+
+SWIGLU7_LIMIT = 7.0
+SWIGLU7_ALPHA = 1.702
+
+_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def swiglu7_pair(gate: torch.Tensor, up: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """MAGI-2's clamped SwiGLU on separate gate and linear ("up") tensors.
+
+    ``g = min(gate, 7)``, ``u = clamp(up, -7, 7)``, ``out = g * sigmoid(1.702 * g) * (u + 1)``, computed in fp32.
+    The gate is clamped from above only, and the ``+ 1`` on the linear half is part of the model (gpt-oss style),
+    not a bug. Matches SandAI reference ``swiglu7`` / ``_swiglu7_fwd`` (spec §1.8, §3.4).
+
+    Args:
+        gate: gate (glu) half, any float dtype, any shape.
+        up: linear half, same shape as ``gate``.
+        out_dtype: dtype of the result; default: the promoted dtype of ``gate`` and ``up`` (as the reference,
+            which returns the input dtype).
+
+    Returns:
+        Tensor of ``gate``'s shape, rounded once from fp32 to ``out_dtype``.
+
+    Raises:
+        ValueError: shapes differ or an input is not floating point.
+    """
+    if not (isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor)):
+        raise ValueError("gate and up must be tensors")
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape; got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if not (gate.is_floating_point() and up.is_floating_point()):
+        raise ValueError(f"gate and up must be floating point; got {gate.dtype} and {up.dtype}")
+    if out_dtype is None:
+        out_dtype = torch.promote_types(gate.dtype, up.dtype)
+    g = gate.to(torch.float32).clamp(max=SWIGLU7_LIMIT)
+    u = up.to(torch.float32).clamp(min=-SWIGLU7_LIMIT, max=SWIGLU7_LIMIT)
+    out = g * torch.sigmoid(SWIGLU7_ALPHA * g) * (u + 1.0)
+    return out.to(out_dtype)
+
+
+def check_expert_inputs(
+    x: torch.Tensor,
+    gather_ids: torch.Tensor,
+    probs: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> tuple[int, int, int, int, int]:
+    """Validate the arguments shared by the torch and Triton expert paths (no host synchronisation).
+
+    Returns:
+        ``(S, H, Dh, E, De)``.
+
+    Raises:
+        ValueError: naming the offending argument and what is allowed.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a 3-D tensor [S, H, Dh]; got {tuple(getattr(x, 'shape', ()))}")
+    if x.dtype not in _ACT_DTYPES:
+        raise ValueError(f"x dtype must be one of {_ACT_DTYPES}; got {x.dtype}")
+    num_tokens, num_heads, head_dim = x.shape
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor; got {tuple(getattr(w, 'shape', ()))}")
+        if w.dtype not in _ACT_DTYPES:
+            raise ValueError(f"{name} dtype must be one of {_ACT_DTYPES}; got {w.dtype}")
+        if w.device != x.device:
+            raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
+    if w_up.shape != w_gate.shape or w_up.dtype != w_gate.dtype:
+        raise ValueError(
+            f"w_up must match w_gate [H*E, Dh, De] in shape and dtype; got {tuple(w_up.shape)} {w_up.dtype} vs "
+            f"{tuple(w_gate.shape)} {w_gate.dtype}"
+        )
+    flat_experts, w_head_dim, expert_dim = w_gate.shape
+    if w_head_dim != head_dim:
+        raise ValueError(f"w_gate must be [H*E, Dh={head_dim}, De]; got {tuple(w_gate.shape)}")
+    if num_heads < 1 or flat_experts % num_heads != 0 or flat_experts == 0:
+        raise ValueError(
+            f"w_gate.shape[0] = {flat_experts} must be a positive multiple of the number of heads H = {num_heads}"
+        )
+    if w_down.shape != (flat_experts, expert_dim, head_dim) or w_down.dtype != w_gate.dtype:
+        raise ValueError(
+            f"w_down must be [H*E={flat_experts}, De={expert_dim}, Dh={head_dim}] with dtype {w_gate.dtype}; "
+            f"got {tuple(w_down.shape)} {w_down.dtype}"
+        )
+    if not isinstance(gather_ids, torch.Tensor) or gather_ids.dim() != 1 or gather_ids.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        raise ValueError("gather_ids must be a 1-D int32/int64 tensor [T]")
+    if not isinstance(probs, torch.Tensor) or probs.shape != gather_ids.shape or not probs.is_floating_point():
+        raise ValueError(f"probs must be a 1-D float tensor with the same length as gather_ids ({gather_ids.numel()})")
+    if (
+        not isinstance(expert_offsets, torch.Tensor)
+        or expert_offsets.dim() != 1
+        or expert_offsets.numel() != flat_experts + 1
+        or expert_offsets.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(f"expert_offsets must be a 1-D int32/int64 tensor of length H*E+1 = {flat_experts + 1}")
+    for name, t in (("gather_ids", gather_ids), ("probs", probs), ("expert_offsets", expert_offsets)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    return num_tokens, num_heads, head_dim, flat_experts // num_heads, expert_dim
+
+
+def torch_mh_moe_forward(
+    x: torch.Tensor,
+    gather_ids: torch.Tensor,
+    probs: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """Routed-expert compute of MAGI-2's multi-head MoE in plain torch (one loop over the flat expert bank).
+
+    For every route ``r`` of global expert ``g = h*E + e`` (rows ``expert_offsets[g]:expert_offsets[g+1]``), token
+    ``s = gather_ids[r]`` and weight ``p = probs[r]``:
+    ``y[s, h] += cast_act(p * (cast_w(swiglu7(x[s,h] @ W_gate[g], x[s,h] @ W_up[g])) @ W_down[g]))``
+    with fp32 GEMM accumulation, summed in the activation dtype in ascending ``g``. Equals SandAI's
+    ``_mh_moe_fwd_kernel`` with its deterministic scatter (spec §3.4; fixtures README, "flash_mh_moe Triton
+    forward"). bf16 weights are upcast per expert slice (exact), so gate/up are *not* rounded to bf16.
+
+    Args:
+        x: ``[S, H, Dh]`` activations, fp32/bf16/fp16.
+        gather_ids: ``[T]`` int32/int64 token index per route, CSR (expert-major) order.
+        probs: ``[T]`` float route weights in the same order (``route_scale`` already applied).
+        expert_offsets: ``[H*E + 1]`` int CSR offsets.
+        w_gate: ``[H*E, Dh, De]``; used as ``x @ W``.
+        w_up: ``[H*E, Dh, De]``.
+        w_down: ``[H*E, De, Dh]``.
+
+    Returns:
+        ``[S, H, Dh]`` in ``x.dtype``; heads/tokens without routes are zero.
+
+    Raises:
+        ValueError: bad shapes, dtypes or devices (see ``check_expert_inputs``), or offsets that do not end at
+            ``T`` or decrease.
+    """
+    num_tokens, num_heads, head_dim, num_experts, _ = check_expert_inputs(
+        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down
+    )
+    out = torch.zeros_like(x, memory_format=torch.contiguous_format)
+    offsets = expert_offsets.tolist()  # one host sync; this is the CPU/oracle path
+    num_routes = gather_ids.numel()
+    if offsets[0] != 0 or offsets[-1] != num_routes or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(
+            f"expert_offsets must be non-decreasing from 0 to len(gather_ids) = {num_routes}; "
+            f"got first {offsets[0]}, last {offsets[-1]}"
+        )
+    if num_routes == 0 or num_tokens == 0:
+        return out
+    token_ids = gather_ids.to(torch.int64)
+    route_probs = probs.to(torch.float32)
+    down_dtype = w_down.dtype
+    for g in range(num_heads * num_experts):
+        start, end = offsets[g], offsets[g + 1]
+        if end == start:
+            continue
+        head = g // num_experts
+        rows = token_ids[start:end]
+        xs = x[:, head, :].index_select(0, rows).to(torch.float32)
+        gate = xs @ w_gate[g].to(torch.float32)
+        up = xs @ w_up[g].to(torch.float32)
+        hidden = swiglu7_pair(gate, up, out_dtype=down_dtype)
+        down = hidden.to(torch.float32) @ w_down[g].to(torch.float32)
+        contrib = (down * route_probs[start:end, None]).to(x.dtype)
+        out[:, head, :].index_add_(0, rows, contrib)
+    return out

@@ -1,0 +1,401 @@
+"""``Magi2MultiHeadMoE``: the routed-expert core of a MAGI-2 MoE layer, ready for expert parallelism (EP).
+
+The module owns the router weight ``gate``, the expert banks ``W_gate``/``W_up``/``W_down`` and the two router
+biases under the released checkpoint names and layouts (SandAI ``CoreMultiHeadMoE``, commit ``f68a0f9``;
+``magi2_reference_spec.md`` §2, §3). The surrounding ``split_linear``/``merge_linear`` and shared experts belong
+to the transformer. ``forward`` = split heads -> (EP dispatch, issue 6) -> :meth:`forward_local_heads`
+(route + experts) -> (EP undispatch) -> merge heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .experts import torch_mh_moe_forward
+from .routing import compute_topk_probs_and_indices, global_sort_routes
+
+__all__ = ["Magi2MultiHeadMoEConfig", "Magi2MultiHeadMoE"]
+
+_BACKENDS = ("auto", "torch", "triton")
+_PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    return value
+
+
+@dataclass
+class Magi2MultiHeadMoEConfig:
+    """Shape and routing settings of one multi-head MoE core (SandAI ``moe_config``).
+
+    Attributes:
+        hidden_size: model width ``C`` (3072 released); split into ``num_heads`` MoE heads of ``C / H``.
+        num_heads: MoE heads ``H`` (12 released); each routes independently to its own expert bank.
+        num_experts: experts per head ``E`` (256 released).
+        top_k: experts per (token, head) ``k`` (6 released), ``1 <= k <= E``.
+        expert_intermediate_size: expert width ``De`` (1280 released).
+        params_dtype: dtype of ``W_gate``/``W_up``/``W_down`` (bf16 released); ``gate`` and the router biases are
+            always fp32. A string such as ``"bfloat16"`` is accepted.
+        score_func: ``"sigmoid"`` (released) or ``"softmax"``.
+        route_norm: L1-normalise the chosen weights (released: True).
+        route_scale: factor applied once to the normalised weights (released: 4.9).
+
+    Raises:
+        ValueError: on construction, for non-positive sizes, ``hidden_size % num_heads != 0``, ``top_k`` outside
+            ``[1, num_experts]``, an unknown ``score_func`` or ``params_dtype``, or a non-finite ``route_scale``.
+    """
+
+    hidden_size: int
+    num_heads: int
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    params_dtype: torch.dtype = torch.bfloat16
+    score_func: str = "sigmoid"
+    route_norm: bool = True
+    route_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "num_experts", "top_k", "expert_intermediate_size"):
+            _positive_int(name, getattr(self, name))
+        if self.hidden_size % self.num_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}): each MoE head "
+                "owns hidden_size // num_heads channels"
+            )
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}]; got {self.top_k}")
+        if isinstance(self.params_dtype, str):
+            key = self.params_dtype.removeprefix("torch.")
+            if key not in _PARAM_DTYPES:
+                raise ValueError(f"params_dtype must be one of {sorted(_PARAM_DTYPES)}; got {self.params_dtype!r}")
+            self.params_dtype = _PARAM_DTYPES[key]
+        if self.params_dtype not in _PARAM_DTYPES.values():
+            raise ValueError(f"params_dtype must be one of {list(_PARAM_DTYPES.values())}; got {self.params_dtype!r}")
+        if self.score_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"score_func must be 'sigmoid' or 'softmax'; got {self.score_func!r}")
+        if not isinstance(self.route_norm, bool):
+            raise ValueError(f"route_norm must be a bool; got {self.route_norm!r}")
+        if isinstance(self.route_scale, bool) or not isinstance(self.route_scale, (int, float)):
+            raise ValueError(f"route_scale must be a finite float; got {self.route_scale!r}")
+        if not math.isfinite(self.route_scale):
+            raise ValueError(f"route_scale must be a finite float; got {self.route_scale!r}")
+        self.route_scale = float(self.route_scale)
+
+    @property
+    def head_dim(self) -> int:
+        """MoE head width ``Dh = hidden_size // num_heads`` (not the attention head dim)."""
+        return self.hidden_size // self.num_heads
+
+
+class _Magi2RouterBuffers(nn.Module):
+    """Holds the persistent router biases so their keys read ``router.expert_bias(_ema)`` as in SandAI's files."""
+
+    def __init__(self, num_rows: int) -> None:
+        super().__init__()
+        self.register_buffer("expert_bias", torch.zeros(num_rows, dtype=torch.float32), persistent=True)
+        self.register_buffer("expert_bias_ema", torch.zeros(num_rows, dtype=torch.float32), persistent=True)
+
+
+class Magi2MultiHeadMoE(nn.Module):
+    """Multi-head routed MoE core: ``[S, hidden] -> [S, hidden]`` (SandAI ``CoreMultiHeadMoE``).
+
+    The input (the ``split_linear`` output) is viewed as ``[S, H, Dh]``; head ``h`` owns channels
+    ``h*Dh:(h+1)*Dh`` and routes with its own router rows to the top-k of its own ``E`` experts; the expert
+    outputs, weighted by ``route_scale``-d probabilities, are summed per (token, head). ``route_scale`` is applied
+    exactly once, here. Routing reads ``router.expert_bias``; whoever loads a SandAI checkpoint fills it with
+    ``router.expert_bias_ema`` (SandAI's loader does this); both buffers are saved.
+
+    Tensors (``L = local_num_heads``; with ``ep_size = 1``, ``L = H``):
+
+    * ``gate``: ``nn.Parameter [L*E, Dh]`` float32 (router weight);
+    * ``W_gate``, ``W_up``: ``nn.Parameter [L*E, Dh, De]`` in ``params_dtype`` (used as ``x @ W``);
+    * ``W_down``: ``nn.Parameter [L*E, De, Dh]`` in ``params_dtype``;
+    * ``router.expert_bias``, ``router.expert_bias_ema``: persistent buffers ``[L*E]`` float32.
+
+    Flat expert row ``h_local*E + e`` belongs to global head ``local_head_start + h_local``.
+
+    Expert-parallel bookkeeping for EP size ``N`` (SandAI ``ep_dispatch`` layout, spec §3.6):
+    ``padded_num_heads = ceil(H/N)*N``, ``local_num_heads = padded_num_heads // N``,
+    ``local_head_start = ep_rank * local_num_heads``, ``ep_pad_heads = padded_num_heads - H``,
+    ``local_real_num_heads`` (real heads among the local ones), ``has_real_moe_heads``
+    (false when ``local_head_start >= H``) and ``local_flatten_num_experts = local_num_heads * E``.
+
+    Args:
+        config: :class:`Magi2MultiHeadMoEConfig`.
+        ep_group: optional ``torch.distributed`` process group for expert parallelism; rank and size are read
+            from it unless given explicitly.
+        ep_rank: this rank's index in the EP group (default 0, or the group's rank).
+        ep_size: EP group size ``N`` (default 1, or the group's size).
+
+    Raises:
+        ValueError: ``config`` is not a :class:`Magi2MultiHeadMoEConfig`, ``ep_size < 1``,
+            ``ep_rank`` outside ``[0, ep_size)``, or explicit rank/size disagreeing with ``ep_group``.
+    """
+
+    def __init__(
+        self,
+        config: Magi2MultiHeadMoEConfig,
+        ep_group: object | None = None,
+        *,
+        ep_rank: int | None = None,
+        ep_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, Magi2MultiHeadMoEConfig):
+            raise ValueError(f"config must be a Magi2MultiHeadMoEConfig; got {type(config).__name__}")
+        if ep_group is not None:
+            import torch.distributed as dist
+
+            group_rank, group_size = dist.get_rank(ep_group), dist.get_world_size(ep_group)
+            if ep_rank is not None and ep_rank != group_rank:
+                raise ValueError(f"ep_rank={ep_rank} disagrees with the rank {group_rank} of ep_group")
+            if ep_size is not None and ep_size != group_size:
+                raise ValueError(f"ep_size={ep_size} disagrees with the size {group_size} of ep_group")
+            ep_rank, ep_size = group_rank, group_size
+        ep_size = 1 if ep_size is None else ep_size
+        ep_rank = 0 if ep_rank is None else ep_rank
+        _positive_int("ep_size", ep_size)
+        if isinstance(ep_rank, bool) or not isinstance(ep_rank, int) or not 0 <= ep_rank < ep_size:
+            raise ValueError(f"ep_rank must be an int in [0, ep_size={ep_size}); got {ep_rank!r}")
+
+        self.config = config
+        self.ep_group = ep_group
+        self.ep_rank = ep_rank
+        self.ep_size = ep_size
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.num_experts = config.num_experts
+        self.top_k = config.top_k
+        self.expert_intermediate_size = config.expert_intermediate_size
+
+        # 1. Expert-parallel bookkeeping.
+        self.padded_num_heads = -(-self.num_heads // ep_size) * ep_size
+        self.local_num_heads = self.padded_num_heads // ep_size
+        self.local_head_start = ep_rank * self.local_num_heads
+        self.ep_pad_heads = self.padded_num_heads - self.num_heads
+        self.local_real_num_heads = max(0, min(self.local_num_heads, self.num_heads - self.local_head_start))
+        self.has_real_moe_heads = self.local_head_start < self.num_heads
+        self.local_flatten_num_experts = self.local_num_heads * self.num_experts
+
+        # 2. Tensors, under the checkpoint names and layouts.
+        rows, dh, de = self.local_flatten_num_experts, self.head_dim, self.expert_intermediate_size
+        self.gate = nn.Parameter(torch.empty(rows, dh, dtype=torch.float32))
+        self.W_gate = nn.Parameter(torch.empty(rows, dh, de, dtype=config.params_dtype))
+        self.W_up = nn.Parameter(torch.empty(rows, dh, de, dtype=config.params_dtype))
+        self.W_down = nn.Parameter(torch.empty(rows, de, dh, dtype=config.params_dtype))
+        self.router = _Magi2RouterBuffers(rows)
+        self.reset_parameters()
+
+        # 3. Backend, chosen once (see set_backend).
+        self._backend = "auto"
+        self._deterministic = False
+
+    # ------------------------------------------------------------------ set-up
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Random init (normal, std 0.02 router / 1/sqrt(fan_in) experts); rows of padded heads are zero."""
+        self.gate.normal_(0.0, 0.02)
+        self.W_gate.normal_(0.0, self.head_dim**-0.5)
+        self.W_up.normal_(0.0, self.head_dim**-0.5)
+        self.W_down.normal_(0.0, self.expert_intermediate_size**-0.5)
+        self.router.expert_bias.zero_()
+        self.router.expert_bias_ema.zero_()
+        real_rows = self.local_real_num_heads * self.num_experts
+        for tensor in (self.gate, self.W_gate, self.W_up, self.W_down):
+            tensor[real_rows:].zero_()
+
+    def set_backend(self, backend: str = "auto", *, deterministic: bool = False) -> None:
+        """Choose the expert backend once for this module.
+
+        Args:
+            backend: ``"torch"`` (loop over experts, any device), ``"triton"`` (fused kernel: CUDA tensors, or CPU
+                tensors when the process runs with ``TRITON_INTERPRET=1``) or ``"auto"`` (Triton for CUDA tensors,
+                torch otherwise). Nothing is read from the environment inside ``forward``.
+            deterministic: Triton only: write per-route rows without atomics and reduce them in ascending global
+                expert id order, bit-identical across runs (the torch backend is always deterministic).
+
+        Raises:
+            ValueError: unknown backend, or ``"triton"`` with ``Dh``/``De`` not multiples of 16.
+            ImportError: ``"triton"`` requested but Triton cannot be imported.
+        """
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}; got {backend!r}")
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
+        if backend == "triton":
+            from .experts_triton import check_triton_dims  # raises ImportError if Triton is missing
+
+            check_triton_dims(self.head_dim, self.expert_intermediate_size)
+        self._backend = backend
+        self._deterministic = deterministic
+
+    @property
+    def backend(self) -> str:
+        """The backend chosen with :meth:`set_backend` (``"auto"`` by default)."""
+        return self._backend
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether the Triton backend runs in deterministic (atomic-free) mode."""
+        return self._deterministic
+
+    def ep_slice(self, full_tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full (all-heads) checkpoint tensor.
+
+        Works for every EP-sharded tensor: ``gate [H*E, Dh]``, ``W_gate``/``W_up [H*E, Dh, De]``,
+        ``W_down [H*E, De, Dh]``, ``router.expert_bias(_ema) [H*E]``. Returns rows
+        ``[local_head_start*E, (local_head_start + L)*E)`` as a view when they all exist; rows of padded heads
+        (past ``H*E``) are zeros (then a new tensor is returned). With ``ep_size = 1`` it is the whole tensor.
+
+        Raises:
+            ValueError: ``full_tensor`` is not a tensor whose first dimension is ``H*E``.
+        """
+        full_rows = self.num_heads * self.num_experts
+        if not isinstance(full_tensor, torch.Tensor) or full_tensor.dim() < 1 or full_tensor.shape[0] != full_rows:
+            raise ValueError(
+                f"ep_slice expects a full tensor with first dimension H*E = {full_rows}; "
+                f"got {tuple(getattr(full_tensor, 'shape', ()))}"
+            )
+        start = self.local_head_start * self.num_experts
+        rows = self.local_flatten_num_experts
+        real = max(0, min(rows, full_rows - start))
+        if real == rows:
+            return full_tensor[start : start + rows]
+        out = full_tensor.new_zeros((rows, *full_tensor.shape[1:]))
+        if real > 0:
+            out[:real].copy_(full_tensor[start : start + real])
+        return out
+
+    # ----------------------------------------------------------------- forward
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Routed MoE on ``hidden_states [S, hidden]`` (the ``split_linear`` output); returns ``[S, hidden]``.
+
+        The output has ``hidden_states.dtype``. Matches SandAI ``CoreMultiHeadMoE.forward`` (with ``route_scale``).
+
+        Raises:
+            ValueError: ``hidden_states`` is not ``[S, hidden_size]`` floating point.
+            NotImplementedError: ``ep_size > 1`` (the EP exchange lives in ``diffusers_magi2.parallel``).
+        """
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
+            raise ValueError(
+                f"hidden_states must be a 2-D tensor [S, hidden_size={self.hidden_size}]; got "
+                f"{tuple(getattr(hidden_states, 'shape', ()))}"
+            )
+        if hidden_states.shape[1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states must have last dimension hidden_size={self.hidden_size}; got {hidden_states.shape[1]}"
+            )
+        if hidden_states.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"hidden_states must be float32/bfloat16/float16; got {hidden_states.dtype}")
+        num_tokens = hidden_states.shape[0]
+        x = hidden_states.reshape(num_tokens, self.num_heads, self.head_dim)
+        if self.ep_size != 1:
+            raise NotImplementedError(
+                "Magi2MultiHeadMoE with ep_size > 1 needs the expert-parallel exchange "
+                "(diffusers_magi2.parallel.expert_parallel); call forward_local_heads on dispatched heads"
+            )
+        out = self.forward_local_heads(x)
+        return out.reshape(num_tokens, self.hidden_size)
+
+    def compute_router_logits(self, x_local: torch.Tensor) -> torch.Tensor:
+        """Router logits of the real local heads: ``[S', Hr, Dh] -> [Hr, S', E]`` in fp32 (x upcast).
+
+        ``Hr = x_local.shape[1] <= local_real_num_heads``. Matches SandAI ``CoreMultiHeadMoE._route`` (one fp32
+        einsum per head with ``gate``).
+        """
+        num_real = x_local.shape[1]
+        gate = self.gate[: num_real * self.num_experts].to(torch.float32)
+        gate = gate.view(num_real, self.num_experts, self.head_dim)
+        return torch.einsum("shd,hed->hse", x_local.to(torch.float32), gate)
+
+    def route(self, x_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k routing of the real local heads.
+
+        Args:
+            x_local: ``[S', Hr, Dh]``, ``Hr <= local_real_num_heads``.
+
+        Returns:
+            ``(probs [Hr, S', k] fp32`` already multiplied by ``route_scale``, ``indices [Hr, S', k] int64)``.
+        """
+        num_real = x_local.shape[1]
+        logits = self.compute_router_logits(x_local)
+        probs, indices = compute_topk_probs_and_indices(
+            logits,
+            self.top_k,
+            score_func=self.config.score_func,
+            expert_bias=self.router.expert_bias[: num_real * self.num_experts],
+            route_norm=self.config.route_norm,
+        )
+        return probs * self.config.route_scale, indices
+
+    def forward_local_heads(self, x_local: torch.Tensor) -> torch.Tensor:
+        """Route and run the experts of this rank's heads: ``[S', L, Dh] -> [S', L, Dh]``.
+
+        ``x_local`` holds every token this rank serves for its ``L = local_num_heads`` heads (after EP dispatch,
+        ``S'`` is the sum of the ranks' token counts; with ``ep_size = 1`` it is the input itself). Padded heads
+        (and every head on an idle rank) produce zeros without routing.
+
+        Raises:
+            ValueError: ``x_local`` is not ``[S', local_num_heads, Dh]`` floating point.
+            RuntimeError: the chosen backend fails (no silent fallback).
+        """
+        expected = (self.local_num_heads, self.head_dim)
+        if not isinstance(x_local, torch.Tensor) or x_local.dim() != 3 or tuple(x_local.shape[1:]) != expected:
+            raise ValueError(
+                f"x_local must be [S', local_num_heads={expected[0]}, Dh={expected[1]}]; got "
+                f"{tuple(getattr(x_local, 'shape', ()))}"
+            )
+        out = torch.zeros_like(x_local, memory_format=torch.contiguous_format)
+        num_real = self.local_real_num_heads
+        if num_real == 0 or x_local.shape[0] == 0:
+            return out
+        x_real = x_local[:, :num_real]
+        probs, indices = self.route(x_real)
+        gather_ids, probs_sorted, expert_offsets = global_sort_routes(probs, indices, self.num_experts)
+        rows = num_real * self.num_experts
+        y = self.run_experts(
+            x_real, gather_ids, probs_sorted, expert_offsets, self.W_gate[:rows], self.W_up[:rows], self.W_down[:rows]
+        )
+        if num_real == self.local_num_heads:
+            return y
+        out[:, :num_real] = y
+        return out
+
+    def run_experts(
+        self,
+        x: torch.Tensor,
+        gather_ids: torch.Tensor,
+        probs: torch.Tensor,
+        expert_offsets: torch.Tensor,
+        w_gate: torch.Tensor,
+        w_up: torch.Tensor,
+        w_down: torch.Tensor,
+    ) -> torch.Tensor:
+        """Expert compute with the backend chosen by :meth:`set_backend` (arguments as ``torch_mh_moe_forward``)."""
+        backend = self._backend
+        if backend == "auto":
+            backend = "triton" if x.is_cuda else "torch"
+        if backend == "torch":
+            return torch_mh_moe_forward(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down)
+        from .experts_triton import triton_mh_moe_forward
+
+        return triton_mh_moe_forward(
+            x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, deterministic=self._deterministic
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, experts={self.num_experts}, top_k={self.top_k}, head_dim={self.head_dim}, "
+            f"expert_dim={self.expert_intermediate_size}, ep_rank={self.ep_rank}, ep_size={self.ep_size}, "
+            f"local_heads={self.local_num_heads}"
+        )

@@ -1,0 +1,141 @@
+"""Per-head top-k routing and the CSR route layout of MAGI-2's multi-head MoE (pure torch).
+
+Both functions follow SandAI's reference (``inference/flash_mh_moe``: ``compute_topk_probs_and_indices`` and
+``flash_mh_moe_global_sort``, commit ``f68a0f9``); see ``magi2_reference_spec.md`` §3.2-§3.3. Neither function
+synchronises with the host, so both can run inside a CUDA graph or ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["compute_topk_probs_and_indices", "global_sort_routes"]
+
+_SCORE_FUNCS = ("sigmoid", "softmax")
+
+
+def compute_topk_probs_and_indices(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    score_func: str = "sigmoid",
+    expert_bias: torch.Tensor | None = None,
+    route_norm: bool = True,
+    norm_eps: float = 1e-12,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose the top-k experts of every (head, token) and their routing weights.
+
+    Matches SandAI reference ``compute_topk_probs_and_indices`` as called by ``CoreMultiHeadMoE._route``:
+
+    1. ``scores = sigmoid(logits)`` (or ``softmax`` over the expert axis), in fp32;
+    2. selection: ``torch.topk(scores + expert_bias, top_k, sorted=True)`` per head; the bias (aux-loss-free
+       balancing) only steers *which* experts are chosen, ties resolve exactly as ``torch.topk`` does;
+    3. weights: the *unbiased* scores gathered at the chosen experts, then, if ``route_norm``, L1-normalised
+       ``p / max(sum |p|, norm_eps)``.
+
+    ``route_scale`` is **not** applied here; the caller multiplies once.
+
+    Args:
+        router_logits: ``[H, S, E]`` float32 router logits (one expert bank per MoE head).
+        top_k: experts chosen per (head, token), ``1 <= top_k <= E``.
+        score_func: ``"sigmoid"`` (released) or ``"softmax"``.
+        expert_bias: optional float selection bias, ``[H, E]`` or flattened ``[H*E]`` (flat id ``h*E + e``).
+        route_norm: L1-normalise the chosen weights per (head, token).
+        norm_eps: lower clamp of the L1 norm (reference: 1e-12).
+
+    Returns:
+        ``(probs, indices)``: ``probs [H, S, top_k]`` float32 and ``indices [H, S, top_k]`` int64 (local expert
+        ids in ``[0, E)``), in descending order of the biased score.
+
+    Raises:
+        ValueError: ``router_logits`` is not a 3-D float32 tensor, ``top_k`` is outside ``[1, E]``,
+            ``score_func`` is unknown, or ``expert_bias`` does not hold ``H*E`` values.
+    """
+    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 3:
+        raise ValueError(
+            "router_logits must be a 3-D tensor [H, S, E]; got "
+            f"{tuple(router_logits.shape) if isinstance(router_logits, torch.Tensor) else type(router_logits)}"
+        )
+    if router_logits.dtype != torch.float32:
+        raise ValueError(f"router_logits must be float32 (routing runs in fp32); got {router_logits.dtype}")
+    num_heads, _, num_experts = router_logits.shape
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, {num_experts}] (E = router_logits.shape[-1]); got {top_k!r}")
+    if score_func not in _SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {_SCORE_FUNCS}; got {score_func!r}")
+    if expert_bias is not None:
+        if not isinstance(expert_bias, torch.Tensor) or not expert_bias.is_floating_point():
+            raise ValueError("expert_bias must be a floating-point tensor of shape [H, E] or [H*E]")
+        if expert_bias.numel() != num_heads * num_experts or expert_bias.dim() not in (1, 2):
+            raise ValueError(
+                f"expert_bias must have shape [{num_heads}, {num_experts}] or [{num_heads * num_experts}] "
+                f"(H, E from router_logits); got {tuple(expert_bias.shape)}"
+            )
+
+    if score_func == "sigmoid":
+        scores = torch.sigmoid(router_logits)
+    else:
+        scores = torch.softmax(router_logits, dim=-1)
+
+    if expert_bias is None:
+        selection = scores
+    else:
+        bias = expert_bias.to(device=scores.device, dtype=torch.float32).reshape(num_heads, 1, num_experts)
+        selection = scores + bias
+    _, indices = torch.topk(selection, top_k, dim=-1, largest=True, sorted=True)
+    probs = torch.gather(scores, -1, indices)
+    if route_norm:
+        probs = probs / probs.abs().sum(dim=-1, keepdim=True).clamp_min(norm_eps)
+    return probs, indices
+
+
+def global_sort_routes(
+    topk_probs: torch.Tensor,
+    topk_indices: torch.Tensor,
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lay the routes out expert-major (CSR) across all heads' expert banks.
+
+    Matches SandAI reference ``flash_mh_moe_global_sort``: routes are flattened in (head, token, k) order and
+    stably sorted by their global expert id ``g = head * E + e``, so the rows of one expert are contiguous and in
+    token order. Offsets come from ``searchsorted`` over the sorted ids (no ``bincount``, no host sync).
+
+    Args:
+        topk_probs: ``[H, S, k]`` float routing weights (already scaled by ``route_scale`` if the caller wants).
+        topk_indices: ``[H, S, k]`` integer local expert ids in ``[0, num_experts)``.
+        num_experts: ``E``, experts per head.
+
+    Returns:
+        ``gather_ids [T]`` int32 (token index ``s`` of each route, sorted order), ``probs_sorted [T]`` float32 and
+        ``expert_offsets [H*E + 1]`` int64 (CSR: routes of expert ``g`` are ``offsets[g]:offsets[g+1]``), with
+        ``T = H * S * k``.
+
+    Raises:
+        ValueError: shapes differ or are not 3-D, ``topk_indices`` is not an integer tensor, or
+            ``num_experts < 1``.
+    """
+    if not isinstance(topk_indices, torch.Tensor) or topk_indices.dim() != 3:
+        raise ValueError("topk_indices must be a 3-D integer tensor [H, S, k]")
+    if not isinstance(topk_probs, torch.Tensor) or topk_probs.shape != topk_indices.shape:
+        raise ValueError(
+            "topk_probs must be a tensor with the same shape as topk_indices [H, S, k]; got "
+            f"{tuple(getattr(topk_probs, 'shape', ()))} vs {tuple(topk_indices.shape)}"
+        )
+    if topk_indices.dtype.is_floating_point or topk_indices.dtype == torch.bool:
+        raise ValueError(f"topk_indices must be an integer tensor; got {topk_indices.dtype}")
+    if not topk_probs.is_floating_point():
+        raise ValueError(f"topk_probs must be a floating-point tensor; got {topk_probs.dtype}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int; got {num_experts!r}")
+
+    num_heads, num_tokens, top_k = topk_indices.shape
+    device = topk_indices.device
+    head_base = torch.arange(num_heads, device=device, dtype=torch.int64).view(num_heads, 1, 1) * num_experts
+    flat_ids = (topk_indices.to(torch.int64) + head_base).reshape(-1)
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    # Position p in (h, s, k) order holds token s = (p // k) % S.
+    gather_ids = torch.div(order, top_k, rounding_mode="floor").remainder_(max(num_tokens, 1)).to(torch.int32)
+    probs_sorted = topk_probs.reshape(-1).to(torch.float32)[order]
+    boundaries = torch.arange(num_heads * num_experts + 1, device=device, dtype=torch.int64)
+    expert_offsets = torch.searchsorted(sorted_ids, boundaries, right=False).to(torch.int64)
+    return gather_ids, probs_sorted, expert_offsets

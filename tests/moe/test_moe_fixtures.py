@@ -1,0 +1,167 @@
+"""The MoE core against SandAI's golden tiny fixtures (``magi2_tiny/preview_h{4,3}/{fp32,bf16}``).
+
+Expected values: ``moe_layer_cases.safetensors`` (captured inside SandAI's ``CoreMultiHeadMoE``, reference commit
+``f68a0f9``) and the weights in ``sandai_checkpoint/``. Tolerances are the issue's (#2, "Must show").
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import FIXTURES
+from safetensors import safe_open
+
+from diffusers_magi2.moe.experts import torch_mh_moe_forward
+from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
+from diffusers_magi2.moe.routing import compute_topk_probs_and_indices, global_sort_routes
+
+ROUTING_LOGITS_ATOL = 1e-5  # issue: logits recomputed from core.x <= 1e-5 (fp32)
+PROBS_ATOL = 1e-6  # issue: probabilities <= 1e-6
+OUT_FP32_ATOL = 2e-4  # issue: core.out <= 2e-4 abs in fp32 (values reach ~14)
+OUT_BF16_REL_L2 = 2e-2  # issue: bf16 teacher-forced bound <= 2e-2 rel-L2
+# Measured on torch 2.13 CPU: the torch path reproduces bf16 core.out bit for bit (rel-L2 0.0, all 4 cases).
+# The regression guard leaves room only for a different fp32 GEMM summation order in another BLAS.
+OUT_BF16_MEASURED_REL_L2 = 2e-3
+MODELS = ("preview_h4", "preview_h3")
+LAYERS = (1, 2)
+
+
+def load_case(model: str, variant: str, layer: int) -> dict[str, torch.Tensor]:
+    path = FIXTURES / "magi2_tiny" / model / variant / "moe_layer_cases.safetensors"
+    prefix = f"layer{layer}."
+    with safe_open(str(path), "pt") as f:
+        return {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+
+
+def load_moe_weights(model: str, layer: int) -> dict[str, torch.Tensor]:
+    ckpt = FIXTURES / "magi2_tiny" / model / "sandai_checkpoint"
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    prefix = f"block.layers.{layer}.mlp.moe_mlp."
+    out = {}
+    for key, shard in index.items():
+        if key.startswith(prefix):
+            with safe_open(str(ckpt / shard), "pt") as f:
+                out[key[len(prefix) :]] = f.get_tensor(key)
+    return out
+
+
+def moe_config(model: str, params_dtype: torch.dtype) -> Magi2MultiHeadMoEConfig:
+    cfg = json.loads((FIXTURES / "magi2_tiny" / model / "sandai_checkpoint" / "magi2_preview.json").read_text())
+    arch = cfg["arch_config"]
+    moe = arch["moe_config"]
+    return Magi2MultiHeadMoEConfig(
+        hidden_size=arch["hidden_size"],
+        num_heads=moe["num_heads"],
+        num_experts=moe["num_experts"],
+        top_k=moe["top_k"],
+        expert_intermediate_size=moe["expert_intermediate_size"],
+        params_dtype=params_dtype,
+        score_func=moe["score_func"],
+        route_norm=moe["route_norm"],
+        route_scale=moe["route_scale"],
+    )
+
+
+def build_module(model: str, layer: int, params_dtype: torch.dtype) -> Magi2MultiHeadMoE:
+    """The module as a SandAI loader fills it: ``router.expert_bias`` <- ``expert_bias_ema``."""
+    module = Magi2MultiHeadMoE(moe_config(model, params_dtype))
+    weights = load_moe_weights(model, layer)
+    state = {k: v for k, v in weights.items()}
+    state["router.expert_bias"] = weights["router.expert_bias_ema"]
+    with torch.no_grad():
+        for name, tensor in state.items():
+            target = module.get_parameter(name) if "." not in name else module.get_buffer(name)
+            target.copy_(tensor.to(target.dtype))
+    return module
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("variant", ["fp32", "bf16"])
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("model", MODELS)
+def test_routing_reproduces_fixture(model: str, layer: int, variant: str) -> None:
+    case = load_case(model, variant, layer)
+    module = build_module(model, layer, torch.float32 if variant == "fp32" else torch.bfloat16)
+    cfg = module.config
+    x = case["core.x"].view(-1, cfg.num_heads, cfg.head_dim)
+
+    # Logits recomputed from core.x with the checkpoint router weight.
+    logits = module.compute_router_logits(x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, case["core.router_logits"], atol=ROUTING_LOGITS_ATOL, rtol=0)
+    # The bias the reference used for selection is the checkpoint's EMA bias.
+    torch.testing.assert_close(module.router.expert_bias.view(cfg.num_heads, -1), case["core.expert_bias"])
+
+    # From the stored logits: indices exactly, probabilities <= 1e-6.
+    probs, idx = compute_topk_probs_and_indices(
+        case["core.router_logits"], cfg.top_k, expert_bias=case["core.expert_bias"], route_norm=True
+    )
+    assert torch.equal(idx, case["core.topk_indices"])
+    torch.testing.assert_close(probs, case["core.topk_probs_unscaled"], atol=PROBS_ATOL, rtol=0)
+    scaled = probs * cfg.route_scale
+    torch.testing.assert_close(scaled, case["core.topk_probs"], atol=PROBS_ATOL * cfg.route_scale, rtol=0)
+
+    # CSR layout from the stored routing: exactly.
+    gather_ids, probs_sorted, offsets = global_sort_routes(case["core.topk_probs"], case["core.topk_indices"], 8)
+    assert gather_ids.dtype == torch.int32 and offsets.dtype == torch.int64
+    assert torch.equal(gather_ids, case["core.gather_ids"])
+    assert torch.equal(offsets, case["core.expert_offsets"])
+    assert torch.equal(probs_sorted, case["core.probs_sorted"])
+
+    if variant == "fp32":
+        # fp32: the module's own routing from core.x makes the same choices (min fixture gap >= 2.2e-4).
+        mprobs, midx = module.route(x)
+        assert torch.equal(midx, case["core.topk_indices"])
+        torch.testing.assert_close(mprobs, case["core.topk_probs"], atol=PROBS_ATOL * cfg.route_scale, rtol=0)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("model", MODELS)
+def test_fp32_module_forward_matches_core_out(model: str, layer: int) -> None:
+    case = load_case(model, "fp32", layer)
+    module = build_module(model, layer, torch.float32)
+    module.set_backend("torch")
+    out = module(case["core.x"])
+    assert out.dtype == torch.float32 and out.shape == case["core.out"].shape
+    torch.testing.assert_close(out, case["core.out"], atol=OUT_FP32_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("model", MODELS)
+def test_bf16_teacher_forced_experts_match_core_out(model: str, layer: int) -> None:
+    """bf16: feed core.x and the stored routes (teacher forcing); issue bound 2e-2 rel-L2, measured 0.0."""
+    case = load_case(model, "bf16", layer)
+    module = build_module(model, layer, torch.bfloat16)
+    cfg = module.config
+    x = case["core.x"].view(-1, cfg.num_heads, cfg.head_dim)
+    out = torch_mh_moe_forward(
+        x,
+        case["core.gather_ids"],
+        case["core.probs_sorted"],
+        case["core.expert_offsets"],
+        module.W_gate,
+        module.W_up,
+        module.W_down,
+    )
+    assert out.dtype == torch.bfloat16
+    ref = case["core.out"].view_as(out)
+    err = rel_l2(out, ref)
+    assert err <= OUT_BF16_REL_L2, err
+    assert err <= OUT_BF16_MEASURED_REL_L2, err
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("model", MODELS)
+def test_bf16_module_forward_end_to_end(model: str, layer: int) -> None:
+    """Module forward in bf16 (own routing, which may flip near-ties): loose rel-L2 bound, dtype kept."""
+    case = load_case(model, "bf16", layer)
+    module = build_module(model, layer, torch.bfloat16)
+    out = module(case["core.x"])
+    assert out.dtype == torch.bfloat16
+    assert rel_l2(out, case["core.out"]) <= 0.15
