@@ -277,14 +277,18 @@ class Magi2MultiHeadMoE(nn.Module):
 
     # ----------------------------------------------------------------- forward
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *, ep_token_counts: list[int] | None = None) -> torch.Tensor:
         """Routed MoE on ``hidden_states [S, hidden]`` (the ``split_linear`` output); returns ``[S, hidden]``.
 
         The output has ``hidden_states.dtype``. Matches SandAI ``CoreMultiHeadMoE.forward`` (with ``route_scale``).
+        With ``ep_size > 1`` the heads are spread over ``ep_group`` (``diffusers_magi2.parallel.expert_parallel``):
+        ``ep_token_counts=None`` means the tokens are replicated on every rank (layout a: each rank computes its heads,
+        one all-gather assembles them); otherwise it is the per-rank token counts as host ints, this rank's count
+        being ``S`` (layout b: tokens sharded, two ``all_to_all_single`` exchanges; counts may differ and be 0).
 
         Raises:
-            ValueError: ``hidden_states`` is not ``[S, hidden_size]`` floating point.
-            NotImplementedError: ``ep_size > 1`` (the EP exchange lives in ``diffusers_magi2.parallel``).
+            ValueError: ``hidden_states`` is not ``[S, hidden_size]`` floating point; ``ep_token_counts`` is not
+                ``ep_size`` non-negative ints with this rank's entry equal to ``S``; ``ep_size > 1`` without a group.
         """
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
             raise ValueError(
@@ -299,13 +303,22 @@ class Magi2MultiHeadMoE(nn.Module):
             raise ValueError(f"hidden_states must be float32/bfloat16/float16; got {hidden_states.dtype}")
         num_tokens = hidden_states.shape[0]
         x = hidden_states.reshape(num_tokens, self.num_heads, self.head_dim)
-        if self.ep_size != 1:
-            raise NotImplementedError(
-                "Magi2MultiHeadMoE with ep_size > 1 needs the expert-parallel exchange "
-                "(diffusers_magi2.parallel.expert_parallel); call forward_local_heads on dispatched heads"
-            )
-        out = self.forward_local_heads(x)
+        if self.ep_size != 1 or ep_token_counts is not None:
+            out = self._forward_expert_parallel(x, ep_token_counts)
+        else:
+            out = self.forward_local_heads(x)
         return out.reshape(num_tokens, self.hidden_size)
+
+    def _forward_expert_parallel(self, x: torch.Tensor, ep_token_counts: list[int] | None) -> torch.Tensor:
+        """EP exchange around :meth:`forward_local_heads` (``diffusers_magi2.parallel.expert_parallel``)."""
+        from ..parallel.expert_parallel import ep_head_layout, expert_parallel_heads_forward
+
+        if self.ep_size > 1 and self.ep_group is None:
+            raise ValueError("Magi2MultiHeadMoE with ep_size > 1 needs ep_group (a torch.distributed process group)")
+        layout = ep_head_layout(self.num_heads, self.ep_size, self.ep_rank)
+        return expert_parallel_heads_forward(
+            x, self.forward_local_heads, layout, self.ep_group, token_counts=ep_token_counts
+        )
 
     def compute_router_logits(self, x_local: torch.Tensor) -> torch.Tensor:
         """Router logits of the real local heads: ``[S', Hr, Dh] -> [Hr, S', E]`` in fp32 (x upcast).
