@@ -1,0 +1,305 @@
+"""Per-rank checkpoint loading for expert parallelism: each rank reads only its rows of the routed-expert tensors.
+
+The six EP-sharded tensors of every MoE layer (``gate``, ``W_gate``, ``W_up``, ``W_down``, ``router.expert_bias``,
+``router.expert_bias_ema``) are head-major on dim 0 (row ``h·E + e``). Rank ``r`` reads rows
+``[local_head_start·E, (local_head_start + local_num_heads)·E)`` with ``safe_open(...).get_slice``; rows past the end
+(padded heads) are zero. This is the SandAI loader's rule (spec §6.2 step 2), written against diffusers-format
+folders (``config.json`` + ``diffusion_pytorch_model*.safetensors``). The model is built with every parameter on the
+``meta`` device and the MoE layers at their local size, so the other ranks' experts are never allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from .expert_parallel import (
+    Magi2ExpertParallelConfig,
+    Magi2ExpertParallelGroup,
+    check_same_on_all_ranks,
+    ep_head_layout,
+    resolve_expert_parallel,
+    warn_if_idle,
+)
+
+__all__ = [
+    "EP_SHARDED_SUFFIXES",
+    "apply_expert_parallel",
+    "checkpoint_key_files",
+    "load_expert_parallel_from_pretrained",
+    "read_expert_rows",
+]
+
+# names (relative to a Magi2MultiHeadMoE module) of the tensors split across EP ranks along dim 0
+EP_SHARDED_SUFFIXES = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema")
+
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_expert_rows(handle: Any, key: str, row_start: int, num_rows: int) -> torch.Tensor:
+    """Read rows ``[row_start, row_start + num_rows)`` of ``key`` from an open ``safe_open`` handle.
+
+    Only those rows are read from the file. Rows at or past the tensor's dim 0 (padded heads of the last ranks) are
+    zero; a rank whose whole range lies past the end gets an all-zero tensor and never calls ``get_slice`` with an
+    out-of-range start (C06).
+
+    Returns:
+        ``[num_rows, *shape[1:]]`` in the file's dtype, on CPU.
+    Raises:
+        ValueError: negative ``row_start``/``num_rows``.
+    """
+    if row_start < 0 or num_rows < 0:
+        raise ValueError(f"row_start and num_rows must be >= 0, got {row_start}, {num_rows} for {key!r}")
+    sl = handle.get_slice(key)
+    shape = list(sl.get_shape())
+    total = shape[0]
+    stop = min(total, row_start + num_rows)
+    if row_start >= total:
+        return torch.zeros([num_rows, *shape[1:]], dtype=_ST_DTYPES[sl.get_dtype()])
+    part = sl[row_start:stop]
+    if stop - row_start == num_rows:
+        return part
+    out = torch.zeros([num_rows, *shape[1:]], dtype=part.dtype)
+    out[: stop - row_start] = part
+    return out
+
+
+def checkpoint_key_files(folder: Union[str, os.PathLike]) -> dict[str, Path]:
+    """Map every tensor key of a safetensors checkpoint folder to its file.
+
+    Accepts a ``*.safetensors.index.json`` (HF-style ``weight_map``) or exactly one ``*.safetensors`` file.
+
+    Raises:
+        ValueError: no safetensors file, several index files, or several un-indexed files.
+    """
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    indices = sorted(folder.glob("*.safetensors.index.json"))
+    if len(indices) > 1:
+        raise ValueError(f"{folder} holds several safetensors index files: {[p.name for p in indices]}")
+    if indices:
+        weight_map = json.loads(indices[0].read_text())["weight_map"]
+        return {k: folder / v for k, v in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"{folder} must hold one *.safetensors file or an index, found {[p.name for p in files]}")
+    with safe_open(files[0], framework="pt") as h:
+        return {k: files[0] for k in h.keys()}
+
+
+def _moe_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from ..moe.layer import Magi2MultiHeadMoE
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Magi2MultiHeadMoE)]
+
+
+def _build_local_moe(moe: nn.Module, ep: Magi2ExpertParallelGroup) -> nn.Module:
+    """A Magi2MultiHeadMoE with the same config holding only this rank's heads (parameters on ``meta``)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        local = type(moe)(moe.config, ep_group=ep.group, ep_rank=ep.rank, ep_size=ep.size)
+    return local
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)
+
+
+def _swap_in_local_moes(model: nn.Module, ep: Magi2ExpertParallelGroup) -> dict[str, nn.Module]:
+    """Replace every MoE layer by its local-size twin; returns ``{path: old module}``."""
+    old = {}
+    for name, moe in _moe_modules(model):
+        local = _build_local_moe(moe, ep)
+        local.train(moe.training)
+        _set_submodule(model, name, local)
+        old[name] = moe
+    if old:
+        first = next(iter(old.values()))
+        warn_if_idle(ep_head_layout(_num_heads(first), ep.size, ep.rank))
+    return old
+
+
+def _num_heads(moe: nn.Module) -> int:
+    cfg = moe.config
+    return int(getattr(cfg, "num_heads", None) or getattr(cfg, "moe_num_heads"))
+
+
+def _ep_rows(moe: nn.Module) -> tuple[int, int]:
+    """``(row_start, num_rows)`` of this rank's flattened experts for a local-size MoE module."""
+    return int(moe.local_head_start) * int(moe.config.num_experts), int(moe.local_flatten_num_experts)
+
+
+def _model_config_dict(model: nn.Module) -> dict:
+    cfg = getattr(model, "config", None)
+    return dict(cfg) if cfg is not None else {"class": type(model).__name__}
+
+
+def apply_expert_parallel(model: nn.Module, config: Magi2ExpertParallelConfig) -> nn.Module:
+    """Shard an in-memory model's routed experts over the EP group (``transformer.enable_expert_parallel``).
+
+    Every ``Magi2MultiHeadMoE`` is replaced by a twin that owns only this rank's heads; its tensors are copied from
+    this rank's rows of the full ones (zero rows for padded heads), and the full tensors are released. All ranks must
+    call it with the same model config (checked with one ``all_gather_object``).
+
+    Raises:
+        ValueError: see :func:`resolve_expert_parallel` and :func:`check_same_on_all_ranks`; or the model has no MoE
+            layer, or was already sharded.
+    """
+    ep = resolve_expert_parallel(config)
+    moes = _moe_modules(model)
+    if not moes:
+        raise ValueError(f"{type(model).__name__} has no Magi2MultiHeadMoE layer to shard")
+    if any(getattr(m, "ep_size", 1) != 1 for _, m in moes):
+        raise ValueError("expert parallelism is already enabled on this model")
+    check_same_on_all_ranks(_model_config_dict(model), ep, "transformer config")
+    if ep.size == 1:
+        return model
+    old = _swap_in_local_moes(model, ep)
+    for name, full in old.items():
+        local = model.get_submodule(name)
+        row_start, num_rows = _ep_rows(local)
+        full_sd = full.state_dict()
+        new_sd = {}
+        for key, t in local.state_dict(keep_vars=True).items():
+            src = full_sd[key]
+            if key in EP_SHARDED_SUFFIXES:
+                piece = torch.zeros((num_rows, *src.shape[1:]), dtype=src.dtype, device=src.device)
+                stop = min(src.shape[0], row_start + num_rows)
+                if stop > row_start:
+                    piece[: stop - row_start] = src[row_start:stop]
+                src = piece
+            new_sd[key] = src.detach().clone().to(t.dtype)
+        local.load_state_dict(new_sd, strict=True, assign=True)
+        _set_requires_grad_like(local, full)
+    return model
+
+
+def _set_requires_grad_like(dst: nn.Module, src: nn.Module) -> None:
+    src_flags = {n: p.requires_grad for n, p in src.named_parameters()}
+    for n, p in dst.named_parameters():
+        p.requires_grad_(src_flags.get(n, False))
+
+
+def _resolve_folder(pretrained: Union[str, os.PathLike], subfolder: Optional[str], **hub_kwargs: Any) -> Path:
+    folder = Path(pretrained)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        pattern = f"{subfolder}/*" if subfolder else "*"
+        folder = Path(snapshot_download(str(pretrained), allow_patterns=[pattern, "*.json"], **hub_kwargs))
+    return folder / subfolder if subfolder else folder
+
+
+def _target_dtype(name: str, t: torch.Tensor, default: torch.dtype, torch_dtype, keep_fp32: Iterable[str]):
+    if not t.is_floating_point():
+        return t.dtype
+    if torch_dtype is None:
+        return default
+    if any(m in name.split(".") for m in keep_fp32):
+        return torch.float32
+    return torch_dtype
+
+
+def load_expert_parallel_from_pretrained(
+    cls: type,
+    pretrained_model_name_or_path: Union[str, os.PathLike],
+    *,
+    expert_parallel: Magi2ExpertParallelConfig,
+    subfolder: Optional[str] = None,
+    torch_dtype: Optional[torch.dtype] = None,
+    device: Union[str, torch.device] = "cpu",
+    **hub_kwargs: Any,
+) -> nn.Module:
+    """Build ``cls`` from a diffusers-format folder with its routed experts sharded over the EP group.
+
+    The model is built with parameters on ``meta``, its MoE layers replaced by local-size twins, then every tensor is
+    read from the safetensors files: the six EP-sharded tensors of each MoE layer through :func:`read_expert_rows`
+    (this rank's rows only), everything else whole. dtypes follow diffusers ``from_pretrained``: floating tensors
+    become ``torch_dtype`` except those in ``cls._keep_in_fp32_modules`` (kept fp32); with ``torch_dtype=None`` they
+    take the dtype the module was built with. Checkpoint keys the model does not have are ignored (SandAI loader
+    rule); missing keys raise. Every rank must pass the same checkpoint and config (checked once).
+
+    Raises:
+        ValueError: EP set-up errors (no process group, ``ep_degree`` ≠ world size), ranks disagreeing on the
+            checkpoint/config, missing checkpoint keys, or an EP tensor whose file shape does not have
+            ``num_heads·num_experts`` rows.
+    """
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+
+    ep = resolve_expert_parallel(expert_parallel)
+    folder = _resolve_folder(pretrained_model_name_or_path, subfolder, **hub_kwargs)
+    config = cls.load_config(folder)
+    key_files = checkpoint_key_files(folder)
+    fingerprint = {
+        "config": {k: v for k, v in config.items() if not k.startswith("_")},
+        "files": sorted({(p.name, p.stat().st_size) for p in key_files.values()}),
+        "torch_dtype": str(torch_dtype),
+    }
+    check_same_on_all_ranks(fingerprint, ep, "checkpoint or config")
+
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config(config)
+    if ep.size > 1:
+        _swap_in_local_moes(model, ep)
+    moe_rows = {name: _ep_rows(m) for name, m in _moe_modules(model)} if ep.size > 1 else {}
+
+    keep_fp32 = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
+    expected = model.state_dict(keep_vars=True)
+    missing = [k for k in expected if k not in key_files]
+    if missing:
+        raise ValueError(f"checkpoint {folder} lacks {len(missing)} model keys, e.g. {missing[:5]}")
+
+    by_file: dict[Path, list[str]] = {}
+    for k in expected:
+        by_file.setdefault(key_files[k], []).append(k)
+    state = {}
+    for path, keys in by_file.items():
+        with safe_open(path, framework="pt") as h:
+            for k in keys:
+                owner = next((n for n in moe_rows if k.startswith(n + ".") and k[len(n) + 1 :] in EP_SHARDED_SUFFIXES), None)
+                if owner is not None:
+                    row_start, num_rows = moe_rows[owner]
+                    moe = model.get_submodule(owner)
+                    full_rows = _num_heads(moe) * int(moe.config.num_experts)
+                    file_rows = h.get_slice(k).get_shape()[0]
+                    if file_rows != full_rows:
+                        raise ValueError(
+                            f"{k}: checkpoint has {file_rows} rows, expected num_heads·num_experts = {full_rows} "
+                            "(EP loading needs the unsharded checkpoint)"
+                        )
+                    t = read_expert_rows(h, k, row_start, num_rows)
+                else:
+                    t = h.get_tensor(k)
+                ref = expected[k]
+                if tuple(t.shape) != tuple(ref.shape):
+                    raise ValueError(f"{k}: checkpoint shape {tuple(t.shape)} != model shape {tuple(ref.shape)}")
+                dtype = _target_dtype(k, t, ref.dtype, torch_dtype, keep_fp32)
+                state[k] = t.to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    # non-persistent buffers were built for real on CPU; follow the parameters
+    for mod in model.modules():
+        for bname, buf in list(mod._buffers.items()):
+            if buf is not None and buf.device != torch.device(device):
+                mod._buffers[bname] = buf.to(device)
+    model.eval()
+    return model
