@@ -1,0 +1,483 @@
+"""Block-window attention of the MAGI-2 refiner (1080p super-resolution DiT).
+
+The refiner attends *locally* in every layer: video tokens are grouped into 3-D blocks of
+``block_size = (bt, bh, bw)`` latent positions (released: 8 x 4 x 4 = 128 tokens) and a video token
+sees the video tokens of every block whose block index differs by at most ``radius = (rt, rh, rw)``
+on each axis (released: 2, 2, 2; clipped at the borders, so up to 5 x 5 x 5 blocks), plus all
+"context" tokens (audio and text). Context tokens see every token. Edge blocks are partial when a
+grid size is not a multiple of the block size (e.g. the last of the 8 time blocks of a 63-frame
+latent has 7 frames). Reference: spec §5.7 and SandAI ``refiner_data_proxy.py``
+(``_build_block_order``, ``BlockGridLocalAttn``, ``_build_window_local_attn_handler``).
+
+Packed token order used by everything here (one sample)::
+
+    [ video tokens in *block order* | context tokens (audio, then text) ]
+
+Block order: blocks in row-major (t-block, h-block, w-block) order; inside a block, tokens in
+row-major (t, h, w) order. :meth:`Magi2WindowGeometry.video_token_order` maps block order to the
+raster (t, h, w) order of ``latent.flatten(2)`` and :meth:`~Magi2WindowGeometry.video_restore_order`
+maps back.
+
+The mask is available in four forms, none of which materialises a dense ``N x N`` mask unless
+explicitly asked for (and then only below a size guard):
+
+* :meth:`Magi2WindowGeometry.ranges` -- ``(q_range, k_range)`` pairs as MagiAttention takes them
+  (the reference's form; used to check against the golden fixture);
+* :meth:`Magi2WindowGeometry.flex_block_mask` -- a ``torch.nn.attention.flex_attention.BlockMask``;
+* :meth:`Magi2WindowGeometry.dense_mask` -- a boolean ``[N, N]`` mask for SDPA on small inputs;
+* the ``"gather"`` backend of :func:`block_window_attention`, which gathers each query block's
+  key window (exact, memory ``O(chunk x window)``, any device).
+
+This module is an independent implementation; no reference code is copied.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "Magi2WindowGeometry",
+    "ranges_to_dense_mask",
+    "block_window_attention",
+    "WINDOW_ATTENTION_BACKENDS",
+    "DEFAULT_MAX_DENSE_MASK_ELEMENTS",
+]
+
+#: Backends accepted by :func:`block_window_attention`.
+WINDOW_ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "gather")
+
+#: Largest ``N_q * N_k`` for which a dense boolean mask may be built (64 Mi elements, i.e. 8192^2).
+#: A 1080p refiner sequence (514,080 video tokens) is ~4,000x larger, so it never takes this path.
+DEFAULT_MAX_DENSE_MASK_ELEMENTS = 1 << 26
+
+
+def _triple(value: Sequence[int], name: str, minimum: int) -> tuple[int, int, int]:
+    try:
+        vals = tuple(int(v) for v in value)
+    except TypeError as exc:  # not iterable
+        raise ValueError(f"{name} must be a sequence of 3 ints (t, h, w), got {value!r}") from exc
+    if len(vals) != 3 or any(v < minimum for v in vals):
+        raise ValueError(f"{name} must be 3 ints (t, h, w) each >= {minimum}, got {value!r}")
+    return vals  # type: ignore[return-value]
+
+
+def _axis_block_sizes(n: int, b: int) -> torch.Tensor:
+    """Sizes of the blocks along one axis: ``ceil(n / b)`` blocks of ``b``, the last one partial."""
+    nb = -(-n // b)
+    sizes = torch.full((nb,), b, dtype=torch.int64)
+    sizes[-1] = n - b * (nb - 1)
+    return sizes
+
+
+@dataclass(frozen=True)
+class Magi2WindowGeometry:
+    """Geometry of one refiner sample's block-window attention.
+
+    Args:
+        grid: ``(T, H, W)`` latent video size (tokens; patch size 1).
+        block_size: ``(bt, bh, bw)`` block size in latent positions (released ``(8, 4, 4)``).
+        radius: ``(rt, rh, rw)`` block radius per axis (released ``(2, 2, 2)``); ``0`` = own block only.
+        num_context_tokens: audio + text tokens packed after the video tokens (they attend to and
+            are attended by everything).
+
+    Raises:
+        ValueError: non-positive grid/block sizes, negative radii or negative context length.
+    """
+
+    grid: tuple[int, int, int]
+    block_size: tuple[int, int, int]
+    radius: tuple[int, int, int]
+    num_context_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grid", _triple(self.grid, "grid", 1))
+        object.__setattr__(self, "block_size", _triple(self.block_size, "block_size", 1))
+        object.__setattr__(self, "radius", _triple(self.radius, "radius", 0))
+        if int(self.num_context_tokens) < 0:
+            raise ValueError(f"num_context_tokens must be >= 0, got {self.num_context_tokens}")
+        object.__setattr__(self, "num_context_tokens", int(self.num_context_tokens))
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_video_tokens(self) -> int:
+        """``T * H * W``."""
+        return math.prod(self.grid)
+
+    @property
+    def num_tokens(self) -> int:
+        """Video plus context tokens."""
+        return self.num_video_tokens + self.num_context_tokens
+
+    @property
+    def block_grid(self) -> tuple[int, int, int]:
+        """Number of blocks per axis, ``ceil(grid / block_size)``."""
+        return tuple(-(-n // b) for n, b in zip(self.grid, self.block_size))  # type: ignore[return-value]
+
+    @property
+    def num_blocks(self) -> int:
+        return math.prod(self.block_grid)
+
+    # ----------------------------------------------------------- block layout
+    def _block_token_counts(self) -> torch.Tensor:
+        st, sh, sw = (_axis_block_sizes(n, b) for n, b in zip(self.grid, self.block_size))
+        return (st[:, None, None] * sh[None, :, None] * sw[None, None, :]).reshape(-1)
+
+    def block_ranges(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """``[num_blocks, 2]`` int64 ``[start, end)`` of each block in packed (block) order."""
+        counts = self._block_token_counts()
+        ends = torch.cumsum(counts, 0)
+        return torch.stack([ends - counts, ends], dim=1).to(device)
+
+    def video_restore_order(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """``[T*H*W]`` int64: packed (block-order) position of each raster ``(t, h, w)`` token.
+
+        ``packed[video_restore_order()]`` is the raster order (the reference's ``token_restore_order``).
+        """
+        T, H, W = self.grid
+        bt, bh, bw = self.block_size
+        _, nh, nw = self.block_grid
+        t = torch.arange(T).view(T, 1, 1)
+        h = torch.arange(H).view(1, H, 1)
+        w = torch.arange(W).view(1, 1, W)
+        # actual (possibly partial) extent of the block each position falls in, per axis
+        sh = _axis_block_sizes(H, bh)[h // bh]
+        sw = _axis_block_sizes(W, bw)[w // bw]
+        block_id = ((t // bt) * nh + (h // bh)) * nw + (w // bw)
+        rank = ((t % bt) * sh + (h % bh)) * sw + (w % bw)
+        starts = self.block_ranges()[:, 0]
+        return (starts[block_id] + rank).reshape(-1).to(device)
+
+    def video_token_order(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """``[T*H*W]`` int64: raster index of the token at each packed (block-order) position.
+
+        ``raster[video_token_order()]`` is the block order (the reference's ``token_order``).
+        """
+        restore = self.video_restore_order()
+        order = torch.empty_like(restore)
+        order[restore] = torch.arange(restore.numel())
+        return order.to(device)
+
+    def token_block_coords(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """``[T*H*W, 3]`` int64 block index ``(t//bt, h//bh, w//bw)`` of each token in packed order."""
+        T, H, W = self.grid
+        bt, bh, bw = self.block_size
+        t = torch.arange(T).view(T, 1, 1).expand(T, H, W)
+        h = torch.arange(H).view(1, H, 1).expand(T, H, W)
+        w = torch.arange(W).view(1, 1, W).expand(T, H, W)
+        raster = torch.stack([t // bt, h // bh, w // bw], dim=-1).reshape(-1, 3)
+        return raster[self.video_token_order()].to(device)
+
+    # ------------------------------------------------------------ mask forms
+    def ranges(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mask as ``(q_ranges, k_ranges)``, each ``[P, 2]`` int32 ``[start, end)`` in packed order.
+
+        A query may attend to a key iff some pair covers both. Pairs: for every video block and every
+        in-radius ``(dt, dh)`` neighbour row, one key range spanning the in-radius w-blocks of that
+        row (contiguous in block order); every video block -> all context tokens; all context
+        tokens -> all tokens. The *set of allowed (q, k) pairs* equals the reference's
+        (``BlockGridLocalAttn`` plus the dense context ranges); the list itself is shorter.
+        """
+        nt, nh, nw = self.block_grid
+        rt, rh, rw = self.radius
+        br = self.block_ranges()
+        b = torch.arange(self.num_blocks)
+        qt, qh, qw = b // (nh * nw), (b // nw) % nh, b % nw
+        w_lo = (qw - rw).clamp(min=0)
+        w_hi = (qw + rw).clamp(max=nw - 1)
+        q_parts, k_parts = [], []
+        for dt in range(-rt, rt + 1):
+            kt = qt + dt
+            for dh in range(-rh, rh + 1):
+                kh = qh + dh
+                ok = (kt >= 0) & (kt < nt) & (kh >= 0) & (kh < nh)
+                if not bool(ok.any()):
+                    continue
+                row = (kt * nh + kh) * nw
+                k_start = br[(row + w_lo)[ok], 0]
+                k_end = br[(row + w_hi)[ok], 1]
+                q_parts.append(br[ok])
+                k_parts.append(torch.stack([k_start, k_end], dim=1))
+        nv, n = self.num_video_tokens, self.num_tokens
+        if self.num_context_tokens > 0:
+            q_parts.append(br)
+            k_parts.append(torch.tensor([[nv, n]]).expand(br.shape[0], 2))
+            q_parts.append(torch.tensor([[nv, n]]))
+            k_parts.append(torch.tensor([[0, n]]))
+        q = torch.cat(q_parts).to(torch.int32)
+        k = torch.cat(k_parts).to(torch.int32)
+        return q.to(device), k.to(device)
+
+    def dense_mask(
+        self,
+        device: Optional[torch.device] = None,
+        max_elements: int = DEFAULT_MAX_DENSE_MASK_ELEMENTS,
+    ) -> torch.Tensor:
+        """Boolean ``[N, N]`` mask (True = may attend), for SDPA on *small* sequences only.
+
+        Raises:
+            ValueError: if ``N * N > max_elements`` (a 1080p sequence would need ~2.7e11 entries;
+                use the ``"flex"`` or ``"gather"`` backend instead).
+        """
+        n = self.num_tokens
+        if n * n > max_elements:
+            raise ValueError(
+                f"refusing to build a dense {n}x{n} attention mask ({n * n} elements > "
+                f"max_elements={max_elements}); use the 'flex' or 'gather' window-attention backend"
+            )
+        nv = self.num_video_tokens
+        bc = self.token_block_coords(device)
+        r = torch.tensor(self.radius, device=bc.device)
+        mask = torch.ones(n, n, dtype=torch.bool, device=bc.device)
+        mask[:nv, :nv] = ((bc[:, None, :] - bc[None, :, :]).abs() <= r).all(-1)
+        return mask
+
+    def flex_mask_mod(self, device: Optional[torch.device] = None):
+        """``mask_mod(b, h, q_idx, kv_idx)`` for ``flex_attention`` (closes over ``[N, 3]`` lookups).
+
+        Context tokens carry block coordinate ``-(10**6)`` on every axis and are treated as
+        always-allowed through an explicit ``is_context`` lookup.
+        """
+        nv, n = self.num_video_tokens, self.num_tokens
+        coords = torch.zeros(n, 3, dtype=torch.int64, device=device)
+        coords[:nv] = self.token_block_coords(device)
+        is_ctx = torch.zeros(n, dtype=torch.bool, device=device)
+        is_ctx[nv:] = True
+        rt, rh, rw = self.radius
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            cq = coords[q_idx]
+            ck = coords[kv_idx]
+            local = (
+                ((cq[0] - ck[0]).abs() <= rt)
+                & ((cq[1] - ck[1]).abs() <= rh)
+                & ((cq[2] - ck[2]).abs() <= rw)
+            )
+            return local | is_ctx[q_idx] | is_ctx[kv_idx]
+
+        return mask_mod
+
+    def flex_block_mask(self, device: Optional[torch.device] = None, compile_mask: Optional[bool] = None):
+        """``BlockMask`` for ``torch.nn.attention.flex_attention`` over the packed sequence.
+
+        Args:
+            device: device of the mask (the attention inputs' device).
+            compile_mask: build with ``create_block_mask(_compile=True)``, which never materialises
+                the dense mask; default: True on CUDA, False elsewhere (eager evaluation, fine for
+                small CPU tests).
+        """
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if compile_mask is None:
+            compile_mask = device.type == "cuda"
+        n = self.num_tokens
+        return create_block_mask(
+            self.flex_mask_mod(device), B=None, H=None, Q_LEN=n, KV_LEN=n, device=device, _compile=compile_mask
+        )
+
+
+def ranges_to_dense_mask(
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    num_tokens: int,
+    max_elements: int = DEFAULT_MAX_DENSE_MASK_ELEMENTS,
+) -> torch.Tensor:
+    """Union of ``(q_range, k_range)`` rectangles as a boolean ``[num_tokens, num_tokens]`` mask.
+
+    Args:
+        q_ranges, k_ranges: ``[P, 2]`` integer ``[start, end)`` pairs (MagiAttention / reference
+            ``local_attn`` layout, ``attn_type_map`` 0 = full).
+        num_tokens: sequence length N.
+
+    Raises:
+        ValueError: shape mismatch, ranges outside ``[0, N]``, or ``N * N > max_elements``.
+    """
+    if q_ranges.shape != k_ranges.shape or q_ranges.dim() != 2 or q_ranges.shape[-1] != 2:
+        raise ValueError(
+            f"q_ranges and k_ranges must both be [P, 2], got {tuple(q_ranges.shape)} and {tuple(k_ranges.shape)}"
+        )
+    if num_tokens * num_tokens > max_elements:
+        raise ValueError(f"refusing to build a dense {num_tokens}x{num_tokens} mask (> {max_elements} elements)")
+    for name, r in (("q_ranges", q_ranges), ("k_ranges", k_ranges)):
+        if r.numel() and (int(r.min()) < 0 or int(r.max()) > num_tokens or bool((r[:, 1] < r[:, 0]).any())):
+            raise ValueError(f"{name} must hold [start, end) pairs inside [0, {num_tokens}]")
+    idx = torch.arange(num_tokens, device=q_ranges.device)
+    qm = (idx[None, :] >= q_ranges[:, :1]) & (idx[None, :] < q_ranges[:, 1:])  # [P, N]
+    km = (idx[None, :] >= k_ranges[:, :1]) & (idx[None, :] < k_ranges[:, 1:])
+    return (qm.T.float() @ km.float()) > 0
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _sdpa_bnhd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float):
+    """SDPA on ``[B, N, H, D]`` tensors with GQA; returns ``[B, Nq, Hq, D]``."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def _gather_window_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    geometry: Magi2WindowGeometry,
+    scale: float,
+    blocks_per_chunk: int,
+) -> torch.Tensor:
+    """Exact block-window attention by gathering each query block's key window (see module doc)."""
+    nv, n = geometry.num_video_tokens, geometry.num_tokens
+    device = query.device
+    out = torch.empty_like(query)
+    # context queries attend to everything: plain SDPA, no mask
+    if n > nv:
+        out[nv:] = _sdpa_bnhd(query[None, nv:], key[None], value[None], None, scale)[0]
+    if nv == 0:
+        return out
+    nt, nh, nw = geometry.block_grid
+    rt, rh, rw = geometry.radius
+    br = geometry.block_ranges(device)
+    counts = br[:, 1] - br[:, 0]
+    qmax = int(counts.max())
+    kslot = qmax  # every neighbour block gets a slot of the largest block size
+    offsets = torch.arange(-rt, rt + 1, device=device)
+    dts, dhs, dws = torch.meshgrid(
+        offsets, torch.arange(-rh, rh + 1, device=device), torch.arange(-rw, rw + 1, device=device), indexing="ij"
+    )
+    dts, dhs, dws = dts.reshape(-1), dhs.reshape(-1), dws.reshape(-1)  # [Nb_nei]
+    ctx_idx = torch.arange(nv, n, device=device)
+    ar_q = torch.arange(qmax, device=device)
+    ar_k = torch.arange(kslot, device=device)
+    for b0 in range(0, geometry.num_blocks, blocks_per_chunk):
+        b = torch.arange(b0, min(b0 + blocks_per_chunk, geometry.num_blocks), device=device)
+        bt, bh, bw = b // (nh * nw), (b // nw) % nh, b % nw
+        # queries of each block, padded to qmax
+        q_idx = br[b, :1] + ar_q[None, :]  # [nb, qmax]
+        q_valid = ar_q[None, :] < counts[b, None]
+        q_idx = torch.where(q_valid, q_idx, torch.zeros_like(q_idx))
+        # neighbour blocks, padded to a fixed count
+        kt, kh, kw = bt[:, None] + dts, bh[:, None] + dhs, bw[:, None] + dws  # [nb, Nnei]
+        nb_ok = (kt >= 0) & (kt < nt) & (kh >= 0) & (kh < nh) & (kw >= 0) & (kw < nw)
+        kb = torch.where(nb_ok, (kt * nh + kh) * nw + kw, torch.zeros_like(kt))
+        k_idx = br[kb, 0][..., None] + ar_k  # [nb, Nnei, kslot]
+        k_valid = nb_ok[..., None] & (ar_k < counts[kb][..., None])
+        k_idx = torch.where(k_valid, k_idx, torch.zeros_like(k_idx)).flatten(1)
+        k_valid = k_valid.flatten(1)
+        if n > nv:
+            k_idx = torch.cat([k_idx, ctx_idx.expand(b.numel(), -1)], dim=1)
+            k_valid = torch.cat([k_valid, torch.ones(b.numel(), n - nv, dtype=torch.bool, device=device)], dim=1)
+        qb = query[q_idx]  # [nb, qmax, Hq, D]
+        kb_ = key[k_idx]
+        vb = value[k_idx]
+        ob = _sdpa_bnhd(qb, kb_, vb, k_valid[:, None, None, :], scale)  # [nb, qmax, Hq, D]
+        out[q_idx[q_valid]] = ob[q_valid]
+    return out
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, block_mask, scale):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention
+    if q.device.type == "cuda":
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    out = fn(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def block_window_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    geometry: Optional[Magi2WindowGeometry] = None,
+    *,
+    dense_mask: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    scale: Optional[float] = None,
+    block_mask=None,
+    max_dense_elements: int = DEFAULT_MAX_DENSE_MASK_ELEMENTS,
+    blocks_per_chunk: int = 64,
+) -> torch.Tensor:
+    """Bidirectional attention of one packed refiner sample under its block-window mask.
+
+    Args:
+        query: ``[N, Hq, D]``; key, value: ``[N, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA: query head
+            ``h`` reads kv head ``h // (Hq // Hkv)``). All three in the same dtype (bf16 in the
+            released model, fp32 for exact checks). Packed order per the module docstring.
+        geometry: the sample's :class:`Magi2WindowGeometry`. ``None`` together with
+            ``dense_mask=None`` means full (unmasked) attention.
+        dense_mask: optional explicit boolean ``[N, N]`` mask (True = attend); then only ``"sdpa"``
+            (or ``"auto"``) is allowed. Used for the reference's own ``(q, k)`` ranges.
+        backend: ``"sdpa"`` (dense boolean mask, refused above ``max_dense_elements``), ``"flex"``
+            (``flex_attention`` + ``BlockMask``, compiled on CUDA), ``"gather"`` (exact, gathers each
+            query block's key window in chunks of ``blocks_per_chunk`` blocks), or ``"auto"``: flex on
+            CUDA, sdpa when the dense mask is small enough, gather otherwise.
+        scale: softmax scale, default ``D ** -0.5``.
+        block_mask: a prebuilt ``BlockMask`` for ``"flex"`` (built from ``geometry`` if omitted).
+
+    Returns:
+        ``[N, Hq, D]`` in the query dtype.
+
+    Raises:
+        ValueError: unknown backend, shape mismatch, or a dense mask that would be too large.
+    """
+    if backend not in WINDOW_ATTENTION_BACKENDS:
+        raise ValueError(f"unknown window-attention backend {backend!r}; allowed: {WINDOW_ATTENTION_BACKENDS}")
+    if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(
+            f"expected query [N, Hq, D] and key/value [N, Hkv, D], got {tuple(query.shape)}, "
+            f"{tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    n, hq, d = query.shape
+    if key.shape[0] != n or key.shape[2] != d or hq % key.shape[1]:
+        raise ValueError(
+            f"key/value {tuple(key.shape)} incompatible with query {tuple(query.shape)} (same N and D, Hq % Hkv == 0)"
+        )
+    if geometry is not None and geometry.num_tokens != n:
+        raise ValueError(f"geometry describes {geometry.num_tokens} tokens but query has {n}")
+    scale = d**-0.5 if scale is None else float(scale)
+
+    if dense_mask is not None:
+        if backend not in ("auto", "sdpa"):
+            raise ValueError(f"an explicit dense_mask can only be used with backend 'sdpa', got {backend!r}")
+        if dense_mask.shape != (n, n) or dense_mask.dtype != torch.bool:
+            raise ValueError(f"dense_mask must be bool [{n}, {n}], got {dense_mask.dtype} {tuple(dense_mask.shape)}")
+        return _sdpa_bnhd(query[None], key[None], value[None], dense_mask.to(query.device), scale)[0]
+    if geometry is None:
+        return _sdpa_bnhd(query[None], key[None], value[None], None, scale)[0]
+
+    if backend == "auto":
+        if query.device.type == "cuda":
+            backend = "flex"
+        elif n * n <= max_dense_elements:
+            backend = "sdpa"
+        else:
+            backend = "gather"
+    if backend == "sdpa":
+        mask = geometry.dense_mask(query.device, max_elements=max_dense_elements)
+        return _sdpa_bnhd(query[None], key[None], value[None], mask, scale)[0]
+    if backend == "gather":
+        return _gather_window_attention(query, key, value, geometry, scale, blocks_per_chunk)
+    # flex
+    if block_mask is None:
+        block_mask = geometry.flex_block_mask(query.device)
+    return _flex(query[None], key[None], value[None], block_mask, scale)[0]
