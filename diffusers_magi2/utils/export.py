@@ -39,7 +39,8 @@ def frames_to_uint8(video: Any) -> np.ndarray:
 
     Accepted inputs:
 
-    * uint8 arrays/tensors ``[F, H, W, 3]`` (or a batch of one ``[1, F, H, W, 3]``): used as they are;
+    * uint8 arrays/tensors ``[F, H, W, 3]`` (or a batch of one ``[1, F, H, W, 3]``; ``[F, 3, H, W]`` is
+      transposed): used as they are;
     * float arrays/tensors in ``[0, 1]``, same layouts: ``clip(x, 0, 1) * 255`` then truncated to
       uint8, exactly as the reference's final ``.mul(255).numpy().astype(np.uint8)``;
     * a list of ``PIL.Image`` (RGB) or of ``[H, W, 3]`` arrays.
@@ -58,6 +59,8 @@ def frames_to_uint8(video: Any) -> np.ndarray:
         if video.shape[0] != 1:
             raise ValueError(f"video must hold one clip; got a batch of {video.shape[0]} (shape {video.shape})")
         video = video[0]
+    if video.ndim == 4 and video.shape[-1] != 3 and video.shape[1] == 3:
+        video = np.transpose(video, (0, 2, 3, 1))  # [F, 3, H, W] (output_type="pt") -> [F, H, W, 3]
     if video.ndim != 4 or video.shape[-1] != 3:
         raise ValueError(f"video must be [frames, height, width, 3] (RGB); got shape {tuple(video.shape)}")
     if video.shape[0] == 0:

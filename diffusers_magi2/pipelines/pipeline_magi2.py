@@ -1,0 +1,889 @@
+"""``Magi2Pipeline``: MAGI-2 Preview text-to-video and image-to-video, with audio, as a diffusers pipeline.
+
+Semantics follow SandAI's ``inference/pipeline`` (``Magi2InferenceEngine.evaluate`` and
+``Magi2PreviewSampler``) at commit ``f68a0f9`` (spec ``magi2_reference_spec.md`` §5); the code is this
+package's own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers import AutoencoderKLWan, AutoencoderOobleck, UniPCMultistepScheduler
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from diffusers.utils import logging
+from diffusers.utils.torch_utils import randn_tensor
+from diffusers.video_processor import VideoProcessor
+
+from .pipeline_output import Magi2PipelineOutput
+from .text_encoding import (
+    DEFAULT_MAX_SEQUENCE_LENGTH,
+    DEFAULT_SKIP_LAYERS,
+    add_figure_reference,
+    apply_cjk_pre_tokenizer_split,
+    encode_prompt_features,
+    find_target_token_indices,
+    normalize_prompt,
+    pool_target_features,
+    tokenize_prompt,
+)
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["DEFAULT_NEGATIVE_PROMPT", "Magi2Pipeline", "TRAINED_RESOLUTIONS", "letterbox_image"]
+
+#: The reference's built-in negative prompt (``DEFAULT_NEGATIVE_PROMPT`` in ``inference_engine.py``):
+#: visual, audio and voice defects. It is the default ``negative_prompt`` and is stored in the
+#: pipeline config (``model_index.json``), so a converted repo can carry another one.
+DEFAULT_NEGATIVE_PROMPT = (
+    "Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, static, "
+    "overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra fingers, poorly "
+    "drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, fused fingers, still picture, messy "
+    "background, three legs, many people in the background, walking backwards"
+    ", low quality, worst quality, poor quality, noise, background noise, hiss, hum, buzz, crackle, static, "
+    "compression artifacts, MP3 artifacts, digital clipping, distortion, muffled, muddy, unclear, echo, reverb, "
+    "room echo, over-reverberated, hollow sound, distant, washed out, harsh, shrill, piercing, grating, tinny, "
+    "thin sound, boomy, bass-heavy, flat EQ, over-compressed, abrupt cut, jarring transition, sudden silence, "
+    "looping artifact, music, instrumental, sirens, alarms, crowd noise, unrelated sound effects, chaotic, "
+    "disorganized, messy, cheap sound"
+    ", emotionless, flat delivery, deadpan, lifeless, apathetic, robotic, mechanical, monotone, flat intonation, "
+    "undynamic, boring, reading from a script, AI voice, synthetic, text-to-speech, TTS, insincere, fake emotion, "
+    "exaggerated, overly dramatic, melodramatic, cheesy, cringey, hesitant, unconfident, tired, weak voice, "
+    "stuttering, stammering, mumbling, slurred speech, mispronounced, bad articulation, lisp, vocal fry, creaky "
+    "voice, mouth clicks, lip smacks, wet mouth sounds, heavy breathing, audible inhales, plosives, p-pops, "
+    "coughing, clearing throat, sneezing, speaking too fast, rushed, speaking too slow, dragged out, unnatural "
+    "pauses, awkward silence, choppy, disconnected, multiple speakers, two voices, background talking, out of tune, "
+    "off-key, autotune artifacts"
+)
+
+#: (height, width) presets the preview was trained on (272p and 540p).
+TRAINED_RESOLUTIONS = ((256, 448), (512, 896))
+#: The 1080p preset: preview at 512x896, then the refiner. Needs the refiner component.
+REFINER_RESOLUTION = (1088, 1920)
+
+_OUTPUT_TYPES = ("np", "pil", "pt", "latent")
+_IMAGE_TYPES = "PIL.Image.Image, a local file path (str or os.PathLike), or an RGB uint8 numpy array [H, W, 3]"
+
+
+def letterbox_image(image: PIL.Image.Image, height: int, width: int) -> PIL.Image.Image:
+    """Fit ``image`` into a ``height`` × ``width`` white canvas, keeping its aspect ratio.
+
+    The image is resized with LANCZOS by ``min(width / w, height / h)`` (sizes rounded to the nearest
+    integer, at least 1) and pasted centred. Matches SandAI ``inference_engine.resizepad``.
+
+    Raises:
+        ValueError: the image has a zero dimension.
+    """
+    w, h = image.size
+    if w <= 0 or h <= 0:
+        raise ValueError(f"image must have a positive size; got width {w}, height {h}")
+    scale = min(width / w, height / h)
+    new_w = max(1, int(round(w * scale)))
+    new_h = max(1, int(round(h * scale)))
+    resized = image.convert("RGB").resize((new_w, new_h), resample=PIL.Image.Resampling.LANCZOS)
+    canvas = PIL.Image.new("RGB", (width, height), (255, 255, 255))
+    canvas.paste(resized, ((width - new_w) // 2, (height - new_h) // 2))
+    return canvas
+
+
+def _resample_audio(waveform: np.ndarray, ratio: float) -> np.ndarray:
+    """``scipy.signal.resample`` along axis 0 to ``int(N * ratio)`` samples (SandAI ``resample_audio_sinc``)."""
+    from scipy.signal import resample
+
+    return resample(waveform, int(waveform.shape[0] * ratio))
+
+
+class Magi2Pipeline(DiffusionPipeline):
+    r"""MAGI-2 Preview: a 10 s video with a stereo soundtrack from a prompt, optionally conditioned on an image.
+
+    Components:
+        tokenizer: Qwen3.5 tokenizer (a transformers fast tokenizer). The reference's extra CJK
+            pre-tokenizer split is applied here when the pipeline is built (idempotent).
+        text_encoder (`transformers.Qwen3_5TextModel`): prompt features are ``hidden_states[-3]``.
+        transformer (`Magi2Transformer3DModel`): the MoE DiT; one forward per step on the batch
+            ``[cond, uncond]`` (each row its own attention segment).
+        audio_vae (`AutoencoderOobleck`): Stable Audio Open decoder for the 64-channel audio latents.
+        scheduler (`UniPCMultistepScheduler`, flow prediction, ``use_flow_sigmas``, ``flow_shift`` 7):
+            steps the video latent; the audio instance is built from its config at call time.
+        vae (`AutoencoderKLWan`, Wan2.2 form, optional): encodes the I2V reference image; decodes
+            video when there is no ``video_decoder``.
+        video_decoder (`Magi2TurboVAEDecoder`, optional): the default video decoder (TurboVAED).
+        refiner (optional): the 1080p refiner stage; not wired yet (1088×1920 raises).
+
+    Config (stored in ``model_index.json``): ``negative_prompt`` (the built-in one),
+    ``sigma_start`` (0.999: sigmas are ``linspace(sigma_start, 0, N + 1)[:-1]`` before the shift),
+    ``text_skip_layers`` (2 → ``hidden_states[-3]``), ``max_sequence_length`` (7,000),
+    ``fps`` (12.5), ``duration_s`` (10), ``audio_latent_fps`` (25), ``audio_resample_ratio``
+    (441/512), ``reference_image_dtype`` ("bfloat16": the reference rounds the I2V pixels to its
+    engine dtype before encoding).
+    """
+
+    model_cpu_offload_seq = "text_encoder->transformer->video_decoder->vae->audio_vae"
+    _optional_components = ["vae", "video_decoder", "refiner"]
+    _callback_tensor_inputs = ["latents", "audio_latents", "prompt_embeds", "negative_prompt_embeds"]
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        text_encoder: Any,
+        transformer: ModelMixin,
+        audio_vae: AutoencoderOobleck,
+        scheduler: UniPCMultistepScheduler,
+        vae: AutoencoderKLWan | None = None,
+        video_decoder: ModelMixin | None = None,
+        refiner: ModelMixin | None = None,
+        negative_prompt: str = DEFAULT_NEGATIVE_PROMPT,
+        sigma_start: float = 0.999,
+        text_skip_layers: int = DEFAULT_SKIP_LAYERS,
+        max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
+        fps: float = 12.5,
+        duration_s: float = 10.0,
+        audio_latent_fps: float = 25.0,
+        audio_resample_ratio: float = 441 / 512,
+        reference_image_dtype: str = "bfloat16",
+    ):
+        super().__init__()
+        if tokenizer is not None:
+            apply_cjk_pre_tokenizer_split(tokenizer)
+        self.register_modules(
+            tokenizer=tokenizer,
+            text_encoder=text_encoder,
+            transformer=transformer,
+            audio_vae=audio_vae,
+            scheduler=scheduler,
+            vae=vae,
+            video_decoder=video_decoder,
+            refiner=refiner,
+        )
+        self.register_to_config(
+            negative_prompt=negative_prompt,
+            sigma_start=sigma_start,
+            text_skip_layers=text_skip_layers,
+            max_sequence_length=max_sequence_length,
+            fps=fps,
+            duration_s=duration_s,
+            audio_latent_fps=audio_latent_fps,
+            audio_resample_ratio=audio_resample_ratio,
+            reference_image_dtype=reference_image_dtype,
+        )
+        self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
+        # The reference preprocesses the I2V image with VideoProcessor(vae_scale_factor=2 * 16).
+        self.reference_image_processor = VideoProcessor(vae_scale_factor=2 * self.vae_scale_factor_spatial)
+
+    # ------------------------------------------------------------------------------------------
+    # Geometry read from the component configs
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def vae_scale_factor_spatial(self) -> int:
+        """Pixels per latent cell along H and W (16 for Wan2.2 / TurboVAED)."""
+        vae = getattr(self, "vae", None)
+        if vae is not None:
+            return int(vae.config.scale_factor_spatial)
+        decoder = getattr(self, "video_decoder", None)
+        if decoder is not None and "spatial_compression_ratio" in decoder.config:
+            return int(decoder.config.spatial_compression_ratio)
+        return 16
+
+    @property
+    def vae_scale_factor_temporal(self) -> int:
+        """Frames per latent frame after the first (4): F = 4·(T − 1) + 1."""
+        vae = getattr(self, "vae", None)
+        if vae is not None:
+            return int(vae.config.scale_factor_temporal)
+        decoder = getattr(self, "video_decoder", None)
+        if decoder is not None and "temporal_compression_ratio" in decoder.config:
+            return int(decoder.config.temporal_compression_ratio)
+        return 4
+
+    @property
+    def num_channels_latents(self) -> int:
+        """Video latent channels (48), from the VAE / video decoder config."""
+        if getattr(self, "vae", None) is not None:
+            return int(self.vae.config.z_dim)
+        decoder = getattr(self, "video_decoder", None)
+        if decoder is not None and "latent_channels" in decoder.config:
+            return int(decoder.config.latent_channels)
+        return 48
+
+    @property
+    def num_channels_audio_latents(self) -> int:
+        """Audio latent channels (64), from ``audio_vae.config.decoder_input_channels``."""
+        return int(self.audio_vae.config.decoder_input_channels)
+
+    @property
+    def audio_sample_rate(self) -> int:
+        """Sample rate of the returned audio (``audio_vae.config.sampling_rate``, 44,100)."""
+        return int(self.audio_vae.config.sampling_rate)
+
+    def num_latent_frames(self) -> int:
+        """Video latent length of a ``duration_s`` clip: frames on the 25 fps timeline
+        ``round(duration·fps·2)``, then ``(frames − 1) // 8 + 1`` (32 for 10 s; SandAI ``_resolve_lengths``)."""
+        frames = int(round(float(self.config.duration_s) * float(self.config.fps) * 2))
+        return (frames - 1) // (2 * self.vae_scale_factor_temporal) + 1
+
+    def num_audio_latents(self) -> int:
+        """Audio latent length of a ``duration_s`` clip: ``round(duration·audio_latent_fps)`` (250)."""
+        return int(round(float(self.config.duration_s) * float(self.config.audio_latent_fps)))
+
+    # ------------------------------------------------------------------------------------------
+    # Properties (diffusers conventions)
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def guidance_scale(self) -> float:
+        return self._guidance_scale
+
+    @property
+    def audio_guidance_scale(self) -> float:
+        return self._audio_guidance_scale
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        """CFG runs unless both guidance scales are exactly 1 (then the uncond half is skipped)."""
+        return self._guidance_scale != 1.0 or self._audio_guidance_scale != 1.0
+
+    @property
+    def num_timesteps(self) -> int:
+        return self._num_timesteps
+
+    @property
+    def current_timestep(self):
+        return self._current_timestep
+
+    @property
+    def interrupt(self) -> bool:
+        return self._interrupt
+
+    @property
+    def attention_kwargs(self):
+        return self._attention_kwargs
+
+    # ------------------------------------------------------------------------------------------
+    # Scheduling (C01: the shift is applied exactly once, by the scheduler, on every task path)
+    # ------------------------------------------------------------------------------------------
+
+    def _check_scheduler(self, scheduler) -> None:
+        config = scheduler.config
+        if not (
+            config.get("use_flow_sigmas", False)
+            and config.get("prediction_type") == "flow_prediction"
+            and config.get("final_sigmas_type") == "zero"
+        ):
+            raise ValueError(
+                "Magi2Pipeline needs a flow-matching UniPCMultistepScheduler: use_flow_sigmas=True, "
+                "prediction_type='flow_prediction', final_sigmas_type='zero' (flow_shift=7 for the preview); got "
+                f"use_flow_sigmas={config.get('use_flow_sigmas')}, prediction_type={config.get('prediction_type')!r}, "
+                f"final_sigmas_type={config.get('final_sigmas_type')!r}"
+            )
+
+    def base_sigmas(self, num_inference_steps: int) -> np.ndarray:
+        """Unshifted sigmas ``linspace(sigma_start, 0, N + 1)[:-1]`` (float64, length N)."""
+        return np.linspace(float(self.config.sigma_start), 0.0, num_inference_steps + 1)[:-1]
+
+    def prepare_timesteps(
+        self, num_inference_steps: int, device: torch.device | str | None = None
+    ) -> tuple[UniPCMultistepScheduler, UniPCMultistepScheduler, torch.Tensor]:
+        """Set up the video scheduler (``self.scheduler``) and a fresh audio scheduler built from its
+        config, both with the same schedule.
+
+        The pipeline passes the unshifted :meth:`base_sigmas` to ``set_timesteps(sigmas=…)``; the
+        scheduler applies ``flow_shift`` once: σ' = sσ/(1 + (s − 1)σ), final σ 0, integer timesteps
+        int64(σ'·1000) (truncated). For N = 100, s = 7: 999, 998, 996, …, 124, 65 (spec §5.2).
+        Used identically for T2V and I2V.
+
+        Returns:
+            ``(video_scheduler, audio_scheduler, timesteps)``; ``timesteps`` int64 ``[N]``.
+
+        Raises:
+            ValueError: the scheduler is not a flow-prediction UniPC with flow sigmas.
+        """
+        self._check_scheduler(self.scheduler)
+        video_scheduler = self.scheduler
+        audio_scheduler = UniPCMultistepScheduler.from_config(self.scheduler.config)
+        sigmas = self.base_sigmas(num_inference_steps)
+        for scheduler in (video_scheduler, audio_scheduler):
+            scheduler.set_timesteps(sigmas=sigmas, device=device)
+            scheduler.set_begin_index(0)
+        return video_scheduler, audio_scheduler, video_scheduler.timesteps
+
+    # ------------------------------------------------------------------------------------------
+    # Validation
+    # ------------------------------------------------------------------------------------------
+
+    def check_inputs(
+        self,
+        prompt,
+        negative_prompt,
+        image,
+        height,
+        width,
+        num_inference_steps,
+        guidance_scale,
+        audio_guidance_scale,
+        prompt_embeds,
+        prompt_attention_mask,
+        negative_prompt_embeds,
+        negative_prompt_attention_mask,
+        image_embeds,
+        output_type,
+        callback_on_step_end_tensor_inputs,
+        latents=None,
+        audio_latents=None,
+    ) -> None:
+        """Reject bad arguments with a ``ValueError`` before any work starts (see ``__call__``)."""
+        for name, value in (("height", height), ("width", width)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 16:
+                raise ValueError(f"{name} must be a positive multiple of 16 (e.g. 256x448 or 512x896); got {value!r}")
+        if (height, width) == REFINER_RESOLUTION:
+            raise ValueError(
+                "1088x1920 (1080p) is produced by the MAGI-2 refiner stage (preview at 512x896, then the refiner), "
+                "which this pipeline does not run yet; use height=512, width=896 (or 256x448)"
+            )
+        if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be an integer >= 1; got {num_inference_steps!r}")
+        for name, value in (("guidance_scale", guidance_scale), ("audio_guidance_scale", audio_guidance_scale)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0 (1 disables guidance); got {value!r}")
+        if output_type not in _OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {_OUTPUT_TYPES}; got {output_type!r}")
+        if callback_on_step_end_tensor_inputs is not None:
+            bad = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
+            if bad:
+                raise ValueError(
+                    f"callback_on_step_end_tensor_inputs may only name {self._callback_tensor_inputs}; got {bad}"
+                )
+
+        if prompt is not None and prompt_embeds is not None:
+            raise ValueError("pass either prompt or prompt_embeds, not both")
+        if prompt is None and prompt_embeds is None:
+            raise ValueError("a prompt is required: pass prompt (a non-empty string or list of strings) or prompt_embeds")
+        if prompt is not None:
+            prompts = [prompt] if isinstance(prompt, str) else prompt
+            if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+                raise ValueError(f"prompt must be a non-empty string or a non-empty list of strings; got {type(prompt).__name__}")
+            if any(not p.strip() for p in prompts):
+                raise ValueError("prompt must not be empty or whitespace only")
+        if prompt_embeds is not None:
+            if prompt_embeds.ndim != 3:
+                raise ValueError(f"prompt_embeds must be [batch, tokens, channels]; got shape {tuple(prompt_embeds.shape)}")
+            if prompt_attention_mask is None:
+                raise ValueError("prompt_embeds needs prompt_attention_mask ([batch, tokens], true for real tokens)")
+            if tuple(prompt_attention_mask.shape) != tuple(prompt_embeds.shape[:2]):
+                raise ValueError(
+                    f"prompt_attention_mask must be {tuple(prompt_embeds.shape[:2])} to match prompt_embeds; "
+                    f"got {tuple(prompt_attention_mask.shape)}"
+                )
+        if negative_prompt is not None and negative_prompt_embeds is not None:
+            raise ValueError("pass either negative_prompt or negative_prompt_embeds, not both")
+        if negative_prompt is not None:
+            negatives = [negative_prompt] if isinstance(negative_prompt, str) else negative_prompt
+            if not isinstance(negatives, list) or not all(isinstance(p, str) for p in negatives):
+                raise ValueError("negative_prompt must be a string or a list of strings")
+        if negative_prompt_embeds is not None:
+            if negative_prompt_embeds.ndim != 3:
+                raise ValueError(
+                    f"negative_prompt_embeds must be [batch, tokens, channels]; got shape {tuple(negative_prompt_embeds.shape)}"
+                )
+            if negative_prompt_attention_mask is None:
+                raise ValueError("negative_prompt_embeds needs negative_prompt_attention_mask ([batch, tokens])")
+            if tuple(negative_prompt_attention_mask.shape) != tuple(negative_prompt_embeds.shape[:2]):
+                raise ValueError(
+                    f"negative_prompt_attention_mask must be {tuple(negative_prompt_embeds.shape[:2])}; "
+                    f"got {tuple(negative_prompt_attention_mask.shape)}"
+                )
+            if prompt_embeds is not None and negative_prompt_embeds.shape[0] != prompt_embeds.shape[0]:
+                raise ValueError(
+                    f"negative_prompt_embeds batch {negative_prompt_embeds.shape[0]} != prompt_embeds batch {prompt_embeds.shape[0]}"
+                )
+
+        if image is not None:
+            if not isinstance(image, (PIL.Image.Image, str, os.PathLike, np.ndarray)):
+                raise ValueError(f"image must be a {_IMAGE_TYPES}; got {type(image).__name__}")
+            if isinstance(image, np.ndarray) and (image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8):
+                raise ValueError(f"a numpy image must be uint8 [H, W, 3] (RGB); got {image.dtype} {image.shape}")
+            if isinstance(image, (str, os.PathLike)) and not os.path.isfile(image):
+                raise ValueError(f"image path {os.fspath(image)!r} is not an existing file")
+            if getattr(self, "vae", None) is None:
+                raise ValueError("image-to-video needs the `vae` component (AutoencoderKLWan) to encode the image")
+            if prompt_embeds is not None and image_embeds is None:
+                raise ValueError(
+                    "image with prompt_embeds also needs image_embeds (the <Figure 1> special-token embedding, "
+                    "[batch, channels]); or pass prompt instead of prompt_embeds"
+                )
+        elif image_embeds is not None:
+            raise ValueError("image_embeds is only used with image (image-to-video); pass image too")
+        if image_embeds is not None and image_embeds.ndim != 2:
+            raise ValueError(f"image_embeds must be [batch, channels]; got shape {tuple(image_embeds.shape)}")
+
+        if output_type != "latent" and getattr(self, "video_decoder", None) is None and getattr(self, "vae", None) is None:
+            raise ValueError("decoding needs `video_decoder` or `vae`; neither is loaded (use output_type='latent')")
+
+        h, w = height // self.vae_scale_factor_spatial, width // self.vae_scale_factor_spatial
+        if latents is not None:
+            if latents.ndim != 5 or latents.shape[1] != self.num_channels_latents or tuple(latents.shape[3:]) != (h, w):
+                raise ValueError(
+                    f"latents must be [batch, {self.num_channels_latents}, T, {h}, {w}] for {height}x{width}; "
+                    f"got {tuple(latents.shape)}"
+                )
+        if audio_latents is not None:
+            if audio_latents.ndim != 3 or audio_latents.shape[2] != self.num_channels_audio_latents:
+                raise ValueError(
+                    f"audio_latents must be [batch, L, {self.num_channels_audio_latents}]; got {tuple(audio_latents.shape)}"
+                )
+        if latents is not None and audio_latents is not None and latents.shape[0] != audio_latents.shape[0]:
+            raise ValueError(f"latents batch {latents.shape[0]} != audio_latents batch {audio_latents.shape[0]}")
+
+    # ------------------------------------------------------------------------------------------
+    # Text
+    # ------------------------------------------------------------------------------------------
+
+    def _encode_one(self, text: str, device, want_offsets: bool = False):
+        normalized = normalize_prompt(text)
+        tokens = tokenize_prompt(
+            self.tokenizer, normalized, int(self.config.max_sequence_length), return_offsets_mapping=want_offsets
+        )
+        features = encode_prompt_features(
+            self.text_encoder,
+            tokens["input_ids"].to(device),
+            tokens["attention_mask"].to(device),
+            skip_layers=int(self.config.text_skip_layers),
+        )
+        offsets = tokens["offset_mapping"][0] if want_offsets else None
+        return features, normalized, offsets
+
+    @staticmethod
+    def _pad_features(features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        longest = max(f.shape[1] for f in features)
+        embeds = features[0].new_zeros(len(features), longest, features[0].shape[-1])
+        mask = torch.zeros(len(features), longest, dtype=torch.bool, device=features[0].device)
+        for row, f in enumerate(features):
+            embeds[row, : f.shape[1]] = f[0]
+            mask[row, : f.shape[1]] = True
+        return embeds, mask
+
+    @torch.no_grad()
+    def encode_prompt(
+        self,
+        prompt: str | list[str],
+        device: torch.device | str | None = None,
+        figure_target: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Qwen3.5 features of each prompt, zero-padded to the longest with a boolean mask.
+
+        Each prompt is normalised (JSON → compact markdown), tokenised alone (at most
+        ``max_sequence_length`` tokens) and encoded; features are ``hidden_states[-3]`` in the text
+        encoder's dtype, as SandAI ``Qwen35TextEncoder.encode``.
+
+        Args:
+            prompt: one string or a list.
+            device: where to run the text encoder (default: the pipeline's execution device).
+            figure_target: e.g. ``"<Figure 1>"``: also return the mean feature of the tokens that
+                overlap it in each (normalised) prompt — the image special-token embedding.
+
+        Returns:
+            ``(embeds [B, Lt, C], mask [B, Lt] bool, target_embeds [B, C] or None)``.
+        """
+        device = device or self._execution_device
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        features, pooled = [], []
+        for text in prompts:
+            f, normalized, offsets = self._encode_one(text, device, want_offsets=figure_target is not None)
+            features.append(f)
+            if figure_target is not None:
+                pooled.append(pool_target_features(f, find_target_token_indices(normalized, offsets, figure_target)))
+        embeds, mask = self._pad_features(features)
+        return embeds, mask, (torch.stack(pooled, 0) if pooled else None)
+
+    # ------------------------------------------------------------------------------------------
+    # Image
+    # ------------------------------------------------------------------------------------------
+
+    def _load_image(self, image) -> PIL.Image.Image:
+        if isinstance(image, PIL.Image.Image):
+            return image
+        if isinstance(image, np.ndarray):
+            return PIL.Image.fromarray(image)
+        from diffusers.utils import load_image
+
+        return load_image(os.fspath(image))
+
+    def preprocess_reference_image(self, image, height: int, width: int) -> torch.Tensor:
+        """The I2V image as VAE input ``[1, 3, 1, H', W']`` (fp32 values), following SandAI
+        ``Magi2InferenceEngine._encode_image`` with ``ref_image_type="original"``:
+
+        1. scale the long side to ``max(height, width)`` (other side ``int``-truncated),
+        2. :func:`letterbox_image` onto a white canvas of that size,
+        3. ``VideoProcessor(vae_scale_factor=32).preprocess`` (floors both sides to multiples of 32,
+           resizes, maps to [-1, 1]),
+        4. round to ``reference_image_dtype`` (bf16 in the reference engine), keep RGB, add T = 1.
+
+        E.g. a 1920×1080 image for 512×896 → 896×504 → 896×480 → latent 56×30 (spec §5.5).
+        """
+        pil = self._load_image(image)
+        longest = max(height, width)
+        if pil.width > pil.height:
+            target_w, target_h = longest, int(pil.height * longest / pil.width)
+        else:
+            target_h, target_w = longest, int(pil.width * longest / pil.height)
+        canvas = letterbox_image(pil, target_h, target_w)
+        pixels = self.reference_image_processor.preprocess(canvas, height=target_h, width=target_w)
+        rounding = getattr(torch, str(self.config.reference_image_dtype))
+        return pixels.to(rounding).unsqueeze(2)[:, :3].float()
+
+    @torch.no_grad()
+    def encode_reference_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Normalised mean latent of the reference image with the Wan2.2 VAE:
+        ``(μ − mean) · (1 / std)`` with the tables from ``vae.config.latents_mean/latents_std``
+        (``1/std`` computed in fp32 first, as the reference).
+
+        Args:
+            pixels: ``[B, 3, 1, H, W]`` in [-1, 1].
+
+        Returns:
+            ``[B, 48, 1, H/16, W/16]`` float32.
+        """
+        vae = self.vae
+        mu = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode().float()
+        mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=mu.device).view(1, -1, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std, dtype=torch.float32, device=mu.device)
+        return (mu - mean) * inv_std.view(1, -1, 1, 1, 1)
+
+    # ------------------------------------------------------------------------------------------
+    # Latents
+    # ------------------------------------------------------------------------------------------
+
+    def prepare_latents(
+        self,
+        batch_size: int,
+        height: int,
+        width: int,
+        device: torch.device | str,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        audio_latents: torch.Tensor | None = None,
+        num_latent_frames: int | None = None,
+        num_audio_latents: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Initial noise, fp32: video ``[B, 48, T, H/16, W/16]`` drawn first, then audio ``[B, L, 64]``,
+        from ``generator`` (spec §5.6 draw order). Given tensors are used as they are (moved to
+        ``device``, cast to fp32); T and L default to the ``duration_s`` clip (32 and 250).
+        """
+        scale = self.vae_scale_factor_spatial
+        frames = self.num_latent_frames() if num_latent_frames is None else int(num_latent_frames)
+        audio_len = self.num_audio_latents() if num_audio_latents is None else int(num_audio_latents)
+        if latents is None:
+            shape = (batch_size, self.num_channels_latents, frames, height // scale, width // scale)
+            latents = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=torch.float32)
+        else:
+            latents = latents.to(device=device, dtype=torch.float32)
+        if audio_latents is None:
+            shape = (batch_size, audio_len, self.num_channels_audio_latents)
+            audio_latents = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=torch.float32)
+        else:
+            audio_latents = audio_latents.to(device=device, dtype=torch.float32)
+        return latents, audio_latents
+
+    # ------------------------------------------------------------------------------------------
+    # Decoding
+    # ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised video latents ``[B, 48, T, h, w]`` → pixels ``[B, 3, 4(T−1)+1, 16h, 16w]`` in [-1, 1].
+
+        Uses ``video_decoder`` (TurboVAED; it de-normalises internally) when present, else the Wan
+        VAE after de-normalising ``z / (1/std) + mean`` with its config tables.
+        """
+        decoder = getattr(self, "video_decoder", None)
+        if decoder is not None:
+            out = decoder.decode(latents.to(device=decoder.device, dtype=decoder.dtype))
+            video = out.sample if hasattr(out, "sample") else out[0]
+            return video.float()
+        vae = self.vae
+        z = latents.float()
+        mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=z.device).view(1, -1, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std, dtype=torch.float32, device=z.device).view(1, -1, 1, 1, 1)
+        z = z / inv_std + mean
+        video = vae.decode(z.to(device=vae.device, dtype=vae.dtype)).sample
+        return video.float().clamp(-1.0, 1.0)
+
+    @torch.no_grad()
+    def decode_audio(self, audio_latents: torch.Tensor) -> np.ndarray:
+        """Audio latents ``[B, L, 64]`` → stereo ``[B, 2, S]`` float32 numpy at ``audio_sample_rate``.
+
+        Oobleck decode of ``[B, 64, L]`` (L·2048 samples, identity latent scaling), then
+        ``scipy.signal.resample`` to ``int(N · audio_resample_ratio)`` samples (441/512: 250 latents →
+        512,000 → 441,000 = 10 s). Matches SandAI ``decode_audio``/``resample_audio_sinc``.
+        """
+        vae = self.audio_vae
+        waveform = vae.decode(audio_latents.transpose(1, 2).to(device=vae.device, dtype=vae.dtype)).sample
+        waveform = waveform.float().cpu().numpy()
+        ratio = float(self.config.audio_resample_ratio)
+        out = [_resample_audio(row.T, ratio).T.astype(np.float32) for row in waveform]
+        return np.stack(out, axis=0)
+
+    # ------------------------------------------------------------------------------------------
+    # Call
+    # ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        image: PIL.Image.Image | str | os.PathLike | np.ndarray | None = None,
+        height: int = 512,
+        width: int = 896,
+        num_inference_steps: int = 100,
+        guidance_scale: float = 5.0,
+        audio_guidance_scale: float = 7.0,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        audio_latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_attention_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_attention_mask: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        output_type: str = "np",
+        return_dict: bool = True,
+        attention_kwargs: dict[str, Any] | None = None,
+        callback_on_step_end: Callable[[Any, int, torch.Tensor, dict], dict]
+        | PipelineCallback
+        | MultiPipelineCallbacks
+        | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ["latents", "audio_latents"],
+    ):
+        r"""Generate a 10 s clip (125 frames at 12.5 fps) with a 44.1 kHz stereo soundtrack.
+
+        Args:
+            prompt: text, or a JSON object string (rendered to compact markdown when it has a
+                ``global_layer``). A list gives a batch.
+            negative_prompt: the unconditional text; default the built-in one (``config.negative_prompt``).
+            image: I2V reference (PIL, a local file path, or uint8 ``[H, W, 3]``). It conditions the whole
+                clip (it is not the first frame); the prompt gets a ``<Figure 1>`` reference and the image
+                is kept in the unconditional branch, so CFG steers the text only.
+            height, width: pixels, multiples of 16. Trained: 256×448 and 512×896 (others warn);
+                1088×1920 needs the refiner (raises for now).
+            num_inference_steps: denoising steps (≥ 1; the preview uses 100).
+            guidance_scale: video CFG scale (≥ 0; default 5.0). audio_guidance_scale: audio CFG (7.0).
+            generator: RNG for the noise (video drawn first, then audio).
+            latents, audio_latents: initial noise ``[B, 48, T, H/16, W/16]`` / ``[B, L, 64]`` (fp32).
+            prompt_embeds, prompt_attention_mask: ``[B, Lt, C]`` text features and ``[B, Lt]`` bool mask
+                (replace ``prompt``; the mask is required). The negative pair likewise.
+            image_embeds: ``[B, C]`` special-token embedding; required with ``image`` + ``prompt_embeds``.
+            output_type: ``"np"`` (default), ``"pil"``, ``"pt"`` or ``"latent"``.
+            return_dict: return :class:`Magi2PipelineOutput` (else a tuple ``(frames, audio)``).
+            attention_kwargs: passed to the transformer.
+            callback_on_step_end: called as ``fn(pipe, step, timestep, tensors)`` after each step;
+                a returned dict may replace any of ``callback_on_step_end_tensor_inputs``.
+            callback_on_step_end_tensor_inputs: names from ``_callback_tensor_inputs``.
+
+        Returns:
+            :class:`Magi2PipelineOutput` ``(frames, audio, audio_sample_rate, fps)``.
+
+        Raises:
+            ValueError: bad sizes, empty prompt, wrong image type, ``num_inference_steps < 1``,
+                negative guidance, embeddings without their masks, ``image`` + ``prompt_embeds``
+                without ``image_embeds``, bad ``output_type`` — all before any work starts.
+        """
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        self.check_inputs(
+            prompt,
+            negative_prompt,
+            image,
+            height,
+            width,
+            num_inference_steps,
+            guidance_scale,
+            audio_guidance_scale,
+            prompt_embeds,
+            prompt_attention_mask,
+            negative_prompt_embeds,
+            negative_prompt_attention_mask,
+            image_embeds,
+            output_type,
+            callback_on_step_end_tensor_inputs,
+            latents,
+            audio_latents,
+        )
+        self._check_scheduler(self.scheduler)
+        if (height, width) not in TRAINED_RESOLUTIONS:
+            logger.warning(
+                f"{height}x{width} is outside the trained resolutions {TRAINED_RESOLUTIONS}; expect lower quality."
+            )
+
+        self._guidance_scale = float(guidance_scale)
+        self._audio_guidance_scale = float(audio_guidance_scale)
+        self._attention_kwargs = attention_kwargs
+        self._current_timestep = None
+        self._interrupt = False
+        device = self._execution_device
+
+        # 1. batch size
+        if prompt is not None:
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            batch_size = len(prompts)
+        else:
+            prompts = None
+            batch_size = prompt_embeds.shape[0]
+
+        # 2. reference image (encoded first, like the reference engine)
+        image_latents = None
+        if image is not None:
+            pixels = self.preprocess_reference_image(image, height, width)
+            image_latents = self.encode_reference_image(pixels).to(device)
+            image_latents = image_latents.expand(batch_size, -1, -1, -1, -1)
+            if prompts is not None:
+                prompts = [add_figure_reference(p) for p in prompts]
+
+        # 3. text
+        if prompts is not None:
+            prompt_embeds, prompt_attention_mask, pooled = self.encode_prompt(
+                prompts, device, figure_target="<Figure 1>" if image is not None else None
+            )
+            if image is not None and image_embeds is None:
+                image_embeds = pooled
+        else:
+            prompt_embeds = prompt_embeds.to(device)
+            prompt_attention_mask = prompt_attention_mask.to(device=device, dtype=torch.bool)
+        if self.do_classifier_free_guidance:
+            if negative_prompt_embeds is None:
+                negative = self.config.negative_prompt if negative_prompt is None else negative_prompt
+                negatives = [negative] * batch_size if isinstance(negative, str) else list(negative)
+                if len(negatives) != batch_size:
+                    raise ValueError(f"negative_prompt has {len(negatives)} entries for a batch of {batch_size}")
+                negative_prompt_embeds, negative_prompt_attention_mask, _ = self.encode_prompt(negatives, device)
+            else:
+                negative_prompt_embeds = negative_prompt_embeds.to(device)
+                negative_prompt_attention_mask = negative_prompt_attention_mask.to(device=device, dtype=torch.bool)
+        if image_embeds is not None:
+            image_embeds = image_embeds.to(device)
+
+        # 4. schedule and noise
+        video_scheduler, audio_scheduler, timesteps = self.prepare_timesteps(num_inference_steps, device)
+        latents, audio_latents = self.prepare_latents(
+            batch_size, height, width, device, generator, latents, audio_latents
+        )
+        if latents.shape[0] != batch_size or audio_latents.shape[0] != batch_size:
+            raise ValueError(
+                f"latents/audio_latents batch ({latents.shape[0]}, {audio_latents.shape[0]}) != prompt batch {batch_size}"
+            )
+        self._num_timesteps = len(timesteps)
+
+        # 5. denoise: one forward per step on [cond, uncond]
+        with self.progress_bar(total=num_inference_steps) as progress_bar:
+            for i, t in enumerate(timesteps):
+                if self.interrupt:
+                    continue
+                self._current_timestep = t
+                video_velocity, audio_velocity = self._predict(
+                    latents,
+                    audio_latents,
+                    t,
+                    prompt_embeds,
+                    prompt_attention_mask,
+                    negative_prompt_embeds,
+                    negative_prompt_attention_mask,
+                    image_latents,
+                    image_embeds,
+                )
+                latents = video_scheduler.step(video_velocity, t, latents, return_dict=False)[0]
+                audio_latents = audio_scheduler.step(audio_velocity, t, audio_latents, return_dict=False)[0]
+
+                if callback_on_step_end is not None:
+                    available = {
+                        "latents": latents,
+                        "audio_latents": audio_latents,
+                        "prompt_embeds": prompt_embeds,
+                        "negative_prompt_embeds": negative_prompt_embeds,
+                    }
+                    callback_kwargs = {name: available[name] for name in callback_on_step_end_tensor_inputs}
+                    callback_outputs = callback_on_step_end(self, i, t, callback_kwargs)
+                    latents = callback_outputs.pop("latents", latents)
+                    audio_latents = callback_outputs.pop("audio_latents", audio_latents)
+                    prompt_embeds = callback_outputs.pop("prompt_embeds", prompt_embeds)
+                    negative_prompt_embeds = callback_outputs.pop("negative_prompt_embeds", negative_prompt_embeds)
+                progress_bar.update()
+        self._current_timestep = None
+
+        # 6. decode
+        if output_type == "latent":
+            frames, audio, sample_rate, fps = latents, audio_latents, None, None
+        else:
+            video = self.decode_video(latents)
+            frames = self.video_processor.postprocess_video(video, output_type=output_type)
+            audio = self.decode_audio(audio_latents)
+            if output_type == "pt":
+                audio = torch.from_numpy(audio)
+            sample_rate, fps = self.audio_sample_rate, float(self.config.fps)
+
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return (frames, audio)
+        return Magi2PipelineOutput(frames=frames, audio=audio, audio_sample_rate=sample_rate, fps=fps)
+
+    def _predict(
+        self,
+        latents,
+        audio_latents,
+        t,
+        prompt_embeds,
+        prompt_attention_mask,
+        negative_prompt_embeds,
+        negative_prompt_attention_mask,
+        image_latents,
+        image_embeds,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One transformer forward and the CFG combination: v = v_u + g·(v_c − v_u), g = 5 (video) / 7 (audio).
+
+        Both halves share the noisy latents, the timestep (the scheduler's integer value, as a float
+        on the 0–1000 scale), the reference image latents and the special-token embedding; they differ
+        only in the text (each keeps its own length through the mask). Matches SandAI
+        ``Magi2PreviewSampler.prepare_model_input``/``cfg_velocity`` with ``use_ref_for_uncond``.
+        """
+        batch = latents.shape[0]
+        cfg = self.do_classifier_free_guidance
+        copies = 2 if cfg else 1
+        if cfg:
+            longest = max(prompt_embeds.shape[1], negative_prompt_embeds.shape[1])
+            text = prompt_embeds.new_zeros(2 * batch, longest, prompt_embeds.shape[-1])
+            mask = torch.zeros(2 * batch, longest, dtype=torch.bool, device=prompt_embeds.device)
+            text[:batch, : prompt_embeds.shape[1]] = prompt_embeds
+            mask[:batch, : prompt_embeds.shape[1]] = prompt_attention_mask
+            text[batch:, : negative_prompt_embeds.shape[1]] = negative_prompt_embeds.to(text.dtype)
+            mask[batch:, : negative_prompt_embeds.shape[1]] = negative_prompt_attention_mask
+        else:
+            text, mask = prompt_embeds, prompt_attention_mask
+        timestep = t.to(device=latents.device, dtype=torch.float32).reshape(1).expand(copies * batch)
+        kwargs = {}
+        if image_latents is not None:
+            kwargs["image_latents"] = torch.cat([image_latents] * copies, dim=0)
+            kwargs["image_embeds"] = torch.cat([image_embeds] * copies, dim=0)
+        output = self.transformer(
+            hidden_states=torch.cat([latents] * copies, dim=0),
+            timestep=timestep,
+            encoder_hidden_states=text,
+            audio_hidden_states=torch.cat([audio_latents] * copies, dim=0),
+            encoder_attention_mask=mask,
+            attention_kwargs=self.attention_kwargs,
+            return_dict=True,
+            **kwargs,
+        )
+        video = output.sample.float()
+        audio = output.audio_sample.float()
+        if not cfg:
+            return video, audio
+        video_cond, video_uncond = video[:batch], video[batch:]
+        audio_cond, audio_uncond = audio[:batch], audio[batch:]
+        video = video_uncond + self.guidance_scale * (video_cond - video_uncond)
+        audio = audio_uncond + self.audio_guidance_scale * (audio_cond - audio_uncond)
+        return video, audio
