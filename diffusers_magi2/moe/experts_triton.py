@@ -1,0 +1,391 @@
+"""Fused Triton kernel for MAGI-2's multi-head routed experts (same signature as ``experts.torch_mh_moe_forward``).
+
+One program per (flat expert, tile of ``BLOCK_T`` routes): gather the tile's token rows of its head, gate and up
+GEMMs with fp32 accumulation, swiglu7 in fp32, round to the ``W_down`` dtype, down GEMM with fp32 accumulation,
+multiply by the route weight, round to the activation dtype and scatter-add into ``[S, H, Dh]``. The rounding
+points follow SandAI's ``_mh_moe_fwd_kernel`` (spec §3.4); the math is ours.
+
+Modes:
+
+* atomic (default): contributions are ``atomic_add``-ed into the output (bf16 output on GPU, as the reference);
+* ``deterministic=True``: each route writes its own row (no atomics); rows are reduced per (token, head) in
+  ascending global expert id order, in the activation dtype: bit-identical across runs.
+
+CPU interpreter (``TRITON_INTERPRET=1``, read once at import as Triton does): the interpreter computes bf16
+``tl.dot`` on raw bit patterns, truncates fp32->bf16 casts and has no bf16 atomics, so for non-fp32 dtypes every
+loaded tile is upcast to fp32, roundings are emulated bit-exactly (round to nearest even), and atomic mode
+accumulates bf16-rounded contributions in fp32 and casts once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from .experts import SWIGLU7_ALPHA, SWIGLU7_LIMIT, check_expert_inputs
+
+__all__ = ["triton_mh_moe_forward", "check_triton_dims", "TileConfig"]
+
+#: Whether kernels run in Triton's CPU interpreter (fixed at import, as ``@triton.jit`` reads it then).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_CONFIG_FILE = Path(__file__).with_name("launch_configs") / "mh_moe_fwd.json"
+
+# Rounding modes (constexpr): 0 keep fp32, 1 native cast to the pointer dtype, 2 emulate RNE bf16 in fp32,
+# 3 round-trip through fp16 (interpreter, fp16 tensors).
+_KEEP, _NATIVE, _EMU_BF16, _EMU_FP16 = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch candidate: tokens per tile, Dh chunk of the gate/up GEMMs, De chunk, warps, stages."""
+
+    block_t: int
+    block_dh: int
+    block_de: int
+    num_warps: int
+    num_stages: int
+
+
+def check_triton_dims(head_dim: int, expert_dim: int) -> None:
+    """Raise ``ValueError`` unless ``Dh`` and ``De`` are positive multiples of 16 (``tl.dot`` minimum tile)."""
+    for name, value in (("Dh (MoE head width)", head_dim), ("De (expert width)", expert_dim)):
+        if value < 16 or value % 16 != 0:
+            raise ValueError(f"the Triton MoE kernel needs {name} to be a positive multiple of 16; got {value}")
+
+
+@triton.jit
+def _round_bf16_rne(x):
+    """fp32 -> nearest-even bf16 value, kept in fp32 (bit-exact with torch's ``.bfloat16()``)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to(x, ptr_dtype_src, MODE: tl.constexpr):
+    if MODE == 1:
+        return x.to(ptr_dtype_src.dtype.element_ty)
+    elif MODE == 2:
+        return _round_bf16_rne(x)
+    elif MODE == 3:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _mh_moe_fwd_kernel(
+    # pointers
+    x_ptr,  # [S, H, Dh] activations
+    w_gate_ptr,  # [H*E, Dh, De]
+    w_up_ptr,  # [H*E, Dh, De]
+    w_down_ptr,  # [H*E, De, Dh]
+    gather_ids_ptr,  # [T] int32/int64 token per route (CSR order)
+    probs_ptr,  # [T] fp32 route weight
+    offsets_ptr,  # [H*E+1] int64 CSR offsets
+    tile_offsets_ptr,  # [H*E+1] int32 cumulative tile counts
+    dest_ptr,  # [T] int64 destination row per route (deterministic mode only)
+    out_ptr,  # atomic: [S, H, Dh]; deterministic: [T, Dh]
+    # strides (elements)
+    stride_xs,
+    stride_xh,
+    stride_wg_e,
+    stride_wg_k,
+    stride_wg_n,
+    stride_wu_e,
+    stride_wu_k,
+    stride_wu_n,
+    stride_wd_e,
+    stride_wd_n,
+    stride_wd_k,
+    stride_os,
+    stride_oh,
+    # matrix dimensions
+    HEAD_DIM: tl.constexpr,
+    EXPERT_DIM: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_FLAT: tl.constexpr,
+    LOG2_FLAT: tl.constexpr,
+    # meta-parameters
+    BLOCK_T: tl.constexpr,
+    BLOCK_DH: tl.constexpr,
+    BLOCK_DE: tl.constexpr,
+    DH_PAD: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HID_ROUND: tl.constexpr,
+    OUT_ROUND: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    total_tiles = tl.load(tile_offsets_ptr + NUM_FLAT)
+    if pid >= total_tiles:
+        return
+    # Flat expert g with tile_offsets[g] <= pid < tile_offsets[g + 1] (binary search, empty experts skipped).
+    lo = pid * 0
+    hi = lo + NUM_FLAT
+    for _ in tl.static_range(LOG2_FLAT):
+        mid = (lo + hi) // 2
+        go_right = tl.load(tile_offsets_ptr + mid) <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    g = lo.to(tl.int64)
+    head = g // NUM_EXPERTS
+    tile = (pid - tl.load(tile_offsets_ptr + g)).to(tl.int64)
+    row_start = tl.load(offsets_ptr + g).to(tl.int64) + tile * BLOCK_T
+    row_end = tl.load(offsets_ptr + g + 1).to(tl.int64)
+
+    rows = row_start + tl.arange(0, BLOCK_T).to(tl.int64)
+    rmask = rows < row_end
+    tok = tl.load(gather_ids_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    prob = tl.load(probs_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    x_rows = x_ptr + tok * stride_xs + head * stride_xh  # [BLOCK_T] row pointers
+
+    cols_out = tl.arange(0, DH_PAD)
+    out_mask = cols_out < HEAD_DIM
+    acc = tl.zeros((BLOCK_T, DH_PAD), dtype=tl.float32)
+    wg_base = w_gate_ptr + g * stride_wg_e
+    wu_base = w_up_ptr + g * stride_wu_e
+    wd_base = w_down_ptr + g * stride_wd_e
+    for n0 in range(0, EXPERT_DIM, BLOCK_DE):
+        cols_n = n0 + tl.arange(0, BLOCK_DE)
+        nmask = cols_n < EXPERT_DIM
+        gate = tl.zeros((BLOCK_T, BLOCK_DE), dtype=tl.float32)
+        up = tl.zeros((BLOCK_T, BLOCK_DE), dtype=tl.float32)
+        for k0 in range(0, HEAD_DIM, BLOCK_DH):
+            cols_k = k0 + tl.arange(0, BLOCK_DH)
+            kmask = cols_k < HEAD_DIM
+            xt = tl.load(x_rows[:, None] + cols_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            wmask = kmask[:, None] & nmask[None, :]
+            wg = tl.load(wg_base + cols_k[:, None] * stride_wg_k + cols_n[None, :] * stride_wg_n, mask=wmask, other=0.0)
+            wu = tl.load(wu_base + cols_k[:, None] * stride_wu_k + cols_n[None, :] * stride_wu_n, mask=wmask, other=0.0)
+            if UPCAST:
+                xt = xt.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            gate = tl.dot(xt, wg, gate, input_precision="ieee")
+            up = tl.dot(xt, wu, up, input_precision="ieee")
+        # swiglu7 in fp32: min(gate, 7) * sigmoid(1.702 * min(gate, 7)) * (clamp(up, -7, 7) + 1)
+        gate = tl.minimum(gate, 7.0)
+        up = tl.minimum(tl.maximum(up, -7.0), 7.0)
+        hid = gate * tl.sigmoid(1.702 * gate) * (up + 1.0)
+        hid = _round_to(hid, w_down_ptr, HID_ROUND)
+        wd = tl.load(
+            wd_base + cols_n[:, None] * stride_wd_n + cols_out[None, :] * stride_wd_k,
+            mask=nmask[:, None] & out_mask[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            wd = wd.to(tl.float32)
+        acc = tl.dot(hid, wd, acc, input_precision="ieee")
+
+    contrib = _round_to(acc * prob[:, None], out_ptr, OUT_ROUND)
+    store_mask = rmask[:, None] & out_mask[None, :]
+    if DETERMINISTIC:
+        dest = tl.load(dest_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        tl.store(out_ptr + dest[:, None] * HEAD_DIM + cols_out[None, :], contrib, mask=store_mask)
+    else:
+        dst = out_ptr + tok[:, None] * stride_os + head * stride_oh + cols_out[None, :]
+        tl.atomic_add(dst, contrib, mask=store_mask, sem="relaxed")
+
+
+# --------------------------------------------------------------------------------------------------- launching
+
+_CANDIDATES_CACHE: dict[str, list[TileConfig]] = {}
+_CHOSEN: dict[tuple, TileConfig] = {}
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "interpreter"
+
+
+def tile_candidates(device_key: str) -> list[TileConfig]:
+    """Tile candidates for ``device_key`` from ``launch_configs/mh_moe_fwd.json`` (longest substring match)."""
+    if device_key not in _CANDIDATES_CACHE:
+        table = json.loads(_CONFIG_FILE.read_text())
+        matches = [k for k in table if not k.startswith("_") and k != "default" and k in device_key]
+        key = max(matches, key=len) if matches else "default"
+        _CANDIDATES_CACHE[device_key] = [TileConfig(*row) for row in table[key]]
+    return _CANDIDATES_CACHE[device_key]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _launch(config: TileConfig, grid: int, args: tuple, constants: dict) -> None:
+    """Launch one kernel with ``config`` (separate so tests can observe or fail launches)."""
+    _mh_moe_fwd_kernel[(grid,)](
+        *args,
+        BLOCK_T=config.block_t,
+        BLOCK_DH=min(config.block_dh, constants["DH_PAD"]),
+        BLOCK_DE=min(config.block_de, _next_pow2(constants["EXPERT_DIM"])),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **constants,
+    )
+
+
+def _rounding_mode(dtype: torch.dtype, native_ok: bool) -> int:
+    if dtype == torch.float32:
+        return _KEEP
+    if native_ok:
+        return _NATIVE
+    return _EMU_BF16 if dtype == torch.bfloat16 else _EMU_FP16
+
+
+def triton_mh_moe_forward(
+    x: torch.Tensor,
+    gather_ids: torch.Tensor,
+    probs: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """Fused routed-expert compute; same contract as :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward`.
+
+    Args:
+        x: ``[S, H, Dh]`` fp32/bf16/fp16 activations (last dim contiguous).
+        gather_ids: ``[T]`` int32/int64 token index per route, CSR (expert-major) order.
+        probs: ``[T]`` float route weights (``route_scale`` applied).
+        expert_offsets: ``[H*E + 1]`` int CSR offsets.
+        w_gate, w_up: ``[H*E, Dh, De]``; w_down: ``[H*E, De, Dh]`` (any strides).
+        deterministic: write per-route rows without atomics and sum them per (token, head) in ascending global
+            expert id order (requires every (token, head) to own the same number of routes, as top-k routing
+            gives): bit-identical across runs.
+
+    Returns:
+        ``[S, H, Dh]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: bad shapes/dtypes/devices, ``Dh``/``De`` not multiples of 16, CPU tensors without
+            ``TRITON_INTERPRET=1``, or (deterministic) ``T`` not a multiple of ``S*H``.
+        triton.runtime.errors.OutOfResources: no tile candidate fits the device.
+        RuntimeError: any launch failure other than ``OutOfResources`` (never swallowed).
+    """
+    num_tokens, num_heads, head_dim, num_experts, expert_dim = check_expert_inputs(
+        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down
+    )
+    check_triton_dims(head_dim, expert_dim)
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
+    if not x.is_cuda and not INTERPRET:
+        raise ValueError(
+            f"triton_mh_moe_forward needs CUDA tensors (got {x.device}); CPU tensors run only in Triton's "
+            "interpreter, enabled by TRITON_INTERPRET=1 before diffusers_magi2.moe.experts_triton is imported"
+        )
+    if x.stride(2) != 1:
+        raise ValueError("x must have a contiguous last dimension (stride 1)")
+    num_routes = gather_ids.numel()
+    num_flat = num_heads * num_experts
+    if deterministic and num_tokens * num_heads > 0 and num_routes % (num_tokens * num_heads) != 0:
+        raise ValueError(
+            f"deterministic mode needs the same number of routes per (token, head): T={num_routes} is not a "
+            f"multiple of S*H={num_tokens * num_heads}"
+        )
+    if num_routes == 0 or num_tokens == 0:
+        return torch.zeros_like(x, memory_format=torch.contiguous_format)
+
+    device = x.device
+    act_dtype = x.dtype
+    native = not INTERPRET
+    upcast = INTERPRET and (act_dtype != torch.float32 or w_gate.dtype != torch.float32)
+    hid_round = _rounding_mode(w_down.dtype, native)
+    out_round = _rounding_mode(act_dtype, native)
+    offsets = expert_offsets.to(torch.int64)
+    probs32 = probs.to(torch.float32)
+
+    if deterministic:
+        # Destination of each route: grouped by (head, token), inside a group in CSR (= ascending expert) order.
+        route = torch.arange(num_routes, device=device, dtype=torch.int64)
+        flat = torch.searchsorted(offsets, route, right=True) - 1
+        key = torch.div(flat, num_experts, rounding_mode="floor") * num_tokens + gather_ids.to(torch.int64)
+        order = torch.sort(key, stable=True).indices
+        dest = torch.empty_like(order)
+        dest[order] = route
+        # Rows of bf16/fp16 runs are rounded in-kernel; keep fp32 storage in the interpreter (cast is exact).
+        out_dtype = act_dtype if native else torch.float32
+        out = torch.empty(num_routes, head_dim, device=device, dtype=out_dtype)
+        stride_os, stride_oh = 0, 0
+    else:
+        dest = gather_ids  # unused
+        out_dtype = act_dtype if native else torch.float32
+        out = torch.zeros(num_tokens, num_heads, head_dim, device=device, dtype=out_dtype)
+        stride_os, stride_oh = out.stride(0), out.stride(1)
+
+    constants = dict(
+        HEAD_DIM=head_dim,
+        EXPERT_DIM=expert_dim,
+        NUM_EXPERTS=num_experts,
+        NUM_FLAT=num_flat,
+        LOG2_FLAT=max(1, (num_flat - 1).bit_length()),
+        DH_PAD=_next_pow2(head_dim),
+        UPCAST=upcast,
+        HID_ROUND=hid_round,
+        OUT_ROUND=out_round,
+        DETERMINISTIC=deterministic,
+    )
+    counts = offsets[1:] - offsets[:-1]
+    device_key = _device_key(device)
+    cache_key = (device_key, head_dim, expert_dim, act_dtype, w_gate.dtype, deterministic)
+    candidates = tile_candidates(device_key)
+    chosen = _CHOSEN.get(cache_key)
+    start = candidates.index(chosen) if chosen in candidates else 0
+    last_error: OutOfResources | None = None
+    for config in candidates[start:]:
+        tiles = torch.div(counts + (config.block_t - 1), config.block_t, rounding_mode="floor")
+        tile_offsets = torch.cat([tiles.new_zeros(1), torch.cumsum(tiles, 0)]).to(torch.int32)
+        if x.is_cuda:  # static upper bound: no host sync
+            grid = num_routes // config.block_t + min(num_flat, num_routes)
+        else:  # the interpreter is already on the host; launch exactly the real tiles
+            grid = int(tile_offsets[-1])
+        args = (
+            x,
+            w_gate,
+            w_up,
+            w_down,
+            gather_ids,
+            probs32,
+            offsets,
+            tile_offsets,
+            dest,
+            out,
+            x.stride(0),
+            x.stride(1),
+            *w_gate.stride(),
+            *w_up.stride(),
+            *w_down.stride(),
+            stride_os,
+            stride_oh,
+        )
+        try:
+            _launch(config, max(grid, 1), args, constants)
+        except OutOfResources as err:  # raised at compile/launch time, before anything is enqueued
+            last_error = err
+            continue
+        _CHOSEN[cache_key] = config
+        break
+    else:
+        assert last_error is not None
+        raise last_error
+
+    if deterministic:
+        k = num_routes // (num_tokens * num_heads)
+        rows = out.to(act_dtype).view(num_heads, num_tokens, k, head_dim)
+        total = rows[:, :, 0]
+        for j in range(1, k):
+            total = total + rows[:, :, j]  # rounded in the activation dtype after every add, as the reference
+        return total.permute(1, 0, 2).contiguous()
+    return out.to(act_dtype)
