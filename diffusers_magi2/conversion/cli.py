@@ -1,0 +1,131 @@
+"""``magi2-convert``: command line of the SandAI MAGI-2 -> diffusers converter.
+
+Examples::
+
+    # whole release, bf16 output, 5 GB shards
+    magi2-convert --checkpoint_root /ckpt --output_path MAGI-2-preview-diffusers --dtype bf16
+
+    # only the transformer, from its own folder and config; plan only
+    magi2-convert --preview_dir /ckpt/preview --config magi2_preview.json \\
+        --output_path out --components transformer --dry_run
+
+This module and ``conversion/convert_magi2_to_diffusers.py`` are the only converter code that read
+argv; everything else takes explicit arguments (:mod:`diffusers_magi2.conversion.repo`).
+Exit status: 0 on success, 1 on any error (the message names the problem), 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .key_plan import DTYPE_CHOICES
+from .repo import ALL_COMPONENTS, RELEASE_LAYOUT, ConversionRequest, convert_checkpoint, push_folder_to_hub
+from .safetensors_io import parse_size
+
+__all__ = ["build_parser", "main", "request_from_args"]
+
+_PART_FLAGS = {
+    "transformer": "preview_dir",
+    "refiner": "refiner_dir",
+    "vae": "vae_path",
+    "video_decoder": "turbo_vae_dir",
+    "audio_vae": "audio_vae_dir",
+    "text_encoder": "text_encoder_dir",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``magi2-convert`` (flags as in issue 4)."""
+    p = argparse.ArgumentParser(
+        prog="magi2-convert",
+        description="Convert SandAI's MAGI-2 Preview release into a Hub-loadable diffusers repository.",
+    )
+    src = p.add_argument_group("inputs (each per-part flag works alone, without --checkpoint_root)")
+    src.add_argument("--checkpoint_root", type=Path, help="SandAI release root: preview/, refiner/, vae/Wan2.2_VAE.pth, turbo_vae/, stable-audio-open-1.0/, text_encoder/")
+    src.add_argument("--preview_dir", type=Path, help="preview transformer shards + model.safetensors.index.json")
+    src.add_argument("--refiner_dir", type=Path, help="refiner shards + index")
+    src.add_argument("--vae_path", type=Path, help="Wan2.2_VAE.pth")
+    src.add_argument("--turbo_vae_dir", type=Path, help="TurboVAE folder (JSON config + checkpoint.ckpt)")
+    src.add_argument("--audio_vae_dir", type=Path, help="stable-audio-open-1.0 folder (model_config.json + model.safetensors)")
+    src.add_argument("--text_encoder_dir", type=Path, help="Qwen3.5 text encoder folder (transformers format)")
+    src.add_argument("--config", type=Path, help="SandAI JSON (preview or refiner; 'extends' resolved) for transformer/refiner; default: the released configs")
+    p.add_argument("--output_path", type=Path, required=True, help="repository folder to create")
+    p.add_argument("--components", help=f"comma list of {','.join(ALL_COMPONENTS)} (default: all whose inputs are given, plus scheduler)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="keep", help="output dtype; fp32 islands always stay fp32 (default: keep)")
+    p.add_argument("--max_shard_size", default="5GB", help="output shard size limit, e.g. 5GB, 500MB (default: 5GB)")
+    p.add_argument("--dry_run", action="store_true", help="read headers only, print the key plan and shard layout, write nothing")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output_path")
+    p.add_argument("--push_to_hub", action="store_true", help="upload the result with huggingface_hub (needs --repo_id)")
+    p.add_argument("--repo_id", help="Hub repository id, e.g. org/MAGI-2-preview-diffusers")
+    p.add_argument("--private", action="store_true", help="create the Hub repository as private")
+    return p
+
+
+def request_from_args(args: argparse.Namespace, log=print) -> ConversionRequest:
+    """Turn parsed flags into a :class:`ConversionRequest` (per-part flags override the root layout).
+
+    Raises:
+        ValueError: unknown component names, ``--push_to_hub`` without ``--repo_id``.
+    """
+    inputs: dict[str, Path] = {}
+    if args.checkpoint_root is not None:
+        root = Path(args.checkpoint_root)
+        if not root.is_dir():
+            raise ValueError(f"--checkpoint_root {root} is not a directory")
+        for comp, rel in RELEASE_LAYOUT.items():
+            if (root / rel).exists():
+                inputs[comp] = root / rel
+    for comp, flag in _PART_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            inputs[comp] = Path(value)
+    if args.components:
+        components = [c.strip() for c in args.components.split(",") if c.strip()]
+        unknown = [c for c in components if c not in ALL_COMPONENTS]
+        if unknown:
+            raise ValueError(f"--components: unknown {unknown}; allowed: {', '.join(ALL_COMPONENTS)}")
+    else:
+        components = [c for c in ALL_COMPONENTS if c in inputs]
+        if components:
+            components.append("scheduler")
+        if args.checkpoint_root is not None:
+            for comp, rel in RELEASE_LAYOUT.items():
+                if comp not in inputs:
+                    log(f"[{comp}] not converted: {Path(args.checkpoint_root) / rel} does not exist")
+    if args.push_to_hub and not args.repo_id:
+        raise ValueError("--push_to_hub needs --repo_id")
+    return ConversionRequest(
+        output_path=Path(args.output_path),
+        components=components,
+        inputs={c: p for c, p in inputs.items() if c in components},
+        config=args.config,
+        dtype=args.dtype,
+        max_shard_size=parse_size(args.max_shard_size),
+        overwrite=args.overwrite,
+        dry_run=args.dry_run,
+        repo_id=args.repo_id,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the converter; returns the process exit status (the console script exits with it)."""
+    args = build_parser().parse_args(argv)
+    try:
+        req = request_from_args(args)
+        out = convert_checkpoint(req)
+        if args.push_to_hub:
+            if out is None:
+                print("--dry_run: nothing uploaded")
+            else:
+                push_folder_to_hub(out, args.repo_id, private=args.private)
+    except Exception as err:  # noqa: BLE001 - every failure becomes a message and a non-zero exit
+        kind = "" if isinstance(err, ValueError) else f"{type(err).__name__}: "
+        print(f"magi2-convert: error: {kind}{err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

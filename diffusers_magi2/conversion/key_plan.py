@@ -1,0 +1,404 @@
+"""Key plan for the MAGI-2 transformer and refiner: SandAI checkpoint keys -> diffusers keys.
+
+The plan is rename-only and shape-preserving (issue 4):
+
+* ``block.layers.{i}.<rest>`` -> ``transformer_blocks.{i}.<rest>``; every other key
+  (``pre_adapter.*``, ``post_adapter.*``) keeps its name.
+* Every tensor is kept whole (no split, transpose or de-interleave), so expert-parallel ranks can
+  ``get_slice`` their rows straight from the Hub files (spec §6.3).
+* ``...router.expert_bias`` is written with the values of the source ``...router.expert_bias_ema``
+  (the reference loader's ``_apply_router_bias_ema``, default ``MAGI2_ROUTER_BIAS_SOURCE=ema``);
+  ``...router.expert_bias_ema`` is written unchanged. The source ``expert_bias`` must be present
+  (the reference loads strictly) but its values are not used.
+
+Validation is exhaustive: :func:`build_key_plan` collects every problem (index faults, missing or
+unknown keys, shape and dtype mismatches) and raises one :class:`CheckpointValidationError`
+listing them all, before anything is written. The expected keys, shapes and dtypes come from the
+diffusers model built on the meta device (see ``convert_transformer.expected_specs_from_model``);
+the plan itself knows nothing about the architecture, so it serves the preview (1,371 keys) and
+the refiner (281 keys) alike.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .safetensors_io import (
+    DTYPE_TO_TORCH,
+    OutputTensor,
+    SafetensorsHeader,
+    check_data_present,
+    read_safetensors_header,
+)
+
+__all__ = [
+    "CheckpointValidationError",
+    "KeyPlan",
+    "PlannedTensor",
+    "SourceCheckpoint",
+    "TensorSpec",
+    "build_key_plan",
+    "is_fp32_island",
+    "map_state_dict",
+    "read_source_checkpoint",
+    "source_to_target_key",
+    "target_dtype_for",
+    "target_to_source_key",
+]
+
+SOURCE_INDEX_NAME = "model.safetensors.index.json"
+SOURCE_SINGLE_FILE = "model.safetensors"
+_SOURCE_BLOCK = re.compile(r"^block\.layers\.(\d+)\.")
+_TARGET_BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.")
+_ROUTER_BIAS = "router.expert_bias"
+_ROUTER_BIAS_EMA = "router.expert_bias_ema"
+DTYPE_CHOICES = ("keep", "bf16", "fp32")
+
+
+def source_to_target_key(key: str) -> str:
+    """Map a SandAI key to its diffusers name: only ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``."""
+    return _SOURCE_BLOCK.sub(r"transformer_blocks.\1.", key, count=1)
+
+
+def target_to_source_key(key: str) -> str:
+    """Inverse of :func:`source_to_target_key`."""
+    return _TARGET_BLOCK.sub(r"block.layers.\1.", key, count=1)
+
+
+def is_fp32_island(key: str) -> bool:
+    """Whether a tensor is stored and computed in fp32 whatever the model dtype (spec §1.11, C02).
+
+    True for the input embedders and ``rope.bands`` (``pre_adapter.*``), everything in
+    ``post_adapter.*``, every norm weight (any name component containing ``norm``:
+    ``pre_norm``, ``q_norm``, ``k_norm``, ``mhc_norm``, ``final_norm_*``), ``attention.sinks``,
+    every ``mhc_*`` parameter, the router ``moe_mlp.gate`` and both router biases. Accepts source
+    or target names. Checked against the full-size key tables of both released models.
+    """
+    parts = key.split(".")
+    if parts[0] in ("pre_adapter", "post_adapter"):
+        return True
+    if any("norm" in p for p in parts):
+        return True
+    if parts[-1] == "sinks" or any(p.startswith("mhc_") for p in parts):
+        return True
+    if "router" in parts:
+        return True
+    return len(parts) >= 2 and parts[-2] == "moe_mlp" and parts[-1] == "gate"
+
+
+def target_dtype_for(key: str, source_dtype: str, dtype: str) -> str:
+    """Output safetensors dtype code for a tensor under ``--dtype`` (fp32 islands always stay ``F32``).
+
+    Args:
+        key: tensor name (source or target).
+        source_dtype: its dtype code in the source file.
+        dtype: ``"keep"`` (source dtype), ``"bf16"`` or ``"fp32"``.
+
+    Raises:
+        ValueError: ``dtype`` is not one of those three.
+    """
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+    if is_fp32_island(key):
+        return "F32"
+    return {"keep": source_dtype, "bf16": "BF16", "fp32": "F32"}[dtype]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Expected shape and safetensors dtype code of one tensor."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One output tensor of the plan.
+
+    Attributes:
+        target_key: diffusers name written to the output.
+        source_key: SandAI name read from the source (``...expert_bias_ema`` for ``...expert_bias``).
+        source_file: source shard file name holding ``source_key``.
+        shape: shape (identical in source and output).
+        source_dtype / target_dtype: safetensors dtype codes.
+    """
+
+    target_key: str
+    source_key: str
+    source_file: str
+    shape: tuple[int, ...]
+    source_dtype: str
+    target_dtype: str
+
+    @property
+    def transform(self) -> str:
+        if source_to_target_key(self.source_key) != self.target_key:
+            return "copy of " + self.source_key.rsplit(".", 1)[-1]
+        return "rename" if self.source_key != self.target_key else "identity"
+
+
+@dataclass(frozen=True)
+class KeyPlan:
+    """A validated, ordered conversion plan for one transformer checkpoint.
+
+    Attributes:
+        source_dir: the SandAI checkpoint folder.
+        entries: output tensors in write order (source shard by shard, in data-offset order).
+        source_files: source shard file names in reading order.
+        read_not_written: source keys validated but not written (the raw ``router.expert_bias``).
+    """
+
+    source_dir: Path
+    entries: tuple[PlannedTensor, ...]
+    source_files: tuple[str, ...]
+    read_not_written: tuple[str, ...] = ()
+
+    def output_tensors(self) -> list[OutputTensor]:
+        """The output tensors (target name, dtype, shape) in write order."""
+        return [OutputTensor(e.target_key, e.target_dtype, e.shape) for e in self.entries]
+
+    def entries_by_file(self) -> dict[str, list[PlannedTensor]]:
+        """Entries grouped by the source shard they are read from, in reading order."""
+        groups: dict[str, list[PlannedTensor]] = {f: [] for f in self.source_files}
+        for e in self.entries:
+            groups[e.source_file].append(e)
+        return groups
+
+    def describe(self) -> str:
+        """Human-readable plan: one line per output tensor (used by ``--dry_run``)."""
+        lines = [f"key plan for {self.source_dir}: {len(self.entries)} output tensors from {len(self.source_files)} source shard(s)"]
+        for e in self.entries:
+            dt = e.source_dtype if e.source_dtype == e.target_dtype else f"{e.source_dtype}->{e.target_dtype}"
+            lines.append(f"  {e.source_file}: {e.source_key} -> {e.target_key} {list(e.shape)} {dt} [{e.transform}]")
+        for k in self.read_not_written:
+            lines.append(f"  validated, not written (replaced by its EMA): {k}")
+        return "\n".join(lines)
+
+
+class CheckpointValidationError(ValueError):
+    """Every problem found in a source checkpoint, raised before anything is written.
+
+    Attributes:
+        problems: one message per problem.
+    """
+
+    def __init__(self, source: str | Path, problems: list[str], context: str = ""):
+        self.problems = list(problems)
+        head = f"{len(self.problems)} problem(s) in checkpoint {source}"
+        if context:
+            head += f" ({context})"
+        super().__init__(head + "; nothing was written:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+@dataclass
+class SourceCheckpoint:
+    """A SandAI safetensors checkpoint folder read at the header level.
+
+    Attributes:
+        directory: the folder.
+        weight_map: key -> shard file name, from the index (or the single file's header).
+        headers: shard file name -> parsed header, for every shard that could be read.
+        problems: index-level faults found while reading (missing/truncated/unreferenced shards,
+            keys missing from their shard, shard keys absent from the index).
+    """
+
+    directory: Path
+    weight_map: dict[str, str]
+    headers: dict[str, SafetensorsHeader]
+    problems: list[str] = field(default_factory=list)
+
+    def tensor(self, key: str):
+        """The header entry of ``key`` in the shard the index names, or ``None``."""
+        header = self.headers.get(self.weight_map.get(key, ""))
+        return None if header is None else header.tensors.get(key)
+
+
+def _shard_sort_key(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def read_source_checkpoint(directory: str | Path, *, check_data: bool = True) -> SourceCheckpoint:
+    """Read the index and every shard header of a SandAI checkpoint folder, collecting problems.
+
+    The index's ``weight_map`` is authoritative. Recorded as problems (not raised): a shard named
+    by the index that is missing or unreadable, a truncated shard (only when ``check_data``; a
+    dry run on header-only stubs passes ``False``), a key missing from the shard the index names,
+    a shard tensor absent from the index (or mapped to another shard), and a ``*.safetensors``
+    file in the folder that the index does not reference. Without an index, a single
+    ``model.safetensors`` is accepted (as the reference loader does).
+
+    Raises:
+        ValueError: the folder does not exist, or holds neither an index nor ``model.safetensors``,
+            or the index is not valid JSON with a ``weight_map`` object.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"checkpoint folder {directory} does not exist or is not a directory")
+    problems: list[str] = []
+    index_path = directory / SOURCE_INDEX_NAME
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+            raise ValueError(f"{index_path}: not a valid safetensors index (needs a JSON object with a 'weight_map' of key -> file)") from None
+    elif (directory / SOURCE_SINGLE_FILE).is_file():
+        weight_map = None
+    else:
+        raise ValueError(
+            f"{directory} holds neither {SOURCE_INDEX_NAME} nor {SOURCE_SINGLE_FILE}; "
+            "point the flag at the folder with the SandAI safetensors shards"
+        )
+
+    headers: dict[str, SafetensorsHeader] = {}
+    files = sorted(set(weight_map.values()), key=_shard_sort_key) if weight_map is not None else [SOURCE_SINGLE_FILE]
+    for fname in files:
+        path = directory / fname
+        if not path.is_file():
+            problems.append(f"{fname}: missing shard file (named by the index for {sum(v == fname for v in weight_map.values())} keys)")
+            continue
+        try:
+            header = read_safetensors_header(path)
+        except ValueError as err:
+            problems.append(f"{fname}: unreadable shard: {err}")
+            continue
+        if check_data:
+            msg = check_data_present(header)
+            if msg:
+                problems.append(msg)
+                continue
+        headers[fname] = header
+    if weight_map is None:
+        weight_map = {k: SOURCE_SINGLE_FILE for k in headers.get(SOURCE_SINGLE_FILE, SafetensorsHeader(directory, 0, {})).tensors}
+
+    for key, fname in weight_map.items():
+        header = headers.get(fname)
+        if header is not None and key not in header.tensors:
+            problems.append(f"{key}: listed in the index under {fname}, but that shard has no such tensor")
+    for fname, header in headers.items():
+        for key in header.tensors:
+            mapped = weight_map.get(key)
+            if mapped is None:
+                problems.append(f"{key}: present in shard {fname} but absent from the index")
+            elif mapped != fname:
+                problems.append(f"{key}: present in shard {fname} but the index maps it to {mapped} (stale or duplicate shard)")
+    referenced = set(files)
+    for path in sorted(directory.glob("*.safetensors")):
+        if path.name not in referenced:
+            problems.append(f"{path.name}: shard file not referenced by the index")
+    return SourceCheckpoint(directory, dict(weight_map), headers, problems)
+
+
+def build_key_plan(
+    source: SourceCheckpoint,
+    expected: Mapping[str, TensorSpec],
+    *,
+    dtype: str = "keep",
+    context: str = "",
+) -> KeyPlan:
+    """Validate ``source`` against the expected target tensors and return the ordered plan.
+
+    Args:
+        source: from :func:`read_source_checkpoint`.
+        expected: target key -> expected shape and *source* dtype code (from the model built on
+            the meta device from the config; fp32 islands ``F32``, the rest ``params_dtype``).
+        dtype: output dtype policy, ``"keep"``, ``"bf16"`` or ``"fp32"``; fp32 islands stay F32.
+        context: appended to the error heading, e.g. the config the weights were checked against.
+
+    Returns:
+        a :class:`KeyPlan` covering every expected key exactly once.
+
+    Raises:
+        CheckpointValidationError: listing together every problem of ``source.problems`` plus
+            every unknown key, missing key, shape mismatch and dtype mismatch. A config that
+            disagrees with the weights shows up here as missing/unknown keys or wrong shapes.
+        ValueError: ``dtype`` is not allowed.
+    """
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+    problems = list(source.problems)
+    needed_sources: dict[str, str] = {}  # source key -> target key it is validated as
+    for key in source.weight_map:
+        target = source_to_target_key(key)
+        if target not in expected:
+            problems.append(f"{key}: unexpected key (maps to {target}, which the model does not have)")
+        else:
+            needed_sources[key] = target
+    for target in expected:
+        src = target_to_source_key(target)
+        if src not in source.weight_map:
+            problems.append(f"{src}: missing key (the model needs {target})")
+
+    for src, target in needed_sources.items():
+        info = source.tensor(src)
+        if info is None:
+            continue  # already reported as an index/shard problem
+        spec = expected[target]
+        if tuple(info.shape) != tuple(spec.shape):
+            problems.append(f"{src}: shape {list(info.shape)} in {source.weight_map[src]}, the model expects {list(spec.shape)}")
+        if info.dtype != spec.dtype:
+            problems.append(f"{src}: dtype {info.dtype} in {source.weight_map[src]}, the model expects {spec.dtype}")
+    if problems:
+        raise CheckpointValidationError(source.directory, problems, context)
+
+    # Order: source shards in natural order, tensors in data-offset order inside each shard.
+    order = {}
+    for fname in sorted(source.headers, key=_shard_sort_key):
+        for key in source.headers[fname].tensors:  # headers are kept in data-offset order
+            order[key] = len(order)
+    entries: list[PlannedTensor] = []
+    read_not_written: list[str] = []
+    for src in sorted(needed_sources, key=order.__getitem__):
+        target = needed_sources[src]
+        read_from = src
+        if src.endswith("." + _ROUTER_BIAS):
+            read_from = src + "_ema"
+            read_not_written.append(src)
+        info = source.tensor(read_from)
+        entries.append(
+            PlannedTensor(
+                target_key=target,
+                source_key=read_from,
+                source_file=source.weight_map[read_from],
+                shape=tuple(info.shape),
+                source_dtype=info.dtype,
+                target_dtype=target_dtype_for(target, info.dtype, dtype),
+            )
+        )
+    files = tuple(f for f in sorted(source.headers, key=_shard_sort_key) if any(e.source_file == f for e in entries))
+    return KeyPlan(source.directory, tuple(entries), files, tuple(read_not_written))
+
+
+def map_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Apply the key plan to an in-memory SandAI state dict; the input is not modified.
+
+    Same rules as the on-disk plan: keys renamed, tensors kept whole (the same objects, not
+    copies), ``...router.expert_bias`` taken from ``...router.expert_bias_ema``. Calling it twice
+    on the same dict gives identical results (C04).
+
+    Raises:
+        ValueError: an ``expert_bias`` without its ``expert_bias_ema`` (the value cannot be set).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if key.endswith("." + _ROUTER_BIAS):
+            ema = key + "_ema"
+            if ema not in state_dict:
+                raise ValueError(f"{key} has no {ema} beside it; the converted expert_bias is the EMA value")
+            value = state_dict[ema]
+        out[source_to_target_key(key)] = value
+    return out
+
+
+def torch_dtype_of(code: str) -> torch.dtype:
+    """torch dtype for a safetensors dtype code."""
+    return DTYPE_TO_TORCH[code]

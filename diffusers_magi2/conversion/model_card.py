@@ -1,0 +1,71 @@
+"""Render the Hub model card (``README.md``) of a converted repository.
+
+Single source: the repository's top-level ``model_card.md``. The package reaches it as the
+resource ``diffusers_magi2/conversion/model_card.md``, which is a symbolic link to
+``../../model_card.md``: in a source checkout or an editable install it *is* the top-level file,
+and when a wheel is built setuptools copies the link's target as ordinary package data
+(``pyproject.toml`` ships ``**/*.md``), so an installed package renders the same text.
+``tests/conversion/test_convert_repo.py`` checks that the resource and the top-level file agree.
+
+Placeholders are ``{{ name }}``; rendering fails if one is left unfilled or unknown.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from importlib import resources
+
+__all__ = ["COMPONENT_DESCRIPTIONS", "load_model_card_template", "render_model_card"]
+
+_PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+
+#: folder -> (class shown in the card, what it was converted from).
+COMPONENT_DESCRIPTIONS: dict[str, tuple[str, str]] = {
+    "transformer": ("`Magi2Transformer3DModel`", "SandAI `preview/` (1,371 tensors, renamed only)"),
+    "refiner": ("`Magi2RefinerTransformer3DModel`", "SandAI `refiner/` (281 tensors, renamed only)"),
+    "vae": ("`diffusers.AutoencoderKLWan`", "`vae/Wan2.2_VAE.pth`"),
+    "video_decoder": ("`Magi2TurboVAEDecoder`", "`turbo_vae/checkpoint.ckpt` (EMA weights)"),
+    "audio_vae": ("`diffusers.AutoencoderOobleck`", "`stable-audio-open-1.0/` (`pretransform.model.*`)"),
+    "text_encoder": ("`transformers.Qwen3_5TextModel`", "`text_encoder/` (Qwen3.5-27B)"),
+    "tokenizer": ("tokenizer of `text_encoder/`", "`text_encoder/`"),
+    "scheduler": ("`diffusers.UniPCMultistepScheduler`", "flow prediction, shift 7"),
+}
+
+
+def load_model_card_template() -> str:
+    """Text of the top-level ``model_card.md`` (via the packaged resource).
+
+    Raises:
+        FileNotFoundError: the package was installed without it.
+    """
+    return resources.files("diffusers_magi2.conversion").joinpath("model_card.md").read_text(encoding="utf-8")
+
+
+def render_model_card(values: Mapping[str, str], template: str | None = None) -> str:
+    """Fill the ``{{ name }}`` placeholders of the model card.
+
+    Args:
+        values: placeholder -> text. The shipped card uses ``title``, ``repo_id``,
+            ``components_table``, ``converter_version`` and ``dtype``.
+        template: card text; the shipped ``model_card.md`` when ``None``.
+
+    Raises:
+        ValueError: a placeholder has no value, or a value names no placeholder.
+    """
+    text = load_model_card_template() if template is None else template
+    names = set(_PLACEHOLDER.findall(text))
+    missing = sorted(names - set(values))
+    unknown = sorted(set(values) - names)
+    if missing or unknown:
+        raise ValueError(f"model card placeholders: missing values for {missing}, values without a placeholder {unknown}")
+    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), text)
+
+
+def components_table(components: list[str]) -> str:
+    """Markdown table rows (``| folder | class | source |``) for the converted components."""
+    rows = []
+    for name in components:
+        cls, src = COMPONENT_DESCRIPTIONS[name]
+        rows.append(f"| `{name}/` | {cls} | {src} |")
+    return "\n".join(rows)

@@ -1,0 +1,327 @@
+"""Repository-level conversion: SandAI release -> diffusers pipeline folder (``magi2-convert``).
+
+:func:`convert_checkpoint` is the library entry point behind the CLI. It
+
+1. checks the request (components, inputs, output folder) and raises ``ValueError`` before any
+   work when something is wrong;
+2. validates and plans every transformer-like component from headers only (all problems of all
+   components are collected and raised together, nothing written);
+3. unless ``dry_run``, writes everything into a sibling temporary folder
+   ``.<OUT name>.tmp-<id>`` and renames it to ``OUT`` at the end; on any failure the temporary
+   folder is removed and ``OUT`` is left exactly as it was (absent, or untouched). An existing
+   non-empty ``OUT`` is refused unless ``overwrite``, in which case the whole folder is replaced
+   (so no stale shard of an earlier conversion can survive, C05).
+
+Output layout (a standard diffusers pipeline repo): ``model_index.json`` naming the
+``diffusers_magi2`` classes by their defining modules (C24), ``transformer/``, ``refiner/``,
+``vae/``, ``video_decoder/``, ``audio_vae/``, ``text_encoder/`` + ``tokenizer/``, ``scheduler/``,
+and ``README.md`` rendered from the top-level ``model_card.md``.
+
+The VAE, TurboVAE, Stable Audio and text-encoder conversions are functions of
+``diffusers_magi2.conversion.components`` (another engineer's module); a component whose function
+does not exist yet is skipped with a message saying so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .convert_transformer import PreparedTransformer, prepare_transformer_conversion, write_transformer
+from .key_plan import DTYPE_CHOICES, CheckpointValidationError
+from .model_card import components_table, render_model_card
+
+__all__ = [
+    "ALL_COMPONENTS",
+    "MODEL_INDEX_ENTRIES",
+    "ConversionRequest",
+    "convert_checkpoint",
+    "default_scheduler",
+    "model_index_dict",
+    "push_folder_to_hub",
+]
+
+ALL_COMPONENTS = ("transformer", "refiner", "vae", "video_decoder", "audio_vae", "text_encoder", "scheduler")
+TRANSFORMER_COMPONENTS = ("transformer", "refiner")
+
+#: model_index.json entries: component -> (library or defining module, class). The tokenizer class
+#: is read from the converted ``tokenizer_config.json``.
+MODEL_INDEX_ENTRIES: dict[str, tuple[str, str]] = {
+    "transformer": ("diffusers_magi2.models.transformer_magi2", "Magi2Transformer3DModel"),
+    "refiner": ("diffusers_magi2.models.transformer_magi2_refiner", "Magi2RefinerTransformer3DModel"),
+    "vae": ("diffusers", "AutoencoderKLWan"),
+    "video_decoder": ("diffusers_magi2.models.turbo_vae", "Magi2TurboVAEDecoder"),
+    "audio_vae": ("diffusers", "AutoencoderOobleck"),
+    "text_encoder": ("transformers", "Qwen3_5TextModel"),
+    "tokenizer": ("transformers", "PreTrainedTokenizerFast"),
+    "scheduler": ("diffusers", "UniPCMultistepScheduler"),
+}
+PIPELINE_ENTRY = ("diffusers_magi2.pipelines.pipeline_magi2", "Magi2Pipeline")
+
+#: component -> name of its conversion function in ``diffusers_magi2.conversion.components``.
+COMPONENT_FUNCTIONS = {
+    "vae": "convert_wan22_vae",
+    "video_decoder": "convert_turbo_vae",
+    "audio_vae": "convert_stable_audio_vae",
+    "text_encoder": "convert_text_encoder",
+}
+
+#: SandAI release layout under ``--checkpoint_root``: component -> relative input path.
+RELEASE_LAYOUT = {
+    "transformer": "preview",
+    "refiner": "refiner",
+    "vae": "vae/Wan2.2_VAE.pth",
+    "video_decoder": "turbo_vae",
+    "audio_vae": "stable-audio-open-1.0",
+    "text_encoder": "text_encoder",
+}
+
+
+@dataclass
+class ConversionRequest:
+    """What to convert and where.
+
+    Attributes:
+        output_path: the repository folder to create (``OUT``).
+        components: components to produce, a subset of :data:`ALL_COMPONENTS`.
+        inputs: component -> its source path (every requested component but ``scheduler``).
+        config: SandAI JSON for ``transformer``/``refiner`` (``None``: the released configs).
+        dtype: ``"keep"``, ``"bf16"`` or ``"fp32"``; fp32 islands always stay fp32.
+        max_shard_size: output shard size limit in bytes.
+        overwrite: replace an existing non-empty ``OUT``.
+        dry_run: validate and print the plan only; write nothing.
+        repo_id: Hub id shown in the model card snippet (and used by ``push_to_hub``).
+    """
+
+    output_path: Path
+    components: list[str]
+    inputs: dict[str, Path] = field(default_factory=dict)
+    config: Path | None = None
+    dtype: str = "keep"
+    max_shard_size: int = 5 * 10**9
+    overwrite: bool = False
+    dry_run: bool = False
+    repo_id: str | None = None
+
+
+def default_scheduler():
+    """The ``UniPCMultistepScheduler`` that reproduces SandAI's Flow-UniPC (spec §5.2), shift 7.
+
+    The pipeline passes ``sigmas=linspace(0.999, 0, N+1)[:-1]`` to ``set_timesteps`` and derives the
+    audio and refiner instances (refiner shift 5) from this one.
+    """
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(
+        num_train_timesteps=1000,
+        solver_order=2,
+        solver_type="bh2",
+        predict_x0=True,
+        lower_order_final=True,
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=7.0,
+        final_sigmas_type="zero",
+    )
+
+
+def model_index_dict(written: dict[str, tuple[str, str]]) -> dict:
+    """``model_index.json`` content: every pipeline component, ``[null, null]`` for those not converted."""
+    import diffusers
+
+    index: dict[str, object] = {"_class_name": PIPELINE_ENTRY[1], "_diffusers_version": diffusers.__version__}
+    for name in sorted(MODEL_INDEX_ENTRIES):
+        index[name] = list(written[name]) if name in written else [None, None]
+    return index
+
+
+def _tokenizer_class(folder: Path) -> str:
+    cfg = folder / "tokenizer_config.json"
+    if cfg.is_file():
+        cls = json.loads(cfg.read_text()).get("tokenizer_class")
+        if cls:
+            return str(cls)
+    return MODEL_INDEX_ENTRIES["tokenizer"][1]
+
+
+def _components_module():
+    try:
+        return importlib.import_module("diffusers_magi2.conversion.components")
+    except ModuleNotFoundError as err:
+        if err.name == "diffusers_magi2.conversion.components":
+            return None
+        raise
+
+
+def _check_request(req: ConversionRequest) -> None:
+    problems = []
+    unknown = [c for c in req.components if c not in ALL_COMPONENTS]
+    if unknown:
+        problems.append(f"unknown components {unknown}; allowed: {', '.join(ALL_COMPONENTS)}")
+    if not req.components:
+        problems.append("no components to convert: give --checkpoint_root or a per-part flag, or list --components")
+    if req.dtype not in DTYPE_CHOICES:
+        problems.append(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {req.dtype!r}")
+    for comp in req.components:
+        if comp == "scheduler" or comp not in ALL_COMPONENTS:
+            continue
+        src = req.inputs.get(comp)
+        if src is None:
+            problems.append(f"component {comp!r} was requested but no input was given for it")
+        elif not Path(src).exists():
+            problems.append(f"{comp}: input {src} does not exist")
+    if req.config is not None and not Path(req.config).exists():
+        problems.append(f"--config {req.config} does not exist")
+    out = Path(req.output_path)
+    if out.exists() and not out.is_dir():
+        problems.append(f"--output_path {out} exists and is not a directory")
+    elif out.is_dir() and any(out.iterdir()) and not req.overwrite and not req.dry_run:
+        problems.append(f"--output_path {out} exists and is not empty; pass --overwrite to replace it")
+    if problems:
+        raise ValueError("cannot convert:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = print) -> Path | None:
+    """Convert a SandAI MAGI-2 release (or parts of it) into a diffusers pipeline repository.
+
+    Returns:
+        the output folder, or ``None`` for a dry run.
+
+    Raises:
+        ValueError: a bad request (unknown component, missing input, non-empty ``OUT`` without
+            ``overwrite``), or :class:`CheckpointValidationError` listing every checkpoint problem
+            of every transformer-like component; raised before anything is written.
+        NotImplementedError: a requested transformer-like component whose model class does not
+            exist yet.
+        Any error of a component converter (e.g. a pickle refused by ``weights_only``) propagates
+        after the temporary folder is removed; ``OUT`` is never left half-written.
+    """
+    _check_request(req)
+    out = Path(req.output_path).absolute()
+
+    # 1. Plan every transformer-like component from headers; collect every problem.
+    prepared: dict[str, PreparedTransformer] = {}
+    failures: list[str] = []
+    for comp in TRANSFORMER_COMPONENTS:
+        if comp not in req.components:
+            continue
+        try:
+            prepared[comp] = prepare_transformer_conversion(
+                comp, req.inputs[comp], req.config, dtype=req.dtype, max_shard_size=req.max_shard_size,
+                check_data=not req.dry_run,
+            )
+        except CheckpointValidationError as err:
+            failures.append(f"[{comp}] {err}")
+    if failures:
+        raise ValueError("\n".join(failures))
+
+    # 2. Other components: present in the components module, or skipped with a message.
+    comp_mod = _components_module()
+    component_fns: dict[str, Callable] = {}
+    for comp, fn_name in COMPONENT_FUNCTIONS.items():
+        if comp not in req.components:
+            continue
+        fn = getattr(comp_mod, fn_name, None) if comp_mod is not None else None
+        if fn is None:
+            log(f"[{comp}] skipped: diffusers_magi2.conversion.components.{fn_name} does not exist yet "
+                f"(the {comp} conversion lands with its own issue)")
+        else:
+            component_fns[comp] = fn
+
+    if req.dry_run:
+        for comp, prep in prepared.items():
+            log(prep.describe())
+        for comp in component_fns:
+            log(f"[{comp}] would convert {req.inputs[comp]} with components.{COMPONENT_FUNCTIONS[comp]}")
+        if "scheduler" in req.components:
+            log("[scheduler] would write UniPCMultistepScheduler (flow prediction, shift 7)")
+        if out.is_dir() and any(out.iterdir()):
+            log(f"note: {out} exists and is not empty; a real run needs --overwrite")
+        log("dry run: headers only (shard data not checked), nothing written")
+        return None
+
+    # 3. Write into a sibling temporary folder, then rename into place.
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out.parent / f".{out.name}.tmp-{token}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        written: dict[str, tuple[str, str]] = {}
+        for comp, prep in prepared.items():
+            log(f"[{comp}] writing {len(prep.plan.entries)} tensors into {len(prep.layouts)} shard(s)")
+            write_transformer(prep, tmp / comp)
+            written[comp] = MODEL_INDEX_ENTRIES[comp]
+        for comp, fn in component_fns.items():
+            log(f"[{comp}] converting {req.inputs[comp]}")
+            if comp == "text_encoder":
+                fn(req.inputs[comp], tmp / "text_encoder", tmp / "tokenizer", req.dtype)
+                written["text_encoder"] = MODEL_INDEX_ENTRIES["text_encoder"]
+                written["tokenizer"] = (MODEL_INDEX_ENTRIES["tokenizer"][0], _tokenizer_class(tmp / "tokenizer"))
+            else:
+                fn(req.inputs[comp], tmp / comp, req.dtype)
+                written[comp] = MODEL_INDEX_ENTRIES[comp]
+        if "scheduler" in req.components:
+            default_scheduler().save_pretrained(tmp / "scheduler")
+            written["scheduler"] = MODEL_INDEX_ENTRIES["scheduler"]
+        (tmp / "model_index.json").write_text(json.dumps(model_index_dict(written), indent=2) + "\n")
+        (tmp / "README.md").write_text(_render_card(req, [c for c in ALL_COMPONENTS + ("tokenizer",) if c in written]))
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {out}")
+    return out
+
+
+def _render_card(req: ConversionRequest, components: list[str]) -> str:
+    from .. import __version__
+
+    repo_id = req.repo_id or "<your-namespace>/MAGI-2-preview-diffusers"
+    return render_model_card(
+        {
+            "title": "MAGI-2 Preview (Diffusers format)",
+            "repo_id": repo_id,
+            "components_table": components_table(components),
+            "converter_version": __version__,
+            "dtype": req.dtype,
+        }
+    )
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = out.parent / f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def push_folder_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, log: Callable[[str], None] = print) -> str:
+    """Create (if needed) the Hub model repo ``repo_id`` and upload ``folder`` to it in one commit.
+
+    Uses ``huggingface_hub.HfApi.create_repo(exist_ok=True)`` then ``upload_folder``; the token
+    comes from the usual ``huggingface_hub`` login / ``HF_TOKEN``.
+
+    Returns:
+        the repository URL.
+    """
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    url = api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)
+    api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model",
+                      commit_message="Upload MAGI-2 converted with diffusers_magi2 (magi2-convert)")
+    log(f"uploaded {folder} to {url}")
+    return str(url)

@@ -1,0 +1,460 @@
+"""Safetensors I/O for the converter: our own header parser and a streaming shard writer.
+
+Two jobs, kept apart from any MAGI-2 knowledge:
+
+* :func:`read_safetensors_header` parses the 8-byte length + JSON header of a ``.safetensors`` file
+  without touching the data section, so ``--dry_run`` works on header-only or sparse stub files
+  (``safetensors.safe_open`` refuses those, since it checks the file size first).
+  :func:`check_data_present` adds the size check that a real conversion needs.
+* :class:`ShardWriter` writes pre-sized output shards. Each shard's header is computed from the
+  plan before any data is read (:func:`plan_shards`), the file is created at its final size, and
+  every tensor is written in row chunks at its own offset, so a whole shard (or even a whole
+  tensor) is never held in memory. :func:`stream_tensor_chunks` reads a source tensor in row
+  chunks through ``safe_open(...).get_slice``.
+
+File format (https://github.com/huggingface/safetensors, "Format"): ``u64`` little-endian header
+length ``N``, ``N`` bytes of UTF-8 JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]},
+"__metadata__": {str: str}}``, then the data section; offsets are relative to the data section,
+little-endian, C order. Our writer pads the JSON with spaces to a multiple of 8 bytes, as the
+reference serializer does, so the data section starts 8-byte aligned.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "DTYPE_ITEMSIZE",
+    "DTYPE_TO_TORCH",
+    "TORCH_TO_DTYPE",
+    "SafetensorsHeader",
+    "ShardLayout",
+    "ShardWriter",
+    "TensorHeader",
+    "OutputTensor",
+    "check_data_present",
+    "encode_header",
+    "parse_size",
+    "plan_shards",
+    "read_safetensors_header",
+    "stream_tensor_chunks",
+    "write_index",
+]
+
+#: safetensors dtype code -> torch dtype (the codes the format defines that torch can hold).
+DTYPE_TO_TORCH: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+TORCH_TO_DTYPE: dict[torch.dtype, str] = {v: k for k, v in DTYPE_TO_TORCH.items()}
+#: bytes per element for each dtype code.
+DTYPE_ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPE_TO_TORCH.items()}
+
+# A header larger than this is certainly not a safetensors header (the format caps it at 100 MB).
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+# Default chunk size for streaming a tensor: bounded so no tensor is ever fully materialised.
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def parse_size(size: int | str) -> int:
+    """Parse a shard size such as ``"5GB"``, ``"500MB"``, ``"10KB"``, ``"2GiB"`` or ``1234`` into bytes.
+
+    Decimal units (KB/MB/GB/TB = 10^3…) follow ``huggingface_hub``'s ``max_shard_size`` convention;
+    binary units (KiB/MiB/GiB/TiB) are powers of 1024.
+
+    Raises:
+        ValueError: the size is not a positive number of bytes with one of those units.
+    """
+    if isinstance(size, int):
+        value = size
+    else:
+        text = str(size).strip()
+        units = {"TIB": 1024**4, "GIB": 1024**3, "MIB": 1024**2, "KIB": 1024, "TB": 10**12, "GB": 10**9,
+                 "MB": 10**6, "KB": 10**3, "B": 1}
+        upper = text.upper()
+        for unit, mult in units.items():
+            if upper.endswith(unit):
+                number = upper[: -len(unit)].strip()
+                break
+        else:
+            number, mult = upper, 1
+        try:
+            value = int(float(number) * mult)
+        except ValueError:
+            raise ValueError(
+                f"max_shard_size {size!r} is not a size; use bytes or a number with KB/MB/GB/TB (or KiB/MiB/GiB)"
+            ) from None
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """One tensor entry of a safetensors header.
+
+    Attributes:
+        name: tensor name.
+        dtype: safetensors dtype code (``"BF16"``, ``"F32"``, …).
+        shape: tensor shape.
+        data_offsets: ``(begin, end)`` byte offsets relative to the start of the data section.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data_offsets: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_offsets[1] - self.data_offsets[0]
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """Parsed header of one safetensors file.
+
+    Attributes:
+        path: the file.
+        data_start: byte offset of the data section in the file (``8 + header length``).
+        tensors: name -> :class:`TensorHeader`, in data-offset order.
+        metadata: the ``__metadata__`` string map (``{}`` when absent).
+    """
+
+    path: Path
+    data_start: int
+    tensors: dict[str, TensorHeader]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def data_size(self) -> int:
+        """Bytes the data section must hold (the largest end offset)."""
+        return max((t.data_offsets[1] for t in self.tensors.values()), default=0)
+
+    @property
+    def expected_file_size(self) -> int:
+        return self.data_start + self.data_size
+
+
+def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """Read and validate the header of a safetensors file without reading its data section.
+
+    Works on header-only stubs and sparse files. Checks that every entry has a known dtype, a
+    non-negative integer shape and offsets whose length equals ``prod(shape) * itemsize``, and
+    that entries do not overlap.
+
+    Raises:
+        ValueError: the file is missing, shorter than its declared header, or the header is not
+            valid safetensors JSON; the message names the file and the fault.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise ValueError(f"{path}: not a safetensors file (only {len(prefix)} bytes; the 8-byte header length is missing)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > _MAX_HEADER_BYTES:
+                raise ValueError(f"{path}: declared header length {header_len} bytes exceeds the 100 MB limit; not a safetensors file")
+            raw = fh.read(header_len)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, expected a safetensors file") from None
+    if len(raw) < header_len:
+        raise ValueError(f"{path}: truncated header ({len(raw)} of {header_len} bytes present)")
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: header is not valid JSON ({err})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: header must be a JSON object, got {type(obj).__name__}")
+    metadata = obj.pop("__metadata__", None) or {}
+    entries: list[TensorHeader] = []
+    for name, info in obj.items():
+        try:
+            dtype = info["dtype"]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: header entry {name!r} lacks a valid dtype/shape/data_offsets: {info!r}") from None
+        if dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}; allowed: {sorted(DTYPE_ITEMSIZE)}")
+        if any(d < 0 for d in shape) or begin < 0 or end < begin:
+            raise ValueError(f"{path}: tensor {name!r} has a negative shape or bad offsets {shape} {[begin, end]}")
+        nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+        if end - begin != nbytes:
+            raise ValueError(
+                f"{path}: tensor {name!r} {dtype}{list(shape)} needs {nbytes} bytes but its offsets span {end - begin}"
+            )
+        entries.append(TensorHeader(name, dtype, shape, (begin, end)))
+    entries.sort(key=lambda t: t.data_offsets)
+    for prev, cur in zip(entries, entries[1:]):
+        if cur.data_offsets[0] < prev.data_offsets[1]:
+            raise ValueError(f"{path}: tensors {prev.name!r} and {cur.name!r} overlap in the data section")
+    return SafetensorsHeader(path, 8 + header_len, {t.name: t for t in entries}, dict(metadata))
+
+
+def check_data_present(header: SafetensorsHeader) -> str | None:
+    """Return a problem message if the file is shorter than its header says, else ``None``.
+
+    A truncated shard (an interrupted download or copy) is detected here, before any data is read.
+    """
+    actual = header.path.stat().st_size
+    if actual < header.expected_file_size:
+        return (
+            f"{header.path.name}: truncated shard: its header needs {header.expected_file_size} bytes, "
+            f"the file has {actual}"
+        )
+    return None
+
+
+def stream_tensor_chunks(
+    handle, name: str, shape: Sequence[int], dtype: torch.dtype | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[torch.Tensor]:
+    """Yield a tensor of an open ``safe_open`` handle as contiguous row chunks along dim 0.
+
+    Args:
+        handle: an object returned by ``safetensors.safe_open(path, "pt")``.
+        name: tensor name in that file.
+        shape: its shape (from the header).
+        dtype: cast each chunk to this dtype (element-wise, so chunking does not change values);
+            ``None`` keeps the stored dtype.
+        chunk_bytes: upper bound on a chunk's size in the stored dtype (at least one row is read).
+
+    Yields:
+        contiguous tensors whose concatenation along dim 0 is the whole tensor (one chunk for 0-d).
+    """
+    if len(shape) == 0:
+        t = handle.get_tensor(name)
+        yield t.to(dtype) if dtype is not None else t
+        return
+    rows = shape[0]
+    if rows == 0 or math.prod(shape) == 0:
+        return
+    sl = handle.get_slice(name)
+    row_bytes = max(1, math.prod(shape[1:]) * DTYPE_ITEMSIZE[sl.get_dtype()])
+    step = max(1, chunk_bytes // row_bytes)
+    for r0 in range(0, rows, step):
+        chunk = sl[r0 : min(rows, r0 + step)]
+        if dtype is not None and chunk.dtype != dtype:
+            chunk = chunk.to(dtype)
+        yield chunk.contiguous()
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """A tensor to be written: name, safetensors dtype code and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """One output shard, fully determined before any data is read.
+
+    Attributes:
+        filename: file name inside the output folder.
+        header: the encoded header bytes (length prefix included).
+        offsets: tensor name -> absolute ``(begin, end)`` byte offsets in the file.
+        file_size: final size of the file in bytes.
+    """
+
+    filename: str
+    header: bytes
+    offsets: dict[str, tuple[int, int]]
+    file_size: int
+
+    @property
+    def data_size(self) -> int:
+        return self.file_size - len(self.header)
+
+
+def encode_header(tensors: Sequence[OutputTensor], metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """Encode a safetensors header for ``tensors`` laid out back to back in the given order.
+
+    Returns:
+        ``(prefix, rel_offsets)``: the 8-byte length + space-padded JSON, and each tensor's
+        ``(begin, end)`` relative to the data section.
+    """
+    obj: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    rel: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for t in tensors:
+        if t.name in rel:
+            raise ValueError(f"tensor {t.name!r} appears twice in one shard")
+        rel[t.name] = (pos, pos + t.nbytes)
+        obj[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        pos += t.nbytes
+    text = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, rel
+
+
+def plan_shards(
+    tensors: Sequence[OutputTensor],
+    max_shard_size: int,
+    weights_name: str = "diffusion_pytorch_model.safetensors",
+    metadata: dict[str, str] | None = None,
+) -> list[ShardLayout]:
+    """Split ``tensors`` into shards of at most ``max_shard_size`` data bytes and lay each one out.
+
+    Tensors are taken in the given order (the converter passes source order, so each source shard
+    feeds few output shards) and a new shard starts when the next tensor would overflow the
+    current one; a tensor larger than ``max_shard_size`` gets a shard of its own. Inside a shard,
+    tensors are ordered by element size (largest first) then name, so every tensor starts at an
+    offset aligned to its element size. File names follow ``save_pretrained``:
+    ``diffusion_pytorch_model.safetensors`` for one shard, else
+    ``diffusion_pytorch_model-0000i-of-0000n.safetensors``.
+
+    Raises:
+        ValueError: duplicate tensor names or a non-positive ``max_shard_size``.
+    """
+    if max_shard_size <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"duplicate output tensor names: {dup}")
+    groups: list[list[OutputTensor]] = []
+    current: list[OutputTensor] = []
+    size = 0
+    for t in tensors:
+        if current and size + t.nbytes > max_shard_size:
+            groups.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current or not groups:
+        groups.append(current)
+    stem, ext = weights_name.rsplit(".", 1)
+    layouts = []
+    for i, group in enumerate(groups):
+        ordered = sorted(group, key=lambda t: (-DTYPE_ITEMSIZE[t.dtype], t.name))
+        header, rel = encode_header(ordered, metadata)
+        offsets = {n: (b + len(header), e + len(header)) for n, (b, e) in rel.items()}
+        filename = weights_name if len(groups) == 1 else f"{stem}-{i + 1:05d}-of-{len(groups):05d}.{ext}"
+        layouts.append(ShardLayout(filename, header, offsets, len(header) + sum(t.nbytes for t in group)))
+    return layouts
+
+
+def write_index(folder: str | os.PathLike, layouts: Sequence[ShardLayout], weights_name: str = "diffusion_pytorch_model.safetensors") -> Path | None:
+    """Write ``<weights_name>.index.json`` (``metadata.total_size`` + ``weight_map``) for a sharded layout.
+
+    Returns the index path, or ``None`` for a single unsharded file (no index is written, as
+    ``save_pretrained`` does).
+    """
+    if len(layouts) == 1 and layouts[0].filename == weights_name:
+        return None
+    weight_map = {name: lay.filename for lay in layouts for name in sorted(lay.offsets)}
+    index = {
+        "metadata": {"total_size": sum(lay.data_size for lay in layouts)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    path = Path(folder) / f"{weights_name}.index.json"
+    path.write_text(json.dumps(index, indent=2) + "\n")
+    return path
+
+
+class ShardWriter:
+    """Write pre-laid-out shards tensor by tensor, chunk by chunk (a context manager).
+
+    On enter every shard file is created, its header written and the file extended to its final
+    size; :meth:`write_chunk` then writes each chunk at its tensor's next offset with ``os.pwrite``.
+    On a clean exit :meth:`close` checks that every tensor received exactly its byte count. The
+    writer never deletes files: the caller writes into a temporary directory and removes it on
+    failure.
+
+    Args:
+        folder: existing directory to write into.
+        layouts: from :func:`plan_shards`.
+    """
+
+    def __init__(self, folder: str | os.PathLike, layouts: Sequence[ShardLayout]):
+        self.folder = Path(folder)
+        self.layouts = list(layouts)
+        self._where: dict[str, tuple[int, int, int]] = {}  # name -> (shard idx, begin, end)
+        for i, lay in enumerate(self.layouts):
+            for name, (b, e) in lay.offsets.items():
+                self._where[name] = (i, b, e)
+        self._written: dict[str, int] = {name: 0 for name in self._where}
+        self._fds: list[int] = []
+
+    def __enter__(self) -> ShardWriter:
+        try:
+            for lay in self.layouts:
+                fd = os.open(self.folder / lay.filename, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                self._fds.append(fd)
+                os.pwrite(fd, lay.header, 0)
+                os.ftruncate(fd, lay.file_size)
+        except BaseException:
+            self._close_fds()
+            raise
+        return self
+
+    def write_chunk(self, name: str, chunk: torch.Tensor) -> None:
+        """Append ``chunk`` (a contiguous tensor in the planned dtype) to tensor ``name``'s bytes.
+
+        Raises:
+            ValueError: unknown tensor name, or more bytes than planned.
+        """
+        if name not in self._where:
+            raise ValueError(f"tensor {name!r} is not in the planned shard layout")
+        idx, begin, end = self._where[name]
+        data = chunk.contiguous().view(-1).view(torch.uint8).numpy() if chunk.numel() else b""
+        n = len(data) if isinstance(data, bytes) else data.nbytes
+        pos = begin + self._written[name]
+        if pos + n > end:
+            raise ValueError(f"tensor {name!r}: {self._written[name] + n} bytes written, planned {end - begin}")
+        view = memoryview(data).cast("B") if n else b""
+        while n:
+            done = os.pwrite(self._fds[idx], view, pos)
+            view, pos, n = view[done:], pos + done, n - done
+        self._written[name] = pos - begin
+
+    def close(self) -> None:
+        """Verify every tensor is complete, then close the files.
+
+        Raises:
+            ValueError: listing every tensor with a byte count other than planned.
+        """
+        self._close_fds()
+        short = [
+            f"{n}: {self._written[n]} of {e - b} bytes" for n, (_, b, e) in self._where.items() if self._written[n] != e - b
+        ]
+        if short:
+            raise ValueError("incomplete output tensors: " + "; ".join(short))
+
+    def _close_fds(self) -> None:
+        while self._fds:
+            os.close(self._fds.pop())
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._close_fds()
