@@ -68,3 +68,18 @@ def tiny_oobleck() -> AutoencoderOobleck:
     return AutoencoderOobleck(encoder_hidden_size=4, downsampling_ratios=[2, 4, 4, 8, 8],
                               channel_multiples=[1, 2, 2, 2, 2], decoder_channels=4,
                               decoder_input_channels=64, audio_channels=2, sampling_rate=44100).eval()
+
+
+def tiny_wan22_vae():
+    """A tiny random ``AutoencoderKLWan`` in Wan2.2 form (patchify 2, z_dim 48, stride 4x16x16)."""
+    from diffusers import AutoencoderKLWan
+
+    g = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    return AutoencoderKLWan(
+        base_dim=4, decoder_base_dim=6, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+        temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+        patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+        latents_mean=(torch.rand(48, generator=g) - 0.5).tolist(),
+        latents_std=(torch.rand(48, generator=g) + 0.5).tolist(),
+    ).eval()
