@@ -1,0 +1,149 @@
+"""Torch expert path (`torch_mh_moe_forward`, `swiglu7_pair`) against a plain per-route loop oracle; C17."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diffusers_magi2.moe.experts import swiglu7_pair, torch_mh_moe_forward
+from diffusers_magi2.moe.routing import compute_topk_probs_and_indices, global_sort_routes
+
+
+def swiglu7_scalar(g: float, u: float) -> float:
+    """Closed form, spec §1.8: min(g,7) * sigmoid(1.702*min(g,7)) * (clamp(u,-7,7) + 1)."""
+    g = min(g, 7.0)
+    u = max(-7.0, min(u, 7.0))
+    return g / (1.0 + math.exp(-1.702 * g)) * (u + 1.0)
+
+
+def loop_oracle(x, top_probs, top_idx, w_gate, w_up, w_down):
+    """One (token, head) at a time; contributions summed in the activation dtype in ascending expert id."""
+    num_tokens, num_heads, head_dim = x.shape
+    num_experts = w_gate.shape[0] // num_heads
+    out = torch.zeros_like(x)
+    for s in range(num_tokens):
+        for h in range(num_heads):
+            acc = torch.zeros(head_dim, dtype=x.dtype)
+            for j in sorted(range(top_idx.shape[-1]), key=lambda j: int(top_idx[h, s, j])):
+                g = h * num_experts + int(top_idx[h, s, j])
+                xv = x[s, h].double()
+                gate = (xv @ w_gate[g].double()).float()
+                up = (xv @ w_up[g].double()).float()
+                hid = swiglu7_pair(gate, up).to(w_down.dtype)
+                down = (hid.double() @ w_down[g].double()).float()
+                acc = acc + (down * top_probs[h, s, j]).to(x.dtype)
+            out[s, h] = acc
+    return out
+
+
+def random_case(num_tokens, num_heads, num_experts, top_k, head_dim, expert_dim, dtype, seed=0, scale=4.9):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    w_gate = (torch.randn(num_heads * num_experts, head_dim, expert_dim, generator=gen) * head_dim**-0.5).to(dtype)
+    w_up = (torch.randn(num_heads * num_experts, head_dim, expert_dim, generator=gen) * 2 * head_dim**-0.5).to(dtype)
+    w_down = (torch.randn(num_heads * num_experts, expert_dim, head_dim, generator=gen) * expert_dim**-0.5).to(dtype)
+    logits = torch.randn(num_heads, num_tokens, num_experts, generator=gen)
+    probs, idx = compute_topk_probs_and_indices(logits, top_k)
+    return x, probs * scale, idx, w_gate, w_up, w_down
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_matches_loop_oracle(dtype: torch.dtype) -> None:
+    x, probs, idx, w_gate, w_up, w_down = random_case(9, 3, 5, 3, 16, 24, dtype)
+    gather_ids, probs_sorted, offsets = global_sort_routes(probs, idx, 5)
+    out = torch_mh_moe_forward(x, gather_ids, probs_sorted, offsets, w_gate, w_up, w_down)
+    ref = loop_oracle(x, probs, idx, w_gate, w_up, w_down)
+    assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    else:  # fp32 accumulation order differs from the fp64 oracle: at most one bf16 ulp per contribution sum
+        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=2e-2)
+        assert (out != ref).float().mean() < 0.02
+
+
+def test_torch_path_empty_experts_zero_tokens_and_untouched_heads() -> None:
+    x, probs, idx, w_gate, w_up, w_down = random_case(4, 2, 6, 1, 16, 16, torch.float32)
+    idx.zero_()  # every route to expert 0 of its head: experts 1..5 empty
+    gather_ids, probs_sorted, offsets = global_sort_routes(probs, idx, 6)
+    out = torch_mh_moe_forward(x, gather_ids, probs_sorted, offsets, w_gate, w_up, w_down)
+    torch.testing.assert_close(out, loop_oracle(x, probs, idx, w_gate, w_up, w_down), atol=2e-5, rtol=1e-5)
+    # S = 0
+    empty = torch_mh_moe_forward(
+        x[:0], gather_ids[:0], probs_sorted[:0], torch.zeros_like(offsets), w_gate, w_up, w_down
+    )
+    assert empty.shape == (0, 2, 16)
+
+
+def test_swiglu7_pair_known_values_c17() -> None:
+    """C17: the "+1" on the linear half, the one-sided gate clamp and the ±7 linear clamp."""
+    gate = torch.tensor([1.0, 10.0, -10.0])
+    up = torch.tensor([0.0, 10.0, -10.0])
+    out = swiglu7_pair(gate, up)
+    torch.testing.assert_close(out[:2], torch.tensor([0.845796, 55.99963]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[2], torch.tensor(2.43e-6), atol=0, rtol=5e-3)
+    ref = torch.tensor([swiglu7_scalar(float(g), float(u)) for g, u in zip(gate, up)])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-6)
+    # A "standard SwiGLU" (no +1) would give 0 for (1, 0): guard against the "correction".
+    assert out[0] > 0.8
+    # dtype rules: input dtype by default, fp32 math, one rounding.
+    assert swiglu7_pair(gate.bfloat16(), up.bfloat16()).dtype == torch.bfloat16
+    assert swiglu7_pair(gate, up, out_dtype=torch.bfloat16).equal(out.bfloat16())
+
+
+def unit_swiglu_layer(gate_vals, up_vals, dtype=torch.float32):
+    """A 1-head, 1-expert bank whose single route outputs swiglu7(gate_vals, up_vals) (x = e0, W_down = I)."""
+    width = 16
+    x = torch.zeros(1, 1, width, dtype=dtype)
+    x[0, 0, 0] = 1.0
+    w_gate = torch.zeros(1, width, width, dtype=dtype)
+    w_up = torch.zeros(1, width, width, dtype=dtype)
+    w_gate[0, 0, : len(gate_vals)] = torch.tensor(gate_vals, dtype=dtype)
+    w_up[0, 0, : len(up_vals)] = torch.tensor(up_vals, dtype=dtype)
+    w_down = torch.eye(width, dtype=dtype).unsqueeze(0)
+    gather_ids = torch.zeros(1, dtype=torch.int32)
+    probs = torch.ones(1)
+    offsets = torch.tensor([0, 1])
+    return x, gather_ids, probs, offsets, w_gate, w_up, w_down
+
+
+def test_expert_path_applies_swiglu7_with_plus_one_c17() -> None:
+    args = unit_swiglu_layer([1.0, 10.0, -10.0], [0.0, 10.0, -10.0])
+    out = torch_mh_moe_forward(*args)[0, 0]
+    torch.testing.assert_close(out[:2], torch.tensor([0.845796, 55.99963]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[2], torch.tensor(2.43e-6), atol=0, rtol=5e-3)
+    assert (out[3:] == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda a: a.update(x=a["x"][0]), "x must be a 3-D"),
+        (lambda a: a.update(x=a["x"].double()), "x dtype"),
+        (lambda a: a.update(w_up=a["w_up"][:, :, :8]), "w_up must match w_gate"),
+        (lambda a: a.update(w_down=a["w_down"][:, :8]), "w_down must be"),
+        (lambda a: a.update(w_gate=a["w_gate"][:, :8], w_up=a["w_up"][:, :8]), "Dh="),
+        (lambda a: a.update(gather_ids=a["gather_ids"].float()), "gather_ids"),
+        (lambda a: a.update(probs=a["probs"][:-1]), "probs must be"),
+        (lambda a: a.update(expert_offsets=a["expert_offsets"][:-1]), "expert_offsets must be"),
+    ],
+)
+def test_expert_bad_input(mutate, match) -> None:
+    x, probs, idx, w_gate, w_up, w_down = random_case(4, 2, 3, 2, 16, 16, torch.float32)
+    gather_ids, probs_sorted, offsets = global_sort_routes(probs, idx, 3)
+    args = dict(
+        x=x, gather_ids=gather_ids, probs=probs_sorted, expert_offsets=offsets, w_gate=w_gate, w_up=w_up, w_down=w_down
+    )
+    mutate(args)
+    with pytest.raises(ValueError, match=match):
+        torch_mh_moe_forward(**args)
+
+
+def test_expert_offsets_inconsistent_with_routes() -> None:
+    x, probs, idx, w_gate, w_up, w_down = random_case(4, 2, 3, 2, 16, 16, torch.float32)
+    gather_ids, probs_sorted, offsets = global_sort_routes(probs, idx, 3)
+    bad = offsets.clone()
+    bad[-1] += 1
+    with pytest.raises(ValueError, match="non-decreasing from 0"):
+        torch_mh_moe_forward(x, gather_ids, probs_sorted, bad, w_gate, w_up, w_down)
