@@ -1,0 +1,173 @@
+"""Key plan: renames, fp32 islands, exhaustive validation (without building a model).
+
+Expected specs here are taken from the fixture checkpoint's own headers, so these tests check the
+plan logic alone; ``test_convert_transformer.py`` checks it against the real models.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from convert_testing_utils import (
+    checkpoint_dir,
+    copy_checkpoint,
+    mutate_tensor,
+    read_index,
+    read_tsv,
+    rewrite_shard,
+    shard_of,
+    write_index,
+)
+
+from diffusers_magi2.conversion.key_plan import (
+    CheckpointValidationError,
+    TensorSpec,
+    build_key_plan,
+    is_fp32_island,
+    map_state_dict,
+    read_source_checkpoint,
+    source_to_target_key,
+    target_dtype_for,
+    target_to_source_key,
+)
+
+BIAS = "block.layers.1.mlp.moe_mlp.router.expert_bias"
+
+
+def _expected_from(ckpt):
+    src = read_source_checkpoint(ckpt)
+    return {source_to_target_key(k): TensorSpec(src.tensor(k).shape, src.tensor(k).dtype) for k in src.weight_map}
+
+
+def test_rename_rule_only_touches_the_block_prefix():
+    assert source_to_target_key("block.layers.12.attention.linear_qkv.weight") == "transformer_blocks.12.attention.linear_qkv.weight"
+    assert source_to_target_key("pre_adapter.rope.bands") == "pre_adapter.rope.bands"
+    assert source_to_target_key("post_adapter.block.layers.1.x") == "post_adapter.block.layers.1.x"
+    for key in read_tsv("sandai_preview_state_dict.tsv"):
+        assert target_to_source_key(source_to_target_key(key)) == key
+
+
+@pytest.mark.parametrize("table", ["sandai_preview_state_dict.tsv", "sandai_refiner_state_dict.tsv"])
+def test_fp32_island_rule_matches_the_released_dtypes(table):
+    rows = read_tsv(table)
+    wrong = [k for k, (_, dt) in rows.items() if (dt == "F32") != is_fp32_island(k)]
+    assert wrong == []
+    # the same holds for the diffusers names
+    wrong = [k for k, (_, dt) in rows.items() if (dt == "F32") != is_fp32_island(source_to_target_key(k))]
+    assert wrong == []
+    if "preview" in table:  # C02: 118,754,352 fp32 *parameters* at FULL size (spec §0) ...
+        buffers = ("router.expert_bias", "rope.bands")  # ... plus the fp32 buffers (36*2*3072 + 16)
+        fp32 = sum(torch.Size(s).numel() for k, (s, dt) in rows.items() if dt == "F32" and not any(b in k for b in buffers))
+        assert fp32 == 118_754_352
+        assert sum(torch.Size(s).numel() for k, (s, _) in rows.items() if any(b in k for b in buffers)) == 221_200
+
+
+def test_target_dtype_policy_keeps_islands_fp32():
+    assert target_dtype_for("transformer_blocks.1.mlp.moe_mlp.W_up", "BF16", "fp32") == "F32"
+    assert target_dtype_for("transformer_blocks.1.mlp.moe_mlp.W_up", "F32", "bf16") == "BF16"
+    assert target_dtype_for("transformer_blocks.1.mlp.moe_mlp.W_up", "BF16", "keep") == "BF16"
+    assert target_dtype_for("transformer_blocks.1.mlp.moe_mlp.router.expert_bias", "F32", "bf16") == "F32"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        target_dtype_for("x", "F32", "fp16")
+
+
+def test_plan_covers_every_key_with_ema_bias():
+    ckpt = checkpoint_dir("preview_h4")
+    plan = build_key_plan(read_source_checkpoint(ckpt), _expected_from(ckpt), dtype="bf16")
+    targets = [e.target_key for e in plan.entries]
+    assert len(targets) == len(set(targets)) == 131
+    by_target = {e.target_key: e for e in plan.entries}
+    bias = by_target[source_to_target_key(BIAS)]
+    assert bias.source_key == BIAS + "_ema"
+    assert by_target[source_to_target_key(BIAS + "_ema")].source_key == BIAS + "_ema"
+    assert set(plan.read_not_written) == {BIAS, BIAS.replace("layers.1", "layers.2")}
+    # reading order: shard by shard
+    files = [e.source_file for e in plan.entries]
+    assert files == sorted(files)
+    assert all(e.target_dtype == ("F32" if is_fp32_island(e.target_key) else "BF16") for e in plan.entries)
+
+
+def test_map_state_dict_is_pure_and_idempotent():
+    """C04: calling the mapping twice gives the same result and leaves the input intact."""
+    sd = {
+        "block.layers.0.attention.sinks": torch.ones(1, 4),
+        BIAS: torch.zeros(8),
+        BIAS + "_ema": torch.arange(8.0),
+        "pre_adapter.rope.bands": torch.ones(4),
+    }
+    keys = list(sd)
+    a = map_state_dict(sd)
+    b = map_state_dict(sd)
+    assert list(sd) == keys and torch.equal(sd[BIAS], torch.zeros(8))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(a["transformer_blocks.1.mlp.moe_mlp.router.expert_bias"], torch.arange(8.0))
+    assert set(a) == {source_to_target_key(k) for k in keys}
+    with pytest.raises(ValueError, match="expert_bias_ema"):
+        map_state_dict({BIAS: torch.zeros(8)})
+
+
+def test_every_problem_is_listed_together(tmp_path):
+    ckpt = copy_checkpoint("preview_h4", tmp_path / "ckpt")
+    expected = _expected_from(checkpoint_dir("preview_h4"))
+    shape_key = "block.layers.0.attention.linear_qkv.weight"
+    dtype_key = "block.layers.0.attention.sinks"
+    mutate_tensor(ckpt, shape_key, lambda t: t[:-1])
+    mutate_tensor(ckpt, dtype_key, lambda t: t.to(torch.bfloat16))
+    # unexpected key, present in the index and its shard
+    s1 = shard_of(ckpt, "pre_adapter.rope.bands")
+    rewrite_shard(ckpt, s1, lambda t: {**t, "block.layers.0.attention.unknown_extra": torch.zeros(2)})
+    index = read_index(ckpt)
+    index["weight_map"]["block.layers.0.attention.unknown_extra"] = s1
+    # a key missing from the index (still in its shard), and one listed but absent from its shard
+    del index["weight_map"]["post_adapter.final_linear_video.weight"]
+    index["weight_map"]["block.layers.3.mlp.ghost"] = s1
+    write_index(ckpt, index)
+    # an unreferenced stale shard
+    (ckpt / "model-00003-of-00003.safetensors").write_bytes((ckpt / s1).read_bytes())
+
+    with pytest.raises(CheckpointValidationError) as err:
+        build_key_plan(read_source_checkpoint(ckpt), expected, context="checked against test config")
+    msg = str(err.value)
+    problems = err.value.problems
+    assert "checked against test config" in msg and "nothing was written" in msg
+    expect = {
+        shape_key: "shape [1151, 128]",
+        dtype_key: "dtype BF16",
+        "block.layers.0.attention.unknown_extra": "unexpected key",
+        "post_adapter.final_linear_video.weight": "absent from the index",
+        "block.layers.3.mlp.ghost": "has no such tensor",
+        "model-00003-of-00003.safetensors": "not referenced by the index",
+    }
+    for key, text in expect.items():
+        assert any(p.startswith(key) and text in p for p in problems), (key, problems)
+    # the index problem also makes the final linear a missing key
+    assert any("post_adapter.final_linear_video.weight: missing key" in p for p in problems)
+
+
+def test_missing_and_truncated_shards(tmp_path):
+    ckpt = copy_checkpoint("preview_h4", tmp_path / "ckpt")
+    expected = _expected_from(checkpoint_dir("preview_h4"))
+    first, second = sorted(set(read_index(ckpt)["weight_map"].values()))
+    (ckpt / second).unlink()
+    raw = (ckpt / first).read_bytes()
+    (ckpt / first).write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CheckpointValidationError) as err:
+        build_key_plan(read_source_checkpoint(ckpt), expected)
+    problems = err.value.problems
+    assert any(p.startswith(second) and "missing shard file" in p for p in problems)
+    assert any(p.startswith(first) and "truncated shard" in p for p in problems)
+    # a dry run on header-only data does not flag the truncation
+    src = read_source_checkpoint(ckpt, check_data=False)
+    assert not any("truncated" in p for p in src.problems)
+
+
+def test_malformed_index_and_empty_folder(tmp_path):
+    with pytest.raises(ValueError, match="neither model.safetensors.index.json nor model.safetensors"):
+        read_source_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weights": {}}))
+    with pytest.raises(ValueError, match="weight_map"):
+        read_source_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        read_source_checkpoint(tmp_path / "nope")
