@@ -1,0 +1,924 @@
+"""``Magi2Transformer3DModel``: SandAI's MAGI-2 Preview DiT as a Diffusers model.
+
+Numerically follows SandAI-org/MAGI-2-preview ``inference/model/magi2_preview.py`` (``Transformer``)
+and the preview data proxy's packing (reference spec §1, §2, §5.4). Parameter names are SandAI's
+with the single rename ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``.
+
+Two entry points:
+
+* :meth:`Magi2Transformer3DModel.forward` — diffusers-facing (``hidden_states`` video latent,
+  ``timestep``, ``encoder_hidden_states``, ``audio_hidden_states``, ...). Each batch row is packed
+  (video, audio, text, optional reference image) into its own attention segment.
+* :meth:`Magi2Transformer3DModel.forward_packed` — the reference ``Transformer.forward`` on packed
+  tokens (9-column coordinates, modality ids, ``cu_seqlens``, per-token time embedding).
+
+Dtype policy (spec §1.11): the fp32 "islands" (embedders, post adapter, every norm weight, sinks,
+all ``mhc_*``, router gate and biases, rope bands) are always fp32 (``_keep_in_fp32_modules``);
+every other weight takes the load dtype. The residual streams, attention/MLP inputs and outputs
+live in the dtype of the attention weights (bf16 released, fp32 in an fp32 model); mHC
+coefficients, norms, q/k after norm and rope, router math are fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.attention import AttentionMixin
+from diffusers.models.cache_utils import CacheMixin
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.utils import BaseOutput
+
+from .attention_magi2 import Magi2Attention
+from .embeddings_magi2 import (
+    Magi2RotaryPosEmbed,
+    audio_coords,
+    image_coords,
+    magi2_timestep_embedding,
+    text_coords,
+    video_coords,
+)
+from .mhc import mhc_coefficients, mhc_hyper_connect, mhc_matmul_scale, mhc_reduce_streams
+from .modality import (
+    Magi2ModalityDispatch,
+    Magi2ModalityGroupedLinear,
+    Magi2MultiModalityRMSNorm,
+    Modality,
+    swiglu7_interleaved,
+)
+
+__all__ = [
+    "Magi2Transformer3DModel",
+    "Magi2TransformerOutput",
+    "Magi2TransformerBlock",
+    "Magi2FeedForward",
+    "Magi2MoEFeedForward",
+    "Magi2PreAdapter",
+    "Magi2PostAdapter",
+    "Magi2PackedInputs",
+    "sandai_key_to_diffusers",
+    "load_sandai_preview_state_dict",
+]
+
+_MHC_PARAM_NAMES = [
+    f"mhc_{kind}_{part}_{site}"
+    for kind, parts in (("alpha", ("pre", "post", "res")), ("bias", ("pre", "post", "res")))
+    for part in parts
+    for site in ("attn", "mlp")
+] + ["mhc_phi_fused_attn", "mhc_phi_fused_mlp"]
+
+
+@dataclass
+class Magi2TransformerOutput(BaseOutput):
+    """Output of :meth:`Magi2Transformer3DModel.forward`.
+
+    Attributes:
+        sample: ``[B, C_video, T, H, W]`` fp32 predicted velocity for the video latent.
+        audio_sample: ``[B, L_audio, C_audio]`` fp32 predicted velocity for the audio latent.
+    """
+
+    sample: torch.Tensor
+    audio_sample: torch.Tensor
+
+
+@dataclass
+class Magi2PackedInputs:
+    """Packed model inputs (the reference data proxy's ``process_input`` result, spec §5.4).
+
+    Attributes:
+        hidden_states: ``[N, max(Cv, Ca, Ct)]`` fp32 tokens, zero-padded on channels.
+        coords: ``[N, 9]`` fp32 rope coordinates.
+        modality_mapping: ``[N]`` int32 :class:`Modality` ids.
+        cu_seqlens: ``[B+1]`` int32 segment boundaries (one segment per batch row).
+        time_embedding: ``[N, 64]`` fp32 per-token sinusoidal time embedding.
+        video_shape: ``(T, H, W)``; audio_length: ``La``; token_offsets: start of each row.
+    """
+
+    hidden_states: torch.Tensor
+    coords: torch.Tensor
+    modality_mapping: torch.Tensor
+    cu_seqlens: torch.Tensor
+    time_embedding: torch.Tensor
+    video_shape: tuple
+    audio_length: int
+    token_offsets: List[int]
+
+
+# ----------------------------------------------------------------------------------------------
+# feed-forward layers
+# ----------------------------------------------------------------------------------------------
+
+
+class Magi2FeedForward(nn.Module):
+    """Dense swiglu7 MLP (SandAI ``MLP``; spec §1.8). Prefix ``transformer_blocks.{i}.mlp.``.
+
+    ``pre_norm`` (multi-modality RMSNorm) -> ``up_gate_proj`` ``[M*2I, C]`` (gate/linear rows
+    interleaved) -> swiglu7 (fp32 math) -> ``down_proj`` ``[M*C, I]``. Input/output ``[T, C]`` in the
+    residual dtype, modality-sorted.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_modality: int, params_dtype=None) -> None:
+        super().__init__()
+        self.num_modality = num_modality
+        self.pre_norm = Magi2MultiModalityRMSNorm(hidden_size, num_modality)
+        self.up_gate_proj = Magi2ModalityGroupedLinear(hidden_size, 2 * intermediate_size, num_modality, dtype=params_dtype)
+        self.down_proj = Magi2ModalityGroupedLinear(intermediate_size, hidden_size, num_modality, dtype=params_dtype)
+
+    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
+        gs = dispatch.group_sizes if self.num_modality > 1 else None
+        x = self.pre_norm(hidden_states, gs)
+        x = self.up_gate_proj(x, gs)
+        x = swiglu7_interleaved(x)
+        return self.down_proj(x, gs).to(hidden_states.dtype)
+
+
+class Magi2MoEFeedForward(nn.Module):
+    """Multi-head MoE MLP with shared experts (SandAI ``MultiHeadMoELayer``; spec §1.9, §3).
+
+    ``x = pre_norm(u)`` (3 modalities always), ``y = merge_linear(moe_mlp(split_linear(x)))
+    + shared_expert_fc2(a) + modality_specific_shared_expert_fc2(b)`` where ``(a | b) =
+    swiglu7([shared_expert_fc1(x) | modality_specific_shared_expert_fc1(x)])``. ``moe_mlp`` is the
+    MoE core :class:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE` (routed experts).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_hidden_size: int,
+        num_heads: int,
+        num_experts: int,
+        top_k: int,
+        expert_intermediate_size: int,
+        shared_intermediate_size: int,
+        modality_specific_intermediate_size: int,
+        score_func: str,
+        route_norm: bool,
+        route_scale: float,
+        params_dtype=None,
+    ) -> None:
+        super().__init__()
+        from ..moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
+
+        num_modality = 3
+        self.shared_intermediate_size = shared_intermediate_size
+        self.modality_specific_intermediate_size = modality_specific_intermediate_size
+        self.pre_norm = Magi2MultiModalityRMSNorm(hidden_size, num_modality)
+        self.split_linear = Magi2ModalityGroupedLinear(hidden_size, moe_hidden_size, 1, dtype=params_dtype)
+        self.merge_linear = Magi2ModalityGroupedLinear(moe_hidden_size, hidden_size, 1, dtype=params_dtype)
+        moe_config = Magi2MultiHeadMoEConfig(
+            hidden_size=moe_hidden_size,
+            num_heads=num_heads,
+            num_experts=num_experts,
+            top_k=top_k,
+            expert_intermediate_size=expert_intermediate_size,
+            params_dtype=params_dtype if params_dtype is not None else torch.get_default_dtype(),
+            score_func=score_func,
+            route_norm=route_norm,
+            route_scale=route_scale,
+        )
+        self.moe_mlp = Magi2MultiHeadMoE(moe_config)
+        self.shared_expert_fc1 = Magi2ModalityGroupedLinear(hidden_size, 2 * shared_intermediate_size, 1, dtype=params_dtype)
+        self.shared_expert_fc2 = Magi2ModalityGroupedLinear(shared_intermediate_size, hidden_size, 1, dtype=params_dtype)
+        self.modality_specific_shared_expert_fc1 = Magi2ModalityGroupedLinear(
+            hidden_size, 2 * modality_specific_intermediate_size, num_modality, dtype=params_dtype
+        )
+        self.modality_specific_shared_expert_fc2 = Magi2ModalityGroupedLinear(
+            modality_specific_intermediate_size, hidden_size, num_modality, dtype=params_dtype
+        )
+
+    def shared_forward(self, norm_output: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
+        """Shared + modality-specific shared experts on the normed input ``[T, C]``."""
+        gs = dispatch.group_sizes
+        x1 = self.shared_expert_fc1(norm_output)
+        x2 = self.modality_specific_shared_expert_fc1(norm_output, gs)
+        a = swiglu7_interleaved(x1)
+        b = swiglu7_interleaved(x2)
+        return self.shared_expert_fc2(a) + self.modality_specific_shared_expert_fc2(b, gs)
+
+    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        norm_output = self.pre_norm(hidden_states, dispatch.group_sizes)
+        routed = self.moe_mlp(self.split_linear(norm_output))
+        routed = self.merge_linear(routed)
+        shared = self.shared_forward(norm_output, dispatch)
+        return (routed.to(dtype) + shared.to(dtype)).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# transformer block with mHC
+# ----------------------------------------------------------------------------------------------
+
+
+class Magi2TransformerBlock(nn.Module):
+    """One MAGI-2 Preview layer with manifold hyper-connections (SandAI ``TransformerLayer``; spec §1.5).
+
+    ``hidden_states`` ``[T, n*C]`` (modality-sorted, residual dtype) -> same. Two mHC sites
+    (attention, MLP) each compute their coefficients from the state before the site
+    (``mhc_norm`` over all ``n*C`` channels, fp32, then ``@ mhc_phi_fused_<site>``).
+    Registered with diffusers' ``TransformerBlockRegistry`` for the caching hooks.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_kv_heads: int,
+        num_streams: int,
+        num_modality: int,
+        num_sink_tokens: int,
+        mlp: nn.Module,
+        params_dtype=None,
+    ) -> None:
+        super().__init__()
+        n, c = num_streams, hidden_size
+        self.num_streams = n
+        self.hidden_size = c
+        self.num_modality = num_modality
+        self.matmul_scale = mhc_matmul_scale(n, c)
+        self.attention = Magi2Attention(
+            hidden_size, head_dim, num_kv_heads, num_modality, num_sink_tokens, params_dtype=params_dtype
+        )
+        self.mlp = mlp
+        f32 = torch.float32
+        for site in ("attn", "mlp"):
+            for part in ("pre", "post", "res"):
+                setattr(self, f"mhc_alpha_{part}_{site}", nn.Parameter(torch.full((1,), 0.01, dtype=f32)))
+            setattr(self, f"mhc_bias_pre_{site}", nn.Parameter(torch.zeros(n, dtype=f32)))
+            setattr(self, f"mhc_bias_post_{site}", nn.Parameter(torch.zeros(n, dtype=f32)))
+            setattr(self, f"mhc_bias_res_{site}", nn.Parameter(torch.zeros(n, n, dtype=f32)))
+            setattr(self, f"mhc_phi_fused_{site}", nn.Parameter(torch.zeros(n * c, 2 * n + n * n, dtype=f32)))
+        self.mhc_norm = Magi2MultiModalityRMSNorm(n * c, num_modality, out_dtype=f32)
+        self.mhc_backend = "auto"
+
+    def _mhc_fused(self, streams: torch.Tensor) -> bool:
+        # SandAI runs its fp32-accumulating Triton mHC kernels on CUDA without grad and its torch
+        # einsums (rounding in the stream dtype) everywhere else; "auto" mirrors that choice.
+        if self.mhc_backend == "fused":
+            return True
+        if self.mhc_backend == "torch":
+            return False
+        return streams.is_cuda and not torch.is_grad_enabled()
+
+    def _site_coefficients(self, streams: torch.Tensor, site: str, dispatch: Magi2ModalityDispatch):
+        gs = dispatch.group_sizes if self.num_modality > 1 else None
+        flat = streams.reshape(streams.shape[0], -1)
+        h = torch.matmul(self.mhc_norm(flat, gs), getattr(self, f"mhc_phi_fused_{site}").float())
+        return mhc_coefficients(
+            h,
+            getattr(self, f"mhc_alpha_pre_{site}"),
+            getattr(self, f"mhc_alpha_post_{site}"),
+            getattr(self, f"mhc_alpha_res_{site}"),
+            getattr(self, f"mhc_bias_pre_{site}"),
+            getattr(self, f"mhc_bias_post_{site}"),
+            getattr(self, f"mhc_bias_res_{site}"),
+            self.num_streams,
+            self.matmul_scale,
+            streams.dtype,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rope: torch.Tensor,
+        dispatch: Magi2ModalityDispatch,
+        segment_lengths: Sequence[int],
+    ) -> torch.Tensor:
+        """Args: ``hidden_states`` ``[T, n*C]``; ``rope`` ``[T, 6*Dh/8]`` fp32 (packed order);
+        ``dispatch`` modality order; ``segment_lengths`` attention segments (packed order)."""
+        s = hidden_states.reshape(hidden_states.shape[0], self.num_streams, self.hidden_size)
+        fused = self._mhc_fused(s)
+        h_pre, h_post, h_res = self._site_coefficients(s, "attn", dispatch)
+        attn_out = self.attention(mhc_reduce_streams(h_pre, s, fused), rope, dispatch, segment_lengths)
+        s = mhc_hyper_connect(s, attn_out, h_post, h_res, fused)
+        h_pre, h_post, h_res = self._site_coefficients(s, "mlp", dispatch)
+        mlp_out = self.mlp(mhc_reduce_streams(h_pre, s, fused), dispatch)
+        s = mhc_hyper_connect(s, mlp_out, h_post, h_res, fused)
+        return s.reshape(s.shape[0], -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# adapters
+# ----------------------------------------------------------------------------------------------
+
+
+class Magi2PreAdapter(nn.Module):
+    """Input adapters (SandAI ``PreAdapter``; spec §1.2) and the rope table.
+
+    fp32 ``nn.Linear`` with bias per modality, each to the multi-stream width ``n*C``; a token uses
+    the first ``C_in`` channels of its own modality. Returns ``([N, n*C] fp32, rope [N, 6*Dh/8] fp32)``.
+    """
+
+    def __init__(self, width: int, head_dim: int, video_in: int, audio_in: int, text_in: int) -> None:
+        super().__init__()
+        self.video_in, self.audio_in, self.text_in = video_in, audio_in, text_in
+        self.width = width
+        self.video_embedder = nn.Linear(video_in, width, bias=True, dtype=torch.float32)
+        self.text_embedder = nn.Linear(text_in, width, bias=True, dtype=torch.float32)
+        self.audio_embedder = nn.Linear(audio_in, width, bias=True, dtype=torch.float32)
+        self.rope = Magi2RotaryPosEmbed(head_dim)
+
+    def forward(self, hidden_states: torch.Tensor, coords: torch.Tensor, modality_ids: torch.Tensor):
+        x = hidden_states.float()
+        out = x.new_zeros(x.shape[0], self.width)
+        for mod, emb, cin in (
+            (Modality.TEXT, self.text_embedder, self.text_in),
+            (Modality.AUDIO, self.audio_embedder, self.audio_in),
+            (Modality.VIDEO, self.video_embedder, self.video_in),
+        ):
+            idx = (modality_ids == int(mod)).nonzero().flatten()
+            if idx.numel() > 0:
+                out.index_copy_(0, idx, emb(x.index_select(0, idx)[:, :cin].to(emb.weight.dtype)).float())
+        return out, self.rope(coords)
+
+
+class Magi2PostAdapter(nn.Module):
+    """Output heads (SandAI ``PostAdapter``; spec §1.10): per-modality RMSNorm over ``n*C`` + fp32 linear.
+
+    Returns ``[N, max(Cv, Ca)]`` fp32; video rows use ``[:Cv]``, audio rows ``[:Ca]``, others are 0.
+    """
+
+    def __init__(self, width: int, video_in: int, audio_in: int) -> None:
+        super().__init__()
+        self.video_in, self.audio_in = video_in, audio_in
+        self.final_norm_video = Magi2MultiModalityRMSNorm(width, 1)
+        self.final_norm_audio = Magi2MultiModalityRMSNorm(width, 1)
+        self.final_linear_video = nn.Linear(width, video_in, bias=False, dtype=torch.float32)
+        self.final_linear_audio = nn.Linear(width, audio_in, bias=False, dtype=torch.float32)
+
+    def forward(self, hidden_states: torch.Tensor, modality_ids: torch.Tensor) -> torch.Tensor:
+        out = hidden_states.new_zeros(hidden_states.shape[0], max(self.video_in, self.audio_in), dtype=torch.float32)
+        for mod, norm, lin, cout in (
+            (Modality.VIDEO, self.final_norm_video, self.final_linear_video, self.video_in),
+            (Modality.AUDIO, self.final_norm_audio, self.final_linear_audio, self.audio_in),
+        ):
+            idx = (modality_ids == int(mod)).nonzero().flatten()
+            if idx.numel() > 0:
+                y = lin(norm(hidden_states.index_select(0, idx).float()).to(lin.weight.dtype)).float()
+                out[:, :cout].index_copy_(0, idx, y)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the model
+# ----------------------------------------------------------------------------------------------
+
+
+def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
+    # SandAI: int(hidden * factor * 2 / 3) // 128 * 128 for gated (swiglu7) activations.
+    return int(hidden_size * factor * 2 / 3) // 128 * 128
+
+
+class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixin):
+    r"""MAGI-2 Preview diffusion transformer (114B-parameter MoE, joint audio + video).
+
+    Defaults are the released Preview (``configs/magi2_preview.json``): 40 layers, hidden 3072,
+    head dim 128 (24 query heads, 24 kv groups), in-channels 48 / 64 / 5120, multimodal layers
+    0, 1, 38, 39, MoE layers 2-37, 4 hyper-connection streams, gated attention with one sink per
+    head, swiglu7, MoE with 12 heads x 256 experts, top-6, expert / shared / modality-specific
+    widths 1280, sigmoid routing with route_norm and route_scale 4.9.
+
+    Args:
+        num_layers, hidden_size, head_dim, num_query_groups: transformer geometry.
+        video_in_channels, audio_in_channels, text_in_channels: token widths per modality.
+        intermediate_factor: dense MLP width = ``int(C*f*2/3)//128*128`` (8192 released).
+        mm_layers: layers with per-modality (3-block) attention/MLP weights.
+        moe_layers: layers whose MLP is the multi-head MoE; others are dense.
+        num_streams: mHC streams ``n`` (residual width ``n*C``).
+        num_sink_tokens: attention sinks per head (>= 1; the reference requires sinks).
+        moe_*: multi-head MoE settings (heads, experts per head, top-k, expert width, router).
+        shared_expert_intermediate_size, modality_specific_expert_intermediate_size: shared-expert widths.
+        split_merge_intermediate_size: MoE width between split/merge linears (``None`` = hidden).
+        time_embed_dim: width of the time embedding written into channels ``[0:dim]`` (64).
+        params_dtype: construction-time dtype of the non-fp32 weights (``None`` = torch default);
+            not stored in the config (``from_pretrained(dtype=...)`` decides at load time).
+    """
+
+    _supports_gradient_checkpointing = True
+    _no_split_modules = ["Magi2TransformerBlock"]
+    _repeated_blocks = ["Magi2TransformerBlock"]
+    _skip_layerwise_casting_patterns = ["pre_adapter", "post_adapter", "norm"]
+    _keep_in_fp32_modules = [
+        "pre_adapter",
+        "post_adapter",
+        "pre_norm",
+        "q_norm",
+        "k_norm",
+        "mhc_norm",
+        "sinks",
+        "gate",
+        "router",
+        *_MHC_PARAM_NAMES,
+    ]
+    ignore_for_config = ["params_dtype"]
+
+    @register_to_config
+    def __init__(
+        self,
+        num_layers: int = 40,
+        hidden_size: int = 3072,
+        head_dim: int = 128,
+        num_query_groups: int = 24,
+        video_in_channels: int = 48,
+        audio_in_channels: int = 64,
+        text_in_channels: int = 5120,
+        intermediate_factor: float = 4,
+        mm_layers: Sequence[int] = (0, 1, 38, 39),
+        moe_layers: Sequence[int] = tuple(range(2, 38)),
+        num_streams: int = 4,
+        num_sink_tokens: int = 1,
+        moe_num_heads: int = 12,
+        moe_num_experts: int = 256,
+        moe_top_k: int = 6,
+        moe_expert_intermediate_size: int = 1280,
+        shared_expert_intermediate_size: int = 1280,
+        modality_specific_expert_intermediate_size: int = 1280,
+        moe_score_func: str = "sigmoid",
+        moe_route_norm: bool = True,
+        moe_route_scale: float = 4.9,
+        split_merge_intermediate_size: Optional[int] = None,
+        time_embed_dim: int = 64,
+        params_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        if hidden_size % head_dim:
+            raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of head_dim ({head_dim})")
+        if num_sink_tokens < 1:
+            raise ValueError("num_sink_tokens must be >= 1 (MAGI-2 Preview requires attention sinks)")
+        bad = [i for i in list(mm_layers) + list(moe_layers) if not 0 <= int(i) < num_layers]
+        if bad:
+            raise ValueError(f"mm_layers/moe_layers hold indices outside [0, {num_layers}): {bad}")
+        if time_embed_dim > num_streams * hidden_size:
+            raise ValueError("time_embed_dim exceeds the residual width")
+        if isinstance(params_dtype, str):
+            params_dtype = getattr(torch, params_dtype)
+        width = num_streams * hidden_size
+        self.pre_adapter = Magi2PreAdapter(width, head_dim, video_in_channels, audio_in_channels, text_in_channels)
+        self.post_adapter = Magi2PostAdapter(width, video_in_channels, audio_in_channels)
+        mm, moe = {int(i) for i in mm_layers}, {int(i) for i in moe_layers}
+        blocks = []
+        for i in range(num_layers):
+            num_modality = 3 if i in mm else 1
+            if i in moe:
+                mlp = Magi2MoEFeedForward(
+                    hidden_size,
+                    split_merge_intermediate_size or hidden_size,
+                    moe_num_heads,
+                    moe_num_experts,
+                    moe_top_k,
+                    moe_expert_intermediate_size,
+                    shared_expert_intermediate_size,
+                    modality_specific_expert_intermediate_size,
+                    moe_score_func,
+                    moe_route_norm,
+                    moe_route_scale,
+                    params_dtype=params_dtype,
+                )
+            else:
+                mlp = Magi2FeedForward(
+                    hidden_size, _dense_intermediate_size(hidden_size, intermediate_factor), num_modality, params_dtype
+                )
+            blocks.append(
+                Magi2TransformerBlock(
+                    hidden_size, head_dim, num_query_groups, num_streams, num_modality, num_sink_tokens, mlp, params_dtype
+                )
+            )
+        self.transformer_blocks = nn.ModuleList(blocks)
+        self.gradient_checkpointing = False
+
+    # ------------------------------------------------------------------------------------------
+    # dtype / backends
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        """Dtype of the residual streams: that of the first layer's attention weights."""
+        if len(self.transformer_blocks) == 0:
+            return torch.float32
+        return self.transformer_blocks[0].attention.linear_qkv.weight.dtype
+
+    def is_fp32_island(self, name: str) -> bool:
+        """Whether the parameter/buffer ``name`` is one of the fp32 islands (spec §1.11)."""
+        return any(m in name.split(".") for m in self._keep_in_fp32_modules)
+
+    def to_compute_dtype(self, dtype: torch.dtype) -> "Magi2Transformer3DModel":
+        """Cast every weight except the fp32 islands to ``dtype`` (the islands stay fp32); returns self.
+
+        Use this instead of ``.to(dtype)``, which would also downcast the islands.
+        """
+        for name, p in list(self.named_parameters()) + list(self.named_buffers()):
+            if not p.is_floating_point():
+                continue
+            target = torch.float32 if self.is_fp32_island(name) else dtype
+            if p.dtype != target:
+                p.data = p.data.to(target)
+        return self
+
+    def set_mhc_backend(self, backend: str = "auto") -> None:
+        """Choose how the mHC stream mixing rounds in low precision (no effect in fp32).
+
+        ``"fused"``: accumulate in fp32, round once (SandAI's Triton kernels); ``"torch"``: einsums in
+        the residual dtype (SandAI's torch fallback); ``"auto"`` (default): fused on CUDA without
+        grad, torch otherwise -- the same choice SandAI's code makes.
+
+        Raises:
+            ValueError: unknown backend name.
+        """
+        if backend not in ("auto", "fused", "torch"):
+            raise ValueError(f"mHC backend must be 'auto', 'fused' or 'torch', got {backend!r}")
+        for block in self.transformer_blocks:
+            block.mhc_backend = backend
+
+    def set_moe_backend(self, backend: str = "auto", **kwargs) -> None:
+        """Apply ``Magi2MultiHeadMoE.set_backend(backend, **kwargs)`` to every MoE layer."""
+        for block in self.transformer_blocks:
+            if isinstance(block.mlp, Magi2MoEFeedForward):
+                block.mlp.moe_mlp.set_backend(backend, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """``ModelMixin.from_pretrained`` with ``local_files_only`` defaulting to ``HF_HUB_OFFLINE``.
+
+        diffusers 0.42.1 queries the Hub for sharded checkpoints unless ``local_files_only`` is set;
+        with ``HF_HUB_OFFLINE=1`` this default makes offline loading of local folders work.
+        """
+        if kwargs.get("local_files_only") is None:
+            from huggingface_hub import constants as hf_constants
+
+            offline = bool(getattr(hf_constants, "HF_HUB_OFFLINE", False)) or os.environ.get(
+                "HF_HUB_OFFLINE", ""
+            ).strip().upper() in ("1", "ON", "YES", "TRUE")
+            kwargs["local_files_only"] = offline
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    # ------------------------------------------------------------------------------------------
+    # packed entry (reference Transformer.forward)
+    # ------------------------------------------------------------------------------------------
+
+    def forward_packed(
+        self,
+        hidden_states: torch.Tensor,
+        coords: torch.Tensor,
+        modality_mapping: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        time_embedding: Optional[torch.Tensor] = None,
+        attention_kwargs: Optional[Dict[str, Any]] = None,
+        return_layer_outputs: bool = False,
+    ):
+        """Reference ``Transformer.forward`` on packed tokens (spec §1.1).
+
+        Args:
+            hidden_states: ``[N, C_max]`` tokens, each zero-padded on channels (``C_max`` >= the widest
+                modality actually present; video rows use ``[:Cv]`` etc.).
+            coords: ``[N, 9]`` ``(t, h, w, T, H, W, refT, refH, refW)``.
+            modality_mapping: ``[N]`` integer :class:`Modality` ids (``TIME`` is treated as ``TEXT``).
+            cu_seqlens: ``[S+1]`` integer segment boundaries (0, ..., N); segments attend separately.
+            time_embedding: ``[N, time_embed_dim]`` written over channels ``[0:dim]`` after the adapters.
+            attention_kwargs: unused (accepted for diffusers API symmetry).
+            return_layer_outputs: also return the residual after each layer, ``[N, n*C]`` fp32 in
+                packed order (debug/teacher forcing).
+
+        Returns:
+            ``[N, max(Cv, Ca)]`` fp32 (and the list of layer outputs if requested).
+
+        Raises:
+            ValueError: on inconsistent shapes.
+        """
+        n_tok = hidden_states.shape[0]
+        if hidden_states.dim() != 2:
+            raise ValueError(f"hidden_states must be packed [N, C], got {tuple(hidden_states.shape)}")
+        if coords.shape != (n_tok, 9):
+            raise ValueError(f"coords must be [{n_tok}, 9], got {tuple(coords.shape)}")
+        if modality_mapping.shape != (n_tok,):
+            raise ValueError(f"modality_mapping must be [{n_tok}], got {tuple(modality_mapping.shape)}")
+        cu = [int(v) for v in cu_seqlens.reshape(-1).tolist()]
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != n_tok or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to N={n_tok}, got {cu}")
+        dim = self.config.time_embed_dim
+        if time_embedding is not None and time_embedding.shape != (n_tok, dim):
+            raise ValueError(f"time_embedding must be [{n_tok}, {dim}], got {tuple(time_embedding.shape)}")
+        segment_lengths = [b - a for a, b in zip(cu, cu[1:])]
+        dispatch = Magi2ModalityDispatch.from_modality_mapping(modality_mapping.to(hidden_states.device))
+        ids = dispatch.modality_ids
+        widest = max(
+            self.config.video_in_channels if bool((ids == Modality.VIDEO).any()) else 0,
+            self.config.audio_in_channels if bool((ids == Modality.AUDIO).any()) else 0,
+            self.config.text_in_channels if bool((ids == Modality.TEXT).any()) else 0,
+        )
+        if hidden_states.shape[1] < widest:
+            raise ValueError(
+                f"hidden_states has {hidden_states.shape[1]} channels; the modalities present need {widest}"
+            )
+
+        x, rope = self.pre_adapter(hidden_states, coords, ids)
+        if time_embedding is not None:
+            x = torch.cat([time_embedding.to(x.dtype), x[:, dim:]], dim=1)
+        x = dispatch.sort(x.to(self.residual_dtype))
+        layer_outputs = []
+        for block in self.transformer_blocks:
+            if torch.is_grad_enabled() and self.gradient_checkpointing:
+                x = self._gradient_checkpointing_func(block, x, rope, dispatch, segment_lengths)
+            else:
+                x = block(x, rope, dispatch, segment_lengths)
+            if return_layer_outputs:
+                layer_outputs.append(dispatch.unsort(x).float())
+        x = dispatch.unsort(x)
+        out = self.post_adapter(x, ids)
+        if return_layer_outputs:
+            return out, layer_outputs
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    # diffusers-facing entry
+    # ------------------------------------------------------------------------------------------
+
+    def pack_inputs(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        audio_hidden_states: torch.Tensor,
+        encoder_attention_mask: Optional[torch.Tensor] = None,
+        image_latents: Optional[torch.Tensor] = None,
+        image_embeds: Optional[torch.Tensor] = None,
+    ) -> Magi2PackedInputs:
+        """Pack a batch like SandAI's preview data proxy (spec §5.4); see :meth:`forward` for shapes.
+
+        Per batch row: video ``T*H*W`` tokens (row-major t, h, w), audio ``La``, text (its true length),
+        then for I2V one special text token and ``h*w`` image patch tokens at time ``T+2``. Video and
+        audio tokens get time ``timestep/1000``; text and image tokens time 0.
+
+        Raises:
+            ValueError: wrong ranks, channel counts, batch sizes, or a mask that is not a prefix of ones.
+        """
+        cfg = self.config
+        cv, ca, ct = cfg.video_in_channels, cfg.audio_in_channels, cfg.text_in_channels
+        if hidden_states.dim() != 5 or hidden_states.shape[1] != cv:
+            raise ValueError(f"hidden_states must be [B, {cv}, T, H, W], got {tuple(hidden_states.shape)}")
+        b, _, t, h, w = hidden_states.shape
+        if min(t, h, w) < 1:
+            raise ValueError(f"hidden_states needs T, H, W >= 1 (patch size 1), got {(t, h, w)}")
+        if encoder_hidden_states.dim() != 3 or encoder_hidden_states.shape[0] != b or encoder_hidden_states.shape[2] != ct:
+            raise ValueError(
+                f"encoder_hidden_states must be [B={b}, L_text, {ct}], got {tuple(encoder_hidden_states.shape)}"
+            )
+        if audio_hidden_states.dim() != 3 or audio_hidden_states.shape[0] != b or audio_hidden_states.shape[2] != ca:
+            raise ValueError(f"audio_hidden_states must be [B={b}, L_audio, {ca}], got {tuple(audio_hidden_states.shape)}")
+        timestep = torch.as_tensor(timestep, device=hidden_states.device)
+        if timestep.dim() == 0:
+            timestep = timestep.expand(b)
+        if timestep.shape != (b,):
+            raise ValueError(f"timestep must be a scalar or [B={b}], got {tuple(timestep.shape)}")
+        lt_max = encoder_hidden_states.shape[1]
+        if encoder_attention_mask is not None:
+            if encoder_attention_mask.shape != (b, lt_max):
+                raise ValueError(
+                    f"encoder_attention_mask must be [B={b}, L_text={lt_max}], got {tuple(encoder_attention_mask.shape)}"
+                )
+            mask = encoder_attention_mask.bool()
+            lengths = mask.sum(dim=1)
+            prefix = torch.arange(lt_max, device=mask.device)[None, :] < lengths[:, None]
+            if not torch.equal(mask, prefix):
+                raise ValueError("encoder_attention_mask must mark a prefix of each row (valid tokens first, padding after)")
+            text_lengths = [int(v) for v in lengths.tolist()]
+        else:
+            text_lengths = [lt_max] * b
+        if (image_latents is None) != (image_embeds is None):
+            raise ValueError("image_latents and image_embeds must be given together (I2V) or both be None")
+        if image_latents is not None:
+            if image_latents.dim() != 5 or image_latents.shape[0] != b or image_latents.shape[1] != cv or image_latents.shape[2] != 1:
+                raise ValueError(f"image_latents must be [B={b}, {cv}, 1, h, w], got {tuple(image_latents.shape)}")
+            if image_embeds.shape != (b, ct):
+                raise ValueError(f"image_embeds must be [B={b}, {ct}], got {tuple(image_embeds.shape)}")
+            hi, wi = image_latents.shape[3], image_latents.shape[4]
+        la = audio_hidden_states.shape[1]
+        dev = hidden_states.device
+        width = max(cv, ca, ct)
+        f32 = torch.float32
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            x = x.to(f32)
+            return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+        feats, coords, mods, times, offsets = [], [], [], [], []
+        vc = video_coords(t, h, w, device=dev)
+        ac = audio_coords(la, device=dev) if la > 0 else torch.zeros(0, 9, device=dev)
+        t_norm = timestep.to(f32) / 1000.0
+        total = 0
+        for i in range(b):
+            offsets.append(total)
+            lt = text_lengths[i]
+            parts = [
+                (pad(hidden_states[i].permute(1, 2, 3, 0).reshape(t * h * w, cv)), vc, Modality.VIDEO, True),
+                (pad(audio_hidden_states[i]), ac, Modality.AUDIO, True),
+                (pad(encoder_hidden_states[i, :lt]), text_coords(lt, device=dev), Modality.TEXT, False),
+            ]
+            if image_latents is not None:
+                ic = image_coords(t + 2, hi, wi, device=dev)
+                parts.append((pad(image_embeds[i : i + 1]), ic[:1], Modality.TEXT, False))
+                patches = image_latents[i, :, 0].permute(1, 2, 0).reshape(hi * wi, cv)
+                parts.append((pad(patches), ic[1:], Modality.VIDEO, False))
+            for feat, crd, mod, noisy in parts:
+                n = feat.shape[0]
+                feats.append(feat)
+                coords.append(crd)
+                mods.append(torch.full((n,), int(mod), dtype=torch.int32, device=dev))
+                times.append(t_norm[i].expand(n) if noisy else torch.zeros(n, dtype=f32, device=dev))
+                total += n
+        cu = torch.tensor(offsets + [total], dtype=torch.int32, device=dev)
+        time_t = torch.cat(times)
+        return Magi2PackedInputs(
+            hidden_states=torch.cat(feats),
+            coords=torch.cat(coords),
+            modality_mapping=torch.cat(mods),
+            cu_seqlens=cu,
+            time_embedding=magi2_timestep_embedding(time_t, self.config.time_embed_dim),
+            video_shape=(t, h, w),
+            audio_length=la,
+            token_offsets=offsets,
+        )
+
+    def unpack_outputs(self, packed_out: torch.Tensor, packed: Magi2PackedInputs):
+        """Split ``[N, max(Cv, Ca)]`` model output into video ``[B, Cv, T, H, W]`` and audio ``[B, La, Ca]``."""
+        t, h, w = packed.video_shape
+        cv, ca = self.config.video_in_channels, self.config.audio_in_channels
+        n_vid, la = t * h * w, packed.audio_length
+        videos, audios = [], []
+        for off in packed.token_offsets:
+            videos.append(packed_out[off : off + n_vid, :cv].reshape(t, h, w, cv).permute(3, 0, 1, 2))
+            audios.append(packed_out[off + n_vid : off + n_vid + la, :ca])
+        return torch.stack(videos).contiguous(), torch.stack(audios).contiguous()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        audio_hidden_states: torch.Tensor,
+        encoder_attention_mask: Optional[torch.Tensor] = None,
+        image_latents: Optional[torch.Tensor] = None,
+        image_embeds: Optional[torch.Tensor] = None,
+        attention_kwargs: Optional[Dict[str, Any]] = None,
+        return_dict: bool = True,
+    ) -> Union[Magi2TransformerOutput, tuple]:
+        """Diffusers-facing forward; each batch row is one attention segment.
+
+        Args:
+            hidden_states: ``[B, Cv, T, H, W]`` noisy video latent.
+            timestep: ``[B]`` (or scalar) diffusion time on the 0-1000 scale, float; embedded as given
+                (``p = fp32(t/1000) * 1000``), no rounding (the pipeline passes scheduler timesteps).
+            encoder_hidden_states: ``[B, Lt, Ct]`` text features (zero-padded on the right).
+            audio_hidden_states: ``[B, La, Ca]`` noisy audio latent.
+            encoder_attention_mask: ``[B, Lt]`` bool, True for real text tokens (a prefix); padding is
+                dropped, not attended. ``None`` = all tokens real.
+            image_latents: ``[B, Cv, 1, h, w]`` I2V reference latent, with ``image_embeds`` ``[B, Ct]``
+                (its special-token embedding).
+            attention_kwargs: unused.
+            return_dict: return :class:`Magi2TransformerOutput` (else a tuple).
+
+        Returns:
+            ``Magi2TransformerOutput(sample [B, Cv, T, H, W] fp32, audio_sample [B, La, Ca] fp32)``.
+
+        Raises:
+            ValueError: bad shapes (see :meth:`pack_inputs`).
+        """
+        packed = self.pack_inputs(
+            hidden_states,
+            timestep,
+            encoder_hidden_states,
+            audio_hidden_states,
+            encoder_attention_mask,
+            image_latents,
+            image_embeds,
+        )
+        out = self.forward_packed(
+            packed.hidden_states, packed.coords, packed.modality_mapping, packed.cu_seqlens, packed.time_embedding
+        )
+        video, audio = self.unpack_outputs(out, packed)
+        if not return_dict:
+            return (video, audio)
+        return Magi2TransformerOutput(sample=video, audio_sample=audio)
+
+    # ------------------------------------------------------------------------------------------
+    # SandAI checkpoint loading (kept small; the converter's key plan may replace it)
+    # ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_original_checkpoint(
+        cls,
+        preview_dir: Union[str, os.PathLike],
+        config: Optional[Union[dict, str, os.PathLike]] = None,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: Union[str, torch.device] = "cpu",
+    ) -> "Magi2Transformer3DModel":
+        """Build the model from a SandAI ``preview/`` checkpoint folder (safetensors shards + index).
+
+        Applies the rename ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``, copies
+        ``router.expert_bias_ema`` into ``router.expert_bias`` (SandAI's loader default) and casts
+        each tensor to the model's dtype for it (``dtype`` for the big weights, fp32 for the islands).
+
+        Args:
+            preview_dir: folder with ``model.safetensors.index.json`` + shards (or ``model.safetensors``).
+            config: SandAI config dict, or path to a SandAI JSON; default: the ``*.json`` config beside
+                the shards, else the bundled released ``magi2_preview.json``.
+            dtype: dtype of the non-fp32 weights.
+            device: where the weights are placed.
+
+        Raises:
+            ValueError: missing/unexpected keys, shape mismatches, or no config.
+        """
+        from ..conversion.sandai_config import load_sandai_config, preview_config_from_sandai, released_config_path
+
+        preview_dir = Path(preview_dir)
+        if config is None:
+            try:
+                cfg = load_sandai_config(preview_dir)
+            except ValueError:
+                cfg = load_sandai_config(released_config_path("magi2_preview.json"))
+        elif isinstance(config, dict):
+            cfg = config
+        else:
+            cfg = load_sandai_config(config)
+        kwargs = preview_config_from_sandai(cfg)
+        with torch.device("meta"):
+            model = cls(**kwargs, params_dtype=dtype)
+        state = load_sandai_preview_state_dict(preview_dir)
+        expected = model.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing:
+            raise ValueError(f"SandAI checkpoint lacks {len(missing)} model keys, e.g. {missing[:5]}")
+        # SandAI's loader drops checkpoint keys the model does not have; do the same.
+        for k in unexpected:
+            state.pop(k)
+        for k, v in list(state.items()):
+            ref = expected[k]
+            if tuple(v.shape) != tuple(ref.shape):
+                raise ValueError(f"{k}: checkpoint shape {tuple(v.shape)} != model shape {tuple(ref.shape)}")
+            state[k] = v.to(device=device, dtype=ref.dtype) if v.is_floating_point() else v.to(device)
+        model.load_state_dict(state, strict=True, assign=True)
+        leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+        if leftovers:
+            raise ValueError(f"tensors left on meta after loading: {leftovers[:5]}")
+        return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# SandAI checkpoint helpers
+# ----------------------------------------------------------------------------------------------
+
+_SANDAI_LAYER_RE = re.compile(r"^block\.layers\.(\d+)\.")
+
+
+def sandai_key_to_diffusers(key: str) -> str:
+    """``block.layers.{i}.X`` -> ``transformer_blocks.{i}.X``; every other key unchanged."""
+    return _SANDAI_LAYER_RE.sub(r"transformer_blocks.\1.", key)
+
+
+def load_sandai_preview_state_dict(preview_dir: Union[str, os.PathLike]) -> Dict[str, torch.Tensor]:
+    """Read a SandAI preview checkpoint folder into a diffusers-named state dict (on CPU, file dtypes).
+
+    Renames keys with :func:`sandai_key_to_diffusers` and sets ``router.expert_bias`` to the
+    checkpoint's ``router.expert_bias_ema`` (SandAI ``_apply_router_bias_ema``); both keys are kept.
+
+    Raises:
+        ValueError: when the folder holds neither ``model.safetensors.index.json`` nor ``model.safetensors``.
+    """
+    from safetensors.torch import load_file
+
+    preview_dir = Path(preview_dir)
+    index = preview_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    elif (preview_dir / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise ValueError(f"{preview_dir} has neither model.safetensors.index.json nor model.safetensors")
+    state: Dict[str, torch.Tensor] = {}
+    for shard in shards:
+        for k, v in load_file(str(preview_dir / shard)).items():
+            state[sandai_key_to_diffusers(k)] = v
+    for k in list(state):
+        if k.endswith("router.expert_bias_ema"):
+            state[k[: -len("_ema")]] = state[k].clone()
+    return state
+
+
+def _register_block_for_caching_hooks() -> None:
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+
+    TransformerBlockRegistry.register(
+        model_class=Magi2TransformerBlock,
+        metadata=TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=None),
+    )
+
+
+_register_block_for_caching_hooks()
