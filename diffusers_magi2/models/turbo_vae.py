@@ -408,9 +408,10 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
         spatial_compression_ratio (`int`, 16), temporal_compression_ratio (`int`, 4): strides.
         latents_mean, latents_std (`Tuple[float]`, ``latent_channels`` values each): the Wan2.2 latent
             statistics used to de-normalise (defaults: the 48 released values).
+        decoder_causal (`bool`, False): must be False (the reference asserts a non-causal decoder).
         Training-only or unused keys of the SandAI JSON (``in_channels``, ``patch_size_t``,
-        ``scaling_factor``, ``decoder_causal``, ``encoder_block_out_channels``, ``aligned_feature_dims``)
-        are accepted and ignored.
+        ``scaling_factor``, ``encoder_block_out_channels``, ``aligned_feature_dims``) are ignored by
+        ``from_config`` (with diffusers' warning); the converter drops them.
 
     Raises:
         ValueError: inconsistent config (list lengths, ``patch_size != 2``, table lengths, causal decoder,
@@ -442,7 +443,6 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
         latents_mean: Tuple[float, ...] = WAN22_LATENTS_MEAN,
         latents_std: Tuple[float, ...] = WAN22_LATENTS_STD,
         decoder_causal: bool = False,
-        **unused_kwargs,
     ) -> None:
         super().__init__()
         n_blocks = len(decoder_block_out_channels)
