@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -874,24 +873,27 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
 # SandAI checkpoint helpers
 # ----------------------------------------------------------------------------------------------
 
-_SANDAI_LAYER_RE = re.compile(r"^block\.layers\.(\d+)\.")
-
-
 def sandai_key_to_diffusers(key: str) -> str:
-    """``block.layers.{i}.X`` -> ``transformer_blocks.{i}.X``; every other key unchanged."""
-    return _SANDAI_LAYER_RE.sub(r"transformer_blocks.\1.", key)
+    """``block.layers.{i}.X`` -> ``transformer_blocks.{i}.X``; every other key unchanged (the converter's key plan)."""
+    from ..conversion.key_plan import source_to_target_key
+
+    return source_to_target_key(key)
 
 
 def load_sandai_preview_state_dict(preview_dir: Union[str, os.PathLike]) -> Dict[str, torch.Tensor]:
     """Read a SandAI preview checkpoint folder into a diffusers-named state dict (on CPU, file dtypes).
 
-    Renames keys with :func:`sandai_key_to_diffusers` and sets ``router.expert_bias`` to the
-    checkpoint's ``router.expert_bias_ema`` (SandAI ``_apply_router_bias_ema``); both keys are kept.
+    Reads every shard named by ``model.safetensors.index.json`` (or ``model.safetensors``), then
+    applies the converter's key plan (:func:`diffusers_magi2.conversion.key_plan.map_state_dict`):
+    keys renamed, ``router.expert_bias`` := ``router.expert_bias_ema`` (SandAI
+    ``_apply_router_bias_ema``), both keys kept.
 
     Raises:
         ValueError: when the folder holds neither ``model.safetensors.index.json`` nor ``model.safetensors``.
     """
     from safetensors.torch import load_file
+
+    from ..conversion.key_plan import map_state_dict
 
     preview_dir = Path(preview_dir)
     index = preview_dir / "model.safetensors.index.json"
@@ -902,14 +904,10 @@ def load_sandai_preview_state_dict(preview_dir: Union[str, os.PathLike]) -> Dict
         shards = ["model.safetensors"]
     else:
         raise ValueError(f"{preview_dir} has neither model.safetensors.index.json nor model.safetensors")
-    state: Dict[str, torch.Tensor] = {}
+    raw: Dict[str, torch.Tensor] = {}
     for shard in shards:
-        for k, v in load_file(str(preview_dir / shard)).items():
-            state[sandai_key_to_diffusers(k)] = v
-    for k in list(state):
-        if k.endswith("router.expert_bias_ema"):
-            state[k[: -len("_ema")]] = state[k].clone()
-    return state
+        raw.update(load_file(str(preview_dir / shard)))
+    return map_state_dict(raw)
 
 
 def _register_block_for_caching_hooks() -> None:
