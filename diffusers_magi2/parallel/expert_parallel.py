@@ -37,6 +37,7 @@ __all__ = [
     "ep_dispatch",
     "ep_gather_heads",
     "ep_head_layout",
+    "end_distributed_run",
     "ep_undispatch",
     "expert_parallel_heads_forward",
     "resolve_expert_parallel",
@@ -249,6 +250,22 @@ def warn_if_idle(layout: Magi2EPHeadLayout) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _needs_autograd(t: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and t.requires_grad
+
+
+def _all_to_all(send: torch.Tensor, out_shape: tuple, out_splits: list, in_splits: list, group: Any) -> torch.Tensor:
+    """``all_to_all_single`` along dim 0 with uneven splits; the autograd-aware functional variant under grad."""
+    if _needs_autograd(send):
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        out = all_to_all_single_autograd(send, out_splits, in_splits, group)
+        return out.view(out_shape) if out.shape != torch.Size(out_shape) else out
+    recv = send.new_empty(out_shape)
+    dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+    return recv
+
+
 def ep_gather_heads(local_out: torch.Tensor, layout: Magi2EPHeadLayout, group: Any) -> torch.Tensor:
     """Layout (a): assemble every rank's head outputs ``[S, Hl, Dh]`` into ``[S, H, Dh]`` (one all-gather).
 
@@ -257,8 +274,13 @@ def ep_gather_heads(local_out: torch.Tensor, layout: Magi2EPHeadLayout, group: A
     if layout.ep_size == 1:
         return local_out[:, : layout.num_heads]
     S, Hl, Dh = local_out.shape
-    gathered = local_out.new_empty((layout.ep_size * S, Hl, Dh))
-    _all_gather_single(gathered, local_out.contiguous(), group=group)
+    if _needs_autograd(local_out):
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        gathered = all_gather_tensor_autograd(local_out.contiguous(), 0, group)
+    else:
+        gathered = local_out.new_empty((layout.ep_size * S, Hl, Dh))
+        _all_gather_single(gathered, local_out.contiguous(), group=group)
     out = gathered.view(layout.ep_size, S, Hl, Dh).permute(1, 0, 2, 3).reshape(S, layout.padded_num_heads, Dh)
     return out[:, : layout.num_heads]
 
@@ -297,9 +319,7 @@ def ep_dispatch(
     if N == 1:
         return x
     send = x.view(S, N, Hl, Dh).transpose(0, 1).reshape(N * S, Hl, Dh)
-    recv = x.new_empty((sum(counts), Hl, Dh))
-    dist.all_to_all_single(recv, send, output_split_sizes=counts, input_split_sizes=[S] * N, group=group)
-    return recv
+    return _all_to_all(send, (sum(counts), Hl, Dh), counts, [S] * N, group)
 
 
 def ep_undispatch(
@@ -312,8 +332,7 @@ def ep_undispatch(
     Dh = y.shape[-1]
     if N == 1:
         return y[:, : layout.num_heads]
-    back = y.new_empty((N * S, Hl, Dh))
-    dist.all_to_all_single(back, y.contiguous(), output_split_sizes=[S] * N, input_split_sizes=counts, group=group)
+    back = _all_to_all(y.contiguous(), (N * S, Hl, Dh), [S] * N, counts, group)
     out = back.view(N, S, Hl, Dh).transpose(0, 1).reshape(S, layout.padded_num_heads, Dh)
     return out[:, : layout.num_heads]
 
@@ -336,6 +355,9 @@ def expert_parallel_heads_forward(
 
     Returns:
         ``[S, H, Dh]``, equal (up to summation order) to computing every head on one device.
+
+    Under autograd (grad mode and ``x.requires_grad``) the collectives are the differentiable functional ones, so
+    every rank must run the same forward and call backward (layout (b) gradients equal the single-device ones).
     """
     if token_counts is None:
         start, Hl = layout.local_head_start, layout.local_num_heads
@@ -343,6 +365,34 @@ def expert_parallel_heads_forward(
         if local_in.shape[1] < Hl:  # partially or fully padded rank
             pad = x.new_zeros(x.shape[0], Hl - local_in.shape[1], x.shape[2])
             local_in = torch.cat([local_in, pad], dim=1)
-        return ep_gather_heads(compute_local_heads(local_in), layout, group)
+        return ep_gather_heads(_local(compute_local_heads, local_in, x), layout, group)
     local_in = ep_dispatch(x, token_counts, layout, group)
-    return ep_undispatch(compute_local_heads(local_in), token_counts, layout, group)
+    return ep_undispatch(_local(compute_local_heads, local_in, x), token_counts, layout, group)
+
+
+def _local(compute_local_heads: Callable, local_in: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    out = compute_local_heads(local_in)
+    if _needs_autograd(x) and not out.requires_grad:
+        # an idle rank's zeros must stay in the graph, or its backward skips the collectives the others wait in
+        out = out + local_in * 0
+    return out
+
+
+def end_distributed_run(exit_code: int = 0) -> None:
+    """End a standalone EP script cleanly: barrier, destroy the default process group, then on CPU ``os._exit``.
+
+    gloo runs that built a device mesh sometimes abort at interpreter exit (``terminate called without an active
+    exception``, SIGABRT) after all work is done (toolchain.md §3; pytorch PR #179291); skipping interpreter
+    finalisation with ``os._exit`` on CPU avoids it. Flushes stdout/stderr first. Does nothing to a process that has
+    no process group, and returns normally on GPU.
+    """
+    import sys
+
+    if dist.is_available() and dist.is_initialized():
+        on_cpu = "nccl" not in str(dist.get_backend())
+        dist.barrier()
+        dist.destroy_process_group()
+        if on_cpu:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_code)

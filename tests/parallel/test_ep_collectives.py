@@ -64,6 +64,13 @@ def _collectives_worker(rank: int, world: int) -> dict:
         results[("b_bf16", num_heads)] = expert_parallel_heads_forward(
             mine.bfloat16(), fn, layout, ep.group, token_counts=counts
         )
+    # under autograd (grad mode, inputs requiring grad): the functional collectives carry gradients back
+    xg = mine.detach().clone().requires_grad_(True)
+    coeff = torch.linspace(-1, 1, DH)
+    yg = expert_parallel_heads_forward(xg, fn, layout, ep.group, token_counts=counts)
+    (yg * coeff).sum().backward()
+    results["grad_b"] = xg.grad
+    results["grad_a_out"] = expert_parallel_heads_forward(x_all.clone().requires_grad_(True), fn, layout, ep.group)
     # errors raised before any collective
     errors = {}
     try:
@@ -107,6 +114,13 @@ def test_ep_collectives_match_single_device(world):
             b16 = res[("b_bf16", num_heads)]
             assert b16.dtype == torch.bfloat16  # collectives move the caller's dtype
             torch.testing.assert_close(b16.float(), ref_b16[start : start + counts[rank]], atol=2e-2, rtol=0)
+        if num_heads == 3:  # the last loop iteration in the worker
+            xg = x_tok.clone().requires_grad_(True)
+            (_reference(xg, w) * torch.linspace(-1, 1, DH)).sum().backward()
+            for rank, res in enumerate(per_rank):
+                start = sum(counts[:rank])
+                torch.testing.assert_close(res["grad_b"], xg.grad[start : start + counts[rank]], atol=2e-6, rtol=0)
+                torch.testing.assert_close(res["grad_a_out"].detach(), ref_a, atol=2e-6, rtol=0)
     for res in per_rank:
         errs = res["errors"]
         assert f"ep_token_counts must be {world}" in errs["wrong_len"]

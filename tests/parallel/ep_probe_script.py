@@ -1,0 +1,49 @@
+"""C08 probe: set up expert parallelism for ``--ep_degree`` and print what each rank got (one JSON line per rank).
+
+Run under ``accelerate launch`` by ``test_ep_accelerate_launch.py``. Uses the product's EP set-up only:
+``resolve_expert_parallel`` (which creates ``PartialState(cpu=not torch.cuda.is_available())`` when launched) and a
+``Magi2MultiHeadMoE`` built on the EP group. Exits non-zero when EP cannot be honoured (e.g. one process).
+"""
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+
+from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
+from diffusers_magi2.parallel.expert_parallel import (
+    Magi2ExpertParallelConfig,
+    end_distributed_run,
+    resolve_expert_parallel,
+)
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--ep_degree", type=int, required=True)
+args = parser.parse_args()
+
+ep = resolve_expert_parallel(Magi2ExpertParallelConfig(ep_degree=args.ep_degree))
+cfg = Magi2MultiHeadMoEConfig(hidden_size=128, num_heads=4, num_experts=8, top_k=2, expert_intermediate_size=64)
+moe = Magi2MultiHeadMoE(cfg, ep.group)
+x = torch.randn(6, 128, generator=torch.Generator().manual_seed(0))
+y = moe(x)  # one real EP forward (layout a) through the group
+from accelerate import PartialState  # noqa: E402
+
+state = PartialState()
+print(
+    "EP_PROBE "
+    + json.dumps(
+        {
+            "rank": ep.rank,
+            "world_size": dist.get_world_size(),
+            "backend": str(dist.get_backend()),
+            "distributed_type": str(state.distributed_type),
+            "ep_group_size": dist.get_world_size(ep.group),
+            "local_expert_rows": moe.W_gate.shape[0],
+            "full_expert_rows": cfg.num_heads * cfg.num_experts,
+            "out_shape": list(y.shape),
+        }
+    ),
+    flush=True,
+)
+end_distributed_run(0)
