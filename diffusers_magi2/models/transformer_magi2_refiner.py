@@ -65,6 +65,10 @@ __all__ = [
     "sandai_state_dict_key_from_refiner",
 ]
 
+#: Tokens per MLP chunk (same math as unchunked, up to GEMM row-blocking rounding; bounds the fp32
+#: ``[N, 2I]`` intermediate).
+DEFAULT_MLP_CHUNK_SIZE = 65536
+
 _SANDAI_LAYER_PREFIX = "block.layers."
 _DIFFUSERS_LAYER_PREFIX = "transformer_blocks."
 
@@ -193,12 +197,34 @@ class Magi2RefinerMLP(nn.Module):
         self.up_gate_proj = Magi2ModalityGroupedLinear(hidden_size, 2 * intermediate_size, num_modality=num_modality)
         self.down_proj = Magi2ModalityGroupedLinear(intermediate_size, hidden_size, num_modality=num_modality)
 
-    def forward(self, hidden_states: torch.Tensor, group_sizes: Sequence[int]) -> torch.Tensor:
+    def _forward_tokens(self, hidden_states: torch.Tensor, group_sizes: Sequence[int]) -> torch.Tensor:
         cdt = self.up_gate_proj.weight.dtype
         x = self.pre_norm(hidden_states, group_sizes).to(cdt)
         x = self.up_gate_proj(x, group_sizes, out_dtype=torch.float32)
         x = swiglu7_interleaved(x, out_dtype=cdt)
         return self.down_proj(x, group_sizes, out_dtype=torch.float32)
+
+    def forward(
+        self, hidden_states: torch.Tensor, group_sizes: Sequence[int], chunk_size: Optional[int] = None
+    ) -> torch.Tensor:
+        """``[N, C]`` modality-sorted -> ``[N, C]`` fp32.
+
+        Every op is per token, so with ``chunk_size`` the tokens are processed ``chunk_size`` at a
+        time (same math, up to GEMM rounding; bounds the ``[N, 2I]`` fp32 intermediate, 45 GB at 1080p
+        unchunked).
+        """
+        n = hidden_states.shape[0]
+        if chunk_size is None or n <= chunk_size:
+            return self._forward_tokens(hidden_states, group_sizes)
+        starts = [0]
+        for g in group_sizes:
+            starts.append(starts[-1] + int(g))
+        out = []
+        for a in range(0, n, chunk_size):
+            b = min(a + chunk_size, n)
+            gs = tuple(max(0, min(b, starts[m + 1]) - max(a, starts[m])) for m in range(len(group_sizes)))
+            out.append(self._forward_tokens(hidden_states[a:b], gs))
+        return torch.cat(out, dim=0)
 
 
 class Magi2RefinerTransformerBlock(nn.Module):
@@ -218,7 +244,7 @@ class Magi2RefinerTransformerBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor, ctx: "_PackedContext") -> torch.Tensor:
         """``hidden_states`` ``[N, C]`` modality-sorted; returns ``[N, C]`` (fp32 after layer 0's MLP)."""
         hidden_states = hidden_states + self.attention(hidden_states, ctx, self.window)
-        hidden_states = hidden_states + self.mlp(hidden_states, ctx.group_sizes)
+        hidden_states = hidden_states + self.mlp(hidden_states, ctx.group_sizes, ctx.mlp_chunk_size)
         return hidden_states
 
 
@@ -245,6 +271,7 @@ class _PackedContext:
     dense_mask: Optional[torch.Tensor]
     backend: str
     max_dense_elements: int
+    mlp_chunk_size: Optional[int] = None
 
     def sort(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.perm is None else x.index_select(0, self.perm)
@@ -356,18 +383,21 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
         )
 
     @staticmethod
-    def _parse_attention_kwargs(attention_kwargs: Optional[dict]) -> tuple[str, int]:
+    def _parse_attention_kwargs(attention_kwargs: Optional[dict]) -> tuple[str, int, Optional[int]]:
         kw = dict(attention_kwargs or {})
         backend = kw.pop("window_backend", "auto")
         max_dense = int(kw.pop("max_dense_mask_elements", DEFAULT_MAX_DENSE_MASK_ELEMENTS))
+        chunk = kw.pop("mlp_chunk_size", DEFAULT_MLP_CHUNK_SIZE)
         if kw:
             raise ValueError(
                 f"unsupported attention_kwargs {sorted(kw)}; allowed: 'window_backend' "
-                f"{WINDOW_ATTENTION_BACKENDS}, 'max_dense_mask_elements'"
+                f"{WINDOW_ATTENTION_BACKENDS}, 'max_dense_mask_elements', 'mlp_chunk_size'"
             )
         if backend not in WINDOW_ATTENTION_BACKENDS:
             raise ValueError(f"window_backend must be one of {WINDOW_ATTENTION_BACKENDS}, got {backend!r}")
-        return backend, max_dense
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"mlp_chunk_size must be a positive int or None, got {chunk!r}")
+        return backend, max_dense, chunk
 
     def _run(
         self,
@@ -379,6 +409,7 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
         dense_mask: Optional[torch.Tensor],
         backend: str,
         max_dense: int,
+        mlp_chunk_size: Optional[int] = DEFAULT_MLP_CHUNK_SIZE,
     ) -> torch.Tensor:
         """Blocks + post adapter on one packed sample. ``embedded`` ``[N, C]`` fp32 in packed order.
 
@@ -392,7 +423,7 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
             perm = torch.argsort(modality_ids, stable=True)
             inv = torch.argsort(perm)
             group_sizes = tuple(int(c) for c in torch.bincount(modality_ids, minlength=3).tolist())
-        ctx = _PackedContext(group_sizes, rope, perm, inv, geometry, dense_mask, backend, max_dense)
+        ctx = _PackedContext(group_sizes, rope, perm, inv, geometry, dense_mask, backend, max_dense, mlp_chunk_size)
         h = ctx.sort(embedded).to(self.compute_dtype)
         for block in self.transformer_blocks:
             if torch.is_grad_enabled() and self.gradient_checkpointing:
@@ -433,7 +464,7 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
                 ``num_context_tokens`` others); or
             q_ranges, k_ranges: the reference's ``local_attn_handler`` ranges (``[P, 2]``), turned into
                 a dense mask (small inputs only). With neither, attention is dense over the sample.
-            attention_kwargs: ``{"window_backend": ..., "max_dense_mask_elements": ...}``.
+            attention_kwargs: ``{"window_backend": ..., "max_dense_mask_elements": ..., "mlp_chunk_size": ...}``.
 
         Returns:
             ``[N, max(Cv, Ca)]`` fp32 (reference ``x_out``).
@@ -441,7 +472,7 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
         Raises:
             ValueError: inconsistent shapes, unknown modality ids, both a geometry and ranges given.
         """
-        backend, max_dense = self._parse_attention_kwargs(attention_kwargs)
+        backend, max_dense, chunk = self._parse_attention_kwargs(attention_kwargs)
         if x.dim() != 2 or coords_mapping.shape != (x.shape[0], 9) or modality_mapping.shape != (x.shape[0],):
             raise ValueError(
                 f"expected x [N, C], coords_mapping [N, 9], modality_mapping [N]; got {tuple(x.shape)}, "
@@ -478,7 +509,7 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
         rope = pa.rope(coords_mapping)
         sorted_ok = ids.numel() < 2 or bool((ids[1:] >= ids[:-1]).all())
         gs = tuple(int(c) for c in torch.bincount(ids, minlength=3).tolist()) if sorted_ok else None
-        return self._run(emb, rope, ids, gs, window_geometry, dense_mask, backend, max_dense)
+        return self._run(emb, rope, ids, gs, window_geometry, dense_mask, backend, max_dense, chunk)
 
     # ------------------------------------------------------------ diffusers entry
     def forward(
@@ -505,7 +536,9 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
             encoder_attention_mask: ``[B, Lt]`` bool/0-1, True = real text token (padding is dropped,
                 not attended); ``None`` = all tokens valid.
             attention_kwargs: optional ``{"window_backend": "auto"|"sdpa"|"flex"|"gather",
-                "max_dense_mask_elements": int}``.
+                "max_dense_mask_elements": int, "mlp_chunk_size": int | None}`` (see
+                :func:`~diffusers_magi2.models.window_attention.block_window_attention`; MLP token chunk,
+                default 65,536).
             return_dict: return :class:`Magi2RefinerTransformerOutput` (else a tuple).
 
         Returns:
@@ -514,7 +547,7 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
         Raises:
             ValueError: wrong ranks, channel counts, batch sizes or mask shape.
         """
-        backend, max_dense = self._parse_attention_kwargs(attention_kwargs)
+        backend, max_dense, chunk = self._parse_attention_kwargs(attention_kwargs)
         cfg = self.config
         if hidden_states.dim() != 5 or hidden_states.shape[1] != cfg.in_channels:
             raise ValueError(
@@ -564,7 +597,7 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
             ids = torch.cat(
                 [torch.full((nv,), 0), torch.full((La,), 1), torch.full((lt,), 2)]
             ).to(device)
-            out = self._run(emb, rope, ids, (nv, La, lt), geom, None, backend, max_dense)
+            out = self._run(emb, rope, ids, (nv, La, lt), geom, None, backend, max_dense, chunk)
             restore = geom.video_restore_order(device)
             video_out.append(out[:nv, : cfg.in_channels].index_select(0, restore).T.reshape(cfg.in_channels, T, H, W))
             if audio_hidden_states is not None:

@@ -359,6 +359,7 @@ def _gather_window_attention(
     ctx_idx = torch.arange(nv, n, device=device)
     ar_q = torch.arange(qmax, device=device)
     ar_k = torch.arange(kslot, device=device)
+    rep = query.shape[1] // key.shape[1]
     for b0 in range(0, geometry.num_blocks, blocks_per_chunk):
         b = torch.arange(b0, min(b0 + blocks_per_chunk, geometry.num_blocks), device=device)
         bt, bh, bw = b // (nh * nw), (b // nw) % nh, b % nw
@@ -380,6 +381,9 @@ def _gather_window_attention(
         qb = query[q_idx]  # [nb, qmax, Hq, D]
         kb_ = key[k_idx]
         vb = value[k_idx]
+        if rep > 1:  # explicit GQA expansion: masked SDPA kernels need equal head counts
+            kb_ = kb_.repeat_interleave(rep, dim=2)
+            vb = vb.repeat_interleave(rep, dim=2)
         ob = _sdpa_bnhd(qb, kb_, vb, k_valid[:, None, None, :], scale)  # [nb, qmax, Hq, D]
         out[q_idx[q_valid]] = ob[q_valid]
     return out
