@@ -318,6 +318,7 @@ def load_original_checkpoint(
     *,
     component: str | None = None,
     dtype: torch.dtype = torch.float32,
+    model_kwargs: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
     """Build ``cls`` from a SandAI checkpoint folder, using the converter's key plan in memory.
 
@@ -332,6 +333,8 @@ def load_original_checkpoint(
         config: SandAI JSON path / dict; ``None`` for the released config.
         component: ``"transformer"`` or ``"refiner"``; inferred from ``cls`` when ``None``.
         dtype: dtype of the non-island weights (fp32 islands always load as fp32).
+        model_kwargs: extra constructor arguments that are not part of the config (e.g.
+            ``params_dtype``).
 
     Returns:
         the model in eval mode, every tensor on CPU.
@@ -348,7 +351,7 @@ def load_original_checkpoint(
         component = matches[0]
     target = TRANSFORMER_TARGETS[component]
     cfg, label = resolve_sandai_config(target, config)
-    kwargs = model_kwargs_from_sandai(target, cfg)
+    kwargs = {**model_kwargs_from_sandai(target, cfg), **(model_kwargs or {})}
     model = build_meta_model(cls, kwargs)
     expected = expected_specs_from_model(model, params_dtype_code(target, cfg))
     source = read_source_checkpoint(source_dir)
@@ -360,6 +363,9 @@ def load_original_checkpoint(
                 t = handle.get_tensor(e.source_key)
                 state[e.target_key] = t.to(torch.float32 if is_fp32_island(e.target_key) else dtype)
     model.load_state_dict(state, strict=True, assign=True)
+    on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if on_meta:  # C04: never hand back a model with unloaded (meta) tensors
+        raise ValueError(f"{len(on_meta)} tensors were left on the meta device after loading, e.g. {on_meta[:5]}")
     return model.eval()
 
 

@@ -831,9 +831,10 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
             device: where the weights are placed.
 
         Raises:
-            ValueError: missing/unexpected keys, shape mismatches, or no config.
+            ValueError: every missing/unexpected key, shape or dtype mismatch and index fault, listed
+                together (``CheckpointValidationError``), or no config.
         """
-        from ..conversion.sandai_config import load_sandai_config, preview_config_from_sandai, released_config_path
+        from ..conversion.sandai_config import load_sandai_config, released_config_path
 
         preview_dir = Path(preview_dir)
         if config is None:
@@ -845,28 +846,14 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
             cfg = config
         else:
             cfg = load_sandai_config(config)
-        kwargs = preview_config_from_sandai(cfg)
-        with torch.device("meta"):
-            model = cls(**kwargs, params_dtype=dtype)
-        state = load_sandai_preview_state_dict(preview_dir)
-        expected = model.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing:
-            raise ValueError(f"SandAI checkpoint lacks {len(missing)} model keys, e.g. {missing[:5]}")
-        # SandAI's loader drops checkpoint keys the model does not have; do the same.
-        for k in unexpected:
-            state.pop(k)
-        for k, v in list(state.items()):
-            ref = expected[k]
-            if tuple(v.shape) != tuple(ref.shape):
-                raise ValueError(f"{k}: checkpoint shape {tuple(v.shape)} != model shape {tuple(ref.shape)}")
-            state[k] = v.to(device=device, dtype=ref.dtype) if v.is_floating_point() else v.to(device)
-        model.load_state_dict(state, strict=True, assign=True)
-        leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-        if leftovers:
-            raise ValueError(f"tensors left on meta after loading: {leftovers[:5]}")
-        return model.eval()
+        from ..conversion.convert_transformer import load_original_checkpoint
+
+        # The converter's validated key plan, in memory (issue 4): every index/key/shape/dtype problem
+        # is listed in one CheckpointValidationError (a ValueError) before anything is loaded.
+        model = load_original_checkpoint(
+            cls, preview_dir, cfg, component="transformer", dtype=dtype, model_kwargs={"params_dtype": dtype}
+        )
+        return model.to(device)
 
 
 # ----------------------------------------------------------------------------------------------
