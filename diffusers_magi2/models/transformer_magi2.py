@@ -546,7 +546,11 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
 
         diffusers 0.42.1 queries the Hub for sharded checkpoints unless ``local_files_only`` is set;
         with ``HF_HUB_OFFLINE=1`` this default makes offline loading of local folders work.
+
+        ``expert_parallel=Magi2ExpertParallelConfig(ep_degree=N)`` loads only this rank's routed experts
+        (``diffusers_magi2.parallel.ep_loading.load_expert_parallel_from_pretrained``).
         """
+        expert_parallel = kwargs.pop("expert_parallel", None)
         if kwargs.get("local_files_only") is None:
             from huggingface_hub import constants as hf_constants
 
@@ -554,7 +558,23 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
                 "HF_HUB_OFFLINE", ""
             ).strip().upper() in ("1", "ON", "YES", "TRUE")
             kwargs["local_files_only"] = offline
+        if expert_parallel is not None:
+            from ..parallel.ep_loading import load_expert_parallel_from_pretrained
+
+            return load_expert_parallel_from_pretrained(
+                cls, pretrained_model_name_or_path, expert_parallel=expert_parallel, **kwargs
+            )
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    def enable_expert_parallel(self, config) -> "Magi2Transformer3DModel":
+        """Shard the routed experts of this in-memory model over ``config``'s EP group; returns self.
+
+        ``config`` is a :class:`diffusers_magi2.Magi2ExpertParallelConfig`; see
+        ``diffusers_magi2.parallel.ep_loading.apply_expert_parallel`` (errors, idle-rank warning).
+        """
+        from ..parallel.ep_loading import apply_expert_parallel
+
+        return apply_expert_parallel(self, config)
 
     # ------------------------------------------------------------------------------------------
     # packed entry (reference Transformer.forward)
@@ -853,12 +873,33 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
         model = load_original_checkpoint(
             cls, preview_dir, cfg, component="transformer", dtype=dtype, model_kwargs={"params_dtype": dtype}
         )
+        _unshare_tensors(model)
         return model.to(device)
 
 
 # ----------------------------------------------------------------------------------------------
 # SandAI checkpoint helpers
 # ----------------------------------------------------------------------------------------------
+
+def _unshare_tensors(model: nn.Module) -> None:
+    """Give every parameter/buffer its own storage.
+
+    ``router.expert_bias`` is filled from the same file bytes as ``router.expert_bias_ema``; if both
+    end up on one storage, ``save_pretrained`` (safetensors) refuses to write them.
+    """
+    seen: set = set()
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is None or tensor.is_meta:
+                    continue
+                ptr = tensor.untyped_storage().data_ptr()
+                if ptr in seen:
+                    cloned = tensor.detach().clone()
+                    store[name] = nn.Parameter(cloned, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else cloned
+                    ptr = cloned.untyped_storage().data_ptr()
+                seen.add(ptr)
+
 
 def sandai_key_to_diffusers(key: str) -> str:
     """``block.layers.{i}.X`` -> ``transformer_blocks.{i}.X``; every other key unchanged (the converter's key plan)."""
