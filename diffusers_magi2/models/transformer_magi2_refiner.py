@@ -53,6 +53,7 @@ from .window_attention import (
     Magi2WindowGeometry,
     block_window_attention,
     ranges_to_dense_mask,
+    resolve_window_backend,
 )
 
 __all__ = [
@@ -172,9 +173,11 @@ class Magi2RefinerAttention(nn.Module):
         q = apply_magi2_rotary_emb(q, ctx.rope).to(cdt)
         k = apply_magi2_rotary_emb(k, ctx.rope).to(cdt)
         v = v.to(cdt)
-        if window:
+        if window and ctx.dense_mask is not None:
+            out = block_window_attention(q, k, v, None, dense_mask=ctx.dense_mask, backend="sdpa")
+        elif window:
             out = block_window_attention(
-                q, k, v, ctx.geometry, dense_mask=ctx.dense_mask, backend=ctx.backend,
+                q, k, v, ctx.geometry, backend=ctx.backend, block_mask=ctx.block_mask,
                 max_dense_elements=ctx.max_dense_elements,
             )
         else:
@@ -272,6 +275,7 @@ class _PackedContext:
     backend: str
     max_dense_elements: int
     mlp_chunk_size: Optional[int] = None
+    block_mask: Any = None  # flex BlockMask, built once per forward
 
     def sort(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.perm is None else x.index_select(0, self.perm)
@@ -423,7 +427,17 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
             perm = torch.argsort(modality_ids, stable=True)
             inv = torch.argsort(perm)
             group_sizes = tuple(int(c) for c in torch.bincount(modality_ids, minlength=3).tolist())
-        ctx = _PackedContext(group_sizes, rope, perm, inv, geometry, dense_mask, backend, max_dense, mlp_chunk_size)
+        block_mask = None
+        if geometry is not None and dense_mask is None:
+            # resolve "auto" once and build the mask once per forward (not once per layer)
+            backend = resolve_window_backend(backend, embedded.device, geometry.num_tokens, max_dense)
+            if backend == "sdpa":
+                dense_mask = geometry.dense_mask(embedded.device, max_elements=max_dense)
+            elif backend == "flex":
+                block_mask = geometry.flex_block_mask(embedded.device)
+        ctx = _PackedContext(
+            group_sizes, rope, perm, inv, geometry, dense_mask, backend, max_dense, mlp_chunk_size, block_mask
+        )
         h = ctx.sort(embedded).to(self.compute_dtype)
         for block in self.transformer_blocks:
             if torch.is_grad_enabled() and self.gradient_checkpointing:

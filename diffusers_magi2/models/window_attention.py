@@ -44,6 +44,7 @@ __all__ = [
     "Magi2WindowGeometry",
     "ranges_to_dense_mask",
     "block_window_attention",
+    "resolve_window_backend",
     "WINDOW_ATTENTION_BACKENDS",
     "DEFAULT_MAX_DENSE_MASK_ELEMENTS",
 ]
@@ -408,6 +409,24 @@ def _flex(q, k, v, block_mask, scale):
     return out.transpose(1, 2)
 
 
+def resolve_window_backend(
+    backend: str, device: torch.device, num_tokens: int, max_dense_elements: int = DEFAULT_MAX_DENSE_MASK_ELEMENTS
+) -> str:
+    """The concrete backend ``"auto"`` stands for: ``"flex"`` on CUDA; elsewhere ``"sdpa"`` when the
+    dense mask has at most ``max_dense_elements`` entries, else ``"gather"``. Other names pass through.
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    if backend not in WINDOW_ATTENTION_BACKENDS:
+        raise ValueError(f"unknown window-attention backend {backend!r}; allowed: {WINDOW_ATTENTION_BACKENDS}")
+    if backend != "auto":
+        return backend
+    if torch.device(device).type == "cuda":
+        return "flex"
+    return "sdpa" if num_tokens * num_tokens <= max_dense_elements else "gather"
+
+
 def block_window_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -469,13 +488,7 @@ def block_window_attention(
     if geometry is None:
         return _sdpa_bnhd(query[None], key[None], value[None], None, scale)[0]
 
-    if backend == "auto":
-        if query.device.type == "cuda":
-            backend = "flex"
-        elif n * n <= max_dense_elements:
-            backend = "sdpa"
-        else:
-            backend = "gather"
+    backend = resolve_window_backend(backend, query.device, n, max_dense_elements)
     if backend == "sdpa":
         mask = geometry.dense_mask(query.device, max_elements=max_dense_elements)
         return _sdpa_bnhd(query[None], key[None], value[None], mask, scale)[0]

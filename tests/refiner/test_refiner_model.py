@@ -81,7 +81,7 @@ def test_fp32_packed_entry_with_reference_ranges(model_fp32, fp32_case, prefix):
 
 
 @pytest.mark.parametrize("prefix", CASES)
-@pytest.mark.parametrize("backend", ["sdpa", "gather"])
+@pytest.mark.parametrize("backend", ["sdpa", "gather", "flex"])
 def test_fp32_packed_entry_with_config_geometry(model_fp32, fp32_case, prefix, backend):
     d = fp32_case
     ids = d[prefix + "model.modality_mapping"]
