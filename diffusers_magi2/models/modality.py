@@ -18,6 +18,7 @@ independent implementation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Optional, Sequence
@@ -229,6 +230,17 @@ class Magi2ModalityGroupedLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(num_modality * out_features, dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init per modality block (real checkpoints overwrite it; no-op on meta)."""
+        if self.weight.is_meta:
+            return
+        bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound)
 
     def extra_repr(self) -> str:
         return (
