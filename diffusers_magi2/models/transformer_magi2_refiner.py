@@ -25,8 +25,6 @@ Independent implementation; no reference code is copied.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +32,11 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import BaseOutput
 
-from ..conversion.sandai_config_refiner import refiner_config_from_sandai
+from ..conversion.sandai_config_refiner import refiner_config_from_sandai  # noqa: F401  (re-exported for the converter)
 from .embeddings_magi2 import Magi2RotaryPosEmbed, apply_magi2_rotary_emb
 from .modality import (
     Magi2ModalityGroupedLinear,
@@ -627,63 +624,50 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
     def from_original_checkpoint(
         cls,
         refiner_dir: Union[str, os.PathLike],
-        config: Optional[dict] = None,
+        config: Optional[Union[dict, str, os.PathLike]] = None,
+        *,
         torch_dtype: Optional[torch.dtype] = None,
         device: Union[str, torch.device] = "cpu",
     ) -> "Magi2RefinerTransformer3DModel":
-        """Load SandAI's refiner checkpoint folder (safetensors shards + HF-style index) strictly.
+        """Build the refiner from a SandAI ``refiner/`` checkpoint folder (safetensors shards + index).
+
+        Runs the converter's validated key plan in memory (the same checks and the same rename
+        ``block.layers.{i}.`` -> ``transformer_blocks.{i}.`` as ``magi2-convert``), then a strict load.
 
         Args:
-            refiner_dir: folder with ``model.safetensors.index.json`` and its shards (or a single
-                ``model.safetensors``).
-            config: the merged SandAI config dict (``magi2_refiner_arch_config`` +
-                ``evaluation_config.magi2_refiner_data_proxy_config``); default: ``magi2_refiner.json``
-                in ``refiner_dir`` (must not use ``extends``; resolve it with
-                ``diffusers_magi2.conversion.sandai_config.load_sandai_config`` first).
-            torch_dtype: ``None`` keeps the checkpoint dtypes (bf16 linears, fp32 rest = released);
-                ``torch.float32`` loads everything in fp32 (exact-math checks).
-            device: target device.
+            refiner_dir: folder with ``model.safetensors.index.json`` and its shards.
+            config: SandAI config dict or JSON path (``extends`` is resolved); default: the
+                ``magi2_*.json`` beside the shards, else the bundled released ``magi2_refiner.json``
+                (the released refiner folder ships no config).
+            torch_dtype: dtype of the block linears; ``None`` = the config's ``params_dtype``
+                (bf16, the released setting). ``torch.float32`` gives the all-fp32 model for exact
+                checks. The fp32 islands (adapters, norms, rope) always load as fp32.
+            device: where the weights are placed.
 
         Returns:
             the model in eval mode.
 
         Raises:
-            FileNotFoundError: missing config or weights. ValueError: key set or shapes differ from
-            the model built from the config (strict load).
+            ValueError: every missing/unexpected key, shape or dtype mismatch and index fault, listed
+                together (``CheckpointValidationError``); a config without the refiner sections.
         """
-        from safetensors import safe_open
+        from ..conversion.convert_transformer import load_original_checkpoint
+        from ..conversion.sandai_config import load_sandai_config, released_config_path
 
         refiner_dir = Path(refiner_dir)
         if config is None:
-            cfg_path = refiner_dir / "magi2_refiner.json"
-            if not cfg_path.is_file():
-                raise FileNotFoundError(f"no config given and {cfg_path} does not exist")
-            config = json.loads(cfg_path.read_text())
-        kwargs = refiner_config_from_sandai(config)
-        index = refiner_dir / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (refiner_dir / "model.safetensors").is_file():
-            files = ["model.safetensors"]
+            try:
+                cfg = load_sandai_config(refiner_dir)
+            except ValueError:
+                cfg = load_sandai_config(released_config_path("magi2_refiner.json"))
+        elif isinstance(config, dict):
+            cfg = config
         else:
-            raise FileNotFoundError(f"no model.safetensors(.index.json) in {refiner_dir}")
-        state = {}
-        for fname in files:
-            with safe_open(str(refiner_dir / fname), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    state[refiner_state_dict_key_from_sandai(key)] = f.get_tensor(key)
-        with torch.device("meta"):
-            model = cls(**kwargs)
-        expected = model.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"refiner checkpoint key mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
-        for k, t in expected.items():
-            if tuple(state[k].shape) != tuple(t.shape):
-                raise ValueError(f"{k}: checkpoint shape {tuple(state[k].shape)} != model shape {tuple(t.shape)}")
-            if torch_dtype is not None and state[k].is_floating_point():
-                state[k] = state[k].to(torch_dtype)
-        model.load_state_dict(state, strict=True, assign=True)
+            cfg = load_sandai_config(config)
+        if torch_dtype is None:
+            name = str(cfg.get("magi2_refiner_arch_config", {}).get("params_dtype", "bfloat16")).replace("torch.", "")
+            if name not in ("bfloat16", "float16", "float32"):
+                raise ValueError(f"unsupported params_dtype {name!r} in the SandAI refiner config")
+            torch_dtype = getattr(torch, name)
+        model = load_original_checkpoint(cls, refiner_dir, cfg, component="refiner", dtype=torch_dtype)
         return model.to(device).eval()
-
