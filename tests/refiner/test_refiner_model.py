@@ -223,3 +223,36 @@ def test_mlp_token_chunking_is_exact(request, fp32_case, model_name):
     assert (chunked.audio_sample - full.audio_sample).abs().max().item() <= tol
     with pytest.raises(ValueError, match="mlp_chunk_size"):
         _diffusers_call(model, fp32_case, "", attention_kwargs={"mlp_chunk_size": 0})
+
+
+def test_converter_roundtrip_equals_original_loader(refiner_root, model_bf16, tmp_path):
+    """magi2-convert's refiner component -> from_pretrained(bf16) holds exactly the tensors of from_original_checkpoint."""
+    from diffusers_magi2.conversion.convert_transformer import prepare_transformer_conversion, write_transformer
+
+    src = refiner_root / "sandai_checkpoint"
+    prepared = prepare_transformer_conversion("refiner", src, src / "magi2_refiner.json")
+    out = write_transformer(prepared, tmp_path / "refiner")
+    loaded = Magi2RefinerTransformer3DModel.from_pretrained(out, torch_dtype=torch.bfloat16, local_files_only=True)
+    ref = model_bf16.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(ref) and len(got) == 47
+    for k, t in ref.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    assert dict(loaded.config)["window_block_size"] == [2, 2, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_on_cuda_matches_gather():
+    """Compiled flex_attention + BlockMask (the CUDA default) vs the exact gather backend, bf16, GQA 4:1."""
+    from diffusers_magi2.models.window_attention import Magi2WindowGeometry, block_window_attention
+
+    geom = Magi2WindowGeometry((15, 12, 20), (8, 4, 4), (2, 2, 2), 37)
+    n = geom.num_tokens
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(n, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    a = block_window_attention(q, k, v, geom, backend="flex").float()
+    b = block_window_attention(q.float(), k.float(), v.float(), geom, backend="gather")
+    assert _rel(a, b) < 1e-2
