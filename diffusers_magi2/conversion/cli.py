@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="keep", help="output dtype; fp32 islands always stay fp32 (default: keep)")
     p.add_argument("--max_shard_size", default="5GB", help="output shard size limit, e.g. 5GB, 500MB (default: 5GB)")
     p.add_argument("--dry_run", action="store_true", help="read headers only, print the key plan and shard layout, write nothing")
+    p.add_argument("--audio_vae_encoder", choices=("strict", "zeros"), default="strict",
+                   help="Stable Audio encoder not representable in AutoencoderOobleck: 'strict' fails, 'zeros' writes a zero "
+                        "encoder (MAGI-2 only decodes audio); default strict")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output_path")
     p.add_argument("--push_to_hub", action="store_true", help="upload the result with huggingface_hub (needs --repo_id)")
     p.add_argument("--repo_id", help="Hub repository id, e.g. org/MAGI-2-preview-diffusers")
@@ -106,6 +109,7 @@ def request_from_args(args: argparse.Namespace, log=print) -> ConversionRequest:
         overwrite=args.overwrite,
         dry_run=args.dry_run,
         repo_id=args.repo_id,
+        component_options={"audio_vae": {"audio_encoder": args.audio_vae_encoder}} if "audio_vae" in components else {},
     )
 
 

@@ -97,6 +97,8 @@ class ConversionRequest:
         overwrite: replace an existing non-empty ``OUT``.
         dry_run: validate and print the plan only; write nothing.
         repo_id: Hub id shown in the model card snippet (and used by ``push_to_hub``).
+        component_options: component -> extra keyword arguments for its converter function
+            (e.g. ``{"audio_vae": {"audio_encoder": "zeros"}}``).
     """
 
     output_path: Path
@@ -108,6 +110,7 @@ class ConversionRequest:
     overwrite: bool = False
     dry_run: bool = False
     repo_id: str | None = None
+    component_options: dict[str, dict] = field(default_factory=dict)
 
 
 def default_scheduler():
@@ -260,11 +263,11 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
         for comp, fn in component_fns.items():
             log(f"[{comp}] converting {req.inputs[comp]}")
             if comp == "text_encoder":
-                fn(req.inputs[comp], tmp / "text_encoder", tmp / "tokenizer", req.dtype)
+                fn(req.inputs[comp], tmp / "text_encoder", tmp / "tokenizer", req.dtype, **req.component_options.get(comp, {}))
                 written["text_encoder"] = MODEL_INDEX_ENTRIES["text_encoder"]
                 written["tokenizer"] = (MODEL_INDEX_ENTRIES["tokenizer"][0], _tokenizer_class(tmp / "tokenizer"))
             else:
-                fn(req.inputs[comp], tmp / comp, req.dtype)
+                fn(req.inputs[comp], tmp / comp, req.dtype, **req.component_options.get(comp, {}))
                 written[comp] = MODEL_INDEX_ENTRIES[comp]
         if "scheduler" in req.components:
             default_scheduler().save_pretrained(tmp / "scheduler")

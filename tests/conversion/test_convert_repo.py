@@ -1,0 +1,378 @@
+"""Repository-level conversion through ``magi2-convert``: bad inputs, the output folder contract,
+``model_index.json`` (C24), the model card, ``--push_to_hub`` (mocked), the whole release layout,
+and loading by repo id from a local Hugging Face cache with ``HF_HUB_OFFLINE=1``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from convert_testing_utils import (
+    checkpoint_dir,
+    config_path,
+    copy_checkpoint,
+    mutate_tensor,
+    read_index,
+    rewrite_shard,
+    run_cli,
+    write_index,
+)
+
+from conftest import FIXTURES, REPO_ROOT
+from diffusers_magi2.conversion import repo as repo_mod
+
+COMPONENTS = FIXTURES / "magi2_tiny_components"
+H4_CONFIG = config_path("preview_h4")
+
+
+def _transformer_args(ckpt, out, *extra):
+    return ["--preview_dir", ckpt, "--config", H4_CONFIG, "--output_path", out, "--components", "transformer", *extra]
+
+
+def _assert_failed_cleanly(tmp_path, rc, err, needle, out):
+    assert rc != 0
+    assert needle in err, err
+    assert not out.exists()
+    assert list(out.parent.glob(f".{out.name}.*")) == []  # no temporary folder left behind
+
+
+# --------------------------------------------------------------------------- bad inputs, each a test
+
+
+def _drop_second_shard(ckpt):
+    (ckpt / sorted(set(read_index(ckpt)["weight_map"].values()))[1]).unlink()
+    return "missing shard file"
+
+
+def _truncate_first_shard(ckpt):
+    path = ckpt / sorted(set(read_index(ckpt)["weight_map"].values()))[0]
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) - 1000])
+    return "truncated shard"
+
+
+def _key_missing_from_index(ckpt):
+    index = read_index(ckpt)
+    del index["weight_map"]["block.layers.2.mlp.moe_mlp.W_down"]
+    write_index(ckpt, index)
+    return "block.layers.2.mlp.moe_mlp.W_down: present in shard model-00002-of-00002.safetensors but absent from the index"
+
+
+def _unexpected_key(ckpt):
+    index = read_index(ckpt)
+    fname = index["weight_map"]["pre_adapter.rope.bands"]
+    rewrite_shard(ckpt, fname, lambda t: {**t, "pre_adapter.extra_embedder.weight": torch.zeros(2, 2)})
+    index["weight_map"]["pre_adapter.extra_embedder.weight"] = fname
+    write_index(ckpt, index)
+    return "pre_adapter.extra_embedder.weight: unexpected key"
+
+
+def _wrong_shape(ckpt):
+    mutate_tensor(ckpt, "block.layers.1.mlp.moe_mlp.W_gate", lambda t: t[:, :, :-1])
+    return "block.layers.1.mlp.moe_mlp.W_gate: shape [32, 32, 63]"
+
+
+def _wrong_dtype(ckpt):
+    mutate_tensor(ckpt, "block.layers.1.mlp.moe_mlp.gate", lambda t: t.to(torch.bfloat16))
+    return "block.layers.1.mlp.moe_mlp.gate: dtype BF16 in model-00001-of-00002.safetensors, the model expects F32"
+
+
+def _config_disagrees(ckpt):
+    cfg = json.loads(H4_CONFIG.read_text())
+    cfg["arch_config"]["moe_config"]["num_experts"] = 4  # the weights have 8 experts per head
+    (ckpt / "magi2_preview.json").write_text(json.dumps(cfg))
+    return "block.layers.1.mlp.moe_mlp.W_gate: shape [32, 32, 64] in model-00001-of-00002.safetensors, the model expects [16, 32, 64]"
+
+
+@pytest.mark.parametrize(
+    "breaker",
+    [_drop_second_shard, _truncate_first_shard, _key_missing_from_index, _unexpected_key, _wrong_shape, _wrong_dtype, _config_disagrees],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_bad_checkpoint_exits_nonzero_and_writes_nothing(tmp_path, breaker):
+    ckpt = copy_checkpoint("preview_h4", tmp_path / "ckpt")
+    needle = breaker(ckpt)
+    out = tmp_path / "out"
+    args = _transformer_args(ckpt, out)
+    args[args.index("--config") + 1] = ckpt / "magi2_preview.json"
+    rc, _, err = run_cli(args)
+    _assert_failed_cleanly(tmp_path, rc, err, needle, out)
+
+
+def test_several_problems_are_reported_in_one_run(tmp_path):
+    ckpt = copy_checkpoint("preview_h4", tmp_path / "ckpt")
+    needles = [_wrong_shape(ckpt), _wrong_dtype(ckpt), _unexpected_key(ckpt)]
+    out = tmp_path / "out"
+    rc, _, err = run_cli(_transformer_args(ckpt, out))
+    for needle in needles:
+        _assert_failed_cleanly(tmp_path, rc, err, needle, out)
+
+
+class _NotATensor:  # torch.load(weights_only=True) refuses arbitrary classes
+    pass
+
+
+def test_refused_pickle_exits_nonzero_and_writes_nothing(tmp_path):
+    evil = tmp_path / "Wan2.2_VAE.pth"
+    torch.save({"model": _NotATensor()}, evil)
+    out = tmp_path / "out"
+    rc, _, err = run_cli(["--vae_path", evil, "--output_path", out, "--components", "vae"])
+    _assert_failed_cleanly(tmp_path, rc, err, "weights_only=True", out)
+    assert str(evil) in err
+
+
+def test_failure_while_writing_leaves_no_output(tmp_path, monkeypatch):
+    """A fault after validation (here: in the middle of the transformer write) removes the temp folder."""
+    from diffusers_magi2.conversion import convert_transformer
+
+    real = convert_transformer.stream_tensor_chunks
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 40:
+            raise OSError("disk full (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(convert_transformer, "stream_tensor_chunks", flaky)
+    out = tmp_path / "out"
+    rc, _, err = run_cli(_transformer_args(checkpoint_dir("preview_h4"), out))
+    _assert_failed_cleanly(tmp_path, rc, err, "OSError: disk full (simulated)", out)
+
+
+def test_existing_output_needs_overwrite_and_survives_failures(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, _, err = run_cli(_transformer_args(checkpoint_dir("preview_h4"), out))
+    assert rc != 0 and "exists and is not empty; pass --overwrite" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    # --overwrite with a broken checkpoint: the old OUT is untouched
+    ckpt = copy_checkpoint("preview_h4", tmp_path / "ckpt")
+    _wrong_shape(ckpt)
+    rc, _, err = run_cli(_transformer_args(ckpt, out, "--overwrite"))
+    assert rc != 0 and [p.name for p in out.iterdir()] == ["keep.txt"]
+    # --overwrite that succeeds replaces the whole folder
+    rc, _, err = run_cli(_transformer_args(checkpoint_dir("preview_h4"), out, "--overwrite"))
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "model_index.json", "transformer"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    rc, stdout, err = run_cli(_transformer_args(checkpoint_dir("preview_h4"), out, "--dry_run", "--max_shard_size", "1MB"))
+    assert rc == 0, err
+    assert "131 output tensors from 2 source shard(s)" in stdout
+    assert "diffusion_pytorch_model-00004-of-00004.safetensors" in stdout
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--output_path", "x"], "no components to convert"),
+        (["--output_path", "x", "--components", "transformer"], "no input was given"),
+        (["--output_path", "x", "--components", "transformer,unet"], "unknown ['unet']"),
+        (["--output_path", "x", "--preview_dir", "/nonexistent/preview"], "does not exist"),
+        (["--output_path", "x", "--preview_dir", ".", "--push_to_hub"], "--push_to_hub needs --repo_id"),
+        (["--output_path", "x", "--preview_dir", ".", "--max_shard_size", "big"], "is not a size"),
+    ],
+)
+def test_bad_arguments(tmp_path, args, needle):
+    rc, _, err = run_cli(args)
+    assert rc != 0 and needle in err
+
+
+# --------------------------------------------------------------------------- output contract
+
+
+@pytest.fixture(scope="module")
+def release_root(tmp_path_factory):
+    """The SandAI release layout built from the tiny fixtures (symlinks, nothing copied but configs).
+
+    ``configs/magi2_refiner.json`` extends ``magi2_preview.json`` as in the release, so one
+    ``--config`` describes both the tiny preview and the tiny refiner.
+    """
+    root = tmp_path_factory.mktemp("release")
+    (root / "vae").mkdir()
+    (root / "preview").symlink_to(checkpoint_dir("preview_h4"))
+    (root / "refiner").symlink_to(checkpoint_dir("refiner"))
+    (root / "vae" / "Wan2.2_VAE.pth").symlink_to(COMPONENTS / "wan22_vae" / "Wan2.2_VAE.pth")
+    (root / "turbo_vae").symlink_to(COMPONENTS / "turbo_vae")
+    (root / "stable-audio-open-1.0").symlink_to(COMPONENTS / "stable_audio_vae" / "stable-audio-open-tiny")
+    (root / "text_encoder").symlink_to(COMPONENTS / "text_encoder" / "qwen35_tiny")
+    configs = root / "configs"
+    configs.mkdir()
+    shutil.copyfile(H4_CONFIG, configs / "magi2_preview.json")
+    refiner = json.loads(config_path("refiner").read_text())
+    refiner["extends"] = "magi2_preview.json"
+    (configs / "magi2_refiner.json").write_text(json.dumps(refiner))
+    return root
+
+
+@pytest.fixture(scope="module")
+def full_repo(release_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "MAGI-2-tiny-diffusers"
+    rc, stdout, err = run_cli(
+        ["--checkpoint_root", release_root, "--config", release_root / "configs" / "magi2_refiner.json",
+         "--output_path", out, "--dtype", "bf16", "--max_shard_size", "1MB", "--repo_id", "org/magi2-tiny",
+         "--audio_vae_encoder", "zeros"]  # the tiny Stable Audio encoder has latent_dim != channels
+    )
+    assert rc == 0, err + stdout
+    return out
+
+
+def test_component_failure_after_transformers_were_written_leaves_no_output(release_root, tmp_path):
+    """The tiny Stable Audio encoder is refused in strict mode, after transformer/refiner/vae were written."""
+    out = tmp_path / "out"
+    rc, stdout, err = run_cli(
+        ["--checkpoint_root", release_root, "--config", release_root / "configs" / "magi2_refiner.json",
+         "--output_path", out, "--components", "transformer,vae,audio_vae"]
+    )
+    assert "[transformer] writing" in stdout
+    _assert_failed_cleanly(tmp_path, rc, err, "audio encoder", out)
+
+
+def test_whole_release_converts_every_component(full_repo):
+    index = json.loads((full_repo / "model_index.json").read_text())
+    assert index["_class_name"] == "Magi2Pipeline"
+    expected = {
+        "transformer": ["diffusers_magi2.models.transformer_magi2", "Magi2Transformer3DModel"],
+        "refiner": ["diffusers_magi2.models.transformer_magi2_refiner", "Magi2RefinerTransformer3DModel"],
+        "video_decoder": ["diffusers_magi2.models.turbo_vae", "Magi2TurboVAEDecoder"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "audio_vae": ["diffusers", "AutoencoderOobleck"],
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "Qwen3_5TextModel"],
+    }
+    for name, entry in expected.items():
+        assert index[name] == entry, name
+        assert (full_repo / name).is_dir()
+    assert index["tokenizer"][0] == "transformers" and index["tokenizer"][1]
+    assert (full_repo / "tokenizer").is_dir()
+    for name in ("transformer", "refiner"):
+        assert len(list((full_repo / name).glob("diffusion_pytorch_model-*.safetensors"))) >= 2
+    sched = json.loads((full_repo / "scheduler" / "scheduler_config.json").read_text())
+    assert sched["prediction_type"] == "flow_prediction" and sched["use_flow_sigmas"] and sched["flow_shift"] == 7.0
+
+
+def test_scheduler_reproduces_the_reference_schedule(full_repo):
+    """The shipped scheduler + the documented sigmas give SandAI's Flow-UniPC schedule (spec §5.2, C01)."""
+    import numpy as np
+    from diffusers import UniPCMultistepScheduler
+
+    sched = UniPCMultistepScheduler.from_pretrained(full_repo, subfolder="scheduler")
+    sched.set_timesteps(100, sigmas=np.linspace(0.999, 0, 101)[:-1])
+    assert sched.timesteps[:5].tolist() == [999, 998, 996, 995, 993]
+    assert sched.timesteps[-3:].tolist() == [177, 124, 65]
+    assert abs(float(sched.sigmas[0]) - 0.999857) < 1e-6 and float(sched.sigmas[-1]) == 0.0
+
+
+def test_model_card_is_rendered_from_the_single_source(full_repo):
+    from diffusers_magi2.conversion.model_card import load_model_card_template, render_model_card
+
+    top = (REPO_ROOT / "model_card.md").read_text()
+    assert load_model_card_template() == top  # the packaged resource is the top-level file
+    card = (full_repo / "README.md").read_text()
+    front = card.split("---\n")[1]
+    for line in ("library_name: diffusers", "pipeline_tag: text-to-video", "license: apache-2.0",
+                 "base_model: sand-ai/MAGI-2-preview", "- mixture-of-experts"):
+        assert line in front
+    first_code = card.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert "pip install diffusers_magi2" in first_code
+    assert 'Magi2Pipeline.from_pretrained("org/magi2-tiny"' in card
+    assert "{{" not in card and "| `refiner/` |" in card and "| `tokenizer/` |" in card
+    with pytest.raises(ValueError, match="missing values"):
+        render_model_card({"title": "x"})
+
+
+def test_model_index_entries_resolve_in_a_fresh_interpreter(full_repo, tmp_path):
+    """C24: every entry resolves through diffusers' own loader rules after ``import diffusers_magi2``,
+    from a copy standing in for a Hub snapshot, in a fresh process."""
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(full_repo, snapshot)
+    script = f"""
+import json, sys
+import diffusers_magi2
+from diffusers.pipelines.pipeline_loading_utils import ALL_IMPORTABLE_CLASSES, get_class_obj_and_candidates
+import diffusers_magi2.models.transformer_magi2, diffusers_magi2.models.transformer_magi2_refiner, diffusers_magi2.models.turbo_vae
+index = json.load(open({str(snapshot / "model_index.json")!r}))
+for name, (lib, cls) in sorted((k, v) for k, v in index.items() if not k.startswith("_")):
+    obj, cands = get_class_obj_and_candidates(lib, cls, ALL_IMPORTABLE_CLASSES, None, False)
+    methods = [ALL_IMPORTABLE_CLASSES[c][1] for c, k in cands.items() if k is not None and issubclass(obj, k)]
+    assert methods, (name, lib, cls)  # diffusers finds how to load it (its base class is visible)
+    sub = getattr(obj, methods[-1])({str(snapshot)!r} + "/" + name)
+    assert type(sub).__name__ == cls, (name, type(sub))
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_missing_component_converter_is_skipped_with_a_message(tmp_path, monkeypatch):
+    monkeypatch.setattr(repo_mod, "_components_module", lambda: types.ModuleType("empty_components"))
+    out = tmp_path / "out"
+    rc, stdout, err = run_cli(["--vae_path", COMPONENTS / "wan22_vae" / "Wan2.2_VAE.pth", "--output_path", out])
+    assert rc == 0, err
+    assert "[vae] skipped: diffusers_magi2.conversion.components.convert_wan22_vae does not exist yet" in stdout
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["vae"] == [None, None] and index["scheduler"] == ["diffusers", "UniPCMultistepScheduler"]
+
+
+def test_push_to_hub_uses_huggingface_hub(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kwargs):
+            calls.append(("create_repo", repo_id, kwargs))
+            return f"https://huggingface.co/{repo_id}"
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload_folder", kwargs["repo_id"], kwargs))
+            assert (kwargs["folder_path"] and os.path.isfile(os.path.join(kwargs["folder_path"], "model_index.json")))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    out = tmp_path / "out"
+    rc, stdout, err = run_cli(_transformer_args(checkpoint_dir("preview_h4"), out, "--push_to_hub", "--repo_id", "org/tiny", "--private"))
+    assert rc == 0, err
+    assert [c[0] for c in calls] == ["create_repo", "upload_folder"]
+    assert calls[0][2]["private"] is True and calls[0][2]["exist_ok"] is True and calls[0][2]["repo_type"] == "model"
+    assert calls[1][1] == "org/tiny" and calls[1][2]["folder_path"] == str(out.absolute())
+    # a dry run uploads nothing
+    calls.clear()
+    rc, stdout, _ = run_cli(_transformer_args(checkpoint_dir("preview_h4"), tmp_path / "o2", "--dry_run", "--push_to_hub", "--repo_id", "org/tiny"))
+    assert rc == 0 and calls == [] and "nothing uploaded" in stdout
+
+
+def test_offline_load_by_repo_id_from_the_hf_cache(full_repo, tmp_path):
+    """The converted repo (>= 2 shards) in a local HF cache layout, loaded by repo id, bf16, offline."""
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = cache / "models--org--magi2-tiny"
+    shutil.copytree(full_repo, repo_dir / "snapshots" / commit)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    script = """
+import torch
+from diffusers_magi2 import Magi2Transformer3DModel
+from diffusers_magi2.conversion.key_plan import is_fp32_island
+m = Magi2Transformer3DModel.from_pretrained("org/magi2-tiny", subfolder="transformer", dtype=torch.bfloat16)
+bad = [n for n, t in m.state_dict().items() if t.dtype != (torch.float32 if is_fp32_island(n) else torch.bfloat16)]
+assert not bad, bad
+assert m.transformer_blocks[1].mlp.moe_mlp.router.expert_bias.dtype == torch.float32
+print("ok", len(m.state_dict()))
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert res.returncode == 0 and "ok 131" in res.stdout, res.stderr[-3000:]
+    assert len(list((repo_dir / "snapshots" / commit / "transformer").glob("*.safetensors"))) >= 2
