@@ -80,28 +80,36 @@ def read_expert_rows(handle: Any, key: str, row_start: int, num_rows: int) -> to
     return out
 
 
-def checkpoint_key_files(folder: Union[str, os.PathLike]) -> dict[str, Path]:
+def checkpoint_key_files(folder: Union[str, os.PathLike], variant: Optional[str] = None) -> dict[str, Path]:
     """Map every tensor key of a safetensors checkpoint folder to its file.
 
-    Accepts a ``*.safetensors.index.json`` (HF-style ``weight_map``) or exactly one ``*.safetensors`` file.
+    Looks for, in order: the diffusers index ``diffusion_pytorch_model.safetensors.index[.variant].json``, the single
+    file ``diffusion_pytorch_model[.variant].safetensors``, then (no variant) SandAI's ``model.safetensors.index.json``
+    / ``model.safetensors``.
 
     Raises:
-        ValueError: no safetensors file, several index files, or several un-indexed files.
+        ValueError: none of those files exists.
     """
+    from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, _add_variant
     from safetensors import safe_open
 
     folder = Path(folder)
-    indices = sorted(folder.glob("*.safetensors.index.json"))
-    if len(indices) > 1:
-        raise ValueError(f"{folder} holds several safetensors index files: {[p.name for p in indices]}")
-    if indices:
-        weight_map = json.loads(indices[0].read_text())["weight_map"]
-        return {k: folder / v for k, v in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
-    if len(files) != 1:
-        raise ValueError(f"{folder} must hold one *.safetensors file or an index, found {[p.name for p in files]}")
-    with safe_open(files[0], framework="pt") as h:
-        return {k: files[0] for k in h.keys()}
+    candidates = [
+        (_add_variant(SAFE_WEIGHTS_INDEX_NAME, variant), True),
+        (_add_variant(SAFETENSORS_WEIGHTS_NAME, variant), False),
+    ]
+    if variant is None:
+        candidates += [("model.safetensors.index.json", True), ("model.safetensors", False)]
+    for name, is_index in candidates:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if is_index:
+            weight_map = json.loads(path.read_text())["weight_map"]
+            return {k: folder / v for k, v in weight_map.items()}
+        with safe_open(str(path), framework="pt") as h:
+            return {k: path for k in h.keys()}
+    raise ValueError(f"{folder} holds none of {[n for n, _ in candidates]} (variant={variant!r})")
 
 
 def _moe_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -200,13 +208,18 @@ def _set_requires_grad_like(dst: nn.Module, src: nn.Module) -> None:
 
 
 def _resolve_folder(pretrained: Union[str, os.PathLike], subfolder: Optional[str], **hub_kwargs: Any) -> Path:
+    """Local folder of the checkpoint; a Hub repo id is downloaded (its ``subfolder`` only) to the HF cache."""
     folder = Path(pretrained)
     if not folder.is_dir():
         from huggingface_hub import snapshot_download
 
+        hub_kwargs = {k: v for k, v in hub_kwargs.items() if v is not None}
         pattern = f"{subfolder}/*" if subfolder else "*"
-        folder = Path(snapshot_download(str(pretrained), allow_patterns=[pattern, "*.json"], **hub_kwargs))
-    return folder / subfolder if subfolder else folder
+        folder = Path(snapshot_download(str(pretrained), allow_patterns=[pattern], **hub_kwargs))
+    folder = folder / subfolder if subfolder else folder
+    if not folder.is_dir():
+        raise ValueError(f"checkpoint folder {folder} does not exist")
+    return folder
 
 
 def _target_dtype(name: str, t: torch.Tensor, default: torch.dtype, torch_dtype, keep_fp32: Iterable[str]):
@@ -226,7 +239,10 @@ def load_expert_parallel_from_pretrained(
     expert_parallel: Magi2ExpertParallelConfig,
     subfolder: Optional[str] = None,
     torch_dtype: Optional[torch.dtype] = None,
-    device: Union[str, torch.device] = "cpu",
+    dtype: Optional[torch.dtype] = None,
+    variant: Optional[str] = None,
+    device: Union[str, torch.device, int, None] = None,
+    device_map: Union[str, torch.device, int, None] = None,
     **hub_kwargs: Any,
 ) -> nn.Module:
     """Build ``cls`` from a diffusers-format folder with its routed experts sharded over the EP group.
@@ -238,18 +254,40 @@ def load_expert_parallel_from_pretrained(
     take the dtype the module was built with. Checkpoint keys the model does not have are ignored (SandAI loader
     rule); missing keys raise. Every rank must pass the same checkpoint and config (checked once).
 
+    ``dtype`` is an alias of ``torch_dtype``; ``device`` / ``device_map`` (one device: ``"cuda:1"``, ``1``, ...) place
+    the weights (default CPU). ``hub_kwargs`` (``revision``, ``cache_dir``, ``token``, ``local_files_only``) are used
+    only when the path is not a local folder.
+
     Raises:
         ValueError: EP set-up errors (no process group, ``ep_degree`` ≠ world size), ranks disagreeing on the
-            checkpoint/config, missing checkpoint keys, or an EP tensor whose file shape does not have
-            ``num_heads·num_experts`` rows.
+            checkpoint/config, missing checkpoint keys, an EP tensor whose file shape does not have
+            ``num_heads·num_experts`` rows, a ``device_map`` that is not a single device, or an unsupported keyword.
     """
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
+    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+        raise ValueError(f"torch_dtype={torch_dtype} and dtype={dtype} disagree")
+    torch_dtype = torch_dtype if torch_dtype is not None else dtype
+    if device is not None and device_map is not None:
+        raise ValueError("pass either device or device_map, not both")
+    device = device if device is not None else device_map
+    if isinstance(device, dict) or (isinstance(device, str) and device in ("auto", "balanced", "sequential")):
+        raise ValueError(
+            f"expert-parallel loading places every tensor on one device per rank; got device_map={device!r}"
+        )
+    device = torch.device("cpu" if device is None else (f"cuda:{device}" if isinstance(device, int) else device))
+    if hub_kwargs.pop("low_cpu_mem_usage", True) is False:
+        raise ValueError("expert-parallel loading is always low-memory (meta init); low_cpu_mem_usage=False is not supported")
+    allowed_hub = {"revision", "cache_dir", "token", "local_files_only", "force_download", "proxies"}
+    unknown = sorted(set(hub_kwargs) - allowed_hub)
+    if unknown:
+        raise ValueError(f"from_pretrained(expert_parallel=...) does not support {unknown}; supported: {sorted(allowed_hub)}")
+
     ep = resolve_expert_parallel(expert_parallel)
     folder = _resolve_folder(pretrained_model_name_or_path, subfolder, **hub_kwargs)
     config = cls.load_config(folder)
-    key_files = checkpoint_key_files(folder)
+    key_files = checkpoint_key_files(folder, variant)
     fingerprint = {
         "config": {k: v for k, v in config.items() if not k.startswith("_")},
         "files": sorted({(p.name, p.stat().st_size) for p in key_files.values()}),
@@ -295,11 +333,12 @@ def load_expert_parallel_from_pretrained(
                     raise ValueError(f"{k}: checkpoint shape {tuple(t.shape)} != model shape {tuple(ref.shape)}")
                 dtype = _target_dtype(k, t, ref.dtype, torch_dtype, keep_fp32)
                 state[k] = t.to(device=device, dtype=dtype)
+                del t
     model.load_state_dict(state, strict=True, assign=True)
     # non-persistent buffers were built for real on CPU; follow the parameters
     for mod in model.modules():
         for bname, buf in list(mod._buffers.items()):
-            if buf is not None and buf.device != torch.device(device):
+            if buf is not None and buf.device != device:
                 mod._buffers[bname] = buf.to(device)
     model.eval()
     return model

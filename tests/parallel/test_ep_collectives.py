@@ -1,7 +1,6 @@
-"""Expert-parallel collectives, group set-up and errors, on gloo ranks (``torch.multiprocessing.spawn``).
+"""Expert-parallel head layout, set-up errors and checkpoint row slicing, in one process (no process group).
 
-The per-head computation here is an independent stand-in (a per-head ``tanh(x_h @ W_h)``), so these tests pin the
-head layout and the collectives alone; the real MoE layer is covered in ``test_ep_moe_layer.py``.
+The multi-rank checks (collectives, MoE layer, transformer) are in ``test_ep_parity.py``.
 """
 
 from __future__ import annotations
@@ -10,122 +9,15 @@ import warnings
 
 import pytest
 import torch
-from ep_spawn_utils import run_on_ranks
+from safetensors import safe_open
 
+from diffusers_magi2.parallel.ep_loading import read_expert_rows
 from diffusers_magi2.parallel.expert_parallel import (
     Magi2ExpertParallelConfig,
-    check_same_on_all_ranks,
     ep_head_layout,
-    expert_parallel_heads_forward,
     resolve_expert_parallel,
     warn_if_idle,
 )
-
-DH = 8
-# per-rank token counts for layout (b): uneven, with one rank holding zero tokens (C07)
-TOKEN_COUNTS = {2: [5, 0], 3: [4, 0, 7], 4: [3, 6, 0, 1]}
-
-
-def _weights(num_heads: int) -> torch.Tensor:
-    return torch.randn(num_heads, DH, DH, generator=torch.Generator().manual_seed(100 + num_heads))
-
-
-def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(torch.einsum("shd,hde->she", x, w))
-
-
-def _local_heads_fn(w: torch.Tensor, layout):
-    def compute(local_x: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(local_x)
-        n = layout.num_real_local_heads
-        if n:
-            ws = w[layout.local_head_start : layout.local_head_start + n]
-            out[:, :n] = _reference(local_x[:, :n].float(), ws).to(local_x.dtype)
-        return out
-
-    return compute
-
-
-def _collectives_worker(rank: int, world: int) -> dict:
-    ep = resolve_expert_parallel(Magi2ExpertParallelConfig(ep_degree=world))
-    assert ep.size == world and ep.rank == rank
-    results = {}
-    for num_heads in (4, 3):
-        w = _weights(num_heads)
-        layout = ep_head_layout(num_heads, ep.size, ep.rank)
-        fn = _local_heads_fn(w, layout)
-        x_all = torch.randn(12, num_heads, DH, generator=torch.Generator().manual_seed(7))
-        results[("a", num_heads)] = expert_parallel_heads_forward(x_all, fn, layout, ep.group)
-        counts = TOKEN_COUNTS[world]
-        x_tok = torch.randn(sum(counts), num_heads, DH, generator=torch.Generator().manual_seed(8))
-        start = sum(counts[:rank])
-        mine = x_tok[start : start + counts[rank]]
-        results[("b", num_heads)] = expert_parallel_heads_forward(mine, fn, layout, ep.group, token_counts=counts)
-        results[("b_bf16", num_heads)] = expert_parallel_heads_forward(
-            mine.bfloat16(), fn, layout, ep.group, token_counts=counts
-        )
-    # under autograd (grad mode, inputs requiring grad): the functional collectives carry gradients back
-    xg = mine.detach().clone().requires_grad_(True)
-    coeff = torch.linspace(-1, 1, DH)
-    yg = expert_parallel_heads_forward(xg, fn, layout, ep.group, token_counts=counts)
-    (yg * coeff).sum().backward()
-    results["grad_b"] = xg.grad
-    results["grad_a_out"] = expert_parallel_heads_forward(x_all.clone().requires_grad_(True), fn, layout, ep.group)
-    # errors raised before any collective
-    errors = {}
-    try:
-        expert_parallel_heads_forward(
-            x_tok[:2], fn, layout, ep.group, token_counts=[2] * (world - 1)
-        )
-    except ValueError as e:
-        errors["wrong_len"] = str(e)
-    try:
-        resolve_expert_parallel(Magi2ExpertParallelConfig(ep_degree=world + 1))
-    except ValueError as e:
-        errors["degree"] = str(e)
-    try:  # ranks loading different configs
-        check_same_on_all_ranks({"num_heads": 4 + (rank == world - 1)}, ep, "transformer config")
-    except ValueError as e:
-        errors["mismatch"] = str(e)
-    check_same_on_all_ranks({"num_heads": 4}, ep, "transformer config")  # identical: no error
-    results["errors"] = errors
-    return results
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_ep_collectives_match_single_device(world):
-    per_rank = run_on_ranks(_collectives_worker, world)
-    counts = TOKEN_COUNTS[world]
-    for num_heads in (4, 3):
-        w = _weights(num_heads)
-        x_all = torch.randn(12, num_heads, DH, generator=torch.Generator().manual_seed(7))
-        ref_a = _reference(x_all, w)
-        x_tok = torch.randn(sum(counts), num_heads, DH, generator=torch.Generator().manual_seed(8))
-        ref_b = _reference(x_tok, w)
-        ref_b16 = _reference(x_tok.bfloat16().float(), w)
-        for rank, res in enumerate(per_rank):
-            out_a = res[("a", num_heads)]
-            assert out_a.shape == (12, num_heads, DH)
-            torch.testing.assert_close(out_a, ref_a, atol=2e-6, rtol=0)
-            start = sum(counts[:rank])
-            out_b = res[("b", num_heads)]
-            assert out_b.shape == (counts[rank], num_heads, DH)  # zero rows on the empty rank
-            torch.testing.assert_close(out_b, ref_b[start : start + counts[rank]], atol=2e-6, rtol=0)
-            b16 = res[("b_bf16", num_heads)]
-            assert b16.dtype == torch.bfloat16  # collectives move the caller's dtype
-            torch.testing.assert_close(b16.float(), ref_b16[start : start + counts[rank]], atol=2e-2, rtol=0)
-        if num_heads == 3:  # the last loop iteration in the worker
-            xg = x_tok.clone().requires_grad_(True)
-            (_reference(xg, w) * torch.linspace(-1, 1, DH)).sum().backward()
-            for rank, res in enumerate(per_rank):
-                start = sum(counts[:rank])
-                torch.testing.assert_close(res["grad_b"], xg.grad[start : start + counts[rank]], atol=2e-6, rtol=0)
-                torch.testing.assert_close(res["grad_a_out"].detach(), ref_a, atol=2e-6, rtol=0)
-    for res in per_rank:
-        errs = res["errors"]
-        assert f"ep_token_counts must be {world}" in errs["wrong_len"]
-        assert f"ep_degree={world + 1} must equal the world size ({world})" in errs["degree"]
-        assert f"ranks [{world - 1}] differ from rank 0" in errs["mismatch"]
 
 
 def test_ep_head_layout_padding_and_idle_rank():
@@ -156,3 +48,22 @@ def test_ep_config_errors_without_process_group(monkeypatch):
         resolve_expert_parallel(Magi2ExpertParallelConfig(ep_degree=2))
     single = resolve_expert_parallel(Magi2ExpertParallelConfig(ep_degree=1))
     assert (single.group, single.rank, single.size) == (None, 0, 1)
+
+
+def test_ep_read_expert_rows_padded_heads(tmp_path):
+    """C06 with explicit ranks: H=3, E=4 saved to safetensors, ep=2 (padded to 4 heads) and ep=4 (rank 3 empty)."""
+    from safetensors.torch import save_file
+
+    w = torch.randn(12, 64, 64)
+    save_file({"W_gate": w, "bias": torch.arange(12.0)}, str(tmp_path / "m.safetensors"))
+    with safe_open(str(tmp_path / "m.safetensors"), "pt") as h:
+        r0 = read_expert_rows(h, "W_gate", 0, 8)
+        r1 = read_expert_rows(h, "W_gate", 8, 8)
+        assert r0.shape == r1.shape == (8, 64, 64)
+        assert torch.equal(r0, w[:8]) and torch.equal(r1[:4], w[8:]) and not r1[4:].any()
+        r3 = read_expert_rows(h, "W_gate", 12, 4)  # start == dim 0: no get_slice past the end
+        assert r3.shape == (4, 64, 64) and not r3.any()
+        assert read_expert_rows(h, "bias", 12, 4).tolist() == [0.0] * 4
+        assert read_expert_rows(h, "bias", 4, 4).tolist() == [4.0, 5.0, 6.0, 7.0]
+        with pytest.raises(ValueError, match="row_start and num_rows must be >= 0"):
+            read_expert_rows(h, "bias", -1, 4)
