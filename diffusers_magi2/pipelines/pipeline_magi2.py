@@ -785,7 +785,7 @@ class Magi2Pipeline(DiffusionPipeline):
                 if self.interrupt:
                     continue
                 self._current_timestep = t
-                video_velocity, audio_velocity = self._predict(
+                video_velocity, audio_velocity = self.predict_velocity(
                     latents,
                     audio_latents,
                     t,
@@ -831,7 +831,8 @@ class Magi2Pipeline(DiffusionPipeline):
             return (frames, audio)
         return Magi2PipelineOutput(frames=frames, audio=audio, audio_sample_rate=sample_rate, fps=fps)
 
-    def _predict(
+    @torch.no_grad()
+    def predict_velocity(
         self,
         latents,
         audio_latents,
@@ -844,6 +845,16 @@ class Magi2Pipeline(DiffusionPipeline):
         image_embeds,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One transformer forward and the CFG combination: v = v_u + g·(v_c − v_u), g = 5 (video) / 7 (audio).
+
+        Args:
+            latents, audio_latents: ``[B, 48, T, h, w]`` / ``[B, L, 64]`` noisy latents (fp32).
+            t: the step's timestep on the 0–1000 scale (0-d or ``[1]`` tensor).
+            prompt_embeds, prompt_attention_mask: ``[B, Lt, C]`` / ``[B, Lt]`` bool.
+            negative_prompt_embeds, negative_prompt_attention_mask: the uncond text (unused without CFG).
+            image_latents, image_embeds: ``[B, 48, 1, hi, wi]`` / ``[B, C]`` I2V conditioning or ``None``.
+
+        Returns:
+            guided ``(video [B, 48, T, h, w], audio [B, L, 64])`` velocities, fp32.
 
         Both halves share the noisy latents, the timestep (the scheduler's integer value, as a float
         on the 0–1000 scale), the reference image latents and the special-token embedding; they differ
