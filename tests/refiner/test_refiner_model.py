@@ -256,3 +256,19 @@ def test_flex_on_cuda_matches_gather():
     a = block_window_attention(q, k, v, geom, backend="flex").float()
     b = block_window_attention(q.float(), k.float(), v.float(), geom, backend="gather")
     assert _rel(a, b) < 1e-2
+
+
+def test_gradient_checkpointing_same_gradients(refiner_root, fp32_case):
+    d = fp32_case
+    grads = []
+    for ckpt in (False, True):
+        model = Magi2RefinerTransformer3DModel.from_original_checkpoint(
+            refiner_root / "sandai_checkpoint", torch_dtype=torch.float32
+        ).train()
+        if ckpt:
+            model.enable_gradient_checkpointing()
+        out = model(hidden_states=d["pipeline.latent"], encoder_hidden_states=d["pipeline.txt_feat"])
+        out.sample.square().mean().backward()
+        grads.append(model.transformer_blocks[1].attention.linear_qkv.weight.grad.clone())
+    assert grads[0].abs().max() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-5)
