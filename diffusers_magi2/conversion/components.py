@@ -491,7 +491,8 @@ def convert_turbo_vae(turbo_dir: PathLike, out_dir: PathLike, dtype: str = "keep
     if dropped:
         logger.info("TurboVAE: dropped %d training-only tensors (%s...)", len(dropped), dropped[0])
     try:
-        model = Magi2TurboVAEDecoder(**config)
+        with torch.device("meta"):
+            model = Magi2TurboVAEDecoder(**config)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{folder}: invalid TurboVAED config: {err}") from err
     return _load_and_save(model, _cast_state(state, torch_dtype), out_dir, f"TurboVAE {ckpts[0]}")

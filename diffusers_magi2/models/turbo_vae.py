@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.autoencoders.vae import DecoderOutput
 from diffusers.models.modeling_utils import ModelMixin
+from diffusers.utils.accelerate_utils import apply_forward_hook
 
 __all__ = ["Magi2TurboVAEDecoder", "WAN22_LATENTS_MEAN", "WAN22_LATENTS_STD"]
 
@@ -543,6 +544,7 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
             video = video[:, :, : video.shape[2] - padding * self.config.temporal_compression_ratio]
         return video
 
+    @apply_forward_hook
     @torch.no_grad()
     def decode(
         self,
@@ -559,6 +561,9 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
             return_dict (`bool`): return a :class:`~diffusers.models.autoencoders.vae.DecoderOutput`.
             output_device: move each decoded window there before concatenating (the reference's
                 ``output_offload``, e.g. ``"cpu"`` for 1080p); default: keep on the model device.
+
+        Works with ``enable_model_cpu_offload`` (``apply_forward_hook``: the offload hook moves the
+        model to its execution device before decoding, as for diffusers' VAEs).
 
         Returns:
             ``DecoderOutput(sample=video)`` (or ``(video,)``), ``video`` ``[B, out_channels,
