@@ -15,12 +15,16 @@ import PIL.Image
 import torch
 from diffusers import AutoencoderKLWan, AutoencoderOobleck, UniPCMultistepScheduler
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
-from diffusers.models.modeling_utils import ModelMixin
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.utils import logging
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
+# The model modules are imported by name so that they are in ``sys.modules`` when diffusers resolves
+# the ``model_index.json`` entries ``diffusers_magi2.models.*`` of a converted repo (C24).
+from ..models.transformer_magi2 import Magi2Transformer3DModel
+from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
+from ..models.turbo_vae import Magi2TurboVAEDecoder
 from .pipeline_output import Magi2PipelineOutput
 from .text_encoding import (
     DEFAULT_MAX_SEQUENCE_LENGTH,
@@ -114,7 +118,8 @@ class Magi2Pipeline(DiffusionPipeline):
         vae (`AutoencoderKLWan`, Wan2.2 form, optional): encodes the I2V reference image; decodes
             video when there is no ``video_decoder``.
         video_decoder (`Magi2TurboVAEDecoder`, optional): the default video decoder (TurboVAED).
-        refiner (optional): the 1080p refiner stage; not wired yet (1088×1920 raises).
+        refiner (`Magi2RefinerTransformer3DModel`, optional): the 1080p refiner stage; loaded when the
+            repo has it, not run yet (1088×1920 raises).
 
     Config (stored in ``model_index.json``): ``negative_prompt`` (the built-in one),
     ``sigma_start`` (0.999: sigmas are ``linspace(sigma_start, 0, N + 1)[:-1]`` before the shift),
@@ -132,12 +137,12 @@ class Magi2Pipeline(DiffusionPipeline):
         self,
         tokenizer: Any,
         text_encoder: Any,
-        transformer: ModelMixin,
+        transformer: Magi2Transformer3DModel,
         audio_vae: AutoencoderOobleck,
         scheduler: UniPCMultistepScheduler,
         vae: AutoencoderKLWan | None = None,
-        video_decoder: ModelMixin | None = None,
-        refiner: ModelMixin | None = None,
+        video_decoder: Magi2TurboVAEDecoder | None = None,
+        refiner: Magi2RefinerTransformer3DModel | None = None,
         negative_prompt: str = DEFAULT_NEGATIVE_PROMPT,
         sigma_start: float = 0.999,
         text_skip_layers: int = DEFAULT_SKIP_LAYERS,
