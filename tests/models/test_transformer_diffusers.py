@@ -414,3 +414,30 @@ def test_i2v_and_batch_rows_are_independent_segments():
         kw3["encoder_attention_mask"] = torch.cat([kw["encoder_attention_mask"], torch.zeros(2, 2, dtype=torch.bool)], 1)
         padded = model(**kw3)
     torch.testing.assert_close(padded.sample, full.sample, atol=1e-6, rtol=1e-6)
+
+
+def test_first_block_cache_skips_the_tail_blocks():
+    """diffusers' FirstBlockCache finds the registered blocks and really skips the tail on a hit."""
+    from diffusers import FirstBlockCacheConfig
+
+    model = tiny_model(num_layers=3, mm_layers=[0], moe_layers=[1])
+    inputs = tiny_inputs()
+    with torch.no_grad():
+        ref = model(**inputs)
+    calls = []
+    for i, block in enumerate(model.transformer_blocks):
+        # the cache hooks replace block.forward, so count the work inside the block
+        block.attention.register_forward_pre_hook(lambda mod, args, i=i: calls.append(i))
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    nudged = dict(inputs, hidden_states=inputs["hidden_states"] * 1.001)
+    with torch.no_grad(), model.cache_context("cond"):
+        first = model(**inputs)
+        n_first = len(calls)
+        second = model(**nudged)
+    model.disable_cache()
+    with torch.no_grad():  # (calls 0, 1, 2 of this eager run follow the cached run's single 0)
+        eager_second = model(**nudged)
+    assert torch.equal(first.sample, ref.sample)
+    assert n_first == 3 and calls[n_first:] == [0, 0, 1, 2]  # cache hit: only the first block ran on the cache hit
+    assert not torch.equal(second.sample, eager_second.sample)
+    torch.testing.assert_close(second.sample, eager_second.sample, atol=5e-2, rtol=5e-2)
