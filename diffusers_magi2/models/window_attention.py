@@ -238,25 +238,24 @@ class Magi2WindowGeometry:
         return mask
 
     def flex_mask_mod(self, device: Optional[torch.device] = None):
-        """``mask_mod(b, h, q_idx, kv_idx)`` for ``flex_attention`` (closes over ``[N, 3]`` lookups).
+        """``mask_mod(b, h, q_idx, kv_idx)`` for ``flex_attention``.
 
-        Context tokens carry block coordinate ``-(10**6)`` on every axis and are treated as
-        always-allowed through an explicit ``is_context`` lookup.
+        Closes over three 1-D ``[N]`` int32 lookups of each token's block index per axis and an
+        ``[N]`` bool ``is_context`` lookup (context tokens attend to / are attended by everything).
         """
         nv, n = self.num_video_tokens, self.num_tokens
-        coords = torch.zeros(n, 3, dtype=torch.int64, device=device)
-        coords[:nv] = self.token_block_coords(device)
+        coords = torch.zeros(n, 3, dtype=torch.int32, device=device)
+        coords[:nv] = self.token_block_coords(device).to(torch.int32)
+        bt, bh, bw = coords[:, 0].contiguous(), coords[:, 1].contiguous(), coords[:, 2].contiguous()
         is_ctx = torch.zeros(n, dtype=torch.bool, device=device)
         is_ctx[nv:] = True
         rt, rh, rw = self.radius
 
         def mask_mod(b, h, q_idx, kv_idx):
-            cq = coords[q_idx]
-            ck = coords[kv_idx]
             local = (
-                ((cq[0] - ck[0]).abs() <= rt)
-                & ((cq[1] - ck[1]).abs() <= rh)
-                & ((cq[2] - ck[2]).abs() <= rw)
+                ((bt[q_idx] - bt[kv_idx]).abs() <= rt)
+                & ((bh[q_idx] - bh[kv_idx]).abs() <= rh)
+                & ((bw[q_idx] - bw[kv_idx]).abs() <= rw)
             )
             return local | is_ctx[q_idx] | is_ctx[kv_idx]
 
