@@ -173,3 +173,41 @@ def test_router_bias_comes_from_ema(fixtures_dir):
     ema = raw["block.layers.1.mlp.moe_mlp.router.expert_bias_ema"]
     assert not torch.equal(raw["block.layers.1.mlp.moe_mlp.router.expert_bias"], ema)
     assert torch.equal(router.expert_bias, ema) and torch.equal(router.expert_bias_ema, ema)
+
+
+class _Sorted:
+    """Minimal modality dispatch for rows that are already modality-sorted (fixture MoE cases)."""
+
+    def __init__(self, sizes):
+        self.group_sizes = tuple(int(s) for s in sizes)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_moe_feed_forward_layer_cases(fixtures_dir, case, prec):
+    """The MoE MLP wrapper (pre_norm, split/merge, shared + modality-specific experts) against
+    ``moe_layer_cases``; in bf16 the merge is teacher-forced with the fixture's ``core.out``."""
+    dtype = torch.float32 if prec == "fp32" else torch.bfloat16
+    model = _model(str(fixtures_dir), case, dtype)
+    d = _case(str(fixtures_dir), case, prec, "moe_layer_cases")
+    for layer in (1, 2):
+        p = f"layer{layer}."
+        mlp = model.transformer_blocks[layer].mlp
+        dispatch = _Sorted(d[p + "moe_layer.modality_group_sizes"].tolist())
+        x = d[p + "moe_layer.hidden_states"].to(dtype)
+        with torch.no_grad():
+            norm = mlp.pre_norm(x, dispatch.group_sizes)
+            core_x = mlp.split_linear(norm)
+            shared = mlp.shared_forward(norm, dispatch)
+            merged = mlp.merge_linear(d[p + "core.out"].to(dtype))
+            out = mlp(x, dispatch)
+        assert norm.dtype == dtype and out.dtype == dtype
+        if prec == "fp32":
+            for got, key in ((norm, "moe_layer.norm_output"), (core_x, "core.x"), (shared, "moe_layer.shared_out"),
+                             (merged, "moe_layer.moe_out_merged"), (out, "moe_layer.out")):
+                assert max_abs(got, d[p + key]) <= 2e-4, (layer, key, max_abs(got, d[p + key]))
+        else:
+            for got, key in ((norm, "moe_layer.norm_output"), (core_x, "core.x"), (shared, "moe_layer.shared_out"),
+                             (merged, "moe_layer.moe_out_merged")):
+                assert rel_l2(got, d[p + key]) <= 2e-2, (layer, key, rel_l2(got, d[p + key]))
+            assert rel_l2(out, d[p + "moe_layer.out"]) <= 0.15
