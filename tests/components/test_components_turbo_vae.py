@@ -143,9 +143,20 @@ def test_dwconv_nounpatchify_variant(turbo_root, converted):
     # bf16-vs-fp32 gap is 0.72). On this CPU SandAI's module itself gives max |d| = 1.11e-4 against the
     # fixture, bit-identical to ours, and the float64 result is 1.0e-4 from the fixture: the issue's 1e-4
     # max-abs cannot be met by any fp32 implementation here, so this case checks rel-L2 at the README's
-    # 1e-5 and max abs at 2e-4 (main-config cases above keep 1e-4). Reported to the lead.
+    # 1e-5 here; the 1e-4 max-abs check is the strict xfail below (main-config cases keep 1e-4).
     assert _rel_l2(video, ref) <= 1e-5
-    assert (video - ref).abs().max() <= 2e-4
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 5's 1e-4 max abs is not reachable on this CPU for the dwconv case: SandAI's own "
+    "turbo_vaed.py gives 1.11e-4 here, bit-identical to ours (see test above); kept visible, not loosened",
+)
+@torch.no_grad()
+def test_dwconv_nounpatchify_variant_max_abs_1e4(turbo_root, converted):
+    dec = Magi2TurboVAEDecoder.from_pretrained(converted / "dw").eval()
+    c = load_file(turbo_root / "dwconv_nounpatchify" / "decode_cases.safetensors")
+    assert (dec.decode(c["latent.A"]).sample - c["fp32.A.decoded"]).abs().max() <= 1e-4
 
 
 @torch.no_grad()
