@@ -124,3 +124,21 @@ def test_sandai_config_extends_and_validation(tmp_path):
     bad["arch_config"]["attn_sinks"]["enable"] = False
     with pytest.raises(ValueError, match="attn_sinks"):
         preview_config_from_sandai(bad)
+
+
+def test_fused_mhc_chunking_is_exact(monkeypatch):
+    import diffusers_magi2.models.mhc as mhc
+
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(37, 4, 16, generator=g).bfloat16()
+    o = torch.randn(37, 16, generator=g).bfloat16()
+    hp = torch.rand(37, 4, generator=g).bfloat16()
+    hr = sinkhorn_knopp(torch.randn(37, 4, 4, generator=g)).bfloat16()
+    whole = (mhc.mhc_reduce_streams(hp, s), mhc.mhc_hyper_connect(s, o, hp, hr))
+    monkeypatch.setattr(mhc, "MHC_FUSED_CHUNK", 5)
+    chunked = (mhc.mhc_reduce_streams(hp, s), mhc.mhc_hyper_connect(s, o, hp, hr))
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a, b)
+    # fused = one rounding of the fp32 result
+    ref = (torch.einsum("tij,tjc->tic", hr.float(), s.float()) + hp.float()[..., None] * o.float()[:, None]).bfloat16()
+    assert torch.equal(whole[1], ref)
