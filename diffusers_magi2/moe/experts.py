@@ -158,7 +158,6 @@ def torch_mh_moe_forward(
     num_tokens, num_heads, head_dim, num_experts, _ = check_expert_inputs(
         x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down
     )
-    out = torch.zeros_like(x, memory_format=torch.contiguous_format)
     offsets = expert_offsets.tolist()  # one host sync; this is the CPU/oracle path
     num_routes = gather_ids.numel()
     if offsets[0] != 0 or offsets[-1] != num_routes or any(b < a for a, b in zip(offsets, offsets[1:])):
@@ -167,21 +166,79 @@ def torch_mh_moe_forward(
             f"got first {offsets[0]}, last {offsets[-1]}"
         )
     if num_routes == 0 or num_tokens == 0:
-        return out
+        return torch.zeros_like(x, memory_format=torch.contiguous_format)
     token_ids = gather_ids.to(torch.int64)
-    route_probs = probs.to(torch.float32)
-    down_dtype = w_down.dtype
-    for g in range(num_heads * num_experts):
-        start, end = offsets[g], offsets[g + 1]
-        if end == start:
+    route_probs = probs.to(torch.float32).unsqueeze(1)
+    act_fp32 = x.dtype == torch.float32
+    upcast_weights = w_gate.dtype != torch.float32
+    round_hidden = w_down.dtype != torch.float32
+    track_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, probs, w_gate, w_up, w_down))
+    # The CSR is head-major: each head's routes form one contiguous block, processed with reused buffers
+    # (a few MB, so no fresh page-faulting allocation per call).
+    head_bounds = [offsets[h * num_experts] for h in range(num_heads + 1)]
+    max_block = max(head_bounds[h + 1] - head_bounds[h] for h in range(num_heads))
+    x_buf = x.new_empty(max_block, head_dim)
+    down_buf = torch.empty(max_block, head_dim, dtype=torch.float32, device=x.device)
+    out = torch.zeros_like(x, memory_format=torch.contiguous_format)
+    for head in range(num_heads):
+        base, stop = head_bounds[head], head_bounds[head + 1]
+        if stop == base:
             continue
-        head = g // num_experts
-        rows = token_ids[start:end]
-        xs = x[:, head, :].index_select(0, rows).to(torch.float32)
-        gate = xs @ w_gate[g].to(torch.float32)
-        up = xs @ w_up[g].to(torch.float32)
-        hidden = swiglu7_pair(gate, up, out_dtype=down_dtype)
-        down = hidden.to(torch.float32) @ w_down[g].to(torch.float32)
-        contrib = (down * route_probs[start:end, None]).to(x.dtype)
-        out[:, head, :].index_add_(0, rows, contrib)
+        tokens = token_ids[base:stop]
+        if track_grad:
+            x_head, parts = x[:, head].index_select(0, tokens), []
+        else:
+            x_head = torch.index_select(x[:, head], 0, tokens, out=x_buf[: stop - base])
+        for g in range(head * num_experts, (head + 1) * num_experts):
+            start, end = offsets[g] - base, offsets[g + 1] - base
+            if end == start:
+                continue
+            xs = x_head[start:end]
+            wg, wu, wd = w_gate[g], w_up[g], w_down[g]
+            if not act_fp32:
+                xs = xs.float()
+            if upcast_weights:  # per-expert upcast (exact); the bank itself is never copied
+                wg, wu, wd = wg.float(), wu.float(), wd.float()
+            # gate/up with fp32 accumulation, swiglu7 in fp32, rounded to the W_down dtype, down in fp32
+            hidden = _swiglu7_fp32_(torch.mm(xs, wg), torch.mm(xs, wu))
+            if round_hidden:
+                hidden = hidden.to(w_down.dtype).float()
+            if track_grad:
+                parts.append(torch.mm(hidden, wd))
+            else:
+                torch.mm(hidden, wd, out=down_buf[start:end])
+        if track_grad:
+            contrib = torch.cat(parts) * route_probs[base:stop]
+        else:
+            contrib = down_buf[: stop - base].mul_(route_probs[base:stop])
+        _sum_head_routes_(out[:, head], contrib.to(x.dtype), tokens)  # x prob in fp32, rounded to the act dtype
     return out
+
+
+def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Add one head's CSR-ordered route rows into ``out_head [S, Dh]``, per token in ascending expert id, summing
+    in ``contrib.dtype`` (rounded after every add, as the reference's sequential scatter).
+
+    With top-k routing every token owns exactly ``k`` routes of the head: a stable sort by token lays each token's
+    rows out in expert order and ``k - 1`` adds reduce them. Any other CSR uses ``index_add_`` (sequential in CSR
+    order, which is also ascending expert id per token).
+    """
+    num_tokens, count = out_head.shape[0], tokens.numel()
+    if count % num_tokens == 0:
+        top_k = count // num_tokens
+        sorted_tokens, order = torch.sort(tokens.to(torch.int32), stable=True)
+        expected = torch.arange(num_tokens, device=tokens.device, dtype=torch.int32).repeat_interleave(top_k)
+        if torch.equal(sorted_tokens, expected):
+            rows = contrib.index_select(0, order).view(num_tokens, top_k, -1)
+            out_head.copy_(rows[:, 0])
+            for j in range(1, top_k):
+                out_head.add_(rows[:, j])
+            return
+    out_head.index_add_(0, tokens, contrib)
+
+
+def _swiglu7_fp32_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """In-place :func:`swiglu7_pair` on fp32 temporaries (same operations in the same order: bit-identical)."""
+    gate = gate.clamp_(max=SWIGLU7_LIMIT)
+    out = torch.mul(gate, SWIGLU7_ALPHA).sigmoid_().mul_(gate)
+    return out.mul_(up.clamp_(min=-SWIGLU7_LIMIT, max=SWIGLU7_LIMIT).add_(1.0))

@@ -368,10 +368,9 @@ class Magi2MultiHeadMoE(nn.Module):
                 f"x_local must be [S', local_num_heads={expected[0]}, Dh={expected[1]}]; got "
                 f"{tuple(getattr(x_local, 'shape', ()))}"
             )
-        out = torch.zeros_like(x_local, memory_format=torch.contiguous_format)
         num_real = self.local_real_num_heads
         if num_real == 0 or x_local.shape[0] == 0:
-            return out
+            return torch.zeros_like(x_local, memory_format=torch.contiguous_format)
         x_real = x_local[:, :num_real]
         probs, indices = self.route(x_real)
         gather_ids, probs_sorted, expert_offsets = global_sort_routes(probs, indices, self.num_experts)
@@ -381,6 +380,7 @@ class Magi2MultiHeadMoE(nn.Module):
         )
         if num_real == self.local_num_heads:
             return y
+        out = torch.zeros_like(x_local, memory_format=torch.contiguous_format)
         out[:, :num_real] = y
         return out
 

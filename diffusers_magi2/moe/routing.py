@@ -132,10 +132,12 @@ def global_sort_routes(
     device = topk_indices.device
     head_base = torch.arange(num_heads, device=device, dtype=torch.int64).view(num_heads, 1, 1) * num_experts
     flat_ids = (topk_indices.to(torch.int64) + head_base).reshape(-1)
+    if num_heads * num_experts < 2**31:  # int32 keys sort ~3x faster on CPU; same stable order
+        flat_ids = flat_ids.to(torch.int32)
     sorted_ids, order = torch.sort(flat_ids, stable=True)
     # Position p in (h, s, k) order holds token s = (p // k) % S.
     gather_ids = torch.div(order, top_k, rounding_mode="floor").remainder_(max(num_tokens, 1)).to(torch.int32)
     probs_sorted = topk_probs.reshape(-1).to(torch.float32)[order]
-    boundaries = torch.arange(num_heads * num_experts + 1, device=device, dtype=torch.int64)
+    boundaries = torch.arange(num_heads * num_experts + 1, device=device, dtype=sorted_ids.dtype)
     expert_offsets = torch.searchsorted(sorted_ids, boundaries, right=False).to(torch.int64)
     return gather_ids, probs_sorted, expert_offsets
