@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from .safetensors_io import (
     ShardLayout,
     ShardWriter,
     plan_shards,
+    read_safetensors_header,
     stream_tensor_chunks,
     write_index,
 )
@@ -286,9 +288,10 @@ def prepare_transformer_conversion(
 def write_transformer(prepared: PreparedTransformer, out_folder: str | Path, chunk_bytes: int = 64 * 1024 * 1024) -> Path:
     """Stream the planned tensors into ``out_folder`` (created; must not exist yet).
 
-    Source shards are opened one at a time with ``safe_open``; each tensor is read in row chunks
-    of at most ``chunk_bytes``, cast to its planned dtype and written at its offset in the
-    pre-sized output shard. Then ``config.json`` (the model's ``save_config``) and, when sharded,
+    Source shards are opened one at a time (``safe_open`` plus a plain descriptor); a tensor kept in
+    its stored dtype is copied byte for byte into its offset in the pre-sized output shard (kernel
+    file-to-file copy, no tensor in memory), a tensor whose dtype changes is read in row chunks of
+    at most ``chunk_bytes`` through ``get_slice``, cast and written at its offset. Then ``config.json`` (the model's ``save_config``) and, when sharded,
     ``diffusion_pytorch_model.safetensors.index.json`` are written.
 
     Returns:
@@ -301,11 +304,23 @@ def write_transformer(prepared: PreparedTransformer, out_folder: str | Path, chu
     plan = prepared.plan
     with ShardWriter(out_folder, prepared.layouts) as writer:
         for fname, entries in plan.entries_by_file().items():
-            with safe_open(str(plan.source_dir / fname), framework="pt") as handle:
-                for e in entries:
-                    out_dtype = torch_dtype_of(e.target_dtype)
-                    for chunk in stream_tensor_chunks(handle, e.source_key, e.shape, out_dtype, chunk_bytes):
-                        writer.write_chunk(e.target_key, chunk)
+            path = plan.source_dir / fname
+            header = read_safetensors_header(path)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                with safe_open(str(path), framework="pt") as handle:
+                    for e in entries:
+                        if e.source_dtype == e.target_dtype:  # stored bytes are the output bytes
+                            info = header.tensors.get(e.source_key)
+                            if info is None or info.dtype != e.source_dtype or tuple(info.shape) != e.shape:
+                                raise ValueError(f"{path}: {e.source_key} changed since it was validated")
+                            writer.copy_bytes(e.target_key, fd, header.data_start + info.data_offsets[0], info.nbytes)
+                            continue
+                        out_dtype = torch_dtype_of(e.target_dtype)
+                        for chunk in stream_tensor_chunks(handle, e.source_key, e.shape, out_dtype, chunk_bytes):
+                            writer.write_chunk(e.target_key, chunk)
+            finally:
+                os.close(fd)
     write_index(out_folder, prepared.layouts, WEIGHTS_NAME)
     prepared.model.save_config(out_folder)
     return out_folder

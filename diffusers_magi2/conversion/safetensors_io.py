@@ -8,9 +8,11 @@ Two jobs, kept apart from any MAGI-2 knowledge:
   :func:`check_data_present` adds the size check that a real conversion needs.
 * :class:`ShardWriter` writes pre-sized output shards. Each shard's header is computed from the
   plan before any data is read (:func:`plan_shards`), the file is created at its final size, and
-  every tensor is written in row chunks at its own offset, so a whole shard (or even a whole
-  tensor) is never held in memory. :func:`stream_tensor_chunks` reads a source tensor in row
-  chunks through ``safe_open(...).get_slice``.
+  every tensor is written at its own offset, so a whole shard (or even a whole tensor) is never
+  held in memory: a tensor whose dtype changes is cast in row chunks read through
+  ``safe_open(...).get_slice`` (:func:`stream_tensor_chunks` + :meth:`ShardWriter.write_chunk`);
+  a tensor kept as stored is copied byte for byte, file to file, by the kernel
+  (:meth:`ShardWriter.copy_bytes`).
 
 File format (https://github.com/huggingface/safetensors, "Format"): ``u64`` little-endian header
 length ``N``, ``N`` bytes of UTF-8 JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]},
@@ -21,6 +23,7 @@ reference serializer does, so the data section starts 8-byte aligned.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -403,6 +406,7 @@ class ShardWriter:
                 self._where[name] = (i, b, e)
         self._written: dict[str, int] = {name: 0 for name in self._where}
         self._fds: list[int] = []
+        self._kernel_copy = hasattr(os, "copy_file_range")
 
     def __enter__(self) -> ShardWriter:
         try:
@@ -434,6 +438,50 @@ class ShardWriter:
         while n:
             done = os.pwrite(self._fds[idx], view, pos)
             view, pos, n = view[done:], pos + done, n - done
+        self._written[name] = pos - begin
+
+    def copy_bytes(self, name: str, src_fd: int, src_offset: int, nbytes: int) -> None:
+        """Append ``nbytes`` raw bytes of an open source file (from ``src_offset``) to tensor ``name``.
+
+        Used when the stored bytes need no cast: the kernel copies file to file
+        (``os.copy_file_range``), so no tensor data passes through Python memory. Where the call
+        is unavailable (non-Linux) or refused for this pair of files (``EXDEV``, ``ENOSYS``,
+        ``EOPNOTSUPP``, ``EINVAL``), the same bytes are copied with ``os.preadv``/``os.pwrite`` through
+        one 16 MB buffer; the result is identical either way.
+
+        Raises:
+            ValueError: unknown tensor name, more bytes than planned, or a source shorter than asked.
+        """
+        if name not in self._where:
+            raise ValueError(f"tensor {name!r} is not in the planned shard layout")
+        idx, begin, end = self._where[name]
+        pos = begin + self._written[name]
+        if pos + nbytes > end:
+            raise ValueError(f"tensor {name!r}: {self._written[name] + nbytes} bytes written, planned {end - begin}")
+        fd, src, left = self._fds[idx], src_offset, nbytes
+        while left and self._kernel_copy:
+            try:
+                done = os.copy_file_range(src_fd, fd, min(left, 1 << 30), src, pos)
+            except OSError as err:
+                if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                self._kernel_copy = False
+                break
+            if done == 0:
+                raise ValueError(f"tensor {name!r}: source ended {left} bytes early")
+            src, pos, left = src + done, pos + done, left - done
+        if left:
+            buf = bytearray(min(left, 16 * 1024 * 1024))
+            view = memoryview(buf)
+            while left:
+                got = os.preadv(src_fd, [view[: min(left, len(buf))]], src)
+                if got == 0:
+                    raise ValueError(f"tensor {name!r}: source ended {left} bytes early")
+                out = view[:got]
+                while out:
+                    w = os.pwrite(fd, out, pos)
+                    out, pos = out[w:], pos + w
+                src, left = src + got, left - got
         self._written[name] = pos - begin
 
     def close(self) -> None:

@@ -129,18 +129,18 @@ def test_refused_pickle_exits_nonzero_and_writes_nothing(tmp_path):
 
 def test_failure_while_writing_leaves_no_output(tmp_path, monkeypatch):
     """A fault after validation (here: in the middle of the transformer write) removes the temp folder."""
-    from diffusers_magi2.conversion import convert_transformer
+    from diffusers_magi2.conversion.safetensors_io import ShardWriter
 
-    real = convert_transformer.stream_tensor_chunks
+    real = ShardWriter.copy_bytes
     calls = {"n": 0}
 
-    def flaky(*args, **kwargs):
+    def flaky(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 40:
             raise OSError("disk full (simulated)")
-        return real(*args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(convert_transformer, "stream_tensor_chunks", flaky)
+    monkeypatch.setattr(ShardWriter, "copy_bytes", flaky)
     out = tmp_path / "out"
     rc, _, err = run_cli(_transformer_args(checkpoint_dir("preview_h4"), out))
     _assert_failed_cleanly(tmp_path, rc, err, "OSError: disk full (simulated)", out)

@@ -162,3 +162,34 @@ def test_writer_rejects_short_or_long_tensors(tmp_path):
     with pytest.raises(ValueError, match="planned 16"):
         with ShardWriter(tmp_path, layouts) as w:
             w.write_chunk("w", torch.zeros(5))
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_copy_bytes_is_byte_exact(tmp_path, kernel_copy):
+    """Same-dtype tensors are copied file to file (``copy_file_range``, or the buffered path)."""
+    import os
+
+    src = tmp_path / "src.safetensors"
+    tensors = _tensors()
+    save_file(tensors, str(src))
+    header = read_safetensors_header(src)
+    outs = [OutputTensor(k, header.tensors[k].dtype, header.tensors[k].shape) for k in tensors]
+    layouts = plan_shards(outs, max_shard_size=150)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with ShardWriter(out_dir, layouts) as w:
+            w._kernel_copy = kernel_copy and hasattr(os, "copy_file_range")
+            for k in tensors:
+                info = header.tensors[k]
+                half = info.nbytes // 2
+                w.copy_bytes(k, fd, header.data_start + info.data_offsets[0], half)
+                w.copy_bytes(k, fd, header.data_start + info.data_offsets[0] + half, info.nbytes - half)
+    finally:
+        os.close(fd)
+    write_index(out_dir, layouts)
+    loaded = {}
+    for lay in layouts:
+        loaded.update(load_file(str(out_dir / lay.filename)))
+    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in tensors.items())
