@@ -938,9 +938,28 @@ def load_sandai_preview_state_dict(preview_dir: Union[str, os.PathLike]) -> Dict
     return map_state_dict(raw)
 
 
-def _register_block_for_caching_hooks() -> None:
-    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+def _skip_magi2_attention(module, *args, **kwargs):
+    # LayerSkip-style hooks: a skipped MAGI-2 attention hands back its input hidden states.
+    hidden_states = kwargs.get("hidden_states")
+    return hidden_states if hidden_states is not None else args[0]
 
+
+def _register_block_for_caching_hooks() -> None:
+    """Register the block (and attention processor) with diffusers' hook registries (private API,
+    diffusers pinned to 0.42.x): FirstBlockCache/MagCache/TaylorSeer find ``transformer_blocks``."""
+    from diffusers.hooks._helpers import (
+        AttentionProcessorMetadata,
+        AttentionProcessorRegistry,
+        TransformerBlockMetadata,
+        TransformerBlockRegistry,
+    )
+
+    from .attention_magi2 import Magi2AttnProcessor
+
+    AttentionProcessorRegistry.register(
+        model_class=Magi2AttnProcessor,
+        metadata=AttentionProcessorMetadata(skip_processor_output_fn=_skip_magi2_attention),
+    )
     TransformerBlockRegistry.register(
         model_class=Magi2TransformerBlock,
         metadata=TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=None),
