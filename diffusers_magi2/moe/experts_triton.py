@@ -12,9 +12,10 @@ Modes:
   ascending global expert id order, in the activation dtype: bit-identical across runs.
 
 CPU interpreter (``TRITON_INTERPRET=1``, read once at import as Triton does): the interpreter computes bf16
-``tl.dot`` on raw bit patterns, truncates fp32->bf16 casts and has no bf16 atomics, so for non-fp32 dtypes every
+``tl.dot`` on raw bit patterns, truncates fp32->bf16 casts and has no bf16 atomics, so when bf16 is involved every
 loaded tile is upcast to fp32, roundings are emulated bit-exactly (round to nearest even), and atomic mode
-accumulates bf16-rounded contributions in fp32 and casts once.
+accumulates bf16-rounded contributions in fp32 and casts once. fp16 runs natively in the interpreter (the same code
+path as on the GPU). Mixed activation/weight dtypes are upcast to fp32 tiles on every device.
 """
 
 from __future__ import annotations
@@ -300,10 +301,13 @@ def triton_mh_moe_forward(
 
     device = x.device
     act_dtype = x.dtype
-    native = not INTERPRET
-    upcast = INTERPRET and (act_dtype != torch.float32 or w_gate.dtype != torch.float32)
-    hid_round = _rounding_mode(w_down.dtype, native)
-    out_round = _rounding_mode(act_dtype, native)
+    # The interpreter mishandles bf16 (dot on raw bits, truncating casts, no atomics): upcast its tiles and emulate
+    # the roundings. Mixed activation/weight dtypes are upcast too (tl.dot needs equal operand dtypes).
+    interp_bf16 = INTERPRET and torch.bfloat16 in (act_dtype, w_gate.dtype)
+    upcast = interp_bf16 or act_dtype != w_gate.dtype
+    hid_round = _rounding_mode(w_down.dtype, native_ok=not upcast)
+    native = not (INTERPRET and act_dtype == torch.bfloat16)  # output rounding/atomics in the activation dtype
+    out_round = _rounding_mode(act_dtype, native_ok=native)
     offsets = expert_offsets.to(torch.int64)
     probs32 = probs.to(torch.float32)
 
@@ -315,7 +319,7 @@ def triton_mh_moe_forward(
         order = torch.sort(key, stable=True).indices
         dest = torch.empty_like(order)
         dest[order] = route
-        # Rows of bf16/fp16 runs are rounded in-kernel; keep fp32 storage in the interpreter (cast is exact).
+        # Rows are rounded in-kernel; interpreted bf16 keeps them in fp32 storage (the later cast is exact).
         out_dtype = act_dtype if native else torch.float32
         out = torch.empty(num_routes, head_dim, device=device, dtype=out_dtype)
         stride_os, stride_oh = 0, 0

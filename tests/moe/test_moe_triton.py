@@ -201,3 +201,23 @@ def test_triton_bad_input() -> None:
         triton_mh_moe_forward(*args, deterministic=1)
     with pytest.raises(ValueError, match="contiguous last dimension"):
         triton_mh_moe_forward(x.transpose(0, 2).contiguous().transpose(0, 2), *args[1:])
+
+
+@pytest.mark.parametrize(
+    ("act_dtype", "weight_dtype"),
+    [
+        (torch.float16, torch.float16),  # native low-precision path (the GPU code path: casts, fp16 atomics)
+        (torch.float32, torch.bfloat16),  # mixed dtypes: tiles upcast on every device
+        (torch.bfloat16, torch.float32),
+    ],
+)
+def test_triton_low_precision_and_mixed_dtypes(act_dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
+    x, probs, idx, w_gate, w_up, w_down = random_case(10, 2, 4, 3, 32, 48, weight_dtype, seed=5)
+    args = (x.to(act_dtype), *global_sort_routes(probs, idx, 4), w_gate, w_up, w_down)
+    ref = torch_mh_moe_forward(*args)
+    # Deterministic mode sums in the activation dtype in the reference's order; atomic mode under the interpreter
+    # may sum bf16 contributions in fp32 and round once (at most ~1 ulp of the output apart).
+    out = triton_mh_moe_forward(*args, deterministic=True)
+    assert out.dtype == act_dtype
+    assert_rel_close(out, ref, 1e-5 if act_dtype == torch.float32 else 1e-2)
+    assert_rel_close(triton_mh_moe_forward(*args), ref, 1e-5 if act_dtype == torch.float32 else 1e-2)
