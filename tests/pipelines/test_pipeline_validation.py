@@ -1,0 +1,107 @@
+"""Every bad input of ``Magi2Pipeline.__call__`` raises ``ValueError`` before any work (no model call)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck, tiny_wan22_vae  # noqa: E402
+
+from diffusers_magi2 import Magi2Pipeline  # noqa: E402
+
+
+class NoTextEncoder(torch.nn.Module):
+    """Fails loudly if the pipeline tries to encode text (validation must come first)."""
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - must not run
+        raise AssertionError("text encoder ran before validation")
+
+
+@pytest.fixture()
+def pipe():
+    return Magi2Pipeline(tokenizer=None, text_encoder=None, transformer=StandInTransformer(),
+                         audio_vae=tiny_oobleck(), scheduler=preview_scheduler(), vae=tiny_wan22_vae())
+
+
+def embeds(n=1):
+    return dict(prompt_embeds=torch.randn(n, 4, 8), prompt_attention_mask=torch.ones(n, 4, dtype=torch.bool))
+
+
+IMAGE = PIL.Image.new("RGB", (40, 30), (10, 20, 30))
+
+BAD = {
+    "height not multiple of 16": (dict(prompt="x", height=500), "multiple of 16"),
+    "width not multiple of 16": (dict(prompt="x", width=900), "multiple of 16"),
+    "height not int": (dict(prompt="x", height=512.0), "multiple of 16"),
+    "1080p needs the refiner": (dict(prompt="x", height=1088, width=1920), "refiner"),
+    "empty prompt": (dict(prompt=""), "empty"),
+    "whitespace prompt": (dict(prompt="   "), "empty"),
+    "empty prompt in list": (dict(prompt=["ok", ""]), "empty"),
+    "no prompt at all": (dict(), "prompt is required"),
+    "prompt wrong type": (dict(prompt=3), "string"),
+    "prompt and embeds": (dict(prompt="x", **embeds()), "either prompt or prompt_embeds"),
+    "image wrong type (int)": (dict(prompt="x", image=5), "image must be"),
+    "image wrong type (tensor)": (dict(prompt="x", image=torch.zeros(3, 8, 8)), "image must be"),
+    "image float array": (dict(prompt="x", image=np.zeros((8, 8, 3), dtype=np.float32)), "uint8"),
+    "image missing file": (dict(prompt="x", image="/no/such/file.png"), "existing file"),
+    "steps 0": (dict(prompt="x", num_inference_steps=0), "num_inference_steps"),
+    "steps negative": (dict(prompt="x", num_inference_steps=-3), "num_inference_steps"),
+    "steps float": (dict(prompt="x", num_inference_steps=2.5), "num_inference_steps"),
+    "negative guidance": (dict(prompt="x", guidance_scale=-1.0), "guidance_scale"),
+    "negative audio guidance": (dict(prompt="x", audio_guidance_scale=-0.5), "audio_guidance_scale"),
+    "nan guidance": (dict(prompt="x", guidance_scale=float("nan")), "guidance_scale"),
+    "prompt_embeds without mask": (dict(prompt_embeds=torch.randn(1, 4, 8)), "prompt_attention_mask"),
+    "mask shape mismatch": (dict(prompt_embeds=torch.randn(1, 4, 8), prompt_attention_mask=torch.ones(1, 3, dtype=torch.bool)), "prompt_attention_mask"),
+    "negative embeds without mask": (dict(**embeds(), negative_prompt_embeds=torch.randn(1, 4, 8)), "negative_prompt_attention_mask"),
+    "image + prompt_embeds without image_embeds": (dict(**embeds(), image=IMAGE), "image_embeds"),
+    "image_embeds without image": (dict(prompt="x", image_embeds=torch.zeros(1, 8)), "only used with image"),
+    "bad output_type": (dict(prompt="x", output_type="mp4"), "output_type"),
+    "bad callback input": (dict(prompt="x", callback_on_step_end_tensor_inputs=["noise"]), "callback_on_step_end_tensor_inputs"),
+    "latents wrong shape": (dict(prompt="x", height=32, width=48, latents=torch.randn(1, 48, 3, 2, 2)), "latents must be"),
+    "audio latents wrong channels": (dict(prompt="x", audio_latents=torch.randn(1, 10, 32)), "audio_latents must be"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_raises_before_any_work(pipe, name):
+    kwargs, message = BAD[name]
+    with pytest.raises(ValueError, match=message):
+        pipe(**kwargs)
+    assert pipe.transformer.calls == []
+
+
+def test_image_needs_the_vae(pipe):
+    pipe.register_modules(vae=None)
+    with pytest.raises(ValueError, match="vae"):
+        pipe(prompt="x", image=IMAGE)
+
+
+def test_decoding_needs_a_decoder(pipe):
+    pipe.register_modules(vae=None)
+    with pytest.raises(ValueError, match="video_decoder"):
+        pipe(**embeds(), output_type="np")
+    assert pipe.transformer.calls == []
+
+
+def test_untrained_resolution_warns_but_runs(pipe, caplog):
+    import logging
+
+    from diffusers.utils import logging as dlogging
+
+    dlogging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            out = pipe(**embeds(), negative_prompt_embeds=torch.randn(1, 2, 8),
+                       negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
+                       height=32, width=48, num_inference_steps=1, output_type="latent",
+                       latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 5, 64))
+    finally:
+        dlogging.disable_propagation()
+    assert "outside the trained resolutions" in caplog.text
+    assert out.frames.shape == (1, 48, 2, 2, 3)
