@@ -431,7 +431,7 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
             if backend == "sdpa":
                 dense_mask = geometry.dense_mask(embedded.device, max_elements=max_dense)
             elif backend == "flex":
-                block_mask = geometry.flex_block_mask(embedded.device)
+                block_mask = self._cached_block_mask(geometry, embedded.device)
         ctx = _PackedContext(
             group_sizes, rope, perm, inv, geometry, dense_mask, backend, max_dense, mlp_chunk_size, block_mask
         )
@@ -451,6 +451,17 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
         if bool(amask.any()):
             out[amask, :ca] = pa.final_linear_audio(pa.final_norm_audio(h[amask]))
         return out
+
+    def _cached_block_mask(self, geometry: Magi2WindowGeometry, device: torch.device):
+        """flex ``BlockMask`` for ``geometry`` on ``device``, cached (cond and uncond geometries differ
+        only in their text length; the 5-step refiner stage reuses both 5 times)."""
+        cache = self.__dict__.setdefault("_block_mask_cache", {})
+        key = (geometry, str(device))
+        if key not in cache:
+            if len(cache) >= 4:
+                cache.pop(next(iter(cache)))
+            cache[key] = geometry.flex_block_mask(device)
+        return cache[key]
 
     # --------------------------------------------------------------- packed entry
     def forward_packed(
