@@ -200,7 +200,10 @@ def torch_mh_moe_forward(
             if upcast_weights:  # per-expert upcast (exact); the bank itself is never copied
                 wg, wu, wd = wg.float(), wu.float(), wd.float()
             # gate/up with fp32 accumulation, swiglu7 in fp32, rounded to the W_down dtype, down in fp32
-            hidden = _swiglu7_fp32_(torch.mm(xs, wg), torch.mm(xs, wu))
+            if track_grad:  # out-of-place, so autograd keeps what it needs
+                hidden = swiglu7_pair(torch.mm(xs, wg), torch.mm(xs, wu))
+            else:
+                hidden = _swiglu7_fp32_(torch.mm(xs, wg), torch.mm(xs, wu))
             if round_hidden:
                 hidden = hidden.to(w_down.dtype).float()
             if track_grad:
