@@ -52,7 +52,8 @@ def _module(num_tokens, heads, experts, top_k, head_dim, expert_dim, dtype, devi
         params_dtype=dtype,
         route_scale=4.9,
     )
-    module = Magi2MultiHeadMoE(cfg).to(device)
+    with torch.device(device):  # build (and randomly initialise) the bank directly on the device
+        module = Magi2MultiHeadMoE(cfg)
     hidden = torch.randn(num_tokens, heads * head_dim, device=device).to(dtype)
     return module, hidden
 

@@ -124,6 +124,10 @@ def test_expert_path_applies_swiglu7_with_plus_one_c17() -> None:
         (lambda a: a.update(w_up=a["w_up"][:, :, :8]), "w_up must match w_gate"),
         (lambda a: a.update(w_down=a["w_down"][:, :8]), "w_down must be"),
         (lambda a: a.update(w_gate=a["w_gate"][:, :8], w_up=a["w_up"][:, :8]), "Dh="),
+        (
+            lambda a: a.update(w_gate=a["w_gate"][:5], w_up=a["w_up"][:5], w_down=a["w_down"][:5]),
+            "positive multiple of the number of heads",
+        ),
         (lambda a: a.update(gather_ids=a["gather_ids"].float()), "gather_ids"),
         (lambda a: a.update(probs=a["probs"][:-1]), "probs must be"),
         (lambda a: a.update(expert_offsets=a["expert_offsets"][:-1]), "expert_offsets must be"),
