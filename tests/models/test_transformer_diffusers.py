@@ -299,9 +299,7 @@ def test_sink_attention_equals_softmax_with_extra_logit(dtype, tol):
 
 
 def test_gradient_checkpointing_same_gradients():
-    # Dense-only TINY: the MoE core's torch path is inference-only (no autograd through its
-    # out= gathers), so gradients are checked through every other part of the block.
-    model = tiny_model(moe_layers=[]).train()
+    model = tiny_model().train()  # one dense multimodal layer + one MoE layer
     inputs = tiny_inputs()
 
     def grads():
@@ -319,6 +317,7 @@ def test_gradient_checkpointing_same_gradients():
     ckpt = grads()
     assert len(calls) == TINY["num_layers"]
     assert plain.keys() == ckpt.keys() and len(plain) > 20
+    assert any(n.endswith("moe_mlp.W_gate") for n in plain) and any(n.endswith("mhc_phi_fused_attn") for n in plain)
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
 
