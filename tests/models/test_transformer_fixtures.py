@@ -211,3 +211,21 @@ def test_moe_feed_forward_layer_cases(fixtures_dir, case, prec):
                              (merged, "moe_layer.moe_out_merged")):
                 assert rel_l2(got, d[p + key]) <= 2e-2, (layer, key, rel_l2(got, d[p + key]))
             assert rel_l2(out, d[p + "moe_layer.out"]) <= 0.15
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["native", "_native_flash", "_native_efficient"])
+def test_bf16_cuda_end_to_end_with_attention_backends(fixtures_dir, backend):
+    """On CUDA the fused (fp32-accumulating) mHC path and bf16 attention kernels are used, as in
+    SandAI's production path; the result stays within the loose bf16 bound of the fixture."""
+    model = Magi2Transformer3DModel.from_original_checkpoint(
+        f"{fixtures_dir}/magi2_tiny/preview_h4/sandai_checkpoint", dtype=torch.bfloat16, device="cuda"
+    )
+    model.set_attention_backend(backend)
+    d = _case(str(fixtures_dir), "preview_h4", "bf16", "transformer_case")
+    cuda = {k: v.cuda() for k, v in d.items()}
+    with torch.no_grad():
+        out = _packed(model, cuda)
+    assert model.transformer_blocks[0]._mhc_fused(torch.zeros(1, device="cuda"))
+    assert rel_l2(out.cpu(), d["model.out"]) <= 0.15
