@@ -382,7 +382,8 @@ def triton_mh_moe_forward(
         _CHOSEN[cache_key] = config
         break
     else:
-        assert last_error is not None
+        if last_error is None:
+            raise ValueError(f"no tile candidates for device {device_key!r} in {_CONFIG_FILE}")
         raise last_error
 
     if deterministic:
