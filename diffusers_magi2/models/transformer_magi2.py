@@ -397,6 +397,15 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
         time_embed_dim: width of the time embedding written into channels ``[0:dim]`` (64).
         params_dtype: construction-time dtype of the non-fp32 weights (``None`` = torch default);
             not stored in the config (``from_pretrained(dtype=...)`` decides at load time).
+
+    Loading: ``from_pretrained(path, dtype=torch.bfloat16)`` (converted repos; fp32 islands kept by
+    ``_keep_in_fp32_modules``; ``local_files_only`` defaults from ``HF_HUB_OFFLINE``;
+    ``expert_parallel=`` shards the routed experts) or ``from_original_checkpoint(sandai_dir)``.
+    Use :meth:`to_compute_dtype` rather than ``.to(dtype)`` to change the dtype in memory.
+
+    Runtime switches (not saved): ``set_attention_backend`` (diffusers), :meth:`set_moe_backend`
+    (routed-expert kernels), :meth:`set_mhc_backend` (low-precision rounding of the stream mixing),
+    ``enable_gradient_checkpointing``, ``compile_repeated_blocks``, ``enable_cache``.
     """
 
     _supports_gradient_checkpointing = True
@@ -825,7 +834,7 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
         return Magi2TransformerOutput(sample=video, audio_sample=audio)
 
     # ------------------------------------------------------------------------------------------
-    # SandAI checkpoint loading (kept small; the converter's key plan may replace it)
+    # SandAI checkpoint loading (through the converter's validated key plan)
     # ------------------------------------------------------------------------------------------
 
     @classmethod
