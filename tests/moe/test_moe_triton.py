@@ -221,3 +221,16 @@ def test_triton_low_precision_and_mixed_dtypes(act_dtype: torch.dtype, weight_dt
     assert out.dtype == act_dtype
     assert_rel_close(out, ref, 1e-5 if act_dtype == torch.float32 else 1e-2)
     assert_rel_close(triton_mh_moe_forward(*args), ref, 1e-5 if act_dtype == torch.float32 else 1e-2)
+
+
+def test_tile_candidates_per_device_longest_match() -> None:
+    """Per-device tile tables: the longest device-name key wins ("NVIDIA H200" is not "NVIDIA H20")."""
+    experts_triton._CANDIDATES_CACHE.clear()
+    h200 = experts_triton.tile_candidates("NVIDIA H200")
+    l40 = experts_triton.tile_candidates("NVIDIA L40S")
+    other = experts_triton.tile_candidates("Some Future GPU")
+    assert h200[0].block_t == 128 and l40[0].block_t == 64
+    assert other == experts_triton.tile_candidates("interpreter")  # the "default" table
+    for table in (h200, l40, other):
+        assert all(c.block_t >= 16 and c.block_dh >= 16 and c.block_de >= 16 for c in table)  # tl.dot minimum
+        assert table[-1].block_t == 16  # the smallest tile is always the last resort
