@@ -121,6 +121,16 @@ class Magi2Pipeline(DiffusionPipeline):
         refiner (`Magi2RefinerTransformer3DModel`, optional): the 1080p refiner stage; loaded when the
             repo has it, not run yet (1088×1920 raises).
 
+    Loading a converted repo (``import diffusers_magi2`` registers the model modules)::
+
+        pipe = Magi2Pipeline.from_pretrained(
+            repo, torch_dtype={"default": torch.bfloat16, "vae": torch.float32, "audio_vae": torch.float32}
+        )
+
+    The reference runs the Wan2.2 encoder (I2V image) in fp32 and the DiT, text encoder and TurboVAE
+    in bf16; the dict above reproduces that. Latents and the CFG/scheduler math stay fp32 whatever
+    the component dtypes.
+
     Config (stored in ``model_index.json``): ``negative_prompt`` (the built-in one),
     ``sigma_start`` (0.999: sigmas are ``linspace(sigma_start, 0, N + 1)[:-1]`` before the shift),
     ``text_skip_layers`` (2 → ``hidden_states[-3]``), ``max_sequence_length`` (7,000),

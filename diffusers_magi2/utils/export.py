@@ -11,7 +11,7 @@ import os
 import tempfile
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
