@@ -35,7 +35,6 @@ from .key_plan import (
     build_key_plan,
     is_fp32_island,
     read_source_checkpoint,
-    torch_dtype_of,
 )
 from .safetensors_io import (
     TORCH_TO_DTYPE,
@@ -43,7 +42,6 @@ from .safetensors_io import (
     ShardWriter,
     plan_shards,
     read_safetensors_header,
-    stream_tensor_chunks,
     write_index,
 )
 
@@ -285,13 +283,15 @@ def prepare_transformer_conversion(
     return PreparedTransformer(target, plan, model, layouts, label)
 
 
-def write_transformer(prepared: PreparedTransformer, out_folder: str | Path, chunk_bytes: int = 64 * 1024 * 1024) -> Path:
+def write_transformer(prepared: PreparedTransformer, out_folder: str | Path, chunk_bytes: int = 16 * 1024 * 1024) -> Path:
     """Stream the planned tensors into ``out_folder`` (created; must not exist yet).
 
-    Source shards are opened one at a time (``safe_open`` plus a plain descriptor); a tensor kept in
-    its stored dtype is copied byte for byte into its offset in the pre-sized output shard (kernel
-    file-to-file copy, no tensor in memory), a tensor whose dtype changes is read in row chunks of
-    at most ``chunk_bytes`` through ``get_slice``, cast and written at its offset. Then ``config.json`` (the model's ``save_config``) and, when sharded,
+    Source shards are processed one at a time: ``safe_open`` checks the shard, then a plain
+    descriptor reads it at the offsets of its (validated) header. A tensor kept in its stored dtype
+    is copied byte for byte into its offset in the pre-sized output shard (kernel file-to-file
+    copy, no tensor in memory); a tensor whose dtype changes is read in chunks of at most
+    ``chunk_bytes`` into a reused buffer, cast and written at its offset. Memory stays at two
+    chunk buffers; no source shard is memory-mapped. Then ``config.json`` (the model's ``save_config``) and, when sharded,
     ``diffusion_pytorch_model.safetensors.index.json`` are written.
 
     Returns:
@@ -306,19 +306,19 @@ def write_transformer(prepared: PreparedTransformer, out_folder: str | Path, chu
         for fname, entries in plan.entries_by_file().items():
             path = plan.source_dir / fname
             header = read_safetensors_header(path)
+            with safe_open(str(path), framework="pt") as handle:  # the library's own check of the shard
+                keys = set(handle.keys())
             fd = os.open(path, os.O_RDONLY)
             try:
-                with safe_open(str(path), framework="pt") as handle:
-                    for e in entries:
-                        if e.source_dtype == e.target_dtype:  # stored bytes are the output bytes
-                            info = header.tensors.get(e.source_key)
-                            if info is None or info.dtype != e.source_dtype or tuple(info.shape) != e.shape:
-                                raise ValueError(f"{path}: {e.source_key} changed since it was validated")
-                            writer.copy_bytes(e.target_key, fd, header.data_start + info.data_offsets[0], info.nbytes)
-                            continue
-                        out_dtype = torch_dtype_of(e.target_dtype)
-                        for chunk in stream_tensor_chunks(handle, e.source_key, e.shape, out_dtype, chunk_bytes):
-                            writer.write_chunk(e.target_key, chunk)
+                for e in entries:
+                    info = header.tensors.get(e.source_key)
+                    if e.source_key not in keys or info is None or info.dtype != e.source_dtype or tuple(info.shape) != e.shape:
+                        raise ValueError(f"{path}: {e.source_key} changed since it was validated")
+                    start = header.data_start + info.data_offsets[0]
+                    if e.source_dtype == e.target_dtype:  # stored bytes are the output bytes
+                        writer.copy_bytes(e.target_key, fd, start, info.nbytes)
+                    else:
+                        writer.cast_bytes(e.target_key, fd, start, info.nbytes, e.source_dtype, chunk_bytes)
             finally:
                 os.close(fd)
     write_index(out_folder, prepared.layouts, WEIGHTS_NAME)

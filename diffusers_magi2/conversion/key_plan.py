@@ -397,8 +397,3 @@ def map_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
             value = state_dict[ema]
         out[source_to_target_key(key)] = value
     return out
-
-
-def torch_dtype_of(code: str) -> torch.dtype:
-    """torch dtype for a safetensors dtype code."""
-    return DTYPE_TO_TORCH[code]

@@ -9,10 +9,10 @@ Two jobs, kept apart from any MAGI-2 knowledge:
 * :class:`ShardWriter` writes pre-sized output shards. Each shard's header is computed from the
   plan before any data is read (:func:`plan_shards`), the file is created at its final size, and
   every tensor is written at its own offset, so a whole shard (or even a whole tensor) is never
-  held in memory: a tensor whose dtype changes is cast in row chunks read through
-  ``safe_open(...).get_slice`` (:func:`stream_tensor_chunks` + :meth:`ShardWriter.write_chunk`);
-  a tensor kept as stored is copied byte for byte, file to file, by the kernel
-  (:meth:`ShardWriter.copy_bytes`).
+  held in memory: a tensor kept as stored is copied byte for byte, file to file, by the kernel
+  (:meth:`ShardWriter.copy_bytes`); a tensor whose dtype changes is read in chunks into a reused
+  buffer, cast and written (:meth:`ShardWriter.cast_bytes`). In-memory tensors can be appended
+  with :meth:`ShardWriter.write_chunk`.
 
 File format (https://github.com/huggingface/safetensors, "Format"): ``u64`` little-endian header
 length ``N``, ``N`` bytes of UTF-8 JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]},
@@ -48,7 +48,6 @@ __all__ = [
     "parse_size",
     "plan_shards",
     "read_safetensors_header",
-    "stream_tensor_chunks",
     "write_index",
 ]
 
@@ -230,39 +229,6 @@ def check_data_present(header: SafetensorsHeader) -> str | None:
     return None
 
 
-def stream_tensor_chunks(
-    handle, name: str, shape: Sequence[int], dtype: torch.dtype | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> Iterator[torch.Tensor]:
-    """Yield a tensor of an open ``safe_open`` handle as contiguous row chunks along dim 0.
-
-    Args:
-        handle: an object returned by ``safetensors.safe_open(path, "pt")``.
-        name: tensor name in that file.
-        shape: its shape (from the header).
-        dtype: cast each chunk to this dtype (element-wise, so chunking does not change values);
-            ``None`` keeps the stored dtype.
-        chunk_bytes: upper bound on a chunk's size in the stored dtype (at least one row is read).
-
-    Yields:
-        contiguous tensors whose concatenation along dim 0 is the whole tensor (one chunk for 0-d).
-    """
-    if len(shape) == 0:
-        t = handle.get_tensor(name)
-        yield t.to(dtype) if dtype is not None else t
-        return
-    rows = shape[0]
-    if rows == 0 or math.prod(shape) == 0:
-        return
-    sl = handle.get_slice(name)
-    row_bytes = max(1, math.prod(shape[1:]) * DTYPE_ITEMSIZE[sl.get_dtype()])
-    step = max(1, chunk_bytes // row_bytes)
-    for r0 in range(0, rows, step):
-        chunk = sl[r0 : min(rows, r0 + step)]
-        if dtype is not None and chunk.dtype != dtype:
-            chunk = chunk.to(dtype)
-        yield chunk.contiguous()
-
-
 @dataclass(frozen=True)
 class OutputTensor:
     """A tensor to be written: name, safetensors dtype code and shape."""
@@ -285,12 +251,14 @@ class ShardLayout:
         header: the encoded header bytes (length prefix included).
         offsets: tensor name -> absolute ``(begin, end)`` byte offsets in the file.
         file_size: final size of the file in bytes.
+        dtypes: tensor name -> safetensors dtype code.
     """
 
     filename: str
     header: bytes
     offsets: dict[str, tuple[int, int]]
     file_size: int
+    dtypes: dict[str, str] = field(default_factory=dict)
 
     @property
     def data_size(self) -> int:
@@ -361,7 +329,9 @@ def plan_shards(
         header, rel = encode_header(ordered, metadata)
         offsets = {n: (b + len(header), e + len(header)) for n, (b, e) in rel.items()}
         filename = weights_name if len(groups) == 1 else f"{stem}-{i + 1:05d}-of-{len(groups):05d}.{ext}"
-        layouts.append(ShardLayout(filename, header, offsets, len(header) + sum(t.nbytes for t in group)))
+        layouts.append(
+            ShardLayout(filename, header, offsets, len(header) + sum(t.nbytes for t in group), {t.name: t.dtype for t in group})
+        )
     return layouts
 
 
@@ -405,6 +375,7 @@ class ShardWriter:
             for name, (b, e) in lay.offsets.items():
                 self._where[name] = (i, b, e)
         self._written: dict[str, int] = {name: 0 for name in self._where}
+        self._dtypes: dict[str, str] = {name: lay.dtypes[name] for lay in self.layouts for name in lay.offsets}
         self._fds: list[int] = []
         self._kernel_copy = hasattr(os, "copy_file_range")
 
@@ -482,6 +453,54 @@ class ShardWriter:
                     w = os.pwrite(fd, out, pos)
                     out, pos = out[w:], pos + w
                 src, left = src + got, left - got
+        self._written[name] = pos - begin
+
+    def cast_bytes(
+        self, name: str, src_fd: int, src_offset: int, nbytes: int, src_dtype: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> None:
+        """Append a source tensor's bytes to tensor ``name``, cast element-wise to ``name``'s planned dtype.
+
+        Reads at most ``chunk_bytes`` source bytes at a time with ``os.preadv`` into one reused
+        buffer, casts them with ``Tensor.copy_`` into a second reused buffer and writes that at the
+        tensor's next offset, so memory stays at two chunk buffers whatever the tensor size (no
+        memory map of the source either).
+
+        Args:
+            src_dtype: safetensors dtype code of the source bytes (little-endian, C order).
+
+        Raises:
+            ValueError: unknown tensor name, more bytes than planned, or a source shorter than asked.
+        """
+        if name not in self._where:
+            raise ValueError(f"tensor {name!r} is not in the planned shard layout")
+        idx, begin, end = self._where[name]
+        dst_dtype = self._dtypes[name]
+        in_item, out_item = DTYPE_ITEMSIZE[src_dtype], DTYPE_ITEMSIZE[dst_dtype]
+        count = nbytes // in_item
+        pos = begin + self._written[name]
+        if pos + count * out_item > end:
+            raise ValueError(f"tensor {name!r}: {self._written[name] + count * out_item} bytes written, planned {end - begin}")
+        step = max(1, min(count, chunk_bytes // in_item))
+        inbuf = bytearray(step * in_item)
+        src_view = torch.frombuffer(inbuf, dtype=DTYPE_TO_TORCH[src_dtype]) if count else None
+        out = torch.empty(step, dtype=DTYPE_TO_TORCH[dst_dtype])
+        out_bytes = memoryview(out.view(torch.uint8).numpy())
+        src, done = src_offset, 0
+        while done < count:
+            k = min(step, count - done)
+            view = memoryview(inbuf)[: k * in_item]
+            got = 0
+            while got < len(view):
+                n = os.preadv(src_fd, [view[got:]], src + got)
+                if n == 0:
+                    raise ValueError(f"tensor {name!r}: source ended early")
+                got += n
+            out[:k].copy_(src_view[:k])
+            chunk = out_bytes[: k * out_item]
+            while chunk:
+                w = os.pwrite(self._fds[idx], chunk, pos)
+                chunk, pos = chunk[w:], pos + w
+            src, done = src + k * in_item, done + k
         self._written[name] = pos - begin
 
     def close(self) -> None:

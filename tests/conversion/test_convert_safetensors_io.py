@@ -17,7 +17,6 @@ from diffusers_magi2.conversion.safetensors_io import (
     parse_size,
     plan_shards,
     read_safetensors_header,
-    stream_tensor_chunks,
     write_index,
 )
 
@@ -124,24 +123,32 @@ def test_plan_shards_sizes_names_and_alignment():
 
 @pytest.mark.parametrize("chunk_bytes", [7, 64, 1 << 20])
 def test_streamed_shards_load_bit_exactly(tmp_path, chunk_bytes):
-    """Write via safe_open row chunks + ShardWriter (some casts), read back with the library."""
+    """Cast (chunked pread + copy_) or copy (kernel) every tensor into shards; read back with the library."""
+    import os
+
     src = tmp_path / "src.safetensors"
     tensors = _tensors()
     save_file(tensors, str(src))
-    casts = {"a.weight": torch.float32, "d.experts": torch.bfloat16}
-    outs = [
-        OutputTensor(k, {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}[casts.get(k, v.dtype)], tuple(v.shape))
-        for k, v in tensors.items()
-    ]
+    header = read_safetensors_header(src)
+    casts = {"a.weight": torch.float32, "d.experts": torch.float32, "b.bias": torch.bfloat16}
+    code = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}
+    outs = [OutputTensor(k, code[casts.get(k, v.dtype)], tuple(v.shape)) for k, v in tensors.items()]
     layouts = plan_shards(outs, max_shard_size=200)
+    assert len(layouts) > 1
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    with ShardWriter(out_dir, layouts) as w, safe_open(str(src), "pt") as f:
-        for k, v in tensors.items():
-            for chunk in stream_tensor_chunks(f, k, v.shape, casts.get(k), chunk_bytes):
-                # bounded in the stored dtype (at least one row per chunk)
-                assert chunk.numel() * v.element_size() <= max(chunk_bytes, v[0].numel() * v.element_size())
-                w.write_chunk(k, chunk)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with ShardWriter(out_dir, layouts) as w:
+            for k in tensors:
+                info = header.tensors[k]
+                start = header.data_start + info.data_offsets[0]
+                if k in casts:
+                    w.cast_bytes(k, fd, start, info.nbytes, info.dtype, chunk_bytes)
+                else:
+                    w.copy_bytes(k, fd, start, info.nbytes)
+    finally:
+        os.close(fd)
     index = write_index(out_dir, layouts)
     weight_map = json.loads(index.read_text())["weight_map"]
     loaded = {}

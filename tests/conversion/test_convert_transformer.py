@@ -70,7 +70,15 @@ def converted_h4(tmp_path_factory):
 
 @pytest.mark.parametrize("variant", ["preview_h4", "preview_h3"])
 def test_converted_repo_reproduces_fixture(tmp_path, converted_h4, variant):
-    out = converted_h4 if variant == "preview_h4" else _convert(checkpoint_dir(variant), tmp_path / "repo", config_path(variant))
+    if variant == "preview_h4":  # --dtype keep, 4 shards
+        out = converted_h4
+    else:  # --dtype fp32: every bf16 tensor goes through the chunked cast path
+        out = _convert(checkpoint_dir(variant), tmp_path / "repo", config_path(variant), "--dtype", "fp32")
+        src = _all_tensors(checkpoint_dir(variant))
+        got = _all_tensors(out / "transformer")
+        assert {t.dtype for t in got.values()} == {torch.float32}
+        bias = {k: k + "_ema" if k.endswith("router.expert_bias") else k for k in src}
+        assert all(torch.equal(got[source_to_target_key(k)], src[bias[k]].float()) for k in src)
     model = Magi2Transformer3DModel.from_pretrained(out, subfolder="transformer")
     case = load_case(variant)
     err = (preview_forward(model, case) - case["model.out"]).abs().max().item()
