@@ -26,6 +26,7 @@ from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..models.turbo_vae import Magi2TurboVAEDecoder
 from .pipeline_output import Magi2PipelineOutput
+from .refiner_stage import Magi2RefinerStageConfig, run_refiner_stage
 from .text_encoding import (
     DEFAULT_MAX_SEQUENCE_LENGTH,
     DEFAULT_SKIP_LAYERS,
@@ -40,7 +41,15 @@ from .text_encoding import (
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["DEFAULT_NEGATIVE_PROMPT", "Magi2Pipeline", "TRAINED_RESOLUTIONS", "letterbox_image"]
+__all__ = [
+    "DEFAULT_NEGATIVE_PROMPT",
+    "Magi2Pipeline",
+    "REFINER_RESOLUTION",
+    "RESOLUTION_PRESETS",
+    "TRAINED_RESOLUTIONS",
+    "letterbox_image",
+    "resize_video_frames",
+]
 
 #: The reference's built-in negative prompt (``DEFAULT_NEGATIVE_PROMPT`` in ``inference_engine.py``):
 #: visual, audio and voice defects. It is the default ``negative_prompt`` and is stored in the
@@ -68,8 +77,11 @@ DEFAULT_NEGATIVE_PROMPT = (
 
 #: (height, width) presets the preview was trained on (272p and 540p).
 TRAINED_RESOLUTIONS = ((256, 448), (512, 896))
-#: The 1080p preset: preview at 512x896, then the refiner. Needs the refiner component.
+#: The 1080p preset: preview at 512x896 (``config.preview_height/preview_width``), then the refiner.
+#: Needs the refiner component.
 REFINER_RESOLUTION = (1088, 1920)
+#: ``resolution=`` presets (SandAI ``entry.py`` ``RESOLUTION_PRESETS``) as (height, width) of the output.
+RESOLUTION_PRESETS = {"272p": (256, 448), "540p": (512, 896), "1080p": REFINER_RESOLUTION}
 
 _OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 _IMAGE_TYPES = "PIL.Image.Image, a local file path (str or os.PathLike), or an RGB uint8 numpy array [H, W, 3]"
@@ -96,6 +108,41 @@ def letterbox_image(image: PIL.Image.Image, height: int, width: int) -> PIL.Imag
     return canvas
 
 
+def resize_video_frames(video: torch.Tensor, height: int, width: int, frames_per_chunk: int = 16) -> torch.Tensor:
+    """Bilinear resize of every frame of ``video`` ``[B, C, F, H, W]`` to ``height`` × ``width``.
+
+    Per-frame 2-D ``F.interpolate(mode="bilinear", align_corners=False)`` (no mixing across time),
+    as SandAI ``Magi2Evaluator._resize_video`` (``--output-width/--output-height``). Works on any
+    value range: bilinear weights are convex, so resizing the [-1, 1] decoder output and then mapping
+    to [0, 1] equals mapping first. (The reference resizes after 8-bit quantisation; this port
+    resizes the float frames, before it.) Processes ``frames_per_chunk`` frames at a time to bound
+    the temporary memory at 1080p.
+
+    Args:
+        video: ``[B, C, F, H, W]`` float tensor.
+        height, width: output pixels (positive ints).
+
+    Returns:
+        ``[B, C, F, height, width]`` tensor, same dtype and device.
+
+    Raises:
+        ValueError: ``video`` is not 5-D or a size is not a positive int.
+    """
+    if video.dim() != 5:
+        raise ValueError(f"video must be [B, C, F, H, W]; got shape {tuple(video.shape)}")
+    for name, value in (("height", height), ("width", width)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"output {name} must be a positive int; got {value!r}")
+    b, c, f = video.shape[:3]
+    out = video.new_empty(b, c, f, height, width)
+    for start in range(0, f, frames_per_chunk):
+        stop = min(f, start + frames_per_chunk)
+        chunk = video[:, :, start:stop].transpose(1, 2).reshape(b * (stop - start), c, *video.shape[3:])
+        chunk = torch.nn.functional.interpolate(chunk, size=(height, width), mode="bilinear", align_corners=False)
+        out[:, :, start:stop] = chunk.reshape(b, stop - start, c, height, width).transpose(1, 2)
+    return out
+
+
 def _resample_audio(waveform: np.ndarray, ratio: float) -> np.ndarray:
     """``scipy.signal.resample`` along axis 0 to ``int(N * ratio)`` samples (SandAI ``resample_audio_sinc``)."""
     from scipy.signal import resample
@@ -118,8 +165,9 @@ class Magi2Pipeline(DiffusionPipeline):
         vae (`AutoencoderKLWan`, Wan2.2 form, optional): encodes the I2V reference image; decodes
             video when there is no ``video_decoder``.
         video_decoder (`Magi2TurboVAEDecoder`, optional): the default video decoder (TurboVAED).
-        refiner (`Magi2RefinerTransformer3DModel`, optional): the 1080p refiner stage; loaded when the
-            repo has it, not run yet (1088×1920 raises).
+        refiner (`Magi2RefinerTransformer3DModel`, optional): the 1080p refiner stage (spec §5.7),
+            run after the preview when ``height=1088, width=1920`` (``resolution="1080p"``) or an
+            explicit ``preview_height/preview_width`` is given; without it those raise.
 
     Loading a converted repo (``import diffusers_magi2`` registers the model modules)::
 
@@ -136,10 +184,22 @@ class Magi2Pipeline(DiffusionPipeline):
     ``text_skip_layers`` (2 → ``hidden_states[-3]``), ``max_sequence_length`` (7,000),
     ``fps`` (12.5), ``duration_s`` (10), ``audio_latent_fps`` (25), ``audio_resample_ratio``
     (441/512), ``reference_image_dtype`` ("bfloat16": the reference rounds the I2V pixels to its
-    engine dtype before encoding).
+    engine dtype before encoding). Two-stage (refiner) settings: ``preview_height`` /
+    ``preview_width`` (512 × 896: the preview size of the 1080p preset; a repo with a small model
+    can store a smaller one), ``refiner_num_inference_steps`` (5), ``refiner_guidance_scale`` (2.0),
+    ``refiner_shift`` (5.0), ``refiner_noise_value`` (220 → re-noise signal scale 0.838910); the
+    values of SandAI ``magi2_refiner.json`` ``evaluation_config``.
+
+    Two-stage path (1080p): the preview stage runs at the preview size with the usual noise draws,
+    then :func:`~diffusers_magi2.pipelines.refiner_stage.run_refiner_stage` upsamples the final
+    video latent to ``2T − 1`` frames at ``height/16 × width/16``, re-noises it (drawn from the same
+    ``generator``, after the preview draws), denoises it with 5 Flow-UniPC steps (shift 5, a
+    scheduler built from ``scheduler``'s config) and refiner CFG 2.0 (two forwards per step, no audio
+    tokens). The refined latent is decoded with the video decoder (4·(2T − 2) + 1 = 249 frames at
+    2 · ``fps`` = 25 fps); the preview audio latent is decoded as is.
     """
 
-    model_cpu_offload_seq = "text_encoder->transformer->video_decoder->vae->audio_vae"
+    model_cpu_offload_seq = "text_encoder->transformer->refiner->video_decoder->vae->audio_vae"
     _optional_components = ["vae", "video_decoder", "refiner"]
     _callback_tensor_inputs = ["latents", "audio_latents", "prompt_embeds", "negative_prompt_embeds"]
 
@@ -162,6 +222,12 @@ class Magi2Pipeline(DiffusionPipeline):
         audio_latent_fps: float = 25.0,
         audio_resample_ratio: float = 441 / 512,
         reference_image_dtype: str = "bfloat16",
+        preview_height: int = 512,
+        preview_width: int = 896,
+        refiner_num_inference_steps: int = 5,
+        refiner_guidance_scale: float = 2.0,
+        refiner_shift: float = 5.0,
+        refiner_noise_value: int = 220,
     ):
         super().__init__()
         if tokenizer is not None:
@@ -186,6 +252,12 @@ class Magi2Pipeline(DiffusionPipeline):
             audio_latent_fps=audio_latent_fps,
             audio_resample_ratio=audio_resample_ratio,
             reference_image_dtype=reference_image_dtype,
+            preview_height=preview_height,
+            preview_width=preview_width,
+            refiner_num_inference_steps=refiner_num_inference_steps,
+            refiner_guidance_scale=refiner_guidance_scale,
+            refiner_shift=refiner_shift,
+            refiner_noise_value=refiner_noise_value,
         )
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
         # The reference preprocesses the I2V image with VideoProcessor(vae_scale_factor=2 * 16).
@@ -329,6 +401,72 @@ class Magi2Pipeline(DiffusionPipeline):
         return video_scheduler, audio_scheduler, video_scheduler.timesteps
 
     # ------------------------------------------------------------------------------------------
+    # Two-stage (1080p refiner) geometry and settings
+    # ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def apply_resolution_preset(resolution: str, height: int, width: int) -> tuple[int, int]:
+        """``(height, width)`` of a ``resolution`` preset (``RESOLUTION_PRESETS``: "272p", "540p", "1080p").
+
+        ``height``/``width`` must be left at their defaults (512 × 896) or equal the preset.
+
+        Raises:
+            ValueError: an unknown preset, or a conflicting explicit height/width.
+        """
+        if resolution not in RESOLUTION_PRESETS:
+            raise ValueError(f"resolution must be one of {sorted(RESOLUTION_PRESETS)}; got {resolution!r}")
+        preset = RESOLUTION_PRESETS[resolution]
+        if (height, width) not in ((512, 896), preset):
+            raise ValueError(
+                f"resolution={resolution!r} means {preset[0]}x{preset[1]}; it conflicts with height={height!r}, "
+                f"width={width!r} (pass either resolution or height/width)"
+            )
+        return preset
+
+    def stage_sizes(
+        self, height: int, width: int, preview_height: int | None = None, preview_width: int | None = None
+    ) -> tuple[bool, int, int]:
+        """Whether the call runs the refiner, and the size the preview stage denoises at.
+
+        The two-stage path runs when ``(height, width) == (1088, 1920)`` (its preview size is then
+        ``config.preview_height × config.preview_width``, 512 × 896 for the released model) or when
+        ``preview_height`` and ``preview_width`` are given (e.g. a tiny model: preview 32 × 48, refined
+        output ``height × width`` = 64 × 96). Otherwise a single stage at ``height × width``.
+
+        Returns:
+            ``(refine, denoise_height, denoise_width)`` in pixels.
+
+        Raises:
+            ValueError: only one of ``preview_height``/``preview_width`` given.
+        """
+        if (preview_height is None) != (preview_width is None):
+            raise ValueError(
+                "preview_height and preview_width go together (the preview size of the two-stage refiner path); "
+                f"got preview_height={preview_height!r}, preview_width={preview_width!r}"
+            )
+        if preview_height is not None:
+            return True, preview_height, preview_width
+        if (height, width) == REFINER_RESOLUTION:
+            return True, int(self.config.get("preview_height", 512)), int(self.config.get("preview_width", 896))
+        return False, height, width
+
+    def refiner_stage_config(
+        self, num_inference_steps: int | None = None, guidance_scale: float | None = None
+    ) -> Magi2RefinerStageConfig:
+        """The :class:`Magi2RefinerStageConfig` of a call: steps and CFG from the arguments (``None`` →
+        ``config.refiner_num_inference_steps`` / ``config.refiner_guidance_scale``), shift and re-noise
+        index from the config, the preview's ``sigma_start`` and the VAE's spatial factor."""
+        cfg = self.config
+        return Magi2RefinerStageConfig(
+            num_inference_steps=int(cfg.get("refiner_num_inference_steps", 5) if num_inference_steps is None else num_inference_steps),
+            shift=float(cfg.get("refiner_shift", 5.0)),
+            guidance_scale=float(cfg.get("refiner_guidance_scale", 2.0) if guidance_scale is None else guidance_scale),
+            noise_value=int(cfg.get("refiner_noise_value", 220)),
+            sigma_start=float(cfg.sigma_start),
+            vae_stride_spatial=self.vae_scale_factor_spatial,
+        )
+
+    # ------------------------------------------------------------------------------------------
     # Validation
     # ------------------------------------------------------------------------------------------
 
@@ -351,16 +489,76 @@ class Magi2Pipeline(DiffusionPipeline):
         callback_on_step_end_tensor_inputs,
         latents=None,
         audio_latents=None,
+        preview_height=None,
+        preview_width=None,
+        output_height=None,
+        output_width=None,
+        refiner_num_inference_steps=None,
+        refiner_guidance_scale=None,
     ) -> None:
         """Reject bad arguments with a ``ValueError`` before any work starts (see ``__call__``)."""
         for name, value in (("height", height), ("width", width)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 16:
                 raise ValueError(f"{name} must be a positive multiple of 16 (e.g. 256x448 or 512x896); got {value!r}")
-        if (height, width) == REFINER_RESOLUTION:
+        for name, value in (("preview_height", preview_height), ("preview_width", preview_width)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 16):
+                raise ValueError(f"{name} must be a positive multiple of 16 (512x896 for the released model); got {value!r}")
+        refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
+        if refine and getattr(self, "refiner", None) is None:
+            if (height, width) == REFINER_RESOLUTION:
+                what = "1088x1920 (1080p) is produced by the MAGI-2 refiner stage (preview at 512x896, then the refiner)"
+            else:
+                what = "preview_height/preview_width select the two-stage path (preview, then the refiner stage)"
             raise ValueError(
-                "1088x1920 (1080p) is produced by the MAGI-2 refiner stage (preview at 512x896, then the refiner), "
-                "which this pipeline does not run yet; use height=512, width=896 (or 256x448)"
+                f"{what}, which needs the `refiner` component (Magi2RefinerTransformer3DModel), and this pipeline has "
+                "none: load a repo converted with the refiner or pass refiner=...; or use height=512, width=896 "
+                "(or 256x448) without preview_height/preview_width"
             )
+        if refine:
+            if refiner_num_inference_steps is not None and (
+                not isinstance(refiner_num_inference_steps, int)
+                or isinstance(refiner_num_inference_steps, bool)
+                or refiner_num_inference_steps < 1
+            ):
+                raise ValueError(
+                    f"refiner_num_inference_steps must be an integer >= 1 (released: 5); got {refiner_num_inference_steps!r}"
+                )
+            if refiner_guidance_scale is not None and (
+                not isinstance(refiner_guidance_scale, (int, float))
+                or isinstance(refiner_guidance_scale, bool)
+                or not np.isfinite(refiner_guidance_scale)
+                or refiner_guidance_scale < 0
+            ):
+                raise ValueError(
+                    f"refiner_guidance_scale must be a finite number >= 0 (released: 2.0); got {refiner_guidance_scale!r}"
+                )
+            stage_cfg = self.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale)
+            if (
+                stage_cfg.guidance_scale != 1.0
+                and negative_prompt_embeds is None
+                and (getattr(self, "tokenizer", None) is None or getattr(self, "text_encoder", None) is None)
+            ):
+                raise ValueError(
+                    f"the refiner stage runs CFG (refiner_guidance_scale={stage_cfg.guidance_scale}) and needs the negative "
+                    "prompt's embeddings even when the preview runs without CFG: pass negative_prompt_embeds and "
+                    "negative_prompt_attention_mask, or load the tokenizer and text_encoder"
+                )
+        elif refiner_num_inference_steps is not None or refiner_guidance_scale is not None:
+            raise ValueError(
+                "refiner_num_inference_steps/refiner_guidance_scale only apply to the two-stage refiner path "
+                "(height=1088, width=1920, resolution='1080p', or preview_height/preview_width)"
+            )
+        if (output_height is None) != (output_width is None):
+            raise ValueError(
+                "output_height and output_width go together (a bilinear resize of the decoded frames); "
+                f"got output_height={output_height!r}, output_width={output_width!r}"
+            )
+        if output_height is not None:
+            for name, value in (("output_height", output_height), ("output_width", output_width)):
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise ValueError(f"{name} must be a positive int (pixels, e.g. 1080x1920); got {value!r}")
+            if output_type == "latent":
+                raise ValueError("output_height/output_width resize decoded frames; they are not allowed with output_type='latent'")
         if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be an integer >= 1; got {num_inference_steps!r}")
         for name, value in (("guidance_scale", guidance_scale), ("audio_guidance_scale", audio_guidance_scale)):
@@ -440,12 +638,13 @@ class Magi2Pipeline(DiffusionPipeline):
         if output_type != "latent" and getattr(self, "video_decoder", None) is None and getattr(self, "vae", None) is None:
             raise ValueError("decoding needs `video_decoder` or `vae`; neither is loaded (use output_type='latent')")
 
-        h, w = height // self.vae_scale_factor_spatial, width // self.vae_scale_factor_spatial
+        h, w = denoise_height // self.vae_scale_factor_spatial, denoise_width // self.vae_scale_factor_spatial
         if latents is not None:
             if latents.ndim != 5 or latents.shape[1] != self.num_channels_latents or tuple(latents.shape[3:]) != (h, w):
+                stage = " (the preview stage of the refiner path)" if refine else ""
                 raise ValueError(
-                    f"latents must be [batch, {self.num_channels_latents}, T, {h}, {w}] for {height}x{width}; "
-                    f"got {tuple(latents.shape)}"
+                    f"latents must be [batch, {self.num_channels_latents}, T, {h}, {w}] for "
+                    f"{denoise_height}x{denoise_width}{stage}; got {tuple(latents.shape)}"
                 )
         if audio_latents is not None:
             if audio_latents.ndim != 3 or audio_latents.shape[2] != self.num_channels_audio_latents:
@@ -675,8 +874,16 @@ class Magi2Pipeline(DiffusionPipeline):
         | MultiPipelineCallbacks
         | None = None,
         callback_on_step_end_tensor_inputs: list[str] = ["latents", "audio_latents"],
+        resolution: str | None = None,
+        preview_height: int | None = None,
+        preview_width: int | None = None,
+        refiner_num_inference_steps: int | None = None,
+        refiner_guidance_scale: float | None = None,
+        output_height: int | None = None,
+        output_width: int | None = None,
     ):
-        r"""Generate a 10 s clip (125 frames at 12.5 fps) with a 44.1 kHz stereo soundtrack.
+        r"""Generate a 10 s clip (125 frames at 12.5 fps; 249 at 25 fps with the refiner) with a 44.1 kHz
+        stereo soundtrack.
 
         Args:
             prompt: text, or a JSON object string (rendered to compact markdown when it has a
@@ -686,7 +893,8 @@ class Magi2Pipeline(DiffusionPipeline):
                 clip (it is not the first frame); the prompt gets a ``<Figure 1>`` reference and the image
                 is kept in the unconditional branch, so CFG steers the text only.
             height, width: pixels, multiples of 16. Trained: 256×448 and 512×896 (others warn);
-                1088×1920 needs the refiner (raises for now).
+                1088×1920 runs the two-stage refiner path (needs the ``refiner`` component): the preview
+                at ``config.preview_height × config.preview_width`` (512×896), then the refiner stage.
             num_inference_steps: denoising steps (≥ 1; the preview uses 100).
             guidance_scale: video CFG scale (≥ 0; default 5.0). audio_guidance_scale: audio CFG (7.0).
             generator: RNG for the noise (video drawn first, then audio).
@@ -700,17 +908,35 @@ class Magi2Pipeline(DiffusionPipeline):
             callback_on_step_end: called as ``fn(pipe, step, timestep, tensors)`` after each step;
                 a returned dict may replace any of ``callback_on_step_end_tensor_inputs``.
             callback_on_step_end_tensor_inputs: names from ``_callback_tensor_inputs``.
+                The callback runs after each preview step (the refiner steps only advance the progress bar).
+            resolution: ``"272p"`` (256×448), ``"540p"`` (512×896) or ``"1080p"`` (1088×1920, two-stage);
+                replaces ``height``/``width`` (leave those at their defaults).
+            preview_height, preview_width: run the two-stage path with the preview at this size and the
+                refiner output at ``height × width`` (for models other than the released one, e.g. a tiny
+                test model: preview 32×48, output 64×96). Default for 1088×1920: the config's 512×896.
+            refiner_num_inference_steps: refiner Flow-UniPC steps (default ``config``: 5).
+            refiner_guidance_scale: refiner CFG scale (default ``config``: 2.0; needs the negative prompt
+                even when the preview CFG is off).
+            output_height, output_width: optional bilinear resize of the decoded frames (both or neither;
+                e.g. 1080×1920), as the reference's ``--output-height/--output-width``; not with
+                ``output_type="latent"``.
 
         Returns:
-            :class:`Magi2PipelineOutput` ``(frames, audio, audio_sample_rate, fps)``.
+            :class:`Magi2PipelineOutput` ``(frames, audio, audio_sample_rate, fps)``; ``fps`` is 25
+            (2 · ``config.fps``) on the refiner path. With ``output_type="latent"`` the frames are the
+            refined latents ``[B, 48, 2T − 1, height/16, width/16]`` and the audio the preview audio latents.
 
         Raises:
             ValueError: bad sizes, empty prompt, wrong image type, ``num_inference_steps < 1``,
                 negative guidance, embeddings without their masks, ``image`` + ``prompt_embeds``
-                without ``image_embeds``, bad ``output_type`` — all before any work starts.
+                without ``image_embeds``, bad ``output_type``, an unknown ``resolution``, the refiner
+                path without a ``refiner``, bad refiner settings, an output size that is not positive
+                or comes without the other or with ``output_type="latent"`` — all before any work starts.
         """
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        if resolution is not None:
+            height, width = self.apply_resolution_preset(resolution, height, width)
         self.check_inputs(
             prompt,
             negative_prompt,
@@ -729,11 +955,25 @@ class Magi2Pipeline(DiffusionPipeline):
             callback_on_step_end_tensor_inputs,
             latents,
             audio_latents,
+            preview_height=preview_height,
+            preview_width=preview_width,
+            output_height=output_height,
+            output_width=output_width,
+            refiner_num_inference_steps=refiner_num_inference_steps,
+            refiner_guidance_scale=refiner_guidance_scale,
         )
         self._check_scheduler(self.scheduler)
-        if (height, width) not in TRAINED_RESOLUTIONS:
+        refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
+        refiner_config = self.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale) if refine else None
+        if (denoise_height, denoise_width) not in TRAINED_RESOLUTIONS:
             logger.warning(
-                f"{height}x{width} is outside the trained resolutions {TRAINED_RESOLUTIONS}; expect lower quality."
+                f"{denoise_height}x{denoise_width} is outside the trained resolutions {TRAINED_RESOLUTIONS}; "
+                "expect lower quality."
+            )
+        if refine and (height, width) != REFINER_RESOLUTION:
+            logger.warning(
+                f"refiner output {height}x{width} differs from the trained {REFINER_RESOLUTION[0]}x{REFINER_RESOLUTION[1]}; "
+                "expect lower quality."
             )
 
         self._guidance_scale = float(guidance_scale)
@@ -754,7 +994,7 @@ class Magi2Pipeline(DiffusionPipeline):
         # 2. reference image (encoded first, like the reference engine)
         image_latents = None
         if image is not None:
-            pixels = self.preprocess_reference_image(image, height, width)
+            pixels = self.preprocess_reference_image(image, denoise_height, denoise_width)
             image_latents = self.encode_reference_image(pixels).to(device)
             image_latents = image_latents.expand(batch_size, -1, -1, -1, -1)
             if prompts is not None:
@@ -770,7 +1010,8 @@ class Magi2Pipeline(DiffusionPipeline):
         else:
             prompt_embeds = prompt_embeds.to(device)
             prompt_attention_mask = prompt_attention_mask.to(device=device, dtype=torch.bool)
-        if self.do_classifier_free_guidance:
+        # The refiner's CFG needs the negative prompt even when the preview runs without CFG.
+        if self.do_classifier_free_guidance or (refine and refiner_config.guidance_scale != 1.0):
             if negative_prompt_embeds is None:
                 negative = self.config.negative_prompt if negative_prompt is None else negative_prompt
                 negatives = [negative] * batch_size if isinstance(negative, str) else list(negative)
@@ -786,7 +1027,7 @@ class Magi2Pipeline(DiffusionPipeline):
         # 4. schedule and noise
         video_scheduler, audio_scheduler, timesteps = self.prepare_timesteps(num_inference_steps, device)
         latents, audio_latents = self.prepare_latents(
-            batch_size, height, width, device, generator, latents, audio_latents
+            batch_size, denoise_height, denoise_width, device, generator, latents, audio_latents
         )
         if latents.shape[0] != batch_size or audio_latents.shape[0] != batch_size:
             raise ValueError(
@@ -830,16 +1071,41 @@ class Magi2Pipeline(DiffusionPipeline):
                 progress_bar.update()
         self._current_timestep = None
 
-        # 6. decode
+        # 6. (1080p) refiner stage on the final preview video latent; the same generator continues,
+        # so the re-noise is drawn after the preview's video and audio noise. Audio is not refined.
+        fps = float(self.config.fps)
+        if refine and not self.interrupt:
+            with self.progress_bar(total=refiner_config.num_inference_steps) as refiner_bar:
+                latents = run_refiner_stage(
+                    self.refiner,
+                    latents,
+                    prompt_embeds,
+                    negative_prompt_embeds,
+                    self.scheduler,
+                    height=height,
+                    width=width,
+                    prompt_attention_mask=prompt_attention_mask,
+                    negative_prompt_attention_mask=negative_prompt_attention_mask,
+                    config=refiner_config,
+                    generator=generator,
+                    attention_kwargs=attention_kwargs,
+                    callback_on_step_end=lambda i, t, x: refiner_bar.update(),
+                )
+            # 2T − 1 latents on the 25 fps timeline: twice the preview frame rate.
+            fps = 2.0 * fps
+
+        # 7. decode
         if output_type == "latent":
             frames, audio, sample_rate, fps = latents, audio_latents, None, None
         else:
             video = self.decode_video(latents)
+            if output_height is not None:
+                video = resize_video_frames(video, output_height, output_width)
             frames = self.video_processor.postprocess_video(video, output_type=output_type)
             audio = self.decode_audio(audio_latents)
             if output_type == "pt":
                 audio = torch.from_numpy(audio)
-            sample_rate, fps = self.audio_sample_rate, float(self.config.fps)
+            sample_rate = self.audio_sample_rate
 
         self.maybe_free_model_hooks()
         if not return_dict:

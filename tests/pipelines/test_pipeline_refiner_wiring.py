@@ -1,0 +1,186 @@
+"""``Magi2Pipeline``'s two-stage (1080p refiner) path, wired with fast stand-ins.
+
+The preview DiT is the ``sampler/`` fixture's stand-in (``pipeline_stubs.StandInTransformer``) and the
+refiner a small deterministic stand-in with the ``Magi2RefinerTransformer3DModel`` keyword API, so
+these tests check the wiring (sizes, noise order, negative prompt, fps, resize, presets) against
+independent computations in a few seconds. The real tiny models run in
+``test_pipeline_refiner_two_stage.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck, tiny_wan22_vae  # noqa: E402
+
+from diffusers.configuration_utils import ConfigMixin, register_to_config  # noqa: E402
+from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
+from diffusers.utils import BaseOutput  # noqa: E402
+
+from diffusers_magi2.pipelines.pipeline_magi2 import Magi2Pipeline, resize_video_frames  # noqa: E402
+from diffusers_magi2.pipelines.refiner_stage import run_refiner_stage  # noqa: E402
+
+S_220 = 0.838910  # spec §5.7: re-noise signal scale at noise_value 220
+
+
+@dataclass
+class _RefinerOut(BaseOutput):
+    sample: torch.Tensor
+    audio_sample: torch.Tensor | None = None
+
+
+class StandInRefiner(ModelMixin, ConfigMixin):
+    """Deterministic velocity with the refiner's keyword API; depends on the text so that the cond
+    and uncond forwards differ. Records every call."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 48):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+        self.calls = []
+
+    def forward(self, hidden_states, encoder_hidden_states, audio_hidden_states=None, encoder_attention_mask=None,
+                attention_kwargs=None, return_dict=True):
+        self.calls.append(dict(hidden_states=hidden_states.clone(), encoder_hidden_states=encoder_hidden_states.clone(),
+                               audio_hidden_states=audio_hidden_states, attention_kwargs=attention_kwargs))
+        text = encoder_hidden_states.float().mean(dim=(1, 2)).view(-1, 1, 1, 1, 1)
+        v = 0.9 * hidden_states - 0.2 * torch.tanh(hidden_states) + 0.3 * text
+        return _RefinerOut(sample=v) if return_dict else (v, None)
+
+
+def make_pipe(with_vae=False, refiner=True):
+    return Magi2Pipeline(
+        tokenizer=None, text_encoder=None, transformer=StandInTransformer(), audio_vae=tiny_oobleck(),
+        scheduler=preview_scheduler(), vae=tiny_wan22_vae() if with_vae else None,
+        refiner=StandInRefiner() if refiner else None,
+    )
+
+
+def embeds(n=1):
+    g = torch.Generator().manual_seed(3)
+    return dict(
+        prompt_embeds=torch.randn(n, 5, 8, generator=g), prompt_attention_mask=torch.ones(n, 5, dtype=torch.bool),
+        negative_prompt_embeds=torch.randn(n, 3, 8, generator=g),
+        negative_prompt_attention_mask=torch.ones(n, 3, dtype=torch.bool),
+    )
+
+
+SMALL = dict(height=64, width=96, preview_height=32, preview_width=48, num_inference_steps=2)
+
+
+def test_pipeline_refiner_path_equals_direct_stage_call():
+    """The pipeline's refined latent is exactly ``run_refiner_stage`` on its preview latent with the
+    generator continuing from the preview draws; the preview audio is returned untouched."""
+    pipe = make_pipe()
+    e = embeds()
+    two = pipe(**e, **SMALL, generator=torch.Generator().manual_seed(0), output_type="latent")
+    refiner_calls = pipe.refiner.calls[:]
+    assert two.frames.shape == (1, 48, 63, 4, 6) and two.audio.shape == (1, 250, 64)
+
+    pipe.refiner.calls.clear()
+    g = torch.Generator().manual_seed(0)
+    preview = pipe(**e, height=32, width=48, num_inference_steps=2, generator=g, output_type="latent")
+    assert torch.equal(preview.audio, two.audio)  # audio is not refined
+    direct = run_refiner_stage(
+        pipe.refiner, preview.frames, e["prompt_embeds"], e["negative_prompt_embeds"], pipe.scheduler,
+        height=64, width=96, prompt_attention_mask=e["prompt_attention_mask"],
+        negative_prompt_attention_mask=e["negative_prompt_attention_mask"], generator=g,
+    )
+    assert torch.equal(direct, two.frames)
+
+    # independent check of the first refiner input: trilinear 2T-1 upsample, VP re-noise with the
+    # noise drawn after the preview's video then audio noise from the same generator
+    g = torch.Generator().manual_seed(0)
+    torch.randn(1, 48, 32, 2, 3, generator=g)
+    torch.randn(1, 250, 64, generator=g)
+    eps = torch.randn(1, 48, 63, 4, 6, generator=g)
+    up = F.interpolate(preview.frames, size=(63, 4, 6), mode="trilinear", align_corners=True)
+    x0 = up * S_220 + eps * (1 - S_220**2) ** 0.5
+    assert (refiner_calls[0]["hidden_states"] - x0).abs().max().item() <= 1e-5
+    # 5 steps x (cond, uncond), batch 1, text only (no audio tokens)
+    assert len(refiner_calls) == 10
+    for i, call in enumerate(refiner_calls):
+        want = e["prompt_embeds"] if i % 2 == 0 else e["negative_prompt_embeds"]
+        assert torch.equal(call["encoder_hidden_states"], want) and call["audio_hidden_states"] is None
+
+
+def test_preview_cfg_off_still_feeds_the_negative_prompt_to_the_refiner():
+    pipe = make_pipe()
+    e = embeds()
+    pipe(**e, **SMALL, guidance_scale=1.0, audio_guidance_scale=1.0, generator=torch.Generator().manual_seed(1),
+         output_type="latent", latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64))
+    assert all(c["hidden_states"].shape[0] == 1 for c in pipe.transformer.calls)  # preview: no uncond half
+    texts = [c["encoder_hidden_states"] for c in pipe.refiner.calls]
+    assert len(texts) == 10 and all(torch.equal(t, e["negative_prompt_embeds"]) for t in texts[1::2])
+
+
+def test_refiner_settings_reach_the_stage():
+    pipe = make_pipe()
+    e = embeds()
+    common = dict(**e, **SMALL, latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64),
+                  output_type="latent")
+    pipe(**common, refiner_num_inference_steps=3, refiner_guidance_scale=1.0,
+         generator=torch.Generator().manual_seed(2), attention_kwargs={"window_backend": "sdpa"})
+    calls = pipe.refiner.calls
+    assert len(calls) == 3 and all(torch.equal(c["encoder_hidden_states"], e["prompt_embeds"]) for c in calls)
+    assert calls[0]["attention_kwargs"] == {"window_backend": "sdpa"}
+
+
+def test_decoded_two_stage_output_is_25fps_and_resizable():
+    """Refined latents (2T - 1 = 3) decode to 4 * (3 - 1) + 1 = 9 frames at 25 fps; output_height/width
+    resize each decoded frame bilinearly (checked against the reference's formula on [0, 1] frames)."""
+    pipe = make_pipe(with_vae=True)
+    e = embeds()
+    kwargs = dict(**e, **SMALL, latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64))
+    plain = pipe(**kwargs, generator=torch.Generator().manual_seed(4))
+    assert plain.frames.shape == (1, 9, 64, 96, 3) and plain.fps == 25.0 and plain.audio_sample_rate == 44_100
+    assert plain.audio.shape == (1, 2, int(6 * 2048 * 441 / 512))
+    resized = pipe(**kwargs, generator=torch.Generator().manual_seed(4), output_height=40, output_width=70)
+    assert resized.frames.shape == (1, 9, 40, 70, 3) and resized.fps == 25.0
+    frames = torch.from_numpy(plain.frames[0]).permute(3, 0, 1, 2)  # reference: [C, F, H, W] per-frame 2-D
+    want = F.interpolate(frames, size=(40, 70), mode="bilinear", align_corners=False).permute(1, 2, 3, 0).clamp(0, 1)
+    assert np.abs(resized.frames[0] - want.numpy()).max() <= 1e-5
+    # one stage keeps 12.5 fps
+    one = pipe(**e, height=32, width=48, num_inference_steps=1, latents=torch.randn(1, 48, 2, 2, 3),
+               audio_latents=torch.randn(1, 6, 64))
+    assert one.frames.shape == (1, 5, 32, 48, 3) and one.fps == 12.5
+
+
+def test_resize_video_frames_chunks_match_one_shot():
+    video = torch.randn(2, 3, 7, 8, 10)
+    out = resize_video_frames(video, 5, 13, frames_per_chunk=3)
+    flat = video.transpose(1, 2).reshape(14, 3, 8, 10)
+    want = F.interpolate(flat, size=(5, 13), mode="bilinear", align_corners=False).reshape(2, 7, 3, 5, 13).transpose(1, 2)
+    assert torch.allclose(out, want, atol=0, rtol=0)
+
+
+def test_1080p_preset_uses_the_config_preview_size(monkeypatch):
+    """``resolution="1080p"`` (= 1088x1920) denoises the preview at ``config.preview_height/width`` and
+    hands the refiner stage the 1088x1920 target (the stage itself is replaced here: 1080p is too big)."""
+    pipe = make_pipe()
+    pipe.register_to_config(preview_height=32, preview_width=48)
+    seen = {}
+
+    def fake_stage(refiner, latents, prompt_embeds, negative_prompt_embeds, scheduler, **kw):
+        seen.update(kw, preview_shape=tuple(latents.shape))
+        return latents.new_zeros(1, 48, 2 * latents.shape[2] - 1, kw["height"] // 16, kw["width"] // 16)
+
+    monkeypatch.setattr("diffusers_magi2.pipelines.pipeline_magi2.run_refiner_stage", fake_stage)
+    out = pipe(**embeds(), resolution="1080p", num_inference_steps=1, output_type="latent",
+               generator=torch.Generator().manual_seed(0), audio_latents=torch.randn(1, 6, 64))
+    assert seen["preview_shape"] == (1, 48, 32, 2, 3)
+    assert (seen["height"], seen["width"]) == (1088, 1920)
+    cfg = seen["config"]
+    assert (cfg.num_inference_steps, cfg.shift, cfg.guidance_scale, cfg.noise_value) == (5, 5.0, 2.0, 220)
+    assert out.frames.shape == (1, 48, 63, 68, 120)
+    assert Magi2Pipeline.apply_resolution_preset("540p", 512, 896) == (512, 896)
+    assert make_pipe().stage_sizes(1088, 1920) == (True, 512, 896)  # released default preview size
+    assert make_pipe().stage_sizes(512, 896) == (False, 512, 896)
