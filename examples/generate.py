@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="model dtype for --model (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--output", required=True, help="output .mp4 path")
+    parser.add_argument("--ep_degree", type=int, default=None,
+                        help="expert-parallel ranks (default: the world size under accelerate launch/torchrun, "
+                             "else 1); must equal the number of launched processes")
     return parser.parse_args(argv)
 
 
@@ -61,15 +64,28 @@ def load_pipeline(args):
     import torch
 
     from diffusers_magi2 import Magi2Pipeline
+    from diffusers_magi2.parallel.ep_loading import load_pipeline_with_expert_parallel
+    from diffusers_magi2.parallel.expert_parallel import ep_device, expert_parallel_from_launch
     from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # EP: one process per rank (accelerate launch --multi_gpu / torchrun); an --ep_degree that does not match the
+    # launched world size raises (e.g. `accelerate launch --cpu` starts one process).
+    expert_parallel = expert_parallel_from_launch(args.ep_degree)
+    args.expert_parallel = expert_parallel
+    device = args.device or str(ep_device(expert_parallel))
     if args.model is None:
         pipe = build_tiny_default_pipeline()
         defaults = dict(pipe.tiny_call_defaults)
+        if expert_parallel is not None:
+            pipe.transformer.enable_expert_parallel(expert_parallel)
     else:
         dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-        pipe = Magi2Pipeline.from_pretrained(args.model, torch_dtype=getattr(torch, dtype_name))
+        if expert_parallel is not None:
+            pipe = load_pipeline_with_expert_parallel(
+                Magi2Pipeline, args.model, expert_parallel=expert_parallel, torch_dtype=getattr(torch, dtype_name)
+            )
+        else:
+            pipe = Magi2Pipeline.from_pretrained(args.model, torch_dtype=getattr(torch, dtype_name))
         defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
     pipe.to(device)
     return pipe, defaults
@@ -116,9 +132,15 @@ def main(argv=None) -> int:
             f"{info.get('audio_channels')} ch ({info.get('audio_stream_duration_s', 0.0):.2f} s), "
             f"{steps} steps, model {'tiny default (random weights)' if args.model is None else args.model}"
         )
+        if args.expert_parallel is not None:
+            print(f"expert parallel: routed experts split over {args.expert_parallel.ep_degree} ranks")
         print(f"main job wall time: {_seconds_since_process_start():.1f} s (process start to mp4 written, imports included)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _rc = main()
+    from diffusers_magi2.parallel.expert_parallel import end_distributed_run
+
+    end_distributed_run(_rc)  # distributed: barrier, destroy the group, os._exit on CPU (gloo teardown abort)
+    sys.exit(_rc)
