@@ -32,6 +32,7 @@ __all__ = [
     "apply_expert_parallel",
     "checkpoint_key_files",
     "load_expert_parallel_from_pretrained",
+    "load_pipeline_with_expert_parallel",
     "read_expert_rows",
 ]
 
@@ -157,8 +158,11 @@ def _ep_rows(moe: nn.Module) -> tuple[int, int]:
 
 
 def _model_config_dict(model: nn.Module) -> dict:
+    """The model's public config (diffusers' private ``_*`` entries, e.g. the load path, left out)."""
     cfg = getattr(model, "config", None)
-    return dict(cfg) if cfg is not None else {"class": type(model).__name__}
+    if cfg is None:
+        return {"class": type(model).__name__}
+    return {k: v for k, v in dict(cfg).items() if not k.startswith("_")}
 
 
 def apply_expert_parallel(model: nn.Module, config: Magi2ExpertParallelConfig) -> nn.Module:
@@ -342,3 +346,36 @@ def load_expert_parallel_from_pretrained(
                 mod._buffers[bname] = buf.to(device)
     model.eval()
     return model
+
+
+def load_pipeline_with_expert_parallel(
+    pipeline_cls: type,
+    pretrained_model_name_or_path: Union[str, os.PathLike],
+    *,
+    expert_parallel: Magi2ExpertParallelConfig,
+    **kwargs: Any,
+):
+    """``Magi2Pipeline.from_pretrained(..., expert_parallel=...)``: load the transformer EP-sharded, the rest as usual.
+
+    The transformer (subfolder ``transformer``) goes through :func:`load_expert_parallel_from_pretrained` with the
+    same ``torch_dtype``/``dtype``/``variant`` and Hub arguments; it is then handed to ``pipeline_cls.from_pretrained``
+    as a ready component, so no rank ever builds the full expert bank.
+
+    Raises:
+        ValueError: a ``transformer`` component was passed too (shard it with ``enable_expert_parallel`` instead),
+            or any error of the transformer loader.
+    """
+    from ..models.transformer_magi2 import Magi2Transformer3DModel
+
+    if kwargs.get("transformer") is not None:
+        raise ValueError(
+            "pass either transformer=... or expert_parallel=..., not both (call transformer.enable_expert_parallel)"
+        )
+    shared = ("torch_dtype", "dtype", "variant", "revision", "cache_dir", "token", "local_files_only")
+    transformer = Magi2Transformer3DModel.from_pretrained(
+        pretrained_model_name_or_path,
+        subfolder="transformer",
+        expert_parallel=expert_parallel,
+        **{k: kwargs[k] for k in shared if kwargs.get(k) is not None},
+    )
+    return pipeline_cls.from_pretrained(pretrained_model_name_or_path, transformer=transformer, **kwargs)

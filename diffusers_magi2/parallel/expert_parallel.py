@@ -20,7 +20,6 @@ Neither layout synchronises with the host or exchanges sizes inside the layer. `
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import warnings
@@ -38,6 +37,8 @@ __all__ = [
     "ep_gather_heads",
     "ep_head_layout",
     "end_distributed_run",
+    "ep_device",
+    "expert_parallel_from_launch",
     "ep_undispatch",
     "expert_parallel_heads_forward",
     "resolve_expert_parallel",
@@ -208,28 +209,31 @@ def resolve_expert_parallel(config: Magi2ExpertParallelConfig) -> Magi2ExpertPar
     return resolved
 
 
-def _fingerprint(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def check_same_on_all_ranks(value: Any, ep: Magi2ExpertParallelGroup, what: str) -> None:
-    """Check that ``value`` (JSON-serialisable: a config dict, a checkpoint path …) is identical on every EP rank.
+    """Check that ``value`` (small and JSON-serialisable: a config dict, checkpoint file list …) is identical on every
+    EP rank.
 
     One ``all_gather_object`` over the EP group at set-up time (never inside a forward). No-op for ``ep.size == 1``.
 
     Raises:
-        ValueError: on every rank, naming the ranks whose ``what`` differs from rank 0's.
+        ValueError: on every rank, naming the ranks whose ``what`` differs from rank 0's and (for dicts) the keys.
     """
     if ep.size == 1:
         return
-    mine = _fingerprint(value)
+    mine = json.loads(json.dumps(value, sort_keys=True, default=str))
     gathered: list = [None] * ep.size
     dist.all_gather_object(gathered, mine, group=ep.group)
-    bad = [r for r, fp in enumerate(gathered) if fp != gathered[0]]
+    bad = [r for r, v in enumerate(gathered) if v != gathered[0]]
     if bad:
+        detail = ""
+        if isinstance(gathered[0], dict):
+            keys = sorted(
+                {k for r in bad for k in set(gathered[r]) | set(gathered[0]) if gathered[r].get(k) != gathered[0].get(k)}
+            )
+            detail = f" (differing entries: {keys[:10]})"
         raise ValueError(
-            f"expert-parallel ranks disagree on the {what}: ranks {bad} differ from rank 0 (fingerprints {gathered}); "
-            "every rank must load the same checkpoint with the same config."
+            f"expert-parallel ranks disagree on the {what}: ranks {bad} differ from rank 0{detail}; every rank must "
+            "load the same checkpoint with the same config."
         )
 
 
@@ -396,3 +400,46 @@ def end_distributed_run(exit_code: int = 0) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(exit_code)
+
+
+def expert_parallel_from_launch(ep_degree: Optional[int] = None) -> Optional[Magi2ExpertParallelConfig]:
+    """The ``--ep_degree`` rule of ``examples/generate.py``: an EP config matching how the script was launched.
+
+    ``ep_degree=None``: the world size when launched distributed (``WORLD_SIZE > 1``, set by ``accelerate launch
+    --multi_gpu`` / ``torchrun``), else ``None`` (no EP). An explicit ``ep_degree`` must equal the world size; in
+    particular ``accelerate launch --cpu --num_processes 2`` starts ONE process, and ``--ep_degree 2`` then raises
+    instead of silently running unsharded (C08). The returned config is already resolved (process group via
+    ``PartialState(cpu=not torch.cuda.is_available())``, ``"ep"`` mesh), so :func:`ep_device` can be called.
+
+    Raises:
+        ValueError: ``ep_degree`` differs from the launched world size, or is not a positive int.
+    """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else _launched_world_size()
+    if ep_degree is None:
+        if world == 1:
+            return None
+        ep_degree = world
+    if isinstance(ep_degree, bool) or not isinstance(ep_degree, int) or ep_degree < 1:
+        raise ValueError(f"--ep_degree must be a positive int, got {ep_degree!r}")
+    if ep_degree != world:
+        raise ValueError(
+            f"--ep_degree {ep_degree} requested but this run has {world} process(es). Launch one process per EP rank: "
+            f"`accelerate launch --multi_gpu --num_processes {ep_degree} examples/generate.py ...` (also on CPU; "
+            "`accelerate launch --cpu` starts a single process) or `torchrun --nproc_per_node "
+            f"{ep_degree} examples/generate.py ...`."
+        )
+    if ep_degree == 1:
+        return None
+    config = Magi2ExpertParallelConfig(ep_degree=ep_degree)
+    resolve_expert_parallel(config)
+    return config
+
+
+def ep_device(config: Optional[Magi2ExpertParallelConfig]) -> torch.device:
+    """The device of this EP rank: ``cuda:<LOCAL_RANK>`` when the group runs on GPUs, else CPU."""
+    if config is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ep = resolve_expert_parallel(config)
+    if ep.device_type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
