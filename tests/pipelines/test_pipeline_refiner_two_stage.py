@@ -1,0 +1,128 @@
+"""The two-stage (refiner) pipeline end to end through ``Magi2Pipeline.__call__`` on real-format models.
+
+Preview DiT: ``magi2_tiny/preview_h4`` and refiner: ``magi2_tiny/refiner``, both built from the SandAI
+checkpoints with ``from_original_checkpoint`` (fp32); tiny text encoder, TurboVAE decoder and Oobleck
+built in code with matching channel counts (video 12, audio 16, text 48). Preview at 32x48 (latent
+2x3, 32 latents), refined output 64x96 (latent 4x6, 63 latents) -> 249 frames at 25 fps with the
+preview's 10 s soundtrack.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderOobleck, UniPCMultistepScheduler
+
+from diffusers_magi2 import Magi2Pipeline, Magi2Transformer3DModel, export_to_video_with_audio
+from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
+from diffusers_magi2.models.turbo_vae import Magi2TurboVAEDecoder
+from diffusers_magi2.pipelines.refiner_stage import run_refiner_stage
+from diffusers_magi2.pipelines.tiny_default import build_tiny_tokenizer
+from diffusers_magi2.utils.export import probe_streams
+
+PROMPT = "A red fox trots through fresh snow at dawn, wind howling"
+TWO_STAGE = dict(height=64, width=96, preview_height=32, preview_width=48, num_inference_steps=2)
+
+
+@pytest.fixture(scope="module")
+def pipe(fixtures_dir):
+    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
+
+    tiny = fixtures_dir / "magi2_tiny"
+    transformer = Magi2Transformer3DModel.from_original_checkpoint(
+        tiny / "preview_h4" / "sandai_checkpoint", dtype=torch.float32
+    )
+    refiner = Magi2RefinerTransformer3DModel.from_original_checkpoint(
+        tiny / "refiner" / "sandai_checkpoint", torch_dtype=torch.float32
+    )
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer(vocab_size=512)
+    text_encoder = Qwen3_5TextModel(
+        Qwen3_5TextConfig(
+            vocab_size=len(tokenizer), hidden_size=48, intermediate_size=64, num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+            linear_key_head_dim=8, linear_value_head_dim=8, pad_token_id=0,
+        )
+    ).eval()
+    g = torch.Generator().manual_seed(1)
+    mean = (torch.rand(12, generator=g) - 0.5).tolist()
+    std = (torch.rand(12, generator=g) + 0.5).tolist()
+    video_decoder = Magi2TurboVAEDecoder(
+        latent_channels=12, decoder_block_out_channels=[4, 4, 4, 4], decoder_layers_per_block=[1, 1, 1, 1, 1],
+        first_chunk_size=7, step_size=7, latents_mean=mean, latents_std=std,
+    ).eval()
+    audio_vae = AutoencoderOobleck(
+        encoder_hidden_size=2, channel_multiples=[1, 2, 2, 2, 2], decoder_channels=2, decoder_input_channels=16,
+    ).eval()
+    scheduler = UniPCMultistepScheduler(
+        use_flow_sigmas=True, flow_shift=7.0, prediction_type="flow_prediction", solver_order=2, solver_type="bh2",
+        predict_x0=True, lower_order_final=True, final_sigmas_type="zero",
+    )
+    return Magi2Pipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, audio_vae=audio_vae,
+        scheduler=scheduler, video_decoder=video_decoder, refiner=refiner,
+    )
+
+
+def test_two_stage_call_writes_25fps_mp4_with_audio(pipe, tmp_path):
+    calls = []
+    hook = pipe.refiner.register_forward_hook(
+        lambda m, args, kwargs, out: calls.append(
+            (kwargs["hidden_states"].shape, kwargs["encoder_hidden_states"].shape[1], kwargs.get("audio_hidden_states"))
+        ),
+        with_kwargs=True,
+    )
+    try:
+        out = pipe(PROMPT, **TWO_STAGE, generator=torch.Generator().manual_seed(0))
+    finally:
+        hook.remove()
+    # 5 refiner steps x two batch-1 forwards (cond, then the built-in negative prompt), no audio tokens
+    cond_len = pipe.encode_prompt([PROMPT], "cpu")[0].shape[1]
+    neg_len = pipe.encode_prompt([pipe.config.negative_prompt], "cpu")[0].shape[1]
+    assert calls == [((1, 12, 63, 4, 6), cond_len, None), ((1, 12, 63, 4, 6), neg_len, None)] * 5
+
+    T = 32
+    frames = 4 * (2 * T - 1 - 1) + 1
+    assert out.frames.shape == (1, frames, 64, 96, 3) and frames == 249
+    assert np.isfinite(out.frames).all() and 0.0 <= out.frames.min() and out.frames.max() <= 1.0
+    assert out.fps == 25.0 and out.audio_sample_rate == 44_100
+    assert out.audio.shape == (1, 2, 441_000) and np.isfinite(out.audio).all()
+
+    path = export_to_video_with_audio(
+        out.frames[0], tmp_path / "clip_two_stage.mp4", audio=out.audio[0], fps=out.fps,
+        audio_sample_rate=out.audio_sample_rate,
+    )
+    info = probe_streams(path)
+    one_frame = 1 / 25
+    assert info["video_frames"] == frames and info["fps"] == Fraction(25)
+    assert info["audio_sample_rate"] == 44_100 and info["audio_channels"] == 2
+    assert abs(info["video_stream_duration_s"] - frames / 25) <= one_frame
+    assert abs(info["audio_stream_duration_s"] - 10.0) <= one_frame
+    assert abs(info["video_stream_duration_s"] - info["audio_stream_duration_s"]) <= one_frame
+    assert [p.name for p in tmp_path.iterdir()] == ["clip_two_stage.mp4"]
+
+
+def test_two_stage_latents_equal_a_direct_refiner_stage_call(pipe):
+    """Through ``__call__`` the refined latent is bit-identical to ``run_refiner_stage`` applied to the
+    preview-only result with the generator state the preview leaves behind."""
+    two = pipe(PROMPT, **TWO_STAGE, generator=torch.Generator().manual_seed(5), output_type="latent")
+    assert two.frames.shape == (1, 12, 63, 4, 6) and two.audio.shape == (1, 250, 16)
+
+    g = torch.Generator().manual_seed(5)
+    preview = pipe(PROMPT, height=32, width=48, num_inference_steps=2, generator=g, output_type="latent")
+    assert torch.equal(preview.audio, two.audio)
+    cond, cond_mask, _ = pipe.encode_prompt([PROMPT], "cpu")
+    neg, neg_mask, _ = pipe.encode_prompt([pipe.config.negative_prompt], "cpu")
+    direct = run_refiner_stage(
+        pipe.refiner, preview.frames, cond, neg, pipe.scheduler, height=64, width=96,
+        prompt_attention_mask=cond_mask, negative_prompt_attention_mask=neg_mask, generator=g,
+    )
+    assert torch.isfinite(direct).all()
+    assert torch.equal(direct, two.frames)
+    # and the refiner really moved the latent away from its re-noised input
+    assert (direct - torch.nn.functional.interpolate(preview.frames, size=(63, 4, 6), mode="trilinear",
+                                                     align_corners=True)).abs().max() > 1e-3
