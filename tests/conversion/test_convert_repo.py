@@ -401,3 +401,22 @@ print("ok")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_thin_cli_script_and_console_entry_point(tmp_path):
+    """``conversion/convert_magi2_to_diffusers.py`` runs the same ``main`` as the ``magi2-convert`` script."""
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "magi2-convert"]
+    assert ep.value == "diffusers_magi2.conversion.cli:main"
+    out = tmp_path / "out"
+    script = REPO_ROOT / "conversion" / "convert_magi2_to_diffusers.py"
+    res = subprocess.run(
+        [sys.executable, str(script), *map(str, _transformer_args(checkpoint_dir("preview_h4"), out, "--dry_run"))],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "131 output tensors from 2 source shard(s)" in res.stdout and not out.exists()
+    res = subprocess.run([sys.executable, str(script), "--output_path", str(out), "--preview_dir", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 1 and "does not exist" in res.stderr and not out.exists()
