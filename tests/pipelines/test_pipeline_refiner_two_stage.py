@@ -126,3 +126,18 @@ def test_two_stage_latents_equal_a_direct_refiner_stage_call(pipe):
     # and the refiner really moved the latent away from its re-noised input
     assert (direct - torch.nn.functional.interpolate(preview.frames, size=(63, 4, 6), mode="trilinear",
                                                      align_corners=True)).abs().max() > 1e-3
+
+
+def test_save_load_keeps_the_refiner_and_two_stage_config(pipe, tmp_path):
+    """A saved two-stage pipeline reloads with its refiner; the preview size of the 1080p preset is a
+    pipeline-config value (512x896 released) that a repo of another model size can override."""
+    pipe.save_pretrained(tmp_path / "saved")
+    loaded = Magi2Pipeline.from_pretrained(tmp_path / "saved", preview_height=32, preview_width=48)
+    assert isinstance(loaded.refiner, Magi2RefinerTransformer3DModel)
+    assert (pipe.config.preview_height, pipe.config.preview_width) == (512, 896)
+    assert (loaded.config.preview_height, loaded.config.preview_width) == (32, 48)
+    assert loaded.config.refiner_num_inference_steps == 5 and loaded.config.refiner_guidance_scale == 2.0
+    assert loaded.config.refiner_shift == 5.0 and loaded.config.refiner_noise_value == 220
+    assert loaded.stage_sizes(1088, 1920) == (True, 32, 48)
+    a, b = pipe.refiner.state_dict(), loaded.refiner.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

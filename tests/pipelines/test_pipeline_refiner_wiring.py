@@ -184,3 +184,51 @@ def test_1080p_preset_uses_the_config_preview_size(monkeypatch):
     assert Magi2Pipeline.apply_resolution_preset("540p", 512, 896) == (512, 896)
     assert make_pipe().stage_sizes(1088, 1920) == (True, 512, 896)  # released default preview size
     assert make_pipe().stage_sizes(512, 896) == (False, 512, 896)
+
+
+def test_i2v_reference_image_is_prepared_at_the_preview_size():
+    """I2V on the two-stage path encodes the reference image for the preview stage (the refiner
+    gets no image tokens), as the reference sizes it from the preview width/height."""
+    import PIL.Image
+
+    pipe = make_pipe(with_vae=True)
+    image = PIL.Image.fromarray(np.full((30, 40, 3), 100, dtype=np.uint8))
+    pipe(**embeds(), **SMALL, image=image, image_embeds=torch.zeros(1, 8), output_type="latent",
+         latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64),
+         generator=torch.Generator().manual_seed(0))
+    at_preview = pipe.preprocess_reference_image(image, 32, 48).shape[-2:]
+    at_output = pipe.preprocess_reference_image(image, 64, 96).shape[-2:]
+    assert at_preview != at_output
+    got = pipe.transformer.calls[0]["image_latents"].shape[-2:]
+    assert tuple(got) == (at_preview[0] // 16, at_preview[1] // 16)
+    assert len(pipe.refiner.calls) == 10 and pipe.refiner.calls[0]["hidden_states"].shape == (1, 48, 3, 4, 6)
+
+
+def test_preview_cfg_off_encodes_the_default_negative_prompt_for_the_refiner():
+    """From prompt text with preview CFG off, the pipeline still encodes the (built-in) negative
+    prompt, and the refiner's uncond forwards receive exactly its embeddings."""
+    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
+
+    from diffusers_magi2.pipelines.tiny_default import build_tiny_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer(vocab_size=512)
+    text_encoder = Qwen3_5TextModel(
+        Qwen3_5TextConfig(
+            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2,
+            num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=1,
+            linear_key_head_dim=8, linear_value_head_dim=8, pad_token_id=0,
+        )
+    ).eval()
+    pipe = make_pipe()
+    pipe.register_modules(tokenizer=tokenizer, text_encoder=text_encoder)
+    pipe(prompt="a fox in snow", **SMALL, guidance_scale=1.0, audio_guidance_scale=1.0, refiner_num_inference_steps=1,
+         output_type="latent", latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64),
+         generator=torch.Generator().manual_seed(0))
+    neg, _, _ = pipe.encode_prompt([pipe.config.negative_prompt], "cpu")
+    cond, _, _ = pipe.encode_prompt(["a fox in snow"], "cpu")
+    assert all(c["hidden_states"].shape[0] == 1 for c in pipe.transformer.calls)
+    calls = pipe.refiner.calls
+    assert len(calls) == 2 and cond.shape[1] != neg.shape[1]
+    assert torch.equal(calls[0]["encoder_hidden_states"], cond) and torch.equal(calls[1]["encoder_hidden_states"], neg)
