@@ -457,10 +457,14 @@ class Magi2Pipeline(DiffusionPipeline):
         ``config.refiner_num_inference_steps`` / ``config.refiner_guidance_scale``), shift and re-noise
         index from the config, the preview's ``sigma_start`` and the VAE's spatial factor."""
         cfg = self.config
+        if num_inference_steps is None:
+            num_inference_steps = cfg.get("refiner_num_inference_steps", 5)
+        if guidance_scale is None:
+            guidance_scale = cfg.get("refiner_guidance_scale", 2.0)
         return Magi2RefinerStageConfig(
-            num_inference_steps=int(cfg.get("refiner_num_inference_steps", 5) if num_inference_steps is None else num_inference_steps),
+            num_inference_steps=int(num_inference_steps),
             shift=float(cfg.get("refiner_shift", 5.0)),
-            guidance_scale=float(cfg.get("refiner_guidance_scale", 2.0) if guidance_scale is None else guidance_scale),
+            guidance_scale=float(guidance_scale),
             noise_value=int(cfg.get("refiner_noise_value", 220)),
             sigma_start=float(cfg.sigma_start),
             vae_stride_spatial=self.vae_scale_factor_spatial,
@@ -502,7 +506,9 @@ class Magi2Pipeline(DiffusionPipeline):
                 raise ValueError(f"{name} must be a positive multiple of 16 (e.g. 256x448 or 512x896); got {value!r}")
         for name, value in (("preview_height", preview_height), ("preview_width", preview_width)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 16):
-                raise ValueError(f"{name} must be a positive multiple of 16 (512x896 for the released model); got {value!r}")
+                raise ValueError(
+                    f"{name} must be a positive multiple of 16 (512x896 for the released model); got {value!r}"
+                )
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
         if refine and getattr(self, "refiner", None) is None:
             if (height, width) == REFINER_RESOLUTION:
@@ -558,7 +564,9 @@ class Magi2Pipeline(DiffusionPipeline):
                 if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                     raise ValueError(f"{name} must be a positive int (pixels, e.g. 1080x1920); got {value!r}")
             if output_type == "latent":
-                raise ValueError("output_height/output_width resize decoded frames; they are not allowed with output_type='latent'")
+                raise ValueError(
+                    "output_height/output_width resize decoded frames; they are not allowed with output_type='latent'"
+                )
         if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be an integer >= 1; got {num_inference_steps!r}")
         for name, value in (("guidance_scale", guidance_scale), ("audio_guidance_scale", audio_guidance_scale)):
@@ -964,7 +972,9 @@ class Magi2Pipeline(DiffusionPipeline):
         )
         self._check_scheduler(self.scheduler)
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
-        refiner_config = self.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale) if refine else None
+        refiner_config = None
+        if refine:
+            refiner_config = self.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale)
         if (denoise_height, denoise_width) not in TRAINED_RESOLUTIONS:
             logger.warning(
                 f"{denoise_height}x{denoise_width} is outside the trained resolutions {TRAINED_RESOLUTIONS}; "

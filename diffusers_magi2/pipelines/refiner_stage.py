@@ -1,4 +1,10 @@
-"""The 1080p refiner stage of MAGI-2 (spec §5.7), callable from ``Magi2Pipeline``.
+"""The 1080p refiner stage of MAGI-2 (spec §5.7), run by ``Magi2Pipeline.__call__`` on its two-stage path.
+
+``Magi2Pipeline`` calls :func:`run_refiner_stage` with its final preview latent, its prompt and
+negative-prompt embeddings (the negative ones are encoded even when the preview runs without CFG),
+its ``scheduler``, the requested output size, a :class:`Magi2RefinerStageConfig` built from the
+pipeline config (``refiner_*`` keys) and the same ``generator`` the preview drew from; it is also
+usable on its own (e.g. to refine a saved preview latent).
 
 After the preview denoise, SandAI's engine (``Magi2InferenceEngine.evaluate_magi2_refiner_with_latent``)
 

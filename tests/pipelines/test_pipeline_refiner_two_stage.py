@@ -141,3 +141,23 @@ def test_save_load_keeps_the_refiner_and_two_stage_config(pipe, tmp_path):
     assert loaded.stage_sizes(1088, 1920) == (True, 32, 48)
     a, b = pipe.refiner.state_dict(), loaded.refiner.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_two_stage_on_cuda_with_model_cpu_offload_matches_cpu(pipe):
+    """C23 for the refiner: with model CPU offload the refiner (in ``model_cpu_offload_seq``) runs on
+    the GPU and returns to the CPU; the refined latent matches the CPU run (same CPU generator)."""
+    kwargs = dict(prompt=PROMPT, **TWO_STAGE, output_type="latent")
+    cpu = pipe(**kwargs, generator=torch.Generator().manual_seed(9))
+    pipe.enable_model_cpu_offload()
+    try:
+        gpu = pipe(**kwargs, generator=torch.Generator().manual_seed(9))
+        assert gpu.frames.device.type == "cuda"
+        for name in ("text_encoder", "transformer", "refiner", "video_decoder", "audio_vae"):
+            assert getattr(pipe, name).device.type == "cpu", name
+    finally:
+        pipe.remove_all_hooks()
+        pipe.to("cpu")
+    rel = ((gpu.frames.cpu().double() - cpu.frames.double()).norm() / cpu.frames.double().norm()).item()
+    assert rel <= 1e-3
