@@ -8,6 +8,9 @@ machine. With ``--model`` it loads a converted diffusers repo (local folder or H
     python examples/generate.py --prompt "A red fox trots through fresh snow" --output fox.mp4
     python examples/generate.py --model ./magi2-preview-diffusers --prompt "..." \
         --height 512 --width 896 --num_inference_steps 100 --output clip.mp4
+    # 1080p: preview at 512x896, then the refiner stage (a repo converted with the refiner), 25 fps
+    python examples/generate.py --model ./magi2-preview-diffusers --prompt "..." --resolution 1080p \
+        --output_height 1080 --output_width 1920 --output clip_1080p.mp4
 
 Structure: argparse -> build/load the pipeline -> call -> export on rank 0. The wall time (process
 start to file written, imports included) is printed at the end.
@@ -46,6 +49,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num_inference_steps", type=int, default=None, help="default: 100, or the tiny default's")
     parser.add_argument("--height", type=int, default=None, help="pixels, multiple of 16 (default 512, tiny: its own)")
     parser.add_argument("--width", type=int, default=None, help="pixels, multiple of 16 (default 896, tiny: its own)")
+    parser.add_argument("--resolution", choices=["272p", "540p", "1080p"], default=None,
+                        help="preset instead of --height/--width: 272p = 256x448, 540p = 512x896, 1080p = 1088x1920 "
+                             "(preview 512x896, then the refiner stage; needs a repo with the refiner; 25 fps)")
+    parser.add_argument("--output_height", type=int, default=None,
+                        help="optional bilinear resize of the decoded frames (with --output_width, e.g. 1080)")
+    parser.add_argument("--output_width", type=int, default=None, help="see --output_height (e.g. 1920)")
     parser.add_argument("--guidance_scale", type=float, default=5.0, help="video CFG scale")
     parser.add_argument("--audio_guidance_scale", type=float, default=7.0, help="audio CFG scale")
     parser.add_argument("--seed", type=int, default=42)
@@ -98,9 +107,16 @@ def main(argv=None) -> int:
     from diffusers_magi2 import export_to_video_with_audio
     from diffusers_magi2.utils.export import probe_streams
 
+    if args.resolution is not None and (args.height is not None or args.width is not None):
+        raise ValueError("pass either --resolution or --height/--width, not both")
     pipe, defaults = load_pipeline(args)
-    height = args.height if args.height is not None else defaults["height"]
-    width = args.width if args.width is not None else defaults["width"]
+    if args.resolution is not None:
+        from diffusers_magi2.pipelines.pipeline_magi2 import RESOLUTION_PRESETS
+
+        height, width = RESOLUTION_PRESETS[args.resolution]
+    else:
+        height = args.height if args.height is not None else defaults["height"]
+        width = args.width if args.width is not None else defaults["width"]
     steps = args.num_inference_steps if args.num_inference_steps is not None else defaults["num_inference_steps"]
     generator = torch.Generator("cpu").manual_seed(args.seed)
 
@@ -115,6 +131,8 @@ def main(argv=None) -> int:
         audio_guidance_scale=args.audio_guidance_scale,
         generator=generator,
         output_type="np",
+        output_height=args.output_height,
+        output_width=args.output_width,
     )
 
     if int(os.environ.get("RANK", "0")) == 0:
@@ -127,7 +145,8 @@ def main(argv=None) -> int:
         )
         info = probe_streams(path)
         print(
-            f"wrote {path}: {info['video_frames']} frames {height}x{width} at {float(info['fps'])} fps "
+            f"wrote {path}: {info['video_frames']} frames {output.frames.shape[2]}x{output.frames.shape[3]} at "
+            f"{float(info['fps'])} fps "
             f"({info['video_duration_s']:.2f} s), audio {info.get('audio_sample_rate')} Hz x "
             f"{info.get('audio_channels')} ch ({info.get('audio_stream_duration_s', 0.0):.2f} s), "
             f"{steps} steps, model {'tiny default (random weights)' if args.model is None else args.model}"
