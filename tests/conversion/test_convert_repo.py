@@ -378,13 +378,6 @@ print("ok", len(m.state_dict()))
     assert len(list((repo_dir / "snapshots" / commit / "transformer").glob("*.safetensors"))) >= 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="C24: pipelines/pipeline_magi2.py imports none of the diffusers_magi2 model modules, so after only "
-    "`import diffusers_magi2` diffusers 0.42.1 cannot resolve the model_index.json entries "
-    "diffusers_magi2.models.turbo_vae / transformer_magi2 / transformer_magi2_refiner (it resolves non-diffusers "
-    "libraries from sys.modules only). Fix in the pipeline module (issue 5), then drop this marker.",
-)
 def test_pipeline_loads_the_converted_repo_in_a_fresh_interpreter(full_repo, tmp_path):
     """C24 scenario: a copy standing in for a Hub snapshot, ``import diffusers_magi2`` only, then
     ``Magi2Pipeline.from_pretrained(copy)`` in a fresh process."""
