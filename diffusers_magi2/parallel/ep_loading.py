@@ -61,7 +61,9 @@ def read_expert_rows(handle: Any, key: str, row_start: int, num_rows: int) -> to
     out-of-range start (C06).
 
     Returns:
-        ``[num_rows, *shape[1:]]`` in the file's dtype, on CPU.
+        ``[num_rows, *shape[1:]]`` in the file's dtype, on CPU. When every row exists this is safetensors' zero-copy
+        view of the file's memory map (``.clone()`` it to own the memory, as the EP loader does); otherwise a new
+        tensor.
     Raises:
         ValueError: negative ``row_start``/``num_rows``.
     """
@@ -315,23 +317,29 @@ def load_expert_parallel_from_pretrained(
     for k in expected:
         by_file.setdefault(key_files[k], []).append(k)
     state = {}
+    def ep_owner(key: str) -> Optional[str]:
+        return next((n for n in moe_rows if key.startswith(n + ".") and key[len(n) + 1 :] in EP_SHARDED_SUFFIXES), None)
+
     for path, keys in by_file.items():
         with safe_open(path, framework="pt") as h:
             for k in keys:
-                owner = next((n for n in moe_rows if k.startswith(n + ".") and k[len(n) + 1 :] in EP_SHARDED_SUFFIXES), None)
-                if owner is not None:
+                owner = ep_owner(k)
+                if owner is None:
+                    t = h.get_tensor(k)
+                else:
                     row_start, num_rows = moe_rows[owner]
                     moe = model.get_submodule(owner)
                     full_rows = _num_heads(moe) * int(moe.config.num_experts)
-                    file_rows = h.get_slice(k).get_shape()[0]
-                    if file_rows != full_rows:
-                        raise ValueError(
-                            f"{k}: checkpoint has {file_rows} rows, expected num_heads·num_experts = {full_rows} "
-                            "(EP loading needs the unsharded checkpoint)"
-                        )
-                    t = read_expert_rows(h, k, row_start, num_rows)
-                else:
-                    t = h.get_tensor(k)
+                    # own handle per EP tensor: the file pages the rows were copied from are unmapped right after,
+                    # so the peak holds one tensor's rows twice at most, not a whole shard's
+                    with safe_open(path, framework="pt") as h_rows:
+                        file_rows = h_rows.get_slice(k).get_shape()[0]
+                        if file_rows != full_rows:
+                            raise ValueError(
+                                f"{k}: checkpoint has {file_rows} rows, expected num_heads·num_experts = {full_rows} "
+                                "(EP loading needs the unsharded checkpoint)"
+                            )
+                        t = read_expert_rows(h_rows, k, row_start, num_rows).clone()
                 ref = expected[k]
                 if tuple(t.shape) != tuple(ref.shape):
                     raise ValueError(f"{k}: checkpoint shape {tuple(t.shape)} != model shape {tuple(ref.shape)}")
