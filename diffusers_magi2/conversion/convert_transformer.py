@@ -25,7 +25,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -283,7 +283,12 @@ def prepare_transformer_conversion(
     return PreparedTransformer(target, plan, model, layouts, label)
 
 
-def write_transformer(prepared: PreparedTransformer, out_folder: str | Path, chunk_bytes: int = 16 * 1024 * 1024) -> Path:
+def write_transformer(
+    prepared: PreparedTransformer,
+    out_folder: str | Path,
+    chunk_bytes: int = 16 * 1024 * 1024,
+    log: Callable[[str], None] | None = None,
+) -> Path:
     """Stream the planned tensors into ``out_folder`` (created; must not exist yet).
 
     Source shards are processed one at a time: ``safe_open`` checks the shard, then a plain
@@ -294,6 +299,9 @@ def write_transformer(prepared: PreparedTransformer, out_folder: str | Path, chu
     chunk buffers; no source shard is memory-mapped. Then ``config.json`` (the model's ``save_config``) and, when sharded,
     ``diffusion_pytorch_model.safetensors.index.json`` are written.
 
+    Args:
+        log: called once per source shard with a progress line (``None``: silent).
+
     Returns:
         ``out_folder``.
     """
@@ -303,8 +311,11 @@ def write_transformer(prepared: PreparedTransformer, out_folder: str | Path, chu
     out_folder.mkdir(parents=True, exist_ok=False)
     plan = prepared.plan
     with ShardWriter(out_folder, prepared.layouts) as writer:
-        for fname, entries in plan.entries_by_file().items():
+        groups = plan.entries_by_file()
+        for i, (fname, entries) in enumerate(groups.items()):
             path = plan.source_dir / fname
+            if log is not None:
+                log(f"[{prepared.target.component}] source shard {i + 1}/{len(groups)}: {fname} ({len(entries)} tensors)")
             header = read_safetensors_header(path)
             with safe_open(str(path), framework="pt") as handle:  # the library's own check of the shard
                 keys = set(handle.keys())
@@ -382,7 +393,3 @@ def load_original_checkpoint(
     if on_meta:  # C04: never hand back a model with unloaded (meta) tensors
         raise ValueError(f"{len(on_meta)} tensors were left on the meta device after loading, e.g. {on_meta[:5]}")
     return model.eval()
-
-
-def read_json(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())

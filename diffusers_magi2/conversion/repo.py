@@ -258,7 +258,7 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
         written: dict[str, tuple[str, str]] = {}
         for comp, prep in prepared.items():
             log(f"[{comp}] writing {len(prep.plan.entries)} tensors into {len(prep.layouts)} shard(s)")
-            write_transformer(prep, tmp / comp)
+            write_transformer(prep, tmp / comp, log=log)
             written[comp] = MODEL_INDEX_ENTRIES[comp]
         for comp, fn in component_fns.items():
             log(f"[{comp}] converting {req.inputs[comp]}")
