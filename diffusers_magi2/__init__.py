@@ -1,51 +1,52 @@
 """diffusers-magi2: SandAI's MAGI-2 Preview as a first-class Hugging Face Diffusers model.
 
-Public names are listed in ``_PUBLIC`` (name -> defining submodule). They are resolved on first
-access, so ``import diffusers_magi2`` stays cheap; ``from diffusers_magi2 import X`` imports the
-module that defines ``X``. Defining module paths are part of the on-disk format (``model_index.json``
-stores them), so they never move.
+Importing the package imports every module that defines a loadable component, so diffusers'
+loader finds them in ``sys.modules`` when it reads the module paths stored in ``model_index.json``
+(``diffusers_magi2.models.transformer_magi2``, ``…transformer_magi2_refiner``, ``…turbo_vae``,
+``diffusers_magi2.pipelines.pipeline_magi2``). Those module paths are public format: they never move.
+
+Typical use::
+
+    import torch
+    from diffusers_magi2 import Magi2Pipeline, export_to_video_with_audio
+
+    pipe = Magi2Pipeline.from_pretrained("path/or/repo-id", torch_dtype=torch.bfloat16)
+    out = pipe("A red fox trots through fresh snow")
+    export_to_video_with_audio(out.frames[0], "clip.mp4", audio=out.audio[0], fps=out.fps,
+                               audio_sample_rate=out.audio_sample_rate)
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 __version__ = "0.1.0.dev0"
 
-_PUBLIC: dict[str, str] = {
-    # multi-head MoE core
-    "compute_topk_probs_and_indices": "diffusers_magi2.moe.routing",
-    "global_sort_routes": "diffusers_magi2.moe.routing",
-    "swiglu7_pair": "diffusers_magi2.moe.experts",
-    "torch_mh_moe_forward": "diffusers_magi2.moe.experts",
-    "triton_mh_moe_forward": "diffusers_magi2.moe.experts_triton",
-    "Magi2MultiHeadMoEConfig": "diffusers_magi2.moe.layer",
-    "Magi2MultiHeadMoE": "diffusers_magi2.moe.layer",
-    # models
-    "Magi2Transformer3DModel": "diffusers_magi2.models.transformer_magi2",
-    "Magi2TransformerOutput": "diffusers_magi2.models.transformer_magi2",
-    "Magi2RefinerTransformer3DModel": "diffusers_magi2.models.transformer_magi2_refiner",
-    "Magi2TurboVAEDecoder": "diffusers_magi2.models.turbo_vae",
-    # expert parallelism
-    "Magi2ExpertParallelConfig": "diffusers_magi2.parallel.expert_parallel",
-    # pipelines
-    "Magi2Pipeline": "diffusers_magi2.pipelines.pipeline_magi2",
-    "Magi2PipelineOutput": "diffusers_magi2.pipelines.pipeline_output",
-    "export_to_video_with_audio": "diffusers_magi2.utils.export",
-}
+from .models.transformer_magi2 import Magi2Transformer3DModel, Magi2TransformerOutput
+from .models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel, Magi2RefinerTransformerOutput
+from .models.turbo_vae import Magi2TurboVAEDecoder
+from .moe.experts import swiglu7_pair, torch_mh_moe_forward
+from .moe.experts_triton import triton_mh_moe_forward
+from .moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
+from .moe.routing import compute_topk_probs_and_indices, global_sort_routes
+from .parallel.expert_parallel import Magi2ExpertParallelConfig
+from .pipelines.pipeline_magi2 import Magi2Pipeline
+from .pipelines.pipeline_output import Magi2PipelineOutput
+from .utils.export import export_to_video_with_audio
 
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-    module_name = _PUBLIC.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'diffusers_magi2' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__all__ = [
+    "Magi2ExpertParallelConfig",
+    "Magi2MultiHeadMoE",
+    "Magi2MultiHeadMoEConfig",
+    "Magi2Pipeline",
+    "Magi2PipelineOutput",
+    "Magi2RefinerTransformer3DModel",
+    "Magi2RefinerTransformerOutput",
+    "Magi2Transformer3DModel",
+    "Magi2TransformerOutput",
+    "Magi2TurboVAEDecoder",
+    "compute_topk_probs_and_indices",
+    "export_to_video_with_audio",
+    "global_sort_routes",
+    "swiglu7_pair",
+    "torch_mh_moe_forward",
+    "triton_mh_moe_forward",
+]
