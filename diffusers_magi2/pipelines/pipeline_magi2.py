@@ -203,6 +203,20 @@ class Magi2Pipeline(DiffusionPipeline):
     _optional_components = ["vae", "video_decoder", "refiner"]
     _callback_tensor_inputs = ["latents", "audio_latents", "prompt_embeds", "negative_prompt_embeds"]
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """``DiffusionPipeline.from_pretrained``, plus ``expert_parallel=Magi2ExpertParallelConfig(ep_degree=N)``:
+        the transformer is then loaded with only this rank's routed experts
+        (``diffusers_magi2.parallel.ep_loading.load_pipeline_with_expert_parallel``)."""
+        expert_parallel = kwargs.pop("expert_parallel", None)
+        if expert_parallel is not None:
+            from ..parallel.ep_loading import load_pipeline_with_expert_parallel
+
+            return load_pipeline_with_expert_parallel(
+                cls, pretrained_model_name_or_path, expert_parallel=expert_parallel, **kwargs
+            )
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
     def __init__(
         self,
         tokenizer: Any,
