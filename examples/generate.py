@@ -73,7 +73,6 @@ def load_pipeline(args):
     import torch
 
     from diffusers_magi2 import Magi2Pipeline
-    from diffusers_magi2.parallel.ep_loading import load_pipeline_with_expert_parallel
     from diffusers_magi2.parallel.expert_parallel import ep_device, expert_parallel_from_launch
     from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 
@@ -89,12 +88,9 @@ def load_pipeline(args):
             pipe.transformer.enable_expert_parallel(expert_parallel)
     else:
         dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-        if expert_parallel is not None:
-            pipe = load_pipeline_with_expert_parallel(
-                Magi2Pipeline, args.model, expert_parallel=expert_parallel, torch_dtype=getattr(torch, dtype_name)
-            )
-        else:
-            pipe = Magi2Pipeline.from_pretrained(args.model, torch_dtype=getattr(torch, dtype_name))
+        pipe = Magi2Pipeline.from_pretrained(
+            args.model, torch_dtype=getattr(torch, dtype_name), expert_parallel=expert_parallel
+        )
         defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
     pipe.to(device)
     return pipe, defaults
