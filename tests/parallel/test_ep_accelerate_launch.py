@@ -5,7 +5,9 @@
 * C08 (b): ``accelerate launch --multi_gpu --num_processes 2`` + ``PartialState(cpu=True)`` (done by the product)
   gives 2 processes, gloo, an EP group of 2, each rank holding half of the expert rows.
 * Smoke run: ``examples/generate.py`` on the tiny default under ``--multi_gpu --num_processes 2``: exit 0, rank 0
-  alone writes the mp4, and its frames match a single-process run's (first frame exactly; see the encoder note).
+  alone writes the mp4, and its frames match a single-process run's (first frame exactly; see the encoder note);
+  once with the in-memory tiny default (``enable_expert_parallel``), once from a saved pipeline folder
+  (``Magi2Pipeline.from_pretrained(..., expert_parallel=...)``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import REPO_ROOT
 from ep_spawn_utils import free_port
 
@@ -78,22 +81,44 @@ def _frames(path: Path) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
-def test_ep_cpu_smoke_run_generate_tiny_default(tmp_path):
-    ep_dir, single_dir = tmp_path / "ep", tmp_path / "single"
-    ep_dir.mkdir(), single_dir.mkdir()
-    res = _run(_multi_cpu(GENERATE, *SMOKE_ARGS, "--output", str(ep_dir / "out.mp4")), ep_dir)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "expert parallel: routed experts split over 2 ranks" in res.stdout
-    assert res.stdout.count("wrote ") == 1  # rank 0 only
-    assert sorted(p.name for p in ep_dir.iterdir()) == ["out.mp4"]  # the other rank wrote nothing
-
-    res1 = _run([sys.executable, GENERATE, *SMOKE_ARGS, "--output", str(single_dir / "out.mp4")], single_dir)
-    assert res1.returncode == 0, res1.stderr[-3000:]
-    a, b = _frames(ep_dir / "out.mp4"), _frames(single_dir / "out.mp4")
-    assert a.shape == b.shape and a.shape[1:3] == (64, 64)
-    diff = np.abs(a.astype(np.int16) - b.astype(np.int16))
+def _assert_same_video(a: np.ndarray, b: np.ndarray) -> None:
     # The x264 encode of the tiny default's noise-like frames is not reproducible run to run (the decoded arrays are
     # identical in-process, yet two single-process mp4s differ by up to ~35 levels in P-frames, mean ~3.3): so the
     # intra-coded first frame must match, the rest within encoder noise. Unrelated frames differ by ~20 on average.
+    assert a.shape == b.shape and a.shape[1:3] == (64, 64)
+    diff = np.abs(a.astype(np.int16) - b.astype(np.int16))
     assert diff[0].max() <= 1
     assert diff.mean() <= 6.0, diff.mean()
+
+
+@pytest.fixture(scope="module")
+def single_process_video(tmp_path_factory) -> np.ndarray:
+    out_dir = tmp_path_factory.mktemp("ep_single")
+    res = _run([sys.executable, GENERATE, *SMOKE_ARGS, "--output", str(out_dir / "out.mp4")], out_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return _frames(out_dir / "out.mp4")
+
+
+def _ep_generate(out_dir: Path, *extra: str) -> np.ndarray:
+    res = _run(_multi_cpu(GENERATE, *SMOKE_ARGS, *extra, "--output", str(out_dir / "out.mp4")), out_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "expert parallel: routed experts split over 2 ranks" in res.stdout
+    assert res.stdout.count("wrote ") == 1  # rank 0 only
+    assert sorted(p.name for p in out_dir.iterdir() if p.suffix == ".mp4") == ["out.mp4"]
+    return _frames(out_dir / "out.mp4")
+
+
+def test_ep_cpu_smoke_run_generate_tiny_default(tmp_path, single_process_video):
+    """README CPU smoke run: the in-memory tiny default, sharded with ``transformer.enable_expert_parallel``."""
+    _assert_same_video(_ep_generate(tmp_path), single_process_video)
+
+
+def test_ep_cpu_smoke_run_generate_saved_pipeline(tmp_path, single_process_video):
+    """``--model <saved folder>``: ``Magi2Pipeline.from_pretrained(..., expert_parallel=...)`` loads per-rank slices."""
+    from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+
+    model_dir = tmp_path / "tiny_pipe"
+    build_tiny_default_pipeline().save_pretrained(model_dir)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _assert_same_video(_ep_generate(run_dir, "--model", str(model_dir), "--dtype", "float32"), single_process_video)
