@@ -275,6 +275,30 @@ class Magi2MultiHeadMoE(nn.Module):
             out[:real].copy_(full_tensor[start : start + real])
         return out
 
+    _EP_SHARDED_KEYS = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """With ``ep_size > 1``, full (all-heads) EP tensors are sliced to this rank's rows with :meth:`ep_slice`.
+
+        A tensor that is neither local-sized nor full raises a ``ValueError`` naming expert parallelism instead of
+        torch's bare size mismatch (C06).
+        """
+        if self.ep_size > 1:
+            full_rows = self.num_heads * self.num_experts
+            for name in self._EP_SHARDED_KEYS:
+                key = prefix + name
+                value = state_dict.get(key)
+                if not isinstance(value, torch.Tensor) or value.dim() < 1:
+                    continue
+                if value.shape[0] == full_rows and full_rows != self.local_flatten_num_experts:
+                    state_dict[key] = self.ep_slice(value)
+                elif value.shape[0] != self.local_flatten_num_experts:
+                    raise ValueError(
+                        f"{key}: expert-parallel rank {self.ep_rank}/{self.ep_size} expects {self.local_flatten_num_experts}"
+                        f" local rows or the full {full_rows} (num_heads*num_experts); got shape {tuple(value.shape)}"
+                    )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     # ----------------------------------------------------------------- forward
 
     def forward(self, hidden_states: torch.Tensor, *, ep_token_counts: list[int] | None = None) -> torch.Tensor:
