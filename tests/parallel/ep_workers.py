@@ -171,6 +171,28 @@ def moe_checks(rank: int, world: int, ep) -> dict:
         with torch.no_grad():
             res[model, "a"] = moe(x)
             res[model, "b"] = moe(x[start : start + counts[rank]], ep_token_counts=counts)
+        # C06: an unsharded (all-heads) state dict fed to the sharded layer is sliced, never a bare size mismatch
+        single = Magi2MultiHeadMoE(moe_config(model))
+        load_moe(single, model, sharded=False)
+        moe_from_full = Magi2MultiHeadMoE(moe_config(model), ep.group).eval()
+        moe_from_full.load_state_dict(single.state_dict())
+        with torch.no_grad():
+            res[model, "a_from_full_state_dict"] = moe_from_full(x)
+        bad = {k: v[:3] if k == "W_up" else v for k, v in single.state_dict().items()}
+        try:
+            moe_from_full.load_state_dict(bad)
+        except ValueError as e:
+            res[model, "bad_rows_error"] = str(e)
+    # a mesh given by the caller: its "ep" dimension is the group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    mesh_ep = resolve_expert_parallel(Magi2ExpertParallelConfig(ep_degree=world, mesh=mesh))
+    res["mesh_group"] = (mesh_ep.size, mesh_ep.rank, torch.distributed.get_world_size(mesh_ep.group))
+    try:
+        Magi2ExpertParallelConfig(ep_degree=world + 1, mesh=mesh)
+    except ValueError as e:
+        res["mesh_error"] = str(e)
     return res
 
 
@@ -210,6 +232,9 @@ def transformer_checks(rank: int, world: int, ep_cfg, folders: dict) -> dict:
         res[model, "dtypes"] = {k: str(v.dtype) for k, v in transformer.state_dict().items()}
         if model == "preview_h4":  # the in-memory path: full model, then enable_expert_parallel
             full = Magi2Transformer3DModel.from_pretrained(folder, torch_dtype=torch.float32)
+            # C06 at model level: the full model's state dict loads into the EP-sharded model (sliced per rank)
+            transformer.load_state_dict(full.state_dict())
+            res[model, "out_after_full_state_dict"] = packed_forward(transformer, transformer_case(model))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 full.enable_expert_parallel(ep_cfg)

@@ -120,9 +120,19 @@ def test_ep_moe_layer_layouts_match_single_process(world, diffusers_folders):
         assert full_w.shape[0] == -(-dims["num_heads"] // world) * world * 8
         for rank, res in enumerate(per_rank):
             torch.testing.assert_close(res[model, "a"], ref, atol=EP_ATOL, rtol=0)
+            torch.testing.assert_close(res[model, "a_from_full_state_dict"], ref, atol=EP_ATOL, rtol=0)
+            assert "W_up: expert-parallel rank" in res[model, "bad_rows_error"]
+            assert "got shape (3, " in res[model, "bad_rows_error"]
             sl = slice(sum(counts[:rank]), sum(counts[: rank + 1]))
             assert res[model, "b"].shape == (counts[rank], dims["hidden_size"])
             torch.testing.assert_close(res[model, "b"], ref[sl], atol=EP_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_ep_config_with_caller_mesh(world, diffusers_folders):
+    for rank, res in enumerate(r["moe"] for r in _results(world, diffusers_folders)):
+        assert res["mesh_group"] == (world, rank, world)
+        assert f"has size {world} but ep_degree={world + 1}" in res["mesh_error"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -142,6 +152,7 @@ def test_ep_transformer_layout_a_matches_single_process_and_fixture(world, diffu
             assert (out - d["model.out"]).abs().max() <= FIXTURE_ATOL
             if model == "preview_h4":
                 assert (res[model, "enable_out"] - ref).abs().max() <= EP_ATOL
+                assert (res[model, "out_after_full_state_dict"] - ref).abs().max() <= EP_ATOL
             assert res[model, "num_params"] < full_params  # only local experts exist on the rank
             assert res[model, "dtypes"] == {  # same dtypes as diffusers' from_pretrained, EP keys aside
                 k: str(v.dtype) for k, v in full_sd.items()
