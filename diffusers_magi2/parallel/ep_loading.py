@@ -366,8 +366,9 @@ def load_pipeline_with_expert_parallel(
     """``Magi2Pipeline.from_pretrained(..., expert_parallel=...)``: load the transformer EP-sharded, the rest as usual.
 
     The transformer (subfolder ``transformer``) goes through :func:`load_expert_parallel_from_pretrained` with the
-    same ``torch_dtype``/``dtype``/``variant`` and Hub arguments; it is then handed to ``pipeline_cls.from_pretrained``
-    as a ready component, so no rank ever builds the full expert bank.
+    same ``torch_dtype``/``dtype``/``variant`` and Hub arguments, onto this rank's device (``ep_device``: its GPU under
+    nccl, else CPU); it is then handed to ``pipeline_cls.from_pretrained`` as a ready component, so no rank ever
+    builds the full expert bank.
 
     Raises:
         ValueError: a ``transformer`` component was passed too (shard it with ``enable_expert_parallel`` instead),
@@ -379,11 +380,14 @@ def load_pipeline_with_expert_parallel(
         raise ValueError(
             "pass either transformer=... or expert_parallel=..., not both (call transformer.enable_expert_parallel)"
         )
+    from .expert_parallel import ep_device
+
     shared = ("torch_dtype", "dtype", "variant", "revision", "cache_dir", "token", "local_files_only")
     transformer = Magi2Transformer3DModel.from_pretrained(
         pretrained_model_name_or_path,
         subfolder="transformer",
         expert_parallel=expert_parallel,
+        device=ep_device(expert_parallel),  # straight to this rank's GPU (tensor by tensor); CPU without CUDA
         **{k: kwargs[k] for k in shared if kwargs.get(k) is not None},
     )
     return pipeline_cls.from_pretrained(pretrained_model_name_or_path, transformer=transformer, **kwargs)

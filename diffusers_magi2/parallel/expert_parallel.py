@@ -29,19 +29,20 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "Magi2EPHeadLayout",
     "Magi2ExpertParallelConfig",
     "Magi2ExpertParallelGroup",
-    "Magi2EPHeadLayout",
     "check_same_on_all_ranks",
+    "end_distributed_run",
+    "ep_device",
     "ep_dispatch",
     "ep_gather_heads",
     "ep_head_layout",
-    "end_distributed_run",
-    "ep_device",
-    "expert_parallel_from_launch",
     "ep_undispatch",
+    "expert_parallel_from_launch",
     "expert_parallel_heads_forward",
     "resolve_expert_parallel",
+    "warn_if_idle",
 ]
 
 EP_MESH_DIM = "ep"
