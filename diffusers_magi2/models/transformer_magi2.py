@@ -585,6 +585,21 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
 
         return apply_expert_parallel(self, config)
 
+    def save_pretrained(self, *args, **kwargs):
+        """``ModelMixin.save_pretrained``; refuses an expert-parallel model, which holds only this rank's experts.
+
+        Raises:
+            ValueError: some MoE layer is EP-sharded (its files would pass for a full checkpoint).
+        """
+        from ..moe.layer import Magi2MultiHeadMoE
+
+        if any(isinstance(m, Magi2MultiHeadMoE) and m.ep_size > 1 for m in self.modules()):
+            raise ValueError(
+                "this model is expert-parallel (each rank holds only its routed experts); save a single-process "
+                "model instead"
+            )
+        return super().save_pretrained(*args, **kwargs)
+
     # ------------------------------------------------------------------------------------------
     # packed entry (reference Transformer.forward)
     # ------------------------------------------------------------------------------------------
