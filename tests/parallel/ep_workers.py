@@ -235,6 +235,10 @@ def transformer_checks(rank: int, world: int, ep_cfg, folders: dict) -> dict:
             # C06 at model level: the full model's state dict loads into the EP-sharded model (sliced per rank)
             transformer.load_state_dict(full.state_dict())
             res[model, "out_after_full_state_dict"] = packed_forward(transformer, transformer_case(model))
+            try:
+                transformer.save_pretrained(str(Path(folder).parent / f"never_written_{rank}"))
+            except ValueError as e:
+                res["save_error"] = str(e)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 full.enable_expert_parallel(ep_cfg)

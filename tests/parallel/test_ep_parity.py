@@ -8,6 +8,7 @@ Tolerances: EP vs single process ≤ 2e-5 abs (fp32); transformer vs SandAI fixt
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,6 +154,8 @@ def test_ep_transformer_layout_a_matches_single_process_and_fixture(world, diffu
             if model == "preview_h4":
                 assert (res[model, "enable_out"] - ref).abs().max() <= EP_ATOL
                 assert (res[model, "out_after_full_state_dict"] - ref).abs().max() <= EP_ATOL
+                assert "this model is expert-parallel" in res["save_error"]
+                assert not (Path(diffusers_folders[model]).parent / f"never_written_{rank}").exists()
             assert res[model, "num_params"] < full_params  # only local experts exist on the rank
             assert res[model, "dtypes"] == {  # same dtypes as diffusers' from_pretrained, EP keys aside
                 k: str(v.dtype) for k, v in full_sd.items()
