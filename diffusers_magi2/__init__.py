@@ -24,7 +24,6 @@ from .models.transformer_magi2 import Magi2Transformer3DModel, Magi2TransformerO
 from .models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel, Magi2RefinerTransformerOutput
 from .models.turbo_vae import Magi2TurboVAEDecoder
 from .moe.experts import swiglu7_pair, torch_mh_moe_forward
-from .moe.experts_triton import triton_mh_moe_forward
 from .moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from .moe.routing import compute_topk_probs_and_indices, global_sort_routes
 from .parallel.expert_parallel import Magi2ExpertParallelConfig
@@ -50,3 +49,13 @@ __all__ = [
     "torch_mh_moe_forward",
     "triton_mh_moe_forward",
 ]
+
+
+def __getattr__(name: str):
+    # Triton is a Linux-only dependency: the fused kernel is imported on first use, so the package (and its
+    # torch expert path) imports on machines without Triton. ``set_backend("triton")`` raises there.
+    if name == "triton_mh_moe_forward":
+        from .moe.experts_triton import triton_mh_moe_forward
+
+        return triton_mh_moe_forward
+    raise AttributeError(f"module 'diffusers_magi2' has no attribute {name!r}")

@@ -42,3 +42,37 @@ def test_public_names_and_component_modules_are_importable():
         "assert not missing, missing\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_package_imports_without_triton():
+    """Triton is Linux-only in pyproject: ``import diffusers_magi2`` and the torch MoE path must work without it,
+    and asking for the Triton backend must raise rather than fall back."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class _Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'triton' or name.startswith('triton.'):\n"
+        "            raise ImportError('triton blocked for this test')\n"
+        "sys.meta_path.insert(0, _Block())\n"
+        "import torch, diffusers_magi2\n"
+        "from diffusers_magi2 import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig\n"
+        "cfg = Magi2MultiHeadMoEConfig(hidden_size=32, num_heads=2, num_experts=4, top_k=2,"
+        " expert_intermediate_size=16, params_dtype=torch.float32)\n"
+        "m = Magi2MultiHeadMoE(cfg); m.set_backend('torch')\n"
+        "assert m(torch.randn(3, 32)).shape == (3, 32)\n"
+        "try:\n"
+        "    m.set_backend('triton')\n"
+        "except ImportError:\n"
+        "    print('RAISED')\n"
+        "else:\n"
+        "    try:\n"
+        "        m(torch.randn(3, 32))\n"
+        "    except ImportError:\n"
+        "        print('RAISED')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "RAISED" in res.stdout
