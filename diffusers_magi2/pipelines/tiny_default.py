@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "TINY_DEFAULT_CONFIG",
     "build_tiny_default_pipeline",
+    "cast_pipeline_to_compute_dtype",
     "build_tiny_tokenizer",
     "init_tiny_weights",
 ]
@@ -204,16 +205,65 @@ def init_tiny_weights(module: torch.nn.Module, generator: torch.Generator) -> to
     return module
 
 
+#: Components kept in fp32 whatever the compute dtype: the reference runs the Wan2.2 encoder (I2V
+#: image) in fp32, and the Oobleck decoder is kept fp32 as in the documented ``from_pretrained`` dict.
+FP32_COMPONENTS = ("vae", "audio_vae")
+
+
+def cast_pipeline_to_compute_dtype(pipe, dtype: torch.dtype):
+    """Cast a ``Magi2Pipeline``'s models to ``dtype`` in memory, keeping every fp32 island fp32.
+
+    ``ModelMixin.to(dtype)`` ignores ``_keep_in_fp32_modules`` (it would downcast ``pre_adapter.*``,
+    ``mhc_*``, sinks, router gate/biases and norms), so the transformer is cast with its
+    :meth:`~diffusers_magi2.models.transformer_magi2.Magi2Transformer3DModel.to_compute_dtype`; a
+    refiner (if present) is cast the same way from its own ``_keep_in_fp32_modules`` (any name
+    component matching a listed module stays fp32). The text encoder and the TurboVAE decoder take
+    ``dtype``; :data:`FP32_COMPONENTS` (``vae``, ``audio_vae``) stay fp32, matching the dtype split
+    of the reference engine (DiT, text encoder, TurboVAE in bf16; Wan2.2 encoder fp32).
+
+    Args:
+        pipe: a ``Magi2Pipeline`` (any device).
+        dtype: floating-point compute dtype, e.g. ``torch.bfloat16``.
+
+    Returns:
+        ``pipe`` (cast in place).
+    """
+    for name, component in pipe.components.items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        if name == "transformer" and hasattr(component, "to_compute_dtype"):
+            component.to_compute_dtype(dtype)
+        elif name in FP32_COMPONENTS:
+            component.to(dtype=torch.float32)
+        elif getattr(component, "_keep_in_fp32_modules", None):
+            keep = set(component._keep_in_fp32_modules)
+            for pname, p in list(component.named_parameters()) + list(component.named_buffers()):
+                if p.is_floating_point():
+                    target = torch.float32 if keep.intersection(pname.split(".")) else dtype
+                    if p.dtype != target:
+                        p.data = p.data.to(target)
+        else:
+            component.to(dtype=dtype)
+    return pipe
+
+
 def build_tiny_default_pipeline(config: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):
     """Build the tiny default ``Magi2Pipeline`` in memory (random weights, offline, deterministic).
 
     Args:
         config: overrides merged over :data:`TINY_DEFAULT_CONFIG` (per component, shallow).
-        dtype: dtype of the models (fp32 on CPU).
+        dtype: compute dtype of the models (fp32 on CPU); a non-fp32 dtype is applied with
+            :func:`cast_pipeline_to_compute_dtype` (transformer fp32 islands, the Wan2.2 VAE and the
+            Oobleck decoder stay fp32).
 
     Returns:
         a ``Magi2Pipeline`` on CPU; its tiny call defaults are in ``pipe.tiny_call_defaults``.
+
+    Raises:
+        ValueError: ``dtype`` is not a floating-point ``torch.dtype``.
     """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
     from diffusers import AutoencoderKLWan, AutoencoderOobleck, UniPCMultistepScheduler
     from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
 
@@ -266,6 +316,6 @@ def build_tiny_default_pipeline(config: dict[str, Any] | None = None, dtype: tor
         video_decoder=video_decoder,
     )
     if dtype != torch.float32:
-        pipe.to(dtype=dtype)
+        cast_pipeline_to_compute_dtype(pipe, dtype)
     pipe.tiny_call_defaults = dict(cfg["call"])
     return pipe

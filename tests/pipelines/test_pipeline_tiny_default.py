@@ -64,3 +64,41 @@ def test_generate_rejects_bad_size_before_work(tmp_path):
     with pytest.raises(ValueError, match="multiple of 16"):
         generate.main(["--prompt", "x", "--output", str(tmp_path / "x.mp4"), "--height", "30"])
     assert not (tmp_path / "x.mp4").exists()
+
+
+def _transformer_island_dtypes(transformer):
+    """``{name: dtype}`` for every floating parameter/buffer the transformer names an fp32 island."""
+    named = list(transformer.named_parameters()) + list(transformer.named_buffers())
+    return {n: t.dtype for n, t in named if t.is_floating_point() and transformer.is_fp32_island(n)}
+
+
+def test_tiny_default_bf16_keeps_transformer_fp32_islands():
+    """C02: building the tiny default in bf16 must not downcast the fp32 islands (``ModelMixin.to``
+    would); the other transformer weights become bf16, the Wan2.2 VAE and Oobleck stay fp32."""
+    pipe = build_tiny_default_pipeline(dtype=torch.bfloat16)
+    islands = _transformer_island_dtypes(pipe.transformer)
+    # every island family of the spec is present, so the check covers them
+    for family in ("pre_adapter", "post_adapter", "sinks", "router", "mhc_norm", "q_norm"):
+        assert any(family in n.split(".") for n in islands), family
+    assert not {n: d for n, d in islands.items() if d != torch.float32}
+    others = [p.dtype for n, p in pipe.transformer.named_parameters() if not pipe.transformer.is_fp32_island(n)]
+    assert others and set(others) == {torch.bfloat16}
+    assert pipe.text_encoder.dtype == torch.bfloat16 and pipe.video_decoder.dtype == torch.bfloat16
+    assert pipe.vae.dtype == torch.float32 and pipe.audio_vae.dtype == torch.float32
+
+
+def test_tiny_default_rejects_non_float_dtype():
+    with pytest.raises(ValueError, match="floating-point torch.dtype"):
+        build_tiny_default_pipeline(dtype=torch.int8)
+
+
+def test_pipeline_from_pretrained_bf16_keeps_transformer_fp32_islands(tmp_path):
+    """C02 at pipeline level: save a tiny pipeline, reload it with ``dtype=torch.bfloat16``; the
+    transformer's ``_keep_in_fp32_modules`` must keep every island fp32 through ``from_pretrained``."""
+    from diffusers_magi2 import Magi2Pipeline
+
+    build_tiny_default_pipeline().save_pretrained(tmp_path / "saved")
+    loaded = Magi2Pipeline.from_pretrained(tmp_path / "saved", dtype=torch.bfloat16)
+    islands = _transformer_island_dtypes(loaded.transformer)
+    assert islands and not {n: d for n, d in islands.items() if d != torch.float32}
+    assert loaded.transformer.residual_dtype == torch.bfloat16
