@@ -657,6 +657,44 @@ class Magi2Pipeline(DiffusionPipeline):
         if image_embeds is not None and image_embeds.ndim != 2:
             raise ValueError(f"image_embeds must be [batch, channels]; got shape {tuple(image_embeds.shape)}")
 
+        # batch size and text width, checked here so that nothing is encoded before a mismatch raises
+        batch_size = len([prompt] if isinstance(prompt, str) else prompt) if prompt is not None else prompt_embeds.shape[0]
+        if negative_prompt is not None and not isinstance(negative_prompt, str) and len(negative_prompt) != batch_size:
+            raise ValueError(
+                f"negative_prompt has {len(negative_prompt)} entries for a batch of {batch_size}: pass one string "
+                f"or a list of {batch_size} strings"
+            )
+        for name, tensor in (
+            ("negative_prompt_embeds", negative_prompt_embeds),
+            ("image_embeds", image_embeds),
+            ("latents", latents),
+            ("audio_latents", audio_latents),
+        ):
+            if tensor is not None and tensor.shape[0] != batch_size:
+                raise ValueError(
+                    f"{name} has batch {tensor.shape[0]}; it must equal the prompt batch {batch_size} "
+                    f"({'len(prompt)' if prompt is not None else 'prompt_embeds.shape[0]'})"
+                )
+        text_widths = {}
+        for component in ("transformer", "refiner"):
+            model = getattr(self, component, None)
+            width = getattr(getattr(model, "config", None), "text_in_channels", None)
+            if width is not None:
+                text_widths[component] = int(width)
+        for name, tensor in (
+            ("prompt_embeds", prompt_embeds),
+            ("negative_prompt_embeds", negative_prompt_embeds),
+            ("image_embeds", image_embeds),
+        ):
+            if tensor is None:
+                continue
+            for component, width in text_widths.items():
+                if tensor.shape[-1] != width:
+                    raise ValueError(
+                        f"{name} has {tensor.shape[-1]} channels; {component}.config.text_in_channels allows "
+                        f"only {width} (the text encoder's hidden size)"
+                    )
+
         if output_type != "latent" and getattr(self, "video_decoder", None) is None and getattr(self, "vae", None) is None:
             raise ValueError("decoding needs `video_decoder` or `vae`; neither is loaded (use output_type='latent')")
 
@@ -951,7 +989,10 @@ class Magi2Pipeline(DiffusionPipeline):
         Raises:
             ValueError: bad sizes, empty prompt, wrong image type, ``num_inference_steps < 1``,
                 negative guidance, embeddings without their masks, ``image`` + ``prompt_embeds``
-                without ``image_embeds``, bad ``output_type``, an unknown ``resolution``, the refiner
+                without ``image_embeds``, a ``negative_prompt`` list, ``negative_prompt_embeds``,
+                ``image_embeds``, ``latents`` or ``audio_latents`` whose batch is not the prompt batch,
+                embeddings whose last dim is not ``transformer.config.text_in_channels``
+                (or the refiner's), bad ``output_type``, an unknown ``resolution``, the refiner
                 path without a ``refiner``, bad refiner settings, an output size that is not positive
                 or comes without the other or with ``output_type="latent"`` — all before any work starts.
         """
@@ -1039,8 +1080,6 @@ class Magi2Pipeline(DiffusionPipeline):
             if negative_prompt_embeds is None:
                 negative = self.config.negative_prompt if negative_prompt is None else negative_prompt
                 negatives = [negative] * batch_size if isinstance(negative, str) else list(negative)
-                if len(negatives) != batch_size:
-                    raise ValueError(f"negative_prompt has {len(negatives)} entries for a batch of {batch_size}")
                 negative_prompt_embeds, negative_prompt_attention_mask, _ = self.encode_prompt(negatives, device)
             else:
                 negative_prompt_embeds = negative_prompt_embeds.to(device)
@@ -1053,10 +1092,6 @@ class Magi2Pipeline(DiffusionPipeline):
         latents, audio_latents = self.prepare_latents(
             batch_size, denoise_height, denoise_width, device, generator, latents, audio_latents
         )
-        if latents.shape[0] != batch_size or audio_latents.shape[0] != batch_size:
-            raise ValueError(
-                f"latents/audio_latents batch ({latents.shape[0]}, {audio_latents.shape[0]}) != prompt batch {batch_size}"
-            )
         self._num_timesteps = len(timesteps)
 
         # 5. denoise: one forward per step on [cond, uncond]

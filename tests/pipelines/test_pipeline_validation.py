@@ -25,8 +25,18 @@ class NoTextEncoder(torch.nn.Module):
 
 @pytest.fixture()
 def pipe():
-    return Magi2Pipeline(tokenizer=None, text_encoder=None, transformer=StandInTransformer(),
-                         audio_vae=tiny_oobleck(), scheduler=preview_scheduler(), vae=tiny_wan22_vae())
+    transformer = StandInTransformer()
+    transformer.register_to_config(text_in_channels=8)  # the width of embeds() below
+    vae = tiny_wan22_vae()
+    vae.encode_calls = []
+
+    def no_encode(*args, **kwargs):  # the I2V image must not be encoded before validation
+        vae.encode_calls.append(args)
+        raise AssertionError("vae.encode ran before validation")
+
+    vae.encode = no_encode
+    return Magi2Pipeline(tokenizer=None, text_encoder=None, transformer=transformer,
+                         audio_vae=tiny_oobleck(), scheduler=preview_scheduler(), vae=vae)
 
 
 def embeds(n=1):
@@ -65,6 +75,29 @@ BAD = {
     "bad callback input": (dict(prompt="x", callback_on_step_end_tensor_inputs=["noise"]), "callback_on_step_end_tensor_inputs"),
     "latents wrong shape": (dict(prompt="x", height=32, width=48, latents=torch.randn(1, 48, 3, 2, 2)), "latents must be"),
     "audio latents wrong channels": (dict(prompt="x", audio_latents=torch.randn(1, 10, 32)), "audio_latents must be"),
+    # batch mismatches, caught before the image or the text is encoded
+    "negative_prompt list length": (dict(prompt=["a", "b"], negative_prompt=["n"]), r"negative_prompt has 1 entries for a batch of 2"),
+    "negative_prompt list length with image": (
+        dict(prompt="x", image=IMAGE, negative_prompt=["n", "m"]), r"negative_prompt has 2 entries for a batch of 1"),
+    "negative_prompt_embeds batch vs prompt": (
+        dict(prompt=["a", "b"], negative_prompt_embeds=torch.randn(1, 4, 8),
+             negative_prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool)), r"negative_prompt_embeds has batch 1.*batch 2"),
+    "latents batch": (dict(prompt="x", height=32, width=48, latents=torch.randn(2, 48, 3, 2, 3)), r"latents has batch 2.*batch 1"),
+    "latents batch with image": (
+        dict(prompt=["a", "b"], image=IMAGE, height=32, width=48, latents=torch.randn(1, 48, 3, 2, 3)), r"latents has batch 1.*batch 2"),
+    "audio_latents batch": (dict(prompt=["a", "b"], audio_latents=torch.randn(1, 10, 64)), r"audio_latents has batch 1.*batch 2"),
+    "image_embeds batch": (dict(**embeds(), image=IMAGE, image_embeds=torch.zeros(2, 8)), r"image_embeds has batch 2.*batch 1"),
+    # text width vs transformer.config.text_in_channels (8 here)
+    "prompt_embeds width": (
+        dict(prompt_embeds=torch.randn(1, 4, 6), prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool)),
+        r"prompt_embeds has 6 channels; transformer.config.text_in_channels allows only 8"),
+    "negative_prompt_embeds width": (
+        dict(**embeds(), negative_prompt_embeds=torch.randn(1, 4, 5),
+             negative_prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool)),
+        r"negative_prompt_embeds has 5 channels; transformer.config.text_in_channels allows only 8"),
+    "image_embeds width": (
+        dict(**embeds(), image=IMAGE, image_embeds=torch.zeros(1, 7)),
+        r"image_embeds has 7 channels; transformer.config.text_in_channels allows only 8"),
 }
 
 
@@ -73,7 +106,7 @@ def test_bad_input_raises_before_any_work(pipe, name):
     kwargs, message = BAD[name]
     with pytest.raises(ValueError, match=message):
         pipe(**kwargs)
-    assert pipe.transformer.calls == []
+    assert pipe.transformer.calls == [] and pipe.vae.encode_calls == []
 
 
 def test_image_needs_the_vae(pipe):
