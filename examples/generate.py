@@ -59,13 +59,55 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--audio_guidance_scale", type=float, default=7.0, help="audio CFG scale")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="model dtype for --model (default: bfloat16 on CUDA, float32 on CPU)")
+                        help="compute dtype of the models (default: --model bfloat16 on CUDA, float32 on CPU; the "
+                             "tiny default float32); fp32 islands, the Wan2.2 VAE and the Oobleck decoder stay float32")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--output", required=True, help="output .mp4 path")
     parser.add_argument("--ep_degree", type=int, default=None,
                         help="expert-parallel ranks (default: the world size under accelerate launch/torchrun, "
                              "else 1); must equal the number of launched processes")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_output_path(args.output)
+    return args
+
+
+def check_output_path(output: str) -> None:
+    """Reject an ``--output`` that cannot be written, before any model is built or run.
+
+    Allowed: a path ending in ``.mp4`` (any case) that is not an existing directory, whose parent
+    folder exists or can be created (its nearest existing ancestor is a writable directory).
+
+    Raises:
+        ValueError: wrong suffix, an existing directory, or a parent that is not creatable/writable.
+    """
+    from pathlib import Path
+
+    path = Path(output).expanduser()
+    if path.suffix.lower() != ".mp4":
+        raise ValueError(f"--output must be an .mp4 file path (e.g. clip.mp4); got {output!r}")
+    if path.is_dir():
+        raise ValueError(f"--output {output!r} is an existing directory; pass a file path ending in .mp4")
+    ancestor = path.parent.resolve()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(
+            f"--output {output!r}: its parent folder cannot be created ({str(ancestor)!r} is a file, not a folder)"
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {output!r}: the folder {str(ancestor)!r} is not writable")
+
+
+def pretrained_dtype(dtype_name: str):
+    """``dtype=`` for ``Magi2Pipeline.from_pretrained``: ``dtype_name`` for every component except the
+    Wan2.2 VAE and the Oobleck decoder, which stay fp32 (the reference's split); a per-component dict,
+    as diffusers 0.42.1 accepts."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    if dtype == torch.float32:
+        return dtype
+    return {"default": dtype, "vae": torch.float32, "audio_vae": torch.float32}
 
 
 def load_pipeline(args):
@@ -82,14 +124,14 @@ def load_pipeline(args):
     args.expert_parallel = expert_parallel
     device = args.device or str(ep_device(expert_parallel))
     if args.model is None:
-        pipe = build_tiny_default_pipeline()
+        pipe = build_tiny_default_pipeline(dtype=getattr(torch, args.dtype or "float32"))
         defaults = dict(pipe.tiny_call_defaults)
         if expert_parallel is not None:
             pipe.transformer.enable_expert_parallel(expert_parallel)
     else:
         dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         pipe = Magi2Pipeline.from_pretrained(
-            args.model, torch_dtype=getattr(torch, dtype_name), expert_parallel=expert_parallel
+            args.model, dtype=pretrained_dtype(dtype_name), expert_parallel=expert_parallel
         )
         defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
     pipe.to(device)

@@ -366,7 +366,8 @@ def load_pipeline_with_expert_parallel(
     """``Magi2Pipeline.from_pretrained(..., expert_parallel=...)``: load the transformer EP-sharded, the rest as usual.
 
     The transformer (subfolder ``transformer``) goes through :func:`load_expert_parallel_from_pretrained` with the
-    same ``torch_dtype``/``dtype``/``variant`` and Hub arguments, onto this rank's device (``ep_device``: its GPU under
+    same ``torch_dtype``/``dtype`` (a per-component dict gives its ``"transformer"`` entry, else ``"default"``,
+    else fp32), ``variant`` and Hub arguments, onto this rank's device (``ep_device``: its GPU under
     nccl, else CPU); it is then handed to ``pipeline_cls.from_pretrained`` as a ready component, so no rank ever
     builds the full expert bank.
 
@@ -383,11 +384,17 @@ def load_pipeline_with_expert_parallel(
     from .expert_parallel import ep_device
 
     shared = ("torch_dtype", "dtype", "variant", "revision", "cache_dir", "token", "local_files_only")
+    transformer_kwargs = {k: kwargs[k] for k in shared if kwargs.get(k) is not None}
+    for key in ("torch_dtype", "dtype"):
+        # a per-component dict (diffusers: {"default": ..., "<component>": ...}) -> the transformer's entry
+        if isinstance(transformer_kwargs.get(key), dict):
+            table = transformer_kwargs[key]
+            transformer_kwargs[key] = table.get("transformer", table.get("default", torch.float32))
     transformer = Magi2Transformer3DModel.from_pretrained(
         pretrained_model_name_or_path,
         subfolder="transformer",
         expert_parallel=expert_parallel,
         device=ep_device(expert_parallel),  # straight to this rank's GPU (tensor by tensor); CPU without CUDA
-        **{k: kwargs[k] for k in shared if kwargs.get(k) is not None},
+        **transformer_kwargs,
     )
     return pipeline_cls.from_pretrained(pretrained_model_name_or_path, transformer=transformer, **kwargs)

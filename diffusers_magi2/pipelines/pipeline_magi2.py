@@ -172,7 +172,7 @@ class Magi2Pipeline(DiffusionPipeline):
     Loading a converted repo (``import diffusers_magi2`` registers the model modules)::
 
         pipe = Magi2Pipeline.from_pretrained(
-            repo, torch_dtype={"default": torch.bfloat16, "vae": torch.float32, "audio_vae": torch.float32}
+            repo, dtype={"default": torch.bfloat16, "vae": torch.float32, "audio_vae": torch.float32}
         )
 
     The reference runs the Wan2.2 encoder (I2V image) in fp32 and the DiT, text encoder and TurboVAE

@@ -102,3 +102,127 @@ def test_pipeline_from_pretrained_bf16_keeps_transformer_fp32_islands(tmp_path):
     islands = _transformer_island_dtypes(loaded.transformer)
     assert islands and not {n: d for n, d in islands.items() if d != torch.float32}
     assert loaded.transformer.residual_dtype == torch.bfloat16
+
+    # the per-component dict examples/generate.py passes (diffusers 0.42.1 accepts it)
+    split = Magi2Pipeline.from_pretrained(tmp_path / "saved", dtype=load_generate().pretrained_dtype("bfloat16"))
+    islands = _transformer_island_dtypes(split.transformer)
+    assert islands and not {n: d for n, d in islands.items() if d != torch.float32}
+    assert split.transformer.residual_dtype == torch.bfloat16 and split.text_encoder.dtype == torch.bfloat16
+    assert split.vae.dtype == torch.float32 and split.audio_vae.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("clip.avi", "must be an .mp4 file path"),
+        ("clip", "must be an .mp4 file path"),
+        ("folder.mp4", "is an existing directory"),
+        ("a_file.txt/clip.mp4", "parent folder cannot be created"),
+    ],
+)
+def test_generate_rejects_bad_output_before_building_anything(tmp_path, monkeypatch, name, message):
+    import diffusers_magi2.pipelines.tiny_default as tiny_default
+
+    (tmp_path / "folder.mp4").mkdir()
+    (tmp_path / "a_file.txt").write_text("x")
+    built = []
+    monkeypatch.setattr(tiny_default, "build_tiny_default_pipeline", lambda **kw: built.append(kw))
+    generate = load_generate()
+    with pytest.raises(ValueError, match=message):
+        generate.main(["--prompt", "x", "--output", str(tmp_path / name)])
+    assert built == []
+
+
+def test_generate_accepts_output_in_a_creatable_folder(tmp_path):
+    generate = load_generate()
+    args = generate.parse_args(["--prompt", "x", "--output", str(tmp_path / "new" / "deeper" / "clip.MP4")])
+    assert args.output.endswith("clip.MP4") and not (tmp_path / "new").exists()  # checked, not created
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_generate_dtype_reaches_the_tiny_default(tmp_path, monkeypatch):
+    """``--dtype`` without ``--model`` builds the tiny default in that dtype (it used to be ignored)."""
+    import diffusers_magi2.pipelines.tiny_default as tiny_default
+
+    seen = []
+
+    def fake_build(**kwargs):
+        seen.append(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(tiny_default, "build_tiny_default_pipeline", fake_build)
+    generate = load_generate()
+    for flag, expected in ((["--dtype", "bfloat16"], torch.bfloat16), ([], torch.float32)):
+        with pytest.raises(_Stop):
+            generate.main(["--prompt", "x", "--output", str(tmp_path / "x.mp4"), *flag])
+        assert seen.pop()["dtype"] == expected
+
+
+def test_generate_loads_a_repo_with_dtype_not_torch_dtype(tmp_path, monkeypatch):
+    """``--model`` loads with ``dtype=`` (``torch_dtype=`` is deprecated in diffusers 0.42.1): a
+    per-component dict in bf16 (Wan2.2 VAE and Oobleck fp32), the plain dtype in fp32."""
+    from diffusers_magi2 import Magi2Pipeline
+
+    seen = []
+
+    def fake_from_pretrained(path, **kwargs):
+        seen.append(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(Magi2Pipeline, "from_pretrained", fake_from_pretrained)
+    generate = load_generate()
+    base = ["--prompt", "x", "--output", str(tmp_path / "x.mp4"), "--model", str(tmp_path), "--device", "cpu"]
+    with pytest.raises(_Stop):
+        generate.main(base + ["--dtype", "bfloat16"])
+    kwargs = seen.pop()
+    assert "torch_dtype" not in kwargs
+    assert kwargs["dtype"] == {"default": torch.bfloat16, "vae": torch.float32, "audio_vae": torch.float32}
+    with pytest.raises(_Stop):
+        generate.main(base)
+    assert seen.pop()["dtype"] == torch.float32
+
+
+def test_generate_tiny_default_in_bf16_writes_a_clip(tmp_path):
+    """End to end in bf16 (transformer fp32 islands kept): the clip is written with both streams."""
+    generate = load_generate()
+    out = tmp_path / "tiny_bf16.mp4"
+    rc = generate.main(["--prompt", "A red fox", "--output", str(out), "--dtype", "bfloat16",
+                        "--height", "32", "--width", "48", "--num_inference_steps", "1", "--seed", "3"])
+    assert rc == 0
+    info = probe_streams(out)
+    assert info["video_frames"] == 125 and info["audio_channels"] == 2
+
+
+def test_expert_parallel_loading_resolves_a_per_component_dtype(monkeypatch):
+    """``from_pretrained(dtype={...}, expert_parallel=...)``: the transformer loader gets its own entry
+    of the dict (``"transformer"``, else ``"default"``), the pipeline loader the whole dict."""
+    import diffusers_magi2.parallel.expert_parallel as expert_parallel
+    from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
+    from diffusers_magi2.parallel.ep_loading import load_pipeline_with_expert_parallel
+    from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig
+
+    calls = []
+
+    def fake_transformer_loader(cls, path, **kw):
+        calls.append(kw)
+        return "T"
+
+    monkeypatch.setattr(expert_parallel, "ep_device", lambda cfg: torch.device("cpu"))
+    monkeypatch.setattr(Magi2Transformer3DModel, "from_pretrained", classmethod(fake_transformer_loader))
+
+    class FakePipeline:
+        @classmethod
+        def from_pretrained(cls, path, **kw):
+            return kw
+
+    table = {"default": torch.bfloat16, "vae": torch.float32, "audio_vae": torch.float32}
+    ep = Magi2ExpertParallelConfig(2)
+    out = load_pipeline_with_expert_parallel(FakePipeline, "repo", expert_parallel=ep, dtype=table)
+    assert calls.pop()["dtype"] == torch.bfloat16 and out["dtype"] == table and out["transformer"] == "T"
+    load_pipeline_with_expert_parallel(FakePipeline, "repo", expert_parallel=ep, dtype={**table, "transformer": torch.float16})
+    assert calls.pop()["dtype"] == torch.float16
+    load_pipeline_with_expert_parallel(FakePipeline, "repo", expert_parallel=ep, dtype=torch.bfloat16)
+    assert calls.pop()["dtype"] == torch.bfloat16
