@@ -425,6 +425,9 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
         *_MHC_PARAM_NAMES,
     ]
     ignore_for_config = ["params_dtype"]
+    #: ``attention_kwargs`` keys :meth:`forward` understands: none (the attention backend is chosen with
+    #: ``set_attention_backend``); any key raises ``ValueError`` rather than being dropped.
+    supported_attention_kwargs: tuple = ()
 
     @register_to_config
     def __init__(
@@ -528,6 +531,26 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
                 p.data = p.data.to(target)
         return self
 
+    def check_attention_kwargs(self, attention_kwargs: Optional[Dict[str, Any]]) -> None:
+        """Raise for any ``attention_kwargs`` key this model does not use (it uses none).
+
+        Raises:
+            ValueError: ``attention_kwargs`` is not a dict/``None``, or names any key (allowed keys:
+                :attr:`supported_attention_kwargs`, empty; pick the attention kernel with
+                ``set_attention_backend``, the MoE kernel with :meth:`set_moe_backend`).
+        """
+        if attention_kwargs is None:
+            return
+        if not isinstance(attention_kwargs, dict):
+            raise ValueError(f"attention_kwargs must be a dict or None, got {type(attention_kwargs).__name__}")
+        unknown = sorted(k for k in attention_kwargs if k not in self.supported_attention_kwargs)
+        if unknown:
+            raise ValueError(
+                f"Magi2Transformer3DModel does not support attention_kwargs {unknown}; allowed keys: "
+                f"{list(self.supported_attention_kwargs)} (choose the attention kernel with set_attention_backend, "
+                "the MoE kernel with set_moe_backend)"
+            )
+
     def set_mhc_backend(self, backend: str = "auto") -> None:
         """Choose how the mHC stream mixing rounds in low precision (no effect in fp32).
 
@@ -623,7 +646,7 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
             modality_mapping: ``[N]`` integer :class:`Modality` ids (``TIME`` is treated as ``TEXT``).
             cu_seqlens: ``[S+1]`` integer segment boundaries (0, ..., N); segments attend separately.
             time_embedding: ``[N, time_embed_dim]`` written over channels ``[0:dim]`` after the adapters.
-            attention_kwargs: unused (accepted for diffusers API symmetry).
+            attention_kwargs: must be ``None`` or empty (see :meth:`check_attention_kwargs`).
             return_layer_outputs: also return the residual after each layer, ``[N, n*C]`` fp32 in
                 packed order (debug/teacher forcing).
 
@@ -631,8 +654,9 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
             ``[N, max(Cv, Ca)]`` fp32 (and the list of layer outputs if requested).
 
         Raises:
-            ValueError: on inconsistent shapes.
+            ValueError: on inconsistent shapes, or any ``attention_kwargs`` key.
         """
+        self.check_attention_kwargs(attention_kwargs)
         n_tok = hidden_states.shape[0]
         if hidden_states.dim() != 2:
             raise ValueError(f"hidden_states must be packed [N, C], got {tuple(hidden_states.shape)}")
@@ -822,15 +846,17 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
                 dropped, not attended. ``None`` = all tokens real.
             image_latents: ``[B, Cv, 1, h, w]`` I2V reference latent, with ``image_embeds`` ``[B, Ct]``
                 (its special-token embedding).
-            attention_kwargs: unused.
+            attention_kwargs: must be ``None`` or empty: this model takes no attention kwargs, and any
+                key raises (:meth:`check_attention_kwargs`) instead of being silently ignored.
             return_dict: return :class:`Magi2TransformerOutput` (else a tuple).
 
         Returns:
             ``Magi2TransformerOutput(sample [B, Cv, T, H, W] fp32, audio_sample [B, La, Ca] fp32)``.
 
         Raises:
-            ValueError: bad shapes (see :meth:`pack_inputs`).
+            ValueError: bad shapes (see :meth:`pack_inputs`), or any ``attention_kwargs`` key.
         """
+        self.check_attention_kwargs(attention_kwargs)
         packed = self.pack_inputs(
             hidden_states,
             timestep,

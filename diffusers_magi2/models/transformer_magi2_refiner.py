@@ -312,6 +312,8 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
     _repeated_blocks = ["Magi2RefinerTransformerBlock"]
     _keep_in_fp32_modules = ["pre_adapter", "post_adapter", "pre_norm", "q_norm", "k_norm"]
     _skip_layerwise_casting_patterns = ["pre_adapter", "post_adapter", "norm"]
+    #: ``attention_kwargs`` keys :meth:`forward` / :meth:`forward_packed` understand; any other key raises.
+    supported_attention_kwargs: tuple = ("window_backend", "max_dense_mask_elements", "mlp_chunk_size")
 
     @register_to_config
     def __init__(
@@ -385,6 +387,14 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
 
     @staticmethod
     def _parse_attention_kwargs(attention_kwargs: Optional[dict]) -> tuple[str, int, Optional[int]]:
+        """``(window_backend, max_dense_mask_elements, mlp_chunk_size)`` from ``attention_kwargs``.
+
+        Raises:
+            ValueError: not a dict/``None``, a key outside :attr:`supported_attention_kwargs`, an unknown
+                window backend, or a bad ``mlp_chunk_size``.
+        """
+        if attention_kwargs is not None and not isinstance(attention_kwargs, dict):
+            raise ValueError(f"attention_kwargs must be a dict or None, got {type(attention_kwargs).__name__}")
         kw = dict(attention_kwargs or {})
         backend = kw.pop("window_backend", "auto")
         max_dense = int(kw.pop("max_dense_mask_elements", DEFAULT_MAX_DENSE_MASK_ELEMENTS))
@@ -567,7 +577,8 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
             ``sample`` ``[B, Cv, T, H, W]`` fp32 and ``audio_sample`` ``[B, La, Ca]`` fp32 or ``None``.
 
         Raises:
-            ValueError: wrong ranks, channel counts, batch sizes or mask shape.
+            ValueError: wrong ranks, channel counts, batch sizes or mask shape; an ``attention_kwargs``
+                key other than :attr:`supported_attention_kwargs` or a bad value for one.
         """
         backend, max_dense, chunk = self._parse_attention_kwargs(attention_kwargs)
         cfg = self.config

@@ -339,10 +339,15 @@ class Magi2Pipeline(DiffusionPipeline):
 
     @property
     def guidance_scale(self) -> float:
+        """Video CFG scale of the current/last call (Python float, ≥ 0; 1 = no video guidance); set by
+        ``__call__`` from its ``guidance_scale`` argument (SandAI ``Magi2PreviewSampler`` video scale, 5.0).
+        Reading it before the first call raises ``AttributeError``."""
         return self._guidance_scale
 
     @property
     def audio_guidance_scale(self) -> float:
+        """Audio CFG scale of the current/last call (Python float, ≥ 0; reference default 7.0); set by
+        ``__call__``. Reading it before the first call raises ``AttributeError``."""
         return self._audio_guidance_scale
 
     @property
@@ -352,18 +357,28 @@ class Magi2Pipeline(DiffusionPipeline):
 
     @property
     def num_timesteps(self) -> int:
+        """Number of preview denoising steps of the current/last call (int, = ``num_inference_steps``;
+        the refiner steps are not counted). Set by ``__call__`` once the schedule is built; reading it
+        before that raises ``AttributeError``."""
         return self._num_timesteps
 
     @property
     def current_timestep(self):
+        """The timestep being denoised (a 0-d scheduler tensor on the 0–1000 scale), or ``None``
+        outside the preview denoising loop (diffusers convention, for callbacks and hooks)."""
         return self._current_timestep
 
     @property
     def interrupt(self) -> bool:
+        """``True`` once a step callback set ``pipe._interrupt = True``: the remaining preview steps and
+        the refiner stage are skipped and the current latents are decoded (diffusers convention)."""
         return self._interrupt
 
     @property
     def attention_kwargs(self):
+        """The ``attention_kwargs`` dict (or ``None``) of the current/last call, as the user passed it;
+        each model receives only the keys it declares in ``supported_attention_kwargs``
+        (see ``check_inputs``)."""
         return self._attention_kwargs
 
     # ------------------------------------------------------------------------------------------
@@ -513,6 +528,7 @@ class Magi2Pipeline(DiffusionPipeline):
         output_width=None,
         refiner_num_inference_steps=None,
         refiner_guidance_scale=None,
+        attention_kwargs=None,
     ) -> None:
         """Reject bad arguments with a ``ValueError`` before any work starts (see ``__call__``)."""
         for name, value in (("height", height), ("width", width)):
@@ -568,6 +584,7 @@ class Magi2Pipeline(DiffusionPipeline):
                 "refiner_num_inference_steps/refiner_guidance_scale only apply to the two-stage refiner path "
                 "(height=1088, width=1920, resolution='1080p', or preview_height/preview_width)"
             )
+        self._check_attention_kwargs(attention_kwargs, refine)
         if (output_height is None) != (output_width is None):
             raise ValueError(
                 "output_height and output_width go together (a bilinear resize of the decoded frames); "
@@ -713,6 +730,50 @@ class Magi2Pipeline(DiffusionPipeline):
                 )
         if latents is not None and audio_latents is not None and latents.shape[0] != audio_latents.shape[0]:
             raise ValueError(f"latents batch {latents.shape[0]} != audio_latents batch {audio_latents.shape[0]}")
+
+    def _attention_models(self, refine: bool) -> list:
+        """The models a call runs: the transformer, plus the refiner on the two-stage path."""
+        models = [self.transformer]
+        if refine and getattr(self, "refiner", None) is not None:
+            models.append(self.refiner)
+        return models
+
+    def _check_attention_kwargs(self, attention_kwargs, refine: bool) -> None:
+        """Every ``attention_kwargs`` key must be used by a model this call runs.
+
+        A model declares the keys it takes in ``supported_attention_kwargs`` (the MAGI-2 transformer:
+        none; the refiner: ``window_backend``, ``max_dense_mask_elements``, ``mlp_chunk_size``). A
+        model without that declaration (a custom component) receives the whole dict and checks it
+        itself, so no key is checked here then.
+
+        Raises:
+            ValueError: not a dict/``None``, or a key no model of this call takes (e.g. a refiner key
+                on a single-stage call).
+        """
+        if attention_kwargs is None:
+            return
+        if not isinstance(attention_kwargs, dict):
+            raise ValueError(f"attention_kwargs must be a dict or None; got {type(attention_kwargs).__name__}")
+        declared = [getattr(m, "supported_attention_kwargs", None) for m in self._attention_models(refine)]
+        if any(d is None for d in declared):
+            return
+        allowed = sorted({k for d in declared for k in d})
+        unknown = sorted(k for k in attention_kwargs if k not in allowed)
+        if unknown:
+            hint = "" if refine else " (the refiner's keys only apply on the two-stage 1080p/preview_height path)"
+            raise ValueError(f"attention_kwargs {unknown} are not used by this call; allowed keys: {allowed}{hint}")
+
+    @staticmethod
+    def _attention_kwargs_for(model, attention_kwargs):
+        """The part of ``attention_kwargs`` that ``model`` takes (its ``supported_attention_kwargs``;
+        everything for a model without that declaration); ``None`` when empty. Keys were checked by
+        :meth:`check_inputs`, so nothing is dropped silently: each key reaches the model that uses it."""
+        if not attention_kwargs:
+            return None
+        supported = getattr(model, "supported_attention_kwargs", None)
+        if supported is None:
+            return attention_kwargs
+        return {k: v for k, v in attention_kwargs.items() if k in supported} or None
 
     # ------------------------------------------------------------------------------------------
     # Text
@@ -964,7 +1025,10 @@ class Magi2Pipeline(DiffusionPipeline):
             image_embeds: ``[B, C]`` special-token embedding; required with ``image`` + ``prompt_embeds``.
             output_type: ``"np"`` (default), ``"pil"``, ``"pt"`` or ``"latent"``.
             return_dict: return :class:`Magi2PipelineOutput` (else a tuple ``(frames, audio)``).
-            attention_kwargs: passed to the transformer.
+            attention_kwargs: keys for the models this call runs, each key passed to the model that
+                declares it in ``supported_attention_kwargs``: the MAGI-2 transformer takes none; the
+                refiner takes ``window_backend``, ``max_dense_mask_elements``, ``mlp_chunk_size``
+                (two-stage path only). Any other key raises ``ValueError`` before work starts.
             callback_on_step_end: called as ``fn(pipe, step, timestep, tensors)`` after each step;
                 a returned dict may replace any of ``callback_on_step_end_tensor_inputs``.
             callback_on_step_end_tensor_inputs: names from ``_callback_tensor_inputs``.
@@ -1024,6 +1088,7 @@ class Magi2Pipeline(DiffusionPipeline):
             output_width=output_width,
             refiner_num_inference_steps=refiner_num_inference_steps,
             refiner_guidance_scale=refiner_guidance_scale,
+            attention_kwargs=attention_kwargs,
         )
         self._check_scheduler(self.scheduler)
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
@@ -1147,7 +1212,7 @@ class Magi2Pipeline(DiffusionPipeline):
                     negative_prompt_attention_mask=negative_prompt_attention_mask,
                     config=refiner_config,
                     generator=generator,
-                    attention_kwargs=attention_kwargs,
+                    attention_kwargs=self._attention_kwargs_for(self.refiner, attention_kwargs),
                     callback_on_step_end=lambda i, t, x: refiner_bar.update(),
                 )
             # 2T − 1 latents on the 25 fps timeline: twice the preview frame rate.
@@ -1225,7 +1290,7 @@ class Magi2Pipeline(DiffusionPipeline):
             encoder_hidden_states=text,
             audio_hidden_states=torch.cat([audio_latents] * copies, dim=0),
             encoder_attention_mask=mask,
-            attention_kwargs=self.attention_kwargs,
+            attention_kwargs=self._attention_kwargs_for(self.transformer, self.attention_kwargs),
             return_dict=True,
             **kwargs,
         )

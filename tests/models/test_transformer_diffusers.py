@@ -392,6 +392,27 @@ def test_bad_packed_input_raises_value_error():
             model.forward_packed(*call)
 
 
+def test_attention_kwargs_are_never_silently_dropped():
+    """The transformer takes no attention kwargs: any key raises ``ValueError`` (forward and
+    forward_packed) instead of being ignored; ``None`` and ``{}`` run and give the same output."""
+    model = tiny_model()
+    kwargs = tiny_inputs()
+    assert model.supported_attention_kwargs == ()
+    for bad in ({"scale": 1.0}, {"window_backend": "sdpa"}):
+        with pytest.raises(ValueError, match=r"does not support attention_kwargs .*allowed keys: \[\]"):
+            model(**kwargs, attention_kwargs=bad)
+    with pytest.raises(ValueError, match="attention_kwargs must be a dict"):
+        model(**kwargs, attention_kwargs=[("scale", 1.0)])
+    packed = model.pack_inputs(**kwargs)
+    with pytest.raises(ValueError, match="does not support attention_kwargs"):
+        model.forward_packed(packed.hidden_states, packed.coords, packed.modality_mapping, packed.cu_seqlens,
+                             packed.time_embedding, attention_kwargs={"scale": 1.0})
+    with torch.no_grad():
+        plain = model(**kwargs).sample
+        empty = model(**kwargs, attention_kwargs={}).sample
+    assert torch.equal(plain, empty)
+
+
 def test_i2v_and_batch_rows_are_independent_segments():
     """Each batch row is its own attention segment: row 0's output does not depend on row 1."""
     model = tiny_model()

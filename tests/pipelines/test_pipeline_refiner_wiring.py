@@ -134,6 +134,41 @@ def test_refiner_settings_reach_the_stage():
     assert calls[0]["attention_kwargs"] == {"window_backend": "sdpa"}
 
 
+def test_attention_kwargs_reach_the_model_that_declares_them():
+    """Each key goes to the model listing it in ``supported_attention_kwargs`` (the real classes'
+    declarations); a key no model of the call takes raises before any model runs."""
+    from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
+    from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
+
+    pipe = make_pipe()
+    pipe.transformer.supported_attention_kwargs = Magi2Transformer3DModel.supported_attention_kwargs
+    pipe.refiner.supported_attention_kwargs = Magi2RefinerTransformer3DModel.supported_attention_kwargs
+    seen = []
+    forward = pipe.transformer.forward
+
+    def recording_forward(*args, attention_kwargs=None, **kwargs):
+        seen.append(attention_kwargs)
+        return forward(*args, attention_kwargs=attention_kwargs, **kwargs)
+
+    pipe.transformer.forward = recording_forward
+    e = embeds()
+    common = dict(**e, latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64), output_type="latent")
+    pipe(**common, **SMALL, refiner_num_inference_steps=1, generator=torch.Generator().manual_seed(2),
+         attention_kwargs={"window_backend": "sdpa", "mlp_chunk_size": 7})
+    assert seen and all(a is None for a in seen)  # the preview DiT takes none of them
+    assert all(c["attention_kwargs"] == {"window_backend": "sdpa", "mlp_chunk_size": 7} for c in pipe.refiner.calls)
+
+    seen.clear()
+    pipe.refiner.calls.clear()
+    with pytest.raises(ValueError, match=r"attention_kwargs \['scale'\] are not used by this call; allowed keys"):
+        pipe(**common, **SMALL, attention_kwargs={"scale": 1.0})
+    with pytest.raises(ValueError, match="two-stage"):  # refiner keys on a single-stage call
+        pipe(**common, height=32, width=48, num_inference_steps=1, attention_kwargs={"window_backend": "sdpa"})
+    with pytest.raises(ValueError, match="attention_kwargs must be a dict"):
+        pipe(**common, **SMALL, attention_kwargs=[("window_backend", "sdpa")])
+    assert seen == [] and pipe.refiner.calls == []
+
+
 def test_decoded_two_stage_output_is_25fps_and_resizable():
     """Refined latents (2T - 1 = 3) decode to 4 * (3 - 1) + 1 = 9 frames at 25 fps; output_height/width
     resize each decoded frame bilinearly (checked against the reference's formula on [0, 1] frames)."""

@@ -27,6 +27,7 @@ class NoTextEncoder(torch.nn.Module):
 def pipe():
     transformer = StandInTransformer()
     transformer.register_to_config(text_in_channels=8)  # the width of embeds() below
+    transformer.supported_attention_kwargs = ()  # as Magi2Transformer3DModel: takes none
     vae = tiny_wan22_vae()
     vae.encode_calls = []
 
@@ -87,6 +88,10 @@ BAD = {
         dict(prompt=["a", "b"], image=IMAGE, height=32, width=48, latents=torch.randn(1, 48, 3, 2, 3)), r"latents has batch 1.*batch 2"),
     "audio_latents batch": (dict(prompt=["a", "b"], audio_latents=torch.randn(1, 10, 64)), r"audio_latents has batch 1.*batch 2"),
     "image_embeds batch": (dict(**embeds(), image=IMAGE, image_embeds=torch.zeros(2, 8)), r"image_embeds has batch 2.*batch 1"),
+    # attention_kwargs: every key must reach a model that uses it
+    "unknown attention_kwargs": (dict(prompt="x", attention_kwargs={"scale": 1.0}), r"attention_kwargs \['scale'\] are not used"),
+    "refiner attention_kwargs on one stage": (dict(prompt="x", attention_kwargs={"window_backend": "sdpa"}), "two-stage"),
+    "attention_kwargs not a dict": (dict(prompt="x", attention_kwargs=["scale"]), "attention_kwargs must be a dict"),
     # text width vs transformer.config.text_in_channels (8 here)
     "prompt_embeds width": (
         dict(prompt_embeds=torch.randn(1, 4, 6), prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool)),
