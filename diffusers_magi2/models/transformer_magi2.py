@@ -131,6 +131,22 @@ class Magi2FeedForward(nn.Module):
         self.down_proj = Magi2ModalityGroupedLinear(intermediate_size, hidden_size, num_modality, dtype=params_dtype)
 
     def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
+        """Dense MLP on modality-sorted tokens (matches SandAI ``MLP.forward``).
+
+        Args:
+            hidden_states: ``[T, C]`` tokens in the residual dtype (bf16 or fp32), sorted by modality
+                (video, audio, text) as ``dispatch`` describes.
+            dispatch: the batch's modality order; its ``group_sizes`` pick the per-modality norm and
+                linear blocks when this layer has 3 modalities (ignored with 1).
+
+        Returns:
+            ``[T, C]`` in ``hidden_states.dtype`` (norm in fp32, linears in the weight dtype, swiglu7 in
+            fp32 then rounded to the weight dtype).
+
+        Raises:
+            ValueError: last dim is not ``C`` or the group sizes do not sum to ``T``
+                (from :class:`Magi2MultiModalityRMSNorm` / :class:`Magi2ModalityGroupedLinear`).
+        """
         gs = dispatch.group_sizes if self.num_modality > 1 else None
         x = self.pre_norm(hidden_states, gs)
         x = self.up_gate_proj(x, gs)
@@ -202,6 +218,23 @@ class Magi2MoEFeedForward(nn.Module):
         return self.shared_expert_fc2(a) + self.modality_specific_shared_expert_fc2(b, gs)
 
     def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
+        """Routed + shared experts on modality-sorted tokens (matches SandAI ``MultiHeadMoELayer.forward``).
+
+        Args:
+            hidden_states: ``[T, C]`` tokens in the residual dtype (bf16 or fp32), sorted by modality
+                as ``dispatch`` describes (``pre_norm`` always has 3 modality blocks).
+            dispatch: the batch's modality order (``group_sizes`` for the norm and the
+                modality-specific shared expert).
+
+        Returns:
+            ``[T, C]`` in ``hidden_states.dtype``: ``merge_linear(moe_mlp(split_linear(x)))`` plus the
+            shared and modality-specific shared experts, each rounded to that dtype before the sum
+            (the reference's order).
+
+        Raises:
+            ValueError: last dim is not ``C`` or the group sizes do not sum to ``T``; the routed-expert
+                backend's errors (see :meth:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE.forward`).
+        """
         dtype = hidden_states.dtype
         norm_output = self.pre_norm(hidden_states, dispatch.group_sizes)
         routed = self.moe_mlp(self.split_linear(norm_output))
@@ -324,6 +357,23 @@ class Magi2PreAdapter(nn.Module):
         self.rope = Magi2RotaryPosEmbed(head_dim)
 
     def forward(self, hidden_states: torch.Tensor, coords: torch.Tensor, modality_ids: torch.Tensor):
+        """Embed packed tokens per modality and build their rope table (matches SandAI ``PreAdapter.forward``).
+
+        Args:
+            hidden_states: ``[N, C_max]`` packed tokens (any float dtype; cast to fp32), each zero-padded
+                on channels; a token of modality m uses its first ``C_m`` channels (video ``Cv``,
+                audio ``Ca``, text ``Ct``), so ``C_max`` must cover every modality present.
+            coords: ``[N, 9]`` rope coordinates ``(t, h, w, T, H, W, refT, refH, refW)``.
+            modality_ids: ``[N]`` integer :class:`Modality` ids (video 0, audio 1, text 2); tokens of
+                other ids get zero embeddings.
+
+        Returns:
+            ``(embedded [N, n*C] fp32, rope [N, 6*Dh/8] fp32)``, both in packed order.
+
+        Raises:
+            RuntimeError: ``C_max`` is narrower than a present modality's input width (the caller,
+                :meth:`Magi2Transformer3DModel.forward_packed`, raises ``ValueError`` first).
+        """
         x = hidden_states.float()
         out = x.new_zeros(x.shape[0], self.width)
         for mod, emb, cin in (
@@ -352,6 +402,19 @@ class Magi2PostAdapter(nn.Module):
         self.final_linear_audio = nn.Linear(width, audio_in, bias=False, dtype=torch.float32)
 
     def forward(self, hidden_states: torch.Tensor, modality_ids: torch.Tensor) -> torch.Tensor:
+        """Project the residual streams back to latent channels (matches SandAI ``PostAdapter.forward``).
+
+        Args:
+            hidden_states: ``[N, n*C]`` final residual (any float dtype), packed order.
+            modality_ids: ``[N]`` integer :class:`Modality` ids.
+
+        Returns:
+            ``[N, max(Cv, Ca)]`` fp32: video rows hold ``final_linear_video(final_norm_video(x))`` in
+            ``[:Cv]``, audio rows the audio head in ``[:Ca]``; text and other rows are zero.
+
+        Raises:
+            ValueError: last dim of ``hidden_states`` is not ``n*C`` (from the RMSNorm).
+        """
         out = hidden_states.new_zeros(hidden_states.shape[0], max(self.video_in, self.audio_in), dtype=torch.float32)
         for mod, norm, lin, cout in (
             (Modality.VIDEO, self.final_norm_video, self.final_linear_video, self.video_in),

@@ -116,6 +116,10 @@ class Magi2EPHeadLayout:
 
     @property
     def has_real_heads(self) -> bool:
+        """Whether this rank owns at least one real (non-padding) MoE head, i.e.
+        ``num_real_local_heads > 0``. ``False`` for an idle rank whose ``local_head_start ≥ H``
+        (possible when ``N`` does not divide ``H``, SandAI ``CoreMultiHeadMoE`` padding rule): it holds
+        only padding heads and computes no routed expert, though it still joins every collective. Never raises."""
         return self.num_real_local_heads > 0
 
     def expert_rows(self, num_experts: int) -> tuple[int, int]:
