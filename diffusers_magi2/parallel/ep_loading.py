@@ -18,6 +18,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 import torch.nn as nn
 
+from ..conversion.safetensors_io import DTYPE_TO_TORCH  # safetensors dtype name -> torch dtype
 from .expert_parallel import (
     Magi2ExpertParallelConfig,
     Magi2ExpertParallelGroup,
@@ -38,19 +39,6 @@ __all__ = [
 
 # names (relative to a Magi2MultiHeadMoE module) of the tensors split across EP ranks along dim 0
 EP_SHARDED_SUFFIXES = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema")
-
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 def read_expert_rows(handle: Any, key: str, row_start: int, num_rows: int) -> torch.Tensor:
@@ -74,7 +62,7 @@ def read_expert_rows(handle: Any, key: str, row_start: int, num_rows: int) -> to
     total = shape[0]
     stop = min(total, row_start + num_rows)
     if row_start >= total:
-        return torch.zeros([num_rows, *shape[1:]], dtype=_ST_DTYPES[sl.get_dtype()])
+        return torch.zeros([num_rows, *shape[1:]], dtype=DTYPE_TO_TORCH[sl.get_dtype()])
     part = sl[row_start:stop]
     if stop - row_start == num_rows:
         return part
