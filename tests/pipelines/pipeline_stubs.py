@@ -83,3 +83,54 @@ def tiny_wan22_vae():
         latents_mean=(torch.rand(48, generator=g) - 0.5).tolist(),
         latents_std=(torch.rand(48, generator=g) + 0.5).tolist(),
     ).eval()
+
+
+def tiny_text_encoder(tokenizer, hidden_size: int = 48, intermediate_size: int = 64, head_dim: int = 16,
+                      linear_num_heads: int = 2):
+    """A tiny random ``Qwen3_5TextModel`` (3 linear-attention layers + 1 full-attention layer) for
+    ``tokenizer``; ``hidden_size`` is the text width the DiT sees (48 for the ``magi2_tiny`` models).
+    Draws from the global torch RNG (seed it first)."""
+    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
+
+    return Qwen3_5TextModel(
+        Qwen3_5TextConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2,
+            num_key_value_heads=1, head_dim=head_dim, linear_num_key_heads=linear_num_heads,
+            linear_num_value_heads=linear_num_heads, linear_key_head_dim=8, linear_value_head_dim=8, pad_token_id=0,
+        )
+    ).eval()
+
+
+def tiny_real_format_components(with_vae: bool = False) -> dict:
+    """``Magi2Pipeline`` keyword arguments (all but ``transformer``/``refiner``) matching the
+    ``magi2_tiny`` SandAI models (video 12, audio 16, text 48 channels): tiny BPE tokenizer, tiny
+    Qwen3.5 text encoder, TurboVAE decoder and Oobleck (random, deterministic), the converter's
+    UniPC scheduler and, with ``with_vae``, a 12-channel Wan2.2-form ``AutoencoderKLWan`` sharing the
+    decoder's latent statistics."""
+    from diffusers import AutoencoderKLWan
+
+    from diffusers_magi2.models.turbo_vae import Magi2TurboVAEDecoder
+    from diffusers_magi2.pipelines.tiny_default import build_tiny_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer(vocab_size=512)
+    components = dict(tokenizer=tokenizer, text_encoder=tiny_text_encoder(tokenizer))
+    g = torch.Generator().manual_seed(1)
+    mean = (torch.rand(12, generator=g) - 0.5).tolist()
+    std = (torch.rand(12, generator=g) + 0.5).tolist()
+    if with_vae:
+        components["vae"] = AutoencoderKLWan(
+            base_dim=4, decoder_base_dim=4, z_dim=12, num_res_blocks=1, is_residual=True, in_channels=12,
+            out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+            latents_mean=mean, latents_std=std,
+        ).eval()
+    components["video_decoder"] = Magi2TurboVAEDecoder(
+        latent_channels=12, decoder_block_out_channels=[4, 4, 4, 4], decoder_layers_per_block=[1, 1, 1, 1, 1],
+        first_chunk_size=7, step_size=7, latents_mean=mean, latents_std=std,
+    ).eval()
+    components["audio_vae"] = AutoencoderOobleck(
+        encoder_hidden_size=2, channel_multiples=[1, 2, 2, 2, 2], decoder_channels=2, decoder_input_channels=16,
+    ).eval()
+    components["scheduler"] = preview_scheduler()
+    return components

@@ -19,11 +19,10 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from diffusers import AutoencoderKLWan, AutoencoderOobleck, UniPCMultistepScheduler  # noqa: E402
+from diffusers import UniPCMultistepScheduler  # noqa: E402
+from pipeline_stubs import tiny_real_format_components  # noqa: E402
 
 from diffusers_magi2 import Magi2Pipeline, Magi2Transformer3DModel, export_to_video_with_audio  # noqa: E402
-from diffusers_magi2.models.turbo_vae import Magi2TurboVAEDecoder  # noqa: E402
-from diffusers_magi2.pipelines.tiny_default import build_tiny_tokenizer  # noqa: E402
 from diffusers_magi2.utils.export import probe_streams  # noqa: E402
 
 
@@ -49,39 +48,10 @@ def converted_repo(fixtures_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipe(converted_repo):
-    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
-
-    torch.manual_seed(0)
-    tokenizer = build_tiny_tokenizer(vocab_size=512)
-    text_encoder = Qwen3_5TextModel(
-        Qwen3_5TextConfig(
-            vocab_size=len(tokenizer), hidden_size=48, intermediate_size=64, num_hidden_layers=4,
-            layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
-            linear_key_head_dim=8, linear_value_head_dim=8, pad_token_id=0,
-        )
-    ).eval()
-    g = torch.Generator().manual_seed(1)
-    mean = (torch.rand(12, generator=g) - 0.5).tolist()
-    std = (torch.rand(12, generator=g) + 0.5).tolist()
-    vae = AutoencoderKLWan(
-        base_dim=4, decoder_base_dim=4, z_dim=12, num_res_blocks=1, is_residual=True, in_channels=12,
-        out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
-        latents_mean=mean, latents_std=std,
-    ).eval()
-    video_decoder = Magi2TurboVAEDecoder(
-        latent_channels=12, decoder_block_out_channels=[4, 4, 4, 4], decoder_layers_per_block=[1, 1, 1, 1, 1],
-        first_chunk_size=7, step_size=7, latents_mean=mean, latents_std=std,
-    ).eval()
-    audio_vae = AutoencoderOobleck(
-        encoder_hidden_size=2, channel_multiples=[1, 2, 2, 2, 2], decoder_channels=2, decoder_input_channels=16,
-    ).eval()
-    transformer = Magi2Transformer3DModel.from_pretrained(converted_repo / "transformer", torch_dtype=torch.float32)
-    scheduler = UniPCMultistepScheduler.from_pretrained(converted_repo / "scheduler")
-    return Magi2Pipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, audio_vae=audio_vae,
-        scheduler=scheduler, vae=vae, video_decoder=video_decoder,
-    )
+    components = tiny_real_format_components(with_vae=True)
+    components["scheduler"] = UniPCMultistepScheduler.from_pretrained(converted_repo / "scheduler")
+    transformer = Magi2Transformer3DModel.from_pretrained(converted_repo / "transformer", dtype=torch.float32)
+    return Magi2Pipeline(transformer=transformer, **components)
 
 
 def test_converted_scheduler_is_the_preview_schedule(pipe):

@@ -9,19 +9,21 @@ preview's 10 s soundtrack.
 
 from __future__ import annotations
 
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoencoderOobleck, UniPCMultistepScheduler
 
-from diffusers_magi2 import Magi2Pipeline, Magi2Transformer3DModel, export_to_video_with_audio
-from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
-from diffusers_magi2.models.turbo_vae import Magi2TurboVAEDecoder
-from diffusers_magi2.pipelines.refiner_stage import run_refiner_stage
-from diffusers_magi2.pipelines.tiny_default import build_tiny_tokenizer
-from diffusers_magi2.utils.export import probe_streams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_stubs import tiny_real_format_components  # noqa: E402
+
+from diffusers_magi2 import Magi2Pipeline, Magi2Transformer3DModel, export_to_video_with_audio  # noqa: E402
+from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel  # noqa: E402
+from diffusers_magi2.pipelines.refiner_stage import run_refiner_stage  # noqa: E402
+from diffusers_magi2.utils.export import probe_streams  # noqa: E402
 
 PROMPT = "A red fox trots through fresh snow at dawn, wind howling"
 TWO_STAGE = dict(height=64, width=96, preview_height=32, preview_width=48, num_inference_steps=2)
@@ -29,8 +31,6 @@ TWO_STAGE = dict(height=64, width=96, preview_height=32, preview_width=48, num_i
 
 @pytest.fixture(scope="module")
 def pipe(fixtures_dir):
-    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
-
     tiny = fixtures_dir / "magi2_tiny"
     transformer = Magi2Transformer3DModel.from_original_checkpoint(
         tiny / "preview_h4" / "sandai_checkpoint", dtype=torch.float32
@@ -38,34 +38,7 @@ def pipe(fixtures_dir):
     refiner = Magi2RefinerTransformer3DModel.from_original_checkpoint(
         tiny / "refiner" / "sandai_checkpoint", torch_dtype=torch.float32
     )
-    torch.manual_seed(0)
-    tokenizer = build_tiny_tokenizer(vocab_size=512)
-    text_encoder = Qwen3_5TextModel(
-        Qwen3_5TextConfig(
-            vocab_size=len(tokenizer), hidden_size=48, intermediate_size=64, num_hidden_layers=4,
-            layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
-            linear_key_head_dim=8, linear_value_head_dim=8, pad_token_id=0,
-        )
-    ).eval()
-    g = torch.Generator().manual_seed(1)
-    mean = (torch.rand(12, generator=g) - 0.5).tolist()
-    std = (torch.rand(12, generator=g) + 0.5).tolist()
-    video_decoder = Magi2TurboVAEDecoder(
-        latent_channels=12, decoder_block_out_channels=[4, 4, 4, 4], decoder_layers_per_block=[1, 1, 1, 1, 1],
-        first_chunk_size=7, step_size=7, latents_mean=mean, latents_std=std,
-    ).eval()
-    audio_vae = AutoencoderOobleck(
-        encoder_hidden_size=2, channel_multiples=[1, 2, 2, 2, 2], decoder_channels=2, decoder_input_channels=16,
-    ).eval()
-    scheduler = UniPCMultistepScheduler(
-        use_flow_sigmas=True, flow_shift=7.0, prediction_type="flow_prediction", solver_order=2, solver_type="bh2",
-        predict_x0=True, lower_order_final=True, final_sigmas_type="zero",
-    )
-    return Magi2Pipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, audio_vae=audio_vae,
-        scheduler=scheduler, video_decoder=video_decoder, refiner=refiner,
-    )
+    return Magi2Pipeline(transformer=transformer, refiner=refiner, **tiny_real_format_components())
 
 
 def test_two_stage_call_writes_25fps_mp4_with_audio(pipe, tmp_path):
@@ -83,6 +56,7 @@ def test_two_stage_call_writes_25fps_mp4_with_audio(pipe, tmp_path):
     # 5 refiner steps x two batch-1 forwards (cond, then the built-in negative prompt), no audio tokens
     cond_len = pipe.encode_prompt([PROMPT], "cpu")[0].shape[1]
     neg_len = pipe.encode_prompt([pipe.config.negative_prompt], "cpu")[0].shape[1]
+    assert cond_len != neg_len  # so the order cond -> uncond is visible in the calls
     assert calls == [((1, 12, 63, 4, 6), cond_len, None), ((1, 12, 63, 4, 6), neg_len, None)] * 5
 
     T = 32

@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck, tiny_wan22_vae  # noqa: E402
+from pipeline_stubs import (  # noqa: E402
+    StandInTransformer, preview_scheduler, tiny_oobleck, tiny_text_encoder, tiny_wan22_vae,
+)
 
 from diffusers.configuration_utils import ConfigMixin, register_to_config  # noqa: E402
 from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
@@ -242,20 +244,11 @@ def test_i2v_reference_image_is_prepared_at_the_preview_size():
 def test_preview_cfg_off_encodes_the_default_negative_prompt_for_the_refiner():
     """From prompt text with preview CFG off, the pipeline still encodes the (built-in) negative
     prompt, and the refiner's uncond forwards receive exactly its embeddings."""
-    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
-
     from diffusers_magi2.pipelines.tiny_default import build_tiny_tokenizer
 
     torch.manual_seed(0)
     tokenizer = build_tiny_tokenizer(vocab_size=512)
-    text_encoder = Qwen3_5TextModel(
-        Qwen3_5TextConfig(
-            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=4,
-            layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2,
-            num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=1,
-            linear_key_head_dim=8, linear_value_head_dim=8, pad_token_id=0,
-        )
-    ).eval()
+    text_encoder = tiny_text_encoder(tokenizer, hidden_size=16, intermediate_size=16, head_dim=8, linear_num_heads=1)
     pipe = make_pipe()
     pipe.register_modules(tokenizer=tokenizer, text_encoder=text_encoder)
     pipe(prompt="a fox in snow", **SMALL, guidance_scale=1.0, audio_guidance_scale=1.0, refiner_num_inference_steps=1,
