@@ -10,7 +10,7 @@ Typical use::
     import torch
     from diffusers_magi2 import Magi2Pipeline, export_to_video_with_audio
 
-    pipe = Magi2Pipeline.from_pretrained("path/or/repo-id", torch_dtype=torch.bfloat16)
+    pipe = Magi2Pipeline.from_pretrained("path/or/repo-id", dtype=torch.bfloat16)
     out = pipe("A red fox trots through fresh snow")
     export_to_video_with_audio(out.frames[0], "clip.mp4", audio=out.audio[0], fps=out.fps,
                                audio_sample_rate=out.audio_sample_rate)
