@@ -22,8 +22,8 @@ _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 
 #: folder -> (class shown in the card, what it was converted from).
 COMPONENT_DESCRIPTIONS: dict[str, tuple[str, str]] = {
-    "transformer": ("`Magi2Transformer3DModel`", "SandAI `preview/` (1,371 tensors, renamed only)"),
-    "refiner": ("`Magi2RefinerTransformer3DModel`", "SandAI `refiner/` (281 tensors, renamed only)"),
+    "transformer": ("`Magi2Transformer3DModel`", "SandAI `preview/` (every tensor, renamed only)"),
+    "refiner": ("`Magi2RefinerTransformer3DModel`", "SandAI `refiner/` (every tensor, renamed only)"),
     "vae": ("`diffusers.AutoencoderKLWan`", "`vae/Wan2.2_VAE.pth`"),
     "video_decoder": ("`Magi2TurboVAEDecoder`", "`turbo_vae/checkpoint.ckpt` (EMA weights)"),
     "audio_vae": ("`diffusers.AutoencoderOobleck`", "`stable-audio-open-1.0/` (`pretransform.model.*`)"),

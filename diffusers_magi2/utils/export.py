@@ -179,6 +179,9 @@ def export_to_video_with_audio(
                     aframe.time_base = Fraction(1, int(audio_sample_rate))
                     container.mux(astream.encode(aframe))
                 container.mux(astream.encode(None))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_name, 0o666 & ~umask)  # mkstemp creates 0600; give the final file the usual permissions
         os.replace(tmp_name, output_path)
     except BaseException:
         if os.path.exists(tmp_name):

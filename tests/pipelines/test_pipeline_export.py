@@ -115,3 +115,17 @@ def test_bad_inputs_raise_and_leave_nothing(tmp_path):
 def test_frames_to_uint8_truncates_like_the_reference():
     x = np.array([0.0, 0.5, 0.999, 1.0, 1.2, -0.1], dtype=np.float32).reshape(1, 1, 2, 3)
     assert frames_to_uint8(x).ravel().tolist() == [0, 127, 254, 255, 255, 0]
+
+
+def test_written_mp4_gets_umask_permissions_not_mkstemp_0600(tmp_path):
+    """The file is written under a private temporary name and renamed: the result must still carry the
+    usual ``0666 & ~umask`` permissions (mkstemp's 0600 would hide it from other users)."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        path = export_to_video_with_audio(np.zeros((3, 16, 16, 3), dtype=np.uint8), tmp_path / "perm.mp4")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
