@@ -287,7 +287,7 @@ def test_model_card_is_rendered_from_the_single_source(full_repo):
         assert line in front
     first_code = card.split("```bash\n", 1)[1].split("```", 1)[0]
     assert "pip install diffusers-magi2" in first_code  # the distribution name (pyproject)
-    assert 'Magi2Pipeline.from_pretrained("org/magi2-tiny"' in card
+    assert 'Magi2Pipeline.from_pretrained(\n    "org/magi2-tiny"' in card
     assert "{{" not in card and "| `refiner/` |" in card and "| `tokenizer/` |" in card
     with pytest.raises(ValueError, match="missing values"):
         render_model_card({"title": "x"})
