@@ -20,6 +20,9 @@ SWIGLU7_LIMIT = 7.0
 SWIGLU7_ALPHA = 1.702
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# 0-dim CPU fp32 constants for the in-place swiglu7 (usable with tensors on any device, as Python scalars are).
+_ALPHA_FP32 = torch.tensor(SWIGLU7_ALPHA, dtype=torch.float32)
+_ONE_FP32 = torch.tensor(1.0, dtype=torch.float32)
 
 
 def swiglu7_pair(gate: torch.Tensor, up: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -139,6 +142,11 @@ def torch_mh_moe_forward(
     ``_mh_moe_fwd_kernel`` with its deterministic scatter (spec §3.4; fixtures README, "flash_mh_moe Triton
     forward"). bf16 weights are upcast per expert slice (exact), so gate/up are *not* rounded to bf16.
 
+    Two code paths compute the same bits: without autograd (``torch.no_grad()`` or no input requiring grad) every
+    temporary lives in a few reused buffers and swiglu7 runs in place; with autograd the same operations run
+    out of place so that backward works. Both reduce a head's route rows per token with
+    :func:`_sum_head_routes_` (ascending expert id, rounded to the activation dtype after every add).
+
     Args:
         x: ``[S, H, Dh]`` activations, fp32/bf16/fp16.
         gather_ids: ``[T]`` int32/int64 token index per route, CSR (expert-major) order.
@@ -167,65 +175,151 @@ def torch_mh_moe_forward(
         )
     if num_routes == 0 or num_tokens == 0:
         return torch.zeros_like(x, memory_format=torch.contiguous_format)
+    # Per-expert route counts, grouped per head (the CSR is head-major: a head's routes are one contiguous block).
+    counts = [b - a for a, b in zip(offsets, offsets[1:])]
+    head_counts = [counts[h * num_experts : (h + 1) * num_experts] for h in range(num_heads)]
     token_ids = gather_ids.to(torch.int64)
     route_probs = probs.to(torch.float32).unsqueeze(1)
-    act_fp32 = x.dtype == torch.float32
-    upcast_weights = w_gate.dtype != torch.float32
-    round_hidden = w_down.dtype != torch.float32
     track_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, probs, w_gate, w_up, w_down))
-    # The CSR is head-major: each head's routes form one contiguous block, processed with reused buffers
-    # (a few MB, so no fresh page-faulting allocation per call).
-    head_bounds = [offsets[h * num_experts] for h in range(num_heads + 1)]
-    max_block = max(head_bounds[h + 1] - head_bounds[h] for h in range(num_heads))
-    x_buf = x.new_empty(max_block, head_dim)
-    down_buf = torch.empty(max_block, head_dim, dtype=torch.float32, device=x.device)
-    out = torch.zeros_like(x, memory_format=torch.contiguous_format)
-    for head in range(num_heads):
-        base, stop = head_bounds[head], head_bounds[head + 1]
-        if stop == base:
+    run = _forward_autograd if track_grad else _forward_inference
+    return run(x, token_ids, route_probs, offsets, head_counts, w_gate, w_up, w_down)
+
+
+def _forward_inference(
+    x: torch.Tensor,
+    token_ids: torch.Tensor,
+    route_probs: torch.Tensor,
+    offsets: list[int],
+    head_counts: list[list[int]],
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`torch_mh_moe_forward` without autograd: reused buffers, ``out=`` GEMMs, in-place swiglu7.
+
+    Per head: one gather of its routed rows (upcast once to fp32), then per expert the gate/up GEMMs into two small
+    buffers that stay cache-resident, swiglu7 in place (:func:`_swiglu7_into_`), the down GEMM straight into its
+    rows of the head's fp32 block; the block is scaled by the route weights, rounded to the activation dtype and
+    reduced per token (:func:`_sum_head_routes_`). No allocation depends on the number of experts.
+    """
+    num_tokens, num_heads, head_dim = x.shape
+    num_experts, expert_dim = len(head_counts[0]), w_gate.shape[2]
+    f32 = torch.float32
+    upcast_weights = w_gate.dtype != f32
+    round_hidden = w_down.dtype != f32
+    max_block = max(sum(c) for c in head_counts)
+    max_rows = max(max(c) for c in head_counts)
+    x_rows = torch.empty(max_block, head_dim, dtype=f32, device=x.device)  # gathered rows of one head, fp32
+    gate_buf, up_buf, hidden_buf = torch.empty(3, max_rows, expert_dim, dtype=f32, device=x.device).unbind(0)
+    down_rows = torch.empty(max_block, head_dim, dtype=f32, device=x.device)  # one head's route rows, CSR order
+    head_sum = torch.empty(num_tokens, head_dim, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # Per-expert weight views once (tuple indexing in the loop costs no torch dispatch).
+    w_gate_rows, w_up_rows, w_down_rows = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
+    for head, counts in enumerate(head_counts):
+        base = offsets[head * num_experts]
+        block = sum(counts)
+        if block == 0:
+            out[:, head].zero_()
             continue
-        tokens = token_ids[base:stop]
-        if track_grad:
-            x_head, parts = x[:, head].index_select(0, tokens), []
+        tokens = token_ids[base : base + block]
+        if x.dtype == f32:
+            x_head = torch.index_select(x[:, head], 0, tokens, out=x_rows[:block])
         else:
-            x_head = torch.index_select(x[:, head], 0, tokens, out=x_buf[: stop - base])
-        for g in range(head * num_experts, (head + 1) * num_experts):
-            start, end = offsets[g] - base, offsets[g + 1] - base
-            if end == start:
+            x_head = x_rows[:block].copy_(x[:, head].index_select(0, tokens))
+        x_parts = x_head.split(counts)
+        down_parts = down_rows[:block].split(counts)
+        for e, rows in enumerate(counts):
+            if rows == 0:
                 continue
-            xs = x_head[start:end]
-            wg, wu, wd = w_gate[g], w_up[g], w_down[g]
-            if not act_fp32:
-                xs = xs.float()
+            g = head * num_experts + e
+            wg, wu, wd = w_gate_rows[g], w_up_rows[g], w_down_rows[g]
             if upcast_weights:  # per-expert upcast (exact); the bank itself is never copied
                 wg, wu, wd = wg.float(), wu.float(), wd.float()
             # gate/up with fp32 accumulation, swiglu7 in fp32, rounded to the W_down dtype, down in fp32
-            if track_grad:  # out-of-place, so autograd keeps what it needs
-                hidden = swiglu7_pair(torch.mm(xs, wg), torch.mm(xs, wu))
-            else:
-                hidden = _swiglu7_fp32_(torch.mm(xs, wg), torch.mm(xs, wu))
+            gate = torch.mm(x_parts[e], wg, out=gate_buf[:rows])
+            up = torch.mm(x_parts[e], wu, out=up_buf[:rows])
+            hidden = _swiglu7_into_(gate, up, hidden_buf[:rows])
             if round_hidden:
                 hidden = hidden.to(w_down.dtype).float()
-            if track_grad:
-                parts.append(torch.mm(hidden, wd))
-            else:
-                torch.mm(hidden, wd, out=down_buf[start:end])
-        if track_grad:
-            contrib = torch.cat(parts) * route_probs[base:stop]
-        else:
-            contrib = down_buf[: stop - base].mul_(route_probs[base:stop])
-        _sum_head_routes_(out[:, head], contrib.to(x.dtype), tokens)  # x prob in fp32, rounded to the act dtype
+            torch.mm(hidden, wd, out=down_parts[e])
+        contrib = down_rows[:block].mul_(route_probs[base : base + block]).to(x.dtype)  # x prob in fp32, rounded
+        _sum_head_routes_(head_sum, contrib, tokens)
+        out[:, head].copy_(head_sum)
     return out
 
 
-def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: torch.Tensor) -> None:
-    """Add one head's CSR-ordered route rows into ``out_head [S, Dh]``, per token in ascending expert id, summing
-    in ``contrib.dtype`` (rounded after every add, as the reference's sequential scatter).
+def _forward_autograd(
+    x: torch.Tensor,
+    token_ids: torch.Tensor,
+    route_probs: torch.Tensor,
+    offsets: list[int],
+    head_counts: list[list[int]],
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`torch_mh_moe_forward` under autograd: the operations of :func:`_forward_inference`, out of place."""
+    num_tokens, num_heads, head_dim = x.shape
+    num_experts = len(head_counts[0])
+    upcast_weights = w_gate.dtype != torch.float32
+    round_hidden = w_down.dtype != torch.float32
+    heads = []
+    for head, counts in enumerate(head_counts):
+        base = offsets[head * num_experts]
+        block = sum(counts)
+        head_out = x.new_zeros(num_tokens, head_dim)
+        if block:
+            tokens = token_ids[base : base + block]
+            x_parts = x[:, head].index_select(0, tokens).float().split(counts)
+            parts = []
+            for e, rows in enumerate(counts):
+                if rows == 0:
+                    continue
+                g = head * num_experts + e
+                wg, wu, wd = w_gate[g], w_up[g], w_down[g]
+                if upcast_weights:
+                    wg, wu, wd = wg.float(), wu.float(), wd.float()
+                hidden = swiglu7_pair(torch.mm(x_parts[e], wg), torch.mm(x_parts[e], wu))
+                if round_hidden:
+                    hidden = hidden.to(w_down.dtype).float()
+                parts.append(torch.mm(hidden, wd))
+            contrib = (torch.cat(parts) * route_probs[base : base + block]).to(x.dtype)
+            _sum_head_routes_(head_out, contrib, tokens)  # in place on a fresh tensor: autograd records it
+        heads.append(head_out)
+    return torch.stack(heads, dim=1)
 
-    With top-k routing every token owns exactly ``k`` routes of the head: a stable sort by token lays each token's
-    rows out in expert order and ``k - 1`` adds reduce them. Any other CSR uses ``index_add_`` (sequential in CSR
-    order, which is also ascending expert id per token).
+
+def _swiglu7_into_(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`swiglu7_pair` of fp32 ``gate``/``up`` written to ``out`` (same shape, fp32); clobbers ``gate``/``up``.
+
+    The same operations in the same order as :func:`swiglu7_pair` (``min(g,7)``, ``sigmoid(1.702*g)``, times
+    ``g``, times ``clamp(u,-7,7) + 1``), so the result is bit-identical; only the temporaries are reused. The
+    constants of the multiply and the add are fp32 0-dim tensors (the same fp32 values a Python float becomes), which
+    spares the per-call wrapping and conversion of a Python scalar (this runs once per expert).
     """
+    gate = gate.clamp_(max=SWIGLU7_LIMIT)
+    torch.mul(gate, _ALPHA_FP32, out=out).sigmoid_().mul_(gate)
+    return out.mul_(up.clamp_(min=-SWIGLU7_LIMIT, max=SWIGLU7_LIMIT).add_(_ONE_FP32))
+
+
+def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Overwrite ``out_head [S, Dh]`` with the per-token sums of one head's CSR-ordered route rows.
+
+    Sums run in ``contrib.dtype`` (the activation dtype), rounded after every add, per token in ascending expert id,
+    as the reference's sequential scatter:
+
+    * fp32: one ``index_add_`` into the zeroed rows. It adds rows one at a time in index (CSR) order, and within a
+      token the CSR order is ascending expert id; fp32 is its accumulation type, so every add rounds to fp32.
+    * bf16/fp16: ``index_add_`` would accumulate in fp32 and round once, so the rows are instead laid out per token
+      (stable sort by token) and added column by column: with top-k routing every token owns exactly ``k`` routes of
+      the head and ``k - 1`` adds reduce them. Any other CSR falls back to ``index_add_``.
+
+    ``out_head`` may be a fresh tensor under autograd (the in-place ops are recorded).
+    """
+    if contrib.dtype == torch.float32:
+        out_head.zero_().index_add_(0, tokens, contrib)
+        return
     num_tokens, count = out_head.shape[0], tokens.numel()
     if count % num_tokens == 0:
         top_k = count // num_tokens
@@ -237,11 +331,4 @@ def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: tor
             for j in range(1, top_k):
                 out_head.add_(rows[:, j])
             return
-    out_head.index_add_(0, tokens, contrib)
-
-
-def _swiglu7_fp32_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """In-place :func:`swiglu7_pair` on fp32 temporaries (same operations in the same order: bit-identical)."""
-    gate = gate.clamp_(max=SWIGLU7_LIMIT)
-    out = torch.mul(gate, SWIGLU7_ALPHA).sigmoid_().mul_(gate)
-    return out.mul_(up.clamp_(min=-SWIGLU7_LIMIT, max=SWIGLU7_LIMIT).add_(1.0))
+    out_head.zero_().index_add_(0, tokens, contrib)
