@@ -135,9 +135,11 @@ def global_sort_routes(
     if num_heads * num_experts < 2**31:  # int32 keys sort ~3x faster on CPU; same stable order
         flat_ids = flat_ids.to(torch.int32)
     sorted_ids, order = torch.sort(flat_ids, stable=True)
-    # Position p in (h, s, k) order holds token s = (p // k) % S.
-    gather_ids = torch.div(order, top_k, rounding_mode="floor").remainder_(max(num_tokens, 1)).to(torch.int32)
-    probs_sorted = topk_probs.reshape(-1).to(torch.float32)[order]
+    probs_sorted = topk_probs.reshape(-1).to(torch.float32).index_select(0, order)
+    # Position p in (h, s, k) order holds token s = (p // k) % S (computed in int32 when positions fit: same values,
+    # fewer bytes to move; the copy leaves ``order`` untouched).
+    positions = order.to(torch.int32 if order.numel() < 2**31 else torch.int64, copy=True)
+    gather_ids = positions.div_(top_k, rounding_mode="floor").remainder_(max(num_tokens, 1)).to(torch.int32)
     boundaries = torch.arange(num_heads * num_experts + 1, device=device, dtype=sorted_ids.dtype)
     expert_offsets = torch.searchsorted(sorted_ids, boundaries, right=False).to(torch.int64)
     return gather_ids, probs_sorted, expert_offsets
