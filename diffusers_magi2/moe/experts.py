@@ -319,15 +319,17 @@ def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: tor
     Sums run in ``contrib.dtype`` (the activation dtype), rounded after every add, per token in ascending expert id,
     as the reference's sequential scatter:
 
-    * fp32: one ``index_add_`` into the zeroed rows. It adds rows one at a time in index (CSR) order, and within a
-      token the CSR order is ascending expert id; fp32 is its accumulation type, so every add rounds to fp32.
-    * bf16/fp16: ``index_add_`` would accumulate in fp32 and round once, so the rows are instead laid out per token
-      (stable sort by token) and added column by column: with top-k routing every token owns exactly ``k`` routes of
-      the head and ``k - 1`` adds reduce them. Any other CSR falls back to ``index_add_``.
+    * fp32 on CPU: one ``index_add_`` into the zeroed rows. On CPU it adds each output row's source rows one at a
+      time in index (CSR) order, with any thread count, and within a token the CSR order is ascending expert id;
+      fp32 is its accumulation type, so every add rounds to fp32. (On CUDA ``index_add_`` uses atomics, whose order
+      is not fixed, so CUDA tensors take the next path.)
+    * otherwise (bf16/fp16, whose CPU ``index_add_`` accumulates in fp32 and rounds once, or CUDA): the rows are
+      laid out per token (stable sort by token) and added column by column: with top-k routing every token owns
+      exactly ``k`` routes of the head and ``k - 1`` adds reduce them. Any other CSR falls back to ``index_add_``.
 
     ``out_head`` may be a fresh tensor under autograd (the in-place ops are recorded).
     """
-    if contrib.dtype == torch.float32:
+    if contrib.dtype == torch.float32 and contrib.device.type == "cpu":
         out_head.zero_().index_add_(0, tokens, contrib)
         return
     num_tokens, count = out_head.shape[0], tokens.numel()
