@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..parallel.expert_parallel import ep_head_layout, expert_parallel_heads_forward
 from .experts import torch_mh_moe_forward
 from .routing import compute_topk_probs_and_indices, global_sort_routes
 
@@ -125,7 +126,8 @@ class Magi2MultiHeadMoE(nn.Module):
     ``padded_num_heads = ceil(H/N)*N``, ``local_num_heads = padded_num_heads // N``,
     ``local_head_start = ep_rank * local_num_heads``, ``ep_pad_heads = padded_num_heads - H``,
     ``local_real_num_heads`` (real heads among the local ones), ``has_real_moe_heads``
-    (false when ``local_head_start >= H``) and ``local_flatten_num_experts = local_num_heads * E``.
+    (false when ``local_head_start >= H``) and ``local_flatten_num_experts = local_num_heads * E``, all derived
+    from ``ep_layout`` (:func:`diffusers_magi2.parallel.expert_parallel.ep_head_layout`).
 
     Args:
         config: :class:`Magi2MultiHeadMoEConfig`.
@@ -176,13 +178,14 @@ class Magi2MultiHeadMoE(nn.Module):
         self.top_k = config.top_k
         self.expert_intermediate_size = config.expert_intermediate_size
 
-        # 1. Expert-parallel bookkeeping.
-        self.padded_num_heads = -(-self.num_heads // ep_size) * ep_size
-        self.local_num_heads = self.padded_num_heads // ep_size
-        self.local_head_start = ep_rank * self.local_num_heads
-        self.ep_pad_heads = self.padded_num_heads - self.num_heads
-        self.local_real_num_heads = max(0, min(self.local_num_heads, self.num_heads - self.local_head_start))
-        self.has_real_moe_heads = self.local_head_start < self.num_heads
+        # 1. Expert-parallel bookkeeping (the head layout shared with the EP collectives).
+        layout = self.ep_layout = ep_head_layout(self.num_heads, ep_size, ep_rank)
+        self.padded_num_heads = layout.padded_num_heads
+        self.local_num_heads = layout.local_num_heads
+        self.local_head_start = layout.local_head_start
+        self.ep_pad_heads = layout.padded_num_heads - self.num_heads
+        self.local_real_num_heads = layout.num_real_local_heads
+        self.has_real_moe_heads = layout.has_real_heads
         self.local_flatten_num_experts = self.local_num_heads * self.num_experts
 
         # 2. Tensors, under the checkpoint names and layouts.
@@ -335,13 +338,10 @@ class Magi2MultiHeadMoE(nn.Module):
 
     def _forward_expert_parallel(self, x: torch.Tensor, ep_token_counts: list[int] | None) -> torch.Tensor:
         """EP exchange around :meth:`forward_local_heads` (``diffusers_magi2.parallel.expert_parallel``)."""
-        from ..parallel.expert_parallel import ep_head_layout, expert_parallel_heads_forward
-
         if self.ep_size > 1 and self.ep_group is None:
             raise ValueError("Magi2MultiHeadMoE with ep_size > 1 needs ep_group (a torch.distributed process group)")
-        layout = ep_head_layout(self.num_heads, self.ep_size, self.ep_rank)
         return expert_parallel_heads_forward(
-            x, self.forward_local_heads, layout, self.ep_group, token_counts=ep_token_counts
+            x, self.forward_local_heads, self.ep_layout, self.ep_group, token_counts=ep_token_counts
         )
 
     def compute_router_logits(self, x_local: torch.Tensor) -> torch.Tensor:
