@@ -25,8 +25,19 @@ from diffusers.video_processor import VideoProcessor
 from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..models.turbo_vae import Magi2TurboVAEDecoder
+from .decoding_magi2 import decode_audio_latents, decode_video_latents, resize_video_frames, wan_latent_stats
+from .image_processing_magi2 import letterbox_image, preprocess_reference_image
 from .pipeline_output import Magi2PipelineOutput
+from .presets_magi2 import (
+    DEFAULT_NEGATIVE_PROMPT,
+    REFINER_RESOLUTION,
+    RESOLUTION_PRESETS,
+    TRAINED_RESOLUTIONS,
+    apply_resolution_preset,
+    resolve_stage_sizes,
+)
 from .refiner_stage import Magi2RefinerStageConfig, run_refiner_stage
+from .sampling_magi2 import check_scheduler, combine_guidance, flow_schedulers, pad_text_batch, unshifted_sigmas
 from .text_encoding import (
     DEFAULT_MAX_SEQUENCE_LENGTH,
     DEFAULT_SKIP_LAYERS,
@@ -37,6 +48,19 @@ from .text_encoding import (
     normalize_prompt,
     pool_target_features,
     tokenize_prompt,
+)
+from .validation_magi2 import (
+    attention_kwargs_for,
+    check_attention_kwargs,
+    check_batch_sizes,
+    check_image_inputs,
+    check_latents_and_decoder,
+    check_output_size,
+    check_prompt_inputs,
+    check_refiner_inputs,
+    check_sampling_inputs,
+    check_sizes,
+    check_text_widths,
 )
 
 logger = logging.get_logger(__name__)
@@ -50,104 +74,6 @@ __all__ = [
     "letterbox_image",
     "resize_video_frames",
 ]
-
-#: The reference's built-in negative prompt (``DEFAULT_NEGATIVE_PROMPT`` in ``inference_engine.py``):
-#: visual, audio and voice defects. It is the default ``negative_prompt`` and is stored in the
-#: pipeline config (``model_index.json``), so a converted repo can carry another one.
-DEFAULT_NEGATIVE_PROMPT = (
-    "Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, static, "
-    "overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra fingers, poorly "
-    "drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, fused fingers, still picture, messy "
-    "background, three legs, many people in the background, walking backwards"
-    ", low quality, worst quality, poor quality, noise, background noise, hiss, hum, buzz, crackle, static, "
-    "compression artifacts, MP3 artifacts, digital clipping, distortion, muffled, muddy, unclear, echo, reverb, "
-    "room echo, over-reverberated, hollow sound, distant, washed out, harsh, shrill, piercing, grating, tinny, "
-    "thin sound, boomy, bass-heavy, flat EQ, over-compressed, abrupt cut, jarring transition, sudden silence, "
-    "looping artifact, music, instrumental, sirens, alarms, crowd noise, unrelated sound effects, chaotic, "
-    "disorganized, messy, cheap sound"
-    ", emotionless, flat delivery, deadpan, lifeless, apathetic, robotic, mechanical, monotone, flat intonation, "
-    "undynamic, boring, reading from a script, AI voice, synthetic, text-to-speech, TTS, insincere, fake emotion, "
-    "exaggerated, overly dramatic, melodramatic, cheesy, cringey, hesitant, unconfident, tired, weak voice, "
-    "stuttering, stammering, mumbling, slurred speech, mispronounced, bad articulation, lisp, vocal fry, creaky "
-    "voice, mouth clicks, lip smacks, wet mouth sounds, heavy breathing, audible inhales, plosives, p-pops, "
-    "coughing, clearing throat, sneezing, speaking too fast, rushed, speaking too slow, dragged out, unnatural "
-    "pauses, awkward silence, choppy, disconnected, multiple speakers, two voices, background talking, out of tune, "
-    "off-key, autotune artifacts"
-)
-
-#: (height, width) presets the preview was trained on (272p and 540p).
-TRAINED_RESOLUTIONS = ((256, 448), (512, 896))
-#: The 1080p preset: preview at 512x896 (``config.preview_height/preview_width``), then the refiner.
-#: Needs the refiner component.
-REFINER_RESOLUTION = (1088, 1920)
-#: ``resolution=`` presets (SandAI ``entry.py`` ``RESOLUTION_PRESETS``) as (height, width) of the output.
-RESOLUTION_PRESETS = {"272p": (256, 448), "540p": (512, 896), "1080p": REFINER_RESOLUTION}
-
-_OUTPUT_TYPES = ("np", "pil", "pt", "latent")
-_IMAGE_TYPES = "PIL.Image.Image, a local file path (str or os.PathLike), or an RGB uint8 numpy array [H, W, 3]"
-
-
-def letterbox_image(image: PIL.Image.Image, height: int, width: int) -> PIL.Image.Image:
-    """Fit ``image`` into a ``height`` × ``width`` white canvas, keeping its aspect ratio.
-
-    The image is resized with LANCZOS by ``min(width / w, height / h)`` (sizes rounded to the nearest
-    integer, at least 1) and pasted centred. Matches SandAI ``inference_engine.resizepad``.
-
-    Raises:
-        ValueError: the image has a zero dimension.
-    """
-    w, h = image.size
-    if w <= 0 or h <= 0:
-        raise ValueError(f"image must have a positive size; got width {w}, height {h}")
-    scale = min(width / w, height / h)
-    new_w = max(1, int(round(w * scale)))
-    new_h = max(1, int(round(h * scale)))
-    resized = image.convert("RGB").resize((new_w, new_h), resample=PIL.Image.Resampling.LANCZOS)
-    canvas = PIL.Image.new("RGB", (width, height), (255, 255, 255))
-    canvas.paste(resized, ((width - new_w) // 2, (height - new_h) // 2))
-    return canvas
-
-
-def resize_video_frames(video: torch.Tensor, height: int, width: int, frames_per_chunk: int = 16) -> torch.Tensor:
-    """Bilinear resize of every frame of ``video`` ``[B, C, F, H, W]`` to ``height`` × ``width``.
-
-    Per-frame 2-D ``F.interpolate(mode="bilinear", align_corners=False)`` (no mixing across time),
-    as SandAI ``Magi2Evaluator._resize_video`` (``--output-width/--output-height``). Works on any
-    value range: bilinear weights are convex, so resizing the [-1, 1] decoder output and then mapping
-    to [0, 1] equals mapping first. (The reference resizes after 8-bit quantisation; this port
-    resizes the float frames, before it.) Processes ``frames_per_chunk`` frames at a time to bound
-    the temporary memory at 1080p.
-
-    Args:
-        video: ``[B, C, F, H, W]`` float tensor.
-        height, width: output pixels (positive ints).
-
-    Returns:
-        ``[B, C, F, height, width]`` tensor, same dtype and device.
-
-    Raises:
-        ValueError: ``video`` is not 5-D or a size is not a positive int.
-    """
-    if video.dim() != 5:
-        raise ValueError(f"video must be [B, C, F, H, W]; got shape {tuple(video.shape)}")
-    for name, value in (("height", height), ("width", width)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"output {name} must be a positive int; got {value!r}")
-    b, c, f = video.shape[:3]
-    out = video.new_empty(b, c, f, height, width)
-    for start in range(0, f, frames_per_chunk):
-        stop = min(f, start + frames_per_chunk)
-        chunk = video[:, :, start:stop].transpose(1, 2).reshape(b * (stop - start), c, *video.shape[3:])
-        chunk = torch.nn.functional.interpolate(chunk, size=(height, width), mode="bilinear", align_corners=False)
-        out[:, :, start:stop] = chunk.reshape(b, stop - start, c, height, width).transpose(1, 2)
-    return out
-
-
-def _resample_audio(waveform: np.ndarray, ratio: float) -> np.ndarray:
-    """``scipy.signal.resample`` along axis 0 to ``int(N * ratio)`` samples (SandAI ``resample_audio_sinc``)."""
-    from scipy.signal import resample
-
-    return resample(waveform, int(waveform.shape[0] * ratio))
 
 
 class Magi2Pipeline(DiffusionPipeline):
@@ -281,37 +207,31 @@ class Magi2Pipeline(DiffusionPipeline):
     # Geometry read from the component configs
     # ------------------------------------------------------------------------------------------
 
+    def _video_latent_geometry(self, vae_key: str, decoder_key: str, default: int) -> int:
+        """``vae.config[vae_key]`` when there is a ``vae``, else ``video_decoder.config[decoder_key]`` when
+        the decoder declares it, else ``default`` (the released model's value)."""
+        vae = getattr(self, "vae", None)
+        if vae is not None:
+            return int(getattr(vae.config, vae_key))
+        decoder = getattr(self, "video_decoder", None)
+        if decoder is not None and decoder_key in decoder.config:
+            return int(getattr(decoder.config, decoder_key))
+        return default
+
     @property
     def vae_scale_factor_spatial(self) -> int:
         """Pixels per latent cell along H and W (16 for Wan2.2 / TurboVAED)."""
-        vae = getattr(self, "vae", None)
-        if vae is not None:
-            return int(vae.config.scale_factor_spatial)
-        decoder = getattr(self, "video_decoder", None)
-        if decoder is not None and "spatial_compression_ratio" in decoder.config:
-            return int(decoder.config.spatial_compression_ratio)
-        return 16
+        return self._video_latent_geometry("scale_factor_spatial", "spatial_compression_ratio", 16)
 
     @property
     def vae_scale_factor_temporal(self) -> int:
         """Frames per latent frame after the first (4): F = 4·(T − 1) + 1."""
-        vae = getattr(self, "vae", None)
-        if vae is not None:
-            return int(vae.config.scale_factor_temporal)
-        decoder = getattr(self, "video_decoder", None)
-        if decoder is not None and "temporal_compression_ratio" in decoder.config:
-            return int(decoder.config.temporal_compression_ratio)
-        return 4
+        return self._video_latent_geometry("scale_factor_temporal", "temporal_compression_ratio", 4)
 
     @property
     def num_channels_latents(self) -> int:
         """Video latent channels (48), from the VAE / video decoder config."""
-        if getattr(self, "vae", None) is not None:
-            return int(self.vae.config.z_dim)
-        decoder = getattr(self, "video_decoder", None)
-        if decoder is not None and "latent_channels" in decoder.config:
-            return int(decoder.config.latent_channels)
-        return 48
+        return self._video_latent_geometry("z_dim", "latent_channels", 48)
 
     @property
     def num_channels_audio_latents(self) -> int:
@@ -384,24 +304,9 @@ class Magi2Pipeline(DiffusionPipeline):
     # ------------------------------------------------------------------------------------------
     # Scheduling (C01: the shift is applied exactly once, by the scheduler, on every task path)
     # ------------------------------------------------------------------------------------------
-
-    def _check_scheduler(self, scheduler) -> None:
-        config = scheduler.config
-        if not (
-            config.get("use_flow_sigmas", False)
-            and config.get("prediction_type") == "flow_prediction"
-            and config.get("final_sigmas_type") == "zero"
-        ):
-            raise ValueError(
-                "Magi2Pipeline needs a flow-matching UniPCMultistepScheduler: use_flow_sigmas=True, "
-                "prediction_type='flow_prediction', final_sigmas_type='zero' (flow_shift=7 for the preview); got "
-                f"use_flow_sigmas={config.get('use_flow_sigmas')}, prediction_type={config.get('prediction_type')!r}, "
-                f"final_sigmas_type={config.get('final_sigmas_type')!r}"
-            )
-
     def base_sigmas(self, num_inference_steps: int) -> np.ndarray:
         """Unshifted sigmas ``linspace(sigma_start, 0, N + 1)[:-1]`` (float64, length N)."""
-        return np.linspace(float(self.config.sigma_start), 0.0, num_inference_steps + 1)[:-1]
+        return unshifted_sigmas(self.config.sigma_start, num_inference_steps)
 
     def prepare_timesteps(
         self, num_inference_steps: int, device: torch.device | str | None = None
@@ -420,47 +325,20 @@ class Magi2Pipeline(DiffusionPipeline):
         Raises:
             ValueError: the scheduler is not a flow-prediction UniPC with flow sigmas.
         """
-        self._check_scheduler(self.scheduler)
-        video_scheduler = self.scheduler
-        audio_scheduler = UniPCMultistepScheduler.from_config(self.scheduler.config)
-        sigmas = self.base_sigmas(num_inference_steps)
-        for scheduler in (video_scheduler, audio_scheduler):
-            scheduler.set_timesteps(sigmas=sigmas, device=device)
-            scheduler.set_begin_index(0)
-        return video_scheduler, audio_scheduler, video_scheduler.timesteps
+        return flow_schedulers(self.scheduler, self.base_sigmas(num_inference_steps), device)
 
     # ------------------------------------------------------------------------------------------
     # Two-stage (1080p refiner) geometry and settings
     # ------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def apply_resolution_preset(resolution: str, height: int, width: int) -> tuple[int, int]:
-        """``(height, width)`` of a ``resolution`` preset (``RESOLUTION_PRESETS``: "272p", "540p", "1080p").
-
-        ``height``/``width`` must be left at their defaults (512 × 896) or equal the preset.
-
-        Raises:
-            ValueError: an unknown preset, or a conflicting explicit height/width.
-        """
-        if resolution not in RESOLUTION_PRESETS:
-            raise ValueError(f"resolution must be one of {sorted(RESOLUTION_PRESETS)}; got {resolution!r}")
-        preset = RESOLUTION_PRESETS[resolution]
-        if (height, width) not in ((512, 896), preset):
-            raise ValueError(
-                f"resolution={resolution!r} means {preset[0]}x{preset[1]}; it conflicts with height={height!r}, "
-                f"width={width!r} (pass either resolution or height/width)"
-            )
-        return preset
+    apply_resolution_preset = staticmethod(apply_resolution_preset)
 
     def stage_sizes(
         self, height: int, width: int, preview_height: int | None = None, preview_width: int | None = None
     ) -> tuple[bool, int, int]:
-        """Whether the call runs the refiner, and the size the preview stage denoises at.
-
-        The two-stage path runs when ``(height, width) == (1088, 1920)`` (its preview size is then
-        ``config.preview_height × config.preview_width``, 512 × 896 for the released model) or when
-        ``preview_height`` and ``preview_width`` are given (e.g. a tiny model: preview 32 × 48, refined
-        output ``height × width`` = 64 × 96). Otherwise a single stage at ``height × width``.
+        """Whether the call runs the refiner, and the size the preview stage denoises at:
+        :func:`~diffusers_magi2.pipelines.presets_magi2.resolve_stage_sizes` with the config's preview size
+        (``config.preview_height × config.preview_width``, 512 × 896 for the released model).
 
         Returns:
             ``(refine, denoise_height, denoise_width)`` in pixels.
@@ -468,16 +346,8 @@ class Magi2Pipeline(DiffusionPipeline):
         Raises:
             ValueError: only one of ``preview_height``/``preview_width`` given.
         """
-        if (preview_height is None) != (preview_width is None):
-            raise ValueError(
-                "preview_height and preview_width go together (the preview size of the two-stage refiner path); "
-                f"got preview_height={preview_height!r}, preview_width={preview_width!r}"
-            )
-        if preview_height is not None:
-            return True, preview_height, preview_width
-        if (height, width) == REFINER_RESOLUTION:
-            return True, int(self.config.get("preview_height", 512)), int(self.config.get("preview_width", 896))
-        return False, height, width
+        default_preview = (int(self.config.get("preview_height", 512)), int(self.config.get("preview_width", 896)))
+        return resolve_stage_sizes(height, width, preview_height, preview_width, default_preview)
 
     def refiner_stage_config(
         self, num_inference_steps: int | None = None, guidance_scale: float | None = None
@@ -531,249 +401,31 @@ class Magi2Pipeline(DiffusionPipeline):
         attention_kwargs=None,
     ) -> None:
         """Reject bad arguments with a ``ValueError`` before any work starts (see ``__call__``)."""
-        for name, value in (("height", height), ("width", width)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 16:
-                raise ValueError(f"{name} must be a positive multiple of 16 (e.g. 256x448 or 512x896); got {value!r}")
-        for name, value in (("preview_height", preview_height), ("preview_width", preview_width)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 16):
-                raise ValueError(
-                    f"{name} must be a positive multiple of 16 (512x896 for the released model); got {value!r}"
-                )
+        check_sizes(height, width, preview_height, preview_width)
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
-        if refine and getattr(self, "refiner", None) is None:
-            if (height, width) == REFINER_RESOLUTION:
-                what = "1088x1920 (1080p) is produced by the MAGI-2 refiner stage (preview at 512x896, then the refiner)"
-            else:
-                what = "preview_height/preview_width select the two-stage path (preview, then the refiner stage)"
-            raise ValueError(
-                f"{what}, which needs the `refiner` component (Magi2RefinerTransformer3DModel), and this pipeline has "
-                "none: load a repo converted with the refiner or pass refiner=...; or use height=512, width=896 "
-                "(or 256x448) without preview_height/preview_width"
-            )
-        if refine:
-            if refiner_num_inference_steps is not None and (
-                not isinstance(refiner_num_inference_steps, int)
-                or isinstance(refiner_num_inference_steps, bool)
-                or refiner_num_inference_steps < 1
-            ):
-                raise ValueError(
-                    f"refiner_num_inference_steps must be an integer >= 1 (released: 5); got {refiner_num_inference_steps!r}"
-                )
-            if refiner_guidance_scale is not None and (
-                not isinstance(refiner_guidance_scale, (int, float))
-                or isinstance(refiner_guidance_scale, bool)
-                or not np.isfinite(refiner_guidance_scale)
-                or refiner_guidance_scale < 0
-            ):
-                raise ValueError(
-                    f"refiner_guidance_scale must be a finite number >= 0 (released: 2.0); got {refiner_guidance_scale!r}"
-                )
-            stage_cfg = self.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale)
-            if (
-                stage_cfg.guidance_scale != 1.0
-                and negative_prompt_embeds is None
-                and (getattr(self, "tokenizer", None) is None or getattr(self, "text_encoder", None) is None)
-            ):
-                raise ValueError(
-                    f"the refiner stage runs CFG (refiner_guidance_scale={stage_cfg.guidance_scale}) and needs the negative "
-                    "prompt's embeddings even when the preview runs without CFG: pass negative_prompt_embeds and "
-                    "negative_prompt_attention_mask, or load the tokenizer and text_encoder"
-                )
-        elif refiner_num_inference_steps is not None or refiner_guidance_scale is not None:
-            raise ValueError(
-                "refiner_num_inference_steps/refiner_guidance_scale only apply to the two-stage refiner path "
-                "(height=1088, width=1920, resolution='1080p', or preview_height/preview_width)"
-            )
-        self._check_attention_kwargs(attention_kwargs, refine)
-        if (output_height is None) != (output_width is None):
-            raise ValueError(
-                "output_height and output_width go together (a bilinear resize of the decoded frames); "
-                f"got output_height={output_height!r}, output_width={output_width!r}"
-            )
-        if output_height is not None:
-            for name, value in (("output_height", output_height), ("output_width", output_width)):
-                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                    raise ValueError(f"{name} must be a positive int (pixels, e.g. 1080x1920); got {value!r}")
-            if output_type == "latent":
-                raise ValueError(
-                    "output_height/output_width resize decoded frames; they are not allowed with output_type='latent'"
-                )
-        if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be an integer >= 1; got {num_inference_steps!r}")
-        for name, value in (("guidance_scale", guidance_scale), ("audio_guidance_scale", audio_guidance_scale)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0 (1 disables guidance); got {value!r}")
-        if output_type not in _OUTPUT_TYPES:
-            raise ValueError(f"output_type must be one of {_OUTPUT_TYPES}; got {output_type!r}")
-        if callback_on_step_end_tensor_inputs is not None:
-            bad = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
-            if bad:
-                raise ValueError(
-                    f"callback_on_step_end_tensor_inputs may only name {self._callback_tensor_inputs}; got {bad}"
-                )
-
-        if prompt is not None and prompt_embeds is not None:
-            raise ValueError("pass either prompt or prompt_embeds, not both")
-        if prompt is None and prompt_embeds is None:
-            raise ValueError("a prompt is required: pass prompt (a non-empty string or list of strings) or prompt_embeds")
-        if prompt is not None:
-            prompts = [prompt] if isinstance(prompt, str) else prompt
-            if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-                raise ValueError(f"prompt must be a non-empty string or a non-empty list of strings; got {type(prompt).__name__}")
-            if any(not p.strip() for p in prompts):
-                raise ValueError("prompt must not be empty or whitespace only")
-        if prompt_embeds is not None:
-            if prompt_embeds.ndim != 3:
-                raise ValueError(f"prompt_embeds must be [batch, tokens, channels]; got shape {tuple(prompt_embeds.shape)}")
-            if prompt_attention_mask is None:
-                raise ValueError("prompt_embeds needs prompt_attention_mask ([batch, tokens], true for real tokens)")
-            if tuple(prompt_attention_mask.shape) != tuple(prompt_embeds.shape[:2]):
-                raise ValueError(
-                    f"prompt_attention_mask must be {tuple(prompt_embeds.shape[:2])} to match prompt_embeds; "
-                    f"got {tuple(prompt_attention_mask.shape)}"
-                )
-        if negative_prompt is not None and negative_prompt_embeds is not None:
-            raise ValueError("pass either negative_prompt or negative_prompt_embeds, not both")
-        if negative_prompt is not None:
-            negatives = [negative_prompt] if isinstance(negative_prompt, str) else negative_prompt
-            if not isinstance(negatives, list) or not all(isinstance(p, str) for p in negatives):
-                raise ValueError("negative_prompt must be a string or a list of strings")
-        if negative_prompt_embeds is not None:
-            if negative_prompt_embeds.ndim != 3:
-                raise ValueError(
-                    f"negative_prompt_embeds must be [batch, tokens, channels]; got shape {tuple(negative_prompt_embeds.shape)}"
-                )
-            if negative_prompt_attention_mask is None:
-                raise ValueError("negative_prompt_embeds needs negative_prompt_attention_mask ([batch, tokens])")
-            if tuple(negative_prompt_attention_mask.shape) != tuple(negative_prompt_embeds.shape[:2]):
-                raise ValueError(
-                    f"negative_prompt_attention_mask must be {tuple(negative_prompt_embeds.shape[:2])}; "
-                    f"got {tuple(negative_prompt_attention_mask.shape)}"
-                )
-            if prompt_embeds is not None and negative_prompt_embeds.shape[0] != prompt_embeds.shape[0]:
-                raise ValueError(
-                    f"negative_prompt_embeds batch {negative_prompt_embeds.shape[0]} != prompt_embeds batch {prompt_embeds.shape[0]}"
-                )
-
-        if image is not None:
-            if not isinstance(image, (PIL.Image.Image, str, os.PathLike, np.ndarray)):
-                raise ValueError(f"image must be a {_IMAGE_TYPES}; got {type(image).__name__}")
-            if isinstance(image, np.ndarray) and (image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8):
-                raise ValueError(f"a numpy image must be uint8 [H, W, 3] (RGB); got {image.dtype} {image.shape}")
-            if isinstance(image, (str, os.PathLike)) and not os.path.isfile(image):
-                raise ValueError(f"image path {os.fspath(image)!r} is not an existing file")
-            if getattr(self, "vae", None) is None:
-                raise ValueError("image-to-video needs the `vae` component (AutoencoderKLWan) to encode the image")
-            if prompt_embeds is not None and image_embeds is None:
-                raise ValueError(
-                    "image with prompt_embeds also needs image_embeds (the <Figure 1> special-token embedding, "
-                    "[batch, channels]); or pass prompt instead of prompt_embeds"
-                )
-        elif image_embeds is not None:
-            raise ValueError("image_embeds is only used with image (image-to-video); pass image too")
-        if image_embeds is not None and image_embeds.ndim != 2:
-            raise ValueError(f"image_embeds must be [batch, channels]; got shape {tuple(image_embeds.shape)}")
-
+        check_refiner_inputs(
+            self, refine, height, width, refiner_num_inference_steps, refiner_guidance_scale, negative_prompt_embeds
+        )
+        check_attention_kwargs(self, attention_kwargs, refine)
+        check_output_size(output_height, output_width, output_type)
+        check_sampling_inputs(
+            self, num_inference_steps, guidance_scale, audio_guidance_scale, output_type, callback_on_step_end_tensor_inputs
+        )
+        check_prompt_inputs(
+            prompt,
+            negative_prompt,
+            prompt_embeds,
+            prompt_attention_mask,
+            negative_prompt_embeds,
+            negative_prompt_attention_mask,
+        )
+        check_image_inputs(self, image, prompt_embeds, image_embeds)
         # batch size and text width, checked here so that nothing is encoded before a mismatch raises
-        batch_size = len([prompt] if isinstance(prompt, str) else prompt) if prompt is not None else prompt_embeds.shape[0]
-        if negative_prompt is not None and not isinstance(negative_prompt, str) and len(negative_prompt) != batch_size:
-            raise ValueError(
-                f"negative_prompt has {len(negative_prompt)} entries for a batch of {batch_size}: pass one string "
-                f"or a list of {batch_size} strings"
-            )
-        for name, tensor in (
-            ("negative_prompt_embeds", negative_prompt_embeds),
-            ("image_embeds", image_embeds),
-            ("latents", latents),
-            ("audio_latents", audio_latents),
-        ):
-            if tensor is not None and tensor.shape[0] != batch_size:
-                raise ValueError(
-                    f"{name} has batch {tensor.shape[0]}; it must equal the prompt batch {batch_size} "
-                    f"({'len(prompt)' if prompt is not None else 'prompt_embeds.shape[0]'})"
-                )
-        text_widths = {}
-        for component in ("transformer", "refiner"):
-            model = getattr(self, component, None)
-            width = getattr(getattr(model, "config", None), "text_in_channels", None)
-            if width is not None:
-                text_widths[component] = int(width)
-        for name, tensor in (
-            ("prompt_embeds", prompt_embeds),
-            ("negative_prompt_embeds", negative_prompt_embeds),
-            ("image_embeds", image_embeds),
-        ):
-            if tensor is None:
-                continue
-            for component, width in text_widths.items():
-                if tensor.shape[-1] != width:
-                    raise ValueError(
-                        f"{name} has {tensor.shape[-1]} channels; {component}.config.text_in_channels allows "
-                        f"only {width} (the text encoder's hidden size)"
-                    )
-
-        if output_type != "latent" and getattr(self, "video_decoder", None) is None and getattr(self, "vae", None) is None:
-            raise ValueError("decoding needs `video_decoder` or `vae`; neither is loaded (use output_type='latent')")
-
-        h, w = denoise_height // self.vae_scale_factor_spatial, denoise_width // self.vae_scale_factor_spatial
-        if latents is not None:
-            if latents.ndim != 5 or latents.shape[1] != self.num_channels_latents or tuple(latents.shape[3:]) != (h, w):
-                stage = " (the preview stage of the refiner path)" if refine else ""
-                raise ValueError(
-                    f"latents must be [batch, {self.num_channels_latents}, T, {h}, {w}] for "
-                    f"{denoise_height}x{denoise_width}{stage}; got {tuple(latents.shape)}"
-                )
-        if audio_latents is not None:
-            if audio_latents.ndim != 3 or audio_latents.shape[2] != self.num_channels_audio_latents:
-                raise ValueError(
-                    f"audio_latents must be [batch, L, {self.num_channels_audio_latents}]; got {tuple(audio_latents.shape)}"
-                )
-        if latents is not None and audio_latents is not None and latents.shape[0] != audio_latents.shape[0]:
-            raise ValueError(f"latents batch {latents.shape[0]} != audio_latents batch {audio_latents.shape[0]}")
-
-    def _attention_models(self, refine: bool) -> list:
-        """The models a call runs: the transformer, plus the refiner on the two-stage path."""
-        models = [self.transformer]
-        if refine and getattr(self, "refiner", None) is not None:
-            models.append(self.refiner)
-        return models
-
-    def _check_attention_kwargs(self, attention_kwargs, refine: bool) -> None:
-        """Every ``attention_kwargs`` key must be used by a model this call runs.
-
-        A model declares the keys it takes in ``supported_attention_kwargs`` (the MAGI-2 transformer:
-        none; the refiner: ``window_backend``, ``max_dense_mask_elements``, ``mlp_chunk_size``). A
-        model without that declaration (a custom component) receives the whole dict and checks it
-        itself, so no key is checked here then.
-
-        Raises:
-            ValueError: not a dict/``None``, or a key no model of this call takes (e.g. a refiner key
-                on a single-stage call).
-        """
-        if attention_kwargs is None:
-            return
-        if not isinstance(attention_kwargs, dict):
-            raise ValueError(f"attention_kwargs must be a dict or None; got {type(attention_kwargs).__name__}")
-        declared = [getattr(m, "supported_attention_kwargs", None) for m in self._attention_models(refine)]
-        if any(d is None for d in declared):
-            return
-        allowed = sorted({k for d in declared for k in d})
-        unknown = sorted(k for k in attention_kwargs if k not in allowed)
-        if unknown:
-            hint = "" if refine else " (the refiner's keys only apply on the two-stage 1080p/preview_height path)"
-            raise ValueError(f"attention_kwargs {unknown} are not used by this call; allowed keys: {allowed}{hint}")
-
-    @staticmethod
-    def _attention_kwargs_for(model, attention_kwargs):
-        """The part of ``attention_kwargs`` that ``model`` takes (its ``supported_attention_kwargs``;
-        everything for a model without that declaration); ``None`` when empty. Keys were checked by
-        :meth:`check_inputs`, so nothing is dropped silently: each key reaches the model that uses it."""
-        if not attention_kwargs:
-            return None
-        supported = getattr(model, "supported_attention_kwargs", None)
-        if supported is None:
-            return attention_kwargs
-        return {k: v for k, v in attention_kwargs.items() if k in supported} or None
+        check_batch_sizes(
+            prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds, latents, audio_latents
+        )
+        check_text_widths(self, prompt_embeds, negative_prompt_embeds, image_embeds)
+        check_latents_and_decoder(self, output_type, latents, audio_latents, refine, denoise_height, denoise_width)
 
     # ------------------------------------------------------------------------------------------
     # Text
@@ -792,16 +444,6 @@ class Magi2Pipeline(DiffusionPipeline):
         )
         offsets = tokens["offset_mapping"][0] if want_offsets else None
         return features, normalized, offsets
-
-    @staticmethod
-    def _pad_features(features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        longest = max(f.shape[1] for f in features)
-        embeds = features[0].new_zeros(len(features), longest, features[0].shape[-1])
-        mask = torch.zeros(len(features), longest, dtype=torch.bool, device=features[0].device)
-        for row, f in enumerate(features):
-            embeds[row, : f.shape[1]] = f[0]
-            mask[row, : f.shape[1]] = True
-        return embeds, mask
 
     @torch.no_grad()
     def encode_prompt(
@@ -833,44 +475,22 @@ class Magi2Pipeline(DiffusionPipeline):
             features.append(f)
             if figure_target is not None:
                 pooled.append(pool_target_features(f, find_target_token_indices(normalized, offsets, figure_target)))
-        embeds, mask = self._pad_features(features)
+        embeds, mask = pad_text_batch(features, [None] * len(features))
         return embeds, mask, (torch.stack(pooled, 0) if pooled else None)
 
     # ------------------------------------------------------------------------------------------
     # Image
     # ------------------------------------------------------------------------------------------
 
-    def _load_image(self, image) -> PIL.Image.Image:
-        if isinstance(image, PIL.Image.Image):
-            return image
-        if isinstance(image, np.ndarray):
-            return PIL.Image.fromarray(image)
-        from diffusers.utils import load_image
-
-        return load_image(os.fspath(image))
-
     def preprocess_reference_image(self, image, height: int, width: int) -> torch.Tensor:
-        """The I2V image as VAE input ``[1, 3, 1, H', W']`` (fp32 values), following SandAI
-        ``Magi2InferenceEngine._encode_image`` with ``ref_image_type="original"``:
-
-        1. scale the long side to ``max(height, width)`` (other side ``int``-truncated),
-        2. :func:`letterbox_image` onto a white canvas of that size,
-        3. ``VideoProcessor(vae_scale_factor=32).preprocess`` (floors both sides to multiples of 32,
-           resizes, maps to [-1, 1]),
-        4. round to ``reference_image_dtype`` (bf16 in the reference engine), keep RGB, add T = 1.
-
-        E.g. a 1920×1080 image for 512×896 → 896×504 → 896×480 → latent 56×30 (spec §5.5).
+        """The I2V image as VAE input ``[1, 3, 1, H', W']`` (fp32 values): SandAI
+        ``Magi2InferenceEngine._encode_image`` with ``ref_image_type="original"`` (long side scaled to
+        ``max(height, width)``, letterboxed, floored to multiples of 32, rounded to
+        ``config.reference_image_dtype``); see
+        :func:`~diffusers_magi2.pipelines.image_processing_magi2.preprocess_reference_image`.
         """
-        pil = self._load_image(image)
-        longest = max(height, width)
-        if pil.width > pil.height:
-            target_w, target_h = longest, int(pil.height * longest / pil.width)
-        else:
-            target_h, target_w = longest, int(pil.width * longest / pil.height)
-        canvas = letterbox_image(pil, target_h, target_w)
-        pixels = self.reference_image_processor.preprocess(canvas, height=target_h, width=target_w)
         rounding = getattr(torch, str(self.config.reference_image_dtype))
-        return pixels.to(rounding).unsqueeze(2)[:, :3].float()
+        return preprocess_reference_image(image, height, width, self.reference_image_processor, rounding)
 
     @torch.no_grad()
     def encode_reference_image(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -886,9 +506,8 @@ class Magi2Pipeline(DiffusionPipeline):
         """
         vae = self.vae
         mu = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode().float()
-        mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=mu.device).view(1, -1, 1, 1, 1)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std, dtype=torch.float32, device=mu.device)
-        return (mu - mean) * inv_std.view(1, -1, 1, 1, 1)
+        mean, inv_std = wan_latent_stats(vae, mu.device)
+        return (mu - mean) * inv_std
 
     # ------------------------------------------------------------------------------------------
     # Latents
@@ -934,20 +553,10 @@ class Magi2Pipeline(DiffusionPipeline):
         """Normalised video latents ``[B, 48, T, h, w]`` → pixels ``[B, 3, 4(T−1)+1, 16h, 16w]`` in [-1, 1].
 
         Uses ``video_decoder`` (TurboVAED; it de-normalises internally) when present, else the Wan
-        VAE after de-normalising ``z / (1/std) + mean`` with its config tables.
+        VAE after de-normalising ``z / (1/std) + mean`` with its config tables
+        (:func:`~diffusers_magi2.pipelines.decoding_magi2.decode_video_latents`).
         """
-        decoder = getattr(self, "video_decoder", None)
-        if decoder is not None:
-            out = decoder.decode(latents.to(device=decoder.device, dtype=decoder.dtype))
-            video = out.sample if hasattr(out, "sample") else out[0]
-            return video.float()
-        vae = self.vae
-        z = latents.float()
-        mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=z.device).view(1, -1, 1, 1, 1)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std, dtype=torch.float32, device=z.device).view(1, -1, 1, 1, 1)
-        z = z / inv_std + mean
-        video = vae.decode(z.to(device=vae.device, dtype=vae.dtype)).sample
-        return video.float().clamp(-1.0, 1.0)
+        return decode_video_latents(getattr(self, "video_decoder", None), getattr(self, "vae", None), latents)
 
     @torch.no_grad()
     def decode_audio(self, audio_latents: torch.Tensor) -> np.ndarray:
@@ -955,14 +564,11 @@ class Magi2Pipeline(DiffusionPipeline):
 
         Oobleck decode of ``[B, 64, L]`` (L·2048 samples, identity latent scaling), then
         ``scipy.signal.resample`` to ``int(N · audio_resample_ratio)`` samples (441/512: 250 latents →
-        512,000 → 441,000 = 10 s). Matches SandAI ``decode_audio``/``resample_audio_sinc``.
+        512,000 → 441,000 = 10 s). Matches SandAI ``decode_audio``/``resample_audio_sinc``
+        (:func:`~diffusers_magi2.pipelines.decoding_magi2.decode_audio_latents`).
         """
-        vae = self.audio_vae
-        waveform = vae.decode(audio_latents.transpose(1, 2).to(device=vae.device, dtype=vae.dtype)).sample
-        waveform = waveform.float().cpu().numpy()
-        ratio = float(self.config.audio_resample_ratio)
-        out = [_resample_audio(row.T, ratio).T.astype(np.float32) for row in waveform]
-        return np.stack(out, axis=0)
+        return decode_audio_latents(self.audio_vae, audio_latents, float(self.config.audio_resample_ratio))
+
 
     # ------------------------------------------------------------------------------------------
     # Call
@@ -1090,7 +696,7 @@ class Magi2Pipeline(DiffusionPipeline):
             refiner_guidance_scale=refiner_guidance_scale,
             attention_kwargs=attention_kwargs,
         )
-        self._check_scheduler(self.scheduler)
+        check_scheduler(self.scheduler)
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
         refiner_config = None
         if refine:
@@ -1180,13 +786,9 @@ class Magi2Pipeline(DiffusionPipeline):
                 audio_latents = audio_scheduler.step(audio_velocity, t, audio_latents, return_dict=False)[0]
 
                 if callback_on_step_end is not None:
-                    available = {
-                        "latents": latents,
-                        "audio_latents": audio_latents,
-                        "prompt_embeds": prompt_embeds,
-                        "negative_prompt_embeds": negative_prompt_embeds,
-                    }
-                    callback_kwargs = {name: available[name] for name in callback_on_step_end_tensor_inputs}
+                    callback_kwargs = {}
+                    for name in callback_on_step_end_tensor_inputs:  # names checked against _callback_tensor_inputs
+                        callback_kwargs[name] = locals()[name]
                     callback_outputs = callback_on_step_end(self, i, t, callback_kwargs)
                     latents = callback_outputs.pop("latents", latents)
                     audio_latents = callback_outputs.pop("audio_latents", audio_latents)
@@ -1212,7 +814,7 @@ class Magi2Pipeline(DiffusionPipeline):
                     negative_prompt_attention_mask=negative_prompt_attention_mask,
                     config=refiner_config,
                     generator=generator,
-                    attention_kwargs=self._attention_kwargs_for(self.refiner, attention_kwargs),
+                    attention_kwargs=attention_kwargs_for(self.refiner, attention_kwargs),
                     callback_on_step_end=lambda i, t, x: refiner_bar.update(),
                 )
             # 2T − 1 latents on the 25 fps timeline: twice the preview frame rate.
@@ -1270,13 +872,9 @@ class Magi2Pipeline(DiffusionPipeline):
         cfg = self.do_classifier_free_guidance
         copies = 2 if cfg else 1
         if cfg:
-            longest = max(prompt_embeds.shape[1], negative_prompt_embeds.shape[1])
-            text = prompt_embeds.new_zeros(2 * batch, longest, prompt_embeds.shape[-1])
-            mask = torch.zeros(2 * batch, longest, dtype=torch.bool, device=prompt_embeds.device)
-            text[:batch, : prompt_embeds.shape[1]] = prompt_embeds
-            mask[:batch, : prompt_embeds.shape[1]] = prompt_attention_mask
-            text[batch:, : negative_prompt_embeds.shape[1]] = negative_prompt_embeds.to(text.dtype)
-            mask[batch:, : negative_prompt_embeds.shape[1]] = negative_prompt_attention_mask
+            text, mask = pad_text_batch(
+                [prompt_embeds, negative_prompt_embeds], [prompt_attention_mask, negative_prompt_attention_mask]
+            )
         else:
             text, mask = prompt_embeds, prompt_attention_mask
         timestep = t.to(device=latents.device, dtype=torch.float32).reshape(1).expand(copies * batch)
@@ -1290,7 +888,7 @@ class Magi2Pipeline(DiffusionPipeline):
             encoder_hidden_states=text,
             audio_hidden_states=torch.cat([audio_latents] * copies, dim=0),
             encoder_attention_mask=mask,
-            attention_kwargs=self._attention_kwargs_for(self.transformer, self.attention_kwargs),
+            attention_kwargs=attention_kwargs_for(self.transformer, self.attention_kwargs),
             return_dict=True,
             **kwargs,
         )
@@ -1298,8 +896,5 @@ class Magi2Pipeline(DiffusionPipeline):
         audio = output.audio_sample.float()
         if not cfg:
             return video, audio
-        video_cond, video_uncond = video[:batch], video[batch:]
-        audio_cond, audio_uncond = audio[:batch], audio[batch:]
-        video = video_uncond + self.guidance_scale * (video_cond - video_uncond)
-        audio = audio_uncond + self.audio_guidance_scale * (audio_cond - audio_uncond)
-        return video, audio
+        video = combine_guidance(video, batch, self.guidance_scale)
+        return video, combine_guidance(audio, batch, self.audio_guidance_scale)

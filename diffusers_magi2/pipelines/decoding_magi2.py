@@ -1,0 +1,112 @@
+"""Latent → output helpers of the MAGI-2 pipeline: the Wan latent normalisation tables, video and audio
+decoding, the audio resample and the optional output resize.
+
+Follows SandAI ``Magi2InferenceEngine.decode_video``, ``audio_decoder.decode_audio`` /
+``resample_audio_sinc`` and ``Magi2Evaluator._resize_video`` at commit ``f68a0f9`` (spec
+``magi2_reference_spec.md`` §5.5); the code is this package's own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = [
+    "decode_audio_latents",
+    "decode_video_latents",
+    "resample_audio",
+    "resize_video_frames",
+    "wan_latent_stats",
+]
+
+
+def resize_video_frames(video: torch.Tensor, height: int, width: int, frames_per_chunk: int = 16) -> torch.Tensor:
+    """Bilinear resize of every frame of ``video`` ``[B, C, F, H, W]`` to ``height`` × ``width``.
+
+    Per-frame 2-D ``F.interpolate(mode="bilinear", align_corners=False)`` (no mixing across time),
+    as SandAI ``Magi2Evaluator._resize_video`` (``--output-width/--output-height``). Works on any
+    value range: bilinear weights are convex, so resizing the [-1, 1] decoder output and then mapping
+    to [0, 1] equals mapping first. (The reference resizes after 8-bit quantisation; this port
+    resizes the float frames, before it.) Processes ``frames_per_chunk`` frames at a time to bound
+    the temporary memory at 1080p.
+
+    Args:
+        video: ``[B, C, F, H, W]`` float tensor.
+        height, width: output pixels (positive ints).
+
+    Returns:
+        ``[B, C, F, height, width]`` tensor, same dtype and device.
+
+    Raises:
+        ValueError: ``video`` is not 5-D or a size is not a positive int.
+    """
+    if video.dim() != 5:
+        raise ValueError(f"video must be [B, C, F, H, W]; got shape {tuple(video.shape)}")
+    for name, value in (("height", height), ("width", width)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"output {name} must be a positive int; got {value!r}")
+    b, c, f = video.shape[:3]
+    out = video.new_empty(b, c, f, height, width)
+    for start in range(0, f, frames_per_chunk):
+        stop = min(f, start + frames_per_chunk)
+        chunk = video[:, :, start:stop].transpose(1, 2).reshape(b * (stop - start), c, *video.shape[3:])
+        chunk = torch.nn.functional.interpolate(chunk, size=(height, width), mode="bilinear", align_corners=False)
+        out[:, :, start:stop] = chunk.reshape(b, stop - start, c, height, width).transpose(1, 2)
+    return out
+
+
+def resample_audio(waveform: np.ndarray, ratio: float) -> np.ndarray:
+    """``scipy.signal.resample`` along axis 0 to ``int(N * ratio)`` samples (SandAI ``resample_audio_sinc``).
+
+    The general form of :func:`diffusers_magi2.models.audio_utils.resample_audio_441_512` (same call,
+    same result for ``ratio = 441/512``) for the pipeline's configurable ``audio_resample_ratio``.
+
+    Args:
+        waveform: ``[N, channels]`` float numpy samples (time on axis 0).
+        ratio: output/input sample count ratio (> 0).
+
+    Returns:
+        ``[int(N * ratio), channels]`` numpy, the input's float dtype.
+    """
+    from scipy.signal import resample
+
+    return resample(waveform, int(waveform.shape[0] * ratio))
+
+
+def wan_latent_stats(vae, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Wan2.2 latent normalisation tables ``(mean, 1 / std)``, each fp32 ``[1, C, 1, 1, 1]`` on
+    ``device``, from ``vae.config.latents_mean/latents_std`` (``1/std`` computed in fp32, as the reference).
+    Normalised latents are ``(μ − mean) · (1/std)``."""
+    mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=device).view(1, -1, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std, dtype=torch.float32, device=device).view(1, -1, 1, 1, 1)
+    return mean, inv_std
+
+
+def decode_video_latents(video_decoder, vae, latents: torch.Tensor) -> torch.Tensor:
+    """Normalised video latents ``[B, 48, T, h, w]`` → pixels ``[B, 3, 4(T−1)+1, 16h, 16w]`` in [-1, 1], fp32.
+
+    Uses ``video_decoder`` (TurboVAED; it de-normalises internally) when it is not ``None``, else the
+    Wan ``vae`` after de-normalising ``z / (1/std) + mean`` (:func:`wan_latent_stats`), clamped to [-1, 1].
+    """
+    if video_decoder is not None:
+        out = video_decoder.decode(latents.to(device=video_decoder.device, dtype=video_decoder.dtype))
+        video = out.sample if hasattr(out, "sample") else out[0]
+        return video.float()
+    z = latents.float()
+    mean, inv_std = wan_latent_stats(vae, z.device)
+    z = z / inv_std + mean
+    video = vae.decode(z.to(device=vae.device, dtype=vae.dtype)).sample
+    return video.float().clamp(-1.0, 1.0)
+
+
+def decode_audio_latents(audio_vae, audio_latents: torch.Tensor, ratio: float) -> np.ndarray:
+    """Audio latents ``[B, L, 64]`` → stereo ``[B, 2, S]`` float32 numpy at ``audio_vae.config.sampling_rate``.
+
+    Oobleck decode of ``[B, 64, L]`` (L·2048 samples, identity latent scaling), then
+    :func:`resample_audio` of each row to ``int(N · ratio)`` samples (441/512: 250 latents →
+    512,000 → 441,000 = 10 s). Matches SandAI ``decode_audio``/``resample_audio_sinc``.
+    """
+    waveform = audio_vae.decode(audio_latents.transpose(1, 2).to(device=audio_vae.device, dtype=audio_vae.dtype)).sample
+    waveform = waveform.float().cpu().numpy()
+    out = [resample_audio(row.T, ratio).T.astype(np.float32) for row in waveform]
+    return np.stack(out, axis=0)

@@ -1,0 +1,83 @@
+"""Reference-image (I2V) preprocessing of the MAGI-2 pipeline: loading, letterboxing and the VAE input.
+
+Follows SandAI ``Magi2InferenceEngine._encode_image`` (``ref_image_type="original"``) and
+``inference_engine.resizepad`` at commit ``f68a0f9`` (spec ``magi2_reference_spec.md`` §5.5); the code is
+this package's own.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers.video_processor import VideoProcessor
+
+__all__ = ["IMAGE_TYPES", "letterbox_image", "load_reference_image", "preprocess_reference_image"]
+
+#: What ``image=`` may be (used in error messages).
+IMAGE_TYPES = "PIL.Image.Image, a local file path (str or os.PathLike), or an RGB uint8 numpy array [H, W, 3]"
+
+
+def letterbox_image(image: PIL.Image.Image, height: int, width: int) -> PIL.Image.Image:
+    """Fit ``image`` into a ``height`` × ``width`` white canvas, keeping its aspect ratio.
+
+    The image is resized with LANCZOS by ``min(width / w, height / h)`` (sizes rounded to the nearest
+    integer, at least 1) and pasted centred. Matches SandAI ``inference_engine.resizepad``.
+
+    Raises:
+        ValueError: the image has a zero dimension.
+    """
+    w, h = image.size
+    if w <= 0 or h <= 0:
+        raise ValueError(f"image must have a positive size; got width {w}, height {h}")
+    scale = min(width / w, height / h)
+    new_w = max(1, int(round(w * scale)))
+    new_h = max(1, int(round(h * scale)))
+    resized = image.convert("RGB").resize((new_w, new_h), resample=PIL.Image.Resampling.LANCZOS)
+    canvas = PIL.Image.new("RGB", (width, height), (255, 255, 255))
+    canvas.paste(resized, ((width - new_w) // 2, (height - new_h) // 2))
+    return canvas
+
+
+def load_reference_image(image: PIL.Image.Image | str | os.PathLike | np.ndarray) -> PIL.Image.Image:
+    """``image`` as a PIL image: a PIL image as is, a uint8 ``[H, W, 3]`` array via ``fromarray``, a
+    local path via ``diffusers.utils.load_image`` (types are checked by ``check_inputs`` first)."""
+    if isinstance(image, PIL.Image.Image):
+        return image
+    if isinstance(image, np.ndarray):
+        return PIL.Image.fromarray(image)
+    from diffusers.utils import load_image
+
+    return load_image(os.fspath(image))
+
+
+def preprocess_reference_image(
+    image: PIL.Image.Image | str | os.PathLike | np.ndarray,
+    height: int,
+    width: int,
+    processor: VideoProcessor,
+    rounding_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The I2V image as VAE input ``[1, 3, 1, H', W']`` (fp32 values), following SandAI
+    ``Magi2InferenceEngine._encode_image`` with ``ref_image_type="original"``:
+
+    1. scale the long side to ``max(height, width)`` (other side ``int``-truncated),
+    2. :func:`letterbox_image` onto a white canvas of that size,
+    3. ``processor.preprocess`` (``VideoProcessor(vae_scale_factor=32)``: floors both sides to multiples
+       of 32, resizes, maps to [-1, 1]),
+    4. round to ``rounding_dtype`` (``reference_image_dtype``, bf16 in the reference engine), keep RGB,
+       add T = 1.
+
+    E.g. a 1920×1080 image for 512×896 → 896×504 → 896×480 → latent 56×30 (spec §5.5).
+    """
+    pil = load_reference_image(image)
+    longest = max(height, width)
+    if pil.width > pil.height:
+        target_w, target_h = longest, int(pil.height * longest / pil.width)
+    else:
+        target_h, target_w = longest, int(pil.width * longest / pil.height)
+    canvas = letterbox_image(pil, target_h, target_w)
+    pixels = processor.preprocess(canvas, height=target_h, width=target_w)
+    return pixels.to(rounding_dtype).unsqueeze(2)[:, :3].float()

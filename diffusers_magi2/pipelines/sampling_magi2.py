@@ -1,0 +1,87 @@
+"""Sampler pieces of the MAGI-2 pipeline: the flow-matching UniPC schedules and the classifier-free
+guidance batch.
+
+Follows SandAI ``Magi2PreviewSampler`` (``prepare_model_input``, ``cfg_velocity``) at commit ``f68a0f9``
+(spec ``magi2_reference_spec.md`` §5.2–5.3); the code is this package's own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers import UniPCMultistepScheduler
+
+__all__ = ["check_scheduler", "combine_guidance", "flow_schedulers", "pad_text_batch", "unshifted_sigmas"]
+
+
+def check_scheduler(scheduler) -> None:
+    """Raises ``ValueError`` unless ``scheduler`` is a flow-matching UniPC (``use_flow_sigmas=True``,
+    ``prediction_type='flow_prediction'``, ``final_sigmas_type='zero'``)."""
+    config = scheduler.config
+    if not (
+        config.get("use_flow_sigmas", False)
+        and config.get("prediction_type") == "flow_prediction"
+        and config.get("final_sigmas_type") == "zero"
+    ):
+        raise ValueError(
+            "Magi2Pipeline needs a flow-matching UniPCMultistepScheduler: use_flow_sigmas=True, "
+            "prediction_type='flow_prediction', final_sigmas_type='zero' (flow_shift=7 for the preview); got "
+            f"use_flow_sigmas={config.get('use_flow_sigmas')}, prediction_type={config.get('prediction_type')!r}, "
+            f"final_sigmas_type={config.get('final_sigmas_type')!r}"
+        )
+
+
+def unshifted_sigmas(sigma_start: float, num_inference_steps: int) -> np.ndarray:
+    """Unshifted sigmas ``linspace(sigma_start, 0, N + 1)[:-1]`` (float64, length N)."""
+    return np.linspace(float(sigma_start), 0.0, num_inference_steps + 1)[:-1]
+
+
+def flow_schedulers(
+    scheduler: UniPCMultistepScheduler, sigmas: np.ndarray, device: torch.device | str | None = None
+) -> tuple[UniPCMultistepScheduler, UniPCMultistepScheduler, torch.Tensor]:
+    """``scheduler`` (video) and a fresh audio scheduler built from its config, both set to the unshifted
+    ``sigmas`` (the scheduler applies its ``flow_shift`` once) and to begin at index 0.
+
+    Returns:
+        ``(video_scheduler, audio_scheduler, timesteps)``; ``timesteps`` int64 ``[N]``.
+
+    Raises:
+        ValueError: the scheduler is not a flow-prediction UniPC with flow sigmas (:func:`check_scheduler`).
+    """
+    check_scheduler(scheduler)
+    audio_scheduler = UniPCMultistepScheduler.from_config(scheduler.config)
+    for s in (scheduler, audio_scheduler):
+        s.set_timesteps(sigmas=sigmas, device=device)
+        s.set_begin_index(0)
+    return scheduler, audio_scheduler, scheduler.timesteps
+
+
+def pad_text_batch(
+    embeds: list[torch.Tensor], masks: list[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack text feature batches of different lengths along the batch, zero-padded to the longest.
+
+    Args:
+        embeds: tensors ``[B_i, L_i, C]``; the result has ``embeds[0]``'s dtype and device.
+        masks: per entry a ``[B_i, L_i]`` mask, or ``None`` for "all ``L_i`` tokens are real".
+
+    Returns:
+        ``(text [ΣB_i, max L_i, C], mask [ΣB_i, max L_i] bool)``; padding is zero / ``False``.
+    """
+    longest = max(e.shape[1] for e in embeds)
+    total = sum(e.shape[0] for e in embeds)
+    text = embeds[0].new_zeros(total, longest, embeds[0].shape[-1])
+    mask = torch.zeros(total, longest, dtype=torch.bool, device=embeds[0].device)
+    row = 0
+    for e, m in zip(embeds, masks):
+        rows, length = e.shape[:2]
+        text[row : row + rows, :length] = e.to(text.dtype)
+        mask[row : row + rows, :length] = True if m is None else m
+        row += rows
+    return text, mask
+
+
+def combine_guidance(velocity: torch.Tensor, batch: int, scale: float) -> torch.Tensor:
+    """CFG on a ``[cond; uncond]`` batch (``2·batch`` rows): ``v_u + scale · (v_c − v_u)``, ``[batch, ...]``."""
+    cond, uncond = velocity[:batch], velocity[batch:]
+    return uncond + scale * (cond - uncond)

@@ -1,0 +1,314 @@
+"""Argument checks of ``Magi2Pipeline.__call__``, one function per concern; ``Magi2Pipeline.check_inputs``
+runs them in order, so every bad argument raises a ``ValueError`` before any work starts.
+
+Functions that need the pipeline's components or config take it as ``pipe`` (a ``Magi2Pipeline``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import PIL.Image
+
+from .image_processing_magi2 import IMAGE_TYPES
+from .presets_magi2 import OUTPUT_TYPES, REFINER_RESOLUTION
+
+__all__ = [
+    "attention_kwargs_for",
+    "attention_models",
+    "check_attention_kwargs",
+    "check_batch_sizes",
+    "check_image_inputs",
+    "check_latents_and_decoder",
+    "check_output_size",
+    "check_prompt_inputs",
+    "check_refiner_inputs",
+    "check_sampling_inputs",
+    "check_sizes",
+    "check_text_widths",
+]
+
+
+def check_sizes(height, width, preview_height=None, preview_width=None) -> None:
+    """``height``/``width`` (and the optional preview size) must be positive multiples of 16."""
+    for name, value in (("height", height), ("width", width)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 16:
+            raise ValueError(f"{name} must be a positive multiple of 16 (e.g. 256x448 or 512x896); got {value!r}")
+    for name, value in (("preview_height", preview_height), ("preview_width", preview_width)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 16):
+            raise ValueError(f"{name} must be a positive multiple of 16 (512x896 for the released model); got {value!r}")
+
+
+def check_refiner_inputs(
+    pipe, refine: bool, height, width, refiner_num_inference_steps, refiner_guidance_scale, negative_prompt_embeds
+) -> None:
+    """The two-stage path needs the ``refiner`` component, valid refiner steps/CFG, and a way to get the
+    negative prompt's embeddings when the refiner runs CFG; the refiner settings are refused on a
+    single-stage call."""
+    if refine and getattr(pipe, "refiner", None) is None:
+        if (height, width) == REFINER_RESOLUTION:
+            what = "1088x1920 (1080p) is produced by the MAGI-2 refiner stage (preview at 512x896, then the refiner)"
+        else:
+            what = "preview_height/preview_width select the two-stage path (preview, then the refiner stage)"
+        raise ValueError(
+            f"{what}, which needs the `refiner` component (Magi2RefinerTransformer3DModel), and this pipeline has "
+            "none: load a repo converted with the refiner or pass refiner=...; or use height=512, width=896 "
+            "(or 256x448) without preview_height/preview_width"
+        )
+    if refine:
+        if refiner_num_inference_steps is not None and (
+            not isinstance(refiner_num_inference_steps, int)
+            or isinstance(refiner_num_inference_steps, bool)
+            or refiner_num_inference_steps < 1
+        ):
+            raise ValueError(
+                f"refiner_num_inference_steps must be an integer >= 1 (released: 5); got {refiner_num_inference_steps!r}"
+            )
+        if refiner_guidance_scale is not None and (
+            not isinstance(refiner_guidance_scale, (int, float))
+            or isinstance(refiner_guidance_scale, bool)
+            or not np.isfinite(refiner_guidance_scale)
+            or refiner_guidance_scale < 0
+        ):
+            raise ValueError(
+                f"refiner_guidance_scale must be a finite number >= 0 (released: 2.0); got {refiner_guidance_scale!r}"
+            )
+        stage_cfg = pipe.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale)
+        if (
+            stage_cfg.guidance_scale != 1.0
+            and negative_prompt_embeds is None
+            and (getattr(pipe, "tokenizer", None) is None or getattr(pipe, "text_encoder", None) is None)
+        ):
+            raise ValueError(
+                f"the refiner stage runs CFG (refiner_guidance_scale={stage_cfg.guidance_scale}) and needs the negative "
+                "prompt's embeddings even when the preview runs without CFG: pass negative_prompt_embeds and "
+                "negative_prompt_attention_mask, or load the tokenizer and text_encoder"
+            )
+    elif refiner_num_inference_steps is not None or refiner_guidance_scale is not None:
+        raise ValueError(
+            "refiner_num_inference_steps/refiner_guidance_scale only apply to the two-stage refiner path "
+            "(height=1088, width=1920, resolution='1080p', or preview_height/preview_width)"
+        )
+
+
+def attention_models(pipe, refine: bool) -> list:
+    """The models a call runs: the transformer, plus the refiner on the two-stage path."""
+    models = [pipe.transformer]
+    if refine and getattr(pipe, "refiner", None) is not None:
+        models.append(pipe.refiner)
+    return models
+
+
+def check_attention_kwargs(pipe, attention_kwargs, refine: bool) -> None:
+    """Every ``attention_kwargs`` key must be used by a model this call runs.
+
+    A model declares the keys it takes in ``supported_attention_kwargs`` (the MAGI-2 transformer:
+    none; the refiner: ``window_backend``, ``max_dense_mask_elements``, ``mlp_chunk_size``). A
+    model without that declaration (a custom component) receives the whole dict and checks it
+    itself, so no key is checked here then.
+
+    Raises:
+        ValueError: not a dict/``None``, or a key no model of this call takes (e.g. a refiner key
+            on a single-stage call).
+    """
+    if attention_kwargs is None:
+        return
+    if not isinstance(attention_kwargs, dict):
+        raise ValueError(f"attention_kwargs must be a dict or None; got {type(attention_kwargs).__name__}")
+    declared = [getattr(m, "supported_attention_kwargs", None) for m in attention_models(pipe, refine)]
+    if any(d is None for d in declared):
+        return
+    allowed = sorted({k for d in declared for k in d})
+    unknown = sorted(k for k in attention_kwargs if k not in allowed)
+    if unknown:
+        hint = "" if refine else " (the refiner's keys only apply on the two-stage 1080p/preview_height path)"
+        raise ValueError(f"attention_kwargs {unknown} are not used by this call; allowed keys: {allowed}{hint}")
+
+
+def attention_kwargs_for(model, attention_kwargs):
+    """The part of ``attention_kwargs`` that ``model`` takes (its ``supported_attention_kwargs``;
+    everything for a model without that declaration); ``None`` when empty. Keys were checked by
+    ``Magi2Pipeline.check_inputs``, so nothing is dropped silently: each key reaches the model that uses it."""
+    if not attention_kwargs:
+        return None
+    supported = getattr(model, "supported_attention_kwargs", None)
+    if supported is None:
+        return attention_kwargs
+    return {k: v for k, v in attention_kwargs.items() if k in supported} or None
+
+
+def check_output_size(output_height, output_width, output_type) -> None:
+    """``output_height``/``output_width``: both or neither, positive ints, not with ``output_type='latent'``."""
+    if (output_height is None) != (output_width is None):
+        raise ValueError(
+            "output_height and output_width go together (a bilinear resize of the decoded frames); "
+            f"got output_height={output_height!r}, output_width={output_width!r}"
+        )
+    if output_height is not None:
+        for name, value in (("output_height", output_height), ("output_width", output_width)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int (pixels, e.g. 1080x1920); got {value!r}")
+        if output_type == "latent":
+            raise ValueError(
+                "output_height/output_width resize decoded frames; they are not allowed with output_type='latent'"
+            )
+
+
+def check_sampling_inputs(
+    pipe, num_inference_steps, guidance_scale, audio_guidance_scale, output_type, callback_on_step_end_tensor_inputs
+) -> None:
+    """Steps ≥ 1, finite guidance scales ≥ 0, a known ``output_type``, callback tensor names from
+    ``pipe._callback_tensor_inputs``."""
+    if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
+        raise ValueError(f"num_inference_steps must be an integer >= 1; got {num_inference_steps!r}")
+    for name, value in (("guidance_scale", guidance_scale), ("audio_guidance_scale", audio_guidance_scale)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0 (1 disables guidance); got {value!r}")
+    if output_type not in OUTPUT_TYPES:
+        raise ValueError(f"output_type must be one of {OUTPUT_TYPES}; got {output_type!r}")
+    if callback_on_step_end_tensor_inputs is not None:
+        bad = [k for k in callback_on_step_end_tensor_inputs if k not in pipe._callback_tensor_inputs]
+        if bad:
+            raise ValueError(f"callback_on_step_end_tensor_inputs may only name {pipe._callback_tensor_inputs}; got {bad}")
+
+
+def check_prompt_inputs(
+    prompt, negative_prompt, prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask
+) -> None:
+    """Exactly one of ``prompt``/``prompt_embeds``; non-empty strings; embeddings ``[B, Lt, C]`` with matching
+    ``[B, Lt]`` masks; the negative pair likewise."""
+    if prompt is not None and prompt_embeds is not None:
+        raise ValueError("pass either prompt or prompt_embeds, not both")
+    if prompt is None and prompt_embeds is None:
+        raise ValueError("a prompt is required: pass prompt (a non-empty string or list of strings) or prompt_embeds")
+    if prompt is not None:
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(f"prompt must be a non-empty string or a non-empty list of strings; got {type(prompt).__name__}")
+        if any(not p.strip() for p in prompts):
+            raise ValueError("prompt must not be empty or whitespace only")
+    if prompt_embeds is not None:
+        if prompt_embeds.ndim != 3:
+            raise ValueError(f"prompt_embeds must be [batch, tokens, channels]; got shape {tuple(prompt_embeds.shape)}")
+        if prompt_attention_mask is None:
+            raise ValueError("prompt_embeds needs prompt_attention_mask ([batch, tokens], true for real tokens)")
+        if tuple(prompt_attention_mask.shape) != tuple(prompt_embeds.shape[:2]):
+            raise ValueError(
+                f"prompt_attention_mask must be {tuple(prompt_embeds.shape[:2])} to match prompt_embeds; "
+                f"got {tuple(prompt_attention_mask.shape)}"
+            )
+    if negative_prompt is not None and negative_prompt_embeds is not None:
+        raise ValueError("pass either negative_prompt or negative_prompt_embeds, not both")
+    if negative_prompt is not None:
+        negatives = [negative_prompt] if isinstance(negative_prompt, str) else negative_prompt
+        if not isinstance(negatives, list) or not all(isinstance(p, str) for p in negatives):
+            raise ValueError("negative_prompt must be a string or a list of strings")
+    if negative_prompt_embeds is not None:
+        if negative_prompt_embeds.ndim != 3:
+            raise ValueError(
+                f"negative_prompt_embeds must be [batch, tokens, channels]; got shape {tuple(negative_prompt_embeds.shape)}"
+            )
+        if negative_prompt_attention_mask is None:
+            raise ValueError("negative_prompt_embeds needs negative_prompt_attention_mask ([batch, tokens])")
+        if tuple(negative_prompt_attention_mask.shape) != tuple(negative_prompt_embeds.shape[:2]):
+            raise ValueError(
+                f"negative_prompt_attention_mask must be {tuple(negative_prompt_embeds.shape[:2])}; "
+                f"got {tuple(negative_prompt_attention_mask.shape)}"
+            )
+        if prompt_embeds is not None and negative_prompt_embeds.shape[0] != prompt_embeds.shape[0]:
+            raise ValueError(
+                f"negative_prompt_embeds batch {negative_prompt_embeds.shape[0]} != prompt_embeds batch {prompt_embeds.shape[0]}"
+            )
+
+
+def check_image_inputs(pipe, image, prompt_embeds, image_embeds) -> None:
+    """``image`` type/shape/path, the ``vae`` it needs, and ``image_embeds`` (only with ``image``, ``[B, C]``,
+    required with ``prompt_embeds``)."""
+    if image is not None:
+        if not isinstance(image, (PIL.Image.Image, str, os.PathLike, np.ndarray)):
+            raise ValueError(f"image must be a {IMAGE_TYPES}; got {type(image).__name__}")
+        if isinstance(image, np.ndarray) and (image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8):
+            raise ValueError(f"a numpy image must be uint8 [H, W, 3] (RGB); got {image.dtype} {image.shape}")
+        if isinstance(image, (str, os.PathLike)) and not os.path.isfile(image):
+            raise ValueError(f"image path {os.fspath(image)!r} is not an existing file")
+        if getattr(pipe, "vae", None) is None:
+            raise ValueError("image-to-video needs the `vae` component (AutoencoderKLWan) to encode the image")
+        if prompt_embeds is not None and image_embeds is None:
+            raise ValueError(
+                "image with prompt_embeds also needs image_embeds (the <Figure 1> special-token embedding, "
+                "[batch, channels]); or pass prompt instead of prompt_embeds"
+            )
+    elif image_embeds is not None:
+        raise ValueError("image_embeds is only used with image (image-to-video); pass image too")
+    if image_embeds is not None and image_embeds.ndim != 2:
+        raise ValueError(f"image_embeds must be [batch, channels]; got shape {tuple(image_embeds.shape)}")
+
+
+def check_batch_sizes(prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds, latents, audio_latents):
+    """Every batched input matches the prompt batch (checked before anything is encoded)."""
+    batch_size = len([prompt] if isinstance(prompt, str) else prompt) if prompt is not None else prompt_embeds.shape[0]
+    if negative_prompt is not None and not isinstance(negative_prompt, str) and len(negative_prompt) != batch_size:
+        raise ValueError(
+            f"negative_prompt has {len(negative_prompt)} entries for a batch of {batch_size}: pass one string "
+            f"or a list of {batch_size} strings"
+        )
+    for name, tensor in (
+        ("negative_prompt_embeds", negative_prompt_embeds),
+        ("image_embeds", image_embeds),
+        ("latents", latents),
+        ("audio_latents", audio_latents),
+    ):
+        if tensor is not None and tensor.shape[0] != batch_size:
+            raise ValueError(
+                f"{name} has batch {tensor.shape[0]}; it must equal the prompt batch {batch_size} "
+                f"({'len(prompt)' if prompt is not None else 'prompt_embeds.shape[0]'})"
+            )
+
+
+def check_text_widths(pipe, prompt_embeds, negative_prompt_embeds, image_embeds) -> None:
+    """Given embeddings have the ``text_in_channels`` of the transformer (and of the refiner)."""
+    text_widths = {}
+    for component in ("transformer", "refiner"):
+        model = getattr(pipe, component, None)
+        width = getattr(getattr(model, "config", None), "text_in_channels", None)
+        if width is not None:
+            text_widths[component] = int(width)
+    for name, tensor in (
+        ("prompt_embeds", prompt_embeds),
+        ("negative_prompt_embeds", negative_prompt_embeds),
+        ("image_embeds", image_embeds),
+    ):
+        if tensor is None:
+            continue
+        for component, width in text_widths.items():
+            if tensor.shape[-1] != width:
+                raise ValueError(
+                    f"{name} has {tensor.shape[-1]} channels; {component}.config.text_in_channels allows "
+                    f"only {width} (the text encoder's hidden size)"
+                )
+
+
+def check_latents_and_decoder(
+    pipe, output_type, latents, audio_latents, refine: bool, denoise_height: int, denoise_width: int
+) -> None:
+    """A video decoder for decoded output, and the shapes of given ``latents`` / ``audio_latents`` at the
+    size the (preview) stage denoises at."""
+    if output_type != "latent" and getattr(pipe, "video_decoder", None) is None and getattr(pipe, "vae", None) is None:
+        raise ValueError("decoding needs `video_decoder` or `vae`; neither is loaded (use output_type='latent')")
+
+    h, w = denoise_height // pipe.vae_scale_factor_spatial, denoise_width // pipe.vae_scale_factor_spatial
+    if latents is not None:
+        if latents.ndim != 5 or latents.shape[1] != pipe.num_channels_latents or tuple(latents.shape[3:]) != (h, w):
+            stage = " (the preview stage of the refiner path)" if refine else ""
+            raise ValueError(
+                f"latents must be [batch, {pipe.num_channels_latents}, T, {h}, {w}] for "
+                f"{denoise_height}x{denoise_width}{stage}; got {tuple(latents.shape)}"
+            )
+    if audio_latents is not None:
+        if audio_latents.ndim != 3 or audio_latents.shape[2] != pipe.num_channels_audio_latents:
+            raise ValueError(
+                f"audio_latents must be [batch, L, {pipe.num_channels_audio_latents}]; got {tuple(audio_latents.shape)}"
+            )
+    if latents is not None and audio_latents is not None and latents.shape[0] != audio_latents.shape[0]:
+        raise ValueError(f"latents batch {latents.shape[0]} != audio_latents batch {audio_latents.shape[0]}")
