@@ -786,9 +786,10 @@ class Magi2Pipeline(DiffusionPipeline):
                 audio_latents = audio_scheduler.step(audio_velocity, t, audio_latents, return_dict=False)[0]
 
                 if callback_on_step_end is not None:
-                    callback_kwargs = {}
-                    for name in callback_on_step_end_tensor_inputs:  # names checked against _callback_tensor_inputs
-                        callback_kwargs[name] = locals()[name]
+                    # explicit table, not locals(): a renamed local must not silently break the callback contract
+                    available = dict(latents=latents, audio_latents=audio_latents, prompt_embeds=prompt_embeds,
+                                     negative_prompt_embeds=negative_prompt_embeds)
+                    callback_kwargs = {name: available[name] for name in callback_on_step_end_tensor_inputs}
                     callback_outputs = callback_on_step_end(self, i, t, callback_kwargs)
                     latents = callback_outputs.pop("latents", latents)
                     audio_latents = callback_outputs.pop("audio_latents", audio_latents)
