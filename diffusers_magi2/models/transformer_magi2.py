@@ -12,6 +12,10 @@ Two entry points:
 * :meth:`Magi2Transformer3DModel.forward_packed` — the reference ``Transformer.forward`` on packed
   tokens (9-column coordinates, modality ids, ``cu_seqlens``, per-token time embedding).
 
+This module holds the transformer block with mHC and the model; its parts live beside it:
+feed-forwards in :mod:`.feedforward_magi2`, input/output adapters in :mod:`.adapters_magi2`, the
+packing of diffusers-facing inputs in :mod:`.packing_magi2` (their names are re-exported here).
+
 Dtype policy (spec §1.11): the fp32 "islands" (embedders, post adapter, every norm weight, sinks,
 all ``mhc_*``, router gate and biases, rope bands) are always fp32 (``_keep_in_fp32_modules``);
 every other weight takes the load dtype. The residual streams, attention/MLP inputs and outputs
@@ -25,7 +29,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -35,23 +39,12 @@ from diffusers.models.cache_utils import CacheMixin
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import BaseOutput
 
+from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
 from .attention_magi2 import Magi2Attention
-from .embeddings_magi2 import (
-    Magi2RotaryPosEmbed,
-    audio_coords,
-    image_coords,
-    magi2_timestep_embedding,
-    text_coords,
-    video_coords,
-)
+from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward
 from .mhc import mhc_coefficients, mhc_hyper_connect, mhc_matmul_scale, mhc_reduce_streams
-from .modality import (
-    Magi2ModalityDispatch,
-    Magi2ModalityGroupedLinear,
-    Magi2MultiModalityRMSNorm,
-    Modality,
-    swiglu7_interleaved,
-)
+from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, Modality
+from .packing_magi2 import Magi2PackedInputs, pack_magi2_inputs, unpack_magi2_outputs
 
 __all__ = [
     "Magi2Transformer3DModel",
@@ -85,162 +78,6 @@ class Magi2TransformerOutput(BaseOutput):
 
     sample: torch.Tensor
     audio_sample: torch.Tensor
-
-
-@dataclass
-class Magi2PackedInputs:
-    """Packed model inputs (the reference data proxy's ``process_input`` result, spec §5.4).
-
-    Attributes:
-        hidden_states: ``[N, max(Cv, Ca, Ct)]`` fp32 tokens, zero-padded on channels.
-        coords: ``[N, 9]`` fp32 rope coordinates.
-        modality_mapping: ``[N]`` int32 :class:`Modality` ids.
-        cu_seqlens: ``[B+1]`` int32 segment boundaries (one segment per batch row).
-        time_embedding: ``[N, 64]`` fp32 per-token sinusoidal time embedding.
-        video_shape: ``(T, H, W)``; audio_length: ``La``; token_offsets: start of each row.
-    """
-
-    hidden_states: torch.Tensor
-    coords: torch.Tensor
-    modality_mapping: torch.Tensor
-    cu_seqlens: torch.Tensor
-    time_embedding: torch.Tensor
-    video_shape: tuple
-    audio_length: int
-    token_offsets: List[int]
-
-
-# ----------------------------------------------------------------------------------------------
-# feed-forward layers
-# ----------------------------------------------------------------------------------------------
-
-
-class Magi2FeedForward(nn.Module):
-    """Dense swiglu7 MLP (SandAI ``MLP``; spec §1.8). Prefix ``transformer_blocks.{i}.mlp.``.
-
-    ``pre_norm`` (multi-modality RMSNorm) -> ``up_gate_proj`` ``[M*2I, C]`` (gate/linear rows
-    interleaved) -> swiglu7 (fp32 math) -> ``down_proj`` ``[M*C, I]``. Input/output ``[T, C]`` in the
-    residual dtype, modality-sorted.
-    """
-
-    def __init__(self, hidden_size: int, intermediate_size: int, num_modality: int, params_dtype=None) -> None:
-        super().__init__()
-        self.num_modality = num_modality
-        self.pre_norm = Magi2MultiModalityRMSNorm(hidden_size, num_modality)
-        self.up_gate_proj = Magi2ModalityGroupedLinear(hidden_size, 2 * intermediate_size, num_modality, dtype=params_dtype)
-        self.down_proj = Magi2ModalityGroupedLinear(intermediate_size, hidden_size, num_modality, dtype=params_dtype)
-
-    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
-        """Dense MLP on modality-sorted tokens (matches SandAI ``MLP.forward``).
-
-        Args:
-            hidden_states: ``[T, C]`` tokens in the residual dtype (bf16 or fp32), sorted by modality
-                (video, audio, text) as ``dispatch`` describes.
-            dispatch: the batch's modality order; its ``group_sizes`` pick the per-modality norm and
-                linear blocks when this layer has 3 modalities (ignored with 1).
-
-        Returns:
-            ``[T, C]`` in ``hidden_states.dtype`` (norm in fp32, linears in the weight dtype, swiglu7 in
-            fp32 then rounded to the weight dtype).
-
-        Raises:
-            ValueError: last dim is not ``C`` or the group sizes do not sum to ``T``
-                (from :class:`Magi2MultiModalityRMSNorm` / :class:`Magi2ModalityGroupedLinear`).
-        """
-        gs = dispatch.group_sizes if self.num_modality > 1 else None
-        x = self.pre_norm(hidden_states, gs)
-        x = self.up_gate_proj(x, gs)
-        x = swiglu7_interleaved(x)
-        return self.down_proj(x, gs).to(hidden_states.dtype)
-
-
-class Magi2MoEFeedForward(nn.Module):
-    """Multi-head MoE MLP with shared experts (SandAI ``MultiHeadMoELayer``; spec §1.9, §3).
-
-    ``x = pre_norm(u)`` (3 modalities always), ``y = merge_linear(moe_mlp(split_linear(x)))
-    + shared_expert_fc2(a) + modality_specific_shared_expert_fc2(b)`` where ``(a | b) =
-    swiglu7([shared_expert_fc1(x) | modality_specific_shared_expert_fc1(x)])``. ``moe_mlp`` is the
-    MoE core :class:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE` (routed experts).
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        moe_hidden_size: int,
-        num_heads: int,
-        num_experts: int,
-        top_k: int,
-        expert_intermediate_size: int,
-        shared_intermediate_size: int,
-        modality_specific_intermediate_size: int,
-        score_func: str,
-        route_norm: bool,
-        route_scale: float,
-        params_dtype=None,
-    ) -> None:
-        super().__init__()
-        from ..moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
-
-        num_modality = 3
-        self.shared_intermediate_size = shared_intermediate_size
-        self.modality_specific_intermediate_size = modality_specific_intermediate_size
-        self.pre_norm = Magi2MultiModalityRMSNorm(hidden_size, num_modality)
-        self.split_linear = Magi2ModalityGroupedLinear(hidden_size, moe_hidden_size, 1, dtype=params_dtype)
-        self.merge_linear = Magi2ModalityGroupedLinear(moe_hidden_size, hidden_size, 1, dtype=params_dtype)
-        moe_config = Magi2MultiHeadMoEConfig(
-            hidden_size=moe_hidden_size,
-            num_heads=num_heads,
-            num_experts=num_experts,
-            top_k=top_k,
-            expert_intermediate_size=expert_intermediate_size,
-            params_dtype=params_dtype if params_dtype is not None else torch.get_default_dtype(),
-            score_func=score_func,
-            route_norm=route_norm,
-            route_scale=route_scale,
-        )
-        self.moe_mlp = Magi2MultiHeadMoE(moe_config)
-        self.shared_expert_fc1 = Magi2ModalityGroupedLinear(hidden_size, 2 * shared_intermediate_size, 1, dtype=params_dtype)
-        self.shared_expert_fc2 = Magi2ModalityGroupedLinear(shared_intermediate_size, hidden_size, 1, dtype=params_dtype)
-        self.modality_specific_shared_expert_fc1 = Magi2ModalityGroupedLinear(
-            hidden_size, 2 * modality_specific_intermediate_size, num_modality, dtype=params_dtype
-        )
-        self.modality_specific_shared_expert_fc2 = Magi2ModalityGroupedLinear(
-            modality_specific_intermediate_size, hidden_size, num_modality, dtype=params_dtype
-        )
-
-    def shared_forward(self, norm_output: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
-        """Shared + modality-specific shared experts on the normed input ``[T, C]``."""
-        gs = dispatch.group_sizes
-        x1 = self.shared_expert_fc1(norm_output)
-        x2 = self.modality_specific_shared_expert_fc1(norm_output, gs)
-        a = swiglu7_interleaved(x1)
-        b = swiglu7_interleaved(x2)
-        return self.shared_expert_fc2(a) + self.modality_specific_shared_expert_fc2(b, gs)
-
-    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
-        """Routed + shared experts on modality-sorted tokens (matches SandAI ``MultiHeadMoELayer.forward``).
-
-        Args:
-            hidden_states: ``[T, C]`` tokens in the residual dtype (bf16 or fp32), sorted by modality
-                as ``dispatch`` describes (``pre_norm`` always has 3 modality blocks).
-            dispatch: the batch's modality order (``group_sizes`` for the norm and the
-                modality-specific shared expert).
-
-        Returns:
-            ``[T, C]`` in ``hidden_states.dtype``: ``merge_linear(moe_mlp(split_linear(x)))`` plus the
-            shared and modality-specific shared experts, each rounded to that dtype before the sum
-            (the reference's order).
-
-        Raises:
-            ValueError: last dim is not ``C`` or the group sizes do not sum to ``T``; the routed-expert
-                backend's errors (see :meth:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE.forward`).
-        """
-        dtype = hidden_states.dtype
-        norm_output = self.pre_norm(hidden_states, dispatch.group_sizes)
-        routed = self.moe_mlp(self.split_linear(norm_output))
-        routed = self.merge_linear(routed)
-        shared = self.shared_forward(norm_output, dispatch)
-        return (routed.to(dtype) + shared.to(dtype)).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,98 +170,6 @@ class Magi2TransformerBlock(nn.Module):
         mlp_out = self.mlp(mhc_reduce_streams(h_pre, s, fused), dispatch)
         s = mhc_hyper_connect(s, mlp_out, h_post, h_res, fused)
         return s.reshape(s.shape[0], -1)
-
-
-# ----------------------------------------------------------------------------------------------
-# adapters
-# ----------------------------------------------------------------------------------------------
-
-
-class Magi2PreAdapter(nn.Module):
-    """Input adapters (SandAI ``PreAdapter``; spec §1.2) and the rope table.
-
-    fp32 ``nn.Linear`` with bias per modality, each to the multi-stream width ``n*C``; a token uses
-    the first ``C_in`` channels of its own modality. Returns ``([N, n*C] fp32, rope [N, 6*Dh/8] fp32)``.
-    """
-
-    def __init__(self, width: int, head_dim: int, video_in: int, audio_in: int, text_in: int) -> None:
-        super().__init__()
-        self.video_in, self.audio_in, self.text_in = video_in, audio_in, text_in
-        self.width = width
-        self.video_embedder = nn.Linear(video_in, width, bias=True, dtype=torch.float32)
-        self.text_embedder = nn.Linear(text_in, width, bias=True, dtype=torch.float32)
-        self.audio_embedder = nn.Linear(audio_in, width, bias=True, dtype=torch.float32)
-        self.rope = Magi2RotaryPosEmbed(head_dim)
-
-    def forward(self, hidden_states: torch.Tensor, coords: torch.Tensor, modality_ids: torch.Tensor):
-        """Embed packed tokens per modality and build their rope table (matches SandAI ``PreAdapter.forward``).
-
-        Args:
-            hidden_states: ``[N, C_max]`` packed tokens (any float dtype; cast to fp32), each zero-padded
-                on channels; a token of modality m uses its first ``C_m`` channels (video ``Cv``,
-                audio ``Ca``, text ``Ct``), so ``C_max`` must cover every modality present.
-            coords: ``[N, 9]`` rope coordinates ``(t, h, w, T, H, W, refT, refH, refW)``.
-            modality_ids: ``[N]`` integer :class:`Modality` ids (video 0, audio 1, text 2); tokens of
-                other ids get zero embeddings.
-
-        Returns:
-            ``(embedded [N, n*C] fp32, rope [N, 6*Dh/8] fp32)``, both in packed order.
-
-        Raises:
-            RuntimeError: ``C_max`` is narrower than a present modality's input width (the caller,
-                :meth:`Magi2Transformer3DModel.forward_packed`, raises ``ValueError`` first).
-        """
-        x = hidden_states.float()
-        out = x.new_zeros(x.shape[0], self.width)
-        for mod, emb, cin in (
-            (Modality.TEXT, self.text_embedder, self.text_in),
-            (Modality.AUDIO, self.audio_embedder, self.audio_in),
-            (Modality.VIDEO, self.video_embedder, self.video_in),
-        ):
-            idx = (modality_ids == int(mod)).nonzero().flatten()
-            if idx.numel() > 0:
-                out.index_copy_(0, idx, emb(x.index_select(0, idx)[:, :cin].to(emb.weight.dtype)).float())
-        return out, self.rope(coords)
-
-
-class Magi2PostAdapter(nn.Module):
-    """Output heads (SandAI ``PostAdapter``; spec §1.10): per-modality RMSNorm over ``n*C`` + fp32 linear.
-
-    Returns ``[N, max(Cv, Ca)]`` fp32; video rows use ``[:Cv]``, audio rows ``[:Ca]``, others are 0.
-    """
-
-    def __init__(self, width: int, video_in: int, audio_in: int) -> None:
-        super().__init__()
-        self.video_in, self.audio_in = video_in, audio_in
-        self.final_norm_video = Magi2MultiModalityRMSNorm(width, 1)
-        self.final_norm_audio = Magi2MultiModalityRMSNorm(width, 1)
-        self.final_linear_video = nn.Linear(width, video_in, bias=False, dtype=torch.float32)
-        self.final_linear_audio = nn.Linear(width, audio_in, bias=False, dtype=torch.float32)
-
-    def forward(self, hidden_states: torch.Tensor, modality_ids: torch.Tensor) -> torch.Tensor:
-        """Project the residual streams back to latent channels (matches SandAI ``PostAdapter.forward``).
-
-        Args:
-            hidden_states: ``[N, n*C]`` final residual (any float dtype), packed order.
-            modality_ids: ``[N]`` integer :class:`Modality` ids.
-
-        Returns:
-            ``[N, max(Cv, Ca)]`` fp32: video rows hold ``final_linear_video(final_norm_video(x))`` in
-            ``[:Cv]``, audio rows the audio head in ``[:Ca]``; text and other rows are zero.
-
-        Raises:
-            ValueError: last dim of ``hidden_states`` is not ``n*C`` (from the RMSNorm).
-        """
-        out = hidden_states.new_zeros(hidden_states.shape[0], max(self.video_in, self.audio_in), dtype=torch.float32)
-        for mod, norm, lin, cout in (
-            (Modality.VIDEO, self.final_norm_video, self.final_linear_video, self.video_in),
-            (Modality.AUDIO, self.final_norm_audio, self.final_linear_audio, self.audio_in),
-        ):
-            idx = (modality_ids == int(mod)).nonzero().flatten()
-            if idx.numel() > 0:
-                y = lin(norm(hidden_states.index_select(0, idx).float()).to(lin.weight.dtype)).float()
-                out[:, :cout].index_copy_(0, idx, y)
-        return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -768,122 +513,23 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
     # diffusers-facing entry
     # ------------------------------------------------------------------------------------------
 
-    def pack_inputs(
-        self,
-        hidden_states: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        audio_hidden_states: torch.Tensor,
-        encoder_attention_mask: Optional[torch.Tensor] = None,
-        image_latents: Optional[torch.Tensor] = None,
-        image_embeds: Optional[torch.Tensor] = None,
-    ) -> Magi2PackedInputs:
-        """Pack a batch like SandAI's preview data proxy (spec §5.4); see :meth:`forward` for shapes.
+    def pack_inputs(self, *args, **kwargs) -> Magi2PackedInputs:
+        """Pack a batch like SandAI's preview data proxy (spec §5.4): :func:`pack_magi2_inputs` with
+        this model's config.
 
-        Per batch row: video ``T*H*W`` tokens (row-major t, h, w), audio ``La``, text (its true length),
-        then for I2V one special text token and ``h*w`` image patch tokens at time ``T+2``. Video and
-        audio tokens get time ``timestep/1000``; text and image tokens time 0.
+        Takes :meth:`forward`'s ``hidden_states``, ``timestep``, ``encoder_hidden_states``,
+        ``audio_hidden_states``, ``encoder_attention_mask``, ``image_latents``, ``image_embeds``
+        (same names, order and shapes). Returns :class:`Magi2PackedInputs`.
 
         Raises:
             ValueError: wrong ranks, channel counts, batch sizes, or a mask that is not a prefix of ones.
         """
-        cfg = self.config
-        cv, ca, ct = cfg.video_in_channels, cfg.audio_in_channels, cfg.text_in_channels
-        if hidden_states.dim() != 5 or hidden_states.shape[1] != cv:
-            raise ValueError(f"hidden_states must be [B, {cv}, T, H, W], got {tuple(hidden_states.shape)}")
-        b, _, t, h, w = hidden_states.shape
-        if min(t, h, w) < 1:
-            raise ValueError(f"hidden_states needs T, H, W >= 1 (patch size 1), got {(t, h, w)}")
-        if encoder_hidden_states.dim() != 3 or encoder_hidden_states.shape[0] != b or encoder_hidden_states.shape[2] != ct:
-            raise ValueError(
-                f"encoder_hidden_states must be [B={b}, L_text, {ct}], got {tuple(encoder_hidden_states.shape)}"
-            )
-        if audio_hidden_states.dim() != 3 or audio_hidden_states.shape[0] != b or audio_hidden_states.shape[2] != ca:
-            raise ValueError(f"audio_hidden_states must be [B={b}, L_audio, {ca}], got {tuple(audio_hidden_states.shape)}")
-        timestep = torch.as_tensor(timestep, device=hidden_states.device)
-        if timestep.dim() == 0:
-            timestep = timestep.expand(b)
-        if timestep.shape != (b,):
-            raise ValueError(f"timestep must be a scalar or [B={b}], got {tuple(timestep.shape)}")
-        lt_max = encoder_hidden_states.shape[1]
-        if encoder_attention_mask is not None:
-            if encoder_attention_mask.shape != (b, lt_max):
-                raise ValueError(
-                    f"encoder_attention_mask must be [B={b}, L_text={lt_max}], got {tuple(encoder_attention_mask.shape)}"
-                )
-            mask = encoder_attention_mask.bool()
-            lengths = mask.sum(dim=1)
-            prefix = torch.arange(lt_max, device=mask.device)[None, :] < lengths[:, None]
-            if not torch.equal(mask, prefix):
-                raise ValueError("encoder_attention_mask must mark a prefix of each row (valid tokens first, padding after)")
-            text_lengths = [int(v) for v in lengths.tolist()]
-        else:
-            text_lengths = [lt_max] * b
-        if (image_latents is None) != (image_embeds is None):
-            raise ValueError("image_latents and image_embeds must be given together (I2V) or both be None")
-        if image_latents is not None:
-            if image_latents.dim() != 5 or image_latents.shape[0] != b or image_latents.shape[1] != cv or image_latents.shape[2] != 1:
-                raise ValueError(f"image_latents must be [B={b}, {cv}, 1, h, w], got {tuple(image_latents.shape)}")
-            if image_embeds.shape != (b, ct):
-                raise ValueError(f"image_embeds must be [B={b}, {ct}], got {tuple(image_embeds.shape)}")
-            hi, wi = image_latents.shape[3], image_latents.shape[4]
-        la = audio_hidden_states.shape[1]
-        dev = hidden_states.device
-        width = max(cv, ca, ct)
-        f32 = torch.float32
-
-        def pad(x: torch.Tensor) -> torch.Tensor:
-            x = x.to(f32)
-            return torch.nn.functional.pad(x, (0, width - x.shape[1]))
-
-        feats, coords, mods, times, offsets = [], [], [], [], []
-        vc = video_coords(t, h, w, device=dev)
-        ac = audio_coords(la, device=dev) if la > 0 else torch.zeros(0, 9, device=dev)
-        t_norm = timestep.to(f32) / 1000.0
-        total = 0
-        for i in range(b):
-            offsets.append(total)
-            lt = text_lengths[i]
-            parts = [
-                (pad(hidden_states[i].permute(1, 2, 3, 0).reshape(t * h * w, cv)), vc, Modality.VIDEO, True),
-                (pad(audio_hidden_states[i]), ac, Modality.AUDIO, True),
-                (pad(encoder_hidden_states[i, :lt]), text_coords(lt, device=dev), Modality.TEXT, False),
-            ]
-            if image_latents is not None:
-                ic = image_coords(t + 2, hi, wi, device=dev)
-                parts.append((pad(image_embeds[i : i + 1]), ic[:1], Modality.TEXT, False))
-                patches = image_latents[i, :, 0].permute(1, 2, 0).reshape(hi * wi, cv)
-                parts.append((pad(patches), ic[1:], Modality.VIDEO, False))
-            for feat, crd, mod, noisy in parts:
-                n = feat.shape[0]
-                feats.append(feat)
-                coords.append(crd)
-                mods.append(torch.full((n,), int(mod), dtype=torch.int32, device=dev))
-                times.append(t_norm[i].expand(n) if noisy else torch.zeros(n, dtype=f32, device=dev))
-                total += n
-        cu = torch.tensor(offsets + [total], dtype=torch.int32, device=dev)
-        time_t = torch.cat(times)
-        return Magi2PackedInputs(
-            hidden_states=torch.cat(feats),
-            coords=torch.cat(coords),
-            modality_mapping=torch.cat(mods),
-            cu_seqlens=cu,
-            time_embedding=magi2_timestep_embedding(time_t, self.config.time_embed_dim),
-            video_shape=(t, h, w),
-            audio_length=la,
-            token_offsets=offsets,
-        )
+        return pack_magi2_inputs(self.config, *args, **kwargs)
 
     def unpack_outputs(self, packed_out: torch.Tensor, packed: Magi2PackedInputs):
-        """Split ``[N, max(Cv, Ca)]`` model output into video ``[B, Cv, T, H, W]`` and audio ``[B, La, Ca]``."""
-        t, h, w = packed.video_shape
-        cv, ca = self.config.video_in_channels, self.config.audio_in_channels
-        n_vid, la = t * h * w, packed.audio_length
-        videos, audios = [], []
-        for off in packed.token_offsets:
-            videos.append(packed_out[off : off + n_vid, :cv].reshape(t, h, w, cv).permute(3, 0, 1, 2))
-            audios.append(packed_out[off + n_vid : off + n_vid + la, :ca])
-        return torch.stack(videos).contiguous(), torch.stack(audios).contiguous()
+        """Split ``[N, max(Cv, Ca)]`` model output into video ``[B, Cv, T, H, W]`` and audio ``[B, La, Ca]``
+        (:func:`unpack_magi2_outputs`)."""
+        return unpack_magi2_outputs(self.config, packed_out, packed)
 
     def forward(
         self,

@@ -1,0 +1,149 @@
+"""Feed-forward layers of ``Magi2Transformer3DModel``: the dense swiglu7 MLP and the multi-head MoE MLP.
+
+Numerically follow SandAI-org/MAGI-2-preview ``inference/model/magi2_preview.py`` (``MLP`` and
+``MultiHeadMoELayer``; reference spec §1.8, §1.9, §3). Parameter names are SandAI's, under
+``transformer_blocks.{i}.mlp.``. The routed experts are the MoE core
+(:class:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .modality import (
+    Magi2ModalityDispatch,
+    Magi2ModalityGroupedLinear,
+    Magi2MultiModalityRMSNorm,
+    swiglu7_interleaved,
+)
+
+__all__ = ["Magi2FeedForward", "Magi2MoEFeedForward"]
+
+
+class Magi2FeedForward(nn.Module):
+    """Dense swiglu7 MLP (SandAI ``MLP``; spec §1.8). Prefix ``transformer_blocks.{i}.mlp.``.
+
+    ``pre_norm`` (multi-modality RMSNorm) -> ``up_gate_proj`` ``[M*2I, C]`` (gate/linear rows
+    interleaved) -> swiglu7 (fp32 math) -> ``down_proj`` ``[M*C, I]``. Input/output ``[T, C]`` in the
+    residual dtype, modality-sorted.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_modality: int, params_dtype=None) -> None:
+        super().__init__()
+        self.num_modality = num_modality
+        self.pre_norm = Magi2MultiModalityRMSNorm(hidden_size, num_modality)
+        self.up_gate_proj = Magi2ModalityGroupedLinear(hidden_size, 2 * intermediate_size, num_modality, dtype=params_dtype)
+        self.down_proj = Magi2ModalityGroupedLinear(intermediate_size, hidden_size, num_modality, dtype=params_dtype)
+
+    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
+        """Dense MLP on modality-sorted tokens (matches SandAI ``MLP.forward``).
+
+        Args:
+            hidden_states: ``[T, C]`` tokens in the residual dtype (bf16 or fp32), sorted by modality
+                (video, audio, text) as ``dispatch`` describes.
+            dispatch: the batch's modality order; its ``group_sizes`` pick the per-modality norm and
+                linear blocks when this layer has 3 modalities (ignored with 1).
+
+        Returns:
+            ``[T, C]`` in ``hidden_states.dtype`` (norm in fp32, linears in the weight dtype, swiglu7 in
+            fp32 then rounded to the weight dtype).
+
+        Raises:
+            ValueError: last dim is not ``C`` or the group sizes do not sum to ``T``
+                (from :class:`Magi2MultiModalityRMSNorm` / :class:`Magi2ModalityGroupedLinear`).
+        """
+        gs = dispatch.group_sizes if self.num_modality > 1 else None
+        x = self.pre_norm(hidden_states, gs)
+        x = self.up_gate_proj(x, gs)
+        x = swiglu7_interleaved(x)
+        return self.down_proj(x, gs).to(hidden_states.dtype)
+
+
+class Magi2MoEFeedForward(nn.Module):
+    """Multi-head MoE MLP with shared experts (SandAI ``MultiHeadMoELayer``; spec §1.9, §3).
+
+    ``x = pre_norm(u)`` (3 modalities always), ``y = merge_linear(moe_mlp(split_linear(x)))
+    + shared_expert_fc2(a) + modality_specific_shared_expert_fc2(b)`` where ``(a | b) =
+    swiglu7([shared_expert_fc1(x) | modality_specific_shared_expert_fc1(x)])``. ``moe_mlp`` is the
+    MoE core :class:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE` (routed experts).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_hidden_size: int,
+        num_heads: int,
+        num_experts: int,
+        top_k: int,
+        expert_intermediate_size: int,
+        shared_intermediate_size: int,
+        modality_specific_intermediate_size: int,
+        score_func: str,
+        route_norm: bool,
+        route_scale: float,
+        params_dtype=None,
+    ) -> None:
+        super().__init__()
+        from ..moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
+
+        num_modality = 3
+        self.shared_intermediate_size = shared_intermediate_size
+        self.modality_specific_intermediate_size = modality_specific_intermediate_size
+        self.pre_norm = Magi2MultiModalityRMSNorm(hidden_size, num_modality)
+        self.split_linear = Magi2ModalityGroupedLinear(hidden_size, moe_hidden_size, 1, dtype=params_dtype)
+        self.merge_linear = Magi2ModalityGroupedLinear(moe_hidden_size, hidden_size, 1, dtype=params_dtype)
+        moe_config = Magi2MultiHeadMoEConfig(
+            hidden_size=moe_hidden_size,
+            num_heads=num_heads,
+            num_experts=num_experts,
+            top_k=top_k,
+            expert_intermediate_size=expert_intermediate_size,
+            params_dtype=params_dtype if params_dtype is not None else torch.get_default_dtype(),
+            score_func=score_func,
+            route_norm=route_norm,
+            route_scale=route_scale,
+        )
+        self.moe_mlp = Magi2MultiHeadMoE(moe_config)
+        self.shared_expert_fc1 = Magi2ModalityGroupedLinear(hidden_size, 2 * shared_intermediate_size, 1, dtype=params_dtype)
+        self.shared_expert_fc2 = Magi2ModalityGroupedLinear(shared_intermediate_size, hidden_size, 1, dtype=params_dtype)
+        self.modality_specific_shared_expert_fc1 = Magi2ModalityGroupedLinear(
+            hidden_size, 2 * modality_specific_intermediate_size, num_modality, dtype=params_dtype
+        )
+        self.modality_specific_shared_expert_fc2 = Magi2ModalityGroupedLinear(
+            modality_specific_intermediate_size, hidden_size, num_modality, dtype=params_dtype
+        )
+
+    def shared_forward(self, norm_output: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
+        """Shared + modality-specific shared experts on the normed input ``[T, C]``."""
+        gs = dispatch.group_sizes
+        x1 = self.shared_expert_fc1(norm_output)
+        x2 = self.modality_specific_shared_expert_fc1(norm_output, gs)
+        a = swiglu7_interleaved(x1)
+        b = swiglu7_interleaved(x2)
+        return self.shared_expert_fc2(a) + self.modality_specific_shared_expert_fc2(b, gs)
+
+    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
+        """Routed + shared experts on modality-sorted tokens (matches SandAI ``MultiHeadMoELayer.forward``).
+
+        Args:
+            hidden_states: ``[T, C]`` tokens in the residual dtype (bf16 or fp32), sorted by modality
+                as ``dispatch`` describes (``pre_norm`` always has 3 modality blocks).
+            dispatch: the batch's modality order (``group_sizes`` for the norm and the
+                modality-specific shared expert).
+
+        Returns:
+            ``[T, C]`` in ``hidden_states.dtype``: ``merge_linear(moe_mlp(split_linear(x)))`` plus the
+            shared and modality-specific shared experts, each rounded to that dtype before the sum
+            (the reference's order).
+
+        Raises:
+            ValueError: last dim is not ``C`` or the group sizes do not sum to ``T``; the routed-expert
+                backend's errors (see :meth:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE.forward`).
+        """
+        dtype = hidden_states.dtype
+        norm_output = self.pre_norm(hidden_states, dispatch.group_sizes)
+        routed = self.moe_mlp(self.split_linear(norm_output))
+        routed = self.merge_linear(routed)
+        shared = self.shared_forward(norm_output, dispatch)
+        return (routed.to(dtype) + shared.to(dtype)).to(dtype)

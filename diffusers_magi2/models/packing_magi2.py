@@ -1,0 +1,176 @@
+"""Packing of ``Magi2Transformer3DModel``'s diffusers-facing inputs into one token sequence, and back.
+
+Follows SandAI-org/MAGI-2-preview's preview data proxy (``process_input``; reference spec §5.4):
+each batch row becomes one attention segment holding its video tokens, audio tokens, text tokens
+and, for I2V, one special text token plus the reference image patches, with 9-column rope
+coordinates, modality ids and a per-token time embedding. :meth:`Magi2Transformer3DModel.pack_inputs`
+and :meth:`~Magi2Transformer3DModel.unpack_outputs` call the functions here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+
+from .embeddings_magi2 import audio_coords, image_coords, magi2_timestep_embedding, text_coords, video_coords
+from .modality import Modality
+
+__all__ = ["Magi2PackedInputs", "pack_magi2_inputs", "unpack_magi2_outputs"]
+
+
+@dataclass
+class Magi2PackedInputs:
+    """Packed model inputs (the reference data proxy's ``process_input`` result, spec §5.4).
+
+    Attributes:
+        hidden_states: ``[N, max(Cv, Ca, Ct)]`` fp32 tokens, zero-padded on channels.
+        coords: ``[N, 9]`` fp32 rope coordinates.
+        modality_mapping: ``[N]`` int32 :class:`Modality` ids.
+        cu_seqlens: ``[B+1]`` int32 segment boundaries (one segment per batch row).
+        time_embedding: ``[N, 64]`` fp32 per-token sinusoidal time embedding.
+        video_shape: ``(T, H, W)``; audio_length: ``La``; token_offsets: start of each row.
+    """
+
+    hidden_states: torch.Tensor
+    coords: torch.Tensor
+    modality_mapping: torch.Tensor
+    cu_seqlens: torch.Tensor
+    time_embedding: torch.Tensor
+    video_shape: tuple
+    audio_length: int
+    token_offsets: List[int]
+
+
+def pack_magi2_inputs(
+    config: Any,
+    hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    audio_hidden_states: torch.Tensor,
+    encoder_attention_mask: Optional[torch.Tensor] = None,
+    image_latents: Optional[torch.Tensor] = None,
+    image_embeds: Optional[torch.Tensor] = None,
+) -> Magi2PackedInputs:
+    """Pack a batch like SandAI's preview data proxy (spec §5.4).
+
+    Per batch row: video ``T*H*W`` tokens (row-major t, h, w), audio ``La``, text (its true length),
+    then for I2V one special text token and ``h*w`` image patch tokens at time ``T+2``. Video and
+    audio tokens get time ``timestep/1000``; text and image tokens time 0.
+
+    Args:
+        config: the model config (``video_in_channels``, ``audio_in_channels``, ``text_in_channels``,
+            ``time_embed_dim``).
+        hidden_states, timestep, encoder_hidden_states, audio_hidden_states, encoder_attention_mask,
+        image_latents, image_embeds: as in :meth:`Magi2Transformer3DModel.forward` (shapes there).
+
+    Returns:
+        :class:`Magi2PackedInputs` (fp32 tokens zero-padded to ``max(Cv, Ca, Ct)`` channels).
+
+    Raises:
+        ValueError: wrong ranks, channel counts, batch sizes, or a mask that is not a prefix of ones.
+    """
+    cv, ca, ct = config.video_in_channels, config.audio_in_channels, config.text_in_channels
+    if hidden_states.dim() != 5 or hidden_states.shape[1] != cv:
+        raise ValueError(f"hidden_states must be [B, {cv}, T, H, W], got {tuple(hidden_states.shape)}")
+    b, _, t, h, w = hidden_states.shape
+    if min(t, h, w) < 1:
+        raise ValueError(f"hidden_states needs T, H, W >= 1 (patch size 1), got {(t, h, w)}")
+    if encoder_hidden_states.dim() != 3 or encoder_hidden_states.shape[0] != b or encoder_hidden_states.shape[2] != ct:
+        raise ValueError(
+            f"encoder_hidden_states must be [B={b}, L_text, {ct}], got {tuple(encoder_hidden_states.shape)}"
+        )
+    if audio_hidden_states.dim() != 3 or audio_hidden_states.shape[0] != b or audio_hidden_states.shape[2] != ca:
+        raise ValueError(f"audio_hidden_states must be [B={b}, L_audio, {ca}], got {tuple(audio_hidden_states.shape)}")
+    timestep = torch.as_tensor(timestep, device=hidden_states.device)
+    if timestep.dim() == 0:
+        timestep = timestep.expand(b)
+    if timestep.shape != (b,):
+        raise ValueError(f"timestep must be a scalar or [B={b}], got {tuple(timestep.shape)}")
+    lt_max = encoder_hidden_states.shape[1]
+    if encoder_attention_mask is not None:
+        if encoder_attention_mask.shape != (b, lt_max):
+            raise ValueError(
+                f"encoder_attention_mask must be [B={b}, L_text={lt_max}], got {tuple(encoder_attention_mask.shape)}"
+            )
+        mask = encoder_attention_mask.bool()
+        lengths = mask.sum(dim=1)
+        prefix = torch.arange(lt_max, device=mask.device)[None, :] < lengths[:, None]
+        if not torch.equal(mask, prefix):
+            raise ValueError("encoder_attention_mask must mark a prefix of each row (valid tokens first, padding after)")
+        text_lengths = [int(v) for v in lengths.tolist()]
+    else:
+        text_lengths = [lt_max] * b
+    if (image_latents is None) != (image_embeds is None):
+        raise ValueError("image_latents and image_embeds must be given together (I2V) or both be None")
+    if image_latents is not None:
+        if image_latents.dim() != 5 or image_latents.shape[0] != b or image_latents.shape[1] != cv or image_latents.shape[2] != 1:
+            raise ValueError(f"image_latents must be [B={b}, {cv}, 1, h, w], got {tuple(image_latents.shape)}")
+        if image_embeds.shape != (b, ct):
+            raise ValueError(f"image_embeds must be [B={b}, {ct}], got {tuple(image_embeds.shape)}")
+        hi, wi = image_latents.shape[3], image_latents.shape[4]
+    la = audio_hidden_states.shape[1]
+    dev = hidden_states.device
+    width = max(cv, ca, ct)
+    f32 = torch.float32
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(f32)
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+    feats, coords, mods, times, offsets = [], [], [], [], []
+    vc = video_coords(t, h, w, device=dev)
+    ac = audio_coords(la, device=dev) if la > 0 else torch.zeros(0, 9, device=dev)
+    t_norm = timestep.to(f32) / 1000.0
+    total = 0
+    for i in range(b):
+        offsets.append(total)
+        lt = text_lengths[i]
+        parts = [
+            (pad(hidden_states[i].permute(1, 2, 3, 0).reshape(t * h * w, cv)), vc, Modality.VIDEO, True),
+            (pad(audio_hidden_states[i]), ac, Modality.AUDIO, True),
+            (pad(encoder_hidden_states[i, :lt]), text_coords(lt, device=dev), Modality.TEXT, False),
+        ]
+        if image_latents is not None:
+            ic = image_coords(t + 2, hi, wi, device=dev)
+            parts.append((pad(image_embeds[i : i + 1]), ic[:1], Modality.TEXT, False))
+            patches = image_latents[i, :, 0].permute(1, 2, 0).reshape(hi * wi, cv)
+            parts.append((pad(patches), ic[1:], Modality.VIDEO, False))
+        for feat, crd, mod, noisy in parts:
+            n = feat.shape[0]
+            feats.append(feat)
+            coords.append(crd)
+            mods.append(torch.full((n,), int(mod), dtype=torch.int32, device=dev))
+            times.append(t_norm[i].expand(n) if noisy else torch.zeros(n, dtype=f32, device=dev))
+            total += n
+    cu = torch.tensor(offsets + [total], dtype=torch.int32, device=dev)
+    time_t = torch.cat(times)
+    return Magi2PackedInputs(
+        hidden_states=torch.cat(feats),
+        coords=torch.cat(coords),
+        modality_mapping=torch.cat(mods),
+        cu_seqlens=cu,
+        time_embedding=magi2_timestep_embedding(time_t, config.time_embed_dim),
+        video_shape=(t, h, w),
+        audio_length=la,
+        token_offsets=offsets,
+    )
+
+
+def unpack_magi2_outputs(config: Any, packed_out: torch.Tensor, packed: Magi2PackedInputs):
+    """Split ``[N, max(Cv, Ca)]`` model output into video ``[B, Cv, T, H, W]`` and audio ``[B, La, Ca]``.
+
+    ``packed`` is the :class:`Magi2PackedInputs` the output was computed from (its ``video_shape``,
+    ``audio_length`` and ``token_offsets`` locate each row's video and audio tokens); ``config``
+    gives ``video_in_channels`` / ``audio_in_channels``. Returns contiguous tensors in
+    ``packed_out.dtype``.
+    """
+    t, h, w = packed.video_shape
+    cv, ca = config.video_in_channels, config.audio_in_channels
+    n_vid, la = t * h * w, packed.audio_length
+    videos, audios = [], []
+    for off in packed.token_offsets:
+        videos.append(packed_out[off : off + n_vid, :cv].reshape(t, h, w, cv).permute(3, 0, 1, 2))
+        audios.append(packed_out[off + n_vid : off + n_vid + la, :ca])
+    return torch.stack(videos).contiguous(), torch.stack(audios).contiguous()
