@@ -193,3 +193,33 @@ def test_guidance_one_skips_uncond_and_callback_can_replace_latents(cases):
     assert all(c["hidden_states"].shape[0] == 1 for c in pipe.transformer.calls)
     assert torch.count_nonzero(out.audio) == 0 and len(replaced) == 2
     assert out.fps is None and out.audio_sample_rate is None
+
+
+def test_callback_receives_every_allowed_tensor_by_name(cases):
+    """Each name in ``_callback_tensor_inputs`` reaches the callback with the loop's current tensor."""
+    pipe = make_pipe()
+    e = embeds()
+    seen = []
+
+    def record_all(p, i, t, tensors):
+        seen.append({k: v.clone() for k, v in tensors.items()})
+        return {}
+
+    out = pipe(
+        prompt_embeds=e["prompt_embeds"],
+        prompt_attention_mask=e["prompt_attention_mask"],
+        negative_prompt_embeds=e["negative_prompt_embeds"],
+        negative_prompt_attention_mask=e["negative_prompt_attention_mask"],
+        height=32,
+        width=48,
+        num_inference_steps=2,
+        latents=cases["preview.init.video_noise"],
+        audio_latents=cases["preview.init.audio_noise"],
+        output_type="latent",
+        callback_on_step_end=record_all,
+        callback_on_step_end_tensor_inputs=list(pipe._callback_tensor_inputs),
+    )
+    assert len(seen) == 2 and set(seen[-1]) == set(pipe._callback_tensor_inputs)
+    assert torch.equal(seen[-1]["latents"], out.frames) and torch.equal(seen[-1]["audio_latents"], out.audio)
+    assert torch.equal(seen[0]["prompt_embeds"], e["prompt_embeds"])
+    assert torch.equal(seen[0]["negative_prompt_embeds"], e["negative_prompt_embeds"])
