@@ -19,11 +19,11 @@ import torch
 import torch.nn as nn
 
 from ..conversion.safetensors_io import DTYPE_TO_TORCH  # safetensors dtype name -> torch dtype
+from ..moe.layer import Magi2MultiHeadMoE
 from .expert_parallel import (
     Magi2ExpertParallelConfig,
     Magi2ExpertParallelGroup,
     check_same_on_all_ranks,
-    ep_head_layout,
     resolve_expert_parallel,
     warn_if_idle,
 )
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 # names (relative to a Magi2MultiHeadMoE module) of the tensors split across EP ranks along dim 0
-EP_SHARDED_SUFFIXES = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema")
+EP_SHARDED_SUFFIXES = Magi2MultiHeadMoE._EP_SHARDED_KEYS
 
 
 def read_expert_rows(handle: Any, key: str, row_start: int, num_rows: int) -> torch.Tensor:
@@ -104,8 +104,6 @@ def checkpoint_key_files(folder: Union[str, os.PathLike], variant: Optional[str]
 
 
 def _moe_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from ..moe.layer import Magi2MultiHeadMoE
-
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Magi2MultiHeadMoE)]
 
 
@@ -132,14 +130,8 @@ def _swap_in_local_moes(model: nn.Module, ep: Magi2ExpertParallelGroup) -> dict[
         _set_submodule(model, name, local)
         old[name] = moe
     if old:
-        first = next(iter(old.values()))
-        warn_if_idle(ep_head_layout(_num_heads(first), ep.size, ep.rank))
+        warn_if_idle(model.get_submodule(next(iter(old))).ep_layout)  # the first layer's head layout
     return old
-
-
-def _num_heads(moe: nn.Module) -> int:
-    cfg = moe.config
-    return int(getattr(cfg, "num_heads", None) or getattr(cfg, "moe_num_heads"))
 
 
 def _ep_rows(moe: nn.Module) -> tuple[int, int]:
@@ -178,17 +170,12 @@ def apply_expert_parallel(model: nn.Module, config: Magi2ExpertParallelConfig) -
     old = _swap_in_local_moes(model, ep)
     for name, full in old.items():
         local = model.get_submodule(name)
-        row_start, num_rows = _ep_rows(local)
         full_sd = full.state_dict()
         new_sd = {}
         for key, t in local.state_dict(keep_vars=True).items():
             src = full_sd[key]
             if key in EP_SHARDED_SUFFIXES:
-                piece = torch.zeros((num_rows, *src.shape[1:]), dtype=src.dtype, device=src.device)
-                stop = min(src.shape[0], row_start + num_rows)
-                if stop > row_start:
-                    piece[: stop - row_start] = src[row_start:stop]
-                src = piece
+                src = local.ep_slice(src)  # this rank's rows, zeros for padded heads
             new_sd[key] = src.detach().clone().to(t.dtype)
         local.load_state_dict(new_sd, strict=True, assign=True)
         _set_requires_grad_like(local, full)
@@ -317,7 +304,7 @@ def load_expert_parallel_from_pretrained(
                 else:
                     row_start, num_rows = moe_rows[owner]
                     moe = model.get_submodule(owner)
-                    full_rows = _num_heads(moe) * int(moe.config.num_experts)
+                    full_rows = moe.num_heads * moe.num_experts
                     # own handle per EP tensor: the file pages the rows were copied from are unmapped right after,
                     # so the peak holds one tensor's rows twice at most, not a whole shard's
                     with safe_open(path, framework="pt") as h_rows:
