@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import sandai_config
 from .key_plan import (
     KeyPlan,
     TensorSpec,
@@ -116,25 +117,14 @@ def model_class(target: TransformerTarget):
     return cls
 
 
-def _sandai_config_module():
-    return _import("diffusers_magi2.conversion.sandai_config", "load_sandai_config", "config")
-
-
 def released_config_path(target: TransformerTarget) -> Path:
-    """Path of the released SandAI config shipped as package data for ``target``.
+    """Path of the released SandAI config shipped as package data for ``target``
+    (:func:`sandai_config.released_config_path`).
 
     Raises:
-        FileNotFoundError: the package does not ship it.
+        ValueError: the package does not ship it.
     """
-    mod = _sandai_config_module()
-    finder = getattr(mod, "released_config_path", None)
-    if finder is not None:
-        return Path(finder(target.released_config))
-    candidates = [Path(mod.__file__).parent / sub / target.released_config for sub in ("configs", "released_configs", ".")]
-    for c in candidates:
-        if c.is_file():
-            return c
-    raise FileNotFoundError(f"released config {target.released_config} not found in the package (looked in {[str(c) for c in candidates]})")
+    return sandai_config.released_config_path(target.released_config)
 
 
 def resolve_sandai_config(target: TransformerTarget, config: str | Path | dict | None) -> tuple[dict, str]:
@@ -149,12 +139,11 @@ def resolve_sandai_config(target: TransformerTarget, config: str | Path | dict |
     Raises:
         ValueError: the config has no ``target.arch_section`` section.
     """
-    mod = _sandai_config_module()
     if isinstance(config, dict):
         cfg, label = config, "config passed in memory"
     else:
         path = Path(config) if config is not None else released_config_path(target)
-        cfg, label = mod.load_sandai_config(path), f"config {path}" + (" (released)" if config is None else "")
+        cfg, label = sandai_config.load_sandai_config(path), f"config {path}" + (" (released)" if config is None else "")
     if target.arch_section not in cfg:
         raise ValueError(
             f"{label} has no '{target.arch_section}' section, so it does not describe the {target.component}; "
@@ -165,7 +154,7 @@ def resolve_sandai_config(target: TransformerTarget, config: str | Path | dict |
 
 def model_kwargs_from_sandai(target: TransformerTarget, cfg: dict) -> dict[str, Any]:
     """``register_to_config`` kwargs of ``target``'s model from a merged SandAI config."""
-    fn = getattr(_sandai_config_module(), target.config_function, None)
+    fn = getattr(sandai_config, target.config_function, None)
     if fn is None:
         fn = getattr(_import(target.module, target.config_function, target.component), target.config_function, None)
     if fn is None:
