@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..moe.experts import SWIGLU7_ALPHA, SWIGLU7_LIMIT  # one definition of the swiglu7 constants (re-exported)
+
 __all__ = [
     "Modality",
     "Magi2ModalityDispatch",
@@ -36,9 +38,6 @@ __all__ = [
     "SWIGLU7_ALPHA",
     "SWIGLU7_LIMIT",
 ]
-
-SWIGLU7_ALPHA = 1.702
-SWIGLU7_LIMIT = 7.0
 
 
 class Modality(IntEnum):
