@@ -22,21 +22,19 @@ are read with ``torch.load(weights_only=True, mmap=True)``; a pickle that refuse
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import logging
 import math
 import pickle
 import re
-import shutil
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
 from ..models.turbo_vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, Magi2TurboVAEDecoder
-from .components_text import convert_text_encoder
+from .components_text import _output_dir, convert_text_encoder
 
 __all__ = [
     "COMPONENT_DTYPES",
@@ -70,29 +68,6 @@ def _resolve_dtype(dtype: str) -> Optional[torch.dtype]:
     if dtype not in COMPONENT_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(COMPONENT_DTYPES)}, got {dtype!r}")
     return COMPONENT_DTYPES[dtype]
-
-
-@contextlib.contextmanager
-def _output_dir(out_dir: PathLike) -> Iterator[Path]:
-    """Yield ``out_dir`` (created if needed; must be absent or empty). On error, remove what was written.
-
-    Raises:
-        ValueError: ``out_dir`` exists and is not an empty directory.
-    """
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output folder {out} exists and is not empty; refusing to overwrite it")
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        yield out
-    except BaseException:
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        else:
-            for child in out.iterdir():
-                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
-        raise
 
 
 def load_pickle_state(path: PathLike) -> object:

@@ -16,11 +16,12 @@ pre-tokenizer split when it loads them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -156,13 +157,27 @@ def _plan(src: Path, config: dict, weight_map: Dict[str, str]) -> Tuple[dict, Di
     return text_config, mapping, dropped
 
 
-def _clear_on_error(paths: List[Path], created: List[bool]) -> None:
-    for path, was_created in zip(paths, created):
-        if was_created:
-            shutil.rmtree(path, ignore_errors=True)
-        elif path.is_dir():
-            for child in path.iterdir():
+@contextlib.contextmanager
+def _output_dir(out_dir: PathLike) -> Iterator[Path]:
+    """Yield ``out_dir`` (created if needed; must be absent or empty). On error, remove what was written.
+
+    Raises:
+        ValueError: ``out_dir`` exists and is not an empty directory.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output folder {out} exists and is not empty; refusing to overwrite it")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield out
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for child in out.iterdir():
                 shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+        raise
 
 
 def _rewrite(src: Path, out: Path, weight_map: Dict[str, str], mapping: Dict[str, str], dtype: Optional[torch.dtype]) -> None:
@@ -236,11 +251,7 @@ def convert_text_encoder(
     for out in outs:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ValueError(f"output folder {out} exists and is not empty; refusing to overwrite it")
-    created = [not out.exists() for out in outs]
-    try:
-        for out in outs:
-            out.mkdir(parents=True, exist_ok=True)
-        te_out, tok_out = outs
+    with _output_dir(outs[0]) as te_out, _output_dir(outs[1]) as tok_out:  # both removed/emptied on error
         if verbatim:
             copies = ["config.json", *sorted(set(weight_map.values()))]
             if index is not None:
@@ -261,7 +272,4 @@ def convert_text_encoder(
                 logger.info("text encoder: dropped %d vision/LM-head/MTP tensors (%s...)", len(dropped), dropped[0])
         for name in tok_files:
             shutil.copyfile(src / name, tok_out / name)
-    except BaseException:
-        _clear_on_error(outs, created)
-        raise
     return outs[0], outs[1]
