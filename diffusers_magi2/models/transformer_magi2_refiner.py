@@ -39,6 +39,7 @@ from diffusers.utils import BaseOutput
 from ..conversion.sandai_config_refiner import refiner_config_from_sandai  # noqa: F401  (re-exported for the converter)
 from .embeddings_magi2 import Magi2RotaryPosEmbed, apply_magi2_rotary_emb
 from .modality import (
+    Magi2ModalityDispatch,
     Magi2ModalityGroupedLinear,
     Magi2MultiModalityRMSNorm,
     Modality,
@@ -431,9 +432,8 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
             perm = inv = None
             group_sizes = group_sizes_sorted
         else:
-            perm = torch.argsort(modality_ids, stable=True)
-            inv = torch.argsort(perm)
-            group_sizes = tuple(int(c) for c in torch.bincount(modality_ids, minlength=3).tolist())
+            dispatch = Magi2ModalityDispatch.from_modality_mapping(modality_ids)
+            perm, inv, group_sizes = dispatch.permutation, dispatch.inverse_permutation, dispatch.group_sizes
         block_mask = None
         if geometry is not None and dense_mask is None:
             # resolve "auto" once and build the mask once per forward (not once per layer)
@@ -514,10 +514,11 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) > 2):
             raise ValueError("modality_mapping must hold 0 (video), 1 (audio) or 2 (text)")
         cfg = self.config
+        counts = tuple(int(c) for c in torch.bincount(ids, minlength=3).tolist())  # tokens per modality
         need = max(
-            cfg.in_channels if bool((ids == 0).any()) else 0,
-            cfg.audio_in_channels if bool((ids == 1).any()) else 0,
-            cfg.text_in_channels if bool((ids == 2).any()) else 0,
+            cfg.in_channels if counts[0] else 0,
+            cfg.audio_in_channels if counts[1] else 0,
+            cfg.text_in_channels if counts[2] else 0,
         )
         if x.shape[1] < need:
             raise ValueError(f"x has {x.shape[1]} channels, the present modalities need {need}")
@@ -535,12 +536,12 @@ class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
         emb = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
         for mid, lin, c in ((2, pa.text_embedder, cfg.text_in_channels), (1, pa.audio_embedder, cfg.audio_in_channels),
                             (0, pa.video_embedder, cfg.in_channels)):
-            m = ids == mid
-            if bool(m.any()):
+            if counts[mid]:
+                m = ids == mid
                 emb[m] = lin(x[m, :c])
         rope = pa.rope(coords_mapping)
         sorted_ok = ids.numel() < 2 or bool((ids[1:] >= ids[:-1]).all())
-        gs = tuple(int(c) for c in torch.bincount(ids, minlength=3).tolist()) if sorted_ok else None
+        gs = counts if sorted_ok else None
         return self._run(emb, rope, ids, gs, window_geometry, dense_mask, backend, max_dense, chunk)
 
     # ------------------------------------------------------------ diffusers entry
