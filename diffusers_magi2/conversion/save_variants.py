@@ -7,7 +7,7 @@ every file that starts with the weights name and looks like a shard
 ``diffusion_pytorch_model.bf16-0000i-of-0000n.safetensors`` while keeping the bf16 index, which
 then points at missing files (diffusers issue #14719). :func:`save_pretrained_keeping_variants`
 moves the other variants' shard files aside for the duration of the save and puts them back.
-Model classes call it from their ``save_pretrained`` override.
+Callers wrap ``save_pretrained`` with it explicitly (no model class's ``save_pretrained`` calls it yet).
 """
 
 from __future__ import annotations
