@@ -7,6 +7,8 @@ Run under ``accelerate launch`` by ``test_ep_accelerate_launch.py``. Uses the pr
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -30,7 +32,7 @@ y = moe(x)  # one real EP forward (layout a) through the group
 from accelerate import PartialState  # noqa: E402
 
 state = PartialState()
-print(
+_line = (
     "EP_PROBE "
     + json.dumps(
         {
@@ -43,7 +45,10 @@ print(
             "full_expert_rows": cfg.num_heads * cfg.num_experts,
             "out_shape": list(y.shape),
         }
-    ),
-    flush=True,
+    )
+    + "\n"
 )
+# one write(2) of the whole line: both ranks share the pipe, and print()'s separate writes could interleave
+sys.stdout.flush()
+os.write(sys.stdout.fileno(), _line.encode())
 end_distributed_run(0)
