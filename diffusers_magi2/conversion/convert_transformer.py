@@ -94,27 +94,9 @@ TRANSFORMER_TARGETS: dict[str, TransformerTarget] = {
 }
 
 
-def _import(module: str, what: str, component: str):
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if err.name and module.startswith(err.name):
-            raise NotImplementedError(f"{component}: {module} is not available yet ({what}); this component cannot be converted") from None
-        raise
-    return mod
-
-
 def model_class(target: TransformerTarget):
-    """The diffusers model class of ``target``.
-
-    Raises:
-        NotImplementedError: the defining module or class does not exist (yet).
-    """
-    mod = _import(target.module, target.class_name, target.component)
-    cls = getattr(mod, target.class_name, None)
-    if cls is None:
-        raise NotImplementedError(f"{target.component}: {target.module} has no {target.class_name}")
-    return cls
+    """The diffusers model class of ``target`` (imported on use: the model modules import this package)."""
+    return getattr(importlib.import_module(target.module), target.class_name)
 
 
 def released_config_path(target: TransformerTarget) -> Path:
@@ -155,10 +137,8 @@ def resolve_sandai_config(target: TransformerTarget, config: str | Path | dict |
 def model_kwargs_from_sandai(target: TransformerTarget, cfg: dict) -> dict[str, Any]:
     """``register_to_config`` kwargs of ``target``'s model from a merged SandAI config."""
     fn = getattr(sandai_config, target.config_function, None)
-    if fn is None:
-        fn = getattr(_import(target.module, target.config_function, target.component), target.config_function, None)
-    if fn is None:
-        raise NotImplementedError(f"{target.component}: no {target.config_function} in sandai_config or {target.module}")
+    if fn is None:  # the refiner's mapping lives beside its model (re-exported by the model module)
+        fn = getattr(importlib.import_module(target.module), target.config_function)
     return dict(fn(cfg))
 
 
@@ -257,7 +237,6 @@ def prepare_transformer_conversion(
     Raises:
         key_plan.CheckpointValidationError: every problem found, listed together.
         ValueError: bad arguments or a config without the needed section.
-        NotImplementedError: the model class does not exist yet.
     """
     if component not in TRANSFORMER_TARGETS:
         raise ValueError(f"component must be one of {sorted(TRANSFORMER_TARGETS)}, got {component!r}")

@@ -18,13 +18,11 @@ Output layout (a standard diffusers pipeline repo): ``model_index.json`` naming 
 and ``README.md`` rendered from the top-level ``model_card.md``.
 
 The VAE, TurboVAE, Stable Audio and text-encoder conversions are functions of
-``diffusers_magi2.conversion.components`` (another engineer's module); a component whose function
-does not exist yet is skipped with a message saying so.
+``diffusers_magi2.conversion.components``.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -33,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import components
 from .convert_transformer import PreparedTransformer, prepare_transformer_conversion, write_transformer
 from .key_plan import DTYPE_CHOICES, CheckpointValidationError
 from .model_card import components_table, render_model_card
@@ -153,15 +152,6 @@ def _tokenizer_class(folder: Path) -> str:
     return MODEL_INDEX_ENTRIES["tokenizer"][1]
 
 
-def _components_module():
-    try:
-        return importlib.import_module("diffusers_magi2.conversion.components")
-    except ModuleNotFoundError as err:
-        if err.name == "diffusers_magi2.conversion.components":
-            return None
-        raise
-
-
 def _check_request(req: ConversionRequest) -> None:
     problems = []
     unknown = [c for c in req.components if c not in ALL_COMPONENTS]
@@ -200,8 +190,6 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
         ValueError: a bad request (unknown component, missing input, non-empty ``OUT`` without
             ``overwrite``), or :class:`CheckpointValidationError` listing every checkpoint problem
             of every transformer-like component; raised before anything is written.
-        NotImplementedError: a requested transformer-like component whose model class does not
-            exist yet.
         Any error of a component converter (e.g. a pickle refused by ``weights_only``) propagates
         after the temporary folder is removed; ``OUT`` is never left half-written.
     """
@@ -224,18 +212,10 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
     if failures:
         raise ValueError("\n".join(failures))
 
-    # 2. Other components: present in the components module, or skipped with a message.
-    comp_mod = _components_module()
-    component_fns: dict[str, Callable] = {}
-    for comp, fn_name in COMPONENT_FUNCTIONS.items():
-        if comp not in req.components:
-            continue
-        fn = getattr(comp_mod, fn_name, None) if comp_mod is not None else None
-        if fn is None:
-            log(f"[{comp}] skipped: diffusers_magi2.conversion.components.{fn_name} does not exist yet "
-                f"(the {comp} conversion lands with its own issue)")
-        else:
-            component_fns[comp] = fn
+    # 2. Other components: each has its converter in diffusers_magi2.conversion.components.
+    component_fns: dict[str, Callable] = {
+        comp: getattr(components, fn_name) for comp, fn_name in COMPONENT_FUNCTIONS.items() if comp in req.components
+    }
 
     if req.dry_run:
         for comp, prep in prepared.items():

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -315,16 +314,6 @@ print("ok")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
-
-
-def test_missing_component_converter_is_skipped_with_a_message(tmp_path, monkeypatch):
-    monkeypatch.setattr(repo_mod, "_components_module", lambda: types.ModuleType("empty_components"))
-    out = tmp_path / "out"
-    rc, stdout, err = run_cli(["--vae_path", COMPONENTS / "wan22_vae" / "Wan2.2_VAE.pth", "--output_path", out])
-    assert rc == 0, err
-    assert "[vae] skipped: diffusers_magi2.conversion.components.convert_wan22_vae does not exist yet" in stdout
-    index = json.loads((out / "model_index.json").read_text())
-    assert index["vae"] == [None, None] and index["scheduler"] == ["diffusers", "UniPCMultistepScheduler"]
 
 
 def test_push_to_hub_uses_huggingface_hub(tmp_path, monkeypatch):
