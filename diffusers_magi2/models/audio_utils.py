@@ -18,6 +18,7 @@ __all__ = [
     "RESAMPLE_NUMERATOR",
     "RESAMPLE_DENOMINATOR",
     "resampled_length",
+    "resample_audio",
     "resample_audio_441_512",
     "waveform_to_output_audio",
 ]
@@ -35,25 +36,29 @@ def resampled_length(num_samples: int) -> int:
     return int(num_samples * RESAMPLE_NUMERATOR / RESAMPLE_DENOMINATOR)
 
 
-def resample_audio_441_512(audio: Union[np.ndarray, torch.Tensor], axis: int = 0) -> np.ndarray:
-    """Resample ``audio`` along ``axis`` by 441/512 with ``scipy.signal.resample`` (FFT method).
+def resample_audio(audio: Union[np.ndarray, torch.Tensor], ratio: float, axis: int = 0) -> np.ndarray:
+    """Resample ``audio`` along ``axis`` to ``int(N * ratio)`` samples with ``scipy.signal.resample`` (FFT).
 
-    Matches SandAI ``decode_audio``: ``scipy.signal.resample(x, int(N * 441 / 512))`` on the time
-    axis, result cast to float32.
+    Matches SandAI ``decode_audio`` / ``resample_audio_sinc``: ``scipy.signal.resample(x, int(N * ratio))``
+    on the time axis, result cast to float32. MAGI-2 uses ``ratio = 441/512`` (exact in binary, so
+    ``int(N * ratio) == int(N * 441 / 512)``); the pipeline reads it from its config.
 
     Args:
         audio: samples, e.g. ``[N, channels]`` (time on ``axis``), any float dtype; a torch tensor is
             moved to CPU and converted to float32 numpy first.
+        ratio: output/input sample-count ratio, > 0.
         axis: time axis.
 
     Returns:
-        ``np.ndarray`` float32 with ``resampled_length(N)`` samples on ``axis``.
+        ``np.ndarray`` float32 with ``int(N * ratio)`` samples on ``axis``.
 
     Raises:
-        ValueError: empty time axis or an axis out of range.
+        ValueError: empty time axis, an axis out of range, or a ratio that is not positive.
     """
     from scipy.signal import resample  # local: scipy is only needed for audio output
 
+    if not ratio > 0:
+        raise ValueError(f"ratio must be > 0, got {ratio}")
     if isinstance(audio, torch.Tensor):
         audio = audio.detach().to("cpu", torch.float32).numpy()
     audio = np.asarray(audio)
@@ -62,7 +67,12 @@ def resample_audio_441_512(audio: Union[np.ndarray, torch.Tensor], axis: int = 0
     num_samples = audio.shape[axis]
     if num_samples == 0:
         raise ValueError("cannot resample an empty signal (0 samples on the time axis)")
-    return resample(audio, resampled_length(num_samples), axis=axis).astype(np.float32)
+    return resample(audio, int(num_samples * ratio), axis=axis).astype(np.float32)
+
+
+def resample_audio_441_512(audio: Union[np.ndarray, torch.Tensor], axis: int = 0) -> np.ndarray:
+    """:func:`resample_audio` by MAGI-2's fixed 441/512 (``resampled_length(N)`` samples on ``axis``)."""
+    return resample_audio(audio, RESAMPLE_NUMERATOR / RESAMPLE_DENOMINATOR, axis=axis)
 
 
 def waveform_to_output_audio(waveform: torch.Tensor) -> np.ndarray:

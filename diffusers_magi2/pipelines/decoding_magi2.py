@@ -11,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..models.audio_utils import resample_audio
+
 __all__ = [
     "decode_audio_latents",
     "decode_video_latents",
-    "resample_audio",
     "resize_video_frames",
     "wan_latent_stats",
 ]
@@ -55,24 +56,6 @@ def resize_video_frames(video: torch.Tensor, height: int, width: int, frames_per
     return out
 
 
-def resample_audio(waveform: np.ndarray, ratio: float) -> np.ndarray:
-    """``scipy.signal.resample`` along axis 0 to ``int(N * ratio)`` samples (SandAI ``resample_audio_sinc``).
-
-    The general form of :func:`diffusers_magi2.models.audio_utils.resample_audio_441_512` (same call,
-    same result for ``ratio = 441/512``) for the pipeline's configurable ``audio_resample_ratio``.
-
-    Args:
-        waveform: ``[N, channels]`` float numpy samples (time on axis 0).
-        ratio: output/input sample count ratio (> 0).
-
-    Returns:
-        ``[int(N * ratio), channels]`` numpy, the input's float dtype.
-    """
-    from scipy.signal import resample
-
-    return resample(waveform, int(waveform.shape[0] * ratio))
-
-
 def wan_latent_stats(vae, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """The Wan2.2 latent normalisation tables ``(mean, 1 / std)``, each fp32 ``[1, C, 1, 1, 1]`` on
     ``device``, from ``vae.config.latents_mean/latents_std`` (``1/std`` computed in fp32, as the reference).
@@ -108,5 +91,5 @@ def decode_audio_latents(audio_vae, audio_latents: torch.Tensor, ratio: float) -
     """
     waveform = audio_vae.decode(audio_latents.transpose(1, 2).to(device=audio_vae.device, dtype=audio_vae.dtype)).sample
     waveform = waveform.float().cpu().numpy()
-    out = [resample_audio(row.T, ratio).T.astype(np.float32) for row in waveform]
+    out = [resample_audio(row.T, ratio, axis=0).T for row in waveform]
     return np.stack(out, axis=0)
