@@ -348,12 +348,14 @@ class Magi2MultiHeadMoE(nn.Module):
         """Router logits of the real local heads: ``[S', Hr, Dh] -> [Hr, S', E]`` in fp32 (x upcast).
 
         ``Hr = x_local.shape[1] <= local_real_num_heads``. Matches SandAI ``CoreMultiHeadMoE._route`` (one fp32
-        einsum per head with ``gate``).
+        einsum per head with ``gate``). Runs in fp32 inside ``torch.autocast`` too (autocast is disabled here for
+        CPU and CUDA), so expert selection does not depend on an enclosing autocast region.
         """
         num_real = x_local.shape[1]
         gate = self.gate[: num_real * self.num_experts].to(torch.float32)
         gate = gate.view(num_real, self.num_experts, self.head_dim)
-        return torch.einsum("shd,hed->hse", x_local.to(torch.float32), gate)
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return torch.einsum("shd,hed->hse", x_local.to(torch.float32), gate)
 
     def route(self, x_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing of the real local heads.
