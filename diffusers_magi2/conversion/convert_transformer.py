@@ -29,12 +29,12 @@ from typing import Any, Callable
 
 import torch
 
+from ..utils.fp32_islands import is_fp32_island
 from . import sandai_config
 from .key_plan import (
     KeyPlan,
     TensorSpec,
     build_key_plan,
-    is_fp32_island,
     read_source_checkpoint,
 )
 from .safetensors_io import (
@@ -165,16 +165,17 @@ def expected_specs_from_model(model: torch.nn.Module, params_dtype: str = "BF16"
     """Expected source tensors of a SandAI checkpoint for ``model``: key, shape and dtype code.
 
     Keys and shapes are the model's ``state_dict()`` (works on the meta device); the dtype is
-    ``F32`` for fp32 islands (:func:`key_plan.is_fp32_island`), ``params_dtype`` for the other
+    ``F32`` for the model's fp32 islands (``_keep_in_fp32_modules``), ``params_dtype`` for the other
     floating tensors, and the model's own dtype for integer buffers.
     """
     specs = {}
     for name, t in model.state_dict().items():
+        island = t.is_floating_point() and is_fp32_island(name, model._keep_in_fp32_modules)
         if t.is_floating_point():
-            code = "F32" if is_fp32_island(name) else params_dtype
+            code = "F32" if island else params_dtype
         else:
             code = TORCH_TO_DTYPE[t.dtype]
-        specs[name] = TensorSpec(tuple(t.shape), code)
+        specs[name] = TensorSpec(tuple(t.shape), code, island)
     return specs
 
 
@@ -355,7 +356,7 @@ def load_original_checkpoint(
         with safe_open(str(plan.source_dir / fname), framework="pt") as handle:
             for e in entries:
                 t = handle.get_tensor(e.source_key)
-                state[e.target_key] = t.to(torch.float32 if is_fp32_island(e.target_key) else dtype)
+                state[e.target_key] = t.to(torch.float32 if expected[e.target_key].fp32_island else dtype)
     model.load_state_dict(state, strict=True, assign=True)
     on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if on_meta:  # C04: never hand back a model with unloaded (meta) tensors

@@ -44,7 +44,6 @@ __all__ = [
     "SourceCheckpoint",
     "TensorSpec",
     "build_key_plan",
-    "is_fp32_island",
     "map_state_dict",
     "read_source_checkpoint",
     "source_to_target_key",
@@ -71,51 +70,31 @@ def target_to_source_key(key: str) -> str:
     return _TARGET_BLOCK.sub(r"block.layers.\1.", key, count=1)
 
 
-def is_fp32_island(key: str) -> bool:
-    """Whether a tensor is stored and computed in fp32 whatever the model dtype (spec §1.11, C02).
-
-    True for the input embedders and ``rope.bands`` (``pre_adapter.*``), everything in
-    ``post_adapter.*``, every norm weight (any name component containing ``norm``:
-    ``pre_norm``, ``q_norm``, ``k_norm``, ``mhc_norm``, ``final_norm_*``), ``attention.sinks``,
-    every ``mhc_*`` parameter, the router ``moe_mlp.gate`` and both router biases. Accepts source
-    or target names. Checked against the full-size key tables of both released models.
-    """
-    parts = key.split(".")
-    if parts[0] in ("pre_adapter", "post_adapter"):
-        return True
-    if any("norm" in p for p in parts):
-        return True
-    if parts[-1] == "sinks" or any(p.startswith("mhc_") for p in parts):
-        return True
-    if "router" in parts:
-        return True
-    return len(parts) >= 2 and parts[-2] == "moe_mlp" and parts[-1] == "gate"
-
-
-def target_dtype_for(key: str, source_dtype: str, dtype: str) -> str:
-    """Output safetensors dtype code for a tensor under ``--dtype`` (fp32 islands always stay ``F32``).
+def target_dtype_for(source_dtype: str, dtype: str, *, fp32_island: bool) -> str:
+    """Output safetensors dtype code of a tensor under ``--dtype`` (fp32 islands always stay ``F32``).
 
     Args:
-        key: tensor name (source or target).
         source_dtype: its dtype code in the source file.
         dtype: ``"keep"`` (source dtype), ``"bf16"`` or ``"fp32"``.
+        fp32_island: whether the model keeps this tensor fp32 (:attr:`TensorSpec.fp32_island`).
 
     Raises:
         ValueError: ``dtype`` is not one of those three.
     """
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
-    if is_fp32_island(key):
+    if fp32_island:
         return "F32"
     return {"keep": source_dtype, "bf16": "BF16", "fp32": "F32"}[dtype]
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Expected shape and safetensors dtype code of one tensor."""
+    """Expected shape and safetensors dtype code of one tensor, and whether the model keeps it fp32."""
 
     shape: tuple[int, ...]
     dtype: str
+    fp32_island: bool = False
 
 
 @dataclass(frozen=True)
@@ -371,7 +350,7 @@ def build_key_plan(
                 source_file=source.weight_map[read_from],
                 shape=tuple(info.shape),
                 source_dtype=info.dtype,
-                target_dtype=target_dtype_for(target, info.dtype, dtype),
+                target_dtype=target_dtype_for(info.dtype, dtype, fp32_island=expected[target].fp32_island),
             )
         )
     files = tuple(f for f in sorted(source.headers, key=_shard_sort_key) if any(e.source_file == f for e in entries))

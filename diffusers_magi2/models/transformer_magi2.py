@@ -34,14 +34,15 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers' pipeline loader looks it up here)
 from diffusers.models.attention import AttentionMixin
 from diffusers.models.cache_utils import CacheMixin
-from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import BaseOutput
 
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
 from .attention_magi2 import Magi2Attention
 from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward
+from .modeling_magi2 import Magi2ModelMixin
 from .mhc import mhc_coefficients, mhc_hyper_connect, mhc_matmul_scale, mhc_reduce_streams
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, Modality
 from .packing_magi2 import Magi2PackedInputs, pack_magi2_inputs, unpack_magi2_outputs
@@ -182,7 +183,7 @@ def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
     return int(hidden_size * factor * 2 / 3) // 128 * 128
 
 
-class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixin):
+class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, CacheMixin):
     r"""MAGI-2 Preview diffusion transformer (114B-parameter MoE, joint audio + video).
 
     Defaults are the released Preview (``configs/magi2_preview.json``): 40 layers, hidden 3072,
@@ -209,7 +210,7 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
     Loading: ``from_pretrained(path, dtype=torch.bfloat16)`` (converted repos; fp32 islands kept by
     ``_keep_in_fp32_modules``; ``local_files_only`` defaults from ``HF_HUB_OFFLINE``;
     ``expert_parallel=`` shards the routed experts) or ``from_original_checkpoint(sandai_dir)``.
-    Use :meth:`to_compute_dtype` rather than ``.to(dtype)`` to change the dtype in memory.
+    ``.to(dtype)`` / ``pipe.to(dtype)`` keep the fp32 islands fp32 too (:class:`.Magi2ModelMixin`).
 
     Runtime switches (not saved): ``set_attention_backend`` (diffusers), :meth:`set_moe_backend`
     (routed-expert kernels), :meth:`set_mhc_backend` (low-precision rounding of the stream mixing),
@@ -322,23 +323,6 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
             return torch.float32
         return self.transformer_blocks[0].attention.linear_qkv.weight.dtype
 
-    def is_fp32_island(self, name: str) -> bool:
-        """Whether the parameter/buffer ``name`` is one of the fp32 islands (spec §1.11)."""
-        return any(m in name.split(".") for m in self._keep_in_fp32_modules)
-
-    def to_compute_dtype(self, dtype: torch.dtype) -> "Magi2Transformer3DModel":
-        """Cast every weight except the fp32 islands to ``dtype`` (the islands stay fp32); returns self.
-
-        Use this instead of ``.to(dtype)``, which would also downcast the islands.
-        """
-        for name, p in list(self.named_parameters()) + list(self.named_buffers()):
-            if not p.is_floating_point():
-                continue
-            target = torch.float32 if self.is_fp32_island(name) else dtype
-            if p.dtype != target:
-                p.data = p.data.to(target)
-        return self
-
     def check_attention_kwargs(self, attention_kwargs: Optional[Dict[str, Any]]) -> None:
         """Raise for any ``attention_kwargs`` key this model does not use (it uses none).
 
@@ -415,21 +399,6 @@ class Magi2Transformer3DModel(ModelMixin, ConfigMixin, AttentionMixin, CacheMixi
         from ..parallel.ep_loading import apply_expert_parallel
 
         return apply_expert_parallel(self, config)
-
-    def save_pretrained(self, *args, **kwargs):
-        """``ModelMixin.save_pretrained``; refuses an expert-parallel model, which holds only this rank's experts.
-
-        Raises:
-            ValueError: some MoE layer is EP-sharded (its files would pass for a full checkpoint).
-        """
-        from ..moe.layer import Magi2MultiHeadMoE
-
-        if any(isinstance(m, Magi2MultiHeadMoE) and m.ep_size > 1 for m in self.modules()):
-            raise ValueError(
-                "this model is expert-parallel (each rank holds only its routed experts); save a single-process "
-                "model instead"
-            )
-        return super().save_pretrained(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------------
     # packed entry (reference Transformer.forward)

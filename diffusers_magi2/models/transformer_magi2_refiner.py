@@ -33,11 +33,12 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 from diffusers.configuration_utils import ConfigMixin, register_to_config
-from diffusers.models.modeling_utils import ModelMixin
+from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers' pipeline loader looks it up here)
 from diffusers.utils import BaseOutput
 
 from ..conversion.sandai_config_refiner import refiner_config_from_sandai  # noqa: F401  (re-exported for the converter)
 from .embeddings_magi2 import Magi2RotaryPosEmbed, apply_magi2_rotary_emb
+from .modeling_magi2 import Magi2ModelMixin
 from .modality import (
     Magi2ModalityDispatch,
     Magi2ModalityGroupedLinear,
@@ -285,7 +286,7 @@ class _PackedContext:
 # ----------------------------------------------------------------------------- model
 
 
-class Magi2RefinerTransformer3DModel(ModelMixin, ConfigMixin):
+class Magi2RefinerTransformer3DModel(Magi2ModelMixin, ConfigMixin):
     r"""MAGI-2 1080p refiner DiT (SandAI ``magi2_refiner.Transformer``) as a diffusers model.
 
     Config defaults are the released refiner (``configs/magi2_refiner.json``): 30 layers, width 4096

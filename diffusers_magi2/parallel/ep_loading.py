@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ..conversion.safetensors_io import DTYPE_TO_TORCH  # safetensors dtype name -> torch dtype
 from ..moe.layer import Magi2MultiHeadMoE
+from ..utils.fp32_islands import fp32_island_dtype
 from .expert_parallel import (
     Magi2ExpertParallelConfig,
     Magi2ExpertParallelGroup,
@@ -204,13 +205,12 @@ def _resolve_folder(pretrained: Union[str, os.PathLike], subfolder: Optional[str
 
 
 def _target_dtype(name: str, t: torch.Tensor, default: torch.dtype, torch_dtype, keep_fp32: Iterable[str]):
+    """Load dtype of checkpoint tensor ``name``: its own if not floating, ``default`` without ``torch_dtype``."""
     if not t.is_floating_point():
         return t.dtype
     if torch_dtype is None:
         return default
-    if any(m in name.split(".") for m in keep_fp32):
-        return torch.float32
-    return torch_dtype
+    return fp32_island_dtype(name, torch_dtype, keep_fp32)
 
 
 def load_expert_parallel_from_pretrained(

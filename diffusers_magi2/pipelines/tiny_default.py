@@ -211,15 +211,11 @@ FP32_COMPONENTS = ("vae", "audio_vae")
 
 
 def cast_pipeline_to_compute_dtype(pipe, dtype: torch.dtype):
-    """Cast a ``Magi2Pipeline``'s models to ``dtype`` in memory, keeping every fp32 island fp32.
+    """Cast a ``Magi2Pipeline``'s models to ``dtype`` in memory, except :data:`FP32_COMPONENTS`.
 
-    ``ModelMixin.to(dtype)`` ignores ``_keep_in_fp32_modules`` (it would downcast ``pre_adapter.*``,
-    ``mhc_*``, sinks, router gate/biases and norms), so the transformer is cast with its
-    :meth:`~diffusers_magi2.models.transformer_magi2.Magi2Transformer3DModel.to_compute_dtype`; a
-    refiner (if present) is cast the same way from its own ``_keep_in_fp32_modules`` (any name
-    component matching a listed module stays fp32). The text encoder and the TurboVAE decoder take
-    ``dtype``; :data:`FP32_COMPONENTS` (``vae``, ``audio_vae``) stay fp32, matching the dtype split
-    of the reference engine (DiT, text encoder, TurboVAE in bf16; Wan2.2 encoder fp32).
+    The transformers' ``.to(dtype)`` keeps their fp32 islands fp32. The text encoder and the TurboVAE
+    decoder take ``dtype``; ``vae`` and ``audio_vae`` stay fp32, matching the dtype split of the
+    reference engine (DiT, text encoder, TurboVAE in bf16; Wan2.2 encoder fp32).
 
     Args:
         pipe: a ``Magi2Pipeline`` (any device).
@@ -229,21 +225,8 @@ def cast_pipeline_to_compute_dtype(pipe, dtype: torch.dtype):
         ``pipe`` (cast in place).
     """
     for name, component in pipe.components.items():
-        if not isinstance(component, torch.nn.Module):
-            continue
-        if name == "transformer" and hasattr(component, "to_compute_dtype"):
-            component.to_compute_dtype(dtype)
-        elif name in FP32_COMPONENTS:
-            component.to(dtype=torch.float32)
-        elif getattr(component, "_keep_in_fp32_modules", None):
-            keep = set(component._keep_in_fp32_modules)
-            for pname, p in list(component.named_parameters()) + list(component.named_buffers()):
-                if p.is_floating_point():
-                    target = torch.float32 if keep.intersection(pname.split(".")) else dtype
-                    if p.dtype != target:
-                        p.data = p.data.to(target)
-        else:
-            component.to(dtype=dtype)
+        if isinstance(component, torch.nn.Module):
+            component.to(dtype=torch.float32 if name in FP32_COMPONENTS else dtype)
     return pipe
 
 
@@ -253,8 +236,8 @@ def build_tiny_default_pipeline(config: dict[str, Any] | None = None, dtype: tor
     Args:
         config: overrides merged over :data:`TINY_DEFAULT_CONFIG` (per component, shallow).
         dtype: compute dtype of the models (fp32 on CPU); a non-fp32 dtype is applied with
-            :func:`cast_pipeline_to_compute_dtype` (transformer fp32 islands, the Wan2.2 VAE and the
-            Oobleck decoder stay fp32).
+            :func:`cast_pipeline_to_compute_dtype` (the transformer's fp32 islands, the Wan2.2 VAE and
+            the Oobleck decoder stay fp32).
 
     Returns:
         a ``Magi2Pipeline`` on CPU; its tiny call defaults are in ``pipe.tiny_call_defaults``.

@@ -25,20 +25,26 @@ from diffusers_magi2.conversion.key_plan import (
     CheckpointValidationError,
     TensorSpec,
     build_key_plan,
-    is_fp32_island,
     map_state_dict,
     read_source_checkpoint,
     source_to_target_key,
     target_dtype_for,
     target_to_source_key,
 )
+from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
+from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
+from diffusers_magi2.utils.fp32_islands import is_fp32_island
 
 BIAS = "block.layers.1.mlp.moe_mlp.router.expert_bias"
 
 
 def _expected_from(ckpt):
+    """Specs from the fixture's own headers; its F32 tensors are exactly its fp32 islands (bf16 checkpoint)."""
     src = read_source_checkpoint(ckpt)
-    return {source_to_target_key(k): TensorSpec(src.tensor(k).shape, src.tensor(k).dtype) for k in src.weight_map}
+    return {
+        source_to_target_key(k): TensorSpec(src.tensor(k).shape, src.tensor(k).dtype, src.tensor(k).dtype == "F32")
+        for k in src.weight_map
+    }
 
 
 def test_rename_rule_only_touches_the_block_prefix():
@@ -49,13 +55,21 @@ def test_rename_rule_only_touches_the_block_prefix():
         assert target_to_source_key(source_to_target_key(key)) == key
 
 
-@pytest.mark.parametrize("table", ["sandai_preview_state_dict.tsv", "sandai_refiner_state_dict.tsv"])
-def test_fp32_island_rule_matches_the_released_dtypes(table):
+@pytest.mark.parametrize(
+    "table, model_cls",
+    [
+        ("sandai_preview_state_dict.tsv", Magi2Transformer3DModel),
+        ("sandai_refiner_state_dict.tsv", Magi2RefinerTransformer3DModel),
+    ],
+)
+def test_fp32_island_rule_matches_the_released_dtypes(table, model_cls):
+    """The class's ``_keep_in_fp32_modules`` names exactly the F32 tensors of the released checkpoint."""
     rows = read_tsv(table)
-    wrong = [k for k, (_, dt) in rows.items() if (dt == "F32") != is_fp32_island(k)]
+    keep = model_cls._keep_in_fp32_modules
+    wrong = [k for k, (_, dt) in rows.items() if (dt == "F32") != is_fp32_island(k, keep)]
     assert wrong == []
     # the same holds for the diffusers names
-    wrong = [k for k, (_, dt) in rows.items() if (dt == "F32") != is_fp32_island(source_to_target_key(k))]
+    wrong = [k for k, (_, dt) in rows.items() if (dt == "F32") != is_fp32_island(source_to_target_key(k), keep)]
     assert wrong == []
     if "preview" in table:  # C02: 118,754,352 fp32 *parameters* at FULL size (spec §0) ...
         buffers = ("router.expert_bias", "rope.bands")  # ... plus the fp32 buffers (36*2*3072 + 16)
@@ -65,12 +79,13 @@ def test_fp32_island_rule_matches_the_released_dtypes(table):
 
 
 def test_target_dtype_policy_keeps_islands_fp32():
-    assert target_dtype_for("transformer_blocks.1.mlp.moe_mlp.W_up", "BF16", "fp32") == "F32"
-    assert target_dtype_for("transformer_blocks.1.mlp.moe_mlp.W_up", "F32", "bf16") == "BF16"
-    assert target_dtype_for("transformer_blocks.1.mlp.moe_mlp.W_up", "BF16", "keep") == "BF16"
-    assert target_dtype_for("transformer_blocks.1.mlp.moe_mlp.router.expert_bias", "F32", "bf16") == "F32"
+    assert target_dtype_for("BF16", "fp32", fp32_island=False) == "F32"
+    assert target_dtype_for("F32", "bf16", fp32_island=False) == "BF16"
+    assert target_dtype_for("BF16", "keep", fp32_island=False) == "BF16"
+    assert target_dtype_for("F32", "bf16", fp32_island=True) == "F32"
+    assert target_dtype_for("BF16", "keep", fp32_island=True) == "F32"
     with pytest.raises(ValueError, match="dtype must be one of"):
-        target_dtype_for("x", "F32", "fp16")
+        target_dtype_for("F32", "fp16", fp32_island=False)
 
 
 def test_plan_covers_every_key_with_ema_bias():
@@ -86,7 +101,8 @@ def test_plan_covers_every_key_with_ema_bias():
     # reading order: shard by shard
     files = [e.source_file for e in plan.entries]
     assert files == sorted(files)
-    assert all(e.target_dtype == ("F32" if is_fp32_island(e.target_key) else "BF16") for e in plan.entries)
+    keep = Magi2Transformer3DModel._keep_in_fp32_modules
+    assert all(e.target_dtype == ("F32" if is_fp32_island(e.target_key, keep) else "BF16") for e in plan.entries)
 
 
 def test_map_state_dict_is_pure_and_idempotent():

@@ -354,9 +354,8 @@ def test_offline_load_by_repo_id_from_the_hf_cache(full_repo, tmp_path):
     script = """
 import torch
 from diffusers_magi2 import Magi2Transformer3DModel
-from diffusers_magi2.conversion.key_plan import is_fp32_island
 m = Magi2Transformer3DModel.from_pretrained("org/magi2-tiny", subfolder="transformer", dtype=torch.bfloat16)
-bad = [n for n, t in m.state_dict().items() if t.dtype != (torch.float32 if is_fp32_island(n) else torch.bfloat16)]
+bad = [n for n, t in m.state_dict().items() if t.dtype != (torch.float32 if m.is_fp32_island(n) else torch.bfloat16)]
 assert not bad, bad
 assert m.transformer_blocks[1].mlp.moe_mlp.router.expert_bias.dtype == torch.float32
 print("ok", len(m.state_dict()))

@@ -40,10 +40,12 @@ from diffusers_magi2.conversion.convert_transformer import (
     params_dtype_code,
     resolve_sandai_config,
 )
-from diffusers_magi2.conversion.key_plan import is_fp32_island, source_to_target_key
+from diffusers_magi2.conversion.key_plan import source_to_target_key
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
+from diffusers_magi2.utils.fp32_islands import is_fp32_island
 
 ATOL = 1e-4  # fixture README, "Suggested tolerance, fp32/"
+ISLANDS = Magi2Transformer3DModel._keep_in_fp32_modules
 BIASES = [f"block.layers.{i}.mlp.moe_mlp.router.expert_bias" for i in (1, 2)]
 
 
@@ -144,17 +146,17 @@ def test_fp32_islands_survive_bf16_conversion_load_and_save(tmp_path):
     out = _convert(checkpoint_dir("preview_h4"), tmp_path / "repo", config_path("preview_h4"), "--dtype", "bf16")
     with safe_open(str(out / "transformer" / "diffusion_pytorch_model.safetensors"), "pt") as f:
         for k in f.keys():
-            assert f.get_slice(k).get_dtype() == ("F32" if is_fp32_island(k) else "BF16"), k
+            assert f.get_slice(k).get_dtype() == ("F32" if is_fp32_island(k, ISLANDS) else "BF16"), k
     model = Magi2Transformer3DModel.from_pretrained(out, subfolder="transformer", dtype=torch.bfloat16)
     for name, t in model.state_dict().items():
-        assert t.dtype == (torch.float32 if is_fp32_island(name) else torch.bfloat16), name
+        assert t.dtype == (torch.float32 if is_fp32_island(name, ISLANDS) else torch.bfloat16), name
     model.save_pretrained(tmp_path / "resaved")
     seen = 0
     for shard in (tmp_path / "resaved").glob("*.safetensors"):
         with safe_open(str(shard), "pt") as f:
             for k in f.keys():
                 seen += 1
-                assert f.get_slice(k).get_dtype() == ("F32" if is_fp32_island(k) else "BF16"), k
+                assert f.get_slice(k).get_dtype() == ("F32" if is_fp32_island(k, ISLANDS) else "BF16"), k
     assert seen == 131
 
 
@@ -206,12 +208,10 @@ def test_reconversion_leaves_no_stale_shards(tmp_path):
 def test_default_and_bf16_variant_coexist(tmp_path, converted_h4):
     """C05 (3): a default and a ``bf16`` variant in one folder; both load, re-saving keeps the variant.
 
-    Plain diffusers 0.42.1 ``save_pretrained`` deletes the other variant's shards (checked below, so
-    the work-around is known to be needed); ``save_pretrained_keeping_variants`` keeps them.
+    Plain diffusers 0.42.1 ``ModelMixin.save_pretrained`` deletes the other variant's shards (checked
+    below, so the work-around is known to be needed); the model's own ``save_pretrained`` keeps them.
     """
     from diffusers import ModelMixin
-
-    from diffusers_magi2.conversion.save_variants import save_pretrained_keeping_variants
 
     model = Magi2Transformer3DModel.from_pretrained(converted_h4, subfolder="transformer")
     bf16 = Magi2Transformer3DModel.from_pretrained(converted_h4, subfolder="transformer", dtype=torch.bfloat16)
@@ -224,7 +224,7 @@ def test_default_and_bf16_variant_coexist(tmp_path, converted_h4):
     assert loaded.transformer_blocks[1].mlp.moe_mlp.W_up.dtype == torch.bfloat16
     assert loaded.pre_adapter.video_embedder.weight.dtype == torch.float32
 
-    save_pretrained_keeping_variants(model.save_pretrained, folder, max_shard_size="1MB")
+    model.save_pretrained(folder, max_shard_size="1MB")
     assert sorted(p.name for p in folder.glob("*.bf16*.safetensors")) == variant_files
     assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
     default = Magi2Transformer3DModel.from_pretrained(folder)

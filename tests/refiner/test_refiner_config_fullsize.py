@@ -103,14 +103,13 @@ def test_full_size_meta_build_matches_released_key_table(fixtures_dir, released_
     assert time.time() - t0 < 60
     sd = model.state_dict()
     assert len(sd) == 281
-    fp32_islands = set(Magi2RefinerTransformer3DModel._keep_in_fp32_modules)
     n_params = 0
     for name, shape, dtype in rows:
         key = refiner_state_dict_key_from_sandai(name)
         assert key in sd, key
         assert tuple(sd[key].shape) == shape, key
         # from_pretrained(torch_dtype=bf16) keeps exactly the _keep_in_fp32_modules paths in fp32
-        expect_fp32 = bool(fp32_islands & set(key.split(".")))
+        expect_fp32 = model.is_fp32_island(key)
         assert (dtype == "float32") == expect_fp32, key
         if key != "pre_adapter.rope.bands":
             n_params += sd[key].numel()
