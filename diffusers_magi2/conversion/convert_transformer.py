@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from ..utils.fp32_islands import is_fp32_island
-from . import sandai_config
+from . import sandai_config, sandai_config_refiner
 from .key_plan import (
     KeyPlan,
     TensorSpec,
@@ -68,8 +68,8 @@ class TransformerTarget:
         component: ``model_index.json`` name (``"transformer"`` or ``"refiner"``).
         module: defining module of the model class (public format, never moves).
         class_name: the model class.
-        config_function: name of the SandAI-config -> kwargs function (looked up in
-            ``diffusers_magi2.conversion.sandai_config``, then in ``module``).
+        config_function: name of the SandAI-config -> kwargs function (in
+            ``diffusers_magi2.conversion.sandai_config`` or ``sandai_config_refiner``).
         arch_section: SandAI config section holding the architecture (for ``params_dtype``).
         released_config: file name of the released SandAI config that describes it.
     """
@@ -136,9 +136,7 @@ def resolve_sandai_config(target: TransformerTarget, config: str | Path | dict |
 
 def model_kwargs_from_sandai(target: TransformerTarget, cfg: dict) -> dict[str, Any]:
     """``register_to_config`` kwargs of ``target``'s model from a merged SandAI config."""
-    fn = getattr(sandai_config, target.config_function, None)
-    if fn is None:  # the refiner's mapping lives beside its model (re-exported by the model module)
-        fn = getattr(importlib.import_module(target.module), target.config_function)
+    fn = getattr(sandai_config, target.config_function, None) or getattr(sandai_config_refiner, target.config_function)
     return dict(fn(cfg))
 
 

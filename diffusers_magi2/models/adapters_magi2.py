@@ -1,8 +1,9 @@
-"""Input and output adapters of ``Magi2Transformer3DModel`` (SandAI ``PreAdapter`` / ``PostAdapter``).
+"""Input and output adapters of both MAGI-2 transformers (SandAI ``PreAdapter`` / ``PostAdapter``).
 
 Numerically follow SandAI-org/MAGI-2-preview ``inference/model/magi2_preview.py`` (reference spec
 §1.2, §1.10). Both are fp32 islands (``_keep_in_fp32_modules``): the pre adapter embeds each packed
-token with its modality's linear layer to the multi-stream width ``n*C`` and builds the rope table;
+token with its modality's linear layer to the residual width (``n*C`` in the Preview, ``C`` in the
+Refiner) and builds the rope table;
 the post adapter projects the final residual back to video / audio latent channels.
 """
 
@@ -53,15 +54,20 @@ class Magi2PreAdapter(nn.Module):
         """
         x = hidden_states.float()
         out = x.new_zeros(x.shape[0], self.width)
-        for mod, emb, cin in (
-            (Modality.TEXT, self.text_embedder, self.text_in),
-            (Modality.AUDIO, self.audio_embedder, self.audio_in),
-            (Modality.VIDEO, self.video_embedder, self.video_in),
-        ):
+        for mod in (Modality.TEXT, Modality.AUDIO, Modality.VIDEO):
             idx = (modality_ids == int(mod)).nonzero().flatten()
             if idx.numel() > 0:
-                out.index_copy_(0, idx, emb(x.index_select(0, idx)[:, :cin].to(emb.weight.dtype)).float())
+                out.index_copy_(0, idx, self.embed(mod, x.index_select(0, idx)))
         return out, self.rope(coords)
+
+    def embed(self, modality: Modality, tokens: torch.Tensor) -> torch.Tensor:
+        """``[n, >= C_in]`` tokens of one modality (their first ``C_in`` channels) -> ``[n, width]`` fp32."""
+        emb, cin = {
+            Modality.VIDEO: (self.video_embedder, self.video_in),
+            Modality.AUDIO: (self.audio_embedder, self.audio_in),
+            Modality.TEXT: (self.text_embedder, self.text_in),
+        }[Modality(modality)]
+        return emb(tokens.float()[:, :cin].to(emb.weight.dtype)).float()
 
 
 class Magi2PostAdapter(nn.Module):
@@ -70,11 +76,11 @@ class Magi2PostAdapter(nn.Module):
     Returns ``[N, max(Cv, Ca)]`` fp32; video rows use ``[:Cv]``, audio rows ``[:Ca]``, others are 0.
     """
 
-    def __init__(self, width: int, video_in: int, audio_in: int) -> None:
+    def __init__(self, width: int, video_in: int, audio_in: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.video_in, self.audio_in = video_in, audio_in
-        self.final_norm_video = Magi2MultiModalityRMSNorm(width, 1)
-        self.final_norm_audio = Magi2MultiModalityRMSNorm(width, 1)
+        self.final_norm_video = Magi2MultiModalityRMSNorm(width, 1, eps=eps)
+        self.final_norm_audio = Magi2MultiModalityRMSNorm(width, 1, eps=eps)
         self.final_linear_video = nn.Linear(width, video_in, bias=False, dtype=torch.float32)
         self.final_linear_audio = nn.Linear(width, audio_in, bias=False, dtype=torch.float32)
 

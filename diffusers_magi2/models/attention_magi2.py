@@ -1,23 +1,36 @@
-"""MAGI-2 Preview attention: gated, qk-normed, 3-axis-rope, varlen self-attention with sinks.
+"""MAGI-2 attention, shared by the Preview and the 1080p Refiner: gated, qk-normed, 3-axis-rope GQA
+self-attention over packed, modality-sorted tokens.
 
-Follows SandAI reference ``Attention`` (``magi2_preview.py``, spec §1.7) and diffusers'
-attention-processor pattern: :class:`Magi2Attention` owns the weights (checkpoint names
-``attention.pre_norm``, ``linear_g``, ``linear_qkv``, ``linear_proj``, ``q_norm``, ``k_norm``,
-``sinks``), :class:`Magi2AttnProcessor` does the math and calls diffusers'
-``dispatch_attention_fn``, so ``set_attention_backend`` picks the kernel.
+For tokens ``x`` of one layer (``M`` = 3 weight blocks in multimodal layers, else 1)::
 
-Sinks are applied **exactly** through an extra key, for any backend: the head dim is padded by 8
-zero channels; query head ``h`` carries ``sink_h / scale`` (split into a bf16 high and low part
-so the sink logit is exact to ~bf16² in bf16 runs) in two of them, and one extra key with ones in
-those channels and a zero value is appended to every segment. Its scaled logit is exactly
+    u = pre_norm(x);  q, k, v = split(linear_qkv(u));  q, k = q_norm(q), k_norm(k)      (fp32 norms)
+    q, k = rope(q), rope(k);  o = attention(q, k, v; mask);  o = o * sigmoid(linear_g(u))
+    y = linear_proj(o)
+
+SandAI ``Attention`` in ``magi2_preview.py`` and ``magi2_refiner.py``. Following diffusers,
+:class:`Magi2Attention` owns the weights and a processor does the math:
+
+* :class:`Magi2AttnProcessor` — varlen attention, one segment per packed sample, with per-head sink
+  logits (the Preview), through diffusers' ``dispatch_attention_fn`` so ``set_attention_backend``
+  picks the kernel;
+* :class:`Magi2WindowAttnProcessor` — the Refiner's block-window attention
+  (:mod:`.window_attention`); its ``backend`` option picks the window kernel.
+
+Both models are :class:`~diffusers.models.attention.AttentionMixin` s: ``set_attn_processor`` swaps
+processors, per layer with a dict.
+
+Sinks are applied exactly through an extra key, for any backend: the head dim is padded by 8 zero
+channels; query head ``h`` carries ``sink_h / scale`` (split into a high and a low part in the compute
+dtype, so the sink logit is exact to ~bf16² in bf16 runs) in two of them, and one extra key with ones
+in those channels and a zero value is appended to every segment. Its scaled logit is exactly
 ``sink_h``; since its value is zero this equals MagiAttention's ``out * sigmoid(lse - sink)``.
-Several sink tokens combine to ``logsumexp_s sink[s, h]``. Varlen segments (one per packed sample)
-are attended separately, so they are isolated without a mask.
+Several sink tokens combine to ``logsumexp_s sink[s, h]``.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -26,10 +39,61 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from .embeddings_magi2 import apply_magi2_rotary_emb
 from .modality import Magi2ModalityDispatch, Magi2ModalityGroupedLinear, Magi2MultiModalityRMSNorm
+from .window_attention import (
+    DEFAULT_MAX_DENSE_MASK_ELEMENTS,
+    WINDOW_ATTENTION_BACKENDS,
+    Magi2WindowGeometry,
+    block_window_attention,
+    cached_flex_block_mask,
+    resolve_window_backend,
+)
 
-__all__ = ["Magi2Attention", "Magi2AttnProcessor", "magi2_attention_with_sinks"]
+__all__ = [
+    "Magi2Attention",
+    "Magi2AttentionMask",
+    "Magi2AttnProcessor",
+    "Magi2WindowAttnProcessor",
+    "check_attention_kwargs",
+    "magi2_attention_with_sinks",
+    "register_block_for_caching_hooks",
+]
 
 _SINK_PAD = 8
+
+
+@dataclass
+class Magi2AttentionMask:
+    """Which tokens attend to which in one forward; built once by the model, read by every layer.
+
+    Attributes:
+        segment_lengths: tokens per packed sample (packed order); samples never attend to each other.
+        window: block-window geometry of a single-sample sequence (read by
+            :class:`Magi2WindowAttnProcessor`; the varlen processor attends densely per segment).
+        dense_mask: explicit ``[N, N]`` bool mask (True = attend), for the reference's own
+            ``(q, k)`` ranges; window processors evaluate it with SDPA.
+        window_backend, max_dense_mask_elements: per-call overrides of the window processors'
+            options (``None`` = the processor's own).
+    """
+
+    segment_lengths: tuple
+    window: Optional[Magi2WindowGeometry] = None
+    dense_mask: Optional[torch.Tensor] = None
+    window_backend: Optional[str] = None
+    max_dense_mask_elements: Optional[int] = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def wrap(cls, mask: Union["Magi2AttentionMask", Sequence[int]]) -> "Magi2AttentionMask":
+        """A mask as is, or the varlen mask of a sequence of segment lengths."""
+        if isinstance(mask, cls):
+            return mask
+        return cls(tuple(int(n) for n in mask))
+
+    def cached(self, key, build):
+        """``build()`` once per mask (the layers of one forward share it)."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
 
 def magi2_attention_with_sinks(
@@ -113,130 +177,258 @@ def magi2_attention_with_sinks(
     return torch.cat(outs, dim=0).to(dtype)
 
 
-class Magi2AttnProcessor:
-    """Default processor of :class:`Magi2Attention` (SandAI ``Attention.forward``).
-
-    Steps (tokens modality-sorted on entry and exit): pre_norm -> ``linear_g`` (one gate per q
-    head) and ``linear_qkv`` -> fp32 q/k RMSNorm -> back to packed order -> rope on q, k (fp32) ->
-    cast q, k to the residual dtype -> :func:`magi2_attention_with_sinks` -> sorted order ->
-    ``out * sigmoid(g)`` -> ``linear_proj``.
-    """
+class _Magi2AttnProcessorBase:
+    """The steps both processors share (tokens modality-sorted on entry and exit): ``pre_norm`` ->
+    ``linear_qkv`` -> fp32 q/k RMSNorm -> packed order -> rope on q, k (fp32) -> compute dtype ->
+    :meth:`attend` (the processor's kernel, packed order) -> sorted order -> ``out * sigmoid(g)`` ->
+    ``linear_proj``."""
 
     _attention_backend = None
     _parallel_config = None
 
-    def __init__(self, upcast_off_cuda: bool = True) -> None:
-        self.upcast_off_cuda = upcast_off_cuda
+    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask) -> torch.Tensor:
+        """``[N, Hq, D]``, ``[N, Hkv, D]`` x2 (packed order, compute dtype) -> ``[N, Hq, D]``."""
+        raise NotImplementedError
 
     def __call__(
         self,
         attn: "Magi2Attention",
         hidden_states: torch.Tensor,
-        rope: torch.Tensor,
+        rotary_emb: torch.Tensor,
         dispatch: Magi2ModalityDispatch,
-        segment_lengths: Sequence[int],
+        attention_mask: Magi2AttentionMask,
     ) -> torch.Tensor:
         gs = dispatch.group_sizes if attn.num_modality > 1 else None
-        num_tokens = hidden_states.shape[0]
-        dtype = hidden_states.dtype
-        x = attn.pre_norm(hidden_states, gs)
-        g = attn.linear_g(x, gs)
-        qkv = attn.linear_qkv(x, gs)
-        q, k, v = torch.split(qkv, [attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q = q.reshape(num_tokens, attn.num_heads, attn.head_dim)
-        k = k.reshape(num_tokens, attn.num_kv_heads, attn.head_dim)
-        v = v.reshape(num_tokens, attn.num_kv_heads, attn.head_dim)
-        q = attn.q_norm(q, gs)
-        k = attn.k_norm(k, gs)
+        n = hidden_states.shape[0]
+        dtype = attn.compute_dtype
+        u = attn.pre_norm(hidden_states, gs)
+        q, k, v = torch.split(attn.linear_qkv(u, gs), [attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = attn.q_norm(q.reshape(n, attn.heads, attn.head_dim), gs)
+        k = attn.k_norm(k.reshape(n, attn.kv_heads, attn.head_dim), gs)
+        v = v.reshape(n, attn.kv_heads, attn.head_dim)
         q, k, v = dispatch.unsort(q), dispatch.unsort(k), dispatch.unsort(v)
-        q = apply_magi2_rotary_emb(q, rope).to(dtype)
-        k = apply_magi2_rotary_emb(k, rope).to(dtype)
-        v = v.to(dtype)
-        if self.upcast_off_cuda and not q.is_cuda and dtype != torch.float32:
-            # SandAI's FA3 takes bf16 q/k/v but keeps the softmax and P@V accumulation in fp32; CPU
-            # kernels fed bf16 round far more, so off CUDA the (already bf16-rounded) q/k/v are
-            # attended in fp32 and the result is rounded back once, as in the golden fixtures.
-            q, k, v = q.float(), k.float(), v.float()
-        out = magi2_attention_with_sinks(
-            q,
-            k,
-            v,
-            attn.sinks if attn.use_sinks else None,
-            segment_lengths,
-            attn.scale,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
+        q = apply_magi2_rotary_emb(q, rotary_emb).to(dtype)
+        k = apply_magi2_rotary_emb(k, rotary_emb).to(dtype)
+        out = dispatch.sort(self.attend(attn, q, k, v.to(dtype), attention_mask).to(dtype))
+        if attn.linear_g is not None:
+            g = attn.linear_g(u, gs)
+            # SandAI's preview gates in the compute dtype, its refiner in fp32
+            g = g.float() if attn.gate_in_fp32 else g.to(out.dtype)
+            out = out * torch.sigmoid(g).unsqueeze(-1)
+        return attn.linear_proj(out.reshape(n, attn.q_size).to(dtype), gs)
+
+
+class Magi2AttnProcessor(_Magi2AttnProcessorBase):
+    """Varlen attention with sinks (SandAI preview ``Attention.forward``); the Preview's processor.
+
+    Each packed sample is its own segment; sinks are used when the layer has them. The kernel is the
+    diffusers attention backend (``set_attention_backend``).
+
+    Args:
+        upcast_off_cuda: attend in fp32 off CUDA when the compute dtype is lower. SandAI's FA3 takes
+            bf16 q/k/v but keeps the softmax and ``P @ V`` in fp32; CPU kernels fed bf16 round far
+            more, so the (already rounded) q/k/v are attended in fp32 and the result rounded once,
+            as in the golden fixtures.
+    """
+
+    def __init__(self, upcast_off_cuda: bool = True) -> None:
+        self.upcast_off_cuda = upcast_off_cuda
+
+    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask) -> torch.Tensor:
+        if self.upcast_off_cuda and not query.is_cuda and query.dtype != torch.float32:
+            query, key, value = query.float(), key.float(), value.float()
+        return magi2_attention_with_sinks(
+            query, key, value, attn.sinks, attention_mask.segment_lengths, attn.scale,
+            backend=self._attention_backend, parallel_config=self._parallel_config,
         )
-        out = dispatch.sort(out.to(dtype))
-        out = out * torch.sigmoid(g.to(out.dtype)).unsqueeze(-1)
-        out = out.reshape(num_tokens, attn.q_size).to(dtype)
-        return attn.linear_proj(out, gs)
+
+
+class Magi2WindowAttnProcessor(_Magi2AttnProcessorBase):
+    """Block-window attention of one packed Refiner sample (SandAI refiner ``Attention.forward``).
+
+    Reads ``attention_mask.window`` (a :class:`Magi2WindowGeometry`) or ``attention_mask.dense_mask``;
+    with neither, it attends densely per segment (through the diffusers attention backend). Masks are
+    built once per forward, and flex ``BlockMask`` s are cached across forwards.
+
+    Args:
+        backend: window kernel, one of ``"auto"`` (flex on CUDA; elsewhere sdpa when the dense mask is
+            small enough, else gather), ``"sdpa"``, ``"flex"``, ``"gather"``
+            (see :func:`~diffusers_magi2.models.window_attention.block_window_attention`).
+        max_dense_mask_elements: largest ``N * N`` dense mask the ``"sdpa"`` kernel may build.
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+
+    def __init__(self, backend: str = "auto", max_dense_mask_elements: int = DEFAULT_MAX_DENSE_MASK_ELEMENTS) -> None:
+        if backend not in WINDOW_ATTENTION_BACKENDS:
+            raise ValueError(f"window_backend must be one of {WINDOW_ATTENTION_BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self.max_dense_mask_elements = int(max_dense_mask_elements)
+
+    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask) -> torch.Tensor:
+        mask = attention_mask
+        backend = mask.window_backend or self.backend
+        max_dense = mask.max_dense_mask_elements or self.max_dense_mask_elements
+        geometry = mask.window
+        if mask.dense_mask is not None:
+            return block_window_attention(
+                query, key, value, None, dense_mask=mask.dense_mask, backend=backend, scale=attn.scale
+            )
+        if geometry is None:
+            return magi2_attention_with_sinks(
+                query, key, value, None, mask.segment_lengths, attn.scale, self._attention_backend,
+                self._parallel_config,
+            )
+        device = query.device
+        backend = resolve_window_backend(backend, device, geometry.num_tokens, max_dense)
+        dense = block = None
+        if backend == "sdpa":
+            dense = mask.cached(("dense", geometry, str(device), max_dense),
+                                lambda: geometry.dense_mask(device, max_elements=max_dense))
+        elif backend == "flex":
+            block = mask.cached(("flex", geometry, str(device)), lambda: cached_flex_block_mask(geometry, device))
+        return block_window_attention(
+            query, key, value, None if dense is not None else geometry, dense_mask=dense, backend=backend,
+            scale=attn.scale, block_mask=block, max_dense_elements=max_dense,
+        )
 
 
 class Magi2Attention(nn.Module, AttentionModuleMixin):
     """Weights of one MAGI-2 attention (checkpoint prefix ``transformer_blocks.{i}.attention.``).
 
     Args:
-        hidden_size: model width ``C``.
-        head_dim: ``Dh``; query heads ``Hq = C // Dh``.
-        num_kv_heads: ``Hkv`` (``num_query_groups``).
+        query_dim: model width ``C``.
+        heads: query heads ``Hq``; ``Hq * dim_head`` is the attention width.
+        kv_heads: key/value heads ``Hkv`` (``Hq % Hkv == 0``).
+        dim_head: head dim ``D`` (``6 * D / 8`` dims carry rope).
         num_modality: 3 for multimodal layers (grouped weights), else 1.
-        num_sink_tokens: sinks per head (0 disables sinks; the preview uses 1, shape ``[1, Hq]``).
-        params_dtype: dtype of ``linear_g``, ``linear_qkv``, ``linear_proj`` (bf16 released).
+        num_sink_tokens: sinks per head (0: none, no ``sinks`` parameter; the Preview uses 1).
+        gated: per-head sigmoid output gate ``linear_g``.
+        gate_in_fp32: apply the gate in fp32 (the Refiner) instead of the compute dtype (the Preview).
+        eps: RMSNorm epsilon.
+        params_dtype: dtype of ``linear_g``, ``linear_qkv``, ``linear_proj`` (``None`` = torch default).
+        processor: a processor instance (default :class:`Magi2AttnProcessor`).
 
     Parameters: ``pre_norm.weight [M*C]``, ``linear_g.weight [M*Hq, C]``,
-    ``linear_qkv.weight [M*(Hq+2Hkv)*Dh, C]``, ``linear_proj.weight [M*C, Hq*Dh]``,
-    ``q_norm.weight``/``k_norm.weight [M*Dh]``, ``sinks [max(1,S), Hq]`` (fp32 except the linears).
+    ``linear_qkv.weight [M*(Hq+2Hkv)*D, C]`` (rows q | k | v), ``linear_proj.weight [M*C, Hq*D]``,
+    ``sinks [S, Hq]``, ``q_norm.weight``/``k_norm.weight [M*D]``; fp32 except the three linears.
+
+    Raises:
+        ValueError: ``Hq`` is not a multiple of ``Hkv``.
     """
 
     _default_processor_cls = Magi2AttnProcessor
-    _available_processors = [Magi2AttnProcessor]
+    _available_processors = [Magi2AttnProcessor, Magi2WindowAttnProcessor]
     _supports_qkv_fusion = False
 
     def __init__(
         self,
-        hidden_size: int,
-        head_dim: int,
-        num_kv_heads: int,
+        query_dim: int,
+        heads: int,
+        kv_heads: int,
+        dim_head: int,
         num_modality: int = 1,
-        num_sink_tokens: int = 1,
+        num_sink_tokens: int = 0,
+        gated: bool = True,
+        gate_in_fp32: bool = False,
+        eps: float = 1e-6,
         params_dtype: Optional[torch.dtype] = None,
         processor=None,
     ) -> None:
         super().__init__()
-        if hidden_size % head_dim:
-            raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of head_dim ({head_dim})")
-        self.hidden_size = hidden_size
-        self.head_dim = head_dim
-        self.num_heads = hidden_size // head_dim
-        self.num_kv_heads = num_kv_heads
-        if self.num_heads % num_kv_heads:
-            raise ValueError(f"query heads ({self.num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if heads % kv_heads:
+            raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim_head
         self.num_modality = num_modality
-        self.q_size = self.num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
-        self.use_sinks = num_sink_tokens > 0
-        self.pre_norm = Magi2MultiModalityRMSNorm(hidden_size, num_modality)
-        self.linear_g = Magi2ModalityGroupedLinear(hidden_size, self.num_heads, num_modality, dtype=params_dtype)
-        self.linear_qkv = Magi2ModalityGroupedLinear(
-            hidden_size, self.q_size + 2 * self.kv_size, num_modality, dtype=params_dtype
-        )
-        self.linear_proj = Magi2ModalityGroupedLinear(self.q_size, hidden_size, num_modality, dtype=params_dtype)
-        self.sinks = nn.Parameter(torch.zeros(max(1, num_sink_tokens), self.num_heads, dtype=torch.float32))
-        self.q_norm = Magi2MultiModalityRMSNorm(head_dim, num_modality, out_dtype=torch.float32)
-        self.k_norm = Magi2MultiModalityRMSNorm(head_dim, num_modality, out_dtype=torch.float32)
+        self.q_size = heads * dim_head
+        self.kv_size = kv_heads * dim_head
+        self.scale = dim_head**-0.5
+        self.gate_in_fp32 = gate_in_fp32
+        grouped = dict(num_modality=num_modality, dtype=params_dtype)
+        self.pre_norm = Magi2MultiModalityRMSNorm(query_dim, num_modality, eps=eps)
+        self.linear_g = Magi2ModalityGroupedLinear(query_dim, heads, **grouped) if gated else None
+        self.linear_qkv = Magi2ModalityGroupedLinear(query_dim, self.q_size + 2 * self.kv_size, **grouped)
+        self.linear_proj = Magi2ModalityGroupedLinear(self.q_size, query_dim, **grouped)
+        if num_sink_tokens > 0:
+            self.sinks = nn.Parameter(torch.zeros(num_sink_tokens, heads, dtype=torch.float32))
+        else:
+            self.sinks = None
+        self.q_norm = Magi2MultiModalityRMSNorm(dim_head, num_modality, eps=eps, out_dtype=torch.float32)
+        self.k_norm = Magi2MultiModalityRMSNorm(dim_head, num_modality, eps=eps, out_dtype=torch.float32)
         self.set_processor(processor if processor is not None else self._default_processor_cls())
+
+    # diffusers-style aliases
+    @property
+    def num_heads(self) -> int:
+        return self.heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Dtype the attention runs in: that of ``linear_qkv``."""
+        return self.linear_qkv.weight.dtype
 
     def forward(
         self,
         hidden_states: torch.Tensor,
-        rope: torch.Tensor,
+        rotary_emb: torch.Tensor,
         dispatch: Magi2ModalityDispatch,
-        segment_lengths: Sequence[int],
+        attention_mask: Union[Magi2AttentionMask, Sequence[int]],
     ) -> torch.Tensor:
-        """``hidden_states`` ``[T, C]`` (modality-sorted, residual dtype) -> ``[T, C]`` same dtype.
+        """``hidden_states`` ``[N, C]`` (modality-sorted) -> ``[N, C]`` in the compute dtype.
 
-        ``rope`` is ``[T, 6*Dh/8]`` in packed order; ``segment_lengths`` are the packed samples.
+        ``rotary_emb`` is ``[N, 6*D/8]`` fp32 in packed order; ``attention_mask`` a
+        :class:`Magi2AttentionMask` or the packed samples' lengths.
         """
-        return self.processor(self, hidden_states, rope, dispatch, segment_lengths)
+        return self.processor(self, hidden_states, rotary_emb, dispatch, Magi2AttentionMask.wrap(attention_mask))
+
+
+def check_attention_kwargs(model_name: str, attention_kwargs, supported: Sequence[str]) -> dict:
+    """``attention_kwargs`` as a dict after checking every key is one the model uses.
+
+    Raises:
+        ValueError: not a dict/``None``, or a key outside ``supported`` (never silently dropped).
+    """
+    if attention_kwargs is None:
+        return {}
+    if not isinstance(attention_kwargs, dict):
+        raise ValueError(f"attention_kwargs must be a dict or None, got {type(attention_kwargs).__name__}")
+    unknown = sorted(k for k in attention_kwargs if k not in supported)
+    if unknown:
+        raise ValueError(
+            f"{model_name} does not support attention_kwargs {unknown}; allowed keys: {list(supported)} "
+            "(choose attention kernels with set_attention_backend / set_attn_processor)"
+        )
+    return dict(attention_kwargs)
+
+
+def _skip_magi2_attention(module, *args, **kwargs):
+    # LayerSkip-style hooks: a skipped MAGI-2 attention hands back its input hidden states.
+    hidden_states = kwargs.get("hidden_states")
+    return hidden_states if hidden_states is not None else args[0]
+
+
+def register_block_for_caching_hooks(block_cls) -> None:
+    """Register a MAGI-2 block (returns its hidden states) and the attention processors with diffusers'
+    hook registries (private API, diffusers pinned to 0.42.x), so FirstBlockCache, MagCache and
+    TaylorSeer find ``transformer_blocks``."""
+    from diffusers.hooks._helpers import (
+        AttentionProcessorMetadata,
+        AttentionProcessorRegistry,
+        TransformerBlockMetadata,
+        TransformerBlockRegistry,
+    )
+
+    for processor_cls in Magi2Attention._available_processors:
+        AttentionProcessorRegistry.register(
+            model_class=processor_cls,
+            metadata=AttentionProcessorMetadata(skip_processor_output_fn=_skip_magi2_attention),
+        )
+    TransformerBlockRegistry.register(
+        model_class=block_cls,
+        metadata=TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=None),
+    )

@@ -1,4 +1,4 @@
-"""Feed-forward layers of ``Magi2Transformer3DModel``: the dense swiglu7 MLP and the multi-head MoE MLP.
+"""Feed-forward layers of MAGI-2: the dense swiglu7 MLP (Preview and Refiner) and the Preview's multi-head MoE MLP.
 
 Numerically follow SandAI-org/MAGI-2-preview ``inference/model/magi2_preview.py`` (``MLP`` and
 ``MultiHeadMoELayer``; reference spec §1.8, §1.9, §3). Parameter names are SandAI's, under
@@ -7,6 +7,8 @@ Numerically follow SandAI-org/MAGI-2-preview ``inference/model/magi2_preview.py`
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -20,44 +22,80 @@ from .modality import (
 
 __all__ = ["Magi2FeedForward", "Magi2MoEFeedForward"]
 
+_DEFAULT = object()  # "use the module's own chunk size"
+
 
 class Magi2FeedForward(nn.Module):
-    """Dense swiglu7 MLP (SandAI ``MLP``; spec §1.8). Prefix ``transformer_blocks.{i}.mlp.``.
+    """Dense swiglu7 MLP of both models (SandAI ``MLP``; spec §1.8). Prefix ``transformer_blocks.{i}.mlp.``.
 
     ``pre_norm`` (multi-modality RMSNorm) -> ``up_gate_proj`` ``[M*2I, C]`` (gate/linear rows
-    interleaved) -> swiglu7 (fp32 math) -> ``down_proj`` ``[M*C, I]``. Input/output ``[T, C]`` in the
-    residual dtype, modality-sorted.
+    interleaved) -> swiglu7 (fp32 math, rounded to the weight dtype) -> ``down_proj`` ``[M*C, I]``.
+
+    Args:
+        hidden_size: ``C``; intermediate_size: ``I``; num_modality: ``M`` (1 or 3).
+        params_dtype: dtype of the two linears (``None`` = torch default).
+        eps: RMSNorm epsilon.
+        output_dtype: dtype of the result; ``None`` = the input dtype (the Preview). The Refiner's
+            MLP returns fp32, so its residual is fp32 from layer 0's MLP on.
+        chunk_size: tokens per chunk (``None`` = unchunked). Every op is per token, so chunking is the
+            same math up to GEMM rounding; it bounds the ``[N, 2I]`` fp32 intermediate.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_modality: int, params_dtype=None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_modality: int = 1,
+        params_dtype=None,
+        eps: float = 1e-6,
+        output_dtype: Optional[torch.dtype] = None,
+        chunk_size: Optional[int] = None,
+    ) -> None:
         super().__init__()
         self.num_modality = num_modality
-        self.pre_norm = Magi2MultiModalityRMSNorm(hidden_size, num_modality)
+        self.output_dtype = output_dtype
+        self.chunk_size = chunk_size
+        self.pre_norm = Magi2MultiModalityRMSNorm(hidden_size, num_modality, eps=eps)
         self.up_gate_proj = Magi2ModalityGroupedLinear(hidden_size, 2 * intermediate_size, num_modality, dtype=params_dtype)
         self.down_proj = Magi2ModalityGroupedLinear(intermediate_size, hidden_size, num_modality, dtype=params_dtype)
 
-    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
+    def _forward_tokens(self, hidden_states: torch.Tensor, group_sizes) -> torch.Tensor:
+        x = self.pre_norm(hidden_states, group_sizes)
+        x = self.up_gate_proj(x, group_sizes)
+        x = swiglu7_interleaved(x)
+        return self.down_proj(x, group_sizes).to(self.output_dtype or hidden_states.dtype)
+
+    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch, chunk_size=_DEFAULT) -> torch.Tensor:
         """Dense MLP on modality-sorted tokens (matches SandAI ``MLP.forward``).
 
         Args:
-            hidden_states: ``[T, C]`` tokens in the residual dtype (bf16 or fp32), sorted by modality
-                (video, audio, text) as ``dispatch`` describes.
+            hidden_states: ``[T, C]`` tokens (any float dtype), sorted by modality (video, audio,
+                text) as ``dispatch`` describes.
             dispatch: the batch's modality order; its ``group_sizes`` pick the per-modality norm and
                 linear blocks when this layer has 3 modalities (ignored with 1).
+            chunk_size: this call's token chunk (``None`` = unchunked); default :attr:`chunk_size`.
 
         Returns:
-            ``[T, C]`` in ``hidden_states.dtype`` (norm in fp32, linears in the weight dtype, swiglu7 in
-            fp32 then rounded to the weight dtype).
+            ``[T, C]`` in :attr:`output_dtype` (default ``hidden_states.dtype``).
 
         Raises:
             ValueError: last dim is not ``C`` or the group sizes do not sum to ``T``
                 (from :class:`Magi2MultiModalityRMSNorm` / :class:`Magi2ModalityGroupedLinear`).
         """
         gs = dispatch.group_sizes if self.num_modality > 1 else None
-        x = self.pre_norm(hidden_states, gs)
-        x = self.up_gate_proj(x, gs)
-        x = swiglu7_interleaved(x)
-        return self.down_proj(x, gs).to(hidden_states.dtype)
+        chunk = self.chunk_size if chunk_size is _DEFAULT else chunk_size
+        n = hidden_states.shape[0]
+        if chunk is None or n <= chunk:
+            return self._forward_tokens(hidden_states, gs)
+        starts = [0]
+        for g in gs or (n,):
+            starts.append(starts[-1] + int(g))
+        out = []
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            part = None if gs is None else tuple(max(0, min(b, starts[m + 1]) - max(a, starts[m])) for m in range(len(gs)))
+            out.append(self._forward_tokens(hidden_states[a:b], part))
+        return torch.cat(out, dim=0)
 
 
 class Magi2MoEFeedForward(nn.Module):

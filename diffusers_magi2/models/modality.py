@@ -65,13 +65,14 @@ class Magi2ModalityDispatch:
         permutation: ``[N]`` int64, stable ``argsort(modality_ids)``; ``x[permutation]`` is sorted
             (video, audio, text), preserving packed order inside each modality.
         inverse_permutation: ``[N]`` int64 with ``sorted[inverse_permutation] == packed``.
+            Both are ``None`` when the packed order is already sorted (sorting is then the identity).
         group_sizes: tuple of ``num_modalities`` Python ints, tokens per modality in sorted order.
         sorted_modality_ids: ``[N]`` int64, ``modality_ids[permutation]``.
     """
 
     modality_ids: torch.Tensor
-    permutation: torch.Tensor
-    inverse_permutation: torch.Tensor
+    permutation: Optional[torch.Tensor]
+    inverse_permutation: Optional[torch.Tensor]
     group_sizes: tuple[int, ...]
     sorted_modality_ids: torch.Tensor
 
@@ -106,20 +107,34 @@ class Magi2ModalityDispatch:
         group_sizes = tuple(int(c) for c in counts.tolist())
         return cls(ids, permutation, inverse, group_sizes, sorted_ids)
 
+    @classmethod
+    def from_sorted_group_sizes(
+        cls, group_sizes: Sequence[int], device: Optional[torch.device] = None
+    ) -> "Magi2ModalityDispatch":
+        """The identity dispatch of a sequence already packed in modality order (video, audio, text),
+        ``group_sizes[m]`` tokens of modality ``m``."""
+        sizes = tuple(int(g) for g in group_sizes)
+        ids = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+        return cls(ids, None, None, sizes, ids)
+
     def sort(self, x: torch.Tensor) -> torch.Tensor:
         """Packed order -> modality-sorted order along dim 0."""
-        return x.index_select(0, self.permutation)
+        return x if self.permutation is None else x.index_select(0, self.permutation)
 
     def unsort(self, x: torch.Tensor) -> torch.Tensor:
         """Modality-sorted order -> packed order along dim 0."""
-        return x.index_select(0, self.inverse_permutation)
+        return x if self.inverse_permutation is None else x.index_select(0, self.inverse_permutation)
 
     def to(self, device: torch.device) -> "Magi2ModalityDispatch":
         """Return a copy whose index tensors live on ``device``."""
+
+        def move(t):
+            return None if t is None else t.to(device)
+
         return Magi2ModalityDispatch(
             self.modality_ids.to(device),
-            self.permutation.to(device),
-            self.inverse_permutation.to(device),
+            move(self.permutation),
+            move(self.inverse_permutation),
             self.group_sizes,
             self.sorted_modality_ids.to(device),
         )

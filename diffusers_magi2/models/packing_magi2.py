@@ -1,10 +1,11 @@
-"""Packing of ``Magi2Transformer3DModel``'s diffusers-facing inputs into one token sequence, and back.
+"""Packing of both MAGI-2 transformers' diffusers-facing inputs into one token sequence, and back.
 
 Follows SandAI-org/MAGI-2-preview's preview data proxy (``process_input``; reference spec §5.4):
 each batch row becomes one attention segment holding its video tokens, audio tokens, text tokens
 and, for I2V, one special text token plus the reference image patches, with 9-column rope
 coordinates, modality ids and a per-token time embedding. :meth:`Magi2Transformer3DModel.pack_inputs`
-and :meth:`~Magi2Transformer3DModel.unpack_outputs` call the functions here.
+and :meth:`~Magi2Transformer3DModel.unpack_outputs` call the functions here. The Refiner packs each
+sample on its own (SandAI ``refiner_data_proxy.py``): video tokens in window-block order, audio, text.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ import torch
 from .embeddings_magi2 import audio_coords, image_coords, magi2_timestep_embedding, text_coords, video_coords
 from .modality import Modality
 
-__all__ = ["Magi2PackedInputs", "pack_magi2_inputs", "unpack_magi2_outputs"]
+__all__ = [
+    "Magi2PackedInputs",
+    "Magi2RefinerPackedSample",
+    "pack_magi2_inputs",
+    "pack_refiner_sample",
+    "unpack_magi2_outputs",
+    "unpack_refiner_sample",
+]
 
 
 @dataclass
@@ -174,3 +182,57 @@ def unpack_magi2_outputs(config: Any, packed_out: torch.Tensor, packed: Magi2Pac
         videos.append(packed_out[off : off + n_vid, :cv].reshape(t, h, w, cv).permute(3, 0, 1, 2))
         audios.append(packed_out[off + n_vid : off + n_vid + la, :ca])
     return torch.stack(videos).contiguous(), torch.stack(audios).contiguous()
+
+
+@dataclass
+class Magi2RefinerPackedSample:
+    """One Refiner sample packed as SandAI's refiner data proxy does (spec §5.7).
+
+    Attributes:
+        tokens: ``(video [T*H*W, Cv], audio [La, Ca], text [Lt, Ct])`` fp32, in packed order (video in
+            window-block order); the sequence is already modality-sorted.
+        coords: ``[N, 9]`` fp32 rope coordinates, packed order.
+        group_sizes: ``(T*H*W, La, Lt)``.
+        restore: ``[T*H*W]`` packed position of each raster video token.
+        video_shape: ``(T, H, W)``.
+    """
+
+    tokens: tuple
+    coords: torch.Tensor
+    group_sizes: tuple
+    restore: torch.Tensor
+    video_shape: tuple
+
+
+def pack_refiner_sample(
+    geometry: Any, video: torch.Tensor, audio: Optional[torch.Tensor], text: torch.Tensor
+) -> Magi2RefinerPackedSample:
+    """Pack one sample: video tokens in block order, then audio, then the (valid) text tokens.
+
+    Args:
+        geometry: the sample's :class:`~diffusers_magi2.models.window_attention.Magi2WindowGeometry`.
+        video: ``[Cv, T, H, W]``; audio: ``[La, Ca]`` or ``None``; text: ``[Lt, Ct]`` (padding removed).
+    """
+    cv, t, h, w = video.shape
+    dev = video.device
+    order = geometry.video_token_order(dev)
+    tokens = [video.reshape(cv, t * h * w).T.float().index_select(0, order)]
+    coords = [video_coords(t, h, w, device=dev).index_select(0, order)]
+    la = 0 if audio is None else audio.shape[0]
+    tokens.append(audio.float() if audio is not None else video.new_zeros(0, 0, dtype=torch.float32))
+    if la:
+        coords.append(audio_coords(la, device=dev))
+    lt = text.shape[0]
+    tokens.append(text.float())
+    if lt:
+        coords.append(text_coords(lt, device=dev))
+    return Magi2RefinerPackedSample(
+        tuple(tokens), torch.cat(coords), (t * h * w, la, lt), geometry.video_restore_order(dev), (t, h, w)
+    )
+
+
+def unpack_refiner_sample(packed_out: torch.Tensor, sample: Magi2RefinerPackedSample, cv: int, ca: int):
+    """``[N, max(Cv, Ca)]`` output of one packed sample -> (video ``[Cv, T, H, W]``, audio ``[La, Ca]``)."""
+    nv, la, _ = sample.group_sizes
+    video = packed_out[:nv, :cv].index_select(0, sample.restore).T.reshape(cv, *sample.video_shape)
+    return video, packed_out[nv : nv + la, :ca]

@@ -40,7 +40,7 @@ from diffusers.models.cache_utils import CacheMixin
 from diffusers.utils import BaseOutput
 
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
-from .attention_magi2 import Magi2Attention
+from .attention_magi2 import Magi2Attention, Magi2AttentionMask, check_attention_kwargs, register_block_for_caching_hooks
 from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward
 from .modeling_magi2 import Magi2ModelMixin
 from .mhc import mhc_coefficients, mhc_hyper_connect, mhc_matmul_scale, mhc_reduce_streams
@@ -113,7 +113,8 @@ class Magi2TransformerBlock(nn.Module):
         self.num_modality = num_modality
         self.matmul_scale = mhc_matmul_scale(n, c)
         self.attention = Magi2Attention(
-            hidden_size, head_dim, num_kv_heads, num_modality, num_sink_tokens, params_dtype=params_dtype
+            hidden_size, hidden_size // head_dim, num_kv_heads, head_dim, num_modality, num_sink_tokens,
+            params_dtype=params_dtype,
         )
         self.mlp = mlp
         f32 = torch.float32
@@ -156,16 +157,17 @@ class Magi2TransformerBlock(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        rope: torch.Tensor,
+        rotary_emb: torch.Tensor,
         dispatch: Magi2ModalityDispatch,
-        segment_lengths: Sequence[int],
+        attention_mask: Union[Magi2AttentionMask, Sequence[int]],
     ) -> torch.Tensor:
-        """Args: ``hidden_states`` ``[T, n*C]``; ``rope`` ``[T, 6*Dh/8]`` fp32 (packed order);
-        ``dispatch`` modality order; ``segment_lengths`` attention segments (packed order)."""
+        """Args: ``hidden_states`` ``[T, n*C]``; ``rotary_emb`` ``[T, 6*Dh/8]`` fp32 (packed order);
+        ``dispatch`` modality order; ``attention_mask`` the packed samples (a
+        :class:`Magi2AttentionMask` or their lengths)."""
         s = hidden_states.reshape(hidden_states.shape[0], self.num_streams, self.hidden_size)
         fused = self._mhc_fused(s)
         h_pre, h_post, h_res = self._site_coefficients(s, "attn", dispatch)
-        attn_out = self.attention(mhc_reduce_streams(h_pre, s, fused), rope, dispatch, segment_lengths)
+        attn_out = self.attention(mhc_reduce_streams(h_pre, s, fused), rotary_emb, dispatch, attention_mask)
         s = mhc_hyper_connect(s, attn_out, h_post, h_res, fused)
         h_pre, h_post, h_res = self._site_coefficients(s, "mlp", dispatch)
         mlp_out = self.mlp(mhc_reduce_streams(h_pre, s, fused), dispatch)
@@ -331,17 +333,7 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
                 :attr:`supported_attention_kwargs`, empty; pick the attention kernel with
                 ``set_attention_backend``, the MoE kernel with :meth:`set_moe_backend`).
         """
-        if attention_kwargs is None:
-            return
-        if not isinstance(attention_kwargs, dict):
-            raise ValueError(f"attention_kwargs must be a dict or None, got {type(attention_kwargs).__name__}")
-        unknown = sorted(k for k in attention_kwargs if k not in self.supported_attention_kwargs)
-        if unknown:
-            raise ValueError(
-                f"Magi2Transformer3DModel does not support attention_kwargs {unknown}; allowed keys: "
-                f"{list(self.supported_attention_kwargs)} (choose the attention kernel with set_attention_backend, "
-                "the MoE kernel with set_moe_backend)"
-            )
+        check_attention_kwargs(type(self).__name__, attention_kwargs, self.supported_attention_kwargs)
 
     def set_mhc_backend(self, backend: str = "auto") -> None:
         """Choose how the mHC stream mixing rounds in low precision (no effect in fp32).
@@ -447,7 +439,7 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
         dim = self.config.time_embed_dim
         if time_embedding is not None and time_embedding.shape != (n_tok, dim):
             raise ValueError(f"time_embedding must be [{n_tok}, {dim}], got {tuple(time_embedding.shape)}")
-        segment_lengths = [b - a for a, b in zip(cu, cu[1:])]
+        mask = Magi2AttentionMask(tuple(b - a for a, b in zip(cu, cu[1:])))
         dispatch = Magi2ModalityDispatch.from_modality_mapping(modality_mapping.to(hidden_states.device))
         ids = dispatch.modality_ids
         widest = max(
@@ -467,9 +459,9 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
         layer_outputs = []
         for block in self.transformer_blocks:
             if torch.is_grad_enabled() and self.gradient_checkpointing:
-                x = self._gradient_checkpointing_func(block, x, rope, dispatch, segment_lengths)
+                x = self._gradient_checkpointing_func(block, x, rope, dispatch, mask)
             else:
-                x = block(x, rope, dispatch, segment_lengths)
+                x = block(x, rope, dispatch, mask)
             if return_layer_outputs:
                 layer_outputs.append(dispatch.unsort(x).float())
         x = dispatch.unsort(x)
@@ -666,32 +658,4 @@ def load_sandai_preview_state_dict(preview_dir: Union[str, os.PathLike]) -> Dict
     return map_state_dict(raw)
 
 
-def _skip_magi2_attention(module, *args, **kwargs):
-    # LayerSkip-style hooks: a skipped MAGI-2 attention hands back its input hidden states.
-    hidden_states = kwargs.get("hidden_states")
-    return hidden_states if hidden_states is not None else args[0]
-
-
-def _register_block_for_caching_hooks() -> None:
-    """Register the block (and attention processor) with diffusers' hook registries (private API,
-    diffusers pinned to 0.42.x): FirstBlockCache/MagCache/TaylorSeer find ``transformer_blocks``."""
-    from diffusers.hooks._helpers import (
-        AttentionProcessorMetadata,
-        AttentionProcessorRegistry,
-        TransformerBlockMetadata,
-        TransformerBlockRegistry,
-    )
-
-    from .attention_magi2 import Magi2AttnProcessor
-
-    AttentionProcessorRegistry.register(
-        model_class=Magi2AttnProcessor,
-        metadata=AttentionProcessorMetadata(skip_processor_output_fn=_skip_magi2_attention),
-    )
-    TransformerBlockRegistry.register(
-        model_class=Magi2TransformerBlock,
-        metadata=TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=None),
-    )
-
-
-_register_block_for_caching_hooks()
+register_block_for_caching_hooks(Magi2TransformerBlock)

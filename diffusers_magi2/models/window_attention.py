@@ -45,6 +45,7 @@ __all__ = [
     "ranges_to_dense_mask",
     "block_window_attention",
     "resolve_window_backend",
+    "cached_flex_block_mask",
     "WINDOW_ATTENTION_BACKENDS",
     "DEFAULT_MAX_DENSE_MASK_ELEMENTS",
 ]
@@ -390,6 +391,19 @@ def _gather_window_attention(
 
 
 _compiled_flex = None
+_FLEX_MASK_CACHE: dict = {}
+_FLEX_MASK_CACHE_SIZE = 4
+
+
+def cached_flex_block_mask(geometry: Magi2WindowGeometry, device) -> object:
+    """``geometry.flex_block_mask(device)``, cached for the last few geometries (a refiner stage runs
+    the cond and uncond geometries, which differ only in their text length, once per step)."""
+    key = (geometry, str(torch.device(device)))
+    if key not in _FLEX_MASK_CACHE:
+        if len(_FLEX_MASK_CACHE) >= _FLEX_MASK_CACHE_SIZE:
+            _FLEX_MASK_CACHE.pop(next(iter(_FLEX_MASK_CACHE)))
+        _FLEX_MASK_CACHE[key] = geometry.flex_block_mask(device)
+    return _FLEX_MASK_CACHE[key]
 
 
 def _flex(q, k, v, block_mask, scale):

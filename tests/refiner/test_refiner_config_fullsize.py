@@ -13,11 +13,8 @@ from diffusers_magi2.conversion.sandai_config_refiner import (
     refiner_config_from_sandai,
     refiner_sampling_from_sandai,
 )
-from diffusers_magi2.models.transformer_magi2_refiner import (
-    Magi2RefinerTransformer3DModel,
-    refiner_state_dict_key_from_sandai,
-    sandai_state_dict_key_from_refiner,
-)
+from diffusers_magi2.conversion.key_plan import source_to_target_key, target_to_source_key
+from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 
 
 def _merge(base, child):
@@ -84,9 +81,9 @@ def test_config_errors(released_cfg, fixtures_dir):
 
 
 def test_key_rename_is_only_the_layer_prefix():
-    assert refiner_state_dict_key_from_sandai("block.layers.12.mlp.down_proj.weight") == "transformer_blocks.12.mlp.down_proj.weight"
-    assert refiner_state_dict_key_from_sandai("pre_adapter.rope.bands") == "pre_adapter.rope.bands"
-    assert sandai_state_dict_key_from_refiner("transformer_blocks.3.attention.linear_g.weight") == "block.layers.3.attention.linear_g.weight"
+    assert source_to_target_key("block.layers.12.mlp.down_proj.weight") == "transformer_blocks.12.mlp.down_proj.weight"
+    assert source_to_target_key("pre_adapter.rope.bands") == "pre_adapter.rope.bands"
+    assert target_to_source_key("transformer_blocks.3.attention.linear_g.weight") == "block.layers.3.attention.linear_g.weight"
 
 
 def test_full_size_meta_build_matches_released_key_table(fixtures_dir, released_cfg):
@@ -105,7 +102,7 @@ def test_full_size_meta_build_matches_released_key_table(fixtures_dir, released_
     assert len(sd) == 281
     n_params = 0
     for name, shape, dtype in rows:
-        key = refiner_state_dict_key_from_sandai(name)
+        key = source_to_target_key(name)
         assert key in sd, key
         assert tuple(sd[key].shape) == shape, key
         # from_pretrained(torch_dtype=bf16) keeps exactly the _keep_in_fp32_modules paths in fp32

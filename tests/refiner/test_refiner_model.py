@@ -191,7 +191,7 @@ def test_bad_inputs_raise(model_fp32, fp32_case):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, audio_hidden_states=torch.zeros(2, 3, 16))
     with pytest.raises(ValueError, match="encoder_attention_mask"):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, encoder_attention_mask=torch.ones(1, 3, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"unsupported attention_kwargs \['scale'\]; allowed: 'window_backend'"):
+    with pytest.raises(ValueError, match=r"does not support attention_kwargs \['scale'\]; allowed keys: \['window_backend'"):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs={"scale": 1.0})
     with pytest.raises(ValueError, match="attention_kwargs must be a dict"):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs=[("window_backend", "sdpa")])
