@@ -106,7 +106,10 @@ def preview_config_from_sandai(cfg: Mapping[str, Any]) -> dict:
     enabled, the activation must be ``swiglu7`` and the softcap disabled (≤ 0).
 
     Returns:
-        dict of ``register_to_config`` kwargs (JSON-serialisable).
+        dict of ``register_to_config`` kwargs (JSON-serialisable), in diffusers vocabulary:
+        ``num_attention_heads`` (= ``hidden_size // head_dim``), ``attention_head_dim``,
+        ``num_key_value_heads`` (= ``num_query_groups``), ``in_channels`` (= ``video_in_channels``),
+        ``multimodal_layers`` (= ``mm_layers``); the other names are SandAI's.
 
     Raises:
         ValueError: missing ``arch_config`` fields or a setting the model does not implement.
@@ -126,16 +129,17 @@ def preview_config_from_sandai(cfg: Mapping[str, Any]) -> dict:
     moe = arch.get("moe_config", {})
     hidden = int(arch["hidden_size"])
     head_dim = int(arch["head_dim"])
+    _require(hidden % head_dim == 0, f"hidden_size {hidden} is not a multiple of head_dim {head_dim}")
     out = {
         "num_layers": int(arch["num_layers"]),
-        "hidden_size": hidden,
-        "head_dim": head_dim,
-        "num_query_groups": int(arch.get("num_query_groups") or hidden // head_dim),
-        "video_in_channels": int(arch["video_in_channels"]),
+        "num_attention_heads": hidden // head_dim,
+        "attention_head_dim": head_dim,
+        "num_key_value_heads": int(arch.get("num_query_groups") or hidden // head_dim),
+        "in_channels": int(arch["video_in_channels"]),
         "audio_in_channels": int(arch["audio_in_channels"]),
         "text_in_channels": int(arch["text_in_channels"]),
         "intermediate_factor": float(arch.get("intermediate_factor", 4)),
-        "mm_layers": [int(i) for i in arch.get("mm_layers", [])],
+        "multimodal_layers": [int(i) for i in arch.get("mm_layers", [])],
         "num_streams": int(mhc.get("num_stream", 4)),
         "num_sink_tokens": int(sinks.get("sink_token_num", 1)),
         "moe_layers": [int(i) for i in moe.get("moe_layers", [])],

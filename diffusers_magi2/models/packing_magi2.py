@@ -68,7 +68,7 @@ def pack_magi2_inputs(
     audio tokens get time ``timestep/1000``; text and image tokens time 0.
 
     Args:
-        config: the model config (``video_in_channels``, ``audio_in_channels``, ``text_in_channels``,
+        config: the model config (``in_channels``, ``audio_in_channels``, ``text_in_channels``,
             ``time_embed_dim``).
         hidden_states, timestep, encoder_hidden_states, audio_hidden_states, encoder_attention_mask,
         image_latents, image_embeds: as in :meth:`Magi2Transformer3DModel.forward` (shapes there).
@@ -79,7 +79,7 @@ def pack_magi2_inputs(
     Raises:
         ValueError: wrong ranks, channel counts, batch sizes, or a mask that is not a prefix of ones.
     """
-    cv, ca, ct = config.video_in_channels, config.audio_in_channels, config.text_in_channels
+    cv, ca, ct = config.in_channels, config.audio_in_channels, config.text_in_channels
     if hidden_states.dim() != 5 or hidden_states.shape[1] != cv:
         raise ValueError(f"hidden_states must be [B, {cv}, T, H, W], got {tuple(hidden_states.shape)}")
     b, _, t, h, w = hidden_states.shape
@@ -171,11 +171,11 @@ def unpack_magi2_outputs(config: Any, packed_out: torch.Tensor, packed: Magi2Pac
 
     ``packed`` is the :class:`Magi2PackedInputs` the output was computed from (its ``video_shape``,
     ``audio_length`` and ``token_offsets`` locate each row's video and audio tokens); ``config``
-    gives ``video_in_channels`` / ``audio_in_channels``. Returns contiguous tensors in
+    gives ``in_channels`` / ``audio_in_channels``. Returns contiguous tensors in
     ``packed_out.dtype``.
     """
     t, h, w = packed.video_shape
-    cv, ca = config.video_in_channels, config.audio_in_channels
+    cv, ca = config.in_channels, config.audio_in_channels
     n_vid, la = t * h * w, packed.audio_length
     videos, audios = [], []
     for off in packed.token_offsets:

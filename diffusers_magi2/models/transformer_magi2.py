@@ -98,8 +98,9 @@ class Magi2TransformerBlock(nn.Module):
     def __init__(
         self,
         hidden_size: int,
-        head_dim: int,
-        num_kv_heads: int,
+        num_attention_heads: int,
+        num_key_value_heads: int,
+        attention_head_dim: int,
         num_streams: int,
         num_modality: int,
         num_sink_tokens: int,
@@ -113,7 +114,7 @@ class Magi2TransformerBlock(nn.Module):
         self.num_modality = num_modality
         self.matmul_scale = mhc_matmul_scale(n, c)
         self.attention = Magi2Attention(
-            hidden_size, hidden_size // head_dim, num_kv_heads, head_dim, num_modality, num_sink_tokens,
+            hidden_size, num_attention_heads, num_key_value_heads, attention_head_dim, num_modality, num_sink_tokens,
             params_dtype=params_dtype,
         )
         self.mlp = mlp
@@ -188,17 +189,20 @@ def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
 class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, CacheMixin):
     r"""MAGI-2 Preview diffusion transformer (114B-parameter MoE, joint audio + video).
 
-    Defaults are the released Preview (``configs/magi2_preview.json``): 40 layers, hidden 3072,
-    head dim 128 (24 query heads, 24 kv groups), in-channels 48 / 64 / 5120, multimodal layers
+    Defaults are the released Preview (``configs/magi2_preview.json``): 40 layers, hidden 3072
+    (24 query heads of dim 128, 24 kv heads), in-channels 48 / 64 / 5120, multimodal layers
     0, 1, 38, 39, MoE layers 2-37, 4 hyper-connection streams, gated attention with one sink per
     head, swiglu7, MoE with 12 heads x 256 experts, top-6, expert / shared / modality-specific
     widths 1280, sigmoid routing with route_norm and route_scale 4.9.
 
     Args:
-        num_layers, hidden_size, head_dim, num_query_groups: transformer geometry.
-        video_in_channels, audio_in_channels, text_in_channels: token widths per modality.
+        num_layers: transformer layers.
+        num_attention_heads: query heads ``Hq``; hidden size ``C = Hq * attention_head_dim``.
+        attention_head_dim: head dim (multiple of 8; ``6 * D/8`` dims carry rope).
+        num_key_value_heads: kv heads (``Hq % Hkv == 0``).
+        in_channels, audio_in_channels, text_in_channels: video latent / audio latent / text widths.
         intermediate_factor: dense MLP width = ``int(C*f*2/3)//128*128`` (8192 released).
-        mm_layers: layers with per-modality (3-block) attention/MLP weights.
+        multimodal_layers: layers with per-modality (3-block) attention/MLP weights.
         moe_layers: layers whose MLP is the multi-head MoE; others are dense.
         num_streams: mHC streams ``n`` (residual width ``n*C``).
         num_sink_tokens: attention sinks per head (>= 1; the reference requires sinks).
@@ -244,14 +248,14 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
     def __init__(
         self,
         num_layers: int = 40,
-        hidden_size: int = 3072,
-        head_dim: int = 128,
-        num_query_groups: int = 24,
-        video_in_channels: int = 48,
+        num_attention_heads: int = 24,
+        attention_head_dim: int = 128,
+        num_key_value_heads: int = 24,
+        in_channels: int = 48,
         audio_in_channels: int = 64,
         text_in_channels: int = 5120,
         intermediate_factor: float = 4,
-        mm_layers: Sequence[int] = (0, 1, 38, 39),
+        multimodal_layers: Sequence[int] = (0, 1, 38, 39),
         moe_layers: Sequence[int] = tuple(range(2, 38)),
         num_streams: int = 4,
         num_sink_tokens: int = 1,
@@ -269,21 +273,27 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
         params_dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
-        if hidden_size % head_dim:
-            raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of head_dim ({head_dim})")
+        if num_attention_heads % num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({num_key_value_heads})"
+            )
+        if attention_head_dim % 8:
+            raise ValueError(f"attention_head_dim must be a multiple of 8, got {attention_head_dim}")
         if num_sink_tokens < 1:
             raise ValueError("num_sink_tokens must be >= 1 (MAGI-2 Preview requires attention sinks)")
-        bad = [i for i in list(mm_layers) + list(moe_layers) if not 0 <= int(i) < num_layers]
+        bad = [i for i in list(multimodal_layers) + list(moe_layers) if not 0 <= int(i) < num_layers]
         if bad:
-            raise ValueError(f"mm_layers/moe_layers hold indices outside [0, {num_layers}): {bad}")
+            raise ValueError(f"multimodal_layers/moe_layers hold indices outside [0, {num_layers}): {bad}")
+        hidden_size = num_attention_heads * attention_head_dim
         if time_embed_dim > num_streams * hidden_size:
             raise ValueError("time_embed_dim exceeds the residual width")
         if isinstance(params_dtype, str):
             params_dtype = getattr(torch, params_dtype)
         width = num_streams * hidden_size
-        self.pre_adapter = Magi2PreAdapter(width, head_dim, video_in_channels, audio_in_channels, text_in_channels)
-        self.post_adapter = Magi2PostAdapter(width, video_in_channels, audio_in_channels)
-        mm, moe = {int(i) for i in mm_layers}, {int(i) for i in moe_layers}
+        self.pre_adapter = Magi2PreAdapter(width, attention_head_dim, in_channels, audio_in_channels, text_in_channels)
+        self.post_adapter = Magi2PostAdapter(width, in_channels, audio_in_channels)
+        mm, moe = {int(i) for i in multimodal_layers}, {int(i) for i in moe_layers}
         blocks = []
         for i in range(num_layers):
             num_modality = 3 if i in mm else 1
@@ -308,7 +318,8 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
                 )
             blocks.append(
                 Magi2TransformerBlock(
-                    hidden_size, head_dim, num_query_groups, num_streams, num_modality, num_sink_tokens, mlp, params_dtype
+                    hidden_size, num_attention_heads, num_key_value_heads, attention_head_dim, num_streams,
+                    num_modality, num_sink_tokens, mlp, params_dtype,
                 )
             )
         self.transformer_blocks = nn.ModuleList(blocks)
@@ -317,6 +328,11 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
     # ------------------------------------------------------------------------------------------
     # dtype / backends
     # ------------------------------------------------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        """``num_attention_heads * attention_head_dim``."""
+        return self.config.num_attention_heads * self.config.attention_head_dim
 
     @property
     def residual_dtype(self) -> torch.dtype:
@@ -443,7 +459,7 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
         dispatch = Magi2ModalityDispatch.from_modality_mapping(modality_mapping.to(hidden_states.device))
         ids = dispatch.modality_ids
         widest = max(
-            self.config.video_in_channels if bool((ids == Modality.VIDEO).any()) else 0,
+            self.config.in_channels if bool((ids == Modality.VIDEO).any()) else 0,
             self.config.audio_in_channels if bool((ids == Modality.AUDIO).any()) else 0,
             self.config.text_in_channels if bool((ids == Modality.TEXT).any()) else 0,
         )

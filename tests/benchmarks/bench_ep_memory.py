@@ -32,8 +32,8 @@ import torch
 import torch.multiprocessing as mp
 
 CONFIG = dict(
-    num_layers=6, hidden_size=256, head_dim=64, num_query_groups=4, video_in_channels=16, audio_in_channels=16,
-    text_in_channels=32, intermediate_factor=2, mm_layers=[0, 5], moe_layers=[1, 2, 3, 4], num_streams=2,
+    num_layers=6, num_attention_heads=4, attention_head_dim=64, num_key_value_heads=4, in_channels=16,
+    audio_in_channels=16, text_in_channels=32, intermediate_factor=2, multimodal_layers=[0, 5], moe_layers=[1, 2, 3, 4], num_streams=2,
     moe_num_heads=8, moe_num_experts=256, moe_top_k=2, moe_expert_intermediate_size=512,
     shared_expert_intermediate_size=64, modality_specific_expert_intermediate_size=64, time_embed_dim=64,
 )

@@ -57,7 +57,7 @@ def test_refiner_module_defines_no_attention_or_feedforward_of_its_own():
 
 def test_both_models_share_the_family_and_the_diffusers_mixins():
     with torch.device("meta"):
-        preview = Magi2Transformer3DModel(num_layers=2, mm_layers=[0], moe_layers=[])
+        preview = Magi2Transformer3DModel(num_layers=2, multimodal_layers=[0], moe_layers=[])
         refiner = Magi2RefinerTransformer3DModel(num_layers=2, multimodal_layers=[0])
     for model in (preview, refiner):
         assert isinstance(model, AttentionMixin) and isinstance(model, CacheMixin)

@@ -22,14 +22,14 @@ from diffusers_magi2.models.transformer_magi2 import (
 
 TINY = dict(
     num_layers=2,
-    hidden_size=64,
-    head_dim=16,
-    num_query_groups=2,
-    video_in_channels=8,
+    num_attention_heads=4,
+    attention_head_dim=16,
+    num_key_value_heads=2,
+    in_channels=8,
     audio_in_channels=12,
     text_in_channels=20,
     intermediate_factor=2,
-    mm_layers=[0],
+    multimodal_layers=[0],
     moe_layers=[1],
     num_streams=4,
     moe_num_heads=2,
@@ -66,7 +66,7 @@ def tiny_inputs(batch: int = 2, dtype=torch.float32, seed: int = 0):
     mask = torch.ones(batch, 3, dtype=torch.bool)
     mask[-1, 2:] = False
     return dict(
-        hidden_states=torch.randn(batch, TINY["video_in_channels"], 2, 4, 4, generator=g, dtype=dtype),
+        hidden_states=torch.randn(batch, TINY["in_channels"], 2, 4, 4, generator=g, dtype=dtype),
         timestep=torch.full((batch,), 613.5, dtype=dtype),
         encoder_hidden_states=text,
         audio_hidden_states=torch.randn(batch, 4, TINY["audio_in_channels"], generator=g, dtype=dtype),
@@ -443,7 +443,7 @@ def test_first_block_cache_skips_the_tail_blocks():
     """diffusers' FirstBlockCache finds the registered blocks and really skips the tail on a hit."""
     from diffusers import FirstBlockCacheConfig
 
-    model = tiny_model(num_layers=3, mm_layers=[0], moe_layers=[1])
+    model = tiny_model(num_layers=3, multimodal_layers=[0], moe_layers=[1])
     inputs = tiny_inputs()
     with torch.no_grad():
         ref = model(**inputs)
