@@ -94,6 +94,25 @@ def _audio_planar(audio: Any) -> np.ndarray:
     return np.ascontiguousarray(audio.astype(np.float32))
 
 
+def _fit_audio_duration(samples: np.ndarray, num_frames: int, rate: Fraction, sample_rate: int, trim_or_pad: bool) -> np.ndarray:
+    """Check (or, with ``trim_or_pad``, enforce) that ``samples`` lasts as long as the video, within one frame."""
+    video_s = Fraction(num_frames) / rate
+    audio_s = Fraction(samples.shape[1], sample_rate)
+    if trim_or_pad:
+        target = round(video_s * sample_rate)
+        if samples.shape[1] >= target:
+            return np.ascontiguousarray(samples[:, :target])
+        return np.pad(samples, ((0, 0), (0, target - samples.shape[1])))
+    if abs(video_s - audio_s) > 1 / rate:
+        raise ValueError(
+            f"video lasts {float(video_s):g} s ({num_frames} frames at {float(rate):g} fps) but audio lasts "
+            f"{float(audio_s):g} s ({samples.shape[1]} samples at {sample_rate} Hz); they may differ by at most "
+            f"one frame period ({float(1 / rate):g} s). Pass trim_or_pad_audio=True to cut or pad the audio "
+            "to the video's duration."
+        )
+    return samples
+
+
 def export_to_video_with_audio(
     video: Any,
     output_path: str | os.PathLike,
@@ -103,6 +122,7 @@ def export_to_video_with_audio(
     video_codec: str = "libx264",
     crf: int = 18,
     audio_bitrate: int = 192_000,
+    trim_or_pad_audio: bool = False,
 ) -> str:
     """Write an mp4: H.264 (yuv420p) video at an exact rational frame rate, plus a stereo AAC track.
 
@@ -110,6 +130,10 @@ def export_to_video_with_audio(
     an int), so for MAGI-2's 125 frames the video lasts 10 s, and 441,000 audio samples at 44.1 kHz
     last 10 s: the two durations agree within one frame. The file is written to a temporary name in
     the target folder and renamed into place only when complete.
+
+    Durations must agree: with ``F`` frames at ``fps`` and ``N`` audio samples at ``audio_sample_rate``,
+    ``|F / fps - N / audio_sample_rate| <= 1 / fps`` is checked in exact fractions (boundary inclusive:
+    249 frames at 25 fps with 10.0 s of audio pass), before anything is encoded or written.
 
     Args:
         video: ``[F, H, W, 3]`` uint8 (0–255, used unchanged) or float (0–1) frames, as numpy, a torch
@@ -123,15 +147,22 @@ def export_to_video_with_audio(
         video_codec: PyAV/FFmpeg encoder name.
         crf: x264 constant-rate factor.
         audio_bitrate: AAC bitrate in bit/s.
+        trim_or_pad_audio: if ``True``, audio of another duration is cut, or padded with silence at the
+            end, to ``round(F / fps * audio_sample_rate)`` samples instead of raising. Default ``False``.
 
     Returns:
         ``str(output_path)``.
 
     Raises:
-        ValueError: bad frames/audio shapes or dtypes, odd frame size, non-positive fps or sample rate.
+        ValueError: bad frames/audio shapes or dtypes, odd frame size, non-positive fps or sample rate,
+            or video and audio durations that differ by more than one frame period (unless
+            ``trim_or_pad_audio``).
+        TypeError: ``trim_or_pad_audio`` is not a bool.
     """
     import av
 
+    if not isinstance(trim_or_pad_audio, bool):
+        raise TypeError(f"trim_or_pad_audio must be a bool; got {type(trim_or_pad_audio).__name__}")
     frames = frames_to_uint8(video)
     num_frames, height, width, _ = frames.shape
     if height % 2 or width % 2:
@@ -144,6 +175,7 @@ def export_to_video_with_audio(
         if int(audio_sample_rate) <= 0:
             raise ValueError(f"audio_sample_rate must be positive; got {audio_sample_rate}")
         samples = _audio_planar(audio)
+        samples = _fit_audio_duration(samples, num_frames, rate, int(audio_sample_rate), trim_or_pad_audio)
 
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)

@@ -58,18 +58,19 @@ def test_c21_pipeline_np_output_is_float_in_unit_range_and_exports(tmp_path):
     out = pipe(prompt_embeds=torch.randn(1, 4, 8), prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool),
                negative_prompt_embeds=torch.randn(1, 2, 8), negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
                height=32, width=32, num_inference_steps=1, latents=torch.randn(1, 48, 3, 2, 2),
-               audio_latents=torch.randn(1, 4, 64), output_type="np")
+               audio_latents=torch.randn(1, 18, 64), output_type="np")
     assert out.frames.dtype == np.float32 and out.frames.shape == (1, 9, 32, 32, 3)
     assert 0.0 <= out.frames.min() and out.frames.max() <= 1.0
     np.testing.assert_allclose(out.frames, target, atol=1e-6)
-    assert out.audio.shape == (1, 2, int(4 * 2048 * 441 / 512)) and out.audio.dtype == np.float32
+    # 18 audio latents last 0.72 s, as long as the 9 frames at 12.5 fps (the export checks the durations)
+    assert out.audio.shape == (1, 2, int(18 * 2048 * 441 / 512)) and out.audio.dtype == np.float32
     path = export_to_video_with_audio(out.frames[0], tmp_path / "pipe.mp4", audio=out.audio[0], fps=out.fps,
                                       audio_sample_rate=out.audio_sample_rate)
     assert abs(mean_decoded_pixel(path) - 10) <= 3
     pt = pipe(prompt_embeds=torch.randn(1, 4, 8), prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool),
               negative_prompt_embeds=torch.randn(1, 2, 8), negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
               height=32, width=32, num_inference_steps=1, latents=torch.randn(1, 48, 3, 2, 2),
-              audio_latents=torch.randn(1, 4, 64), output_type="pt")
+              audio_latents=torch.randn(1, 18, 64), output_type="pt")
     assert pt.frames.shape == (1, 9, 3, 32, 32) and isinstance(pt.audio, torch.Tensor)
     path = export_to_video_with_audio(pt.frames[0], tmp_path / "pipe_pt.mp4", fps=pt.fps)
     assert abs(mean_decoded_pixel(path) - 10) <= 3
@@ -110,6 +111,57 @@ def test_bad_inputs_raise_and_leave_nothing(tmp_path):
     with pytest.raises(Exception):
         export_to_video_with_audio(good, tmp_path / "bad.mp4", video_codec="no_such_codec")
     assert list(tmp_path.iterdir()) == []  # the temporary file is removed on failure
+
+
+def _tone(seconds, sample_rate=44_100):
+    t = np.arange(round(seconds * sample_rate)) / sample_rate
+    return np.stack([0.3 * np.sin(2 * np.pi * 440 * t)] * 2, 1).astype(np.float32)
+
+
+@pytest.mark.parametrize("audio_s", [0.5, 8.0])
+def test_audio_of_another_duration_raises_before_encoding_and_leaves_nothing(tmp_path, monkeypatch, audio_s):
+    """2 s of video (25 frames at 12.5 fps) with 0.5 s or 8 s of audio is refused before PyAV opens a file."""
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("the duration check must come before encoding")
+
+    monkeypatch.setattr(av, "open", no_encoding)
+    frames = np.zeros((25, 16, 16, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"video lasts 2 s .* audio lasts .*trim_or_pad_audio=True"):
+        export_to_video_with_audio(frames, tmp_path / "clip.mp4", audio=_tone(audio_s), fps=12.5)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_duration_check_is_exact_and_inclusive_at_one_frame_period(tmp_path):
+    """249 frames at 25 fps (9.96 s) with 10.0 s of audio differ by exactly one frame period: allowed.
+    One more audio sample, or one frame fewer, is over the bound (exact fractions, no float rounding)."""
+    frames = np.zeros((251, 16, 16, 3), dtype=np.uint8)
+    audio = np.zeros((441_001, 2), dtype=np.float32)
+    for num_frames in (249, 251):  # 9.96 s and 10.04 s against 10.0 s
+        path = export_to_video_with_audio(frames[:num_frames], tmp_path / f"{num_frames}.mp4", audio=audio[:441_000], fps=25)
+        assert probe_streams(path)["video_frames"] == num_frames
+    for num_frames, samples in ((249, 441_001), (248, 441_000)):
+        with pytest.raises(ValueError, match="at most one frame period"):
+            export_to_video_with_audio(frames[:num_frames], tmp_path / "over.mp4", audio=audio[:samples], fps=25)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["249.mp4", "251.mp4"]
+
+
+def test_trim_or_pad_audio_fits_the_audio_to_the_video_duration(tmp_path):
+    frames = np.zeros((25, 16, 16, 3), dtype=np.uint8)  # 2 s at 12.5 fps
+    long = probe_streams(export_to_video_with_audio(frames, tmp_path / "trim.mp4", audio=_tone(8.0), fps=12.5,
+                                                    trim_or_pad_audio=True))
+    assert abs(long["audio_stream_duration_s"] - 2.0) <= 1 / 12.5
+    short_path = export_to_video_with_audio(frames, tmp_path / "pad.mp4", audio=_tone(0.5), fps=12.5,
+                                            trim_or_pad_audio=True)
+    assert abs(probe_streams(short_path)["audio_stream_duration_s"] - 2.0) <= 1 / 12.5
+    with av.open(str(short_path)) as container:
+        decoded = np.concatenate([f.to_ndarray() for f in container.decode(audio=0)], axis=1)
+    # the tone, then silence (AAC priming delays the stream by a few ms; skip past the edge)
+    assert np.abs(decoded[:, 4_410:17_640]).max() > 0.1
+    assert np.abs(decoded[:, 30_000:88_000]).max() < 1e-3
+    with pytest.raises(TypeError, match="trim_or_pad_audio must be a bool"):
+        export_to_video_with_audio(frames, tmp_path / "bad.mp4", audio=_tone(2.0), fps=12.5, trim_or_pad_audio="yes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pad.mp4", "trim.mp4"]
 
 
 def test_frames_to_uint8_truncates_like_the_reference():
