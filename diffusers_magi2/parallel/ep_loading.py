@@ -72,6 +72,23 @@ def read_expert_rows(handle: Any, key: str, row_start: int, num_rows: int) -> to
     return out
 
 
+def _check_shard(path: Path, index: Optional[Path] = None) -> None:
+    """Raise a ``ValueError`` naming ``path`` when it is missing or safetensors cannot open it (truncated, corrupt)."""
+    from safetensors import SafetensorError, safe_open
+
+    named_by = "" if index is None else f", named by {index.name}"
+    if not path.is_file():
+        raise ValueError(f"checkpoint shard {path} does not exist{named_by}")
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError as err:
+        raise ValueError(
+            f"checkpoint shard {path} ({path.stat().st_size} bytes{named_by}) is not a complete safetensors file "
+            f"(truncated by an interrupted download or copy?): {err}"
+        ) from err
+
+
 def checkpoint_key_files(folder: Union[str, os.PathLike], variant: Optional[str] = None) -> dict[str, Path]:
     """Map every tensor key of a safetensors checkpoint folder to its file.
 
@@ -79,8 +96,12 @@ def checkpoint_key_files(folder: Union[str, os.PathLike], variant: Optional[str]
     file ``diffusion_pytorch_model[.variant].safetensors``, then (no variant) SandAI's ``model.safetensors.index.json``
     / ``model.safetensors``.
 
+    Every file is opened once here (header only), so a missing, truncated or corrupt shard is reported by name
+    before any model is built.
+
     Raises:
-        ValueError: none of those files exists.
+        ValueError: none of those files exists, or a file the index names is missing or is not a complete
+            safetensors file (the message names it).
     """
     from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, _add_variant
     from safetensors import safe_open
@@ -98,7 +119,11 @@ def checkpoint_key_files(folder: Union[str, os.PathLike], variant: Optional[str]
             continue
         if is_index:
             weight_map = json.loads(path.read_text())["weight_map"]
-            return {k: folder / v for k, v in weight_map.items()}
+            key_files = {k: folder / v for k, v in weight_map.items()}
+            for shard in sorted(set(key_files.values())):
+                _check_shard(shard, index=path)
+            return key_files
+        _check_shard(path)
         with safe_open(str(path), framework="pt") as h:
             return {k: path for k in h.keys()}
     raise ValueError(f"{folder} holds none of {[n for n, _ in candidates]} (variant={variant!r})")

@@ -67,3 +67,31 @@ def test_ep_read_expert_rows_padded_heads(tmp_path):
         assert read_expert_rows(h, "bias", 4, 4).tolist() == [4.0, 5.0, 6.0, 7.0]
         with pytest.raises(ValueError, match="row_start and num_rows must be >= 0"):
             read_expert_rows(h, "bias", -1, 4)
+
+
+def test_ep_loading_names_a_truncated_or_missing_shard_before_building_the_model(tmp_path, monkeypatch):
+    """A shard cut short (or gone) is reported as a ValueError naming the file, before any model is built."""
+    import json
+
+    from diffusers_magi2 import Magi2Transformer3DModel
+    from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+
+    build_tiny_default_pipeline().transformer.save_pretrained(tmp_path, max_shard_size="200KB")
+    index = json.loads((tmp_path / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    shard = tmp_path / sorted(set(index["weight_map"].values()))[1]
+    data = shard.read_bytes()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the shard check must come before the model is built")
+
+    monkeypatch.setattr(Magi2Transformer3DModel, "from_config", no_model)
+    config = Magi2ExpertParallelConfig(ep_degree=1)
+    for broken, message in ((data[:-100], "is not a complete safetensors file"), (data[:5], "is not a complete safetensors file"),
+                            (None, "does not exist, named by diffusion_pytorch_model.safetensors.index.json")):
+        if broken is None:
+            shard.unlink()
+        else:
+            shard.write_bytes(broken)
+        with pytest.raises(ValueError, match=message) as err:
+            Magi2Transformer3DModel.from_pretrained(tmp_path, expert_parallel=config)
+        assert str(shard) in str(err.value)
