@@ -63,7 +63,40 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "else 1); must equal the number of launched processes")
     args = parser.parse_args(argv)
     check_output_path(args.output)
+    if args.device is not None:
+        check_device(args.device)
     return args
+
+
+def check_device(device: str) -> None:
+    """Reject a ``--device`` this machine does not have, before any model is built or run.
+
+    Allowed: ``cpu``, or an accelerator torch can use here (``cuda``/``cuda:N`` with N below the device count;
+    another type, e.g. ``mps`` or ``xpu``, when it is ``torch.accelerator``'s current accelerator).
+
+    Raises:
+        ValueError: not a torch device string, or a device this machine does not have.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"--device {device!r} is not a torch device; use cpu, cuda or cuda:N ({err})") from err
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ValueError(f"--device {device!r}: no CUDA device is available (torch {torch.__version__}, {build}); "
+                             "use --device cpu, or leave --device out to pick cuda when present")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"--device {device!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+        return
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or accelerator.type != dev.type:
+        raise ValueError(f"--device {device!r}: torch reports no {dev.type} device on this machine; use --device cpu")
 
 
 def check_output_path(output: str) -> None:
