@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from importlib import resources
 
-__all__ = ["COMPONENT_DESCRIPTIONS", "load_model_card_template", "render_model_card"]
+__all__ = ["COMPONENT_DESCRIPTIONS", "format_parameter_count", "load_model_card_template", "model_summary", "render_model_card"]
 
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 
@@ -46,8 +46,8 @@ def render_model_card(values: Mapping[str, str], template: str | None = None) ->
     """Fill the ``{{ name }}`` placeholders of the model card.
 
     Args:
-        values: placeholder -> text. The shipped card uses ``title``, ``repo_id``,
-            ``components_table``, ``converter_version`` and ``dtype``.
+        values: placeholder -> text. The shipped card uses ``title``, ``model_summary``
+            (:func:`model_summary`), ``repo_id``, ``components_table``, ``converter_version`` and ``dtype``.
         template: card text; the shipped ``model_card.md`` when ``None``.
 
     Raises:
@@ -69,3 +69,21 @@ def components_table(components: list[str]) -> str:
         cls, src = COMPONENT_DESCRIPTIONS[name]
         rows.append(f"| `{name}/` | {cls} | {src} |")
     return "\n".join(rows)
+
+
+def format_parameter_count(count: int) -> str:
+    """``count`` to three significant digits with a K/M/B suffix: 113,934,732,336 -> ``"114B"``, 1,234,567 -> ``"1.23M"``."""
+    for scale, suffix in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
+        rounded = float(f"{count / scale:.3g}")
+        if rounded >= 1:
+            return f"{rounded:g}{suffix}"
+    return str(count)
+
+
+def model_summary(transformer_parameters: int | None) -> str:
+    """The card's description of the model: with the converted transformer's real parameter count, or without
+    a count when no transformer was converted."""
+    kind = "mixture-of-experts audio+video diffusion transformer"
+    if transformer_parameters is None:
+        return f"a {kind}"
+    return f"a {format_parameter_count(transformer_parameters)}-parameter {kind}"

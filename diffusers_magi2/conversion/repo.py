@@ -34,7 +34,7 @@ from pathlib import Path
 from . import components
 from .convert_transformer import PreparedTransformer, prepare_transformer_conversion, write_transformer
 from .key_plan import DTYPE_CHOICES, CheckpointValidationError
-from .model_card import components_table, render_model_card
+from .model_card import components_table, model_summary, render_model_card
 
 __all__ = [
     "ALL_COMPONENTS",
@@ -253,7 +253,9 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
             default_scheduler().save_pretrained(tmp / "scheduler")
             written["scheduler"] = MODEL_INDEX_ENTRIES["scheduler"]
         (tmp / "model_index.json").write_text(json.dumps(model_index_dict(written), indent=2) + "\n")
-        (tmp / "README.md").write_text(_render_card(req, [c for c in ALL_COMPONENTS + ("tokenizer",) if c in written]))
+        (tmp / "README.md").write_text(
+            _render_card(req, [c for c in ALL_COMPONENTS + ("tokenizer",) if c in written], prepared.get("transformer"))
+        )
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -262,13 +264,15 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
     return out
 
 
-def _render_card(req: ConversionRequest, components: list[str]) -> str:
+def _render_card(req: ConversionRequest, components: list[str], transformer: PreparedTransformer | None) -> str:
     from .. import __version__
 
     repo_id = req.repo_id or "<your-namespace>/MAGI-2-preview-diffusers"
+    count = None if transformer is None else sum(p.numel() for p in transformer.model.parameters())
     return render_model_card(
         {
             "title": "MAGI-2 Preview (Diffusers format)",
+            "model_summary": model_summary(count),
             "repo_id": repo_id,
             "components_table": components_table(components),
             "converter_version": __version__,

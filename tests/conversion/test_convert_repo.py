@@ -25,6 +25,8 @@ from convert_testing_utils import (
 
 from conftest import FIXTURES, REPO_ROOT
 from diffusers_magi2.conversion import repo as repo_mod
+from diffusers_magi2.conversion.model_card import format_parameter_count
+from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 
 COMPONENTS = FIXTURES / "magi2_tiny_components"
 H4_CONFIG = config_path("preview_h4")
@@ -288,8 +290,28 @@ def test_model_card_is_rendered_from_the_single_source(full_repo):
     assert "pip install diffusers-magi2" in first_code  # the distribution name (pyproject)
     assert 'Magi2Pipeline.from_pretrained(\n    "org/magi2-tiny"' in card
     assert "{{" not in card and "| `refiner/` |" in card and "| `tokenizer/` |" in card
+    # the tiny transformer's own parameter count, not the released model's 114B
+    transformer = Magi2Transformer3DModel.from_pretrained(full_repo, subfolder="transformer")
+    count = sum(p.numel() for p in transformer.parameters())
+    assert count < 10**8 and f"a {format_parameter_count(count)}-parameter mixture-of-experts" in card
+    assert "114B" not in card
     with pytest.raises(ValueError, match="missing values"):
         render_model_card({"title": "x"})
+
+
+def test_parameter_count_of_the_released_transformer_renders_as_114b():
+    from diffusers_magi2.conversion.convert_transformer import (
+        TRANSFORMER_TARGETS,
+        build_meta_model,
+        model_class,
+        model_kwargs_from_sandai,
+        resolve_sandai_config,
+    )
+
+    target = TRANSFORMER_TARGETS["transformer"]
+    model = build_meta_model(model_class(target), model_kwargs_from_sandai(target, resolve_sandai_config(target, None)[0]))
+    assert format_parameter_count(sum(p.numel() for p in model.parameters())) == "114B"
+    assert [format_parameter_count(n) for n in (1_234_567, 45_600, 999_999, 999, 0)] == ["1.23M", "45.6K", "1M", "999", "0"]
 
 
 def test_model_index_entries_resolve_in_a_fresh_interpreter(full_repo, tmp_path):
