@@ -20,8 +20,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from .key_plan import DTYPE_CHOICES
-from .repo import ALL_COMPONENTS, RELEASE_LAYOUT, ConversionRequest, convert_checkpoint, push_folder_to_hub
+from .key_plan import DTYPE_CHOICES, CheckpointValidationError
+from .repo import (
+    ALL_COMPONENTS,
+    RELEASE_LAYOUT,
+    ConversionRequest,
+    ConversionValidationError,
+    convert_checkpoint,
+    push_folder_to_hub,
+)
 from .safetensors_io import parse_size
 
 __all__ = ["build_parser", "main", "request_from_args"]
@@ -37,7 +44,7 @@ _PART_FLAGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``magi2-convert`` (flags as in issue 4)."""
+    """The argument parser of ``magi2-convert``."""
     p = argparse.ArgumentParser(
         prog="magi2-convert",
         description="Convert SandAI's MAGI-2 Preview release into a Hub-loadable diffusers repository.",
@@ -60,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Stable Audio encoder not representable in AutoencoderOobleck: 'strict' fails, 'zeros' writes a zero "
                         "encoder (MAGI-2 only decodes audio); default strict")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output_path")
+    p.add_argument("--verbose", action="store_true",
+                   help="on a checkpoint that does not match its config, list every problem (default: a summary)")
     p.add_argument("--push_to_hub", action="store_true", help="upload the result with huggingface_hub (needs --repo_id)")
     p.add_argument("--repo_id", help="Hub repository id, e.g. org/MAGI-2-preview-diffusers")
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
@@ -126,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 push_folder_to_hub(out, args.repo_id, private=args.private)
     except Exception as err:  # noqa: BLE001 - every failure becomes a message and a non-zero exit
         kind = "" if isinstance(err, ValueError) else f"{type(err).__name__}: "
-        print(f"magi2-convert: error: {kind}{err}", file=sys.stderr)
+        text = err.report(verbose=args.verbose) if isinstance(err, (ConversionValidationError, CheckpointValidationError)) else err
+        print(f"magi2-convert: error: {kind}{text}", file=sys.stderr)
         return 1
     return 0
 

@@ -596,6 +596,52 @@ def stable_audio_to_oobleck_key_map(keys, num_blocks: int) -> Tuple[Dict[str, st
     return mapping, unknown
 
 
+#: how a caller asks for a zero audio encoder, named in the errors (CLI flag, then the Python spelling)
+_ZEROS_SPELLING = (
+    "magi2-convert --audio_vae_encoder zeros; in Python convert_stable_audio_vae(..., audio_encoder='zeros') or "
+    "ConversionRequest(component_options={'audio_vae': {'audio_encoder': 'zeros'}})"
+)
+
+
+def check_stable_audio_vae(sao_dir: PathLike, audio_encoder: str = "strict") -> Tuple[dict, bool]:
+    """Read and check a Stable Audio Open folder's config (no weights), as :func:`convert_stable_audio_vae` will.
+
+    The converter runs this before it writes anything, so an unrepresentable encoder is reported up front.
+
+    Returns:
+        ``(AutoencoderOobleck config, encoder representable)``.
+
+    Raises:
+        ValueError: missing files, bad JSON, a config not representable, ``audio_encoder`` not allowed, an
+            unrepresentable encoder with ``"strict"`` or a representable one with ``"zeros"``.
+    """
+    if audio_encoder not in ("strict", "zeros"):
+        raise ValueError(f"audio_encoder must be 'strict' or 'zeros', got {audio_encoder!r}")
+    folder = Path(sao_dir)
+    cfg_path = folder / "model_config.json"
+    for p in (cfg_path, folder / "model.safetensors"):
+        if not p.is_file():
+            raise ValueError(f"Stable Audio folder {folder} lacks {p.name}")
+    try:
+        model_config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{cfg_path}: not valid JSON ({err})") from err
+    config, encoder_ok = oobleck_config_from_sao(model_config)
+    if not encoder_ok and audio_encoder == "strict":
+        enc_c = model_config["model"]["pretransform"]["config"]["encoder"]["config"]
+        raise ValueError(
+            f"{folder}: the audio encoder (channels {enc_c['channels']}, latent_dim {enc_c['latent_dim']}) is not "
+            "representable in AutoencoderOobleck, which needs latent_dim == channels; the decoder is fine. "
+            f"To write a zero encoder instead (MAGI-2 inference only decodes audio), pass: {_ZEROS_SPELLING}."
+        )
+    if encoder_ok and audio_encoder == "zeros":
+        raise ValueError(
+            f"{folder}: a zero audio encoder (--audio_vae_encoder zeros / audio_encoder='zeros') is only for "
+            "unrepresentable encoders; this one converts exactly, so leave the option at its default 'strict'"
+        )
+    return config, encoder_ok
+
+
 def convert_stable_audio_vae(
     sao_dir: PathLike, out_dir: PathLike, dtype: str = "keep", *, audio_encoder: str = "strict"
 ) -> Path:
@@ -612,40 +658,23 @@ def convert_stable_audio_vae(
         dtype: ``"keep"``, ``"bf16"`` or ``"fp32"``.
         audio_encoder: ``"strict"`` (default): the encoder must be representable in
             ``AutoencoderOobleck`` (its ``latent_dim`` equal to its ``channels``, as in Stable Audio
-            Open 1.0), else ``ValueError``. ``"zeros"``: allowed only when it is not representable;
-            the decoder is converted exactly and the encoder weights are written as zeros (MAGI-2
-            never encodes audio; the decoder is unaffected) with a logged warning.
+            Open 1.0), else ``ValueError``. ``"zeros"`` (``magi2-convert --audio_vae_encoder zeros``):
+            allowed only when it is not representable; the decoder is converted exactly and the encoder
+            weights are written as zeros (MAGI-2 never encodes audio; the decoder is unaffected) with a
+            logged warning.
 
     Raises:
         ValueError: missing files, config not representable, unknown/missing keys, shape mismatches,
-            an unrepresentable encoder with ``audio_encoder="strict"``, bad arguments.
+            an unrepresentable encoder with ``audio_encoder="strict"``, bad arguments
+            (see :func:`check_stable_audio_vae`).
     """
     from diffusers import AutoencoderOobleck
     from safetensors import safe_open
 
     torch_dtype = _resolve_dtype(dtype)
-    if audio_encoder not in ("strict", "zeros"):
-        raise ValueError(f"audio_encoder must be 'strict' or 'zeros', got {audio_encoder!r}")
+    config, encoder_ok = check_stable_audio_vae(sao_dir, audio_encoder)
     folder = Path(sao_dir)
-    cfg_path, weights = folder / "model_config.json", folder / "model.safetensors"
-    for p in (cfg_path, weights):
-        if not p.is_file():
-            raise ValueError(f"Stable Audio folder {folder} lacks {p.name}")
-    try:
-        model_config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{cfg_path}: not valid JSON ({err})") from err
-    config, encoder_ok = oobleck_config_from_sao(model_config)
-    if not encoder_ok and audio_encoder == "strict":
-        enc_c = model_config["model"]["pretransform"]["config"]["encoder"]["config"]
-        raise ValueError(
-            f"{folder}: the audio encoder (channels {enc_c['channels']}, latent_dim {enc_c['latent_dim']}) is not "
-            "representable in AutoencoderOobleck, which needs latent_dim == channels; the decoder is fine. "
-            "Pass audio_encoder='zeros' to write a zero encoder (MAGI-2 inference only decodes audio)."
-        )
-    if encoder_ok and audio_encoder == "zeros":
-        raise ValueError(f"{folder}: audio_encoder='zeros' is only for unrepresentable encoders; this one converts exactly")
-
+    weights = folder / "model.safetensors"
     with safe_open(str(weights), framework="pt") as f:
         source = {k[len(SAO_PREFIX):]: f.get_tensor(k) for k in f.keys() if k.startswith(SAO_PREFIX)}
     if not source:

@@ -207,10 +207,13 @@ class PreparedTransformer:
 
 
 def _hint_local_config(source_dir: Path, config: object) -> str:
+    """What to try when weights checked against the released config (``config is None``) do not match it."""
     if config is not None:
         return ""
     local = sorted(p.name for p in Path(source_dir).glob("magi2_*.json"))
-    return f"; a SandAI config sits beside the weights ({', '.join(local)}): pass it with --config if it describes them" if local else ""
+    if local:
+        return f"a SandAI config sits beside the weights ({', '.join(local)}): pass it with --config (Python: config=) if it describes them"
+    return "no --config was given, so the released config was used; for another checkpoint pass its SandAI JSON with --config (Python: config=)"
 
 
 def prepare_transformer_conversion(
@@ -245,7 +248,8 @@ def prepare_transformer_conversion(
     model = build_meta_model(cls, model_kwargs_from_sandai(target, cfg))
     expected = expected_specs_from_model(model, params_dtype_code(target, cfg))
     source = read_source_checkpoint(source_dir, check_data=check_data)
-    plan = build_key_plan(source, expected, dtype=dtype, context=f"checked against {label}{_hint_local_config(Path(source_dir), config)}")
+    plan = build_key_plan(source, expected, dtype=dtype, context=f"checked against {label}",
+                          hint=_hint_local_config(Path(source_dir), config))
     layouts = plan_shards(plan.output_tensors(), max_shard_size, WEIGHTS_NAME)
     return PreparedTransformer(target, plan, model, layouts, label)
 
@@ -348,7 +352,8 @@ def load_original_checkpoint(
     model = build_meta_model(cls, kwargs)
     expected = expected_specs_from_model(model, params_dtype_code(target, cfg))
     source = read_source_checkpoint(source_dir)
-    plan = build_key_plan(source, expected, dtype="keep", context=f"checked against {label}{_hint_local_config(Path(source_dir), config)}")
+    plan = build_key_plan(source, expected, dtype="keep", context=f"checked against {label}",
+                          hint=_hint_local_config(Path(source_dir), config))
     state: dict[str, torch.Tensor] = {}
     for fname, entries in plan.entries_by_file().items():
         with safe_open(str(plan.source_dir / fname), framework="pt") as handle:

@@ -161,19 +161,59 @@ class KeyPlan:
         return "\n".join(lines)
 
 
+#: (text every message of that kind contains, plural label) for the per-kind counts of a summary
+_PROBLEM_KINDS = (
+    (": unexpected key", "unexpected keys"),
+    (": missing key", "missing keys"),
+    (": shape ", "shape mismatches"),
+    (": dtype ", "dtype mismatches"),
+)
+
+
 class CheckpointValidationError(ValueError):
     """Every problem found in a source checkpoint, raised before anything is written.
 
+    ``str(err)`` is a summary that fits a terminal: the heading, the hint, the count of each kind of
+    problem and the first :attr:`SUMMARY_LIMIT` problems. ``problems`` and ``report(verbose=True)``
+    (``magi2-convert --verbose``) hold every one.
+
     Attributes:
         problems: one message per problem.
+        hint: what to try next (e.g. pass ``--config``), or ``""``.
     """
 
-    def __init__(self, source: str | Path, problems: list[str], context: str = ""):
+    SUMMARY_LIMIT = 5
+
+    def __init__(self, source: str | Path, problems: list[str], context: str = "", hint: str = ""):
+        self.source = Path(source)
         self.problems = list(problems)
-        head = f"{len(self.problems)} problem(s) in checkpoint {source}"
-        if context:
-            head += f" ({context})"
-        super().__init__(head + "; nothing was written:\n" + "\n".join(f"  - {p}" for p in self.problems))
+        self.context = context
+        self.hint = hint
+        super().__init__(self.report())
+
+    def report(self, verbose: bool = False) -> str:
+        """The summary (default) or, with ``verbose``, the heading and hint followed by every problem."""
+        head = f"{len(self.problems)} problem(s) in checkpoint {self.source}"
+        if self.context:
+            head += f" ({self.context})"
+        lines = [head + "; nothing was written:"]
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
+        shown = self.problems if verbose else self.problems[: self.SUMMARY_LIMIT]
+        if len(shown) < len(self.problems):
+            counts: dict[str, int] = {}
+            for problem in self.problems:
+                kind = next((label for text, label in _PROBLEM_KINDS if text in problem), "other problems")
+                counts[kind] = counts.get(kind, 0) + 1
+            lines.append("  by kind: " + ", ".join(f"{n} {kind}" for kind, n in counts.items()))
+            lines.append(f"  first {len(shown)}:")
+        lines += [f"  - {p}" for p in shown]
+        if len(shown) < len(self.problems):
+            lines.append(
+                f"  ... and {len(self.problems) - len(shown)} more (magi2-convert --verbose, or the exception's "
+                "problems attribute, lists them all)"
+            )
+        return "\n".join(lines)
 
 
 @dataclass
@@ -283,6 +323,7 @@ def build_key_plan(
     *,
     dtype: str = "keep",
     context: str = "",
+    hint: str = "",
 ) -> KeyPlan:
     """Validate ``source`` against the expected target tensors and return the ordered plan.
 
@@ -292,6 +333,7 @@ def build_key_plan(
             the meta device from the config; fp32 islands ``F32``, the rest ``params_dtype``).
         dtype: output dtype policy, ``"keep"``, ``"bf16"`` or ``"fp32"``; fp32 islands stay F32.
         context: appended to the error heading, e.g. the config the weights were checked against.
+        hint: what to try when validation fails (shown under the heading).
 
     Returns:
         a :class:`KeyPlan` covering every expected key exactly once.
@@ -327,7 +369,7 @@ def build_key_plan(
         if info.dtype != spec.dtype:
             problems.append(f"{src}: dtype {info.dtype} in {source.weight_map[src]}, the model expects {spec.dtype}")
     if problems:
-        raise CheckpointValidationError(source.directory, problems, context)
+        raise CheckpointValidationError(source.directory, problems, context, hint)
 
     # Order: source shards in natural order, tensors in data-offset order inside each shard.
     order = {}

@@ -4,8 +4,9 @@
 
 1. checks the request (components, inputs, output folder) and raises ``ValueError`` before any
    work when something is wrong;
-2. validates and plans every transformer-like component from headers only (all problems of all
-   components are collected and raised together, nothing written);
+2. validates and plans every transformer-like component from headers only, and checks the Stable
+   Audio encoder option against its config (all problems of all components are collected and
+   raised together as a :class:`ConversionValidationError`, nothing written);
 3. unless ``dry_run``, writes everything into a sibling temporary folder
    ``.<OUT name>.tmp-<id>`` and renames it to ``OUT`` at the end; on any failure the temporary
    folder is removed and ``OUT`` is left exactly as it was (absent, or untouched). An existing
@@ -40,6 +41,7 @@ __all__ = [
     "ALL_COMPONENTS",
     "MODEL_INDEX_ENTRIES",
     "ConversionRequest",
+    "ConversionValidationError",
     "convert_checkpoint",
     "default_scheduler",
     "model_index_dict",
@@ -110,6 +112,28 @@ class ConversionRequest:
     dry_run: bool = False
     repo_id: str | None = None
     component_options: dict[str, dict] = field(default_factory=dict)
+
+
+class ConversionValidationError(ValueError):
+    """What is wrong with the inputs of each component, found before anything was written.
+
+    ``str(err)`` holds one summary per component; ``report(verbose=True)`` (``magi2-convert --verbose``)
+    lists every problem of every checkpoint.
+
+    Attributes:
+        errors: component -> its error (a :class:`~.key_plan.CheckpointValidationError` for a transformer).
+    """
+
+    def __init__(self, errors: dict[str, ValueError]):
+        self.errors = dict(errors)
+        super().__init__(self.report())
+
+    def report(self, verbose: bool = False) -> str:
+        """One block per component: the summary, or with ``verbose`` every problem."""
+        return "\n".join(
+            f"[{comp}] {err.report(verbose) if isinstance(err, CheckpointValidationError) else err}"
+            for comp, err in self.errors.items()
+        )
 
 
 def default_scheduler():
@@ -188,17 +212,19 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
 
     Raises:
         ValueError: a bad request (unknown component, missing input, non-empty ``OUT`` without
-            ``overwrite``), or :class:`CheckpointValidationError` listing every checkpoint problem
-            of every transformer-like component; raised before anything is written.
+            ``overwrite``), or :class:`ConversionValidationError` holding every checkpoint problem
+            of every transformer-like component and an unusable Stable Audio encoder choice; raised
+            before anything is written.
         Any error of a component converter (e.g. a pickle refused by ``weights_only``) propagates
         after the temporary folder is removed; ``OUT`` is never left half-written.
     """
     _check_request(req)
     out = Path(req.output_path).absolute()
 
-    # 1. Plan every transformer-like component from headers; collect every problem.
+    # 1. Plan every transformer-like component from headers, and check the Stable Audio encoder choice
+    # from its config; collect every problem.
     prepared: dict[str, PreparedTransformer] = {}
-    failures: list[str] = []
+    failures: dict[str, ValueError] = {}
     for comp in TRANSFORMER_COMPONENTS:
         if comp not in req.components:
             continue
@@ -208,9 +234,14 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
                 check_data=not req.dry_run,
             )
         except CheckpointValidationError as err:
-            failures.append(f"[{comp}] {err}")
+            failures[comp] = err
+    if "audio_vae" in req.components:
+        try:
+            components.check_stable_audio_vae(req.inputs["audio_vae"], **req.component_options.get("audio_vae", {}))
+        except ValueError as err:
+            failures["audio_vae"] = err
     if failures:
-        raise ValueError("\n".join(failures))
+        raise ConversionValidationError(failures)
 
     # 2. Other components: each has its converter in diffusers_magi2.conversion.components.
     component_fns: dict[str, Callable] = {

@@ -230,15 +230,18 @@ def full_repo(release_root, tmp_path_factory):
     return out
 
 
-def test_component_failure_after_transformers_were_written_leaves_no_output(release_root, tmp_path):
-    """The tiny Stable Audio encoder is refused in strict mode, after transformer/refiner/vae were written."""
+def test_unrepresentable_audio_encoder_is_refused_before_anything_is_written(release_root, tmp_path):
+    """The tiny Stable Audio encoder is refused in strict mode from its config alone, before the transformer is
+    written, and the message names the CLI flag (and, for Python callers, the keyword) that allows it."""
     out = tmp_path / "out"
     rc, stdout, err = run_cli(
         ["--checkpoint_root", release_root, "--config", release_root / "configs" / "magi2_refiner.json",
          "--output_path", out, "--components", "transformer,vae,audio_vae"]
     )
-    assert "[transformer] writing" in stdout
-    _assert_failed_cleanly(tmp_path, rc, err, "audio encoder", out)
+    assert "writing" not in stdout and "converting" not in stdout
+    _assert_failed_cleanly(tmp_path, rc, err, "[audio_vae]", out)
+    assert "--audio_vae_encoder zeros" in err and "audio_encoder='zeros'" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_whole_release_converts_every_component(full_repo):

@@ -10,6 +10,7 @@ and the full-size key tables planned from header-only stubs.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -271,16 +272,33 @@ def test_dry_run_on_header_only_full_size_stubs(tmp_path, flag, table, num_shard
     assert not out.exists()
 
 
-def test_config_that_disagrees_with_the_weights(tmp_path):
-    """The tiny weights checked against the released config: every disagreement listed, nothing written."""
+def test_config_that_disagrees_with_the_weights_prints_the_hint_and_a_summary(tmp_path):
+    """The tiny weights checked against the released config (no --config): the hint and a short summary by
+    default, every disagreement with --verbose; nothing written either way."""
     out = tmp_path / "out"
-    rc, _, err = run_cli(["--preview_dir", checkpoint_dir("preview_h4"), "--output_path", out, "--components", "transformer"])
+    args = ["--preview_dir", checkpoint_dir("preview_h4"), "--output_path", out, "--components", "transformer"]
+    rc, _, err = run_cli(args)
     assert rc != 0
-    assert "checked against config" in err and "(released)" in err
+    lines = err.strip().splitlines()
+    assert len(lines) <= 12, err
+    assert "checked against config" in lines[0] and "(released)" in lines[0]
+    assert "pass it with --config" in lines[1]  # hint: magi2_preview.json sits beside the weights
+    total = int(lines[0].split("] ", 1)[1].split(" problem(s)")[0])
+    counts = [int(n) for n in re.findall(r"(\d+) (?:unexpected keys|missing keys|shape mismatches)", lines[2])]
+    assert "by kind:" in lines[2] and sum(counts) == total > 1000
+    assert f"and {total - 5} more" in lines[-1] and "--verbose" in lines[-1]
+    rc, _, err = run_cli([*args, "--verbose"])
+    assert rc != 0 and len(err.strip().splitlines()) == total + 2  # heading, hint, then one line per problem
     assert "pre_adapter.video_embedder.weight: shape [512, 12]" in err
     assert "block.layers.39.mhc_norm.weight: missing key" in err
-    assert "pass it with --config" in err  # hint: magi2_preview.json sits beside the weights
-    assert not out.exists()
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_non_released_weights_without_config_or_local_json_hint_at_config(tmp_path):
+    ckpt = copy_checkpoint("preview_h4", tmp_path / "ckpt")
+    (ckpt / "magi2_preview.json").unlink()
+    rc, _, err = run_cli(["--preview_dir", ckpt, "--output_path", tmp_path / "out", "--components", "transformer"])
+    assert rc != 0 and "hint: no --config was given, so the released config was used" in err
 
 
 def test_refiner_round_trip(tmp_path):
