@@ -54,6 +54,7 @@ __all__ = [
     "Magi2AttnProcessor",
     "Magi2WindowAttnProcessor",
     "check_attention_kwargs",
+    "check_transformer_geometry",
     "magi2_attention_with_sinks",
     "register_block_for_caching_hooks",
 ]
@@ -385,6 +386,30 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
         :class:`Magi2AttentionMask` or the packed samples' lengths.
         """
         return self.processor(self, hidden_states, rotary_emb, dispatch, Magi2AttentionMask.wrap(attention_mask))
+
+
+def check_transformer_geometry(
+    num_layers: int, num_attention_heads: int, num_key_value_heads: int, attention_head_dim: int, **layer_lists
+) -> None:
+    """Check a MAGI-2 config's attention geometry and its per-layer index lists (``name=[indices]`` or
+    ``None``).
+
+    Raises:
+        ValueError: a count below 1, ``Hq % Hkv != 0``, a head dim that is not a multiple of 8 (rope), or
+            a layer index outside ``[0, num_layers)``.
+    """
+    if num_layers < 1 or num_attention_heads < 1 or num_key_value_heads < 1:
+        raise ValueError("num_layers, num_attention_heads and num_key_value_heads must be >= 1")
+    if num_attention_heads % num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads ({num_attention_heads}) must be a multiple of num_key_value_heads "
+            f"({num_key_value_heads})"
+        )
+    if attention_head_dim % 8:
+        raise ValueError(f"attention_head_dim must be a multiple of 8, got {attention_head_dim}")
+    for name, layers in layer_lists.items():
+        if layers is not None and any(not 0 <= int(i) < num_layers for i in layers):
+            raise ValueError(f"{name} must hold layer indices in [0, {num_layers}), got {list(layers)}")
 
 
 def check_attention_kwargs(model_name: str, attention_kwargs, supported: Sequence[str]) -> dict:

@@ -71,6 +71,16 @@ class Magi2ModelMixin(ModelMixin):
     Subclasses list their islands in ``_keep_in_fp32_modules``; :meth:`is_fp32_island` answers for one name.
     """
 
+    @property
+    def hidden_size(self) -> int:
+        """Model width ``C = num_attention_heads * attention_head_dim``."""
+        return self.config.num_attention_heads * self.config.attention_head_dim
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Dtype of the block linears (bf16 released, fp32 for exact checks)."""
+        return self.transformer_blocks[0].attention.compute_dtype
+
     def is_fp32_island(self, name: str) -> bool:
         """Whether the parameter/buffer ``name`` stays fp32 whatever the model dtype (``_keep_in_fp32_modules``)."""
         return is_fp32_island(name, self._keep_in_fp32_modules)

@@ -40,7 +40,13 @@ from diffusers.models.cache_utils import CacheMixin
 from diffusers.utils import BaseOutput
 
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
-from .attention_magi2 import Magi2Attention, Magi2AttentionMask, check_attention_kwargs, register_block_for_caching_hooks
+from .attention_magi2 import (
+    Magi2Attention,
+    Magi2AttentionMask,
+    check_attention_kwargs,
+    check_transformer_geometry,
+    register_block_for_caching_hooks,
+)
 from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward
 from .modeling_magi2 import Magi2ModelMixin
 from .mhc import mhc_coefficients, mhc_hyper_connect, mhc_matmul_scale, mhc_reduce_streams
@@ -273,18 +279,12 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
         params_dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
-        if num_attention_heads % num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({num_attention_heads}) must be a multiple of num_key_value_heads "
-                f"({num_key_value_heads})"
-            )
-        if attention_head_dim % 8:
-            raise ValueError(f"attention_head_dim must be a multiple of 8, got {attention_head_dim}")
+        check_transformer_geometry(
+            num_layers, num_attention_heads, num_key_value_heads, attention_head_dim,
+            multimodal_layers=multimodal_layers, moe_layers=moe_layers,
+        )
         if num_sink_tokens < 1:
             raise ValueError("num_sink_tokens must be >= 1 (MAGI-2 Preview requires attention sinks)")
-        bad = [i for i in list(multimodal_layers) + list(moe_layers) if not 0 <= int(i) < num_layers]
-        if bad:
-            raise ValueError(f"multimodal_layers/moe_layers hold indices outside [0, {num_layers}): {bad}")
         hidden_size = num_attention_heads * attention_head_dim
         if time_embed_dim > num_streams * hidden_size:
             raise ValueError("time_embed_dim exceeds the residual width")
@@ -330,16 +330,9 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
     # ------------------------------------------------------------------------------------------
 
     @property
-    def hidden_size(self) -> int:
-        """``num_attention_heads * attention_head_dim``."""
-        return self.config.num_attention_heads * self.config.attention_head_dim
-
-    @property
     def residual_dtype(self) -> torch.dtype:
-        """Dtype of the residual streams: that of the first layer's attention weights."""
-        if len(self.transformer_blocks) == 0:
-            return torch.float32
-        return self.transformer_blocks[0].attention.linear_qkv.weight.dtype
+        """Dtype of the residual streams: the compute dtype (:attr:`compute_dtype`)."""
+        return self.compute_dtype
 
     def check_attention_kwargs(self, attention_kwargs: Optional[Dict[str, Any]]) -> None:
         """Raise for any ``attention_kwargs`` key this model does not use (it uses none).

@@ -39,6 +39,7 @@ from .attention_magi2 import (
     Magi2AttnProcessor,
     Magi2WindowAttnProcessor,
     check_attention_kwargs,
+    check_transformer_geometry,
     register_block_for_caching_hooks,
 )
 from .feedforward_magi2 import Magi2FeedForward
@@ -174,18 +175,10 @@ class Magi2RefinerTransformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixi
         norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
-        if num_layers < 1 or num_attention_heads < 1 or num_key_value_heads < 1:
-            raise ValueError("num_layers, num_attention_heads and num_key_value_heads must be >= 1")
-        if num_attention_heads % num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({num_attention_heads}) must be a multiple of num_key_value_heads "
-                f"({num_key_value_heads})"
-            )
-        if attention_head_dim % 8:
-            raise ValueError(f"attention_head_dim must be a multiple of 8, got {attention_head_dim}")
-        for name, layers in (("multimodal_layers", multimodal_layers), ("window_attention_layers", window_attention_layers)):
-            if layers is not None and any(not 0 <= int(i) < num_layers for i in layers):
-                raise ValueError(f"{name} must hold layer indices in [0, {num_layers}), got {list(layers)}")
+        check_transformer_geometry(
+            num_layers, num_attention_heads, num_key_value_heads, attention_head_dim,
+            multimodal_layers=multimodal_layers, window_attention_layers=window_attention_layers,
+        )
         # validate window geometry early (raises ValueError on bad values)
         Magi2WindowGeometry((1, 1, 1), tuple(window_block_size), tuple(window_radius))
 
@@ -208,16 +201,6 @@ class Magi2RefinerTransformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixi
         self.gradient_checkpointing = False
 
     # ------------------------------------------------------------------ helpers
-    @property
-    def hidden_size(self) -> int:
-        """``num_attention_heads * attention_head_dim``."""
-        return self.config.num_attention_heads * self.config.attention_head_dim
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """dtype of the block linears (the reference's ``params_dtype``: bf16 released, fp32 for checks)."""
-        return self.transformer_blocks[0].attention.compute_dtype
-
     def window_geometry(self, num_frames: int, height: int, width: int, num_context_tokens: int) -> Magi2WindowGeometry:
         """Window geometry of one sample from this model's config (block sizes, radii)."""
         return Magi2WindowGeometry(
