@@ -362,6 +362,6 @@ def load_original_checkpoint(
                 state[e.target_key] = t.to(torch.float32 if expected[e.target_key].fp32_island else dtype)
     model.load_state_dict(state, strict=True, assign=True)
     on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if on_meta:  # C04: never hand back a model with unloaded (meta) tensors
+    if on_meta:  # never hand back a model with unloaded (meta) tensors
         raise ValueError(f"{len(on_meta)} tensors were left on the meta device after loading, e.g. {on_meta[:5]}")
     return model.eval()

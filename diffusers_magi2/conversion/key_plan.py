@@ -1,6 +1,6 @@
 """Key plan for the MAGI-2 transformer and refiner: SandAI checkpoint keys -> diffusers keys.
 
-The plan is rename-only and shape-preserving (issue 4):
+The plan is rename-only and shape-preserving:
 
 * ``block.layers.{i}.<rest>`` -> ``transformer_blocks.{i}.<rest>``; every other key
   (``pre_adapter.*``, ``post_adapter.*``) keeps its name.
@@ -404,7 +404,7 @@ def map_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
 
     Same rules as the on-disk plan: keys renamed, tensors kept whole (the same objects, not
     copies), ``...router.expert_bias`` taken from ``...router.expert_bias_ema``. Calling it twice
-    on the same dict gives identical results (C04).
+    on the same dict gives identical results.
 
     Raises:
         ValueError: an ``expert_bias`` without its ``expert_bias_ema`` (the value cannot be set).

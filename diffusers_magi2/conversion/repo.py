@@ -11,10 +11,10 @@
    ``.<OUT name>.tmp-<id>`` and renames it to ``OUT`` at the end; on any failure the temporary
    folder is removed and ``OUT`` is left exactly as it was (absent, or untouched). An existing
    non-empty ``OUT`` is refused unless ``overwrite``, in which case the whole folder is replaced
-   (so no stale shard of an earlier conversion can survive, C05).
+   (so no stale shard of an earlier conversion can survive).
 
 Output layout (a standard diffusers pipeline repo): ``model_index.json`` naming the
-``diffusers_magi2`` classes by their defining modules (C24), ``transformer/``, ``refiner/``,
+``diffusers_magi2`` classes by their defining modules, ``transformer/``, ``refiner/``,
 ``vae/``, ``video_decoder/``, ``audio_vae/``, ``text_encoder/`` + ``tokenizer/``, ``scheduler/``,
 and ``README.md`` rendered from the top-level ``model_card.md``.
 

@@ -597,7 +597,7 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
             cfg = load_sandai_config(config)
         from ..conversion.convert_transformer import load_original_checkpoint
 
-        # The converter's validated key plan, in memory (issue 4): every index/key/shape/dtype problem
+        # The converter's validated key plan, in memory: every index/key/shape/dtype problem
         # is listed in one CheckpointValidationError (a ValueError) before anything is loaded.
         model = load_original_checkpoint(
             cls, preview_dir, cfg, component="transformer", dtype=dtype, model_kwargs={"params_dtype": dtype}

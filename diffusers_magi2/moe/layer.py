@@ -3,7 +3,7 @@
 The module owns the router weight ``gate``, the expert banks ``W_gate``/``W_up``/``W_down`` and the two router
 biases under the released checkpoint names and layouts (SandAI ``CoreMultiHeadMoE``, commit ``f68a0f9``;
 ``magi2_reference_spec.md`` §2, §3). The surrounding ``split_linear``/``merge_linear`` and shared experts belong
-to the transformer. ``forward`` = split heads -> (EP dispatch, issue 6) -> :meth:`forward_local_heads`
+to the transformer. ``forward`` = split heads -> (EP dispatch) -> :meth:`forward_local_heads`
 (route + experts) -> (EP undispatch) -> merge heads.
 """
 
@@ -284,7 +284,7 @@ class Magi2MultiHeadMoE(nn.Module):
         """With ``ep_size > 1``, full (all-heads) EP tensors are sliced to this rank's rows with :meth:`ep_slice`.
 
         A tensor that is neither local-sized nor full raises a ``ValueError`` naming expert parallelism instead of
-        torch's bare size mismatch (C06).
+        torch's bare size mismatch.
         """
         if self.ep_size > 1:
             full_rows = self.num_heads * self.num_experts

@@ -47,7 +47,7 @@ def read_expert_rows(handle: Any, key: str, row_start: int, num_rows: int) -> to
 
     Only those rows are read from the file. Rows at or past the tensor's dim 0 (padded heads of the last ranks) are
     zero; a rank whose whole range lies past the end gets an all-zero tensor and never calls ``get_slice`` with an
-    out-of-range start (C06).
+    out-of-range start.
 
     Returns:
         ``[num_rows, *shape[1:]]`` in the file's dtype, on CPU. When every row exists this is safetensors' zero-copy

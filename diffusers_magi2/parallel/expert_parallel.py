@@ -413,7 +413,7 @@ def expert_parallel_from_launch(ep_degree: Optional[int] = None) -> Optional[Mag
     ``ep_degree=None``: the world size when launched distributed (``WORLD_SIZE > 1``, set by ``accelerate launch
     --multi_gpu`` / ``torchrun``), else ``None`` (no EP). An explicit ``ep_degree`` must equal the world size; in
     particular ``accelerate launch --cpu --num_processes 2`` starts ONE process, and ``--ep_degree 2`` then raises
-    instead of silently running unsharded (C08). The returned config is already resolved (process group via
+    instead of silently running unsharded. The returned config is already resolved (process group via
     ``PartialState(cpu=not torch.cuda.is_available())``, ``"ep"`` mesh), so :func:`ep_device` can be called.
 
     Raises:

@@ -21,7 +21,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
 # The model modules are imported by name so that they are in ``sys.modules`` when diffusers resolves
-# the ``model_index.json`` entries ``diffusers_magi2.models.*`` of a converted repo (C24).
+# the ``model_index.json`` entries ``diffusers_magi2.models.*`` of a converted repo.
 from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..models.turbo_vae import Magi2TurboVAEDecoder
@@ -302,7 +302,7 @@ class Magi2Pipeline(DiffusionPipeline):
         return self._attention_kwargs
 
     # ------------------------------------------------------------------------------------------
-    # Scheduling (C01: the shift is applied exactly once, by the scheduler, on every task path)
+    # Scheduling (the shift is applied exactly once, by the scheduler, on every task path)
     # ------------------------------------------------------------------------------------------
     def base_sigmas(self, num_inference_steps: int) -> np.ndarray:
         """Unshifted sigmas ``linspace(sigma_start, 0, N + 1)[:-1]`` (float64, length N)."""
