@@ -19,7 +19,7 @@ Run from the repository root::
 
 Prints and writes (JSON):
   * ``peak_rss_over_largest_shard`` = (peak RSS - RSS before the first read) / largest source shard,
-    target <= 1.5 (issue 4);
+    target <= 1.5;
   * ``throughput_ratio`` = conversion throughput / read-to-/dev/null throughput, target >= 0.5;
   * ``data_throughput_ratio``: the same without the fixed header-only planning time (``plan_s``,
     config + meta model + headers, independent of the checkpoint's size);

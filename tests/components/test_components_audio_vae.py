@@ -1,4 +1,4 @@
-"""Stable Audio Open VAE -> diffusers ``AutoencoderOobleck`` (issue 4) and the 441/512 resample (issue 5).
+"""Stable Audio Open VAE -> diffusers ``AutoencoderOobleck`` and the 441/512 resample.
 
 Golden data: ``magi2_tiny_components/stable_audio_vae/`` (SandAI ``AudioAutoencoder.decode`` and
 ``decode_audio``).
@@ -59,7 +59,7 @@ def test_decoder_weights_exact_and_decoys_skipped(sao_root, audio_vae):
     assert torch.equal(state["decoder.block.4.res_unit3.snake2.beta"].flatten(),
                        src["pretransform.model.decoder.layers.5.layers.4.layers.2.beta"])
     assert audio_vae.config.sampling_rate == 44100 and audio_vae.config.decoder_input_channels == 64
-    # C04: every parameter was written (nothing left on meta); the unrepresentable encoder is zeroed
+    # every parameter was written (nothing left on meta); the unrepresentable encoder is zeroed
     assert all(p.device.type == "cpu" for p in audio_vae.parameters())
     assert not state["encoder.conv2.weight_g"].any() and not state["encoder.block.0.conv1.bias"].any()
 

@@ -1,4 +1,4 @@
-"""Text encoder conversion (issue 4): text-only Qwen3.5 copied verbatim; multimodal layout rewritten.
+"""Text encoder conversion: text-only Qwen3.5 copied verbatim; multimodal layout rewritten.
 
 Golden data: ``magi2_tiny_components/text_encoder/`` (SandAI ``Qwen35TextEncoder``, fp32 feature
 ``hidden_states[-3]``).

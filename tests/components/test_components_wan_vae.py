@@ -1,4 +1,5 @@
-"""Wan2.2 VAE: original ``WanVAE_`` ``.pth`` -> diffusers ``AutoencoderKLWan`` (issue 4), and C20.
+"""Wan2.2 VAE: original ``WanVAE_`` ``.pth`` -> diffusers ``AutoencoderKLWan``, its patchify
+round trip and tiling.
 
 Golden data: ``magi2_tiny_components/wan22_vae/`` (SandAI reference encode, upstream Wan2.2 decode).
 """
@@ -19,7 +20,7 @@ from diffusers_magi2.conversion.components import (
 )
 from diffusers_magi2.models.turbo_vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
 
-ATOL = 1e-4  # issue 4: fp32 max abs
+ATOL = 1e-4  # fp32 max abs
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_config_derived_from_shapes_matches_reference_kwargs(wan_dir, vae):
     assert cfg.num_res_blocks == kwargs["num_res_blocks"]
     assert list(cfg.temperal_downsample) == kwargs["temporal_downsample"]
     assert cfg.is_residual and cfg.in_channels == 12 and cfg.out_channels == 12
-    # C20: Wan2.2 factors come from the patch size too (16, not 8).
+    # Wan2.2 factors come from the patch size too (16, not 8).
     assert (cfg.patch_size, cfg.scale_factor_spatial, cfg.scale_factor_temporal) == (2, 16, 4)
 
 
@@ -107,7 +108,7 @@ def test_decode_matches_upstream_wan22(vae, cases):
 
 
 @torch.no_grad()
-def test_c20_patchify_roundtrip_and_tiling_agree(vae):
+def test_patchify_roundtrip_and_tiling_agree(vae):
     from diffusers.models.autoencoders.autoencoder_kl_wan import patchify, unpatchify
 
     x = torch.randn(1, 3, 1, 64, 64, generator=torch.Generator().manual_seed(0))
@@ -122,7 +123,7 @@ def test_c20_patchify_roundtrip_and_tiling_agree(vae):
         tiled_video = vae.decode(plain_latent).sample
         # force the tiled decode path itself (the latent is smaller than one tile)
         forced_video = vae.tiled_decode(plain_latent).sample
-        # Library gap (diffusers 0.42.1, C20): AutoencoderKLWan.tiled_encode never patchifies, so a forced
+        # Library gap (diffusers 0.42.1): AutoencoderKLWan.tiled_encode never patchifies, so a forced
         # tiled encode of a Wan2.2 (patch_size=2) VAE fails. When diffusers fixes it this assertion
         # fails and the forced encode should join the comparisons below.
         with pytest.raises(RuntimeError, match="channels"):

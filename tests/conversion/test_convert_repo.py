@@ -1,5 +1,5 @@
 """Repository-level conversion through ``magi2-convert``: bad inputs, the output folder contract,
-``model_index.json`` (C24), the model card, ``--push_to_hub`` (mocked), the whole release layout,
+``model_index.json``, the model card, ``--push_to_hub`` (mocked), the whole release layout,
 and loading by repo id from a local Hugging Face cache with ``HF_HUB_OFFLINE=1``."""
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def test_whole_release_converts_every_component(full_repo):
 
 
 def test_scheduler_reproduces_the_reference_schedule(full_repo):
-    """The shipped scheduler + the documented sigmas give SandAI's Flow-UniPC schedule (spec §5.2, C01)."""
+    """The shipped scheduler + the documented sigmas give SandAI's Flow-UniPC schedule (spec §5.2)."""
     import numpy as np
     from diffusers import UniPCMultistepScheduler
 
@@ -318,7 +318,7 @@ def test_parameter_count_of_the_released_transformer_renders_as_114b():
 
 
 def test_model_index_entries_resolve_in_a_fresh_interpreter(full_repo, tmp_path):
-    """C24: every entry resolves through diffusers' own loader rules after ``import diffusers_magi2``,
+    """Every entry resolves through diffusers' own loader rules after ``import diffusers_magi2``,
     from a copy standing in for a Hub snapshot, in a fresh process."""
     snapshot = tmp_path / "snapshot"
     shutil.copytree(full_repo, snapshot)
@@ -392,7 +392,7 @@ print("ok", len(m.state_dict()))
 
 
 def test_pipeline_loads_the_converted_repo_in_a_fresh_interpreter(full_repo, tmp_path):
-    """C24 scenario: a copy standing in for a Hub snapshot, ``import diffusers_magi2`` only, then
+    """A copy standing in for a Hub snapshot, ``import diffusers_magi2`` only, then
     ``Magi2Pipeline.from_pretrained(copy)`` in a fresh process."""
     snapshot = tmp_path / "snapshot"
     shutil.copytree(full_repo, snapshot)

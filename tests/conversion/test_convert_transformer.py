@@ -1,9 +1,9 @@
-"""Transformer / refiner conversion end to end against the golden fixtures (issue 4 "Must show").
+"""Transformer / refiner conversion end to end against the golden fixtures.
 
 Round trips: SandAI ``sandai_checkpoint`` -> ``magi2-convert`` -> ``from_pretrained(OUT,
 subfolder=...)`` reproduces the reference ``model.out`` of ``fp32/transformer_case`` (atol 1e-4,
 the fixture README's fp32 tolerance). Also: the in-memory ``from_original_checkpoint`` path, the
-EMA router bias (C04 / fixture README item 1), fp32 islands (C02), stale shards and variants (C05),
+EMA router bias (fixture README item 1), fp32 islands, stale shards and variants,
 and the full-size key tables planned from header-only stubs.
 """
 
@@ -92,7 +92,7 @@ def test_converted_repo_reproduces_fixture(tmp_path, converted_h4, variant):
 
 
 def test_converted_tensors_equal_source_after_documented_transform(converted_h4):
-    """C04 (a): every converted tensor equals its source; expert_bias == source expert_bias_ema."""
+    """Every converted tensor equals its source; expert_bias == source expert_bias_ema."""
     src = _all_tensors(checkpoint_dir("preview_h4"))
     folder = converted_h4 / "transformer"
     index = json.loads((folder / "diffusion_pytorch_model.safetensors.index.json").read_text())
@@ -143,7 +143,7 @@ def test_router_bias_perturbation_leaves_outputs_unchanged(tmp_path, converted_h
 
 
 def test_fp32_islands_survive_bf16_conversion_load_and_save(tmp_path):
-    """C02: --dtype bf16 output, bf16 load, save_pretrained: islands stay F32, the rest BF16."""
+    """--dtype bf16 output, bf16 load, save_pretrained: islands stay F32, the rest BF16."""
     out = _convert(checkpoint_dir("preview_h4"), tmp_path / "repo", config_path("preview_h4"), "--dtype", "bf16")
     with safe_open(str(out / "transformer" / "diffusion_pytorch_model.safetensors"), "pt") as f:
         for k in f.keys():
@@ -169,7 +169,7 @@ def test_fp32_islands_survive_bf16_conversion_load_and_save(tmp_path):
     ],
 )
 def test_unknown_or_missing_router_key_fails_by_name(tmp_path, case, needle):
-    """C04 (b) and (c): an unknown key and a deleted expert_bias_ema stop the converter, named."""
+    """An unknown key and a deleted expert_bias_ema stop the converter, named."""
     ckpt = copy_checkpoint("preview_h4", tmp_path / "ckpt")
     index = read_index(ckpt)
     if case == "extra":
@@ -188,7 +188,7 @@ def test_unknown_or_missing_router_key_fails_by_name(tmp_path, case, needle):
 
 
 def test_reconversion_leaves_no_stale_shards(tmp_path):
-    """C05: A with 3+ shards, then B (= A + 1) with fewer, larger shards into the same OUT."""
+    """A with 3+ shards, then B (= A + 1) with fewer, larger shards into the same OUT."""
     out = tmp_path / "out"
     _convert(checkpoint_dir("preview_h4"), out, config_path("preview_h4"), "--max_shard_size", "1MB")
     assert len(list((out / "transformer").glob("*.safetensors"))) >= 3
@@ -207,7 +207,7 @@ def test_reconversion_leaves_no_stale_shards(tmp_path):
 
 
 def test_default_and_bf16_variant_coexist(tmp_path, converted_h4):
-    """C05 (3): a default and a ``bf16`` variant in one folder; both load, re-saving keeps the variant.
+    """A default and a ``bf16`` variant in one folder; both load, re-saving keeps the variant.
 
     Plain diffusers 0.42.1 ``ModelMixin.save_pretrained`` deletes the other variant's shards (checked
     below, so the work-around is known to be needed); the model's own ``save_pretrained`` keeps them.
