@@ -1,4 +1,4 @@
-"""mp4 export: rational 12.5 fps, 44.1 kHz stereo, durations, no double scaling of uint8 (C21), atomic writes."""
+"""mp4 export: rational 12.5 fps, 44.1 kHz stereo, durations, no double scaling of uint8, duration check, atomic writes."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def mean_decoded_pixel(path) -> float:
 
 
 @pytest.mark.parametrize("kind", ["uint8", "float32", "torch_uint8", "pil"])
-def test_c21_uint8_frames_are_not_scaled_twice(tmp_path, kind):
-    """C21: 12 constant frames of value 10 -> the decoded mean is 10 ± 3 whatever the frame dtype."""
+def test_uint8_frames_are_not_scaled_twice(tmp_path, kind):
+    """12 constant frames of value 10 -> the decoded mean is 10 ± 3 whatever the frame dtype."""
     import PIL.Image
 
     frames = {
@@ -39,7 +39,7 @@ def test_c21_uint8_frames_are_not_scaled_twice(tmp_path, kind):
     assert abs(mean_decoded_pixel(path) - 10) <= 3
 
 
-def test_c21_pipeline_np_output_is_float_in_unit_range_and_exports(tmp_path):
+def test_pipeline_np_output_is_float_in_unit_range_and_exports(tmp_path):
     """The default output_type="np" returns float32 frames in [0, 1]; the documented export takes them as is."""
 
     pipe = Magi2Pipeline(tokenizer=None, text_encoder=None, transformer=StandInTransformer(),

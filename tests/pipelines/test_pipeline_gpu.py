@@ -1,4 +1,4 @@
-"""GPU-only pipeline checks (skipped without CUDA): C01 scheduler step on device, C23 model CPU offload."""
+"""GPU-only pipeline checks (skipped without CUDA): scheduler step on device, model CPU offload."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def test_c01_schedule_and_step_on_cuda():
+def test_schedule_and_step_on_cuda():
     pipe = build_tiny_default_pipeline()
     video, audio, timesteps = pipe.prepare_timesteps(100, "cuda")
     assert timesteps[:5].tolist() == [999, 998, 996, 995, 993] and timesteps[-3:].tolist() == [177, 124, 65]
@@ -21,7 +21,7 @@ def test_c01_schedule_and_step_on_cuda():
     assert audio.step(torch.randn_like(a), timesteps[0], a, return_dict=False)[0].device.type == "cuda"
 
 
-def test_c23_model_cpu_offload_runs_and_returns_components_to_cpu():
+def test_model_cpu_offload_runs_and_returns_components_to_cpu():
     pipe = build_tiny_default_pipeline()
     pipe.enable_model_cpu_offload()
     out = pipe("a red fox in the snow", height=32, width=48, num_inference_steps=2,

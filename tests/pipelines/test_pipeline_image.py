@@ -1,4 +1,5 @@
-"""I2V image conditioning: the reference's resize/letterbox/preprocess chain, Wan2.2 encode, and C20."""
+"""I2V image conditioning: the reference's resize/letterbox/preprocess chain, Wan2.2 encode, and the spatial factor
+(patch size counted)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,8 @@ def test_fallback_decoder_is_the_wan_vae_with_config_tables(wan_fixture):
     torch.testing.assert_close(video, cases["decode.video"], atol=1e-5, rtol=1e-5)
 
 
-def test_c20_spatial_factor_patchify_and_1080p_reference_latent(tmp_path):
-    """C20: scale factor 16 (patch 2 counted), 1920x1080 -> [1, 48, 1, 30, 56], tiled == untiled on a
+def test_spatial_factor_patchify_and_1080p_reference_latent(tmp_path):
+    """Scale factor 16 (patch 2 counted), 1920x1080 -> [1, 48, 1, 30, 56], tiled == untiled on a
     small input, patchify/unpatchify round trip."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import patchify, unpatchify
 

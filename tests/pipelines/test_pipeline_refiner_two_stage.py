@@ -120,7 +120,7 @@ def test_save_load_keeps_the_refiner_and_two_stage_config(pipe, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_two_stage_on_cuda_with_model_cpu_offload_matches_cpu(pipe):
-    """C23 for the refiner: with model CPU offload the refiner (in ``model_cpu_offload_seq``) runs on
+    """For the refiner: with model CPU offload the refiner (in ``model_cpu_offload_seq``) runs on
     the GPU and returns to the CPU; the refined latent matches the CPU run (same CPU generator)."""
     kwargs = dict(prompt=PROMPT, **TWO_STAGE, output_type="latent")
     cpu = pipe(**kwargs, generator=torch.Generator().manual_seed(9))

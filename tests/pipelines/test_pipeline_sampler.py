@@ -1,4 +1,4 @@
-"""Preview sampler semantics: schedule (C01), noise order, CFG and Flow-UniPC steps vs the ``sampler/`` fixture."""
+"""Preview sampler semantics: schedule (shift applied once), noise order, CFG and Flow-UniPC steps vs the ``sampler/`` fixture."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def embeds():
 
 
 @pytest.mark.parametrize("task", ["t2v", "i2v"])
-def test_c01_schedule_shift_applied_once_for_video_and_audio(task):
-    """C01: both task paths, and both the video and audio schedulers, give the reference schedule
+def test_schedule_shift_applied_once_for_video_and_audio(task):
+    """Both task paths, and both the video and audio schedulers, give the reference schedule
     (spec §5.2): the shift is applied once, by the scheduler. The I2V path runs ``__call__`` with an
     image (tiny Wan2.2 VAE, stand-in DiT) and records the timesteps the model received."""
     pipe = make_pipe()
@@ -84,7 +84,7 @@ def test_schedule_matches_fixture_tables(cases):
         assert torch.equal(audio.timesteps, timesteps)
 
 
-def test_c01_scheduler_without_flow_sigmas_is_rejected():
+def test_scheduler_without_flow_sigmas_is_rejected():
     """A scheduler that would not apply the shift (or would use another schedule) raises."""
     from diffusers import UniPCMultistepScheduler
 

@@ -73,7 +73,7 @@ def _transformer_island_dtypes(transformer):
 
 
 def test_tiny_default_bf16_keeps_transformer_fp32_islands():
-    """C02: building the tiny default in bf16 must not downcast the fp32 islands (``ModelMixin.to``
+    """Building the tiny default in bf16 must not downcast the fp32 islands (``ModelMixin.to``
     would); the other transformer weights become bf16, the Wan2.2 VAE and Oobleck stay fp32."""
     pipe = build_tiny_default_pipeline(dtype=torch.bfloat16)
     islands = _transformer_island_dtypes(pipe.transformer)
@@ -93,7 +93,7 @@ def test_tiny_default_rejects_non_float_dtype():
 
 
 def test_pipeline_from_pretrained_bf16_keeps_transformer_fp32_islands(tmp_path):
-    """C02 at pipeline level: save a tiny pipeline, reload it with ``dtype=torch.bfloat16``; the
+    """At pipeline level: save a tiny pipeline, reload it with ``dtype=torch.bfloat16``; the
     transformer's ``_keep_in_fp32_modules`` must keep every island fp32 through ``from_pretrained``."""
     from diffusers_magi2 import Magi2Pipeline
 
