@@ -1,4 +1,4 @@
-"""Magi2Transformer3DModel as a diffusers model: save/load (C02), device moves (C23), compile (C10),
+"""Magi2Transformer3DModel as a diffusers model: save/load (fp32 islands kept), device moves, compile,
 caching-hook registration, attention backends, gradient checkpointing, MoE backend plumbing,
 offline from_pretrained, bad input."""
 
@@ -92,7 +92,7 @@ def _h4_args(fixtures_dir, prec="bf16"):
     )
 
 
-# Families that spec §1.11 / C02 require to stay fp32.
+# Families that spec §1.11 requires to stay fp32.
 def _expected_fp32(name: str) -> bool:
     parts = name.split(".")
     return (
@@ -125,7 +125,7 @@ def test_default_config_is_released_preview():
 
 
 def test_save_pretrained_sharded_bf16_round_trip_keeps_fp32_islands(fixtures_dir, tmp_path, monkeypatch):
-    """C02: fp32 islands survive from_pretrained(dtype=bf16) and save_pretrained; outputs identical."""
+    """fp32 islands survive from_pretrained(dtype=bf16) and save_pretrained; outputs identical."""
     model = _h4(str(fixtures_dir), torch.bfloat16)
     args = _h4_args(fixtures_dir)
     with torch.no_grad():
@@ -174,7 +174,7 @@ def test_from_pretrained_defaults_local_files_only_from_hf_hub_offline(monkeypat
 
 
 def test_no_unregistered_tensor_attributes_and_float64_move():
-    """C23: nothing tensor-valued hides outside parameters/buffers; a dtype move reaches everything
+    """Nothing tensor-valued hides outside parameters/buffers; a dtype move reaches everything
     but the fp32 islands, which stay fp32.
 
     The float64 run uses a dense-only TINY (the MoE core accepts fp32/bf16/fp16 only; its own
@@ -206,7 +206,7 @@ def test_no_unregistered_tensor_attributes_and_float64_move():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_move_keeps_outputs(fixtures_dir):
-    """C23 on GPU: every tensor moves; fp32 outputs agree with the CPU ones."""
+    """On GPU: every tensor moves; fp32 outputs agree with the CPU ones."""
     model = Magi2Transformer3DModel.from_original_checkpoint(
         f"{fixtures_dir}/magi2_tiny/preview_h4/sandai_checkpoint", dtype=torch.float32
     )
@@ -223,7 +223,7 @@ def test_cuda_move_keeps_outputs(fixtures_dir):
 
 
 def test_compile_repeated_blocks_really_compiles():
-    """C10: _repeated_blocks names a real class, compiled blocks are hit, outputs equal eager."""
+    """_repeated_blocks names a real class, compiled blocks are hit, outputs equal eager."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 

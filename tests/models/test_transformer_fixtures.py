@@ -1,4 +1,4 @@
-"""Magi2Transformer3DModel against SandAI's golden tiny fixtures (issue 3 "Must show" 1 and 2).
+"""Magi2Transformer3DModel against SandAI's golden tiny fixtures.
 
 fp32: packed entry (``model.out``), diffusers-facing entry (``pipeline.video_out/audio_out``,
 t2v and i2v), per-layer residuals (``transformer_debug``): max abs <= 1e-4 and rel-L2 <= 1e-5.

@@ -1,4 +1,4 @@
-"""C08 probe: set up expert parallelism for ``--ep_degree`` and print what each rank got (one JSON line per rank).
+"""Launch probe: set up expert parallelism for ``--ep_degree`` and print what each rank got (one JSON line per rank).
 
 Run under ``accelerate launch`` by ``test_ep_accelerate_launch.py``. Uses the product's EP set-up only:
 ``resolve_expert_parallel`` (which creates ``PartialState(cpu=not torch.cuda.is_available())`` when launched) and a

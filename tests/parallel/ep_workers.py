@@ -6,7 +6,7 @@ them with single-process references:
 * ``collectives``: an independent per-head stand-in (``tanh(x_h @ W_h)``) through layouts (a) and (b), fp32 and bf16,
   gradients in layout (b), and the errors raised before any collective.
 * ``moe``: ``Magi2MultiHeadMoE`` on the golden SandAI checkpoints, each rank reading only its rows with
-  ``read_expert_rows`` (C06), layouts (a) and (b) with uneven counts and an empty rank (C07).
+  ``read_expert_rows``, layouts (a) and (b) with uneven counts and an empty rank.
 * ``transformer``: ``Magi2Transformer3DModel.from_pretrained(..., expert_parallel=...)`` and
   ``enable_expert_parallel`` on diffusers-format folders, layout (a), on the fixture's packed inputs.
 """
@@ -34,7 +34,7 @@ FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
 MODELS = {"preview_h4": dict(hidden_size=128, num_heads=4), "preview_h3": dict(hidden_size=96, num_heads=3)}
 MOE_LAYER = 1
 DH = 8
-# layout (b) token counts of the stand-in: uneven, one rank with zero tokens (C07)
+# layout (b) token counts of the stand-in: uneven, one rank with zero tokens
 TOKEN_COUNTS = {2: [5, 0], 3: [4, 0, 7], 4: [3, 6, 0, 1]}
 
 
@@ -116,7 +116,7 @@ def collectives_checks(rank: int, world: int, ep) -> dict:
 
 
 def split_tokens(num_tokens: int, world: int) -> list[int]:
-    """Uneven per-rank token counts of the MoE-layer case, rank 1 holding none (C07)."""
+    """Uneven per-rank token counts of the MoE-layer case, rank 1 holding none."""
     counts = [num_tokens // 3] + [0] * (world - 1)
     rest = num_tokens - counts[0]
     for r in range(2, world):
@@ -171,7 +171,7 @@ def moe_checks(rank: int, world: int, ep) -> dict:
         with torch.no_grad():
             res[model, "a"] = moe(x)
             res[model, "b"] = moe(x[start : start + counts[rank]], ep_token_counts=counts)
-        # C06: an unsharded (all-heads) state dict fed to the sharded layer is sliced, never a bare size mismatch
+        # an unsharded (all-heads) state dict fed to the sharded layer is sliced, never a bare size mismatch
         single = Magi2MultiHeadMoE(moe_config(model))
         load_moe(single, model, sharded=False)
         moe_from_full = Magi2MultiHeadMoE(moe_config(model), ep.group).eval()
@@ -232,7 +232,7 @@ def transformer_checks(rank: int, world: int, ep_cfg, folders: dict) -> dict:
         res[model, "dtypes"] = {k: str(v.dtype) for k, v in transformer.state_dict().items()}
         if model == "preview_h4":  # the in-memory path: full model, then enable_expert_parallel
             full = Magi2Transformer3DModel.from_pretrained(folder, torch_dtype=torch.float32)
-            # C06 at model level: the full model's state dict loads into the EP-sharded model (sliced per rank)
+            # at model level: the full model's state dict loads into the EP-sharded model (sliced per rank)
             transformer.load_state_dict(full.state_dict())
             res[model, "out_after_full_state_dict"] = packed_forward(transformer, transformer_case(model))
             try:

@@ -1,8 +1,9 @@
-"""Expert parallelism under ``accelerate launch`` on CPU (gloo): C08 and the README's CPU smoke run.
+"""Expert parallelism under ``accelerate launch`` on CPU (gloo): the launched world size decides
+expert parallelism, and the README's CPU smoke run.
 
-* C08 (a): ``accelerate launch --cpu --num_processes 2`` starts ONE process; asking for ``--ep_degree 2`` must exit
+* ``accelerate launch --cpu --num_processes 2`` starts ONE process; asking for ``--ep_degree 2`` must exit
   non-zero with an error naming the world size, never run unsharded (probe script and ``examples/generate.py``).
-* C08 (b): ``accelerate launch --multi_gpu --num_processes 2`` + ``PartialState(cpu=True)`` (done by the product)
+* ``accelerate launch --multi_gpu --num_processes 2`` + ``PartialState(cpu=True)`` (done by the product)
   gives 2 processes, gloo, an EP group of 2, each rank holding half of the expert rows.
 * Smoke run: ``examples/generate.py`` on the tiny default under ``--multi_gpu --num_processes 2``: exit 0, rank 0
   alone writes the mp4, and its frames match a single-process run's (first frame exactly; see the encoder note);
@@ -48,7 +49,7 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedP
     return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def test_ep_c08_accelerate_cpu_flag_starts_one_process_and_ep_errors(tmp_path):
+def test_ep_accelerate_cpu_flag_starts_one_process_and_ep_errors(tmp_path):
     res = _run(ACCELERATE + ["--cpu", "--num_processes", "2", PROBE, "--ep_degree", "2"], tmp_path)
     assert res.returncode != 0
     assert "EP_PROBE" not in res.stdout  # nothing ran with ep = 1 while claiming EP
@@ -62,7 +63,7 @@ def test_ep_c08_accelerate_cpu_flag_starts_one_process_and_ep_errors(tmp_path):
     assert "--ep_degree 2 requested but this run has 1 process(es)" in res.stderr
 
 
-def test_ep_c08_accelerate_multi_gpu_on_cpu_gives_two_gloo_ranks(tmp_path):
+def test_ep_accelerate_multi_gpu_on_cpu_gives_two_gloo_ranks(tmp_path):
     res = _run(_multi_cpu(PROBE, "--ep_degree", "2"), tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     probes = [json.loads(line.split(" ", 1)[1]) for line in res.stdout.splitlines() if line.startswith("EP_PROBE ")]

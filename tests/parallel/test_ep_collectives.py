@@ -43,7 +43,7 @@ def test_ep_config_errors_without_process_group(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="ep_degree must be an int >= 1"):
         Magi2ExpertParallelConfig(ep_degree=0)
-    # C08 core: EP asked for, but this process runs alone -> error, never a silent single-process run
+    # EP asked for, but this process runs alone -> error, never a silent single-process run
     with pytest.raises(ValueError, match=r"ep_degree=2 needs an initialised torch.distributed process group"):
         resolve_expert_parallel(Magi2ExpertParallelConfig(ep_degree=2))
     single = resolve_expert_parallel(Magi2ExpertParallelConfig(ep_degree=1))
@@ -51,7 +51,7 @@ def test_ep_config_errors_without_process_group(monkeypatch):
 
 
 def test_ep_read_expert_rows_padded_heads(tmp_path):
-    """C06 with explicit ranks: H=3, E=4 saved to safetensors, ep=2 (padded to 4 heads) and ep=4 (rank 3 empty)."""
+    """Row slicing with explicit ranks: H=3, E=4 saved to safetensors, ep=2 (padded to 4 heads) and ep=4 (rank 3 empty)."""
     from safetensors.torch import save_file
 
     w = torch.randn(12, 64, 64)

@@ -1,4 +1,4 @@
-"""Expert parallelism on N = 2, 3, 4 gloo ranks equals the single-process model (issue 6 "Must show").
+"""Expert parallelism on N = 2, 3, 4 gloo ranks equals the single-process model.
 
 One ``torch.multiprocessing.spawn`` per N (cached across the tests below) runs ``ep_workers.ep_worker``.
 Fixtures: ``magi2_tiny/preview_h4`` (4 MoE heads: N = 3 leaves rank 2 idle) and ``preview_h3`` (3 heads: padded).
@@ -38,7 +38,7 @@ from diffusers_magi2.parallel.ep_loading import checkpoint_key_files
 
 EP_ATOL = 2e-5
 FIXTURE_ATOL = 1e-4
-MOE_FIXTURE_ATOL = 2e-4  # issue 2's bound for core.out in fp32 (values reach ~14)
+MOE_FIXTURE_ATOL = 2e-4  # MoE fixture bound for core.out in fp32 (values reach ~14)
 WORLDS = [2, 3, 4]
 
 
@@ -109,7 +109,7 @@ def test_ep_moe_layer_layouts_match_single_process(world, diffusers_folders):
         torch.testing.assert_close(ref, case["core.out"], atol=MOE_FIXTURE_ATOL, rtol=0)
         counts = split_tokens(ref.shape[0], world)
         assert 0 in counts and len(set(counts)) > 1 and sum(counts) == ref.shape[0]
-        # C06: rank order == head order; real rows are the file's, padded-head rows are zero
+        # rank order == head order; real rows are the file's, padded-head rows are zero
         full_w = torch.cat([r[model, "W_gate"] for r in per_rank])
         key = f"block.layers.{MOE_LAYER}.mlp.moe_mlp.W_gate"
         from safetensors import safe_open
@@ -162,7 +162,7 @@ def test_ep_transformer_layout_a_matches_single_process_and_fixture(world, diffu
             }
             idle = rank * (padded // world) >= heads
             assert len(res[model, "warnings"]) == (1 if idle else 0), (model, rank, res[model, "warnings"])
-        for name in per_rank[0][model, "moe_rows"]:  # C06 at model level, every MoE layer and the router bias
+        for name in per_rank[0][model, "moe_rows"]:  # row slicing at model level, every MoE layer and the router bias
             w = torch.cat([r[model, "moe_rows"][name][0] for r in per_rank])
             b = torch.cat([r[model, "moe_rows"][name][1] for r in per_rank])
             real = heads * 8
