@@ -1,4 +1,5 @@
-"""Torch expert path (`torch_mh_moe_forward`, `swiglu7_pair`) against a plain per-route loop oracle; C17."""
+"""Torch expert path (`torch_mh_moe_forward`, `swiglu7_pair`) against a plain per-route loop oracle; swiglu7's "+1"
+and clamps."""
 
 from __future__ import annotations
 
@@ -76,8 +77,8 @@ def test_torch_path_empty_experts_zero_tokens_and_untouched_heads() -> None:
     assert empty.shape == (0, 2, 16)
 
 
-def test_swiglu7_pair_known_values_c17() -> None:
-    """C17: the "+1" on the linear half, the one-sided gate clamp and the ±7 linear clamp."""
+def test_swiglu7_pair_known_values() -> None:
+    """The "+1" on the linear half, the one-sided gate clamp and the ±7 linear clamp."""
     gate = torch.tensor([1.0, 10.0, -10.0])
     up = torch.tensor([0.0, 10.0, -10.0])
     out = swiglu7_pair(gate, up)
@@ -108,7 +109,7 @@ def unit_swiglu_layer(gate_vals, up_vals, dtype=torch.float32):
     return x, gather_ids, probs, offsets, w_gate, w_up, w_down
 
 
-def test_expert_path_applies_swiglu7_with_plus_one_c17() -> None:
+def test_expert_path_applies_swiglu7_with_plus_one() -> None:
     args = unit_swiglu_layer([1.0, 10.0, -10.0], [0.0, 10.0, -10.0])
     out = torch_mh_moe_forward(*args)[0, 0]
     torch.testing.assert_close(out[:2], torch.tensor([0.845796, 55.99963]), atol=1e-5, rtol=0)

@@ -1,6 +1,6 @@
 """GPU-only MoE checks at the released size (skipped without CUDA): the Triton kernel against the torch path,
-deterministic bit-identity, C11 (no bank repack: memory rise of a second call) and C14 (a FULL-size layer runs with
-the per-device tile fallback)."""
+deterministic bit-identity, no bank repack (memory rise of a second call) and the per-device tile fallback (a
+FULL-size layer runs with it)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def full_size_layer() -> Magi2MultiHeadMoE:
 
 
 @torch.no_grad()
-def test_full_size_triton_matches_torch_and_is_deterministic_c14() -> None:
+def test_full_size_triton_matches_torch_and_is_deterministic() -> None:
     module = full_size_layer()
     hidden = torch.randn(512, 3072, device="cuda", dtype=torch.bfloat16)
     x = hidden.view(512, 12, 256)
@@ -49,7 +49,7 @@ def test_full_size_triton_matches_torch_and_is_deterministic_c14() -> None:
 
 
 @torch.no_grad()
-def test_full_size_second_call_allocates_under_1gb_c11() -> None:
+def test_full_size_second_call_allocates_under_1gb() -> None:
     module = full_size_layer()
     module.set_backend("triton", deterministic=True)  # bit-comparable across the device move
     hidden = torch.randn(512, 3072, device="cuda", dtype=torch.bfloat16)

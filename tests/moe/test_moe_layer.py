@@ -1,5 +1,5 @@
 """`Magi2MultiHeadMoE` / `Magi2MultiHeadMoEConfig`: tensors and keys, EP bookkeeping without a distributed
-runtime, backend choice, bad input, and C11 (no per-forward repack of the expert bank)."""
+runtime, backend choice, bad input, and no per-forward repack of the expert bank."""
 
 from __future__ import annotations
 
@@ -261,8 +261,8 @@ class _AllocationRecorder(TorchDispatchMode):
 @pytest.mark.parametrize(
     ("backend", "dtype"), [("torch", torch.float32), ("torch", torch.bfloat16), ("triton", torch.float32)]
 )
-def test_no_expert_bank_repack_per_forward_c11(backend: str, dtype: torch.dtype) -> None:
-    """C11: in the second forward no allocating op produces >= W_gate.numel() elements (TINY layer, 16 tokens)."""
+def test_no_expert_bank_repack_per_forward(backend: str, dtype: torch.dtype) -> None:
+    """In the second forward no allocating op produces >= W_gate.numel() elements (TINY layer, 16 tokens)."""
     torch.manual_seed(2)
     module = Magi2MultiHeadMoE(tiny_config(dtype=dtype))
     module.set_backend(backend)
