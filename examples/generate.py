@@ -60,7 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", required=True, help="output .mp4 path")
     parser.add_argument("--ep_degree", type=int, default=None,
                         help="expert-parallel ranks (default: the world size under accelerate launch/torchrun, "
-                             "else 1); must equal the number of launched processes")
+                             "else 1); must divide the number of launched processes (replicas of EP groups)")
+    parser.add_argument("--ulysses_degree", type=int, default=None,
+                        help="context-parallel (Ulysses) ranks of both transformers (default: the world size under "
+                             "accelerate launch/torchrun, else 1); must equal the number of launched processes")
     args = parser.parse_args(argv)
     check_output_path(args.output)
     if args.device is not None:
@@ -143,23 +146,29 @@ def load_pipeline(args):
     import torch
 
     from diffusers_magi2 import Magi2Pipeline
+    from diffusers_magi2.parallel.context_parallel_runtime import context_parallel_from_launch
     from diffusers_magi2.parallel.expert_parallel import ep_device, expert_parallel_from_launch
     from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 
     # EP: one process per rank (accelerate launch --multi_gpu / torchrun); an --ep_degree that does not match the
     # launched world size raises (e.g. `accelerate launch --cpu` starts one process).
     expert_parallel = expert_parallel_from_launch(args.ep_degree)
+    context_parallel = context_parallel_from_launch(args.ulysses_degree, args.ep_degree)
     args.expert_parallel = expert_parallel
+    args.context_parallel = context_parallel
     device = args.device or str(ep_device(expert_parallel))
     if args.model is None:
         pipe = build_tiny_default_pipeline(dtype=getattr(torch, args.dtype or "float32"))
         defaults = dict(pipe.tiny_call_defaults)
         if expert_parallel is not None:
             pipe.transformer.enable_expert_parallel(expert_parallel)
+        if context_parallel is not None:
+            pipe.enable_context_parallel(context_parallel)
     else:
         dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         pipe = Magi2Pipeline.from_pretrained(
-            args.model, dtype=pretrained_dtype(dtype_name), expert_parallel=expert_parallel
+            args.model, dtype=pretrained_dtype(dtype_name), expert_parallel=expert_parallel,
+            context_parallel=context_parallel,
         )
         defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
     pipe.to(device)
@@ -219,6 +228,8 @@ def main(argv=None) -> int:
         )
         if args.expert_parallel is not None:
             print(f"expert parallel: routed experts split over {args.expert_parallel.ep_degree} ranks")
+        if args.context_parallel is not None:
+            print(f"context parallel: packed sequence split over {args.context_parallel.ulysses_degree} ranks (Ulysses)")
         print(f"main job wall time: {_seconds_since_process_start():.1f} s (script start to mp4 written, imports included)")
     return 0
 

@@ -30,7 +30,7 @@ Several sink tokens combine to ``logsumexp_s sink[s, h]``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -74,6 +74,10 @@ class Magi2AttentionMask:
             ``(q, k)`` ranges; window processors evaluate it with SDPA.
         window_backend, max_dense_mask_elements: per-call overrides of the window processors'
             options (``None`` = the processor's own).
+        context_parallel: under context parallelism, the forward's
+            :class:`~diffusers_magi2.parallel.context_parallel_runtime.Magi2ContextParallelContext`: the layers
+            hold this rank's token shard and attention runs as Ulysses attention over all tokens of this
+            rank's heads (the mask describes the whole packed sequence).
     """
 
     segment_lengths: tuple
@@ -81,6 +85,7 @@ class Magi2AttentionMask:
     dense_mask: Optional[torch.Tensor] = None
     window_backend: Optional[str] = None
     max_dense_mask_elements: Optional[int] = None
+    context_parallel: Optional[Any] = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -187,9 +192,19 @@ class _Magi2AttnProcessorBase:
     _attention_backend = None
     _parallel_config = None
 
-    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask) -> torch.Tensor:
-        """``[N, Hq, D]``, ``[N, Hkv, D]`` x2 (packed order, compute dtype) -> ``[N, Hq, D]``."""
+    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask, heads=None) -> torch.Tensor:
+        """``[N, Hq, D]``, ``[N, Hkv, D]`` x2 (packed order, compute dtype) -> ``[N, Hq, D]``; ``heads`` (a
+        ``range`` of query heads, ``None`` = all) names the heads ``query`` holds under context parallelism."""
         raise NotImplementedError
+
+    def _attend_all_tokens(self, attn, query, key, value, attention_mask: Magi2AttentionMask) -> torch.Tensor:
+        """:meth:`attend` on this process's tokens, or, under context parallelism, as Ulysses attention."""
+        cp = attention_mask.context_parallel
+        if cp is None or cp.world_size == 1:
+            return self.attend(attn, query, key, value, attention_mask)
+        return cp.attention(
+            query, key, value, lambda q, k, v, heads: self.attend(attn, q, k, v, attention_mask, heads)
+        )
 
     def __call__(
         self,
@@ -210,7 +225,7 @@ class _Magi2AttnProcessorBase:
         q, k, v = dispatch.unsort(q), dispatch.unsort(k), dispatch.unsort(v)
         q = apply_magi2_rotary_emb(q, rotary_emb).to(dtype)
         k = apply_magi2_rotary_emb(k, rotary_emb).to(dtype)
-        out = dispatch.sort(self.attend(attn, q, k, v.to(dtype), attention_mask).to(dtype))
+        out = dispatch.sort(self._attend_all_tokens(attn, q, k, v.to(dtype), attention_mask).to(dtype))
         if attn.linear_g is not None:
             g = attn.linear_g(u, gs)
             # SandAI's preview gates in the compute dtype, its refiner in fp32
@@ -235,11 +250,14 @@ class Magi2AttnProcessor(_Magi2AttnProcessorBase):
     def __init__(self, upcast_off_cuda: bool = True) -> None:
         self.upcast_off_cuda = upcast_off_cuda
 
-    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask) -> torch.Tensor:
+    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask, heads=None) -> torch.Tensor:
+        sinks = attn.sinks
+        if heads is not None and sinks is not None:
+            sinks = sinks[:, heads.start : heads.stop]
         if self.upcast_off_cuda and not query.is_cuda and query.dtype != torch.float32:
             query, key, value = query.float(), key.float(), value.float()
         return magi2_attention_with_sinks(
-            query, key, value, attn.sinks, attention_mask.segment_lengths, attn.scale,
+            query, key, value, sinks, attention_mask.segment_lengths, attn.scale,
             backend=self._attention_backend, parallel_config=self._parallel_config,
         )
 
@@ -267,7 +285,7 @@ class Magi2WindowAttnProcessor(_Magi2AttnProcessorBase):
         self.backend = backend
         self.max_dense_mask_elements = int(max_dense_mask_elements)
 
-    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask) -> torch.Tensor:
+    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask, heads=None) -> torch.Tensor:
         mask = attention_mask
         backend = mask.window_backend or self.backend
         max_dense = mask.max_dense_mask_elements or self.max_dense_mask_elements

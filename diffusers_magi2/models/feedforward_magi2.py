@@ -161,7 +161,9 @@ class Magi2MoEFeedForward(nn.Module):
         b = swiglu7_interleaved(x2)
         return self.shared_expert_fc2(a) + self.modality_specific_shared_expert_fc2(b, gs)
 
-    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch, context_parallel=None
+    ) -> torch.Tensor:
         """Routed + shared experts on modality-sorted tokens (matches SandAI ``MultiHeadMoELayer.forward``).
 
         Args:
@@ -169,6 +171,8 @@ class Magi2MoEFeedForward(nn.Module):
                 as ``dispatch`` describes (``pre_norm`` always has 3 modality blocks).
             dispatch: the batch's modality order (``group_sizes`` for the norm and the
                 modality-specific shared expert).
+            context_parallel: under context parallelism, the forward's
+                ``Magi2ContextParallelContext`` (the tokens are this rank's shard; passed to ``moe_mlp``).
 
         Returns:
             ``[T, C]`` in ``hidden_states.dtype``: ``merge_linear(moe_mlp(split_linear(x)))`` plus the
@@ -181,7 +185,7 @@ class Magi2MoEFeedForward(nn.Module):
         """
         dtype = hidden_states.dtype
         norm_output = self.pre_norm(hidden_states, dispatch.group_sizes)
-        routed = self.moe_mlp(self.split_linear(norm_output))
+        routed = self.moe_mlp(self.split_linear(norm_output), context_parallel=context_parallel)
         routed = self.merge_linear(routed)
         shared = self.shared_forward(norm_output, dispatch)
         return (routed.to(dtype) + shared.to(dtype)).to(dtype)

@@ -48,6 +48,7 @@ from .attention_magi2 import (
     register_block_for_caching_hooks,
 )
 from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward
+from .context_parallel_magi2 import Magi2ContextParallelMixin
 from .modeling_magi2 import Magi2ModelMixin
 from .mhc import mhc_coefficients, mhc_hyper_connect, mhc_matmul_scale, mhc_reduce_streams
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, Modality
@@ -146,7 +147,7 @@ class Magi2TransformerBlock(nn.Module):
 
     def _site_coefficients(self, streams: torch.Tensor, site: str, dispatch: Magi2ModalityDispatch):
         gs = dispatch.group_sizes if self.num_modality > 1 else None
-        flat = streams.reshape(streams.shape[0], -1)
+        flat = streams.reshape(streams.shape[0], self.num_streams * self.hidden_size)
         h = torch.matmul(self.mhc_norm(flat, gs), getattr(self, f"mhc_phi_fused_{site}").float())
         return mhc_coefficients(
             h,
@@ -177,9 +178,11 @@ class Magi2TransformerBlock(nn.Module):
         attn_out = self.attention(mhc_reduce_streams(h_pre, s, fused), rotary_emb, dispatch, attention_mask)
         s = mhc_hyper_connect(s, attn_out, h_post, h_res, fused)
         h_pre, h_post, h_res = self._site_coefficients(s, "mlp", dispatch)
-        mlp_out = self.mlp(mhc_reduce_streams(h_pre, s, fused), dispatch)
+        cp = getattr(attention_mask, "context_parallel", None)
+        cp_kwargs = {"context_parallel": cp} if cp is not None and isinstance(self.mlp, Magi2MoEFeedForward) else {}
+        mlp_out = self.mlp(mhc_reduce_streams(h_pre, s, fused), dispatch, **cp_kwargs)
         s = mhc_hyper_connect(s, mlp_out, h_post, h_res, fused)
-        return s.reshape(s.shape[0], -1)
+        return s.reshape(s.shape[0], self.num_streams * self.hidden_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,7 +195,7 @@ def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
     return int(hidden_size * factor * 2 / 3) // 128 * 128
 
 
-class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, CacheMixin):
+class Magi2Transformer3DModel(Magi2ContextParallelMixin, Magi2ModelMixin, ConfigMixin, AttentionMixin, CacheMixin):
     r"""MAGI-2 Preview diffusion transformer (114B-parameter MoE, joint audio + video).
 
     Defaults are the released Preview (``configs/magi2_preview.json``): 40 layers, hidden 3072
@@ -449,8 +452,8 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
         if time_embedding is not None and time_embedding.shape != (n_tok, dim):
             raise ValueError(f"time_embedding must be [{n_tok}, {dim}], got {tuple(time_embedding.shape)}")
         mask = Magi2AttentionMask(tuple(b - a for a, b in zip(cu, cu[1:])))
-        dispatch = Magi2ModalityDispatch.from_modality_mapping(modality_mapping.to(hidden_states.device))
-        ids = dispatch.modality_ids
+        ids = modality_mapping.to(device=hidden_states.device, dtype=torch.int64)
+        ids = torch.where(ids == int(Modality.TIME), torch.full_like(ids, int(Modality.TEXT)), ids)
         widest = max(
             self.config.in_channels if bool((ids == Modality.VIDEO).any()) else 0,
             self.config.audio_in_channels if bool((ids == Modality.AUDIO).any()) else 0,
@@ -460,6 +463,11 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
             raise ValueError(
                 f"hidden_states has {hidden_states.shape[1]} channels; the modalities present need {widest}"
             )
+        cp = self._context_parallel_context(n_tok, mask.segment_lengths)
+        if cp is not None:  # this rank keeps its slice of the packed sequence; attention sees all of it
+            mask.context_parallel = cp
+            hidden_states, coords, ids, time_embedding = (cp.shard(t) for t in (hidden_states, coords, ids, time_embedding))
+        dispatch = Magi2ModalityDispatch.from_modality_mapping(ids)
 
         x, rope = self.pre_adapter(hidden_states, coords, ids)
         if time_embedding is not None:
@@ -475,6 +483,9 @@ class Magi2Transformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, Cach
                 layer_outputs.append(dispatch.unsort(x).float())
         x = dispatch.unsort(x)
         out = self.post_adapter(x, ids)
+        if cp is not None:
+            out = cp.gather(out)
+            layer_outputs = [cp.gather(t) for t in layer_outputs]
         if return_layer_outputs:
             return out, layer_outputs
         return out

@@ -44,6 +44,7 @@ from .attention_magi2 import (
 )
 from .feedforward_magi2 import Magi2FeedForward
 from .modality import Magi2ModalityDispatch, Modality
+from .context_parallel_magi2 import Magi2ContextParallelMixin
 from .modeling_magi2 import Magi2ModelMixin
 from .packing_magi2 import pack_refiner_sample, unpack_refiner_sample
 from .window_attention import DEFAULT_MAX_DENSE_MASK_ELEMENTS, WINDOW_ATTENTION_BACKENDS, Magi2WindowGeometry, ranges_to_dense_mask
@@ -119,7 +120,7 @@ class Magi2RefinerTransformerBlock(nn.Module):
         return hidden_states + self.mlp(hidden_states, dispatch, **chunk)
 
 
-class Magi2RefinerTransformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixin, CacheMixin):
+class Magi2RefinerTransformer3DModel(Magi2ContextParallelMixin, Magi2ModelMixin, ConfigMixin, AttentionMixin, CacheMixin):
     r"""MAGI-2 1080p refiner DiT (SandAI ``magi2_refiner.Transformer``) as a diffusers model.
 
     Config defaults are the released refiner (``configs/magi2_refiner.json``): 30 layers, width 4096
@@ -315,13 +316,19 @@ class Magi2RefinerTransformer3DModel(Magi2ModelMixin, ConfigMixin, AttentionMixi
             dense_mask = ranges_to_dense_mask(q_ranges.cpu(), k_ranges.cpu(), x.shape[0], limit).to(x.device)
             if backend not in (None, "auto", "sdpa"):
                 raise ValueError("explicit q/k ranges are evaluated with the 'sdpa' backend only")
+        mask = Magi2AttentionMask((x.shape[0],), window_geometry, dense_mask, backend, max_dense)
+        cp = self._context_parallel_context(x.shape[0], mask.segment_lengths)
+        if cp is not None:  # this rank keeps its slice of the packed sample; attention sees all of it
+            mask.context_parallel = cp
+            x, coords_mapping, ids = cp.shard(x), cp.shard(coords_mapping), cp.shard(ids)
+            counts = tuple(int(c) for c in torch.bincount(ids, minlength=3).tolist())
         if ids.numel() < 2 or bool((ids[1:] >= ids[:-1]).all()):
             dispatch = Magi2ModalityDispatch.from_sorted_group_sizes(counts, x.device)
         else:
             dispatch = Magi2ModalityDispatch.from_modality_mapping(ids)
         emb, rope = self.pre_adapter(x, coords_mapping, dispatch.modality_ids)
-        mask = Magi2AttentionMask((x.shape[0],), window_geometry, dense_mask, backend, max_dense)
-        return self._run(emb, rope, dispatch, mask, chunk)
+        out = self._run(emb, rope, dispatch, mask, chunk)
+        return out if cp is None else cp.gather(out)
 
     # ------------------------------------------------------------ diffusers entry
     def forward(

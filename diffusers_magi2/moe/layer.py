@@ -304,7 +304,13 @@ class Magi2MultiHeadMoE(nn.Module):
 
     # ----------------------------------------------------------------- forward
 
-    def forward(self, hidden_states: torch.Tensor, *, ep_token_counts: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        *,
+        ep_token_counts: list[int] | None = None,
+        context_parallel: object | None = None,
+    ) -> torch.Tensor:
         """Routed MoE on ``hidden_states [S, hidden]`` (the ``split_linear`` output); returns ``[S, hidden]``.
 
         The output has ``hidden_states.dtype``. Matches SandAI ``CoreMultiHeadMoE.forward`` (with ``route_scale``).
@@ -312,6 +318,10 @@ class Magi2MultiHeadMoE(nn.Module):
         ``ep_token_counts=None`` means the tokens are replicated on every rank (layout a: each rank computes its heads,
         one all-gather assembles them); otherwise it is the per-rank token counts as host ints, this rank's count
         being ``S`` (layout b: tokens sharded, two ``all_to_all_single`` exchanges; counts may differ and be 0).
+        ``context_parallel`` (a ``diffusers_magi2.parallel.context_parallel_runtime.Magi2ContextParallelContext``):
+        the tokens are this rank's sequence shard; without EP the local heads run on them, with EP (degree dividing
+        the CP degree, this rank at EP position ``cp_rank mod ep_size``) one ``all_to_all_single`` over the CP group
+        takes them to the head owners and one brings the results back.
 
         Raises:
             ValueError: ``hidden_states`` is not ``[S, hidden_size]`` floating point; ``ep_token_counts`` is not
@@ -330,7 +340,12 @@ class Magi2MultiHeadMoE(nn.Module):
             raise ValueError(f"hidden_states must be float32/bfloat16/float16; got {hidden_states.dtype}")
         num_tokens = hidden_states.shape[0]
         x = hidden_states.reshape(num_tokens, self.num_heads, self.head_dim)
-        if self.ep_size != 1 or ep_token_counts is not None:
+        if context_parallel is not None and context_parallel.world_size > 1:
+            if self.ep_size == 1:
+                out = self.forward_local_heads(x)
+            else:
+                out = context_parallel.routed_experts(x, self.forward_local_heads, self.num_heads, self.ep_size)
+        elif self.ep_size != 1 or ep_token_counts is not None:
             out = self._forward_expert_parallel(x, ep_token_counts)
         else:
             out = self.forward_local_heads(x)

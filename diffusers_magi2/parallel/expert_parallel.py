@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 EP_MESH_DIM = "ep"
+EP_REPLICA_MESH_DIM = "ep_replica"
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same signature)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -55,12 +56,13 @@ class Magi2ExpertParallelConfig:
     """User-facing expert-parallel request.
 
     Args:
-        ep_degree (`int`, defaults to 1): number of ranks the routed experts are split over. Must equal the world
-            size of the default process group when ``mesh`` is not given (other layouts arrive with context
-            parallelism). ``1`` means no EP (every expert local).
+        ep_degree (`int`, defaults to 1): number of ranks the routed experts are split over. Must divide the world
+            size of the default process group when ``mesh`` is not given: consecutive groups of ``ep_degree`` ranks
+            each hold every expert once (``world // ep_degree`` replicas; the ranks at the same position of each
+            group own the same heads). ``1`` means no EP (every expert local).
         mesh (`torch.distributed.device_mesh.DeviceMesh`, *optional*): a mesh that already has an ``"ep"`` dimension
-            of size ``ep_degree``; its group is used as is. When omitted, a 1-D ``("ep",)`` mesh over all ranks is
-            built (after ``accelerate.PartialState`` initialised the default group, if needed).
+            of size ``ep_degree``; its group is used as is. When omitted, an ``("ep",)`` mesh over all ranks (or
+            ``("ep_replica", "ep")`` with replicas) is built (after ``accelerate.PartialState`` initialised the default group, if needed).
 
     Raises:
         ValueError: ``ep_degree`` is not a positive int, or ``mesh`` has no ``"ep"`` dimension of that size.
@@ -162,12 +164,13 @@ def resolve_expert_parallel(config: Magi2ExpertParallelConfig) -> Magi2ExpertPar
 
     With ``config.mesh`` the mesh's ``"ep"`` group is used. Otherwise, for ``ep_degree > 1``: if the default process
     group is not initialised yet but a launcher started several processes (``WORLD_SIZE > 1``), Accelerate's
-    ``PartialState(cpu=not torch.cuda.is_available())`` initialises it (nccl on GPU, gloo on CPU); then a 1-D
-    ``init_device_mesh(device, (N,), mesh_dim_names=("ep",))`` supplies the group. Must be called on every rank.
+    ``PartialState(cpu=not torch.cuda.is_available())`` initialises it (nccl on GPU, gloo on CPU); then
+    ``init_device_mesh(device, (N,), mesh_dim_names=("ep",))`` (``(world // N, N)`` with dims
+    ``("ep_replica", "ep")`` when ``N`` is a proper divisor of the world size) supplies the group. Must be called on every rank.
 
     Raises:
         ValueError: EP requested but no process group could be initialised (e.g. ``accelerate launch --cpu``, which
-            starts a single process), or ``ep_degree`` differs from the world size.
+            starts a single process), or ``ep_degree`` does not divide the world size.
     """
     cached = getattr(config, "_resolved", None)
     if cached is not None:
@@ -193,20 +196,25 @@ def resolve_expert_parallel(config: Magi2ExpertParallelConfig) -> Magi2ExpertPar
                 f"{config.ep_degree} ...`."
             )
         world = dist.get_world_size()
-        if world != config.ep_degree:
+        if world % config.ep_degree:
             raise ValueError(
-                f"ep_degree={config.ep_degree} must equal the world size ({world}) of the default process group; "
-                "other layouts need a mesh with an 'ep' dimension (Magi2ExpertParallelConfig(mesh=...))."
+                f"ep_degree={config.ep_degree} must divide the world size ({world}) of the default process group "
+                "(EP groups of consecutive ranks tile the world, with world // ep_degree replicas); other layouts "
+                "need a mesh with an 'ep' dimension (Magi2ExpertParallelConfig(mesh=...))."
             )
         from torch.distributed.device_mesh import init_device_mesh
 
         backend = str(dist.get_backend())
         device_type = "cuda" if ("nccl" in backend and torch.cuda.is_available()) else "cpu"
-        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=(EP_MESH_DIM,))
+        if config.ep_degree == world:
+            mesh = init_device_mesh(device_type, (world,), mesh_dim_names=(EP_MESH_DIM,))
+        else:
+            shape = (world // config.ep_degree, config.ep_degree)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=(EP_REPLICA_MESH_DIM, EP_MESH_DIM))
         resolved = Magi2ExpertParallelGroup(
             group=mesh.get_group(EP_MESH_DIM),
             rank=mesh.get_local_rank(EP_MESH_DIM),
-            size=world,
+            size=config.ep_degree,
             device_type=device_type,
             mesh=mesh,
         )
@@ -411,13 +419,13 @@ def expert_parallel_from_launch(ep_degree: Optional[int] = None) -> Optional[Mag
     """The ``--ep_degree`` rule of ``examples/generate.py``: an EP config matching how the script was launched.
 
     ``ep_degree=None``: the world size when launched distributed (``WORLD_SIZE > 1``, set by ``accelerate launch
-    --multi_gpu`` / ``torchrun``), else ``None`` (no EP). An explicit ``ep_degree`` must equal the world size; in
+    --multi_gpu`` / ``torchrun``), else ``None`` (no EP). An explicit ``ep_degree`` must divide the world size; in
     particular ``accelerate launch --cpu --num_processes 2`` starts ONE process, and ``--ep_degree 2`` then raises
     instead of silently running unsharded. The returned config is already resolved (process group via
     ``PartialState(cpu=not torch.cuda.is_available())``, ``"ep"`` mesh), so :func:`ep_device` can be called.
 
     Raises:
-        ValueError: ``ep_degree`` differs from the launched world size, or is not a positive int.
+        ValueError: ``ep_degree`` does not divide the launched world size, or is not a positive int.
     """
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else _launched_world_size()
     if ep_degree is None:
@@ -426,9 +434,10 @@ def expert_parallel_from_launch(ep_degree: Optional[int] = None) -> Optional[Mag
         ep_degree = world
     if isinstance(ep_degree, bool) or not isinstance(ep_degree, int) or ep_degree < 1:
         raise ValueError(f"--ep_degree must be a positive int, got {ep_degree!r}")
-    if ep_degree != world:
+    if world % ep_degree:
         raise ValueError(
-            f"--ep_degree {ep_degree} requested but this run has {world} process(es). Launch one process per EP rank: "
+            f"--ep_degree {ep_degree} requested but this run has {world} process(es), which it does not divide. "
+            "Launch one process per rank: "
             f"`accelerate launch --multi_gpu --num_processes {ep_degree} examples/generate.py ...` (also on CPU; "
             "`accelerate launch --cpu` starts a single process) or `torchrun --nproc_per_node "
             f"{ep_degree} examples/generate.py ...`."

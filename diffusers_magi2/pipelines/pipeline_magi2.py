@@ -131,17 +131,49 @@ class Magi2Pipeline(DiffusionPipeline):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """``DiffusionPipeline.from_pretrained``, plus ``expert_parallel=Magi2ExpertParallelConfig(ep_degree=N)``:
-        the transformer is then loaded with only this rank's routed experts
-        (``diffusers_magi2.parallel.ep_loading.load_pipeline_with_expert_parallel``)."""
+        """``DiffusionPipeline.from_pretrained``, plus two parallel options (both off unless given):
+
+        * ``expert_parallel=Magi2ExpertParallelConfig(ep_degree=E)``: the transformer is loaded with only this
+          rank's routed experts (``diffusers_magi2.parallel.ep_loading.load_pipeline_with_expert_parallel``);
+        * ``context_parallel=diffusers.ContextParallelConfig(ulysses_degree=N)``: after loading, the transformer and
+          the refiner (if any) get ``enable_parallelism(config=...)`` (N = the world size; with EP, ``E`` divides
+          ``N``).
+
+        Raises:
+            ValueError: the errors of both (see ``Magi2Transformer3DModel.enable_parallelism``), before the
+                weights load where the sizes alone decide.
+        """
         expert_parallel = kwargs.pop("expert_parallel", None)
+        context_parallel = kwargs.pop("context_parallel", None)
+        if context_parallel is not None:
+            from ..parallel.context_parallel_runtime import resolve_context_parallel
+
+            cp = resolve_context_parallel(context_parallel)  # a bad degree fails here, before any weight loads
+            if expert_parallel is not None and cp.size % expert_parallel.ep_degree:
+                raise ValueError(
+                    f"ep_degree={expert_parallel.ep_degree} must divide the context-parallel degree {cp.size}"
+                )
         if expert_parallel is not None:
             from ..parallel.ep_loading import load_pipeline_with_expert_parallel
 
-            return load_pipeline_with_expert_parallel(
+            pipe = load_pipeline_with_expert_parallel(
                 cls, pretrained_model_name_or_path, expert_parallel=expert_parallel, **kwargs
             )
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        else:
+            pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        if context_parallel is not None:
+            pipe.enable_context_parallel(context_parallel)
+        return pipe
+
+    def enable_context_parallel(self, config) -> None:
+        """``enable_parallelism(config=config)`` on the transformer and the refiner (when present).
+
+        Args:
+            config: ``diffusers.ContextParallelConfig(ulysses_degree=N)``, N = the world size.
+        """
+        for model in (self.transformer, getattr(self, "refiner", None)):
+            if model is not None:
+                model.enable_parallelism(config=config)
 
     def __init__(
         self,

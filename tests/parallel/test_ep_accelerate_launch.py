@@ -5,7 +5,8 @@ expert parallelism, and the README's CPU smoke run.
   non-zero with an error naming the world size, never run unsharded (probe script and ``examples/generate.py``).
 * ``accelerate launch --multi_gpu --num_processes 2`` + ``PartialState(cpu=True)`` (done by the product)
   gives 2 processes, gloo, an EP group of 2, each rank holding half of the expert rows.
-* Smoke run: ``examples/generate.py`` on the tiny default under ``--multi_gpu --num_processes 2``: exit 0, rank 0
+* Smoke run: ``examples/generate.py`` on the tiny default under ``--multi_gpu --num_processes 2`` (CP2 x EP2, the
+  script's default under a launcher): exit 0, rank 0
   alone writes the mp4, and its frames match a single-process run's (first frame exactly; see the encoder note);
   once with the in-memory tiny default (``enable_expert_parallel``), once from a saved pipeline folder
   (``Magi2Pipeline.from_pretrained(..., expert_parallel=...)``).
@@ -104,6 +105,7 @@ def _ep_generate(out_dir: Path, *extra: str) -> np.ndarray:
     res = _run(_multi_cpu(GENERATE, *SMOKE_ARGS, *extra, "--output", str(out_dir / "out.mp4")), out_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "expert parallel: routed experts split over 2 ranks" in res.stdout
+    assert "context parallel: packed sequence split over 2 ranks (Ulysses)" in res.stdout  # CP2 x EP2 by default
     assert res.stdout.count("wrote ") == 1  # rank 0 only
     assert sorted(p.name for p in out_dir.iterdir() if p.suffix == ".mp4") == ["out.mp4"]
     return _frames(out_dir / "out.mp4")

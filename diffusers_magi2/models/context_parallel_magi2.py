@@ -1,0 +1,119 @@
+"""``Magi2ContextParallelMixin``: diffusers' ``enable_parallelism`` for both MAGI-2 transformers, on CUDA and CPU.
+
+``model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))`` (N = the world size) makes every
+forward sequence-parallel: each rank still passes the full inputs and gets the full outputs, but runs the
+per-token work (adapters, mHC, norms, projections, shared and modality-specific experts, MLPs, the gated output)
+on its contiguous slice of the packed sequence only, attention as Ulysses attention (one fused q/k/v all-to-all
+in, one out), and the routed experts on its sharded tokens (with expert parallelism over the same ranks: two
+all-to-alls per MoE layer, EP degree dividing N, with N/EP replicas). Only the final output gather is added.
+Sizes come from a :class:`~diffusers_magi2.parallel.context_parallel_runtime.Magi2ContextParallelContext` built
+once per forward, so no layer exchanges sizes.
+
+diffusers' own ``ModelMixin.enable_parallelism`` applies forward hooks from a ``_cp_plan`` that splits every
+input along one dimension; the MAGI-2 models pack their inputs first, so they shard the packed sequence
+themselves, and ``cp_plan`` is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch.distributed as dist
+
+from ..parallel.context_parallel_runtime import (
+    Magi2ContextParallelContext,
+    Magi2ContextParallelGroup,
+    resolve_context_parallel,
+)
+
+__all__ = ["Magi2ContextParallelMixin"]
+
+
+class Magi2ContextParallelMixin:
+    """Adds :meth:`enable_parallelism` (Ulysses context parallelism, CP x EP on the same ranks) to a MAGI-2 model."""
+
+    _magi2_context_parallel: Optional[Magi2ContextParallelGroup] = None
+    #: ``None`` (balanced contiguous split) or ``fn(num_tokens, world_size) -> per-rank token counts``, the same on
+    #: every rank (uneven splits and empty ranks are allowed; e.g. to give a rank that also decodes less work).
+    context_parallel_token_counts: Optional[Callable[[int, int], Sequence[int]]] = None
+
+    def enable_parallelism(self, *, config, cp_plan=None):
+        """Shard every forward's packed sequence over the ``ulysses_degree`` ranks; returns ``self``.
+
+        Args:
+            config: ``diffusers.ContextParallelConfig(ulysses_degree=N)`` (or a ``ParallelConfig`` holding one)
+                with ``N`` the world size (``N = 1`` keeps the single-process forward).
+            cp_plan: must be ``None`` (the model shards its packed sequence itself).
+
+        Raises:
+            TypeError: ``config`` holds no ``ContextParallelConfig``.
+            ValueError: ``cp_plan`` given; tensor parallelism or ring attention asked for; ``N`` differs from the
+                world size; the model is expert-parallel over other ranks than the context-parallel ones, or with
+                an EP degree that does not divide ``N``.
+            RuntimeError: parallelism is already enabled on this model.
+        """
+        from diffusers import ContextParallelConfig, ParallelConfig
+
+        if self._magi2_context_parallel is not None:
+            raise RuntimeError(f"parallelism is already enabled on this {type(self).__name__}")
+        if cp_plan is not None:
+            raise ValueError(
+                f"{type(self).__name__} shards its packed token sequence itself and takes no cp_plan; pass "
+                "config=ContextParallelConfig(ulysses_degree=N) only"
+            )
+        if isinstance(config, ParallelConfig):
+            if config.tensor_parallel_config is not None:
+                raise ValueError(f"{type(self).__name__} does not support tensor parallelism")
+            cp_config = config.context_parallel_config
+        else:
+            cp_config = config
+        if not isinstance(cp_config, ContextParallelConfig):
+            raise TypeError(
+                "config must be a diffusers ContextParallelConfig(ulysses_degree=N) or a ParallelConfig holding one, "
+                f"got {type(config).__name__}"
+            )
+        cp = resolve_context_parallel(cp_config)
+        self._check_expert_parallel_ranks(cp)
+        self._magi2_context_parallel = cp
+        self._parallel_config = ParallelConfig(context_parallel_config=cp_config)
+        return self
+
+    def _check_expert_parallel_ranks(self, cp: Magi2ContextParallelGroup) -> None:
+        """Expert parallelism, if any, must tile the CP ranks: EP groups of consecutive CP ranks, EP | CP."""
+        from ..moe.layer import Magi2MultiHeadMoE
+
+        cp_ranks = dist.get_process_group_ranks(cp.group) if cp.group is not None else [0]
+        for name, module in self.named_modules():
+            if not isinstance(module, Magi2MultiHeadMoE) or module.ep_size == 1:
+                continue
+            ep = module.ep_size
+            if cp.size % ep:
+                raise ValueError(
+                    f"{name}: the expert-parallel degree ({ep}) divides neither the context-parallel degree "
+                    f"({cp.size}) nor into whole EP groups of it; use an EP degree that divides {cp.size} (e.g. EP "
+                    f"{cp.size}, or one that also divides the {module.num_heads} MoE heads, with replicas)"
+                )
+            g, p = divmod(cp.rank, ep)
+            expected = cp_ranks[g * ep : (g + 1) * ep]
+            ep_ranks = dist.get_process_group_ranks(module.ep_group) if module.ep_group is not None else []
+            if ep_ranks != expected or module.ep_rank != p:
+                raise ValueError(
+                    f"{name}: expert parallelism runs over ranks {ep_ranks} (EP rank {module.ep_rank}) but context-"
+                    f"parallel rank {cp.rank} needs EP group {expected} at position {p}: set up EP with "
+                    "Magi2ExpertParallelConfig over the same ranks (consecutive groups of ep_degree ranks)"
+                )
+
+    @property
+    def context_parallel_degree(self) -> int:
+        """``N`` after :meth:`enable_parallelism`, else 1."""
+        return 1 if self._magi2_context_parallel is None else self._magi2_context_parallel.size
+
+    def _context_parallel_context(
+        self, num_tokens: int, segment_lengths: Sequence[int]
+    ) -> Optional[Magi2ContextParallelContext]:
+        """The context of one forward over ``num_tokens`` packed tokens, or ``None`` without CP (or ``N = 1``)."""
+        cp = self._magi2_context_parallel
+        if cp is None or cp.size == 1:
+            return None
+        counts = None if self.context_parallel_token_counts is None else self.context_parallel_token_counts(num_tokens, cp.size)
+        return Magi2ContextParallelContext.for_sequence(cp, num_tokens, segment_lengths, counts)

@@ -1,0 +1,198 @@
+"""Context parallelism at run time: the process group behind a ``ContextParallelConfig`` and the per-forward context.
+
+:func:`resolve_context_parallel` turns diffusers' ``ContextParallelConfig(ulysses_degree=N)`` into a group on CUDA
+(nccl) and on CPU (gloo) alike; diffusers 0.42.1's own ``ModelMixin._resolve_parallel_config`` computes
+``rank % torch.accelerator.device_count()``, which divides by zero on a machine without accelerators. This round
+the CP degree equals the world size and ring attention is not supported.
+
+:class:`Magi2ContextParallelContext` is built once per forward from host sizes every rank knows (the packed
+length and the samples' lengths): it carries the :class:`~.context_parallel.Magi2SequenceShardPlan`, the group
+and the head layouts, so the layers need no collective to agree on sizes. Every layer asks it for the Ulysses
+attention (:mod:`.context_parallel_attention`) and the routed experts on sharded tokens
+(:mod:`.context_parallel_experts`, EP degree dividing the CP degree); the model gathers the outputs at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .context_parallel import Magi2SequenceShardPlan, gather_sequence_shards, plan_sequence_shards
+from .context_parallel_attention import ulysses_attention, ulysses_head_layout
+from .context_parallel_experts import ep_replica_heads_forward, ep_replica_layout
+
+__all__ = [
+    "Magi2ContextParallelGroup",
+    "Magi2ContextParallelContext",
+    "context_parallel_from_launch",
+    "resolve_context_parallel",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Magi2ContextParallelGroup:
+    """Resolved CP group (``group`` is ``None`` only when ``size == 1``)."""
+
+    group: Optional[Any]
+    rank: int
+    size: int
+    device: torch.device
+
+
+def _launched_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def resolve_context_parallel(config: Any) -> Magi2ContextParallelGroup:
+    """The Ulysses group of a diffusers ``ContextParallelConfig`` (``config.setup`` is called, as diffusers does).
+
+    When the default process group is not initialised but a launcher started several processes, Accelerate's
+    ``PartialState(cpu=not torch.cuda.is_available())`` initialises it (nccl on GPU, gloo on CPU). The mesh is
+    ``config.mesh`` or a new ``("ring", "ulysses")`` mesh of shape ``(1, N)`` over all ranks.
+
+    Raises:
+        TypeError: ``config`` is not a ``ContextParallelConfig``.
+        ValueError: ``ring_degree != 1``; a ``ulysses_degree`` other than the world size; no process group
+            while ``ulysses_degree > 1``.
+    """
+    from diffusers import ContextParallelConfig
+
+    if not isinstance(config, ContextParallelConfig):
+        raise TypeError(f"expected a diffusers ContextParallelConfig, got {type(config).__name__}")
+    if (config.ring_degree or 1) != 1:
+        raise ValueError(
+            f"ring attention is not supported by the MAGI-2 models (ring_degree={config.ring_degree}); use "
+            "ContextParallelConfig(ulysses_degree=N) with N the world size"
+        )
+    n = config.ulysses_degree or 1
+    if not dist.is_initialized() and _launched_world_size() > 1:
+        from accelerate import PartialState
+
+        PartialState(cpu=not torch.cuda.is_available())
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if n != world:
+        raise ValueError(
+            f"the context-parallel degree (ulysses_degree={n}) must equal the world size ({world}): launch one "
+            f"process per rank, e.g. `accelerate launch --multi_gpu --num_processes {n} ...` (also on CPU) or "
+            f"`torchrun --nproc_per_node {n} ...`"
+        )
+    if world == 1:
+        return Magi2ContextParallelGroup(None, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
+    device_type = "cuda" if on_gpu else "cpu"
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))) if on_gpu else (
+        torch.device("cpu")
+    )
+    mesh = config.mesh or config._mesh  # a config already set up (e.g. shared by the preview and the refiner)
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (1, world), mesh_dim_names=("ring", "ulysses"))
+    if config._mesh is None:
+        config.setup(rank, world, device, mesh)
+    ulysses = mesh["ulysses"]
+    return Magi2ContextParallelGroup(ulysses.get_group(), ulysses.get_local_rank(), ulysses.size(), device)
+
+
+def context_parallel_from_launch(ulysses_degree: Optional[int] = None, ep_degree: Optional[int] = None):
+    """The ``--ulysses_degree`` rule of ``examples/generate.py``: a resolved ``ContextParallelConfig`` or ``None``.
+
+    ``ulysses_degree=None``: the world size when launched distributed (``WORLD_SIZE > 1``), else no CP. An explicit
+    degree must equal the world size (``1`` means no CP); ``ep_degree``, when given, must divide it. Checked before
+    any model is built.
+
+    Raises:
+        ValueError: a degree that is not a positive int, differs from the world size, or that ``ep_degree``
+            does not divide.
+    """
+    from diffusers import ContextParallelConfig
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else _launched_world_size()
+    degree = world if ulysses_degree is None else ulysses_degree
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise ValueError(f"--ulysses_degree must be a positive int, got {ulysses_degree!r}")
+    if degree != world:
+        raise ValueError(
+            f"--ulysses_degree {degree} requested but this run has {world} process(es); the context-parallel degree "
+            f"must equal the number of processes (`accelerate launch --multi_gpu --num_processes {degree} ...`)"
+        )
+    if ep_degree is not None and degree % ep_degree:
+        raise ValueError(
+            f"--ep_degree {ep_degree} must divide the context-parallel degree {degree} (EP groups tile the CP ranks)"
+        )
+    if degree == 1:
+        return None
+    config = ContextParallelConfig(ulysses_degree=degree)
+    resolve_context_parallel(config)
+    return config
+
+
+class Magi2ContextParallelContext:
+    """What every layer of one CP forward shares: plan, group, and the head layouts (built on first use).
+
+    Args:
+        plan: the sequence split of this forward. group: the CP process group (``None`` when ``N = 1``).
+    """
+
+    def __init__(self, plan: Magi2SequenceShardPlan, group: Any) -> None:
+        self.plan = plan
+        self.group = group
+        self._layouts: dict = {}
+
+    @classmethod
+    def for_sequence(
+        cls,
+        cp: Magi2ContextParallelGroup,
+        num_tokens: int,
+        segment_lengths: Sequence[int],
+        token_counts: Optional[Sequence[int]] = None,
+    ) -> "Magi2ContextParallelContext":
+        """The contiguous split of ``num_tokens`` packed tokens over ``cp`` (balanced unless ``token_counts``)."""
+        return cls(plan_sequence_shards(num_tokens, cp.size, cp.rank, segment_lengths, token_counts), cp.group)
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    def shard(self, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """This rank's rows of a full ``[T, ...]`` tensor (``None`` passes through)."""
+        return None if tensor is None else self.plan.shard(tensor)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows assembled into ``[T, ...]`` (the final gather)."""
+        return gather_sequence_shards(local, self.plan, self.group)
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, range], torch.Tensor],
+    ) -> torch.Tensor:
+        """Ulysses attention of this rank's ``[S_r, H, D]`` q/k/v (:func:`~.context_parallel_attention.ulysses_attention`)."""
+        key_ = ("attn", query.shape[1], key.shape[1])
+        if key_ not in self._layouts:
+            self._layouts[key_] = ulysses_head_layout(query.shape[1], key.shape[1], self.world_size, self.plan.rank)
+        return ulysses_attention(query, key, value, attention_fn, self._layouts[key_], self.plan, self.group)
+
+    def routed_experts(
+        self,
+        x: torch.Tensor,
+        compute_local_heads: Callable[[torch.Tensor], torch.Tensor],
+        num_heads: int,
+        ep_size: int,
+    ) -> torch.Tensor:
+        """Routed experts of this rank's ``[S_r, H, Dh]`` with EP degree ``ep_size`` (dividing ``N``) over the CP
+        group (:func:`~.context_parallel_experts.ep_replica_heads_forward`)."""
+        key_ = ("moe", num_heads, ep_size)
+        if key_ not in self._layouts:
+            self._layouts[key_] = ep_replica_layout(num_heads, self.world_size, ep_size, self.plan.rank)
+        return ep_replica_heads_forward(x, compute_local_heads, self._layouts[key_], self.group, self.plan.token_counts)

@@ -1,0 +1,215 @@
+"""Per-rank bodies of the context-parallel model tests (run on gloo ranks by ``test_cp_models.py``).
+
+Every rank loads the same tiny SandAI checkpoint in fp32, enables ``ContextParallelConfig(ulysses_degree=N)``
+(optionally after expert parallelism over the same ranks), and runs the fixture's full packed inputs; it returns
+the full outputs, the collectives and host syncs seen inside each transformer block, and its FLOPs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from diffusers import ContextParallelConfig
+from safetensors.torch import load_file
+
+from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
+from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
+from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
+from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig
+from diffusers_magi2.utils.flop_counter import count_flops
+
+FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "magi2_tiny"
+PREVIEWS = ("preview_h4", "preview_h3")
+REFINER_CASES = ("", "noaudio.")
+#: collectives whose calls are counted inside each transformer block
+COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "all_to_all")
+SYNC_METHODS = ("item", "tolist", "cpu")
+
+
+def uneven_with_empty_rank(num_tokens: int, world: int) -> list[int]:
+    """Rank 1 holds nothing, rank 0 a third, the rest split the remainder (last rank takes the leftovers)."""
+    counts = [num_tokens // 3] + [0] * (world - 1)
+    rest = num_tokens - counts[0]
+    for r in range(2, world):
+        counts[r] = rest // (world - 2)
+    counts[-1 if world > 2 else 0] += num_tokens - sum(counts)
+    return counts
+
+
+def preview_case(model: str) -> dict:
+    return load_file(str(FIXTURES / model / "fp32" / "transformer_case.safetensors"))
+
+
+def case_prefixes(d: dict) -> list[str]:
+    """The fixture's cases: t2v (``""``) and, where stored, i2v (``"i2v."``)."""
+    return [p for p in ("", "i2v.") if p + "model.x" in d]
+
+
+def refiner_case() -> dict:
+    return load_file(str(FIXTURES / "refiner" / "fp32" / "transformer_case.safetensors"))
+
+
+def preview_forward(model, d: dict, prefix: str) -> torch.Tensor:
+    with torch.no_grad():
+        return model.forward_packed(
+            d[prefix + "model.x"], d[prefix + "model.coords_mapping"], d[prefix + "model.modality_mapping"],
+            d[prefix + "model.cu_seqlens_q"], d[prefix + "model.time_token_sequence"],
+        )
+
+
+def refiner_forward(model, d: dict, prefix: str) -> torch.Tensor:
+    ids = d[prefix + "model.modality_mapping"]
+    geometry = model.window_geometry(5, 4, 8, int((ids > 0).sum()))
+    with torch.no_grad():
+        return model.forward_packed(d[prefix + "model.x"], d[prefix + "model.coords_mapping"], ids, window_geometry=geometry)
+
+
+def load_preview(model: str) -> Magi2Transformer3DModel:
+    return Magi2Transformer3DModel.from_original_checkpoint(FIXTURES / model / "sandai_checkpoint", dtype=torch.float32)
+
+
+def load_refiner() -> Magi2RefinerTransformer3DModel:
+    return Magi2RefinerTransformer3DModel.from_original_checkpoint(
+        FIXTURES / "refiner" / "sandai_checkpoint", torch_dtype=torch.float32
+    )
+
+
+class BlockProbe:
+    """Counts collectives and host syncs issued while a transformer block runs (routed-expert backends excluded:
+    the torch oracle walks its expert offsets on the host by design)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.inside = 0
+        self.paused = 0
+        self.blocks = 0
+        self.counts: dict = {}
+
+    def _count(self, name: str):
+        if self.inside and not self.paused:
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    @contextlib.contextmanager
+    def active(self):
+        patched = []
+
+        def wrap(owner, name, label):
+            orig = getattr(owner, name)
+
+            def counting(*args, **kwargs):
+                self._count(label)
+                return orig(*args, **kwargs)
+
+            setattr(owner, name, counting)
+            patched.append((owner, name, orig))
+
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                wrap(dist, name, name)
+        for name in SYNC_METHODS:
+            wrap(torch.Tensor, name, name)
+        orig_experts = Magi2MultiHeadMoE.run_experts
+
+        def run_experts(moe, *args, **kwargs):
+            self.paused += 1
+            try:
+                return orig_experts(moe, *args, **kwargs)
+            finally:
+                self.paused -= 1
+
+        Magi2MultiHeadMoE.run_experts = run_experts
+        hooks = []
+        for block in self.model.transformer_blocks:
+            hooks.append(block.register_forward_pre_hook(lambda *a: self._enter()))
+            hooks.append(block.register_forward_hook(lambda *a: self._leave()))
+        try:
+            yield self
+        finally:
+            for h in hooks:
+                h.remove()
+            Magi2MultiHeadMoE.run_experts = orig_experts
+            for owner, name, orig in reversed(patched):
+                setattr(owner, name, orig)
+
+    def _enter(self):
+        self.inside += 1
+        self.blocks += 1
+
+    def _leave(self):
+        self.inside -= 1
+
+
+def _probe(model, fn):
+    probe = BlockProbe(model)
+    with probe.active():
+        fn()
+    return {"blocks": probe.blocks, "counts": dict(probe.counts)}
+
+
+def preview_checks(rank: int, world: int, ep_degrees) -> dict:
+    res = {}
+    for name in PREVIEWS:
+        d = preview_case(name)
+        prefixes = case_prefixes(d)
+        for ep in ep_degrees:
+            model = load_preview(name).eval()
+            if ep is not None:
+                model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=ep))
+            model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+            for prefix in prefixes:
+                res[name, ep, prefix, "balanced"] = preview_forward(model, d, prefix)
+            model.context_parallel_token_counts = uneven_with_empty_rank
+            res[name, ep, "", "uneven"] = preview_forward(model, d, "")
+            model.context_parallel_token_counts = None
+            if ep == world or (ep is None and name == "preview_h4"):
+                res[name, ep, "probe"] = _probe(model, lambda: preview_forward(model, d, ""))
+                res[name, ep, "flops"] = count_flops(preview_forward, model, d, "")[1]
+    return res
+
+
+def refiner_checks(rank: int, world: int) -> dict:
+    res = {}
+    d = refiner_case()
+    model = load_refiner().eval()
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    for prefix in REFINER_CASES:
+        res[prefix, "balanced"] = refiner_forward(model, d, prefix)
+    model.context_parallel_token_counts = uneven_with_empty_rank
+    res["", "uneven"] = refiner_forward(model, d, "")
+    model.context_parallel_token_counts = None
+    res["probe"] = _probe(model, lambda: refiner_forward(model, d, ""))
+    res["flops"] = count_flops(refiner_forward, model, d, "")[1]
+    return res
+
+
+def error_checks(rank: int, world: int) -> dict:
+    """Set-up errors that need several ranks; each is raised on every rank before any forward."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    errors = {}
+    model = load_preview("preview_h4")
+    # EP groups {0, 2} and {1, 3}: not consecutive groups of the CP ranks
+    mesh = DeviceMesh("cpu", torch.arange(world).view(world // 2, 2).T.contiguous(), mesh_dim_names=("ep_replica", "ep"))
+    model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=world // 2, mesh=mesh))
+    try:
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    except ValueError as e:
+        errors["other_ranks"] = str(e)
+    model = load_preview("preview_h4")
+    model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=world))
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    try:
+        model.save_pretrained("/nonexistent/never_written")
+    except ValueError as e:
+        errors["save"] = str(e)
+    return errors
+
+
+def cp_model_worker(rank: int, world: int, ep_degrees) -> dict:
+    res = {"preview": preview_checks(rank, world, ep_degrees), "refiner": refiner_checks(rank, world)}
+    if world == 4:
+        res["errors"] = error_checks(rank, world)
+    return res
