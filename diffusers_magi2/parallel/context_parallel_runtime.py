@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .context_parallel import Magi2SequenceShardPlan, gather_sequence_shards, plan_sequence_shards
 from .context_parallel_attention import ulysses_attention, ulysses_head_layout
 from .context_parallel_experts import ep_replica_heads_forward, ep_replica_layout
+from .expert_parallel import _launched_world_size
 
 __all__ = [
     "Magi2ContextParallelGroup",
@@ -41,13 +42,6 @@ class Magi2ContextParallelGroup:
     rank: int
     size: int
     device: torch.device
-
-
-def _launched_world_size() -> int:
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
 
 
 def resolve_context_parallel(config: Any) -> Magi2ContextParallelGroup:

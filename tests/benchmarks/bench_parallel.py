@@ -2,7 +2,13 @@
 
 Run from the repository root::
 
-    OMP_NUM_THREADS=1 python -m tests.benchmarks.bench_parallel [--ranks 8] [--text_tokens 256]
+    OMP_NUM_THREADS=1 python -m tests.benchmarks.bench_parallel [--ranks 8] [--text_tokens 256] [--no-measure]
+
+Measured part (CPU, gloo, ``torch.multiprocessing.spawn``): the fp32 tiny fixture ``magi2_tiny/preview_h4``
+(4 attention heads, 4 MoE heads, 4 layers, 2 of them MoE) on its packed t2v case, single process (N = 1) and
+CP N x EP N for N = 2, 4: each rank's FLOPs (FlopCounterMode, CPU SDPA counted) as a ratio of the
+single-process forward, and the bytes each rank sends per block through ``all_to_all_single`` (self chunk
+excluded), with the ideal ``1/N`` beside it.
 
 Analytic table for the released MAGI-2 Preview (40 layers, hidden 3072, 24 query = kv heads of 128, 4 mHC
 streams, dense MLP 8192 in layers 0, 1, 38, 39, MoE in layers 2-37 with 12 heads x 256 experts, top-6, width 1280,
@@ -26,6 +32,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import os
+import socket
+import tempfile
+from pathlib import Path
 
 BYTES = 2  # bf16 on the wire
 
@@ -153,14 +164,101 @@ def analytic_table(ranks: int, text_tokens: int) -> list[str]:
     return lines
 
 
+FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "magi2_tiny" / "preview_h4"
+
+
+def _load_tiny():
+    import torch
+    from safetensors.torch import load_file
+
+    from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
+
+    model = Magi2Transformer3DModel.from_original_checkpoint(FIXTURE / "sandai_checkpoint", dtype=torch.float32)
+    return model.eval(), load_file(str(FIXTURE / "fp32" / "transformer_case.safetensors"))
+
+
+def _tiny_forward(model, d):
+    import torch
+
+    with torch.no_grad():
+        return model.forward_packed(
+            d["model.x"], d["model.coords_mapping"], d["model.modality_mapping"], d["model.cu_seqlens_q"],
+            d["model.time_token_sequence"],
+        )
+
+
+def _measure_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig
+
+    from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig
+    from diffusers_magi2.utils.flop_counter import count_flops
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    model, d = _load_tiny()
+    model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=world))
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    sent = [0]
+    orig = dist.all_to_all_single
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        splits = list(input_split_sizes) if input_split_sizes is not None else [input.numel() // world] * world
+        sent[0] += (sum(splits) - splits[rank]) * input.element_size()
+        return orig(output, input, output_split_sizes, input_split_sizes, **kw)
+
+    dist.all_to_all_single = counting
+    _, flops = count_flops(_tiny_forward, model, d)
+    dist.all_to_all_single = orig
+    torch.save({"flops": flops, "bytes": sent[0], "blocks": len(model.transformer_blocks)}, f"{out_dir}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measured_table(worlds=(2, 4)) -> list[str]:
+    import torch
+    import torch.multiprocessing as mp
+
+    from diffusers_magi2.utils.flop_counter import count_flops
+
+    model, d = _load_tiny()
+    _, single = count_flops(_tiny_forward, model, d)
+    lines = [
+        f"measured on CPU: magi2_tiny preview_h4 fp32, {d['model.x'].shape[0]} packed tokens; single process "
+        f"{single / 1e6:.1f} MFLOPs",
+        f"{'N':>3} {'rank':>4} {'FLOPs vs N=1':>13} {'ideal 1/N':>10} {'a2a bytes/block':>16}",
+        f"{1:>3} {0:>4} {1.0:>13.3f} {1.0:>10.3f} {0:>16}",
+    ]
+    for world in worlds:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tempfile.TemporaryDirectory() as out_dir:
+            mp.spawn(_measure_rank, args=(world, port, out_dir), nprocs=world, join=True)
+            for rank in range(world):
+                r = torch.load(f"{out_dir}/rank{rank}.pt")
+                lines.append(
+                    f"{world:>3} {rank:>4} {r['flops'] / single:>13.3f} {1 / world:>10.3f} "
+                    f"{r['bytes'] / r['blocks']:>16.0f}"
+                )
+    return lines
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--text_tokens", type=int, default=256)
+    parser.add_argument("--no-measure", dest="measure", action="store_false", help="analytic table only")
     args = parser.parse_args(argv)
     if args.ranks < 1 or args.text_tokens < 0:
         raise SystemExit("--ranks must be >= 1 and --text_tokens >= 0")
     print("\n".join(analytic_table(args.ranks, args.text_tokens)))
+    if args.measure:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        print()
+        print("\n".join(measured_table()))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransfo
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig
 from diffusers_magi2.utils.flop_counter import count_flops
+from ep_workers import split_tokens as uneven_with_empty_rank  # rank 1 holds no token
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "magi2_tiny"
 PREVIEWS = ("preview_h4", "preview_h3")
@@ -27,16 +28,6 @@ REFINER_CASES = ("", "noaudio.")
 #: collectives whose calls are counted inside each transformer block
 COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "all_to_all")
 SYNC_METHODS = ("item", "tolist", "cpu")
-
-
-def uneven_with_empty_rank(num_tokens: int, world: int) -> list[int]:
-    """Rank 1 holds nothing, rank 0 a third, the rest split the remainder (last rank takes the leftovers)."""
-    counts = [num_tokens // 3] + [0] * (world - 1)
-    rest = num_tokens - counts[0]
-    for r in range(2, world):
-        counts[r] = rest // (world - 2)
-    counts[-1 if world > 2 else 0] += num_tokens - sum(counts)
-    return counts
 
 
 def preview_case(model: str) -> dict:

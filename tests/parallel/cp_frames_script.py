@@ -1,0 +1,36 @@
+"""Decode the tiny default pipeline's frames under the launch rules of ``examples/generate.py`` (CP = EP = the
+number of processes under ``accelerate launch --multi_gpu``, nothing parallel when run alone) and let rank 0 save
+the uint8 frames, before any video encoding, to ``--out`` (``.npy``). Run by ``test_cp_launch.py``."""
+
+import argparse
+import os
+
+import numpy as np
+import torch
+
+from diffusers_magi2.parallel.context_parallel_runtime import context_parallel_from_launch
+from diffusers_magi2.parallel.expert_parallel import end_distributed_run, expert_parallel_from_launch
+from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+
+expert_parallel = expert_parallel_from_launch(None)
+context_parallel = context_parallel_from_launch(None)
+pipe = build_tiny_default_pipeline(dtype=torch.float32)
+if expert_parallel is not None:
+    pipe.transformer.enable_expert_parallel(expert_parallel)
+if context_parallel is not None:
+    pipe.enable_context_parallel(context_parallel)
+output = pipe(
+    prompt="a cat on a piano", height=64, width=64, num_inference_steps=2,
+    generator=torch.Generator("cpu").manual_seed(42), output_type="np",
+)
+frames = np.asarray(output.frames[0])
+if frames.dtype != np.uint8:
+    frames = (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+if int(os.environ.get("RANK", "0")) == 0:
+    np.save(args.out, frames)
+    print(f"CP_FRAMES cp={pipe.transformer.context_parallel_degree} shape={frames.shape}")
+end_distributed_run(0)
