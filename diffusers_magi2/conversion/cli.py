@@ -20,7 +20,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from .key_plan import DTYPE_CHOICES, CheckpointValidationError
+from ..loaders.key_plan import CheckpointValidationError
+from ..utils.dtype_utils import DTYPE_CHOICES
+from ..utils.safetensors_io import parse_size
 from .repo import (
     ALL_COMPONENTS,
     RELEASE_LAYOUT,
@@ -29,7 +31,6 @@ from .repo import (
     convert_checkpoint,
     push_folder_to_hub,
 )
-from .safetensors_io import parse_size
 
 __all__ = ["build_parser", "main", "request_from_args"]
 

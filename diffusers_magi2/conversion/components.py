@@ -34,10 +34,10 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 
 from ..models.turbo_vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, Magi2TurboVAEDecoder
+from ..utils.dtype_utils import convert_dtype
 from .components_text import _output_dir, convert_text_encoder
 
 __all__ = [
-    "COMPONENT_DTYPES",
     "convert_stable_audio_vae",
     "convert_text_encoder",
     "convert_turbo_vae",
@@ -55,19 +55,11 @@ logger = logging.getLogger(__name__)
 
 PathLike = Union[str, Path]
 
-#: ``dtype`` argument value -> torch dtype (``None`` = keep the source dtypes).
-COMPONENT_DTYPES: Dict[str, Optional[torch.dtype]] = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 # ---------------------------------------------------------------------------------------------
 # 0. Shared helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def _resolve_dtype(dtype: str) -> Optional[torch.dtype]:
-    if dtype not in COMPONENT_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(COMPONENT_DTYPES)}, got {dtype!r}")
-    return COMPONENT_DTYPES[dtype]
 
 
 def load_pickle_state(path: PathLike) -> object:
@@ -331,7 +323,7 @@ def convert_wan22_vae(vae_path: PathLike, out_dir: PathLike, dtype: str = "keep"
     """
     from diffusers import AutoencoderKLWan
 
-    torch_dtype = _resolve_dtype(dtype)
+    torch_dtype = convert_dtype(dtype)
     path = Path(vae_path)
     if path.is_dir():
         pths = sorted(path.glob("*.pth"))
@@ -456,7 +448,7 @@ def convert_turbo_vae(turbo_dir: PathLike, out_dir: PathLike, dtype: str = "keep
         ValueError: config or checkpoint problems (see the helpers), missing/unexpected decoder keys,
             shape mismatches, bad dtype.
     """
-    torch_dtype = _resolve_dtype(dtype)
+    torch_dtype = convert_dtype(dtype)
     folder = Path(turbo_dir)
     config, _ = turbo_vae_config_from_json(folder)
     ckpts = sorted(p for ext in ("*.ckpt", "*.pt", "*.pth") for p in folder.glob(ext))
@@ -671,7 +663,7 @@ def convert_stable_audio_vae(
     from diffusers import AutoencoderOobleck
     from safetensors import safe_open
 
-    torch_dtype = _resolve_dtype(dtype)
+    torch_dtype = convert_dtype(dtype)
     config, encoder_ok = check_stable_audio_vae(sao_dir, audio_encoder)
     folder = Path(sao_dir)
     weights = folder / "model.safetensors"

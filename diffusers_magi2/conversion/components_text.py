@@ -25,6 +25,9 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
+from ..utils.dtype_utils import convert_dtype
+from ..utils.safetensors_io import read_index, read_safetensors_header
+
 __all__ = ["TOKENIZER_FILES", "convert_text_encoder", "text_encoder_layout"]
 
 logger = logging.getLogger(__name__)
@@ -44,33 +47,25 @@ TOKENIZER_FILES = (
 MULTIMODAL_PREFIX = "model.language_model."
 #: tensors of the multimodal checkpoint that a text-only encoder drops.
 MULTIMODAL_DROPPED_PREFIXES = ("model.visual.", "lm_head.", "mtp.")
-_DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def _weight_files(src: Path) -> Tuple[Dict[str, str], Optional[Path]]:
-    """``{tensor name: shard file name}`` from the index (or the single ``model.safetensors``)."""
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
-            raise ValueError(f"{index}: unreadable index ({err})") from err
-        missing = sorted({f for f in weight_map.values() if not (src / f).is_file()})
-        if missing:
-            raise ValueError(f"{src}: shards named in the index are missing: {missing}")
-        return dict(weight_map), index
-    single = src / "model.safetensors"
-    if single.is_file():
-        from safetensors import safe_open
+    """``({tensor name: shard file name}, index path or None)`` of a text encoder folder.
 
-        with safe_open(str(single), framework="pt") as f:
-            return {k: single.name for k in f.keys()}, None
+    Raises:
+        ValueError: no safetensors weights (pickled ones are named), a bad index, or shards it names missing.
+    """
     pickles = sorted(p.name for p in src.glob("*.bin"))
-    raise ValueError(
-        f"{src}: no model.safetensors(.index.json) found"
-        + (f" (pickled weights {pickles} are not accepted; convert them to safetensors)" if pickles else "")
-    )
+    if pickles and not any(src.glob("model.safetensors*")):
+        raise ValueError(f"{src}: pickled weights {pickles} are not accepted; convert them to safetensors")
+    weight_map = read_index(src, "model.safetensors.index.json", "model.safetensors")
+    if weight_map is None:
+        single = src / "model.safetensors"
+        return {k: single.name for k in read_safetensors_header(single).tensors}, None
+    missing = sorted({f for f in weight_map.values() if not (src / f).is_file()})
+    if missing:
+        raise ValueError(f"{src}: shards named in the index are missing: {missing}")
+    return weight_map, src / "model.safetensors.index.json"
 
 
 def text_encoder_layout(src_dir: PathLike) -> str:
@@ -230,9 +225,7 @@ def convert_text_encoder(
         ValueError: bad dtype, non-empty output folders, missing config/tokenizer/weights, pickled
             weights, index/shard inconsistencies, unknown or missing keys, shape mismatches.
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = convert_dtype(dtype)
     src = Path(src_dir)
     if not (src / "config.json").is_file():
         raise ValueError(f"text encoder folder {src} lacks config.json")
@@ -264,7 +257,7 @@ def convert_text_encoder(
             from transformers import Qwen3_5TextConfig
 
             if torch_dtype is not None:
-                text_config["dtype"] = _DTYPE_NAMES[torch_dtype]
+                text_config["dtype"] = str(torch_dtype).removeprefix("torch.")
                 text_config.pop("torch_dtype", None)
             Qwen3_5TextConfig.from_dict(text_config).save_pretrained(te_out)
             _rewrite(src, te_out, weight_map, mapping, torch_dtype)

@@ -32,9 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..loaders.key_plan import CheckpointValidationError
+from ..utils.dtype_utils import DTYPE_CHOICES
 from . import components
 from .convert_transformer import PreparedTransformer, prepare_transformer_conversion, write_transformer
-from .key_plan import DTYPE_CHOICES, CheckpointValidationError
 from .model_card import components_table, model_summary, render_model_card
 
 __all__ = [

@@ -25,10 +25,8 @@ coefficients, norms, q/k after norm and rope, router math are fp32.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
@@ -39,6 +37,8 @@ from diffusers.models.attention import AttentionMixin
 from diffusers.models.cache_utils import CacheMixin
 from diffusers.utils import BaseOutput
 
+from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
+from ..utils.dtype_utils import parse_dtype
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
 from .attention_magi2 import (
     Magi2Attention,
@@ -63,8 +63,6 @@ __all__ = [
     "Magi2PreAdapter",
     "Magi2PostAdapter",
     "Magi2PackedInputs",
-    "sandai_key_to_diffusers",
-    "load_sandai_preview_state_dict",
 ]
 
 _MHC_PARAM_NAMES = [
@@ -195,7 +193,9 @@ def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
     return int(hidden_size * factor * 2 / 3) // 128 * 128
 
 
-class Magi2Transformer3DModel(Magi2ContextParallelMixin, Magi2ModelMixin, ConfigMixin, AttentionMixin, CacheMixin):
+class Magi2Transformer3DModel(
+    Magi2ContextParallelMixin, Magi2ModelMixin, ConfigMixin, FromOriginalCheckpointMixin, AttentionMixin, CacheMixin
+):
     r"""MAGI-2 Preview diffusion transformer (114B-parameter MoE, joint audio + video).
 
     Defaults are the released Preview (``configs/magi2_preview.json``): 40 layers, hidden 3072
@@ -291,8 +291,8 @@ class Magi2Transformer3DModel(Magi2ContextParallelMixin, Magi2ModelMixin, Config
         hidden_size = num_attention_heads * attention_head_dim
         if time_embed_dim > num_streams * hidden_size:
             raise ValueError("time_embed_dim exceeds the residual width")
-        if isinstance(params_dtype, str):
-            params_dtype = getattr(torch, params_dtype)
+        if params_dtype is not None:
+            params_dtype = parse_dtype(params_dtype, "params_dtype")
         width = num_streams * hidden_size
         self.pre_adapter = Magi2PreAdapter(width, attention_head_dim, in_channels, audio_in_channels, text_in_channels)
         self.post_adapter = Magi2PostAdapter(width, in_channels, audio_in_channels)
@@ -563,119 +563,6 @@ class Magi2Transformer3DModel(Magi2ContextParallelMixin, Magi2ModelMixin, Config
         if not return_dict:
             return (video, audio)
         return Magi2TransformerOutput(sample=video, audio_sample=audio)
-
-    # ------------------------------------------------------------------------------------------
-    # SandAI checkpoint loading (through the converter's validated key plan)
-    # ------------------------------------------------------------------------------------------
-
-    @classmethod
-    def from_original_checkpoint(
-        cls,
-        preview_dir: Union[str, os.PathLike],
-        config: Optional[Union[dict, str, os.PathLike]] = None,
-        *,
-        dtype: torch.dtype = torch.bfloat16,
-        device: Union[str, torch.device] = "cpu",
-    ) -> "Magi2Transformer3DModel":
-        """Build the model from a SandAI ``preview/`` checkpoint folder (safetensors shards + index).
-
-        Applies the rename ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``, copies
-        ``router.expert_bias_ema`` into ``router.expert_bias`` (SandAI's loader default) and casts
-        each tensor to the model's dtype for it (``dtype`` for the big weights, fp32 for the islands).
-
-        Args:
-            preview_dir: folder with ``model.safetensors.index.json`` + shards (or ``model.safetensors``).
-            config: SandAI config dict, or path to a SandAI JSON; default: the ``*.json`` config beside
-                the shards, else the bundled released ``magi2_preview.json``.
-            dtype: dtype of the non-fp32 weights.
-            device: where the weights are placed.
-
-        Raises:
-            ValueError: every missing/unexpected key, shape or dtype mismatch and index fault, listed
-                together (``CheckpointValidationError``), or no config.
-        """
-        from ..conversion.sandai_config import load_sandai_config, released_config_path
-
-        preview_dir = Path(preview_dir)
-        if config is None:
-            try:
-                cfg = load_sandai_config(preview_dir)
-            except ValueError:
-                cfg = load_sandai_config(released_config_path("magi2_preview.json"))
-        elif isinstance(config, dict):
-            cfg = config
-        else:
-            cfg = load_sandai_config(config)
-        from ..conversion.convert_transformer import load_original_checkpoint
-
-        # The converter's validated key plan, in memory: every index/key/shape/dtype problem
-        # is listed in one CheckpointValidationError (a ValueError) before anything is loaded.
-        model = load_original_checkpoint(
-            cls, preview_dir, cfg, component="transformer", dtype=dtype, model_kwargs={"params_dtype": dtype}
-        )
-        _unshare_tensors(model)
-        return model.to(device)
-
-
-# ----------------------------------------------------------------------------------------------
-# SandAI checkpoint helpers
-# ----------------------------------------------------------------------------------------------
-
-def _unshare_tensors(model: nn.Module) -> None:
-    """Give every parameter/buffer its own storage.
-
-    ``router.expert_bias`` is filled from the same file bytes as ``router.expert_bias_ema``; if both
-    end up on one storage, ``save_pretrained`` (safetensors) refuses to write them.
-    """
-    seen: set = set()
-    for module in model.modules():
-        for store in (module._parameters, module._buffers):
-            for name, tensor in store.items():
-                if tensor is None or tensor.is_meta:
-                    continue
-                ptr = tensor.untyped_storage().data_ptr()
-                if ptr in seen:
-                    cloned = tensor.detach().clone()
-                    store[name] = nn.Parameter(cloned, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else cloned
-                    ptr = cloned.untyped_storage().data_ptr()
-                seen.add(ptr)
-
-
-def sandai_key_to_diffusers(key: str) -> str:
-    """``block.layers.{i}.X`` -> ``transformer_blocks.{i}.X``; every other key unchanged (the converter's key plan)."""
-    from ..conversion.key_plan import source_to_target_key
-
-    return source_to_target_key(key)
-
-
-def load_sandai_preview_state_dict(preview_dir: Union[str, os.PathLike]) -> Dict[str, torch.Tensor]:
-    """Read a SandAI preview checkpoint folder into a diffusers-named state dict (on CPU, file dtypes).
-
-    Reads every shard named by ``model.safetensors.index.json`` (or ``model.safetensors``), then
-    applies the converter's key plan (:func:`diffusers_magi2.conversion.key_plan.map_state_dict`):
-    keys renamed, ``router.expert_bias`` := ``router.expert_bias_ema`` (SandAI
-    ``_apply_router_bias_ema``), both keys kept.
-
-    Raises:
-        ValueError: when the folder holds neither ``model.safetensors.index.json`` nor ``model.safetensors``.
-    """
-    from safetensors.torch import load_file
-
-    from ..conversion.key_plan import map_state_dict
-
-    preview_dir = Path(preview_dir)
-    index = preview_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        shards = sorted(set(weight_map.values()))
-    elif (preview_dir / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        raise ValueError(f"{preview_dir} has neither model.safetensors.index.json nor model.safetensors")
-    raw: Dict[str, torch.Tensor] = {}
-    for shard in shards:
-        raw.update(load_file(str(preview_dir / shard)))
-    return map_state_dict(raw)
 
 
 register_block_for_caching_hooks(Magi2TransformerBlock)

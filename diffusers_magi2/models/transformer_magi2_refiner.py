@@ -19,9 +19,7 @@ in fp32; the MLP returns fp32, so the residual is fp32 from layer 0's MLP on.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -32,6 +30,7 @@ from diffusers.models.cache_utils import CacheMixin
 from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers' pipeline loader looks it up here)
 from diffusers.utils import BaseOutput
 
+from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
 from .attention_magi2 import (
     Magi2Attention,
@@ -120,7 +119,9 @@ class Magi2RefinerTransformerBlock(nn.Module):
         return hidden_states + self.mlp(hidden_states, dispatch, **chunk)
 
 
-class Magi2RefinerTransformer3DModel(Magi2ContextParallelMixin, Magi2ModelMixin, ConfigMixin, AttentionMixin, CacheMixin):
+class Magi2RefinerTransformer3DModel(
+    Magi2ContextParallelMixin, Magi2ModelMixin, ConfigMixin, FromOriginalCheckpointMixin, AttentionMixin, CacheMixin
+):
     r"""MAGI-2 1080p refiner DiT (SandAI ``magi2_refiner.Transformer``) as a diffusers model.
 
     Config defaults are the released refiner (``configs/magi2_refiner.json``): 30 layers, width 4096
@@ -412,59 +413,6 @@ class Magi2RefinerTransformer3DModel(Magi2ContextParallelMixin, Magi2ModelMixin,
         if not return_dict:
             return (sample, audio_sample)
         return Magi2RefinerTransformerOutput(sample=sample, audio_sample=audio_sample)
-
-    # ------------------------------------------------------------ original checkpoint
-    @classmethod
-    def from_original_checkpoint(
-        cls,
-        refiner_dir: Union[str, os.PathLike],
-        config: Optional[Union[dict, str, os.PathLike]] = None,
-        *,
-        torch_dtype: Optional[torch.dtype] = None,
-        device: Union[str, torch.device] = "cpu",
-    ) -> "Magi2RefinerTransformer3DModel":
-        """Build the refiner from a SandAI ``refiner/`` checkpoint folder (safetensors shards + index).
-
-        Runs the converter's validated key plan in memory (the same checks and the same rename
-        ``block.layers.{i}.`` -> ``transformer_blocks.{i}.`` as ``magi2-convert``), then a strict load.
-
-        Args:
-            refiner_dir: folder with ``model.safetensors.index.json`` and its shards.
-            config: SandAI config dict or JSON path (``extends`` is resolved); default: the
-                ``magi2_*.json`` beside the shards, else the bundled released ``magi2_refiner.json``
-                (the released refiner folder ships no config).
-            torch_dtype: dtype of the block linears; ``None`` = the config's ``params_dtype``
-                (bf16, the released setting). ``torch.float32`` gives the all-fp32 model for exact
-                checks. The fp32 islands (adapters, norms, rope) always load as fp32.
-            device: where the weights are placed.
-
-        Returns:
-            the model in eval mode.
-
-        Raises:
-            ValueError: every missing/unexpected key, shape or dtype mismatch and index fault, listed
-                together (``CheckpointValidationError``); a config without the refiner sections.
-        """
-        from ..conversion.convert_transformer import load_original_checkpoint
-        from ..conversion.sandai_config import load_sandai_config, released_config_path
-
-        refiner_dir = Path(refiner_dir)
-        if config is None:
-            try:
-                cfg = load_sandai_config(refiner_dir)
-            except ValueError:
-                cfg = load_sandai_config(released_config_path("magi2_refiner.json"))
-        elif isinstance(config, dict):
-            cfg = config
-        else:
-            cfg = load_sandai_config(config)
-        if torch_dtype is None:
-            name = str(cfg.get("magi2_refiner_arch_config", {}).get("params_dtype", "bfloat16")).replace("torch.", "")
-            if name not in ("bfloat16", "float16", "float32"):
-                raise ValueError(f"unsupported params_dtype {name!r} in the SandAI refiner config")
-            torch_dtype = getattr(torch, name)
-        model = load_original_checkpoint(cls, refiner_dir, cfg, component="refiner", dtype=torch_dtype)
-        return model.to(device).eval()
 
 
 register_block_for_caching_hooks(Magi2RefinerTransformerBlock)

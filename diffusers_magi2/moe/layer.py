@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from ..parallel.expert_parallel import ep_head_layout, expert_parallel_heads_forward
+from ..utils.dtype_utils import parse_dtype
 from .experts import torch_mh_moe_forward
 from .routing import compute_topk_probs_and_indices, global_sort_routes
 
 __all__ = ["Magi2MultiHeadMoEConfig", "Magi2MultiHeadMoE"]
 
 _BACKENDS = ("auto", "torch", "triton")
-_PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -72,13 +72,7 @@ class Magi2MultiHeadMoEConfig:
             )
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}]; got {self.top_k}")
-        if isinstance(self.params_dtype, str):
-            key = self.params_dtype.removeprefix("torch.")
-            if key not in _PARAM_DTYPES:
-                raise ValueError(f"params_dtype must be one of {sorted(_PARAM_DTYPES)}; got {self.params_dtype!r}")
-            self.params_dtype = _PARAM_DTYPES[key]
-        if self.params_dtype not in _PARAM_DTYPES.values():
-            raise ValueError(f"params_dtype must be one of {list(_PARAM_DTYPES.values())}; got {self.params_dtype!r}")
+        self.params_dtype = parse_dtype(self.params_dtype, "params_dtype")
         if self.score_func not in ("sigmoid", "softmax"):
             raise ValueError(f"score_func must be 'sigmoid' or 'softmax'; got {self.score_func!r}")
         if not isinstance(self.route_norm, bool):

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 import torch.nn as nn
 
-from ..conversion.safetensors_io import DTYPE_TO_TORCH  # safetensors dtype name -> torch dtype
+from ..utils.safetensors_io import DTYPE_TO_TORCH
 from ..moe.layer import Magi2MultiHeadMoE
 from ..utils.fp32_islands import fp32_island_dtype
 from .expert_parallel import (

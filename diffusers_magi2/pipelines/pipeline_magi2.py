@@ -25,6 +25,7 @@ from diffusers.video_processor import VideoProcessor
 from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..models.turbo_vae import Magi2TurboVAEDecoder
+from ..utils.dtype_utils import parse_dtype
 from .decoding_magi2 import decode_audio_latents, decode_video_latents, resize_video_frames, wan_latent_stats
 from .image_processing_magi2 import letterbox_image, preprocess_reference_image
 from .pipeline_output import Magi2PipelineOutput
@@ -521,7 +522,7 @@ class Magi2Pipeline(DiffusionPipeline):
         ``config.reference_image_dtype``); see
         :func:`~diffusers_magi2.pipelines.image_processing_magi2.preprocess_reference_image`.
         """
-        rounding = getattr(torch, str(self.config.reference_image_dtype))
+        rounding = parse_dtype(self.config.reference_image_dtype, "reference_image_dtype")
         return preprocess_reference_image(image, height, width, self.reference_image_processor, rounding)
 
     @torch.no_grad()

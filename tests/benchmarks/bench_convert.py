@@ -77,16 +77,15 @@ def _bench_config(total_mb: int, experts: int | None = None) -> dict:
 
 
 def _specs(cfg: dict):
-    from diffusers_magi2.conversion.convert_transformer import (
-        TRANSFORMER_TARGETS, build_meta_model, expected_specs_from_model, model_class, model_kwargs_from_sandai,
-    )
+    from diffusers_magi2 import Magi2Transformer3DModel
+    from diffusers_magi2.loaders.original_checkpoint import build_meta_model, expected_specs_from_model, original_format
 
-    target = TRANSFORMER_TARGETS["transformer"]
-    return expected_specs_from_model(build_meta_model(model_class(target), model_kwargs_from_sandai(target, cfg)), "BF16")
+    kwargs = original_format(Magi2Transformer3DModel).model_kwargs(cfg)
+    return expected_specs_from_model(build_meta_model(Magi2Transformer3DModel, kwargs), "BF16")
 
 
 def _checkpoint_bytes(cfg: dict) -> int:
-    from diffusers_magi2.conversion.safetensors_io import DTYPE_ITEMSIZE
+    from diffusers_magi2.utils.safetensors_io import DTYPE_ITEMSIZE
 
     total = 0
     for spec in _specs(cfg).values():
@@ -101,8 +100,8 @@ def _write_source(ckpt: Path, cfg: dict, shard_mb: int) -> list[Path]:
     """Random-byte SandAI checkpoint for ``cfg``: shards named like the release, plus the index."""
     import torch
 
-    from diffusers_magi2.conversion.key_plan import target_to_source_key
-    from diffusers_magi2.conversion.safetensors_io import DTYPE_ITEMSIZE, OutputTensor, ShardWriter, plan_shards
+    from diffusers_magi2.loaders.key_plan import target_to_source_key
+    from diffusers_magi2.utils.safetensors_io import DTYPE_ITEMSIZE, OutputTensor, ShardWriter, plan_shards
 
     specs = _specs(cfg)
     tensors = [OutputTensor(target_to_source_key(k), s.dtype, s.shape) for k, s in specs.items()]
@@ -181,7 +180,7 @@ def _status_kb(field: str) -> int:
 def _child(args: list[str]) -> None:
     """In a fresh process: convert and report RSS figures (kB) and wall time as one JSON line."""
     from diffusers_magi2.conversion.repo import ConversionRequest, convert_checkpoint
-    from diffusers_magi2.conversion.safetensors_io import parse_size
+    from diffusers_magi2.utils.safetensors_io import parse_size
 
     import accelerate  # noqa: F401  - everything the conversion imports, so RSS "before" excludes imports
     import diffusers  # noqa: F401

@@ -21,11 +21,10 @@ from convert_testing_utils import (
     write_index,
 )
 
-from diffusers_magi2.conversion.key_plan import (
+from diffusers_magi2.loaders.key_plan import (
     CheckpointValidationError,
     TensorSpec,
     build_key_plan,
-    map_state_dict,
     read_source_checkpoint,
     source_to_target_key,
     target_dtype_for,
@@ -103,25 +102,6 @@ def test_plan_covers_every_key_with_ema_bias():
     assert files == sorted(files)
     keep = Magi2Transformer3DModel._keep_in_fp32_modules
     assert all(e.target_dtype == ("F32" if is_fp32_island(e.target_key, keep) else "BF16") for e in plan.entries)
-
-
-def test_map_state_dict_is_pure_and_idempotent():
-    """Calling the mapping twice gives the same result and leaves the input intact."""
-    sd = {
-        "block.layers.0.attention.sinks": torch.ones(1, 4),
-        BIAS: torch.zeros(8),
-        BIAS + "_ema": torch.arange(8.0),
-        "pre_adapter.rope.bands": torch.ones(4),
-    }
-    keys = list(sd)
-    a = map_state_dict(sd)
-    b = map_state_dict(sd)
-    assert list(sd) == keys and torch.equal(sd[BIAS], torch.zeros(8))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert torch.equal(a["transformer_blocks.1.mlp.moe_mlp.router.expert_bias"], torch.arange(8.0))
-    assert set(a) == {source_to_target_key(k) for k in keys}
-    with pytest.raises(ValueError, match="expert_bias_ema"):
-        map_state_dict({BIAS: torch.zeros(8)})
 
 
 def test_every_problem_is_listed_together(tmp_path):

@@ -130,7 +130,7 @@ def test_refused_pickle_exits_nonzero_and_writes_nothing(tmp_path):
 
 def test_failure_while_writing_leaves_no_output(tmp_path, monkeypatch):
     """A fault after validation (here: in the middle of the transformer write) removes the temp folder."""
-    from diffusers_magi2.conversion.safetensors_io import ShardWriter
+    from diffusers_magi2.utils.safetensors_io import ShardWriter
 
     real = ShardWriter.copy_bytes
     calls = {"n": 0}

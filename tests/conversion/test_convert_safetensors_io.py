@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from diffusers_magi2.conversion.safetensors_io import (
+from diffusers_magi2.utils.safetensors_io import (
     OutputTensor,
     ShardWriter,
     check_data_present,

@@ -31,19 +31,17 @@ from convert_testing_utils import (
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from diffusers_magi2.conversion.convert_transformer import (
-    TRANSFORMER_TARGETS,
+from diffusers_magi2.conversion.convert_transformer import TRANSFORMER_TARGETS
+from diffusers_magi2.loaders.original_checkpoint import (
     build_meta_model,
     expected_specs_from_model,
     load_original_checkpoint,
-    model_class,
-    model_kwargs_from_sandai,
-    params_dtype_code,
-    resolve_sandai_config,
+    original_format,
 )
-from diffusers_magi2.conversion.key_plan import source_to_target_key
+from diffusers_magi2.loaders.key_plan import source_to_target_key
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.utils.fp32_islands import is_fp32_island
+from diffusers_magi2.utils.safetensors_io import TORCH_TO_DTYPE
 
 ATOL = 1e-4  # fixture README, "Suggested tolerance, fp32/"
 ISLANDS = Magi2Transformer3DModel._keep_in_fp32_modules
@@ -120,7 +118,9 @@ def test_from_original_checkpoint_uses_the_same_plan(variant):
     case = load_case(variant)
     model = Magi2Transformer3DModel.from_original_checkpoint(checkpoint_dir(variant), config_path(variant), dtype=torch.float32)
     assert (preview_forward(model, case) - case["model.out"]).abs().max().item() <= ATOL
-    direct = load_original_checkpoint(Magi2Transformer3DModel, checkpoint_dir(variant), config_path(variant))
+    direct = load_original_checkpoint(
+        Magi2Transformer3DModel, checkpoint_dir(variant), config_path(variant), dtype=torch.float32
+    )
     assert (preview_forward(direct, case) - case["model.out"]).abs().max().item() <= ATOL
 
 
@@ -201,7 +201,7 @@ def test_reconversion_leaves_no_stale_shards(tmp_path):
     assert {p.name for p in folder.glob("*.safetensors")} == set(index["weight_map"].values())
     assert len(set(index["weight_map"].values())) == 2
     model = Magi2Transformer3DModel.from_pretrained(out, subfolder="transformer")
-    src_b = load_original_checkpoint(Magi2Transformer3DModel, ckpt_b, config_path("preview_h4"))
+    src_b = load_original_checkpoint(Magi2Transformer3DModel, ckpt_b, config_path("preview_h4"), dtype=torch.float32)
     sd, ref = model.state_dict(), src_b.state_dict()
     assert sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in sd)
 
@@ -243,10 +243,11 @@ def test_default_and_bf16_variant_coexist(tmp_path, converted_h4):
 )
 def test_full_size_model_matches_released_key_table(component, table, num_shards):
     """The meta-built model of the released config expects exactly the reference's tensors."""
-    target = TRANSFORMER_TARGETS[component]
-    cfg, _ = resolve_sandai_config(target, None)
-    model = build_meta_model(model_class(target), model_kwargs_from_sandai(target, cfg))
-    specs = expected_specs_from_model(model, params_dtype_code(target, cfg))
+    cls = TRANSFORMER_TARGETS[component].model_class()
+    fmt = original_format(cls)
+    cfg, _ = fmt.resolve_config(None)
+    model = build_meta_model(cls, fmt.model_kwargs(cfg))
+    specs = expected_specs_from_model(model, TORCH_TO_DTYPE[fmt.params_dtype(cfg)])
     rows = read_tsv(table)
     assert {source_to_target_key(k): v for k, v in rows.items()} == {k: (s.shape, s.dtype) for k, s in specs.items()}
 

@@ -106,7 +106,7 @@ def _expected_fp32(name: str) -> bool:
 
 
 def test_default_config_is_released_preview():
-    from diffusers_magi2.conversion.sandai_config import (
+    from diffusers_magi2.loaders.sandai_config import (
         load_sandai_config,
         preview_config_from_sandai,
         released_config_path,

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from diffusers_magi2.conversion.key_plan import source_to_target_key
+from diffusers_magi2.loaders.key_plan import source_to_target_key
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 
 

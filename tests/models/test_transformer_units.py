@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from diffusers_magi2.conversion.sandai_config import load_sandai_config, preview_config_from_sandai
+from diffusers_magi2.loaders.sandai_config import load_sandai_config, preview_config_from_sandai
 from diffusers_magi2.models.embeddings_magi2 import (
     Magi2RotaryPosEmbed,
     apply_magi2_rotary_emb,

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from diffusers_magi2.conversion.sandai_config_refiner import (
+from diffusers_magi2.loaders.key_plan import source_to_target_key, target_to_source_key
+from diffusers_magi2.loaders.sandai_config_refiner import (
     refiner_config_from_sandai,
     refiner_sampling_from_sandai,
 )
-from diffusers_magi2.conversion.key_plan import source_to_target_key, target_to_source_key
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 
 

@@ -1,11 +1,13 @@
-"""Safetensors I/O for the converter: our own header parser and a streaming shard writer.
+"""Safetensors I/O: dtype codes, our own header parser, the checkpoint index reader and a streaming shard writer.
 
-Two jobs, kept apart from any MAGI-2 knowledge:
+Kept apart from any MAGI-2 knowledge:
 
 * :func:`read_safetensors_header` parses the 8-byte length + JSON header of a ``.safetensors`` file
   without touching the data section, so ``--dry_run`` works on header-only or sparse stub files
   (``safetensors.safe_open`` refuses those, since it checks the file size first).
   :func:`check_data_present` adds the size check that a real conversion needs.
+* :func:`read_index` reads a sharded checkpoint's ``*.safetensors.index.json`` ``weight_map`` (or says
+  the folder holds one single file instead): the one index reader of the package.
 * :class:`ShardWriter` writes pre-sized output shards. Each shard's header is computed from the
   plan before any data is read (:func:`plan_shards`), the file is created at its final size, and
   every tensor is written at its own offset, so a whole shard (or even a whole tensor) is never
@@ -47,6 +49,7 @@ __all__ = [
     "encode_header",
     "parse_size",
     "plan_shards",
+    "read_index",
     "read_safetensors_header",
     "write_index",
 ]
@@ -213,6 +216,37 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
         if cur.data_offsets[0] < prev.data_offsets[1]:
             raise ValueError(f"{path}: tensors {prev.name!r} and {cur.name!r} overlap in the data section")
     return SafetensorsHeader(path, 8 + header_len, {t.name: t for t in entries}, dict(metadata))
+
+
+def read_index(directory: str | os.PathLike, index_name: str, single_name: str) -> dict[str, str] | None:
+    """The ``weight_map`` (tensor name -> shard file name) of the checkpoint in ``directory``.
+
+    Args:
+        index_name: the index file, e.g. ``"model.safetensors.index.json"``.
+        single_name: the unsharded file, e.g. ``"model.safetensors"``.
+
+    Returns:
+        the index's ``weight_map``; ``None`` when there is no index but ``single_name`` exists (its header
+        holds the keys).
+
+    Raises:
+        ValueError: neither file exists, or the index is not a JSON object with a ``weight_map`` of name -> file.
+    """
+    directory = Path(directory)
+    index_path = directory / index_name
+    if not index_path.is_file():
+        if (directory / single_name).is_file():
+            return None
+        raise ValueError(f"{directory} holds neither {index_name} nor {single_name}")
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        raise ValueError(
+            f"{index_path}: not a valid safetensors index (needs a JSON object with a 'weight_map' of key -> file)"
+        ) from None
+    return dict(weight_map)
 
 
 def check_data_present(header: SafetensorsHeader) -> str | None:

@@ -4,7 +4,7 @@ The refiner architecture lives in ``magi2_refiner_arch_config``; its window-atte
 in the data-proxy section ``evaluation_config.magi2_refiner_data_proxy_config.attn_config`` (spec
 §5.7). Both are copied into the diffusers config, so the geometry is configuration, not constants.
 The released ``magi2_refiner.json`` ``extends`` the preview JSON: resolve that first with
-:func:`diffusers_magi2.conversion.sandai_config.load_sandai_config`.
+:func:`diffusers_magi2.loaders.sandai_config.load_sandai_config`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def _arch(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     if "extends" in cfg:
         raise ValueError(
             "SandAI config still has an unresolved 'extends'; load it with "
-            "diffusers_magi2.conversion.sandai_config.load_sandai_config(path) first"
+            "diffusers_magi2.loaders.sandai_config.load_sandai_config(path) first"
         )
     arch = cfg.get("magi2_refiner_arch_config")
     if not isinstance(arch, Mapping):

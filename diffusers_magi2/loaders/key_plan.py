@@ -14,26 +14,25 @@ The plan is rename-only and shape-preserving:
 Validation is exhaustive: :func:`build_key_plan` collects every problem (index faults, missing or
 unknown keys, shape and dtype mismatches) and raises one :class:`CheckpointValidationError`
 listing them all, before anything is written. The expected keys, shapes and dtypes come from the
-diffusers model built on the meta device (see ``convert_transformer.expected_specs_from_model``);
+diffusers model built on the meta device (see ``original_checkpoint.expected_specs_from_model``);
 the plan itself knows nothing about the architecture, so it serves the preview (1,371 keys) and
 the refiner (281 keys) alike.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from .safetensors_io import (
-    DTYPE_TO_TORCH,
+from ..utils.dtype_utils import convert_dtype
+from ..utils.safetensors_io import (
+    TORCH_TO_DTYPE,
     OutputTensor,
     SafetensorsHeader,
     check_data_present,
+    read_index,
     read_safetensors_header,
 )
 
@@ -56,8 +55,6 @@ SOURCE_SINGLE_FILE = "model.safetensors"
 _SOURCE_BLOCK = re.compile(r"^block\.layers\.(\d+)\.")
 _TARGET_BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.")
 _ROUTER_BIAS = "router.expert_bias"
-_ROUTER_BIAS_EMA = "router.expert_bias_ema"
-DTYPE_CHOICES = ("keep", "bf16", "fp32")
 
 
 def source_to_target_key(key: str) -> str:
@@ -81,11 +78,10 @@ def target_dtype_for(source_dtype: str, dtype: str, *, fp32_island: bool) -> str
     Raises:
         ValueError: ``dtype`` is not one of those three.
     """
-    if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+    torch_dtype = convert_dtype(dtype)
     if fp32_island:
         return "F32"
-    return {"keep": source_dtype, "bf16": "BF16", "fp32": "F32"}[dtype]
+    return source_dtype if torch_dtype is None else TORCH_TO_DTYPE[torch_dtype]
 
 
 @dataclass(frozen=True)
@@ -261,22 +257,7 @@ def read_source_checkpoint(directory: str | Path, *, check_data: bool = True) ->
     if not directory.is_dir():
         raise ValueError(f"checkpoint folder {directory} does not exist or is not a directory")
     problems: list[str] = []
-    index_path = directory / SOURCE_INDEX_NAME
-    if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text())
-            weight_map = index["weight_map"]
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise TypeError
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            raise ValueError(f"{index_path}: not a valid safetensors index (needs a JSON object with a 'weight_map' of key -> file)") from None
-    elif (directory / SOURCE_SINGLE_FILE).is_file():
-        weight_map = None
-    else:
-        raise ValueError(
-            f"{directory} holds neither {SOURCE_INDEX_NAME} nor {SOURCE_SINGLE_FILE}; "
-            "point the flag at the folder with the SandAI safetensors shards"
-        )
+    weight_map = read_index(directory, SOURCE_INDEX_NAME, SOURCE_SINGLE_FILE)
 
     headers: dict[str, SafetensorsHeader] = {}
     files = sorted(set(weight_map.values()), key=_shard_sort_key) if weight_map is not None else [SOURCE_SINGLE_FILE]
@@ -344,8 +325,7 @@ def build_key_plan(
             disagrees with the weights shows up here as missing/unknown keys or wrong shapes.
         ValueError: ``dtype`` is not allowed.
     """
-    if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+    convert_dtype(dtype)  # validates the choice before any problem is collected
     problems = list(source.problems)
     needed_sources: dict[str, str] = {}  # source key -> target key it is validated as
     for key in source.weight_map:
@@ -397,24 +377,3 @@ def build_key_plan(
         )
     files = tuple(f for f in sorted(source.headers, key=_shard_sort_key) if any(e.source_file == f for e in entries))
     return KeyPlan(source.directory, tuple(entries), files, tuple(read_not_written))
-
-
-def map_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Apply the key plan to an in-memory SandAI state dict; the input is not modified.
-
-    Same rules as the on-disk plan: keys renamed, tensors kept whole (the same objects, not
-    copies), ``...router.expert_bias`` taken from ``...router.expert_bias_ema``. Calling it twice
-    on the same dict gives identical results.
-
-    Raises:
-        ValueError: an ``expert_bias`` without its ``expert_bias_ema`` (the value cannot be set).
-    """
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key.endswith("." + _ROUTER_BIAS):
-            ema = key + "_ema"
-            if ema not in state_dict:
-                raise ValueError(f"{key} has no {ema} beside it; the converted expert_bias is the EMA value")
-            value = state_dict[ema]
-        out[source_to_target_key(key)] = value
-    return out

@@ -2,7 +2,7 @@
 
 SandAI ships architecture + evaluation configs as JSON (``configs/magi2_preview.json``;
 ``magi2_refiner.json`` has ``"extends": "magi2_preview.json"``). The released files are bundled as
-package data under ``diffusers_magi2/conversion/released_configs/`` (see :func:`released_config_path`).
+package data under ``diffusers_magi2/loaders/released_configs/`` (see :func:`released_config_path`).
 
 ``extends`` resolution: the named base file is looked up next to the extending file, then among the
 bundled released configs; the child is merged over the base recursively (dicts merge key by key,
