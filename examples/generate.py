@@ -135,20 +135,81 @@ def pretrained_dtype(dtype_name: str):
     as diffusers 0.42.1 accepts."""
     import torch
 
-    dtype = getattr(torch, dtype_name)
+    from diffusers_magi2.utils.dtype_utils import parse_dtype
+
+    dtype = parse_dtype(dtype_name, "--dtype")
     if dtype == torch.float32:
         return dtype
     return {"default": dtype, "vae": torch.float32, "audio_vae": torch.float32}
 
 
+def expert_parallel_from_launch(ep_degree=None):
+    """The ``--ep_degree`` rule: an EP config matching how the script was launched (``None``: no EP).
+
+    ``ep_degree=None``: the world size when launched distributed (``WORLD_SIZE > 1``, set by ``accelerate launch
+    --multi_gpu`` / ``torchrun``), else no EP. An explicit ``ep_degree`` must divide the world size; in particular
+    ``accelerate launch --cpu --num_processes 2`` starts ONE process, and ``--ep_degree 2`` then raises instead of
+    silently running unsharded. The returned config is already resolved (process group, ``"ep"`` mesh).
+
+    Raises:
+        ValueError: ``ep_degree`` does not divide the launched world size, or is not a positive int.
+    """
+    import torch.distributed as dist
+
+    from diffusers_magi2 import Magi2ExpertParallelConfig
+    from diffusers_magi2.parallel.expert_parallel import resolve_expert_parallel
+
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if ep_degree is None:
+        if world == 1:
+            return None
+        ep_degree = world
+    if isinstance(ep_degree, bool) or not isinstance(ep_degree, int) or ep_degree < 1:
+        raise ValueError(f"--ep_degree must be a positive int, got {ep_degree!r}")
+    if world % ep_degree:
+        raise ValueError(
+            f"--ep_degree {ep_degree} requested but this run has {world} process(es), which it does not divide. "
+            "Launch one process per rank: "
+            f"`accelerate launch --multi_gpu --num_processes {ep_degree} examples/generate.py ...` (also on CPU; "
+            "`accelerate launch --cpu` starts a single process) or `torchrun --nproc_per_node "
+            f"{ep_degree} examples/generate.py ...`."
+        )
+    if ep_degree == 1:
+        return None
+    config = Magi2ExpertParallelConfig(ep_degree=ep_degree)
+    resolve_expert_parallel(config)
+    return config
+
+
+def end_distributed_run(exit_code: int = 0) -> None:
+    """End a distributed run cleanly: barrier, destroy the default process group, then on CPU ``os._exit``.
+
+    gloo runs that built a device mesh sometimes abort at interpreter exit (``terminate called without an active
+    exception``, SIGABRT) after all work is done (pytorch PR #179291); skipping interpreter finalisation with
+    ``os._exit`` on CPU avoids it. Does nothing without a process group, and returns normally on GPU.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        on_cpu = "nccl" not in str(dist.get_backend())
+        dist.barrier()
+        dist.destroy_process_group()
+        if on_cpu:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_code)
+
+
 def load_pipeline(args):
     """The tiny default (no ``--model``) or a converted repo; returns ``(pipe, call_defaults)``."""
-    import torch
-
     from diffusers_magi2 import Magi2Pipeline
     from diffusers_magi2.parallel.context_parallel_runtime import context_parallel_from_launch
-    from diffusers_magi2.parallel.expert_parallel import ep_device, expert_parallel_from_launch
+    from diffusers_magi2.parallel.expert_parallel import ep_device
     from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+    from diffusers_magi2.utils.dtype_utils import parse_dtype
 
     # EP: one process per rank (accelerate launch --multi_gpu / torchrun); an --ep_degree that does not match the
     # launched world size raises (e.g. `accelerate launch --cpu` starts one process).
@@ -158,7 +219,7 @@ def load_pipeline(args):
     args.context_parallel = context_parallel
     device = args.device or str(ep_device(expert_parallel))
     if args.model is None:
-        pipe = build_tiny_default_pipeline(dtype=getattr(torch, args.dtype or "float32"))
+        pipe = build_tiny_default_pipeline(dtype=parse_dtype(args.dtype or "float32"))
         defaults = dict(pipe.tiny_call_defaults)
         if expert_parallel is not None:
             pipe.transformer.enable_expert_parallel(expert_parallel)
@@ -236,7 +297,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     _rc = main()
-    from diffusers_magi2.parallel.expert_parallel import end_distributed_run
-
     end_distributed_run(_rc)  # distributed: barrier, destroy the group, os._exit on CPU (gloo teardown abort)
     sys.exit(_rc)

@@ -37,6 +37,7 @@ from diffusers.models.attention import AttentionMixin
 from diffusers.models.cache_utils import CacheMixin
 from diffusers.utils import BaseOutput
 
+from ..loaders.expert_parallel import ExpertParallelLoaderMixin
 from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
 from ..utils.dtype_utils import parse_dtype
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
@@ -194,7 +195,13 @@ def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
 
 
 class Magi2Transformer3DModel(
-    Magi2ContextParallelMixin, Magi2ModelMixin, ConfigMixin, FromOriginalCheckpointMixin, AttentionMixin, CacheMixin
+    ExpertParallelLoaderMixin,
+    Magi2ContextParallelMixin,
+    Magi2ModelMixin,
+    ConfigMixin,
+    FromOriginalCheckpointMixin,
+    AttentionMixin,
+    CacheMixin,
 ):
     r"""MAGI-2 Preview diffusion transformer (114B-parameter MoE, joint audio + video).
 
@@ -374,11 +381,9 @@ class Magi2Transformer3DModel(
 
         diffusers 0.42.1 queries the Hub for sharded checkpoints unless ``local_files_only`` is set;
         with ``HF_HUB_OFFLINE=1`` this default makes offline loading of local folders work.
-
         ``expert_parallel=Magi2ExpertParallelConfig(ep_degree=N)`` loads only this rank's routed experts
-        (``diffusers_magi2.parallel.ep_loading.load_expert_parallel_from_pretrained``).
+        (:class:`~diffusers_magi2.loaders.expert_parallel.ExpertParallelLoaderMixin`).
         """
-        expert_parallel = kwargs.pop("expert_parallel", None)
         if kwargs.get("local_files_only") is None:
             from huggingface_hub import constants as hf_constants
 
@@ -386,23 +391,7 @@ class Magi2Transformer3DModel(
                 "HF_HUB_OFFLINE", ""
             ).strip().upper() in ("1", "ON", "YES", "TRUE")
             kwargs["local_files_only"] = offline
-        if expert_parallel is not None:
-            from ..parallel.ep_loading import load_expert_parallel_from_pretrained
-
-            return load_expert_parallel_from_pretrained(
-                cls, pretrained_model_name_or_path, expert_parallel=expert_parallel, **kwargs
-            )
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-
-    def enable_expert_parallel(self, config) -> "Magi2Transformer3DModel":
-        """Shard the routed experts of this in-memory model over ``config``'s EP group; returns self.
-
-        ``config`` is a :class:`diffusers_magi2.Magi2ExpertParallelConfig`; see
-        ``diffusers_magi2.parallel.ep_loading.apply_expert_parallel`` (errors, idle-rank warning).
-        """
-        from ..parallel.ep_loading import apply_expert_parallel
-
-        return apply_expert_parallel(self, config)
 
     # ------------------------------------------------------------------------------------------
     # packed entry (reference Transformer.forward)

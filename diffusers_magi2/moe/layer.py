@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..parallel.ep_loading import take_rows
 from ..parallel.expert_parallel import ep_head_layout, expert_parallel_heads_forward
 from ..utils.dtype_utils import parse_dtype
 from .experts import torch_mh_moe_forward
@@ -262,15 +263,7 @@ class Magi2MultiHeadMoE(nn.Module):
                 f"ep_slice expects a full tensor with first dimension H*E = {full_rows}; "
                 f"got {tuple(getattr(full_tensor, 'shape', ()))}"
             )
-        start = self.local_head_start * self.num_experts
-        rows = self.local_flatten_num_experts
-        real = max(0, min(rows, full_rows - start))
-        if real == rows:
-            return full_tensor[start : start + rows]
-        out = full_tensor.new_zeros((rows, *full_tensor.shape[1:]))
-        if real > 0:
-            out[:real].copy_(full_tensor[start : start + real])
-        return out
+        return take_rows(full_tensor, self.local_head_start * self.num_experts, self.local_flatten_num_experts)
 
     _EP_SHARDED_KEYS = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema")
 

@@ -33,13 +33,11 @@ __all__ = [
     "Magi2ExpertParallelConfig",
     "Magi2ExpertParallelGroup",
     "check_same_on_all_ranks",
-    "end_distributed_run",
     "ep_device",
     "ep_dispatch",
     "ep_gather_heads",
     "ep_head_layout",
     "ep_undispatch",
-    "expert_parallel_from_launch",
     "expert_parallel_heads_forward",
     "resolve_expert_parallel",
     "warn_if_idle",
@@ -123,10 +121,6 @@ class Magi2EPHeadLayout:
         (possible when ``N`` does not divide ``H``, SandAI ``CoreMultiHeadMoE`` padding rule): it holds
         only padding heads and computes no routed expert, though it still joins every collective. Never raises."""
         return self.num_real_local_heads > 0
-
-    def expert_rows(self, num_experts: int) -> tuple[int, int]:
-        """``(start, stop)`` rows of a head-major ``[H·E, ...]`` tensor owned by this rank (stop may pass ``H·E``)."""
-        return self.local_head_start * num_experts, (self.local_head_start + self.local_num_heads) * num_experts
 
 
 def ep_head_layout(num_heads: int, ep_size: int, ep_rank: int) -> Magi2EPHeadLayout:
@@ -393,60 +387,6 @@ def _local(compute_local_heads: Callable, local_in: torch.Tensor, x: torch.Tenso
         # an idle rank's zeros must stay in the graph, or its backward skips the collectives the others wait in
         out = out + local_in * 0
     return out
-
-
-def end_distributed_run(exit_code: int = 0) -> None:
-    """End a standalone EP script cleanly: barrier, destroy the default process group, then on CPU ``os._exit``.
-
-    gloo runs that built a device mesh sometimes abort at interpreter exit (``terminate called without an active
-    exception``, SIGABRT) after all work is done (toolchain.md §3; pytorch PR #179291); skipping interpreter
-    finalisation with ``os._exit`` on CPU avoids it. Flushes stdout/stderr first. Does nothing to a process that has
-    no process group, and returns normally on GPU.
-    """
-    import sys
-
-    if dist.is_available() and dist.is_initialized():
-        on_cpu = "nccl" not in str(dist.get_backend())
-        dist.barrier()
-        dist.destroy_process_group()
-        if on_cpu:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(exit_code)
-
-
-def expert_parallel_from_launch(ep_degree: Optional[int] = None) -> Optional[Magi2ExpertParallelConfig]:
-    """The ``--ep_degree`` rule of ``examples/generate.py``: an EP config matching how the script was launched.
-
-    ``ep_degree=None``: the world size when launched distributed (``WORLD_SIZE > 1``, set by ``accelerate launch
-    --multi_gpu`` / ``torchrun``), else ``None`` (no EP). An explicit ``ep_degree`` must divide the world size; in
-    particular ``accelerate launch --cpu --num_processes 2`` starts ONE process, and ``--ep_degree 2`` then raises
-    instead of silently running unsharded. The returned config is already resolved (process group via
-    ``PartialState(cpu=not torch.cuda.is_available())``, ``"ep"`` mesh), so :func:`ep_device` can be called.
-
-    Raises:
-        ValueError: ``ep_degree`` does not divide the launched world size, or is not a positive int.
-    """
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else _launched_world_size()
-    if ep_degree is None:
-        if world == 1:
-            return None
-        ep_degree = world
-    if isinstance(ep_degree, bool) or not isinstance(ep_degree, int) or ep_degree < 1:
-        raise ValueError(f"--ep_degree must be a positive int, got {ep_degree!r}")
-    if world % ep_degree:
-        raise ValueError(
-            f"--ep_degree {ep_degree} requested but this run has {world} process(es), which it does not divide. "
-            "Launch one process per rank: "
-            f"`accelerate launch --multi_gpu --num_processes {ep_degree} examples/generate.py ...` (also on CPU; "
-            "`accelerate launch --cpu` starts a single process) or `torchrun --nproc_per_node "
-            f"{ep_degree} examples/generate.py ...`."
-        )
-    if ep_degree == 1:
-        return None
-    config = Magi2ExpertParallelConfig(ep_degree=ep_degree)
-    resolve_expert_parallel(config)
-    return config
 
 
 def ep_device(config: Optional[Magi2ExpertParallelConfig]) -> torch.device:

@@ -8,14 +8,15 @@ Follows SandAI ``Magi2InferenceEngine.decode_video``, ``audio_decoder.decode_aud
 
 from __future__ import annotations
 
+from typing import Union
+
 import numpy as np
 import torch
-
-from ..models.audio_utils import resample_audio
 
 __all__ = [
     "decode_audio_latents",
     "decode_video_latents",
+    "resample_audio",
     "resize_video_frames",
     "wan_latent_stats",
 ]
@@ -80,6 +81,40 @@ def decode_video_latents(video_decoder, vae, latents: torch.Tensor) -> torch.Ten
     z = z / inv_std + mean
     video = vae.decode(z.to(device=vae.device, dtype=vae.dtype)).sample
     return video.float().clamp(-1.0, 1.0)
+
+
+def resample_audio(audio: Union[np.ndarray, torch.Tensor], ratio: float, axis: int = 0) -> np.ndarray:
+    """Resample ``audio`` along ``axis`` to ``int(N * ratio)`` samples with ``scipy.signal.resample`` (FFT).
+
+    Matches SandAI ``decode_audio`` / ``resample_audio_sinc``: ``scipy.signal.resample(x, int(N * ratio))``
+    on the time axis, result cast to float32. MAGI-2 uses ``ratio = 441/512`` (exact in binary, so
+    ``int(N * ratio) == int(N * 441 / 512)``); the pipeline reads it from its config.
+
+    Args:
+        audio: samples, e.g. ``[N, channels]`` (time on ``axis``), any float dtype; a torch tensor is
+            moved to CPU and converted to float32 numpy first.
+        ratio: output/input sample-count ratio, > 0.
+        axis: time axis.
+
+    Returns:
+        ``np.ndarray`` float32 with ``int(N * ratio)`` samples on ``axis``.
+
+    Raises:
+        ValueError: empty time axis, an axis out of range, or a ratio that is not positive.
+    """
+    from scipy.signal import resample  # local: scipy is only needed for audio output
+
+    if not ratio > 0:
+        raise ValueError(f"ratio must be > 0, got {ratio}")
+    if isinstance(audio, torch.Tensor):
+        audio = audio.detach().to("cpu", torch.float32).numpy()
+    audio = np.asarray(audio)
+    if not -audio.ndim <= axis < audio.ndim:
+        raise ValueError(f"axis {axis} out of range for an array of shape {audio.shape}")
+    num_samples = audio.shape[axis]
+    if num_samples == 0:
+        raise ValueError("cannot resample an empty signal (0 samples on the time axis)")
+    return resample(audio, int(num_samples * ratio), axis=axis).astype(np.float32)
 
 
 def decode_audio_latents(audio_vae, audio_latents: torch.Tensor, ratio: float) -> np.ndarray:

@@ -135,7 +135,7 @@ class Magi2Pipeline(DiffusionPipeline):
         """``DiffusionPipeline.from_pretrained``, plus two parallel options (both off unless given):
 
         * ``expert_parallel=Magi2ExpertParallelConfig(ep_degree=E)``: the transformer is loaded with only this
-          rank's routed experts (``diffusers_magi2.parallel.ep_loading.load_pipeline_with_expert_parallel``);
+          rank's routed experts (:func:`~diffusers_magi2.pipelines.loading_magi2.load_pipeline_with_expert_parallel`);
         * ``context_parallel=diffusers.ContextParallelConfig(ulysses_degree=N)``: after loading, the transformer and
           the refiner (if any) get ``enable_parallelism(config=...)`` (N = the world size; with EP, ``E`` divides
           ``N``).
@@ -155,7 +155,7 @@ class Magi2Pipeline(DiffusionPipeline):
                     f"ep_degree={expert_parallel.ep_degree} must divide the context-parallel degree {cp.size}"
                 )
         if expert_parallel is not None:
-            from ..parallel.ep_loading import load_pipeline_with_expert_parallel
+            from .loading_magi2 import load_pipeline_with_expert_parallel
 
             pipe = load_pipeline_with_expert_parallel(
                 cls, pretrained_model_name_or_path, expert_parallel=expert_parallel, **kwargs

@@ -46,6 +46,7 @@ __all__ = [
     "TensorHeader",
     "OutputTensor",
     "check_data_present",
+    "check_safetensors_file",
     "encode_header",
     "parse_size",
     "plan_shards",
@@ -247,6 +248,28 @@ def read_index(directory: str | os.PathLike, index_name: str, single_name: str) 
             f"{index_path}: not a valid safetensors index (needs a JSON object with a 'weight_map' of key -> file)"
         ) from None
     return dict(weight_map)
+
+
+def check_safetensors_file(path: str | os.PathLike, index: str | os.PathLike | None = None) -> None:
+    """Raise a ``ValueError`` naming ``path`` when it is missing or safetensors cannot open it (truncated, corrupt).
+
+    Args:
+        index: the index file that names ``path``, for the message.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    named_by = "" if index is None else f", named by {Path(index).name}"
+    if not path.is_file():
+        raise ValueError(f"checkpoint shard {path} does not exist{named_by}")
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError as err:
+        raise ValueError(
+            f"checkpoint shard {path} ({path.stat().st_size} bytes{named_by}) is not a complete safetensors file "
+            f"(truncated by an interrupted download or copy?): {err}"
+        ) from err
 
 
 def check_data_present(header: SafetensorsHeader) -> str | None:

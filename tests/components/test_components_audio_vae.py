@@ -14,11 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diffusers_magi2.conversion.components import convert_stable_audio_vae, oobleck_config_from_sao
-from diffusers_magi2.models.audio_utils import (
-    resample_audio_441_512,
-    resampled_length,
-    waveform_to_output_audio,
-)
+from diffusers_magi2.pipelines.decoding_magi2 import resample_audio
+
+RATIO = 441 / 512  # MAGI-2's audio resample (SandAI ``decode_audio``), exact in binary
 
 ATOL = 1e-4
 
@@ -71,19 +69,18 @@ def test_decode_and_resample_match_reference(audio_vae, cases):
     waveform = audio_vae.decode(cases["decode.latent"].transpose(1, 2)).sample
     assert waveform.shape == (1, 2, 5 * 2048)
     assert (waveform - cases["decode.waveform"]).abs().max() <= ATOL
-    out = waveform_to_output_audio(waveform)
+    out = resample_audio(waveform[0].T, RATIO)  # SandAI decode_audio: waveform.squeeze(0).T, then the resample
     assert out.dtype == np.float32 and out.shape == (8820, 2)
     assert np.abs(out - cases["decode.resampled"].numpy()).max() <= 1e-5
 
 
 @pytest.mark.parametrize("n, want", [(1000, 861), (1024, 882)])
 def test_resample_cases(cases, n, want):
-    assert resampled_length(n) == want and resampled_length(512000) == 441000
-    out = resample_audio_441_512(cases[f"resample.n{n}.input"])
+    out = resample_audio(cases[f"resample.n{n}.input"], RATIO)
     assert out.shape == (want, 2) and out.dtype == np.float32
     assert np.abs(out - cases[f"resample.n{n}.output"].numpy()).max() <= 1e-6
     with pytest.raises(ValueError, match="empty"):
-        resample_audio_441_512(np.zeros((0, 2), np.float32))
+        resample_audio(np.zeros((0, 2), np.float32), RATIO)
 
 
 # --- a representable (Stable Audio Open 1.0-shaped) synthetic checkpoint: exact round trip ----------

@@ -6,19 +6,22 @@ Run under ``accelerate launch`` by ``test_ep_accelerate_launch.py``. Uses the pr
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
-from diffusers_magi2.parallel.expert_parallel import (
-    Magi2ExpertParallelConfig,
-    end_distributed_run,
-    resolve_expert_parallel,
-)
+from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig, resolve_expert_parallel
+
+# the example script's teardown (barrier, destroy the group, os._exit on CPU), not a copy of it
+_spec = importlib.util.spec_from_file_location("magi2_generate", Path(__file__).parents[2] / "examples" / "generate.py")
+_generate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_generate)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--ep_degree", type=int, required=True)
@@ -51,4 +54,4 @@ _line = (
 # one write(2) of the whole line: both ranks share the pipe, and print()'s separate writes could interleave
 sys.stdout.flush()
 os.write(sys.stdout.fileno(), _line.encode())
-end_distributed_run(0)
+_generate.end_distributed_run(0)

@@ -6,7 +6,7 @@ them with single-process references:
 * ``collectives``: an independent per-head stand-in (``tanh(x_h @ W_h)``) through layouts (a) and (b), fp32 and bf16,
   gradients in layout (b), and the errors raised before any collective.
 * ``moe``: ``Magi2MultiHeadMoE`` on the golden SandAI checkpoints, each rank reading only its rows with
-  ``read_expert_rows``, layouts (a) and (b) with uneven counts and an empty rank.
+  ``take_rows``, layouts (a) and (b) with uneven counts and an empty rank.
 * ``transformer``: ``Magi2Transformer3DModel.from_pretrained(..., expert_parallel=...)`` and
   ``enable_expert_parallel`` on diffusers-format folders, layout (a), on the fixture's packed inputs.
 """
@@ -21,7 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
-from diffusers_magi2.parallel.ep_loading import EP_SHARDED_SUFFIXES, checkpoint_key_files, read_expert_rows
+from diffusers_magi2.loaders.expert_parallel import EP_SHARDED_SUFFIXES
+from diffusers_magi2.loaders.key_plan import read_source_checkpoint
+from diffusers_magi2.parallel.ep_loading import take_rows
 from diffusers_magi2.parallel.expert_parallel import (
     Magi2ExpertParallelConfig,
     check_same_on_all_ranks,
@@ -144,14 +146,14 @@ def moe_case(model: str) -> dict[str, torch.Tensor]:
 
 def load_moe(moe: Magi2MultiHeadMoE, model: str, sharded: bool) -> None:
     """Fill ``moe`` from the SandAI checkpoint: EP tensors by rows (this rank's only) or whole; EMA router bias."""
-    files = checkpoint_key_files(sandai_ckpt(model))
+    source = read_source_checkpoint(sandai_ckpt(model))
     prefix = f"block.layers.{MOE_LAYER}.mlp.moe_mlp."
     rows = moe.local_head_start * moe.num_experts
     sd = {}
     for suffix in EP_SHARDED_SUFFIXES:
-        with safe_open(str(files[prefix + suffix]), "pt") as h:
+        with safe_open(str(source.directory / source.weight_map[prefix + suffix]), "pt") as h:
             if sharded:
-                t = read_expert_rows(h, prefix + suffix, rows, moe.local_flatten_num_experts)
+                t = take_rows(h.get_slice(prefix + suffix), rows, moe.local_flatten_num_experts)
             else:
                 t = h.get_tensor(prefix + suffix)
         sd[suffix] = t.float()

@@ -34,7 +34,7 @@ from ep_workers import (
 
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
-from diffusers_magi2.parallel.ep_loading import checkpoint_key_files
+from diffusers_magi2.loaders.key_plan import read_source_checkpoint
 
 EP_ATOL = 2e-5
 FIXTURE_ATOL = 1e-4
@@ -114,7 +114,8 @@ def test_ep_moe_layer_layouts_match_single_process(world, diffusers_folders):
         key = f"block.layers.{MOE_LAYER}.mlp.moe_mlp.W_gate"
         from safetensors import safe_open
 
-        with safe_open(str(checkpoint_key_files(sandai_ckpt(model))[key]), "pt") as h:
+        source = read_source_checkpoint(sandai_ckpt(model))
+        with safe_open(str(source.directory / source.weight_map[key]), "pt") as h:
             file_w = h.get_tensor(key).float()
         real = dims["num_heads"] * 8
         assert torch.equal(full_w[:real], file_w) and not full_w[real:].any()

@@ -199,9 +199,9 @@ def test_generate_tiny_default_in_bf16_writes_a_clip(tmp_path):
 def test_expert_parallel_loading_resolves_a_per_component_dtype(monkeypatch):
     """``from_pretrained(dtype={...}, expert_parallel=...)``: the transformer loader gets its own entry
     of the dict (``"transformer"``, else ``"default"``), the pipeline loader the whole dict."""
-    import diffusers_magi2.parallel.expert_parallel as expert_parallel
+    import diffusers_magi2.pipelines.loading_magi2 as loading
     from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
-    from diffusers_magi2.parallel.ep_loading import load_pipeline_with_expert_parallel
+    from diffusers_magi2.pipelines.loading_magi2 import load_pipeline_with_expert_parallel
     from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig
 
     calls = []
@@ -210,7 +210,7 @@ def test_expert_parallel_loading_resolves_a_per_component_dtype(monkeypatch):
         calls.append(kw)
         return "T"
 
-    monkeypatch.setattr(expert_parallel, "ep_device", lambda cfg: torch.device("cpu"))
+    monkeypatch.setattr(loading, "ep_device", lambda cfg: torch.device("cpu"))
     monkeypatch.setattr(Magi2Transformer3DModel, "from_pretrained", classmethod(fake_transformer_loader))
 
     class FakePipeline:

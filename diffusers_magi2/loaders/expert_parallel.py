@@ -1,0 +1,212 @@
+"""Expert parallelism as a hook on diffusers' loading: ``from_pretrained(expert_parallel=...)`` and
+``enable_expert_parallel``.
+
+``from_pretrained(path, expert_parallel=Magi2ExpertParallelConfig(ep_degree=N))`` is diffusers'
+``ModelMixin.from_pretrained`` (Hub download, variants, sharded index, ``dtype`` with
+``_keep_in_fp32_modules``, ``device_map``, ``eval``) with one step changed: once diffusers has built the model
+on the meta device, every ``Magi2MultiHeadMoE`` is replaced by its local-size twin (this rank's heads only), and
+the checkpoint shards reach diffusers' per-shard loader through
+:class:`~diffusers_magi2.parallel.ep_loading.RowShardedShards`, which cuts the six EP-sharded tensors of each
+MoE layer (:data:`EP_SHARDED_SUFFIXES`) to this rank's rows. So no rank ever allocates the other ranks'
+experts. ``enable_expert_parallel`` does the same to a model already in memory.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch.nn as nn
+
+from ..moe.layer import Magi2MultiHeadMoE
+from ..parallel.ep_loading import RowShard, RowShardedShards
+from ..parallel.expert_parallel import (
+    Magi2ExpertParallelConfig,
+    Magi2ExpertParallelGroup,
+    check_same_on_all_ranks,
+    resolve_expert_parallel,
+    warn_if_idle,
+)
+from ..utils.safetensors_io import check_safetensors_file, read_index
+
+__all__ = ["EP_SHARDED_SUFFIXES", "ExpertParallelLoaderMixin", "apply_expert_parallel"]
+
+#: names (relative to a ``Magi2MultiHeadMoE``) of the tensors split across EP ranks along dim 0.
+EP_SHARDED_SUFFIXES = Magi2MultiHeadMoE._EP_SHARDED_KEYS
+
+# the EP group of the from_pretrained call in progress (read by the _load_pretrained_model hook)
+_LOADING_EP_GROUP: contextvars.ContextVar[Optional[Magi2ExpertParallelGroup]] = contextvars.ContextVar(
+    "magi2_loading_ep_group", default=None
+)
+
+
+def _moe_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Magi2MultiHeadMoE)]
+
+
+def _swap_in_local_moes(model: nn.Module, ep: Magi2ExpertParallelGroup) -> dict[str, nn.Module]:
+    """Replace every MoE layer by a twin holding only this rank's heads (parameters on meta); ``{path: old}``."""
+    from accelerate import init_empty_weights
+
+    old = {}
+    for name, moe in _moe_modules(model):
+        with init_empty_weights(include_buffers=False):
+            local = type(moe)(moe.config, ep_group=ep.group, ep_rank=ep.rank, ep_size=ep.size)
+        local.train(moe.training)
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, local)
+        old[name] = moe
+    if old:
+        warn_if_idle(model.get_submodule(next(iter(old))).ep_layout)  # the first layer's head layout
+    return old
+
+
+def _public_config(model: nn.Module) -> dict:
+    """The model's config without diffusers' private ``_*`` entries (e.g. the load path)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return {"class": type(model).__name__}
+    return {k: v for k, v in dict(cfg).items() if not k.startswith("_")}
+
+
+def apply_expert_parallel(model: nn.Module, config: Magi2ExpertParallelConfig) -> nn.Module:
+    """Shard an in-memory model's routed experts over the EP group; returns ``model``.
+
+    Every ``Magi2MultiHeadMoE`` is replaced by a twin that owns only this rank's heads, filled from this rank's
+    rows of the full tensors (zero rows for padded heads); the full tensors are released. All ranks must call it
+    with the same model config (checked with one ``all_gather_object``).
+
+    Raises:
+        ValueError: EP set-up errors (see ``resolve_expert_parallel``), ranks disagreeing on the config, a model
+            without MoE layer, or one already sharded.
+    """
+    ep = resolve_expert_parallel(config)
+    moes = _moe_modules(model)
+    if not moes:
+        raise ValueError(f"{type(model).__name__} has no Magi2MultiHeadMoE layer to shard")
+    if any(getattr(m, "ep_size", 1) != 1 for _, m in moes):
+        raise ValueError("expert parallelism is already enabled on this model")
+    check_same_on_all_ranks(_public_config(model), ep, "transformer config")
+    if ep.size == 1:
+        return model
+    for name, full in _swap_in_local_moes(model, ep).items():
+        local = model.get_submodule(name)
+        full_sd = full.state_dict()
+        new_sd = {}
+        for key, t in local.state_dict(keep_vars=True).items():
+            src = local.ep_slice(full_sd[key]) if key in EP_SHARDED_SUFFIXES else full_sd[key]
+            new_sd[key] = src.detach().clone().to(t.dtype)
+        local.load_state_dict(new_sd, strict=True, assign=True)
+        requires_grad = {n: p.requires_grad for n, p in full.named_parameters()}
+        for n, p in local.named_parameters():
+            p.requires_grad_(requires_grad.get(n, False))
+    return model
+
+
+def _check_load_kwargs(kwargs: dict) -> None:
+    """Reject what an expert-parallel load cannot do; ``device=`` becomes ``device_map=`` (one device per rank)."""
+    device = kwargs.pop("device", None)
+    if device is not None:
+        if kwargs.get("device_map") is not None:
+            raise ValueError("pass either device or device_map, not both")
+        kwargs["device_map"] = device
+    device_map = kwargs.get("device_map")
+    if isinstance(device_map, dict) or device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
+        raise ValueError(
+            f"expert-parallel loading places every tensor on one device per rank; got device_map={device_map!r}"
+        )
+    if kwargs.get("low_cpu_mem_usage", True) is False:
+        raise ValueError("expert-parallel loading is always low-memory (meta init); low_cpu_mem_usage=False is not supported")
+    for unsupported in ("parallel_config", "quantization_config", "use_flashpack"):
+        if kwargs.get(unsupported):
+            raise ValueError(f"from_pretrained(expert_parallel=...) does not support {unsupported}")
+
+
+def _check_local_shards(pretrained_model_name_or_path: Union[str, os.PathLike], kwargs: dict) -> None:
+    """Name a missing, truncated or corrupt shard of a local checkpoint before any model is built (a Hub id is
+    left to diffusers' download)."""
+    from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, _add_variant
+
+    folder = Path(pretrained_model_name_or_path) / (kwargs.get("subfolder") or "")
+    index_name = _add_variant(SAFE_WEIGHTS_INDEX_NAME, kwargs.get("variant"))
+    single_name = _add_variant(SAFETENSORS_WEIGHTS_NAME, kwargs.get("variant"))
+    if not ((folder / index_name).is_file() or (folder / single_name).is_file()):
+        return  # a Hub id, or a folder without safetensors weights: diffusers says which
+    weight_map = read_index(folder, index_name, single_name)
+    if weight_map is None:
+        check_safetensors_file(folder / single_name)
+    for name in sorted(set((weight_map or {}).values())):
+        check_safetensors_file(folder / name, index=folder / index_name)
+
+
+class ExpertParallelLoaderMixin:
+    """Adds ``expert_parallel=`` to ``from_pretrained`` and ``enable_expert_parallel`` to a MAGI-2 model class.
+
+    List it before ``ModelMixin`` in the bases: its ``from_pretrained`` and ``_load_pretrained_model`` wrap
+    diffusers' own.
+    """
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Union[str, os.PathLike], **kwargs: Any):
+        """``ModelMixin.from_pretrained``, plus ``expert_parallel``.
+
+        Args:
+            expert_parallel (:class:`~diffusers_magi2.Magi2ExpertParallelConfig`, *optional*): load only this
+                rank's routed experts (every rank calls it with the same checkpoint and config; checked once,
+                before any tensor is read). ``device`` / ``device_map`` name this rank's single device.
+            **kwargs: as ``ModelMixin.from_pretrained``.
+
+        Raises:
+            ValueError: EP set-up errors (no process group, ``ep_degree`` ≠ world size), ranks disagreeing on the
+                checkpoint or config, missing checkpoint keys, an EP tensor without ``num_heads·num_experts``
+                rows, a missing, truncated or corrupt shard of a local checkpoint (named, before any model is
+                built), a ``device_map`` spanning several devices, ``low_cpu_mem_usage=False``,
+                ``parallel_config`` or ``quantization_config``.
+        """
+        expert_parallel = kwargs.pop("expert_parallel", None)
+        if expert_parallel is None:
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        _check_load_kwargs(kwargs)
+        _check_local_shards(pretrained_model_name_or_path, kwargs)
+        token = _LOADING_EP_GROUP.set(resolve_expert_parallel(expert_parallel))
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        finally:
+            _LOADING_EP_GROUP.reset(token)
+
+    @classmethod
+    def _load_pretrained_model(cls, model, state_dict, resolved_model_file, *args, **kwargs):
+        # diffusers 0.42's per-shard loading step: the hook point (the model is built on meta, the files resolved)
+        ep = _LOADING_EP_GROUP.get()
+        if ep is None:
+            return super()._load_pretrained_model(model, state_dict, resolved_model_file, *args, **kwargs)
+        fingerprint = {
+            "config": _public_config(model),
+            "files": sorted((os.path.basename(f), os.path.getsize(f)) for f in resolved_model_file),
+            "dtype": str(kwargs.get("dtype")),
+        }
+        check_same_on_all_ranks(fingerprint, ep, "checkpoint or config")
+        if ep.size > 1:
+            _swap_in_local_moes(model, ep)
+            plan = {
+                f"{name}.{suffix}": RowShard(
+                    m.local_head_start * m.num_experts, m.local_flatten_num_experts, m.num_heads * m.num_experts
+                )
+                for name, m in _moe_modules(model)
+                for suffix in EP_SHARDED_SUFFIXES
+            }
+            shards = [state_dict] if state_dict is not None else resolved_model_file
+            resolved_model_file, state_dict = RowShardedShards(shards, plan), None
+            kwargs["is_parallel_loading_enabled"] = False  # one shard at a time, this rank's rows only
+        result = super()._load_pretrained_model(model, state_dict, resolved_model_file, *args, **kwargs)
+        missing = sorted(result[1])
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} model keys, e.g. {missing[:5]}")
+        return result
+
+    def enable_expert_parallel(self, config: Magi2ExpertParallelConfig):
+        """Shard the routed experts of this in-memory model over ``config``'s EP group (:func:`apply_expert_parallel`);
+        returns self."""
+        return apply_expert_parallel(self, config)
