@@ -3,17 +3,16 @@
 A model class lists its islands in ``_keep_in_fp32_modules`` (diffusers' attribute). A tensor is an island
 when one component of its dotted name equals a listed entry, the test diffusers' loader applies with
 ``from_pretrained(dtype=...)``: ``"transformer_blocks.3.mlp.moe_mlp.router.expert_bias"`` is an island
-for ``["router"]``, ``"transformer_blocks.3.attention.linear_qkv.weight"`` is not for ``["q"]``. Loading,
-dtype moves, expert-parallel loading and the converter all ask :func:`is_fp32_island`.
+for ``["router"]``, ``"transformer_blocks.3.attention.linear_qkv.weight"`` is not for ``["q"]``. Dtype moves,
+the converter and ``from_original_checkpoint`` ask :func:`is_fp32_island`; ``from_pretrained`` (expert-parallel
+loading included) is diffusers' loader, which applies the same test.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
-
-__all__ = ["fp32_island_dtype", "is_fp32_island"]
+__all__ = ["is_fp32_island"]
 
 
 def is_fp32_island(name: str, keep_in_fp32_modules: Iterable[str] | None) -> bool:
@@ -27,8 +26,3 @@ def is_fp32_island(name: str, keep_in_fp32_modules: Iterable[str] | None) -> boo
         return False
     parts = set(name.split("."))
     return any(module in parts for module in keep_in_fp32_modules)
-
-
-def fp32_island_dtype(name: str, dtype: torch.dtype, keep_in_fp32_modules: Iterable[str] | None) -> torch.dtype:
-    """``torch.float32`` for an island, else ``dtype``: the dtype a floating tensor ``name`` takes under ``dtype``."""
-    return torch.float32 if is_fp32_island(name, keep_in_fp32_modules) else dtype
