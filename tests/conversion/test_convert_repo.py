@@ -303,16 +303,11 @@ def test_model_card_is_rendered_from_the_single_source(full_repo):
 
 
 def test_parameter_count_of_the_released_transformer_renders_as_114b():
-    from diffusers_magi2.conversion.convert_transformer import (
-        TRANSFORMER_TARGETS,
-        build_meta_model,
-        model_class,
-        model_kwargs_from_sandai,
-        resolve_sandai_config,
-    )
+    from diffusers_magi2 import Magi2Transformer3DModel
+    from diffusers_magi2.loaders.original_checkpoint import build_meta_model, original_format
 
-    target = TRANSFORMER_TARGETS["transformer"]
-    model = build_meta_model(model_class(target), model_kwargs_from_sandai(target, resolve_sandai_config(target, None)[0]))
+    fmt = original_format(Magi2Transformer3DModel)
+    model = build_meta_model(Magi2Transformer3DModel, fmt.model_kwargs(fmt.resolve_config(None)[0]))
     assert format_parameter_count(sum(p.numel() for p in model.parameters())) == "114B"
     assert [format_parameter_count(n) for n in (1_234_567, 45_600, 999_999, 999, 0)] == ["1.23M", "45.6K", "1M", "999", "0"]
 
