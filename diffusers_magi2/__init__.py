@@ -23,7 +23,8 @@ __version__ = "0.1.0.dev0"
 from .models.transformer_magi2 import Magi2Transformer3DModel, Magi2TransformerOutput
 from .models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel, Magi2RefinerTransformerOutput
 from .models.turbo_vae import Magi2TurboVAEDecoder
-from .moe.experts import swiglu7_pair, torch_mh_moe_forward
+from .moe.activation import swiglu7
+from .moe.experts import torch_mh_moe_forward
 from .moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from .moe.routing import compute_topk_probs_and_indices, global_sort_routes
 from .parallel.expert_parallel import Magi2ExpertParallelConfig
@@ -45,7 +46,7 @@ __all__ = [
     "compute_topk_probs_and_indices",
     "export_to_video_with_audio",
     "global_sort_routes",
-    "swiglu7_pair",
+    "swiglu7",
     "torch_mh_moe_forward",
     "triton_mh_moe_forward",
 ]

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..moe.experts import SWIGLU7_ALPHA, SWIGLU7_LIMIT  # one definition of the swiglu7 constants (re-exported)
+from ..moe.activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT, swiglu7_interleaved  # the one swiglu7 (re-exported)
 
 __all__ = [
     "Modality",
@@ -290,28 +290,3 @@ class Magi2ModalityGroupedLinear(nn.Module):
                 [F.linear(p, wb[m], None if bb is None else bb[m]) for m, p in enumerate(parts)], dim=0
             )
         return y if out_dtype is None else y.to(out_dtype)
-
-
-def swiglu7_interleaved(
-    x: torch.Tensor,
-    alpha: float = SWIGLU7_ALPHA,
-    limit: float = SWIGLU7_LIMIT,
-    out_dtype: Optional[torch.dtype] = None,
-) -> torch.Tensor:
-    """swiglu7 on a fused, **interleaved** gate/linear projection (SandAI ``swiglu7``).
-
-    ``x`` ``[..., 2I]``: even columns are the gate (glu) half, odd columns the linear half.
-    ``glu = min(glu, limit)``, ``lin = clamp(lin, -limit, limit)``,
-    ``out = glu * sigmoid(alpha * glu) * (lin + 1)`` computed in fp32 and returned as
-    ``out_dtype`` (default: input dtype), shape ``[..., I]``.
-
-    Raises:
-        ValueError: if the last dim is odd.
-    """
-    if x.shape[-1] % 2:
-        raise ValueError(f"swiglu7_interleaved needs an even last dim, got {x.shape[-1]}")
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    t = x.float()
-    glu = t[..., 0::2].clamp(max=limit)
-    lin = t[..., 1::2].clamp(min=-limit, max=limit)
-    return (glu * torch.sigmoid(alpha * glu) * (lin + 1.0)).to(out_dtype)

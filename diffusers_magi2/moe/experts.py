@@ -1,72 +1,29 @@
-"""Torch twin of the fused multi-head expert kernel: the CPU backend and the oracle for ``experts_triton.py``.
+"""Optimised torch path of the routed-expert compute (the CPU backend), and the expert call as a custom op.
 
-The computation follows SandAI's ``_mh_moe_fwd_kernel`` (``inference/flash_mh_moe/triton/mh_moe_fwd.py``,
-commit ``f68a0f9``) with its rounding points, see ``magi2_reference_spec.md`` §1.11 and §3.4:
+The math is :mod:`diffusers_magi2.moe.reference` (SandAI's ``_mh_moe_fwd_kernel``, ``inference/flash_mh_moe/
+triton/mh_moe_fwd.py``, with its rounding points); this path computes the same bits with a few reused buffers,
+``out=`` GEMMs and the in-place form of :func:`~diffusers_magi2.moe.activation.swiglu7`.
 
-* gate/up GEMMs: inputs in the activation/weight dtype, fp32 accumulation (no rounding of gate/up);
-* swiglu7 in fp32, the result rounded to the ``W_down`` dtype;
-* down GEMM with fp32 accumulation, times the (already ``route_scale``-d) fp32 route weight;
-* rounded to the activation dtype and summed per (token, head) in the activation dtype, in ascending global
-  expert id order (the reference's deterministic scatter order).
+``torch.ops.diffusers_magi2.mh_moe_experts`` is the expert call of ``Magi2MultiHeadMoE``: a
+``torch.library.custom_op`` that runs the torch or the Triton path, with a fake (meta) implementation so that
+``torch.compile(fullgraph=True)`` traces a whole MoE block, and a backward custom op (per-expert torch, for either
+forward backend: there is no Triton backward kernel).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-__all__ = ["swiglu7_pair", "torch_mh_moe_forward"]
+from .activation import swiglu7, swiglu7_backward
+from .reference import expert_route_blocks
 
-SWIGLU7_LIMIT = 7.0
-SWIGLU7_ALPHA = 1.702
+__all__ = ["check_expert_inputs", "mh_moe_experts", "mh_moe_experts_backward", "torch_mh_moe_forward"]
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# 0-dim CPU fp32 constants for the in-place swiglu7 of the no-grad path (usable with tensors on any device, as Python scalars are).
-_ALPHA_FP32 = torch.tensor(SWIGLU7_ALPHA, dtype=torch.float32)
-_ONE_FP32 = torch.tensor(1.0, dtype=torch.float32)
 
 
-def swiglu7_pair(gate: torch.Tensor, up: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """MAGI-2's clamped SwiGLU on separate gate and linear ("up") tensors.
-
-    ``g = min(gate, 7)``, ``u = clamp(up, -7, 7)``, ``out = g * sigmoid(1.702 * g) * (u + 1)``, computed in fp32.
-    The gate is clamped from above only, and the ``+ 1`` on the linear half is part of the model (gpt-oss style),
-    not a bug. Matches SandAI reference ``swiglu7`` / ``_swiglu7_fwd`` (spec §1.8, §3.4).
-
-    Args:
-        gate: gate (glu) half, any float dtype, any shape.
-        up: linear half, same shape as ``gate``.
-        out_dtype: dtype of the result; default: the promoted dtype of ``gate`` and ``up`` (as the reference,
-            which returns the input dtype).
-
-    Returns:
-        Tensor of ``gate``'s shape, rounded once from fp32 to ``out_dtype``.
-
-    Raises:
-        ValueError: shapes differ or an input is not floating point.
-    """
-    if not (isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor)):
-        raise ValueError("gate and up must be tensors")
-    if gate.shape != up.shape:
-        raise ValueError(f"gate and up must have the same shape; got {tuple(gate.shape)} and {tuple(up.shape)}")
-    if not (gate.is_floating_point() and up.is_floating_point()):
-        raise ValueError(f"gate and up must be floating point; got {gate.dtype} and {up.dtype}")
-    if out_dtype is None:
-        out_dtype = torch.promote_types(gate.dtype, up.dtype)
-    g = gate.to(torch.float32).clamp(max=SWIGLU7_LIMIT)
-    u = up.to(torch.float32).clamp(min=-SWIGLU7_LIMIT, max=SWIGLU7_LIMIT)
-    out = g * torch.sigmoid(SWIGLU7_ALPHA * g) * (u + 1.0)
-    return out.to(out_dtype)
-
-
-def check_expert_inputs(
-    x: torch.Tensor,
-    gather_ids: torch.Tensor,
-    probs: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-) -> tuple[int, int, int, int, int]:
+def check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down) -> tuple[int, int, int, int, int]:
     """Validate the arguments shared by the torch and Triton expert paths (no host synchronisation).
 
     Returns:
@@ -125,27 +82,13 @@ def check_expert_inputs(
 
 
 def torch_mh_moe_forward(
-    x: torch.Tensor,
-    gather_ids: torch.Tensor,
-    probs: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-) -> torch.Tensor:
-    """Routed-expert compute of MAGI-2's multi-head MoE in plain torch (one loop over the flat expert bank).
+    x: Tensor, gather_ids: Tensor, probs: Tensor, expert_offsets: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor
+) -> Tensor:
+    """Routed-expert compute of MAGI-2's multi-head MoE in plain torch (differentiable).
 
-    For every route ``r`` of global expert ``g = h*E + e`` (rows ``expert_offsets[g]:expert_offsets[g+1]``), token
-    ``s = gather_ids[r]`` and weight ``p = probs[r]``:
-    ``y[s, h] += cast_act(p * (cast_w(swiglu7(x[s,h] @ W_gate[g], x[s,h] @ W_up[g])) @ W_down[g]))``
-    with fp32 GEMM accumulation, summed in the activation dtype in ascending ``g``. Equals SandAI's
-    ``_mh_moe_fwd_kernel`` with its deterministic scatter (spec §3.4; fixtures README, "flash_mh_moe Triton
-    forward"). bf16 weights are upcast per expert slice (exact), so gate/up are *not* rounded to bf16.
-
-    Two code paths compute the same bits: without autograd (``torch.no_grad()`` or no input requiring grad) every
-    temporary lives in a few reused buffers and swiglu7 runs in place; with autograd the same operations run
-    out of place so that backward works. Both reduce a head's route rows per token with
-    :func:`_sum_head_routes_` (ascending expert id, rounded to the activation dtype after every add).
+    Computes :func:`~diffusers_magi2.moe.reference.reference_mh_moe_forward` with fp32 GEMM accumulation, summed
+    in the activation dtype in ascending global expert id; bf16 weights are upcast per expert (exact), so gate/up
+    are not rounded to bf16. Runs as ``torch.ops.diffusers_magi2.mh_moe_experts`` with ``backend="torch"``.
 
     Args:
         x: ``[S, H, Dh]`` activations, fp32/bf16/fp16.
@@ -163,10 +106,14 @@ def torch_mh_moe_forward(
         ValueError: bad shapes, dtypes or devices (see ``check_expert_inputs``), or offsets that do not end at
             ``T`` or decrease.
     """
-    num_tokens, num_heads, head_dim, num_experts, _ = check_expert_inputs(
-        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down
-    )
-    offsets = expert_offsets.tolist()  # one host sync; this is the CPU/oracle path
+    return mh_moe_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, "torch", False)
+
+
+def _torch_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down) -> torch.Tensor:
+    """The torch backend of :func:`mh_moe_experts` (inputs already checked; no autograd)."""
+    num_tokens, num_heads = x.shape[:2]
+    num_experts = w_gate.shape[0] // num_heads
+    offsets = expert_offsets.tolist()  # one host sync; this is the CPU path
     num_routes = gather_ids.numel()
     if offsets[0] != 0 or offsets[-1] != num_routes or any(b < a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(
@@ -180,9 +127,7 @@ def torch_mh_moe_forward(
     head_counts = [counts[h * num_experts : (h + 1) * num_experts] for h in range(num_heads)]
     token_ids = gather_ids.to(torch.int64)
     route_probs = probs.to(torch.float32).unsqueeze(1)
-    track_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, probs, w_gate, w_up, w_down))
-    run = _forward_autograd if track_grad else _forward_inference
-    return run(x, token_ids, route_probs, offsets, head_counts, w_gate, w_up, w_down)
+    return _forward_inference(x, token_ids, route_probs, offsets, head_counts, w_gate, w_up, w_down)
 
 
 def _forward_inference(
@@ -195,12 +140,12 @@ def _forward_inference(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
 ) -> torch.Tensor:
-    """:func:`torch_mh_moe_forward` without autograd: reused buffers, ``out=`` GEMMs, in-place swiglu7.
+    """Reused buffers, ``out=`` GEMMs, in-place swiglu7.
 
     Per head: one gather of its routed rows (upcast once to fp32), then per expert the gate/up GEMMs and swiglu7 in
-    two small buffers that stay cache-resident (:func:`_expert_swiglu7_into_`), the down GEMM straight into its
-    rows of the head's fp32 block, scaled there by the route weights; the block is rounded to the activation dtype
-    and reduced per token (:func:`_sum_head_routes_`). No allocation depends on the number of experts.
+    two small buffers that stay cache-resident, the down GEMM straight into its rows of the head's fp32 block,
+    scaled there by the route weights; the block is rounded to the activation dtype and reduced per token
+    (:func:`_sum_head_routes_`). No allocation depends on the number of experts.
     """
     num_tokens, num_heads, head_dim = x.shape
     num_experts, expert_dim = len(head_counts[0]), w_gate.shape[2]
@@ -210,8 +155,8 @@ def _forward_inference(
     max_block = max(sum(c) for c in head_counts)
     max_rows = max(max(c) for c in head_counts)
     x_rows = torch.empty(max_block, head_dim, dtype=f32, device=x.device)  # gathered rows of one head, fp32
-    scratch_buf, hidden_buf = torch.empty(2, max_rows, expert_dim, dtype=f32, device=x.device).unbind(0)
-    expert_temps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    expert_bufs = torch.empty(2, max_rows, expert_dim, dtype=f32, device=x.device).unbind(0)  # gate/up, hidden
+    expert_temps: dict[int, tuple[torch.Tensor, ...]] = {}
     down_rows = torch.empty(max_block, head_dim, dtype=f32, device=x.device)  # one head's route rows, CSR order
     head_sum = torch.empty(num_tokens, head_dim, dtype=x.dtype, device=x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -235,15 +180,18 @@ def _forward_inference(
             if rows == 0:
                 continue
             temps = expert_temps.get(rows)
-            if temps is None:  # views of the two expert buffers, sliced once per distinct expert size
-                temps = expert_temps[rows] = (scratch_buf[:rows], hidden_buf[:rows])
+            if temps is None:  # views of the expert buffers, sliced once per distinct expert size
+                temps = expert_temps[rows] = tuple(buf[:rows] for buf in expert_bufs)
             g = head * num_experts + e
             wg, wu, wd = w_gate_rows[g], w_up_rows[g], w_down_rows[g]
             if upcast_weights:  # per-expert upcast (exact); the bank itself is never copied
                 wg, wu, wd = wg.float(), wu.float(), wd.float()
             # gate/up with fp32 accumulation, swiglu7 in fp32, rounded to the W_down dtype, down in fp32, x prob
             # (while the rows are still in cache)
-            hidden = _expert_swiglu7_into_(x_parts[e], wg, wu, *temps)
+            scratch, hidden_buf = temps
+            xs = x_parts[e]
+            # the up GEMM reuses the gate's buffer once swiglu7 has consumed the gate half
+            hidden = swiglu7(torch.mm(xs, wg, out=scratch), lambda: torch.mm(xs, wu, out=scratch), out=hidden_buf)
             if round_hidden:
                 hidden = hidden.to(w_down.dtype).float()
             torch.mm(hidden, wd, out=down_parts[e]).mul_(prob_parts[e])
@@ -251,66 +199,6 @@ def _forward_inference(
         _sum_head_routes_(head_sum, contrib, tokens)
         out[:, head].copy_(head_sum)
     return out
-
-
-def _forward_autograd(
-    x: torch.Tensor,
-    token_ids: torch.Tensor,
-    route_probs: torch.Tensor,
-    offsets: list[int],
-    head_counts: list[list[int]],
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`torch_mh_moe_forward` under autograd: the operations of :func:`_forward_inference`, out of place."""
-    num_tokens, num_heads, head_dim = x.shape
-    num_experts = len(head_counts[0])
-    upcast_weights = w_gate.dtype != torch.float32
-    round_hidden = w_down.dtype != torch.float32
-    heads = []
-    for head, counts in enumerate(head_counts):
-        base = offsets[head * num_experts]
-        block = sum(counts)
-        head_out = x.new_zeros(num_tokens, head_dim)
-        if block:
-            tokens = token_ids[base : base + block]
-            x_parts = x[:, head].index_select(0, tokens).float().split(counts)
-            parts = []
-            for e, rows in enumerate(counts):
-                if rows == 0:
-                    continue
-                g = head * num_experts + e
-                wg, wu, wd = w_gate[g], w_up[g], w_down[g]
-                if upcast_weights:
-                    wg, wu, wd = wg.float(), wu.float(), wd.float()
-                hidden = swiglu7_pair(torch.mm(x_parts[e], wg), torch.mm(x_parts[e], wu))
-                if round_hidden:
-                    hidden = hidden.to(w_down.dtype).float()
-                parts.append(torch.mm(hidden, wd))
-            contrib = (torch.cat(parts) * route_probs[base : base + block]).to(x.dtype)
-            _sum_head_routes_(head_out, contrib, tokens)  # in place on a fresh tensor: autograd records it
-        heads.append(head_out)
-    return torch.stack(heads, dim=1)
-
-
-def _expert_swiglu7_into_(
-    xs: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, scratch: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """``swiglu7_pair(xs @ wg, xs @ wu)`` for one expert's fp32 rows, written to ``out``, bit-identical.
-
-    ``xs [n, Dh]``, ``wg``/``wu [Dh, De]`` fp32; ``scratch`` and ``out`` are ``[n, De]`` fp32 buffers (``scratch``
-    is clobbered). The operations and their order per element are those of :func:`swiglu7_pair`: ``g = min(gate,
-    7)``, ``sigmoid(1.702 * g) * g``, then times ``clamp(up, -7, 7) + 1`` (fp32 multiplication commutes exactly).
-    Only the schedule differs: the gate half is finished before the up GEMM, so the up GEMM reuses the gate's
-    buffer and one expert needs two ``[n, De]`` buffers instead of three (they stay in cache; measured ~7% faster
-    on the CPU benchmark shape). The constants are fp32 0-dim tensors (the same fp32 values a Python float becomes),
-    which spares the per-call wrapping of a Python scalar.
-    """
-    gate = torch.mm(xs, wg, out=scratch).clamp_(max=SWIGLU7_LIMIT)
-    hidden = torch.mul(gate, _ALPHA_FP32, out=out).sigmoid_().mul_(gate)
-    up = torch.mm(xs, wu, out=scratch)  # the gate values are no longer needed
-    return hidden.mul_(up.clamp_(min=-SWIGLU7_LIMIT, max=SWIGLU7_LIMIT).add_(_ONE_FP32))
 
 
 def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -326,8 +214,6 @@ def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: tor
     * otherwise (bf16/fp16, whose CPU ``index_add_`` accumulates in fp32 and rounds once, or CUDA): the rows are
       laid out per token (stable sort by token) and added column by column: with top-k routing every token owns
       exactly ``k`` routes of the head and ``k - 1`` adds reduce them. Any other CSR falls back to ``index_add_``.
-
-    ``out_head`` may be a fresh tensor under autograd (the in-place ops are recorded).
     """
     if contrib.dtype == torch.float32 and contrib.device.type == "cpu":
         out_head.zero_().index_add_(0, tokens, contrib)
@@ -344,3 +230,80 @@ def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: tor
                 out_head.add_(rows[:, j])
             return
     out_head.zero_().index_add_(0, tokens, contrib)
+
+
+# --------------------------------------------------------------------------------------------- the custom op
+
+
+@torch.library.custom_op("diffusers_magi2::mh_moe_experts", mutates_args=())
+def mh_moe_experts(
+    x: Tensor, gather_ids: Tensor, probs: Tensor, expert_offsets: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+    backend: str, deterministic: bool,
+) -> Tensor:
+    """The expert call with a concrete ``backend`` (``"torch"`` or ``"triton"``); other arguments as
+    :func:`torch_mh_moe_forward`, ``deterministic`` as ``triton_mh_moe_forward`` (Triton only).
+
+    Raises:
+        ValueError: an unknown backend, or the chosen path's input errors.
+    """
+    if backend == "torch":
+        check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down)
+        return _torch_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down)
+    if backend == "triton":
+        from . import experts_triton  # Triton is imported on first use
+
+        return experts_triton.triton_mh_moe_forward(
+            x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, deterministic=deterministic
+        )
+    raise ValueError(f"mh_moe_experts backend must be 'torch' or 'triton'; got {backend!r}")
+
+
+@mh_moe_experts.register_fake
+def _mh_moe_experts_fake(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, backend, deterministic):
+    check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("diffusers_magi2::mh_moe_experts_backward", mutates_args=())
+def mh_moe_experts_backward(
+    grad_out: Tensor, x: Tensor, gather_ids: Tensor, probs: Tensor, expert_offsets: Tensor,
+    w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients ``(x, probs, w_gate, w_up, w_down)`` of the expert call (of the reference's formula), per expert."""
+    f32 = torch.float32
+    grad_x = torch.zeros(x.shape, dtype=f32, device=x.device)
+    grad_probs = torch.zeros(probs.shape, dtype=f32, device=x.device)
+    grad_w = [torch.zeros(w.shape, dtype=f32, device=x.device) for w in (w_gate, w_up, w_down)]
+    for g, head, routes, tokens, rows in expert_route_blocks(x, gather_ids, expert_offsets, w_gate.shape[0]):
+        wg, wu, wd = w_gate[g].float(), w_up[g].float(), w_down[g].float()
+        gate, up = rows @ wg, rows @ wu
+        hidden = swiglu7(gate, up).to(w_down.dtype).float()
+        grad_contrib = grad_out[tokens, head].float()
+        grad_probs[routes] = (grad_contrib * (hidden @ wd)).sum(1)
+        grad_down = grad_contrib * probs[routes, None].float()
+        grad_w[2][g] = hidden.T @ grad_down
+        grad_gate, grad_up = swiglu7_backward(gate, up, grad_down @ wd.T)
+        grad_w[0][g] = rows.T @ grad_gate
+        grad_w[1][g] = rows.T @ grad_up
+        grad_x[tokens, head] += grad_gate @ wg.T + grad_up @ wu.T
+    grads = (grad_x.to(x.dtype), grad_probs.to(probs.dtype))
+    return grads + tuple(gw.to(w.dtype) for gw, w in zip(grad_w, (w_gate, w_up, w_down)))
+
+
+@mh_moe_experts_backward.register_fake
+def _mh_moe_experts_backward_fake(grad_out, x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down):
+    return tuple(torch.empty_like(t) for t in (x, probs, w_gate, w_up, w_down))
+
+
+def _mh_moe_experts_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:7])
+
+
+def _mh_moe_experts_backward(ctx, grad_out):
+    x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down = ctx.saved_tensors
+    grads = mh_moe_experts_backward(grad_out, x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down)
+    grad_x, grad_probs, grad_wg, grad_wu, grad_wd = grads
+    return grad_x, None, grad_probs, None, grad_wg, grad_wu, grad_wd, None, None
+
+
+mh_moe_experts.register_autograd(_mh_moe_experts_backward, setup_context=_mh_moe_experts_setup_context)

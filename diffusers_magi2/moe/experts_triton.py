@@ -3,7 +3,7 @@
 One program per (flat expert, tile of ``BLOCK_T`` routes): gather the tile's token rows of its head, gate and up
 GEMMs with fp32 accumulation, swiglu7 in fp32, round to the ``W_down`` dtype, down GEMM with fp32 accumulation,
 multiply by the route weight, round to the activation dtype and scatter-add into ``[S, H, Dh]``. The rounding
-points follow SandAI's ``_mh_moe_fwd_kernel`` (spec §3.4); the math is ours.
+points follow SandAI's ``_mh_moe_fwd_kernel``; the math is ours.
 
 Modes:
 
@@ -27,10 +27,12 @@ from pathlib import Path
 
 import torch
 import triton
+from torch import Tensor
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .experts import SWIGLU7_ALPHA, SWIGLU7_LIMIT, check_expert_inputs
+from .activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT
+from .experts import check_expert_inputs
 
 __all__ = ["triton_mh_moe_forward", "check_triton_dims", "TileConfig"]
 
@@ -83,6 +85,14 @@ def _round_to(x, ptr_dtype_src, MODE: tl.constexpr):
 
 
 @triton.jit
+def _swiglu7(gate, up, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """:func:`diffusers_magi2.moe.activation.swiglu7` on fp32 tiles, its constants passed as ``constexpr``."""
+    g = tl.minimum(gate, LIMIT)
+    u = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    return g * tl.sigmoid(ALPHA * g) * (u + 1.0)
+
+
+@triton.jit
 def _mh_moe_fwd_kernel(
     # pointers
     x_ptr,  # [S, H, Dh] activations
@@ -124,6 +134,8 @@ def _mh_moe_fwd_kernel(
     HID_ROUND: tl.constexpr,
     OUT_ROUND: tl.constexpr,
     DETERMINISTIC: tl.constexpr,
+    SWIGLU_LIMIT: tl.constexpr,
+    SWIGLU_ALPHA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     total_tiles = tl.load(tile_offsets_ptr + NUM_FLAT)
@@ -173,11 +185,7 @@ def _mh_moe_fwd_kernel(
                 wu = wu.to(tl.float32)
             gate = tl.dot(xt, wg, gate, input_precision="ieee")
             up = tl.dot(xt, wu, up, input_precision="ieee")
-        # swiglu7 in fp32: min(gate, 7) * sigmoid(1.702 * min(gate, 7)) * (clamp(up, -7, 7) + 1)
-        gate = tl.minimum(gate, 7.0)
-        up = tl.minimum(tl.maximum(up, -7.0), 7.0)
-        hid = gate * tl.sigmoid(1.702 * gate) * (up + 1.0)
-        hid = _round_to(hid, w_down_ptr, HID_ROUND)
+        hid = _round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), w_down_ptr, HID_ROUND)
         wd = tl.load(
             wd_base + cols_n[:, None] * stride_wd_n + cols_out[None, :] * stride_wd_k,
             mask=nmask[:, None] & out_mask[None, :],
@@ -197,7 +205,7 @@ def _mh_moe_fwd_kernel(
         tl.atomic_add(dst, contrib, mask=store_mask, sem="relaxed")
 
 
-# --------------------------------------------------------------------------------------------------- launching
+# ------------------------------------------------------------------------------------- tile-config selection
 
 _CANDIDATES_CACHE: dict[str, list[TileConfig]] = {}
 _CHOSEN: dict[tuple, TileConfig] = {}
@@ -219,8 +227,26 @@ def tile_candidates(device_key: str) -> list[TileConfig]:
     return _CANDIDATES_CACHE[device_key]
 
 
+def _tile_configs_to_try(device_key: str, cache_key: tuple) -> list[TileConfig]:
+    """The device's candidates in order, starting at the one that last launched for ``cache_key``."""
+    candidates = tile_candidates(device_key)
+    chosen = _CHOSEN.get(cache_key)
+    return candidates[candidates.index(chosen) :] if chosen in candidates else candidates
+
+
+# -------------------------------------------------------------------------------------------------- launch
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _rounding_mode(dtype: torch.dtype, native_ok: bool) -> int:
+    if dtype == torch.float32:
+        return _KEEP
+    if native_ok:
+        return _NATIVE
+    return _EMU_BF16 if dtype == torch.bfloat16 else _EMU_FP16
 
 
 def _launch(config: TileConfig, grid: int, args: tuple, constants: dict) -> None:
@@ -236,25 +262,74 @@ def _launch(config: TileConfig, grid: int, args: tuple, constants: dict) -> None
     )
 
 
-def _rounding_mode(dtype: torch.dtype, native_ok: bool) -> int:
-    if dtype == torch.float32:
-        return _KEEP
-    if native_ok:
-        return _NATIVE
-    return _EMU_BF16 if dtype == torch.bfloat16 else _EMU_FP16
+def _launch_tiles(
+    configs: list[TileConfig], offsets: torch.Tensor, num_routes: int, on_host: bool, make_args, constants: dict
+) -> TileConfig:
+    """Launch with the first config that fits the device and return it.
+
+    ``make_args(tile_offsets)`` builds the kernel's positional arguments; ``tile_offsets [H*E+1]`` are the
+    cumulative per-expert tile counts for the config's ``block_t``. A config that raises ``OutOfResources`` (at
+    compile/launch time, before anything is enqueued) is skipped; any other error propagates.
+
+    Raises:
+        ValueError: ``configs`` is empty.
+        triton.runtime.errors.OutOfResources: no config fits.
+    """
+    counts = offsets[1:] - offsets[:-1]
+    num_flat = counts.numel()
+    last_error: OutOfResources | None = None
+    for config in configs:
+        tiles = torch.div(counts + (config.block_t - 1), config.block_t, rounding_mode="floor")
+        tile_offsets = torch.cat([tiles.new_zeros(1), torch.cumsum(tiles, 0)]).to(torch.int32)
+        if on_host:  # the interpreter is already on the host: launch exactly the real tiles
+            grid = int(tile_offsets[-1])
+        else:  # static upper bound: no host sync
+            grid = num_routes // config.block_t + min(num_flat, num_routes)
+        try:
+            _launch(config, max(grid, 1), make_args(tile_offsets), constants)
+        except OutOfResources as err:
+            last_error = err
+            continue
+        return config
+    if last_error is None:
+        raise ValueError(f"no tile candidates in {_CONFIG_FILE}")
+    raise last_error
+
+
+# ------------------------------------------------------------------------------------ deterministic reduce
+
+
+def _route_destinations(offsets: torch.Tensor, gather_ids: torch.Tensor, num_experts: int, num_tokens: int):
+    """Row of each route in the per-route output: grouped by (head, token), in CSR (= ascending expert) order."""
+    num_routes = gather_ids.numel()
+    route = torch.arange(num_routes, device=gather_ids.device, dtype=torch.int64)
+    flat = torch.searchsorted(offsets, route, right=True) - 1
+    key = torch.div(flat, num_experts, rounding_mode="floor") * num_tokens + gather_ids.to(torch.int64)
+    order = torch.sort(key, stable=True).indices
+    dest = torch.empty_like(order)
+    dest[order] = route
+    return dest
+
+
+def _deterministic_reduce(rows: torch.Tensor, num_heads: int, num_tokens: int, act_dtype: torch.dtype):
+    """``[T, Dh]`` per-route rows (laid out by :func:`_route_destinations`) -> ``[S, H, Dh]``: the ``k`` rows of
+    each (token, head) summed in ascending expert id, rounded to the activation dtype after every add."""
+    top_k = rows.shape[0] // (num_tokens * num_heads)
+    rows = rows.to(act_dtype).view(num_heads, num_tokens, top_k, rows.shape[1])
+    total = rows[:, :, 0]
+    for j in range(1, top_k):
+        total = total + rows[:, :, j]
+    return total.permute(1, 0, 2).contiguous()
+
+
+# ------------------------------------------------------------------------------------------------- forward
 
 
 def triton_mh_moe_forward(
-    x: torch.Tensor,
-    gather_ids: torch.Tensor,
-    probs: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
+    x: Tensor, gather_ids: Tensor, probs: Tensor, expert_offsets: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
     *,
     deterministic: bool = False,
-) -> torch.Tensor:
+) -> Tensor:
     """Fused routed-expert compute; same contract as :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward`.
 
     Args:
@@ -299,36 +374,23 @@ def triton_mh_moe_forward(
     if num_routes == 0 or num_tokens == 0:
         return torch.zeros_like(x, memory_format=torch.contiguous_format)
 
-    device = x.device
-    act_dtype = x.dtype
+    device, act_dtype = x.device, x.dtype
     # The interpreter mishandles bf16 (dot on raw bits, truncating casts, no atomics): upcast its tiles and emulate
     # the roundings. Mixed activation/weight dtypes are upcast too (tl.dot needs equal operand dtypes).
     interp_bf16 = INTERPRET and torch.bfloat16 in (act_dtype, w_gate.dtype)
     upcast = interp_bf16 or act_dtype != w_gate.dtype
-    hid_round = _rounding_mode(w_down.dtype, native_ok=not upcast)
     native = not (INTERPRET and act_dtype == torch.bfloat16)  # output rounding/atomics in the activation dtype
-    out_round = _rounding_mode(act_dtype, native_ok=native)
     offsets = expert_offsets.to(torch.int64)
-    probs32 = probs.to(torch.float32)
-
+    # Rows are rounded in-kernel; interpreted bf16 keeps them in fp32 storage (the later cast is exact).
+    out_dtype = act_dtype if native else torch.float32
     if deterministic:
-        # Destination of each route: grouped by (head, token), inside a group in CSR (= ascending expert) order.
-        route = torch.arange(num_routes, device=device, dtype=torch.int64)
-        flat = torch.searchsorted(offsets, route, right=True) - 1
-        key = torch.div(flat, num_experts, rounding_mode="floor") * num_tokens + gather_ids.to(torch.int64)
-        order = torch.sort(key, stable=True).indices
-        dest = torch.empty_like(order)
-        dest[order] = route
-        # Rows are rounded in-kernel; interpreted bf16 keeps them in fp32 storage (the later cast is exact).
-        out_dtype = act_dtype if native else torch.float32
+        dest = _route_destinations(offsets, gather_ids, num_experts, num_tokens)
         out = torch.empty(num_routes, head_dim, device=device, dtype=out_dtype)
         stride_os, stride_oh = 0, 0
     else:
         dest = gather_ids  # unused
-        out_dtype = act_dtype if native else torch.float32
         out = torch.zeros(num_tokens, num_heads, head_dim, device=device, dtype=out_dtype)
         stride_os, stride_oh = out.stride(0), out.stride(1)
-
     constants = dict(
         HEAD_DIM=head_dim,
         EXPERT_DIM=expert_dim,
@@ -337,60 +399,22 @@ def triton_mh_moe_forward(
         LOG2_FLAT=max(1, (num_flat - 1).bit_length()),
         DH_PAD=_next_pow2(head_dim),
         UPCAST=upcast,
-        HID_ROUND=hid_round,
-        OUT_ROUND=out_round,
+        HID_ROUND=_rounding_mode(w_down.dtype, native_ok=not upcast),
+        OUT_ROUND=_rounding_mode(act_dtype, native_ok=native),
         DETERMINISTIC=deterministic,
+        SWIGLU_LIMIT=SWIGLU7_LIMIT,
+        SWIGLU_ALPHA=SWIGLU7_ALPHA,
     )
-    counts = offsets[1:] - offsets[:-1]
+    probs32 = probs.to(torch.float32)
+    strides = (x.stride(0), x.stride(1), *w_gate.stride(), *w_up.stride(), *w_down.stride(), stride_os, stride_oh)
+
+    def make_args(tile_offsets: torch.Tensor) -> tuple:
+        return (x, w_gate, w_up, w_down, gather_ids, probs32, offsets, tile_offsets, dest, out, *strides)
+
     device_key = _device_key(device)
     cache_key = (device_key, head_dim, expert_dim, act_dtype, w_gate.dtype, deterministic)
-    candidates = tile_candidates(device_key)
-    chosen = _CHOSEN.get(cache_key)
-    start = candidates.index(chosen) if chosen in candidates else 0
-    last_error: OutOfResources | None = None
-    for config in candidates[start:]:
-        tiles = torch.div(counts + (config.block_t - 1), config.block_t, rounding_mode="floor")
-        tile_offsets = torch.cat([tiles.new_zeros(1), torch.cumsum(tiles, 0)]).to(torch.int32)
-        if x.is_cuda:  # static upper bound: no host sync
-            grid = num_routes // config.block_t + min(num_flat, num_routes)
-        else:  # the interpreter is already on the host; launch exactly the real tiles
-            grid = int(tile_offsets[-1])
-        args = (
-            x,
-            w_gate,
-            w_up,
-            w_down,
-            gather_ids,
-            probs32,
-            offsets,
-            tile_offsets,
-            dest,
-            out,
-            x.stride(0),
-            x.stride(1),
-            *w_gate.stride(),
-            *w_up.stride(),
-            *w_down.stride(),
-            stride_os,
-            stride_oh,
-        )
-        try:
-            _launch(config, max(grid, 1), args, constants)
-        except OutOfResources as err:  # raised at compile/launch time, before anything is enqueued
-            last_error = err
-            continue
-        _CHOSEN[cache_key] = config
-        break
-    else:
-        if last_error is None:
-            raise ValueError(f"no tile candidates for device {device_key!r} in {_CONFIG_FILE}")
-        raise last_error
-
+    configs = _tile_configs_to_try(device_key, cache_key)
+    _CHOSEN[cache_key] = _launch_tiles(configs, offsets, num_routes, not x.is_cuda, make_args, constants)
     if deterministic:
-        k = num_routes // (num_tokens * num_heads)
-        rows = out.to(act_dtype).view(num_heads, num_tokens, k, head_dim)
-        total = rows[:, :, 0]
-        for j in range(1, k):
-            total = total + rows[:, :, j]  # rounded in the activation dtype after every add, as the reference
-        return total.permute(1, 0, 2).contiguous()
+        return _deterministic_reduce(out, num_heads, num_tokens, act_dtype)
     return out.to(act_dtype)

@@ -1,8 +1,8 @@
 """``Magi2MultiHeadMoE``: the routed-expert core of a MAGI-2 MoE layer, ready for expert parallelism (EP).
 
 The module owns the router weight ``gate``, the expert banks ``W_gate``/``W_up``/``W_down`` and the two router
-biases under the released checkpoint names and layouts (SandAI ``CoreMultiHeadMoE``, commit ``f68a0f9``;
-``magi2_reference_spec.md`` §2, §3). The surrounding ``split_linear``/``merge_linear`` and shared experts belong
+biases under the released checkpoint names and layouts (SandAI ``CoreMultiHeadMoE``, commit ``f68a0f9``).
+The surrounding ``split_linear``/``merge_linear`` and shared experts belong
 to the transformer. ``forward`` = split heads -> (EP dispatch) -> :meth:`forward_local_heads`
 (route + experts) -> (EP undispatch) -> merge heads.
 """
@@ -17,13 +17,13 @@ from torch import nn
 
 from ..parallel.ep_loading import take_rows
 from ..parallel.expert_parallel import ep_head_layout, expert_parallel_heads_forward
+from ..utils.backends import check_backend, resolve_backend
 from ..utils.dtype_utils import parse_dtype
-from .experts import torch_mh_moe_forward
+from .experts import mh_moe_experts
 from .routing import compute_topk_probs_and_indices, global_sort_routes
 
 __all__ = ["Magi2MultiHeadMoEConfig", "Magi2MultiHeadMoE"]
 
-_BACKENDS = ("auto", "torch", "triton")
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -117,7 +117,7 @@ class Magi2MultiHeadMoE(nn.Module):
 
     Flat expert row ``h_local*E + e`` belongs to global head ``local_head_start + h_local``.
 
-    Expert-parallel bookkeeping for EP size ``N`` (SandAI ``ep_dispatch`` layout, spec §3.6):
+    Expert-parallel bookkeeping for EP size ``N`` (SandAI ``ep_dispatch`` layout):
     ``padded_num_heads = ceil(H/N)*N``, ``local_num_heads = padded_num_heads // N``,
     ``local_head_start = ep_rank * local_num_heads``, ``ep_pad_heads = padded_num_heads - H``,
     ``local_real_num_heads`` (real heads among the local ones), ``has_real_moe_heads``
@@ -216,8 +216,9 @@ class Magi2MultiHeadMoE(nn.Module):
 
         Args:
             backend: ``"torch"`` (loop over experts, any device), ``"triton"`` (fused kernel: CUDA tensors, or CPU
-                tensors when the process runs with ``TRITON_INTERPRET=1``) or ``"auto"`` (Triton for CUDA tensors,
-                torch otherwise). Nothing is read from the environment inside ``forward``.
+                tensors when the process runs with ``TRITON_INTERPRET=1``) or ``"auto"``, resolved per call by
+                the ``moe_experts`` row of :mod:`diffusers_magi2.utils.backends` (Triton for CUDA tensors, torch
+                otherwise). Nothing is read from the environment inside ``forward``.
             deterministic: Triton only: write per-route rows without atomics and reduce them in ascending global
                 expert id order, bit-identical across runs (the torch backend is always deterministic).
 
@@ -225,8 +226,7 @@ class Magi2MultiHeadMoE(nn.Module):
             ValueError: unknown backend, or ``"triton"`` with ``Dh``/``De`` not multiples of 16.
             ImportError: ``"triton"`` requested but Triton cannot be imported.
         """
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}; got {backend!r}")
+        check_backend("moe_experts", backend)
         if not isinstance(deterministic, bool):
             raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
         if backend == "triton":
@@ -412,26 +412,11 @@ class Magi2MultiHeadMoE(nn.Module):
         out[:, :num_real] = y
         return out
 
-    def run_experts(
-        self,
-        x: torch.Tensor,
-        gather_ids: torch.Tensor,
-        probs: torch.Tensor,
-        expert_offsets: torch.Tensor,
-        w_gate: torch.Tensor,
-        w_up: torch.Tensor,
-        w_down: torch.Tensor,
-    ) -> torch.Tensor:
+    def run_experts(self, x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down) -> torch.Tensor:
         """Expert compute with the backend chosen by :meth:`set_backend` (arguments as ``torch_mh_moe_forward``)."""
-        backend = self._backend
-        if backend == "auto":
-            backend = "triton" if x.is_cuda else "torch"
-        if backend == "torch":
-            return torch_mh_moe_forward(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down)
-        from .experts_triton import triton_mh_moe_forward
-
-        return triton_mh_moe_forward(
-            x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, deterministic=self._deterministic
+        backend = resolve_backend("moe_experts", self._backend, x.device)
+        return mh_moe_experts(
+            x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, backend, self._deterministic
         )
 
     def extra_repr(self) -> str:

@@ -1,7 +1,7 @@
 """Per-head top-k routing and the CSR route layout of MAGI-2's multi-head MoE (pure torch).
 
 Both functions follow SandAI's reference (``inference/flash_mh_moe``: ``compute_topk_probs_and_indices`` and
-``flash_mh_moe_global_sort``, commit ``f68a0f9``); see ``magi2_reference_spec.md`` §3.2-§3.3. Neither function
+``flash_mh_moe_global_sort``, commit ``f68a0f9``). Neither function
 synchronises with the host, so both can run inside a CUDA graph or ``torch.compile``.
 """
 

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from diffusers_magi2.moe.experts import swiglu7_pair, torch_mh_moe_forward
+from diffusers_magi2.moe.activation import swiglu7
+from diffusers_magi2.moe.experts import torch_mh_moe_forward
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from diffusers_magi2.moe.routing import global_sort_routes
 
@@ -141,7 +142,7 @@ def bench_cuda(token_counts=(4096, 29184), repeats=5) -> dict:
 
             def dense():
                 h = a @ w13
-                swiglu7_pair(h[:, :expert_dim], h[:, expert_dim:], out_dtype=torch.bfloat16) @ w2
+                swiglu7(h[:, :expert_dim], h[:, expert_dim:], out_dtype=torch.bfloat16) @ w2
 
             entry["dense_bf16_gemm_s"] = _best_of(dense, repeats, sync)
             for key in ("triton_atomic", "triton_deterministic", "torch_path", "dense_bf16_gemm"):

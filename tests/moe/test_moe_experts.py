@@ -1,5 +1,4 @@
-"""Torch expert path (`torch_mh_moe_forward`, `swiglu7_pair`) against a plain per-route loop oracle; swiglu7's "+1"
-and clamps."""
+"""Torch expert path (`torch_mh_moe_forward`), `swiglu7` and the loop-over-experts reference (the oracle)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,9 @@ import math
 import pytest
 import torch
 
-from diffusers_magi2.moe.experts import swiglu7_pair, torch_mh_moe_forward
+from diffusers_magi2.moe.activation import swiglu7, swiglu7_backward, swiglu7_interleaved
+from diffusers_magi2.moe.experts import torch_mh_moe_forward
+from diffusers_magi2.moe.reference import reference_mh_moe_forward
 from diffusers_magi2.moe.routing import compute_topk_probs_and_indices, global_sort_routes
 
 
@@ -20,23 +21,9 @@ def swiglu7_scalar(g: float, u: float) -> float:
 
 
 def loop_oracle(x, top_probs, top_idx, w_gate, w_up, w_down):
-    """One (token, head) at a time; contributions summed in the activation dtype in ascending expert id."""
-    num_tokens, num_heads, head_dim = x.shape
-    num_experts = w_gate.shape[0] // num_heads
-    out = torch.zeros_like(x)
-    for s in range(num_tokens):
-        for h in range(num_heads):
-            acc = torch.zeros(head_dim, dtype=x.dtype)
-            for j in sorted(range(top_idx.shape[-1]), key=lambda j: int(top_idx[h, s, j])):
-                g = h * num_experts + int(top_idx[h, s, j])
-                xv = x[s, h].double()
-                gate = (xv @ w_gate[g].double()).float()
-                up = (xv @ w_up[g].double()).float()
-                hid = swiglu7_pair(gate, up).to(w_down.dtype)
-                down = (hid.double() @ w_down[g].double()).float()
-                acc = acc + (down * top_probs[h, s, j]).to(x.dtype)
-            out[s, h] = acc
-    return out
+    """The package's reference on the CSR layout of the given top-k routes."""
+    return reference_mh_moe_forward(x, *global_sort_routes(top_probs, top_idx, w_gate.shape[0] // x.shape[1]),
+                                    w_gate, w_up, w_down)
 
 
 def random_case(num_tokens, num_heads, num_experts, top_k, head_dim, expert_dim, dtype, seed=0, scale=4.9):
@@ -77,11 +64,11 @@ def test_torch_path_empty_experts_zero_tokens_and_untouched_heads() -> None:
     assert empty.shape == (0, 2, 16)
 
 
-def test_swiglu7_pair_known_values() -> None:
+def test_swiglu7_known_values() -> None:
     """The "+1" on the linear half, the one-sided gate clamp and the ±7 linear clamp."""
     gate = torch.tensor([1.0, 10.0, -10.0])
     up = torch.tensor([0.0, 10.0, -10.0])
-    out = swiglu7_pair(gate, up)
+    out = swiglu7(gate, up)
     torch.testing.assert_close(out[:2], torch.tensor([0.845796, 55.99963]), atol=1e-5, rtol=0)
     torch.testing.assert_close(out[2], torch.tensor(2.43e-6), atol=0, rtol=5e-3)
     ref = torch.tensor([swiglu7_scalar(float(g), float(u)) for g, u in zip(gate, up)])
@@ -89,8 +76,8 @@ def test_swiglu7_pair_known_values() -> None:
     # A "standard SwiGLU" (no +1) would give 0 for (1, 0): guard against the "correction".
     assert out[0] > 0.8
     # dtype rules: input dtype by default, fp32 math, one rounding.
-    assert swiglu7_pair(gate.bfloat16(), up.bfloat16()).dtype == torch.bfloat16
-    assert swiglu7_pair(gate, up, out_dtype=torch.bfloat16).equal(out.bfloat16())
+    assert swiglu7(gate.bfloat16(), up.bfloat16()).dtype == torch.bfloat16
+    assert swiglu7(gate, up, out_dtype=torch.bfloat16).equal(out.bfloat16())
 
 
 def unit_swiglu_layer(gate_vals, up_vals, dtype=torch.float32):
@@ -169,3 +156,31 @@ def test_torch_path_is_differentiable() -> None:
         grads.append([t.grad for t in leaves])
     for got, ref in zip(*grads):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu7_forms_agree_bit_for_bit(dtype: torch.dtype) -> None:
+    """In-place (``out=``) and interleaved forms compute the out-of-place form's bits; the backward is autograd's."""
+    gen = torch.Generator().manual_seed(4)
+    gate = (torch.randn(64, 40, generator=gen) * 6).to(dtype)
+    up = (torch.randn(64, 40, generator=gen) * 6).to(dtype)
+    ref = swiglu7(gate, up, out_dtype=torch.float32)
+    inplace = swiglu7(gate.float().clone(), up.float().clone(), out=torch.empty(64, 40))
+    assert torch.equal(inplace, ref)
+    fused = torch.stack([gate, up], dim=-1).flatten(-2)  # even columns gate, odd columns linear
+    assert torch.equal(swiglu7_interleaved(fused, out_dtype=torch.float32), ref)
+    assert swiglu7_interleaved(fused).dtype == dtype
+    leaves = [gate.float().requires_grad_(True), up.float().requires_grad_(True)]
+    grad = torch.randn(64, 40, generator=gen)
+    expected = torch.autograd.grad(swiglu7(*leaves), leaves, grad)
+    for got, want in zip(swiglu7_backward(gate, up, grad), expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_swiglu7_bad_input() -> None:
+    with pytest.raises(ValueError, match="same shape"):
+        swiglu7(torch.zeros(2, 3), torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="in place on fp32"):
+        swiglu7(torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(2, 3, dtype=torch.bfloat16), out=torch.empty(2, 3))
+    with pytest.raises(ValueError, match="even last dim"):
+        swiglu7_interleaved(torch.zeros(2, 3))

@@ -1,6 +1,6 @@
 """GPU-only MoE checks at the released size (skipped without CUDA): the Triton kernel against the torch path,
-deterministic bit-identity, no bank repack (memory rise of a second call) and the per-device tile fallback (a
-FULL-size layer runs with it)."""
+deterministic bit-identity, no bank repack (memory rise of a second call) and a FULL-size layer running with
+the per-device tile fallback)."""
 
 from __future__ import annotations
 

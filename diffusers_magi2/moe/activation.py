@@ -1,0 +1,103 @@
+"""swiglu7, MAGI-2's clamped SwiGLU: the one definition used by the experts, the dense MLPs and (through its
+constants) the Triton kernel.
+
+With ``g = min(gate, 7)`` and ``u = clamp(up, -7, 7)``:
+
+    swiglu7(gate, up) = g * sigmoid(1.702 * g) * (u + 1),
+
+computed in fp32. The gate is clamped from above only, and the ``+ 1`` on the linear half is part of the model
+(gpt-oss style), not a bug. Matches SandAI's ``swiglu7`` (``inference/model/magi2_preview.py``) and
+``_swiglu7_fwd``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+
+__all__ = ["SWIGLU7_ALPHA", "SWIGLU7_LIMIT", "swiglu7", "swiglu7_backward", "swiglu7_interleaved"]
+
+SWIGLU7_LIMIT = 7.0
+SWIGLU7_ALPHA = 1.702
+
+# 0-dim fp32 constants for the in-place form (the same fp32 values a Python float becomes; no per-call wrapping).
+_ALPHA_FP32 = torch.tensor(SWIGLU7_ALPHA, dtype=torch.float32)
+_ONE_FP32 = torch.tensor(1.0, dtype=torch.float32)
+
+
+def swiglu7(
+    gate: torch.Tensor,
+    up: Union[torch.Tensor, Callable[[], torch.Tensor]],
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """swiglu7 on separate gate and linear ("up") halves.
+
+    Args:
+        gate: gate (glu) half, any float dtype, any shape.
+        up: linear half, same shape as ``gate``; with ``out=`` it may also be a callable returning it, called once
+            the gate half is done, so that it can compute the linear half into ``gate``'s buffer (one buffer less
+            for the CPU expert loop, which keeps its buffers cache-resident).
+        out_dtype: dtype of the result; default: the promoted dtype of ``gate`` and ``up``.
+        out: optional fp32 buffer of ``gate``'s shape for the in-place form (no autograd): ``gate`` and ``up``
+            must then be fp32, are used as scratch (overwritten), and the result is written to ``out``. The
+            operations and their order per element are those of the out-of-place form, so the bits are equal.
+
+    Returns:
+        Tensor of ``gate``'s shape, rounded once from fp32 to ``out_dtype`` (``out`` itself with ``out=``).
+
+    Raises:
+        ValueError: shapes differ, an input is not floating point, or ``out=`` with non-fp32 tensors or a
+            non-fp32 ``out_dtype``.
+    """
+    if out is not None:
+        if gate.dtype != torch.float32 or out.dtype != torch.float32 or out_dtype not in (None, torch.float32):
+            raise ValueError("swiglu7(out=...) computes in place on fp32 gate, up and out")
+        g = gate.clamp_(max=SWIGLU7_LIMIT)
+        hidden = torch.mul(g, _ALPHA_FP32, out=out).sigmoid_().mul_(g)
+        up = up() if callable(up) else up
+        if up.dtype != torch.float32 or up.shape != hidden.shape:
+            raise ValueError("swiglu7(out=...) computes in place on fp32 gate, up and out of one shape")
+        return hidden.mul_(up.clamp_(min=-SWIGLU7_LIMIT, max=SWIGLU7_LIMIT).add_(_ONE_FP32))
+    if not (isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor)):
+        raise ValueError("gate and up must be tensors")
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape; got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if not (gate.is_floating_point() and up.is_floating_point()):
+        raise ValueError(f"gate and up must be floating point; got {gate.dtype} and {up.dtype}")
+    if out_dtype is None:
+        out_dtype = torch.promote_types(gate.dtype, up.dtype)
+    g = gate.to(torch.float32).clamp(max=SWIGLU7_LIMIT)
+    u = up.to(torch.float32).clamp(min=-SWIGLU7_LIMIT, max=SWIGLU7_LIMIT)
+    return (g * torch.sigmoid(SWIGLU7_ALPHA * g) * (u + 1.0)).to(out_dtype)
+
+
+def swiglu7_interleaved(x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """:func:`swiglu7` on a fused projection ``[..., 2I]`` whose even columns are the gate half and odd columns
+    the linear half (SandAI's layout); returns ``[..., I]`` in ``out_dtype`` (default ``x.dtype``).
+
+    Raises:
+        ValueError: the last dim is odd.
+    """
+    if x.shape[-1] % 2:
+        raise ValueError(f"swiglu7_interleaved needs an even last dim, got {x.shape[-1]}")
+    return swiglu7(x[..., 0::2], x[..., 1::2], out_dtype=x.dtype if out_dtype is None else out_dtype)
+
+
+def swiglu7_backward(
+    gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients ``(d gate, d up)`` of :func:`swiglu7` for the output gradient ``grad``, in fp32.
+
+    With ``s = sigmoid(1.702 g)``: ``d/dg [g s] = s (1 + 1.702 g (1 - s))``; each clamp passes the gradient where
+    its input lies inside the clamp range (boundaries included, as torch's ``clamp``).
+    """
+    gate, up, grad = gate.to(torch.float32), up.to(torch.float32), grad.to(torch.float32)
+    g = gate.clamp(max=SWIGLU7_LIMIT)
+    u = up.clamp(min=-SWIGLU7_LIMIT, max=SWIGLU7_LIMIT)
+    s = torch.sigmoid(SWIGLU7_ALPHA * g)
+    d_gate = grad * (u + 1.0) * s * (1.0 + SWIGLU7_ALPHA * g * (1.0 - s)) * (gate <= SWIGLU7_LIMIT)
+    d_up = grad * g * s * ((up >= -SWIGLU7_LIMIT) & (up <= SWIGLU7_LIMIT))
+    return d_gate, d_up

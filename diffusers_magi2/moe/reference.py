@@ -1,0 +1,44 @@
+"""Loop-over-experts reference of the routed-expert compute: the oracle of the torch and Triton paths.
+
+For every route ``r`` of global expert ``g = h*E + e`` (rows ``expert_offsets[g]:expert_offsets[g+1]``), with token
+``s = gather_ids[r]`` and weight ``p = probs[r]``:
+
+    y[s, h] += cast_act(p * (cast_w(swiglu7(x[s,h] @ W_gate[g], x[s,h] @ W_up[g])) @ W_down[g]))
+
+GEMMs accumulate in fp32; ``cast_w`` rounds to the ``W_down`` dtype, ``cast_act`` to the activation dtype, and
+the sum runs in the activation dtype in ascending ``g`` (SandAI ``_mh_moe_fwd_kernel`` with its deterministic
+scatter). Written for clarity, not speed; differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .activation import swiglu7
+
+__all__ = ["expert_route_blocks", "reference_mh_moe_forward"]
+
+
+def expert_route_blocks(x, gather_ids, expert_offsets, num_flat: int):
+    """Yield ``(g, head, routes, tokens, rows)`` for every non-empty expert ``g`` in ascending order: its route
+    slice, token ids and fp32 input rows ``x[tokens, head]``."""
+    num_experts = num_flat // x.shape[1]
+    offsets = expert_offsets.tolist()
+    for g in range(num_flat):
+        if offsets[g] == offsets[g + 1]:
+            continue
+        head = g // num_experts
+        routes = slice(offsets[g], offsets[g + 1])
+        tokens = gather_ids[routes].long()
+        yield g, head, routes, tokens, x[tokens, head].float()
+
+
+def reference_mh_moe_forward(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down) -> torch.Tensor:
+    """The formula of the module docstring; arguments and result as
+    :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward` (no input checks)."""
+    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    for g, head, routes, tokens, rows in expert_route_blocks(x, gather_ids, expert_offsets, w_gate.shape[0]):
+        hidden = swiglu7(rows @ w_gate[g].float(), rows @ w_up[g].float()).to(w_down.dtype)
+        down = (hidden.float() @ w_down[g].float()) * probs[routes, None].float()
+        out[tokens, head] = out[tokens, head] + down.to(x.dtype)
+    return out
