@@ -12,19 +12,47 @@ forward backend: there is no Triton backward kernel).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from .activation import swiglu7, swiglu7_backward
-from .reference import expert_route_blocks
+from .quantize import FP8_DTYPE, dequantize_expert
+from .reference import expert_route_blocks, hidden_dtype
 
 __all__ = ["check_expert_inputs", "mh_moe_experts", "mh_moe_experts_backward", "torch_mh_moe_forward"]
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_WEIGHT_DTYPES = _ACT_DTYPES + (FP8_DTYPE,)
+_SCALE_NAMES = ("w_gate_scale", "w_up_scale", "w_down_scale")
 
 
-def check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down) -> tuple[int, int, int, int, int]:
+def _check_scales(w_gate: Tensor, scales, gate_shape: tuple, down_shape: tuple) -> None:
+    """FP8 weights need their three fp32 scales (``[H*E, De]``, ``[H*E, De]``, ``[H*E, Dh]``); others none."""
+    if w_gate.dtype != FP8_DTYPE:
+        if scales is not None and any(s is not None for s in scales):
+            raise ValueError(f"scales are only used with {FP8_DTYPE} experts; the weights are {w_gate.dtype}")
+        return
+    if scales is None or len(scales) != 3:
+        raise ValueError(f"{FP8_DTYPE} experts need scales=(w_gate_scale, w_up_scale, w_down_scale)")
+    for name, scale, shape in zip(_SCALE_NAMES, scales, (gate_shape, gate_shape, down_shape)):
+        if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != shape or scale.dtype != torch.float32:
+            raise ValueError(
+                f"{name} must be a float32 tensor of shape {list(shape)}; got "
+                f"{getattr(scale, 'dtype', type(scale))} {tuple(getattr(scale, 'shape', ()))}"
+            )
+        if scale.device != w_gate.device:
+            raise ValueError(f"{name} is on {scale.device} but the weights are on {w_gate.device}")
+
+
+def check_expert_inputs(
+    x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales=None
+) -> tuple[int, int, int, int, int]:
     """Validate the arguments shared by the torch and Triton expert paths (no host synchronisation).
+
+    ``scales`` is ``None`` for bf16/fp16/fp32 experts and ``(w_gate_scale, w_up_scale, w_down_scale)`` for FP8
+    experts (:mod:`diffusers_magi2.moe.quantize`).
 
     Returns:
         ``(S, H, Dh, E, De)``.
@@ -40,8 +68,8 @@ def check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_do
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not isinstance(w, torch.Tensor) or w.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor; got {tuple(getattr(w, 'shape', ()))}")
-        if w.dtype not in _ACT_DTYPES:
-            raise ValueError(f"{name} dtype must be one of {_ACT_DTYPES}; got {w.dtype}")
+        if w.dtype not in _WEIGHT_DTYPES:
+            raise ValueError(f"{name} dtype must be one of {_WEIGHT_DTYPES}; got {w.dtype}")
         if w.device != x.device:
             raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
     if w_up.shape != w_gate.shape or w_up.dtype != w_gate.dtype:
@@ -78,17 +106,27 @@ def check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_do
     for name, t in (("gather_ids", gather_ids), ("probs", probs), ("expert_offsets", expert_offsets)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    _check_scales(w_gate, scales, (flat_experts, expert_dim), (flat_experts, head_dim))
     return num_tokens, num_heads, head_dim, flat_experts // num_heads, expert_dim
 
 
 def torch_mh_moe_forward(
-    x: Tensor, gather_ids: Tensor, probs: Tensor, expert_offsets: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor
+    x: Tensor,
+    gather_ids: Tensor,
+    probs: Tensor,
+    expert_offsets: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    *,
+    scales: Optional[tuple[Tensor, Tensor, Tensor]] = None,
 ) -> Tensor:
     """Routed-expert compute of MAGI-2's multi-head MoE in plain torch (differentiable).
 
     Computes :func:`~diffusers_magi2.moe.reference.reference_mh_moe_forward` with fp32 GEMM accumulation, summed
     in the activation dtype in ascending global expert id; bf16 weights are upcast per expert (exact), so gate/up
-    are not rounded to bf16. Runs as ``torch.ops.diffusers_magi2.mh_moe_experts`` with ``backend="torch"``.
+    are not rounded to bf16, and FP8 weights are dequantized per expert (never the whole bank). Runs as
+    ``torch.ops.diffusers_magi2.mh_moe_experts`` with ``backend="torch"``.
 
     Args:
         x: ``[S, H, Dh]`` activations, fp32/bf16/fp16.
@@ -97,7 +135,9 @@ def torch_mh_moe_forward(
         expert_offsets: ``[H*E + 1]`` int CSR offsets.
         w_gate: ``[H*E, Dh, De]``; used as ``x @ W``.
         w_up: ``[H*E, Dh, De]``.
-        w_down: ``[H*E, De, Dh]``.
+        w_down: ``[H*E, De, Dh]``. The three weights are fp32/bf16/fp16, or ``float8_e4m3fn`` with ``scales``.
+        scales: FP8 only: ``(w_gate_scale [H*E, De], w_up_scale [H*E, De], w_down_scale [H*E, Dh])`` float32
+            (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`).
 
     Returns:
         ``[S, H, Dh]`` in ``x.dtype``; heads/tokens without routes are zero.
@@ -106,10 +146,11 @@ def torch_mh_moe_forward(
         ValueError: bad shapes, dtypes or devices (see ``check_expert_inputs``), or offsets that do not end at
             ``T`` or decrease.
     """
-    return mh_moe_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, "torch", False)
+    sg, su, sd = (None, None, None) if scales is None else scales
+    return mh_moe_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, sg, su, sd, "torch", False)
 
 
-def _torch_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down) -> torch.Tensor:
+def _torch_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales=None) -> torch.Tensor:
     """The torch backend of :func:`mh_moe_experts` (inputs already checked; no autograd)."""
     num_tokens, num_heads = x.shape[:2]
     num_experts = w_gate.shape[0] // num_heads
@@ -127,7 +168,7 @@ def _torch_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down) -
     head_counts = [counts[h * num_experts : (h + 1) * num_experts] for h in range(num_heads)]
     token_ids = gather_ids.to(torch.int64)
     route_probs = probs.to(torch.float32).unsqueeze(1)
-    return _forward_inference(x, token_ids, route_probs, offsets, head_counts, w_gate, w_up, w_down)
+    return _forward_inference(x, token_ids, route_probs, offsets, head_counts, (w_gate, w_up, w_down), scales)
 
 
 def _forward_inference(
@@ -136,9 +177,8 @@ def _forward_inference(
     route_probs: torch.Tensor,
     offsets: list[int],
     head_counts: list[list[int]],
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
+    weights: tuple[Tensor, Tensor, Tensor],
+    scales: Optional[tuple[Tensor, Tensor, Tensor]],
 ) -> torch.Tensor:
     """Reused buffers, ``out=`` GEMMs, in-place swiglu7.
 
@@ -148,10 +188,11 @@ def _forward_inference(
     (:func:`_sum_head_routes_`). No allocation depends on the number of experts.
     """
     num_tokens, num_heads, head_dim = x.shape
+    w_gate, w_up, w_down = weights
     num_experts, expert_dim = len(head_counts[0]), w_gate.shape[2]
     f32 = torch.float32
     upcast_weights = w_gate.dtype != f32
-    round_hidden = w_down.dtype != f32
+    round_to = hidden_dtype(w_down.dtype, x.dtype)
     max_block = max(sum(c) for c in head_counts)
     max_rows = max(max(c) for c in head_counts)
     x_rows = torch.empty(max_block, head_dim, dtype=f32, device=x.device)  # gathered rows of one head, fp32
@@ -161,7 +202,8 @@ def _forward_inference(
     head_sum = torch.empty(num_tokens, head_dim, dtype=x.dtype, device=x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     # Per-expert weight views once (tuple indexing in the loop costs no torch dispatch).
-    w_gate_rows, w_up_rows, w_down_rows = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
+    weight_rows = [w.unbind(0) for w in weights]
+    scale_rows = [(None,) * w_gate.shape[0]] * 3 if scales is None else [s.unbind(0) for s in scales]
     for head, counts in enumerate(head_counts):
         base = offsets[head * num_experts]
         block = sum(counts)
@@ -183,17 +225,17 @@ def _forward_inference(
             if temps is None:  # views of the expert buffers, sliced once per distinct expert size
                 temps = expert_temps[rows] = tuple(buf[:rows] for buf in expert_bufs)
             g = head * num_experts + e
-            wg, wu, wd = w_gate_rows[g], w_up_rows[g], w_down_rows[g]
-            if upcast_weights:  # per-expert upcast (exact); the bank itself is never copied
-                wg, wu, wd = wg.float(), wu.float(), wd.float()
-            # gate/up with fp32 accumulation, swiglu7 in fp32, rounded to the W_down dtype, down in fp32, x prob
+            wg, wu, wd = (w[g] for w in weight_rows)
+            if upcast_weights:  # per-expert upcast (exact) or FP8 dequantization; never the whole bank
+                wg, wu, wd = (dequantize_expert(w, s[g]) for w, s in zip((wg, wu, wd), scale_rows))
+            # gate/up with fp32 accumulation, swiglu7 in fp32, rounded to the hidden dtype, down in fp32, x prob
             # (while the rows are still in cache)
             scratch, hidden_buf = temps
             xs = x_parts[e]
             # the up GEMM reuses the gate's buffer once swiglu7 has consumed the gate half
             hidden = swiglu7(torch.mm(xs, wg, out=scratch), lambda: torch.mm(xs, wu, out=scratch), out=hidden_buf)
-            if round_hidden:
-                hidden = hidden.to(w_down.dtype).float()
+            if round_to != f32:
+                hidden = hidden.to(round_to).float()
             torch.mm(hidden, wd, out=down_parts[e]).mul_(prob_parts[e])
         contrib = down_rows[:block].to(x.dtype)  # rounded to the activation dtype (no-op in fp32)
         _sum_head_routes_(head_sum, contrib, tokens)
@@ -238,29 +280,32 @@ def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: tor
 @torch.library.custom_op("diffusers_magi2::mh_moe_experts", mutates_args=())
 def mh_moe_experts(
     x: Tensor, gather_ids: Tensor, probs: Tensor, expert_offsets: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+    w_gate_scale: Optional[Tensor], w_up_scale: Optional[Tensor], w_down_scale: Optional[Tensor],
     backend: str, deterministic: bool,
 ) -> Tensor:
     """The expert call with a concrete ``backend`` (``"torch"`` or ``"triton"``); other arguments as
-    :func:`torch_mh_moe_forward`, ``deterministic`` as ``triton_mh_moe_forward`` (Triton only).
+    :func:`torch_mh_moe_forward` (the three scales ``None`` unless the experts are FP8), ``deterministic`` as
+    ``triton_mh_moe_forward`` (Triton only).
 
     Raises:
         ValueError: an unknown backend, or the chosen path's input errors.
     """
+    scales = _scales(w_gate_scale, w_up_scale, w_down_scale)
     if backend == "torch":
-        check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down)
-        return _torch_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down)
+        check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales)
+        return _torch_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales)
     if backend == "triton":
         from . import experts_triton  # Triton is imported on first use
 
         return experts_triton.triton_mh_moe_forward(
-            x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, deterministic=deterministic
+            x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales=scales, deterministic=deterministic
         )
     raise ValueError(f"mh_moe_experts backend must be 'torch' or 'triton'; got {backend!r}")
 
 
 @mh_moe_experts.register_fake
-def _mh_moe_experts_fake(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, backend, deterministic):
-    check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down)
+def _mh_moe_experts_fake(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, sg, su, sd, backend, det):
+    check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, _scales(sg, su, sd))
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
@@ -268,16 +313,22 @@ def _mh_moe_experts_fake(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_d
 def mh_moe_experts_backward(
     grad_out: Tensor, x: Tensor, gather_ids: Tensor, probs: Tensor, expert_offsets: Tensor,
     w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+    w_gate_scale: Optional[Tensor], w_up_scale: Optional[Tensor], w_down_scale: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients ``(x, probs, w_gate, w_up, w_down)`` of the expert call (of the reference's formula), per expert."""
+    """Gradients ``(x, probs, w_gate, w_up, w_down)`` of the expert call (of the reference's formula), per expert.
+
+    With FP8 experts the weight gradients are those of the dequantized weights, in fp32 (FP8 weights are frozen).
+    """
+    scales = (w_gate_scale, w_up_scale, w_down_scale)
+    weights = (w_gate, w_up, w_down)
     f32 = torch.float32
     grad_x = torch.zeros(x.shape, dtype=f32, device=x.device)
     grad_probs = torch.zeros(probs.shape, dtype=f32, device=x.device)
     grad_w = [torch.zeros(w.shape, dtype=f32, device=x.device) for w in (w_gate, w_up, w_down)]
     for g, head, routes, tokens, rows in expert_route_blocks(x, gather_ids, expert_offsets, w_gate.shape[0]):
-        wg, wu, wd = w_gate[g].float(), w_up[g].float(), w_down[g].float()
+        wg, wu, wd = (dequantize_expert(w[g], None if s is None else s[g]) for w, s in zip(weights, scales))
         gate, up = rows @ wg, rows @ wu
-        hidden = swiglu7(gate, up).to(w_down.dtype).float()
+        hidden = swiglu7(gate, up).to(hidden_dtype(w_down.dtype, x.dtype)).float()
         grad_contrib = grad_out[tokens, head].float()
         grad_probs[routes] = (grad_contrib * (hidden @ wd)).sum(1)
         grad_down = grad_contrib * probs[routes, None].float()
@@ -287,23 +338,32 @@ def mh_moe_experts_backward(
         grad_w[1][g] = rows.T @ grad_up
         grad_x[tokens, head] += grad_gate @ wg.T + grad_up @ wu.T
     grads = (grad_x.to(x.dtype), grad_probs.to(probs.dtype))
-    return grads + tuple(gw.to(w.dtype) for gw, w in zip(grad_w, (w_gate, w_up, w_down)))
+    return grads + tuple(gw.to(_grad_dtype(w)) for gw, w in zip(grad_w, weights))
 
 
 @mh_moe_experts_backward.register_fake
-def _mh_moe_experts_backward_fake(grad_out, x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down):
-    return tuple(torch.empty_like(t) for t in (x, probs, w_gate, w_up, w_down))
+def _mh_moe_experts_backward_fake(grad_out, x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, sg, su, sd):
+    return tuple(torch.empty_like(t, dtype=_grad_dtype(t)) for t in (x, probs, w_gate, w_up, w_down))
+
+
+def _grad_dtype(t: Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype == FP8_DTYPE else t.dtype
+
+
+def _scales(*scales: Optional[Tensor]) -> Optional[tuple[Tensor, ...]]:
+    return None if all(s is None for s in scales) else scales
 
 
 def _mh_moe_experts_setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[:7])
+    ctx.save_for_backward(*inputs[:10])
 
 
 def _mh_moe_experts_backward(ctx, grad_out):
-    x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down = ctx.saved_tensors
-    grads = mh_moe_experts_backward(grad_out, x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down)
-    grad_x, grad_probs, grad_wg, grad_wu, grad_wd = grads
-    return grad_x, None, grad_probs, None, grad_wg, grad_wu, grad_wd, None, None
+    grads = mh_moe_experts_backward(grad_out, *ctx.saved_tensors)
+    grad_x, grad_probs, grad_wg, grad_wu, grad_wd = (
+        grad if needed else None for grad, needed in zip(grads, [ctx.needs_input_grad[i] for i in (0, 2, 4, 5, 6)])
+    )
+    return grad_x, None, grad_probs, None, grad_wg, grad_wu, grad_wd, None, None, None, None, None
 
 
 mh_moe_experts.register_autograd(_mh_moe_experts_backward, setup_context=_mh_moe_experts_setup_context)

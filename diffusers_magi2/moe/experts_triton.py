@@ -24,6 +24,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import triton
@@ -33,8 +34,10 @@ from triton.runtime.errors import OutOfResources
 
 from .activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT
 from .experts import check_expert_inputs
+from .quantize import FP8_DTYPE
+from .reference import hidden_dtype
 
-__all__ = ["triton_mh_moe_forward", "check_triton_dims", "TileConfig"]
+__all__ = ["triton_mh_moe_forward", "check_fp8_device", "check_triton_dims", "TileConfig"]
 
 #: Whether kernels run in Triton's CPU interpreter (fixed at import, as ``@triton.jit`` reads it then).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -55,6 +58,18 @@ class TileConfig:
     block_de: int
     num_warps: int
     num_stages: int
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Raise ``ValueError`` if the kernel cannot run FP8 experts on ``device`` (CUDA below compute capability 8.9;
+    the interpreter handles FP8)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"FP8 (float8_e4m3fn) experts need a GPU with compute capability >= 8.9 for the Triton kernel; {name} "
+            "has less. Load the experts in bf16 (expert_dtype=None) on this GPU."
+        )
 
 
 def check_triton_dims(head_dim: int, expert_dim: int) -> None:
@@ -105,6 +120,9 @@ def _mh_moe_fwd_kernel(
     tile_offsets_ptr,  # [H*E+1] int32 cumulative tile counts
     dest_ptr,  # [T] int64 destination row per route (deterministic mode only)
     out_ptr,  # atomic: [S, H, Dh]; deterministic: [T, Dh]
+    sg_ptr,  # FP8 only: [H*E, De] fp32 W_gate scales (contiguous)
+    su_ptr,  # FP8 only: [H*E, De] fp32 W_up scales
+    sd_ptr,  # FP8 only: [H*E, Dh] fp32 W_down scales
     # strides (elements)
     stride_xs,
     stride_xh,
@@ -131,6 +149,7 @@ def _mh_moe_fwd_kernel(
     BLOCK_DE: tl.constexpr,
     DH_PAD: tl.constexpr,
     UPCAST: tl.constexpr,
+    W_FP8: tl.constexpr,
     HID_ROUND: tl.constexpr,
     OUT_ROUND: tl.constexpr,
     DETERMINISTIC: tl.constexpr,
@@ -183,9 +202,17 @@ def _mh_moe_fwd_kernel(
                 xt = xt.to(tl.float32)
                 wg = wg.to(tl.float32)
                 wu = wu.to(tl.float32)
+            if W_FP8:  # e4m3 -> activation dtype is exact; the scale is applied to the accumulator below
+                wg = wg.to(xt.dtype)
+                wu = wu.to(xt.dtype)
             gate = tl.dot(xt, wg, gate, input_precision="ieee")
             up = tl.dot(xt, wu, up, input_precision="ieee")
-        hid = _round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), w_down_ptr, HID_ROUND)
+        if W_FP8:  # per output channel: x @ (q * s) == (x @ q) * s
+            gate = gate * tl.load(sg_ptr + g * EXPERT_DIM + cols_n, mask=nmask, other=0.0)[None, :]
+            up = up * tl.load(su_ptr + g * EXPERT_DIM + cols_n, mask=nmask, other=0.0)[None, :]
+            hid = _round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), x_ptr, HID_ROUND)
+        else:
+            hid = _round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), w_down_ptr, HID_ROUND)
         wd = tl.load(
             wd_base + cols_n[:, None] * stride_wd_n + cols_out[None, :] * stride_wd_k,
             mask=nmask[:, None] & out_mask[None, :],
@@ -193,7 +220,11 @@ def _mh_moe_fwd_kernel(
         )
         if UPCAST:
             wd = wd.to(tl.float32)
+        if W_FP8:
+            wd = wd.to(hid.dtype)
         acc = tl.dot(hid, wd, acc, input_precision="ieee")
+    if W_FP8:
+        acc = acc * tl.load(sd_ptr + g * HEAD_DIM + cols_out, mask=out_mask, other=0.0)[None, :]
 
     contrib = _round_to(acc * prob[:, None], out_ptr, OUT_ROUND)
     store_mask = rmask[:, None] & out_mask[None, :]
@@ -328,9 +359,13 @@ def _deterministic_reduce(rows: torch.Tensor, num_heads: int, num_tokens: int, a
 def triton_mh_moe_forward(
     x: Tensor, gather_ids: Tensor, probs: Tensor, expert_offsets: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
     *,
+    scales: Optional[tuple[Tensor, Tensor, Tensor]] = None,
     deterministic: bool = False,
 ) -> Tensor:
     """Fused routed-expert compute; same contract as :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward`.
+
+    FP8 experts (``float8_e4m3fn`` weights with ``scales``) are loaded as FP8 tiles and converted in registers to
+    the activation dtype (exact); each GEMM's fp32 accumulator is multiplied by its per-output-channel scale.
 
     Args:
         x: ``[S, H, Dh]`` fp32/bf16/fp16 activations (last dim contiguous).
@@ -338,6 +373,7 @@ def triton_mh_moe_forward(
         probs: ``[T]`` float route weights (``route_scale`` applied).
         expert_offsets: ``[H*E + 1]`` int CSR offsets.
         w_gate, w_up: ``[H*E, Dh, De]``; w_down: ``[H*E, De, Dh]`` (any strides).
+        scales: FP8 only, as for the torch path.
         deterministic: write per-route rows without atomics and sum them per (token, head) in ascending global
             expert id order (requires every (token, head) to own the same number of routes, as top-k routing
             gives): bit-identical across runs.
@@ -347,14 +383,18 @@ def triton_mh_moe_forward(
 
     Raises:
         ValueError: bad shapes/dtypes/devices, ``Dh``/``De`` not multiples of 16, CPU tensors without
-            ``TRITON_INTERPRET=1``, or (deterministic) ``T`` not a multiple of ``S*H``.
+            ``TRITON_INTERPRET=1``, FP8 experts on a GPU without FP8 support (compute capability < 8.9), or
+            (deterministic) ``T`` not a multiple of ``S*H``.
         triton.runtime.errors.OutOfResources: no tile candidate fits the device.
         RuntimeError: any launch failure other than ``OutOfResources`` (never swallowed).
     """
     num_tokens, num_heads, head_dim, num_experts, expert_dim = check_expert_inputs(
-        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down
+        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales
     )
     check_triton_dims(head_dim, expert_dim)
+    fp8 = w_gate.dtype == FP8_DTYPE
+    if fp8:
+        check_fp8_device(x.device)
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
     if not x.is_cuda and not INTERPRET:
@@ -378,7 +418,7 @@ def triton_mh_moe_forward(
     # The interpreter mishandles bf16 (dot on raw bits, truncating casts, no atomics): upcast its tiles and emulate
     # the roundings. Mixed activation/weight dtypes are upcast too (tl.dot needs equal operand dtypes).
     interp_bf16 = INTERPRET and torch.bfloat16 in (act_dtype, w_gate.dtype)
-    upcast = interp_bf16 or act_dtype != w_gate.dtype
+    upcast = interp_bf16 or (act_dtype != w_gate.dtype and not fp8)  # FP8 tiles convert to the activation dtype
     native = not (INTERPRET and act_dtype == torch.bfloat16)  # output rounding/atomics in the activation dtype
     offsets = expert_offsets.to(torch.int64)
     # Rows are rounded in-kernel; interpreted bf16 keeps them in fp32 storage (the later cast is exact).
@@ -399,7 +439,8 @@ def triton_mh_moe_forward(
         LOG2_FLAT=max(1, (num_flat - 1).bit_length()),
         DH_PAD=_next_pow2(head_dim),
         UPCAST=upcast,
-        HID_ROUND=_rounding_mode(w_down.dtype, native_ok=not upcast),
+        W_FP8=fp8,
+        HID_ROUND=_rounding_mode(hidden_dtype(w_down.dtype, act_dtype), native_ok=not upcast),
         OUT_ROUND=_rounding_mode(act_dtype, native_ok=native),
         DETERMINISTIC=deterministic,
         SWIGLU_LIMIT=SWIGLU7_LIMIT,
@@ -407,9 +448,10 @@ def triton_mh_moe_forward(
     )
     probs32 = probs.to(torch.float32)
     strides = (x.stride(0), x.stride(1), *w_gate.stride(), *w_up.stride(), *w_down.stride(), stride_os, stride_oh)
+    scale_args = tuple(s.contiguous() for s in scales) if fp8 else (probs32,) * 3  # unused without FP8
 
     def make_args(tile_offsets: torch.Tensor) -> tuple:
-        return (x, w_gate, w_up, w_down, gather_ids, probs32, offsets, tile_offsets, dest, out, *strides)
+        return (x, w_gate, w_up, w_down, gather_ids, probs32, offsets, tile_offsets, dest, out, *scale_args, *strides)
 
     device_key = _device_key(device)
     cache_key = (device_key, head_dim, expert_dim, act_dtype, w_gate.dtype, deterministic)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -20,10 +21,12 @@ from ..parallel.expert_parallel import ep_head_layout, expert_parallel_heads_for
 from ..utils.backends import check_backend, resolve_backend
 from ..utils.dtype_utils import parse_dtype
 from .experts import mh_moe_experts
+from .quantize import FP8_DTYPE, parse_expert_dtype, quantize_fp8
 from .routing import compute_topk_probs_and_indices, global_sort_routes
 
 __all__ = ["Magi2MultiHeadMoEConfig", "Magi2MultiHeadMoE"]
 
+_BANKS = ("W_gate", "W_up", "W_down")
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -44,13 +47,17 @@ class Magi2MultiHeadMoEConfig:
         expert_intermediate_size: expert width ``De`` (1280 released).
         params_dtype: dtype of ``W_gate``/``W_up``/``W_down`` (bf16 released); ``gate`` and the router biases are
             always fp32. A string such as ``"bfloat16"`` is accepted.
+        expert_dtype: storage of the expert banks: ``None`` (``params_dtype``) or ``"float8_e4m3fn"`` (FP8
+            weight-only, with fp32 scales ``W_gate_scale``/``W_up_scale``/``W_down_scale``; see
+            :mod:`diffusers_magi2.moe.quantize`). ``torch.float8_e4m3fn`` is accepted too.
         score_func: ``"sigmoid"`` (released) or ``"softmax"``.
         route_norm: L1-normalise the chosen weights (released: True).
         route_scale: factor applied once to the normalised weights (released: 4.9).
 
     Raises:
         ValueError: on construction, for non-positive sizes, ``hidden_size % num_heads != 0``, ``top_k`` outside
-            ``[1, num_experts]``, an unknown ``score_func`` or ``params_dtype``, or a non-finite ``route_scale``.
+            ``[1, num_experts]``, an unknown ``score_func``, ``params_dtype`` or ``expert_dtype`` (the message names
+            the allowed values), or a non-finite ``route_scale``.
     """
 
     hidden_size: int
@@ -62,6 +69,7 @@ class Magi2MultiHeadMoEConfig:
     score_func: str = "sigmoid"
     route_norm: bool = True
     route_scale: float = 1.0
+    expert_dtype: Optional[Union[str, torch.dtype]] = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_experts", "top_k", "expert_intermediate_size"):
@@ -83,6 +91,7 @@ class Magi2MultiHeadMoEConfig:
         if not math.isfinite(self.route_scale):
             raise ValueError(f"route_scale must be a finite float; got {self.route_scale!r}")
         self.route_scale = float(self.route_scale)
+        self.expert_dtype = parse_expert_dtype(self.expert_dtype)
 
     @property
     def head_dim(self) -> int:
@@ -113,6 +122,9 @@ class Magi2MultiHeadMoE(nn.Module):
     * ``gate``: ``nn.Parameter [L*E, Dh]`` float32 (router weight);
     * ``W_gate``, ``W_up``: ``nn.Parameter [L*E, Dh, De]`` in ``params_dtype`` (used as ``x @ W``);
     * ``W_down``: ``nn.Parameter [L*E, De, Dh]`` in ``params_dtype``;
+    * FP8 experts (``expert_dtype="float8_e4m3fn"``): the three banks are frozen ``float8_e4m3fn`` parameters, and
+      the persistent fp32 buffers ``W_gate_scale``, ``W_up_scale [L*E, De]`` and ``W_down_scale [L*E, Dh]`` hold
+      their scales; dtype moves (``.to(torch.bfloat16)``, ``.half()``) keep both dtypes;
     * ``router.expert_bias``, ``router.expert_bias_ema``: persistent buffers ``[L*E]`` float32.
 
     Flat expert row ``h_local*E + e`` belongs to global head ``local_head_start + h_local``.
@@ -186,9 +198,13 @@ class Magi2MultiHeadMoE(nn.Module):
         # 2. Tensors, under the checkpoint names and layouts.
         rows, dh, de = self.local_flatten_num_experts, self.head_dim, self.expert_intermediate_size
         self.gate = nn.Parameter(torch.empty(rows, dh, dtype=torch.float32))
-        self.W_gate = nn.Parameter(torch.empty(rows, dh, de, dtype=config.params_dtype))
-        self.W_up = nn.Parameter(torch.empty(rows, dh, de, dtype=config.params_dtype))
-        self.W_down = nn.Parameter(torch.empty(rows, de, dh, dtype=config.params_dtype))
+        self.fp8_experts = config.expert_dtype == FP8_DTYPE
+        bank_dtype = FP8_DTYPE if self.fp8_experts else config.params_dtype
+        for name, shape in (("W_gate", (rows, dh, de)), ("W_up", (rows, dh, de)), ("W_down", (rows, de, dh))):
+            bank = nn.Parameter(torch.empty(shape, dtype=bank_dtype), requires_grad=not self.fp8_experts)
+            setattr(self, name, bank)
+            if self.fp8_experts:
+                self.register_buffer(f"{name}_scale", torch.empty(rows, shape[2], dtype=torch.float32))
         self.router = _Magi2RouterBuffers(rows)
         self.reset_parameters()
 
@@ -202,14 +218,22 @@ class Magi2MultiHeadMoE(nn.Module):
     def reset_parameters(self) -> None:
         """Random init (normal, std 0.02 router / 1/sqrt(fan_in) experts); rows of padded heads are zero."""
         self.gate.normal_(0.0, 0.02)
-        self.W_gate.normal_(0.0, self.head_dim**-0.5)
-        self.W_up.normal_(0.0, self.head_dim**-0.5)
-        self.W_down.normal_(0.0, self.expert_intermediate_size**-0.5)
         self.router.expert_bias.zero_()
         self.router.expert_bias_ema.zero_()
         real_rows = self.local_real_num_heads * self.num_experts
-        for tensor in (self.gate, self.W_gate, self.W_up, self.W_down):
-            tensor[real_rows:].zero_()
+        self.gate[real_rows:].zero_()
+        for name, std in (("W_gate", self.head_dim**-0.5), ("W_up", self.head_dim**-0.5),
+                          ("W_down", self.expert_intermediate_size**-0.5)):
+            bank = getattr(self, name)
+            if not self.fp8_experts:
+                bank.normal_(0.0, std)
+                bank[real_rows:].zero_()
+                continue
+            scale, chunk = getattr(self, f"{name}_scale"), 64  # FP8: drawn in fp32 and quantized, chunk by chunk
+            for start in range(0, bank.shape[0], chunk):
+                block = torch.empty(bank[start : start + chunk].shape, device=bank.device).normal_(0.0, std)
+                block[max(0, real_rows - start) :].zero_()
+                bank[start : start + chunk], scale[start : start + chunk] = quantize_fp8(block)
 
     def set_backend(self, backend: str = "auto", *, deterministic: bool = False) -> None:
         """Choose the expert backend once for this module.
@@ -223,16 +247,19 @@ class Magi2MultiHeadMoE(nn.Module):
                 expert id order, bit-identical across runs (the torch backend is always deterministic).
 
         Raises:
-            ValueError: unknown backend, or ``"triton"`` with ``Dh``/``De`` not multiples of 16.
+            ValueError: unknown backend, or ``"triton"`` with ``Dh``/``De`` not multiples of 16 or with FP8 experts
+                on a GPU the kernel cannot run FP8 on (never a silent bf16 fallback: the same check runs per call).
             ImportError: ``"triton"`` requested but Triton cannot be imported.
         """
         check_backend("moe_experts", backend)
         if not isinstance(deterministic, bool):
             raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
         if backend == "triton":
-            from .experts_triton import check_triton_dims  # raises ImportError if Triton is missing
+            from .experts_triton import check_fp8_device, check_triton_dims  # ImportError if Triton is missing
 
             check_triton_dims(self.head_dim, self.expert_intermediate_size)
+            if self.fp8_experts:
+                check_fp8_device(self.W_gate.device)
         self._backend = backend
         self._deterministic = deterministic
 
@@ -265,7 +292,10 @@ class Magi2MultiHeadMoE(nn.Module):
             )
         return take_rows(full_tensor, self.local_head_start * self.num_experts, self.local_flatten_num_experts)
 
-    _EP_SHARDED_KEYS = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema")
+    _EP_SHARDED_KEYS = (
+        "gate", "W_gate", "W_up", "W_down", "W_gate_scale", "W_up_scale", "W_down_scale",
+        "router.expert_bias", "router.expert_bias_ema",
+    )
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """With ``ep_size > 1``, full (all-heads) EP tensors are sliced to this rank's rows with :meth:`ep_slice`.
@@ -403,25 +433,40 @@ class Magi2MultiHeadMoE(nn.Module):
         probs, indices = self.route(x_real)
         gather_ids, probs_sorted, expert_offsets = global_sort_routes(probs, indices, self.num_experts)
         rows = num_real * self.num_experts
-        y = self.run_experts(
-            x_real, gather_ids, probs_sorted, expert_offsets, self.W_gate[:rows], self.W_up[:rows], self.W_down[:rows]
-        )
+        weights = [getattr(self, name)[:rows] for name in _BANKS]
+        scales = [getattr(self, f"{name}_scale")[:rows] for name in _BANKS] if self.fp8_experts else None
+        y = self.run_experts(x_real, gather_ids, probs_sorted, expert_offsets, *weights, scales=scales)
         if num_real == self.local_num_heads:
             return y
         out = torch.zeros_like(x_local, memory_format=torch.contiguous_format)
         out[:, :num_real] = y
         return out
 
-    def run_experts(self, x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down) -> torch.Tensor:
+    def run_experts(self, x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, *, scales=None) -> torch.Tensor:
         """Expert compute with the backend chosen by :meth:`set_backend` (arguments as ``torch_mh_moe_forward``)."""
         backend = resolve_backend("moe_experts", self._backend, x.device)
+        sg, su, sd = (None, None, None) if scales is None else scales
         return mh_moe_experts(
-            x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, backend, self._deterministic
+            x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, sg, su, sd, backend, self._deterministic
         )
+
+    def _apply(self, fn, recurse=True):
+        # FP8 banks and their fp32 scales keep their dtypes through dtype moves; they follow device moves only.
+        if not self.fp8_experts:
+            return super()._apply(fn, recurse)
+        kept = {id(getattr(self, name + suffix)) for name in _BANKS for suffix in ("", "_scale")}
+
+        def keep_storage_dtype(tensor):
+            out = fn(tensor)
+            if id(tensor) in kept and out.dtype != tensor.dtype:
+                return tensor.to(device=out.device)
+            return out
+
+        return super()._apply(keep_storage_dtype, recurse)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, experts={self.num_experts}, top_k={self.top_k}, head_dim={self.head_dim}, "
             f"expert_dim={self.expert_intermediate_size}, ep_rank={self.ep_rank}, ep_size={self.ep_size}, "
-            f"local_heads={self.local_num_heads}"
+            f"local_heads={self.local_num_heads}" + (", expert_dtype=float8_e4m3fn" if self.fp8_experts else "")
         )

@@ -5,8 +5,9 @@ For every route ``r`` of global expert ``g = h*E + e`` (rows ``expert_offsets[g]
 
     y[s, h] += cast_act(p * (cast_w(swiglu7(x[s,h] @ W_gate[g], x[s,h] @ W_up[g])) @ W_down[g]))
 
-GEMMs accumulate in fp32; ``cast_w`` rounds to the ``W_down`` dtype, ``cast_act`` to the activation dtype, and
-the sum runs in the activation dtype in ascending ``g`` (SandAI ``_mh_moe_fwd_kernel`` with its deterministic
+GEMMs accumulate in fp32; ``cast_w`` rounds to the ``W_down`` dtype (to the activation dtype for FP8 experts,
+whose weights are ``q * scale``, see :mod:`~diffusers_magi2.moe.quantize`), ``cast_act`` to the activation dtype,
+and the sum runs in the activation dtype in ascending ``g`` (SandAI ``_mh_moe_fwd_kernel`` with its deterministic
 scatter). Written for clarity, not speed; differentiable.
 """
 
@@ -15,8 +16,14 @@ from __future__ import annotations
 import torch
 
 from .activation import swiglu7
+from .quantize import FP8_DTYPE, dequantize_expert
 
-__all__ = ["expert_route_blocks", "reference_mh_moe_forward"]
+__all__ = ["expert_route_blocks", "hidden_dtype", "reference_mh_moe_forward"]
+
+
+def hidden_dtype(weight_dtype: torch.dtype, act_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the swiglu7 output is rounded to: the ``W_down`` dtype, or the activation dtype for FP8 experts."""
+    return act_dtype if weight_dtype == FP8_DTYPE else weight_dtype
 
 
 def expert_route_blocks(x, gather_ids, expert_offsets, num_flat: int):
@@ -33,12 +40,17 @@ def expert_route_blocks(x, gather_ids, expert_offsets, num_flat: int):
         yield g, head, routes, tokens, x[tokens, head].float()
 
 
-def reference_mh_moe_forward(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down) -> torch.Tensor:
+def reference_mh_moe_forward(
+    x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, *, scales=None
+) -> torch.Tensor:
     """The formula of the module docstring; arguments and result as
     :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward` (no input checks)."""
     out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    scales = (None, None, None) if scales is None else scales
     for g, head, routes, tokens, rows in expert_route_blocks(x, gather_ids, expert_offsets, w_gate.shape[0]):
-        hidden = swiglu7(rows @ w_gate[g].float(), rows @ w_up[g].float()).to(w_down.dtype)
-        down = (hidden.float() @ w_down[g].float()) * probs[routes, None].float()
+        weights = zip((w_gate, w_up, w_down), scales)
+        wg, wu, wd = (dequantize_expert(w[g], None if s is None else s[g]) for w, s in weights)
+        hidden = swiglu7(rows @ wg, rows @ wu).to(hidden_dtype(w_down.dtype, x.dtype))
+        down = (hidden.float() @ wd) * probs[routes, None].float()
         out[tokens, head] = out[tokens, head] + down.to(x.dtype)
     return out

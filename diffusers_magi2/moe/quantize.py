@@ -1,0 +1,69 @@
+"""FP8 (``float8_e4m3fn``) weight-only storage of the routed experts.
+
+Every expert matrix ``W [K, N]`` (``W_gate``/``W_up``: ``[Dh, De]``, ``W_down``: ``[De, Dh]``, used as ``x @ W``)
+is stored as ``q = round_e4m3(W / s)`` with one fp32 scale per (expert, output channel):
+
+    s[g, n] = max_k |W[g, k, n]| / 448,        W ~= q * s,
+
+448 being the largest finite e4m3 value (a column of zeros keeps ``s = 0`` and ``q = 0``). The scales sit beside
+the weights as ``W_gate_scale [H*E, De]``, ``W_up_scale [H*E, De]``, ``W_down_scale [H*E, Dh]``. Activations,
+accumulation and the other rounding points are unchanged; the hidden activation (rounded to the ``W_down`` dtype
+with bf16/fp32 experts) is rounded to the activation dtype instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+__all__ = ["EXPERT_DTYPES", "FP8_DTYPE", "FP8_MAX", "dequantize_expert", "parse_expert_dtype", "quantize_fp8"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+#: Allowed values of ``expert_dtype``: ``None`` (the experts keep the load dtype) or FP8 e4m3.
+EXPERT_DTYPES = (None, "float8_e4m3fn")
+
+
+def parse_expert_dtype(expert_dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
+    """``None`` or ``torch.float8_e4m3fn`` for an ``expert_dtype`` setting.
+
+    Raises:
+        ValueError: anything but ``None``, ``"float8_e4m3fn"`` (``"torch."`` prefix allowed) or the torch dtype,
+            naming the allowed values.
+    """
+    if expert_dtype is None or expert_dtype is FP8_DTYPE:
+        return expert_dtype
+    if isinstance(expert_dtype, str) and expert_dtype.removeprefix("torch.") == "float8_e4m3fn":
+        return FP8_DTYPE
+    raise ValueError(f"expert_dtype must be one of {EXPERT_DTYPES}; got {expert_dtype!r}")
+
+
+@torch.no_grad()
+def quantize_fp8(weight: torch.Tensor, chunk_rows: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize an expert bank ``[R, K, N]`` to ``(q [R, K, N] float8_e4m3fn, scale [R, N] float32)``.
+
+    Works ``chunk_rows`` experts at a time, so the fp32 temporaries stay small whatever the bank size.
+
+    Raises:
+        ValueError: ``weight`` is not a 3-D floating-point tensor.
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or not weight.is_floating_point():
+        shape = getattr(weight, "shape", weight)
+        raise ValueError(f"quantize_fp8 expects a 3-D float expert bank [R, K, N]; got {shape}")
+    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(weight.shape[0], weight.shape[2], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], chunk_rows):
+        w = weight[start : start + chunk_rows].to(torch.float32)
+        s = w.abs().amax(dim=1) / FP8_MAX
+        divisor = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(1)
+        q[start : start + chunk_rows] = (w / divisor).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        scale[start : start + chunk_rows] = s
+    return q, scale
+
+
+def dequantize_expert(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """One expert's matrix ``[K, N]`` in fp32: ``weight * scale[None, :]`` for FP8 (``scale [N]``), else upcast."""
+    if scale is None:
+        return weight.float()
+    return weight.float().mul_(scale)
