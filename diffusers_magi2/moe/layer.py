@@ -277,7 +277,7 @@ class Magi2MultiHeadMoE(nn.Module):
         """This rank's rows of a full (all-heads) checkpoint tensor.
 
         Works for every EP-sharded tensor: ``gate [H*E, Dh]``, ``W_gate``/``W_up [H*E, Dh, De]``,
-        ``W_down [H*E, De, Dh]``, ``router.expert_bias(_ema) [H*E]``. Returns rows
+        ``W_down [H*E, De, Dh]``, ``router.expert_bias(_ema) [H*E]`` and the FP8 scales ``W_*_scale``. Returns rows
         ``[local_head_start*E, (local_head_start + L)*E)`` as a view when they all exist; rows of padded heads
         (past ``H*E``) are zeros (then a new tensor is returned). With ``ep_size = 1`` it is the whole tensor.
 
@@ -292,10 +292,8 @@ class Magi2MultiHeadMoE(nn.Module):
             )
         return take_rows(full_tensor, self.local_head_start * self.num_experts, self.local_flatten_num_experts)
 
-    _EP_SHARDED_KEYS = (
-        "gate", "W_gate", "W_up", "W_down", "W_gate_scale", "W_up_scale", "W_down_scale",
-        "router.expert_bias", "router.expert_bias_ema",
-    )
+    _EP_SHARDED_KEYS = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema")
+    _FP8_SCALE_KEYS = ("W_gate_scale", "W_up_scale", "W_down_scale")  # EP-sharded too, with FP8 experts
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """With ``ep_size > 1``, full (all-heads) EP tensors are sliced to this rank's rows with :meth:`ep_slice`.
@@ -305,7 +303,7 @@ class Magi2MultiHeadMoE(nn.Module):
         """
         if self.ep_size > 1:
             full_rows = self.num_heads * self.num_experts
-            for name in self._EP_SHARDED_KEYS:
+            for name in self._EP_SHARDED_KEYS + (self._FP8_SCALE_KEYS if self.fp8_experts else ()):
                 key = prefix + name
                 value = state_dict.get(key)
                 if not isinstance(value, torch.Tensor) or value.dim() < 1:
