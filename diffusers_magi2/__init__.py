@@ -30,6 +30,7 @@ from .moe.routing import compute_topk_probs_and_indices, global_sort_routes
 from .parallel.expert_parallel import Magi2ExpertParallelConfig
 from .pipelines.pipeline_magi2 import Magi2Pipeline
 from .pipelines.pipeline_output import Magi2PipelineOutput
+from .pipelines.tiny_default import build_tiny_default_pipeline
 from .utils.export import export_to_video_with_audio
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "Magi2Transformer3DModel",
     "Magi2TransformerOutput",
     "Magi2TurboVAEDecoder",
+    "build_tiny_default_pipeline",
     "compute_topk_probs_and_indices",
     "export_to_video_with_audio",
     "global_sort_routes",

@@ -34,7 +34,6 @@ import torch.nn as nn
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers' pipeline loader looks it up here)
 from diffusers.models.attention import AttentionMixin
-from diffusers.models.cache_utils import CacheMixin
 from diffusers.utils import BaseOutput
 
 from ..loaders.expert_parallel import ExpertParallelLoaderMixin
@@ -49,6 +48,7 @@ from .attention_magi2 import (
     register_block_for_caching_hooks,
 )
 from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward
+from .cache_magi2 import Magi2CacheMixin
 from .context_parallel_magi2 import Magi2ContextParallelMixin
 from .modeling_magi2 import Magi2ModelMixin
 from .mhc import mhc_coefficients, mhc_hyper_connect, mhc_matmul_scale, mhc_reduce_streams
@@ -201,7 +201,7 @@ class Magi2Transformer3DModel(
     ConfigMixin,
     FromOriginalCheckpointMixin,
     AttentionMixin,
-    CacheMixin,
+    Magi2CacheMixin,
 ):
     r"""MAGI-2 Preview diffusion transformer (114B-parameter MoE, joint audio + video).
 

@@ -26,7 +26,6 @@ import torch
 import torch.nn as nn
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.attention import AttentionMixin
-from diffusers.models.cache_utils import CacheMixin
 from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers' pipeline loader looks it up here)
 from diffusers.utils import BaseOutput
 
@@ -41,6 +40,7 @@ from .attention_magi2 import (
     check_transformer_geometry,
     register_block_for_caching_hooks,
 )
+from .cache_magi2 import Magi2CacheMixin
 from .feedforward_magi2 import Magi2FeedForward
 from .modality import Magi2ModalityDispatch, Modality
 from .context_parallel_magi2 import Magi2ContextParallelMixin
@@ -120,7 +120,7 @@ class Magi2RefinerTransformerBlock(nn.Module):
 
 
 class Magi2RefinerTransformer3DModel(
-    Magi2ContextParallelMixin, Magi2ModelMixin, ConfigMixin, FromOriginalCheckpointMixin, AttentionMixin, CacheMixin
+    Magi2ContextParallelMixin, Magi2ModelMixin, ConfigMixin, FromOriginalCheckpointMixin, AttentionMixin, Magi2CacheMixin
 ):
     r"""MAGI-2 1080p refiner DiT (SandAI ``magi2_refiner.Transformer``) as a diffusers model.
 

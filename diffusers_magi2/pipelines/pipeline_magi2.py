@@ -38,7 +38,14 @@ from .presets_magi2 import (
     resolve_stage_sizes,
 )
 from .refiner_stage import Magi2RefinerStageConfig, run_refiner_stage
-from .sampling_magi2 import check_scheduler, combine_guidance, flow_schedulers, pad_text_batch, unshifted_sigmas
+from .sampling_magi2 import (
+    cache_context,
+    check_scheduler,
+    combine_guidance,
+    flow_schedulers,
+    pad_text_batch,
+    unshifted_sigmas,
+)
 from .text_encoding import (
     DEFAULT_MAX_SEQUENCE_LENGTH,
     DEFAULT_SKIP_LAYERS,
@@ -54,6 +61,7 @@ from .validation_magi2 import (
     attention_kwargs_for,
     check_attention_kwargs,
     check_batch_sizes,
+    check_components,
     check_image_inputs,
     check_latents_and_decoder,
     check_output_size,
@@ -124,6 +132,11 @@ class Magi2Pipeline(DiffusionPipeline):
     scheduler built from ``scheduler``'s config) and refiner CFG 2.0 (two forwards per step, no audio
     tokens). The refined latent is decoded with the video decoder (4·(2T − 2) + 1 = 249 frames at
     2 · ``fps`` = 25 fps); the preview audio latent is decoded as is.
+
+    Caching hooks (``pipe.transformer.enable_cache(FirstBlockCacheConfig(...))``, TaylorSeer, MagCache; the
+    same on ``pipe.refiner``): every denoiser forward runs in ``cache_context`` — ``"cond_uncond"`` for the
+    batched preview forward (``"cond"`` without CFG), ``"cond_{b}"`` / ``"uncond_{b}"`` for the refiner's
+    per-sample forwards — with ``step_index``, ``num_inference_steps`` and ``timestep``.
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->refiner->video_decoder->vae->audio_vae"
@@ -232,6 +245,7 @@ class Magi2Pipeline(DiffusionPipeline):
             refiner_shift=refiner_shift,
             refiner_noise_value=refiner_noise_value,
         )
+        check_components(self)
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
         # The reference preprocesses the I2V image with VideoProcessor(vae_scale_factor=2 * 16).
         self.reference_image_processor = VideoProcessor(vae_scale_factor=2 * self.vae_scale_factor_spatial)
@@ -310,21 +324,20 @@ class Magi2Pipeline(DiffusionPipeline):
 
     @property
     def num_timesteps(self) -> int:
-        """Number of preview denoising steps of the current/last call (int, = ``num_inference_steps``;
-        the refiner steps are not counted). Set by ``__call__`` once the schedule is built; reading it
-        before that raises ``AttributeError``."""
+        """Number of denoising steps of the stage being (or last) denoised: ``num_inference_steps`` in the
+        preview, the refiner steps in the refiner stage. Reading it before a call raises ``AttributeError``."""
         return self._num_timesteps
 
     @property
     def current_timestep(self):
         """The timestep being denoised (a 0-d scheduler tensor on the 0–1000 scale), or ``None``
-        outside the preview denoising loop (diffusers convention, for callbacks and hooks)."""
+        outside the denoising loops (diffusers convention, for callbacks and hooks)."""
         return self._current_timestep
 
     @property
     def interrupt(self) -> bool:
-        """``True`` once a step callback set ``pipe._interrupt = True``: the remaining preview steps and
-        the refiner stage are skipped and the current latents are decoded (diffusers convention)."""
+        """``True`` once a step callback set ``pipe._interrupt = True``: the remaining steps of the stage
+        (and, from the preview, the refiner stage) are skipped and the current latents are decoded."""
         return self._interrupt
 
     @property
@@ -432,6 +445,7 @@ class Magi2Pipeline(DiffusionPipeline):
         refiner_num_inference_steps=None,
         refiner_guidance_scale=None,
         attention_kwargs=None,
+        num_videos_per_prompt=1,
     ) -> None:
         """Reject bad arguments with a ``ValueError`` before any work starts (see ``__call__``)."""
         check_sizes(height, width, preview_height, preview_width)
@@ -442,7 +456,8 @@ class Magi2Pipeline(DiffusionPipeline):
         check_attention_kwargs(self, attention_kwargs, refine)
         check_output_size(output_height, output_width, output_type)
         check_sampling_inputs(
-            self, num_inference_steps, guidance_scale, audio_guidance_scale, output_type, callback_on_step_end_tensor_inputs
+            self, num_inference_steps, guidance_scale, audio_guidance_scale, output_type, callback_on_step_end_tensor_inputs,
+            num_videos_per_prompt,
         )
         check_prompt_inputs(
             prompt,
@@ -455,7 +470,8 @@ class Magi2Pipeline(DiffusionPipeline):
         check_image_inputs(self, image, prompt_embeds, image_embeds)
         # batch size and text width, checked here so that nothing is encoded before a mismatch raises
         check_batch_sizes(
-            prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds, latents, audio_latents
+            prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds, latents, audio_latents,
+            num_videos_per_prompt,
         )
         check_text_widths(self, prompt_embeds, negative_prompt_embeds, image_embeds)
         check_latents_and_decoder(self, output_type, latents, audio_latents, refine, denoise_height, denoise_width)
@@ -479,7 +495,7 @@ class Magi2Pipeline(DiffusionPipeline):
         return features, normalized, offsets
 
     @torch.no_grad()
-    def encode_prompt(
+    def encode_text(
         self,
         prompt: str | list[str],
         device: torch.device | str | None = None,
@@ -488,8 +504,9 @@ class Magi2Pipeline(DiffusionPipeline):
         """Qwen3.5 features of each prompt, zero-padded to the longest with a boolean mask.
 
         Each prompt is normalised (JSON → compact markdown), tokenised alone (at most
-        ``max_sequence_length`` tokens) and encoded; features are ``hidden_states[-3]`` in the text
-        encoder's dtype, as SandAI ``Qwen35TextEncoder.encode``.
+        ``max_sequence_length`` tokens; longer prompts are cut with a warning) and encoded; features
+        are ``hidden_states[-3]`` in the text encoder's dtype, as SandAI ``Qwen35TextEncoder.encode``.
+        A progress bar counts the prompts.
 
         Args:
             prompt: one string or a list.
@@ -503,13 +520,79 @@ class Magi2Pipeline(DiffusionPipeline):
         device = device or self._execution_device
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         features, pooled = [], []
-        for text in prompts:
-            f, normalized, offsets = self._encode_one(text, device, want_offsets=figure_target is not None)
-            features.append(f)
-            if figure_target is not None:
-                pooled.append(pool_target_features(f, find_target_token_indices(normalized, offsets, figure_target)))
+        with self._stage_progress_bar(len(prompts), "Encoding text") as progress_bar:
+            for text in prompts:
+                f, normalized, offsets = self._encode_one(text, device, want_offsets=figure_target is not None)
+                features.append(f)
+                if figure_target is not None:
+                    indices = find_target_token_indices(normalized, offsets, figure_target)
+                    pooled.append(pool_target_features(f, indices))
+                progress_bar.update()
         embeds, mask = pad_text_batch(features, [None] * len(features))
         return embeds, mask, (torch.stack(pooled, 0) if pooled else None)
+
+    @torch.no_grad()
+    def encode_prompt(
+        self,
+        prompt: str | list[str] | None,
+        negative_prompt: str | list[str] | None = None,
+        do_classifier_free_guidance: bool = True,
+        num_videos_per_prompt: int = 1,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        prompt_attention_mask: torch.Tensor | None = None,
+        negative_prompt_attention_mask: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        r"""Text conditioning of a call, as Wan / LTX-2 ``encode_prompt``: the prompt and (with CFG) the
+        negative prompt, each ``[B·n, Lt, C]`` with a ``[B·n, Lt]`` bool mask, every prompt's rows
+        repeated ``n = num_videos_per_prompt`` times (adjacent).
+
+        Args:
+            prompt: one string or a list (``B`` prompts); ``None`` with ``prompt_embeds``.
+            negative_prompt: the unconditional text (one string or ``B``); default ``config.negative_prompt``.
+            do_classifier_free_guidance: also return the negative pair (else ``None, None`` unless given).
+            num_videos_per_prompt: rows per prompt (≥ 1).
+            prompt_embeds, prompt_attention_mask: ``[B, Lt, C]`` / ``[B, Lt]`` used instead of ``prompt``.
+            negative_prompt_embeds, negative_prompt_attention_mask: likewise for the negative prompt.
+            device: where the text encoder runs and the results live (default: execution device).
+            dtype: cast the embeddings (default: the text encoder's dtype).
+
+        Returns:
+            ``(prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask)``.
+
+        Image-to-video also needs the ``<Figure 1>`` special-token embedding (``image_embeds``); it
+        comes from the same text-encoder pass: ``embeds, mask, image_embeds =
+        pipe.encode_text(add_figure_reference(prompt), figure_target="<Figure 1>")`` (what ``__call__``
+        does; ``add_figure_reference`` is in :mod:`diffusers_magi2.pipelines.text_encoding`); pass
+        ``embeds``/``mask`` as ``prompt_embeds``/``prompt_attention_mask`` here or to ``__call__``.
+        """
+        device = device or self._execution_device
+        if prompt_embeds is None:
+            prompt_embeds, prompt_attention_mask, _ = self.encode_text(prompt, device)
+        if do_classifier_free_guidance and negative_prompt_embeds is None:
+            negative = self.config.negative_prompt if negative_prompt is None else negative_prompt
+            negatives = [negative] * prompt_embeds.shape[0] if isinstance(negative, str) else list(negative)
+            negative_prompt_embeds, negative_prompt_attention_mask, _ = self.encode_text(negatives, device)
+
+        def per_video(embeds, mask):
+            if embeds is None:
+                return None, None
+            embeds = embeds.to(device=device, dtype=dtype or embeds.dtype)
+            mask = mask.to(device=device, dtype=torch.bool)
+            return embeds.repeat_interleave(num_videos_per_prompt, 0), mask.repeat_interleave(num_videos_per_prompt, 0)
+
+        return (
+            *per_video(prompt_embeds, prompt_attention_mask),
+            *per_video(negative_prompt_embeds, negative_prompt_attention_mask),
+        )
+
+    def _stage_progress_bar(self, total: int, description: str):
+        """A diffusers progress bar (``set_progress_bar_config`` applies) labelled with the stage."""
+        progress_bar = self.progress_bar(total=total)
+        progress_bar.set_description(description)
+        return progress_bar
 
     # ------------------------------------------------------------------------------------------
     # Image
@@ -641,6 +724,7 @@ class Magi2Pipeline(DiffusionPipeline):
         refiner_guidance_scale: float | None = None,
         output_height: int | None = None,
         output_width: int | None = None,
+        num_videos_per_prompt: int = 1,
     ):
         r"""Generate a 10 s clip (125 frames at 12.5 fps; 249 at 25 fps with the refiner) with a 44.1 kHz
         stereo soundtrack.
@@ -668,10 +752,12 @@ class Magi2Pipeline(DiffusionPipeline):
                 declares it in ``supported_attention_kwargs``: the MAGI-2 transformer takes none; the
                 refiner takes ``window_backend``, ``max_dense_mask_elements``, ``mlp_chunk_size``
                 (two-stage path only). Any other key raises ``ValueError`` before work starts.
-            callback_on_step_end: called as ``fn(pipe, step, timestep, tensors)`` after each step;
-                a returned dict may replace any of ``callback_on_step_end_tensor_inputs``.
+            callback_on_step_end: called as ``fn(pipe, step, timestep, tensors)`` after each step of
+                either stage (``step`` counts within the stage; in the refiner stage ``latents`` is the
+                refined latent and ``audio_latents`` the preview's); a returned dict may replace any of
+                ``callback_on_step_end_tensor_inputs``. Setting ``pipe._interrupt = True`` skips the
+                remaining steps (and, from the preview, the refiner stage) and decodes what there is.
             callback_on_step_end_tensor_inputs: names from ``_callback_tensor_inputs``.
-                The callback runs after each preview step (the refiner steps only advance the progress bar).
             resolution: ``"272p"`` (256×448), ``"540p"`` (512×896) or ``"1080p"`` (1088×1920, two-stage);
                 replaces ``height``/``width`` (leave those at their defaults).
             preview_height, preview_width: run the two-stage path with the preview at this size and the
@@ -683,6 +769,8 @@ class Magi2Pipeline(DiffusionPipeline):
             output_height, output_width: optional bilinear resize of the decoded frames (both or neither;
                 e.g. 1080×1920), as the reference's ``--output-height/--output-width``; not with
                 ``output_type="latent"``.
+            num_videos_per_prompt: videos per prompt (≥ 1), each from its own noise; the output batch
+                is ``len(prompt) · num_videos_per_prompt`` (a prompt's videos adjacent).
 
         Returns:
             :class:`Magi2PipelineOutput` ``(frames, audio, audio_sample_rate, fps)``; ``fps`` is 25
@@ -728,6 +816,7 @@ class Magi2Pipeline(DiffusionPipeline):
             refiner_num_inference_steps=refiner_num_inference_steps,
             refiner_guidance_scale=refiner_guidance_scale,
             attention_kwargs=attention_kwargs,
+            num_videos_per_prompt=num_videos_per_prompt,
         )
         check_scheduler(self.scheduler)
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
@@ -759,75 +848,81 @@ class Magi2Pipeline(DiffusionPipeline):
         else:
             prompts = None
             batch_size = prompt_embeds.shape[0]
+        num_videos = batch_size * num_videos_per_prompt
 
         # 2. reference image (encoded first, like the reference engine)
         image_latents = None
         if image is not None:
             pixels = self.preprocess_reference_image(image, denoise_height, denoise_width)
             image_latents = self.encode_reference_image(pixels).to(device)
-            image_latents = image_latents.expand(batch_size, -1, -1, -1, -1)
-            if prompts is not None:
-                prompts = [add_figure_reference(p) for p in prompts]
+            image_latents = image_latents.expand(num_videos, -1, -1, -1, -1)
 
-        # 3. text
-        if prompts is not None:
-            prompt_embeds, prompt_attention_mask, pooled = self.encode_prompt(
-                prompts, device, figure_target="<Figure 1>" if image is not None else None
-            )
-            if image is not None and image_embeds is None:
-                image_embeds = pooled
-        else:
-            prompt_embeds = prompt_embeds.to(device)
-            prompt_attention_mask = prompt_attention_mask.to(device=device, dtype=torch.bool)
+        # 3. text; I2V prompts get the <Figure 1> reference and its pooled token from the same pass
+        if prompts is not None and image is not None:
+            prompts = [add_figure_reference(p) for p in prompts]
+            prompt_embeds, prompt_attention_mask, pooled = self.encode_text(prompts, device, figure_target="<Figure 1>")
+            image_embeds = pooled if image_embeds is None else image_embeds
+            prompts = None
         # The refiner's CFG needs the negative prompt even when the preview runs without CFG.
-        if self.do_classifier_free_guidance or (refine and refiner_config.guidance_scale != 1.0):
-            if negative_prompt_embeds is None:
-                negative = self.config.negative_prompt if negative_prompt is None else negative_prompt
-                negatives = [negative] * batch_size if isinstance(negative, str) else list(negative)
-                negative_prompt_embeds, negative_prompt_attention_mask, _ = self.encode_prompt(negatives, device)
-            else:
-                negative_prompt_embeds = negative_prompt_embeds.to(device)
-                negative_prompt_attention_mask = negative_prompt_attention_mask.to(device=device, dtype=torch.bool)
+        need_negative = self.do_classifier_free_guidance or (refine and refiner_config.guidance_scale != 1.0)
+        prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask = (
+            self.encode_prompt(
+                prompts,
+                negative_prompt,
+                need_negative,
+                num_videos_per_prompt,
+                prompt_embeds,
+                negative_prompt_embeds,
+                prompt_attention_mask,
+                negative_prompt_attention_mask,
+                device=device,
+            )
+        )
         if image_embeds is not None:
-            image_embeds = image_embeds.to(device)
+            image_embeds = image_embeds.to(device).repeat_interleave(num_videos_per_prompt, 0)
 
-        # 4. schedule and noise
+        # 4. schedule and noise (one draw per video)
         video_scheduler, audio_scheduler, timesteps = self.prepare_timesteps(num_inference_steps, device)
         latents, audio_latents = self.prepare_latents(
-            batch_size, denoise_height, denoise_width, device, generator, latents, audio_latents
+            num_videos, denoise_height, denoise_width, device, generator, latents, audio_latents
         )
         self._num_timesteps = len(timesteps)
 
         # 5. denoise: one forward per step on [cond, uncond]
-        with self.progress_bar(total=num_inference_steps) as progress_bar:
+        tensors = dict(latents=latents, audio_latents=audio_latents, prompt_embeds=prompt_embeds,
+                       negative_prompt_embeds=negative_prompt_embeds)
+
+        def step_callback(i, t, stage_tensors):
+            # explicit table, not locals(): a renamed local must not silently break the callback contract
+            tensors.update(stage_tensors)
+            if callback_on_step_end is not None:
+                callback_kwargs = {name: tensors[name] for name in callback_on_step_end_tensor_inputs}
+                tensors.update(callback_on_step_end(self, i, t, callback_kwargs) or {})
+            return {name: tensors[name] for name in stage_tensors}
+
+        with self._stage_progress_bar(num_inference_steps, "Denoising") as progress_bar:
             for i, t in enumerate(timesteps):
                 if self.interrupt:
                     continue
                 self._current_timestep = t
-                video_velocity, audio_velocity = self.predict_velocity(
-                    latents,
-                    audio_latents,
-                    t,
-                    prompt_embeds,
-                    prompt_attention_mask,
-                    negative_prompt_embeds,
-                    negative_prompt_attention_mask,
-                    image_latents,
-                    image_embeds,
-                )
-                latents = video_scheduler.step(video_velocity, t, latents, return_dict=False)[0]
-                audio_latents = audio_scheduler.step(audio_velocity, t, audio_latents, return_dict=False)[0]
-
-                if callback_on_step_end is not None:
-                    # explicit table, not locals(): a renamed local must not silently break the callback contract
-                    available = dict(latents=latents, audio_latents=audio_latents, prompt_embeds=prompt_embeds,
-                                     negative_prompt_embeds=negative_prompt_embeds)
-                    callback_kwargs = {name: available[name] for name in callback_on_step_end_tensor_inputs}
-                    callback_outputs = callback_on_step_end(self, i, t, callback_kwargs)
-                    latents = callback_outputs.pop("latents", latents)
-                    audio_latents = callback_outputs.pop("audio_latents", audio_latents)
-                    prompt_embeds = callback_outputs.pop("prompt_embeds", prompt_embeds)
-                    negative_prompt_embeds = callback_outputs.pop("negative_prompt_embeds", negative_prompt_embeds)
+                context = "cond_uncond" if self.do_classifier_free_guidance else "cond"
+                with cache_context(self.transformer, context, step_index=i, num_inference_steps=len(timesteps),
+                                   timestep=t):
+                    video_velocity, audio_velocity = self.predict_velocity(
+                        tensors["latents"],
+                        tensors["audio_latents"],
+                        t,
+                        tensors["prompt_embeds"],
+                        prompt_attention_mask,
+                        tensors["negative_prompt_embeds"],
+                        negative_prompt_attention_mask,
+                        image_latents,
+                        image_embeds,
+                    )
+                step_callback(i, t, dict(
+                    latents=video_scheduler.step(video_velocity, t, tensors["latents"], return_dict=False)[0],
+                    audio_latents=audio_scheduler.step(audio_velocity, t, tensors["audio_latents"], return_dict=False)[0],
+                ))
                 progress_bar.update()
         self._current_timestep = None
 
@@ -835,12 +930,19 @@ class Magi2Pipeline(DiffusionPipeline):
         # so the re-noise is drawn after the preview's video and audio noise. Audio is not refined.
         fps = float(self.config.fps)
         if refine and not self.interrupt:
-            with self.progress_bar(total=refiner_config.num_inference_steps) as refiner_bar:
-                latents = run_refiner_stage(
+            self._num_timesteps = refiner_config.num_inference_steps
+            with self._stage_progress_bar(refiner_config.num_inference_steps, "Refining") as refiner_bar:
+
+                def refiner_step(i, t, stage_tensors):
+                    self._current_timestep = t
+                    refiner_bar.update()
+                    return step_callback(i, t, stage_tensors)
+
+                tensors["latents"] = run_refiner_stage(
                     self.refiner,
-                    latents,
-                    prompt_embeds,
-                    negative_prompt_embeds,
+                    tensors["latents"],
+                    tensors["prompt_embeds"],
+                    tensors["negative_prompt_embeds"],
                     self.scheduler,
                     height=height,
                     width=width,
@@ -849,20 +951,26 @@ class Magi2Pipeline(DiffusionPipeline):
                     config=refiner_config,
                     generator=generator,
                     attention_kwargs=attention_kwargs_for(self.refiner, attention_kwargs),
-                    callback_on_step_end=lambda i, t, x: refiner_bar.update(),
+                    step_tensors_callback=refiner_step,
+                    interrupt=lambda: self.interrupt,
                 )
+            self._current_timestep = None
             # 2T − 1 latents on the 25 fps timeline: twice the preview frame rate.
             fps = 2.0 * fps
+        latents, audio_latents = tensors["latents"], tensors["audio_latents"]
 
         # 7. decode
         if output_type == "latent":
             frames, audio, sample_rate, fps = latents, audio_latents, None, None
         else:
-            video = self.decode_video(latents)
-            if output_height is not None:
-                video = resize_video_frames(video, output_height, output_width)
-            frames = self.video_processor.postprocess_video(video, output_type=output_type)
-            audio = self.decode_audio(audio_latents)
+            with self._stage_progress_bar(2, "Decoding video and audio") as progress_bar:
+                video = self.decode_video(latents)
+                if output_height is not None:
+                    video = resize_video_frames(video, output_height, output_width)
+                frames = self.video_processor.postprocess_video(video, output_type=output_type)
+                progress_bar.update()
+                audio = self.decode_audio(audio_latents)
+                progress_bar.update()
             if output_type == "pt":
                 audio = torch.from_numpy(audio)
             sample_rate = self.audio_sample_rate

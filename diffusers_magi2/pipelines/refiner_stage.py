@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .sampling_magi2 import cache_context
+
 __all__ = [
     "Magi2RefinerStageConfig",
     "zero_snr_refiner_sigmas",
@@ -188,6 +190,8 @@ def run_refiner_stage(
     generator: Optional[Union[torch.Generator, list]] = None,
     attention_kwargs: Optional[dict] = None,
     callback_on_step_end: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None,
+    step_tensors_callback: Optional[Callable[[int, torch.Tensor, dict], Optional[dict]]] = None,
+    interrupt: Optional[Callable[[], bool]] = None,
 ) -> torch.Tensor:
     """Run the refiner stage on a final preview latent and return the refined latent.
 
@@ -206,6 +210,10 @@ def run_refiner_stage(
             (``randn`` in fp32 on the latents' device, after the preview draws, as the reference).
         attention_kwargs: passed to the refiner (e.g. ``{"window_backend": "flex"}``).
         callback_on_step_end: ``fn(step_index, timestep, latents)`` after each scheduler step.
+        step_tensors_callback: ``fn(step_index, timestep, tensors)`` after each step, with ``tensors``
+            ``{"latents", "prompt_embeds", "negative_prompt_embeds"}``; a returned dict replaces any of
+            them for the following steps (``Magi2Pipeline`` routes its ``callback_on_step_end`` here).
+        interrupt: ``fn() -> bool`` checked before each step; once true the remaining steps are skipped.
 
     Returns:
         ``[B, C, 2T - 1, H, W]`` fp32 refined latent.
@@ -241,23 +249,41 @@ def run_refiner_stage(
     sched.set_timesteps(sigmas=refiner_base_sigmas(cfg.num_inference_steps, cfg.sigma_start), device=x.device)
     sched.set_begin_index(0)
     g = torch.tensor(float(cfg.guidance_scale), dtype=torch.float32, device=x.device)
+    text = {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds}
+    num_steps = len(sched.timesteps)
 
-    def call(ctx, mask):
-        out = refiner(
-            hidden_states=x, encoder_hidden_states=ctx, encoder_attention_mask=mask, attention_kwargs=attention_kwargs
-        )
-        return _velocity(out).float()
+    def call(branch, mask, i, t):
+        # one forward per sample, each in its own cache context (the refiner runs the samples of a
+        # batch one after another through its blocks, so a cache hook must not mix them)
+        embeds = text[f"{'negative_' if branch == 'uncond' else ''}prompt_embeds"]
+        batch = x.shape[0]
+        rows = []
+        for b in range(batch):
+            pick = (lambda v: v) if batch == 1 else (lambda v: None if v is None else v[b : b + 1])
+            with cache_context(refiner, f"{branch}_{b}", step_index=i, num_inference_steps=num_steps, timestep=t):
+                out = refiner(
+                    hidden_states=pick(x), encoder_hidden_states=pick(embeds), encoder_attention_mask=pick(mask),
+                    attention_kwargs=attention_kwargs,
+                )
+            rows.append(_velocity(out).float())
+        return torch.cat(rows, dim=0) if batch > 1 else rows[0]
 
     for i, t in enumerate(sched.timesteps):
+        if interrupt is not None and interrupt():
+            continue
         if uncond_only:
-            v = call(negative_prompt_embeds, negative_prompt_attention_mask)
+            v = call("uncond", negative_prompt_attention_mask, i, t)
         elif not use_cfg:
-            v = call(prompt_embeds, prompt_attention_mask)
+            v = call("cond", prompt_attention_mask, i, t)
         else:
-            v_c = call(prompt_embeds, prompt_attention_mask)
-            v_u = call(negative_prompt_embeds, negative_prompt_attention_mask)
+            v_c = call("cond", prompt_attention_mask, i, t)
+            v_u = call("uncond", negative_prompt_attention_mask, i, t)
             v = v_u + g * (v_c - v_u)
         x = sched.step(v, t, x, return_dict=False)[0]
         if callback_on_step_end is not None:
             callback_on_step_end(i, t, x)
+        if step_tensors_callback is not None:
+            replaced = dict(step_tensors_callback(i, t, {"latents": x, **text}) or {})
+            x = replaced.pop("latents", x)
+            text.update(replaced)
     return x

@@ -7,11 +7,14 @@ Follows SandAI ``Magi2PreviewSampler`` (``prepare_model_input``, ``cfg_velocity`
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 from diffusers import UniPCMultistepScheduler
+from diffusers.models.cache_utils import CacheMixin
 
-__all__ = ["check_scheduler", "combine_guidance", "flow_schedulers", "pad_text_batch", "unshifted_sigmas"]
+__all__ = ["cache_context", "check_scheduler", "combine_guidance", "flow_schedulers", "pad_text_batch", "unshifted_sigmas"]
 
 
 def check_scheduler(scheduler) -> None:
@@ -85,3 +88,12 @@ def combine_guidance(velocity: torch.Tensor, batch: int, scale: float) -> torch.
     """CFG on a ``[cond; uncond]`` batch (``2·batch`` rows): ``v_u + scale · (v_c − v_u)``, ``[batch, ...]``."""
     cond, uncond = velocity[:batch], velocity[batch:]
     return uncond + scale * (cond - uncond)
+
+
+def cache_context(model, name: str, **context):
+    """``model.cache_context(name, **context)`` for a diffusers ``CacheMixin`` model (what its caching
+    hooks read: ``step_index``, ``num_inference_steps``, ``timestep``); a no-op context for any other
+    callable, which has no caching hooks to inform."""
+    if isinstance(model, CacheMixin):
+        return model.cache_context(name, **context)
+    return contextlib.nullcontext()

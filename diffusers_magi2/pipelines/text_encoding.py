@@ -23,6 +23,9 @@ import json
 from typing import Any, Iterable, Sequence
 
 import torch
+from diffusers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "CJK_SPLIT_PATTERN",
@@ -366,12 +369,15 @@ def tokenize_prompt(
     ``max_sequence_length`` tokens, no chat template, no added special tokens beyond the tokenizer's
     own post-processor.
 
+    A prompt cut at ``max_sequence_length`` logs a warning with the number of tokens dropped and
+    the start of the dropped text.
+
     Returns:
         the tokenizer's ``BatchEncoding`` with ``input_ids``/``attention_mask`` ``[1, Lt]`` int64
         (and ``offset_mapping`` ``[1, Lt, 2]`` when asked).
     """
     tokenizer.padding_side = "right"
-    return tokenizer(
+    tokens = tokenizer(
         [prompt],
         return_tensors="pt",
         padding="longest",
@@ -379,6 +385,17 @@ def tokenize_prompt(
         truncation=True,
         return_offsets_mapping=return_offsets_mapping,
     )
+    if tokens["input_ids"].shape[1] >= max_sequence_length:
+        full = tokenizer(prompt, truncation=False, return_offsets_mapping=True)
+        dropped = len(full["input_ids"]) - tokens["input_ids"].shape[1]
+        if dropped > 0:
+            kept_chars = full["offset_mapping"][tokens["input_ids"].shape[1] - 1][1]
+            logger.warning(
+                f"The prompt has {len(full['input_ids'])} tokens and MAGI-2 reads at most {max_sequence_length} "
+                f"(max_sequence_length): the last {dropped} tokens ({len(prompt) - kept_chars} characters) are "
+                f"dropped, starting with {prompt[kept_chars:kept_chars + 60]!r}"
+            )
+    return tokens
 
 
 @torch.no_grad()

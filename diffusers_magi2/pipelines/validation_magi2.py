@@ -19,6 +19,7 @@ __all__ = [
     "attention_models",
     "check_attention_kwargs",
     "check_batch_sizes",
+    "check_components",
     "check_image_inputs",
     "check_latents_and_decoder",
     "check_output_size",
@@ -156,12 +157,14 @@ def check_output_size(output_height, output_width, output_type) -> None:
 
 
 def check_sampling_inputs(
-    pipe, num_inference_steps, guidance_scale, audio_guidance_scale, output_type, callback_on_step_end_tensor_inputs
+    pipe, num_inference_steps, guidance_scale, audio_guidance_scale, output_type, callback_on_step_end_tensor_inputs,
+    num_videos_per_prompt=1,
 ) -> None:
-    """Steps ≥ 1, finite guidance scales ≥ 0, a known ``output_type``, callback tensor names from
-    ``pipe._callback_tensor_inputs``."""
-    if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
-        raise ValueError(f"num_inference_steps must be an integer >= 1; got {num_inference_steps!r}")
+    """Steps ≥ 1, videos per prompt ≥ 1, finite guidance scales ≥ 0, a known ``output_type``, callback
+    tensor names from ``pipe._callback_tensor_inputs``."""
+    for name, value in (("num_inference_steps", num_inference_steps), ("num_videos_per_prompt", num_videos_per_prompt)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
     for name, value in (("guidance_scale", guidance_scale), ("audio_guidance_scale", audio_guidance_scale)):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0 (1 disables guidance); got {value!r}")
@@ -245,24 +248,27 @@ def check_image_inputs(pipe, image, prompt_embeds, image_embeds) -> None:
         raise ValueError(f"image_embeds must be [batch, channels]; got shape {tuple(image_embeds.shape)}")
 
 
-def check_batch_sizes(prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds, latents, audio_latents):
-    """Every batched input matches the prompt batch (checked before anything is encoded)."""
+def check_batch_sizes(
+    prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds, latents, audio_latents,
+    num_videos_per_prompt=1,
+):
+    """Every batched input matches the prompt batch, and given noise has one row per video (checked
+    before anything is encoded)."""
     batch_size = len([prompt] if isinstance(prompt, str) else prompt) if prompt is not None else prompt_embeds.shape[0]
     if negative_prompt is not None and not isinstance(negative_prompt, str) and len(negative_prompt) != batch_size:
         raise ValueError(
             f"negative_prompt has {len(negative_prompt)} entries for a batch of {batch_size}: pass one string "
             f"or a list of {batch_size} strings"
         )
-    for name, tensor in (
-        ("negative_prompt_embeds", negative_prompt_embeds),
-        ("image_embeds", image_embeds),
-        ("latents", latents),
-        ("audio_latents", audio_latents),
-    ):
+    source = "len(prompt)" if prompt is not None else "prompt_embeds.shape[0]"
+    for name, tensor in (("negative_prompt_embeds", negative_prompt_embeds), ("image_embeds", image_embeds)):
         if tensor is not None and tensor.shape[0] != batch_size:
+            raise ValueError(f"{name} has batch {tensor.shape[0]}; it must equal the prompt batch {batch_size} ({source})")
+    for name, tensor in (("latents", latents), ("audio_latents", audio_latents)):
+        if tensor is not None and tensor.shape[0] != batch_size * num_videos_per_prompt:
             raise ValueError(
-                f"{name} has batch {tensor.shape[0]}; it must equal the prompt batch {batch_size} "
-                f"({'len(prompt)' if prompt is not None else 'prompt_embeds.shape[0]'})"
+                f"{name} has batch {tensor.shape[0]}; it must be one row per video: the prompt batch {batch_size} "
+                f"({source}) x num_videos_per_prompt {num_videos_per_prompt} = {batch_size * num_videos_per_prompt}"
             )
 
 
@@ -312,3 +318,41 @@ def check_latents_and_decoder(
             )
     if latents is not None and audio_latents is not None and latents.shape[0] != audio_latents.shape[0]:
         raise ValueError(f"latents batch {latents.shape[0]} != audio_latents batch {audio_latents.shape[0]}")
+
+
+def _config_value(component, field: str):
+    config = getattr(component, "config", None)
+    value = None if config is None else getattr(config, field, None)
+    return None if value is None else int(value)
+
+
+#: Component pairs whose widths must agree: ``(component, config field, model, config field, what)``.
+COMPONENT_FITS = (
+    ("vae", "z_dim", "transformer", "in_channels", "video latent channels"),
+    ("video_decoder", "latent_channels", "transformer", "in_channels", "video latent channels"),
+    ("audio_vae", "decoder_input_channels", "transformer", "audio_in_channels", "audio latent channels"),
+    ("text_encoder", "hidden_size", "transformer", "text_in_channels", "text feature width"),
+    ("vae", "z_dim", "refiner", "in_channels", "video latent channels"),
+    ("video_decoder", "latent_channels", "refiner", "in_channels", "video latent channels"),
+    ("text_encoder", "hidden_size", "refiner", "text_in_channels", "text feature width"),
+    ("transformer", "in_channels", "refiner", "in_channels", "video latent channels"),
+)
+
+
+def check_components(pipe) -> None:
+    """The components fit the transformer (and the refiner): the VAE / video decoder latent channels,
+    the audio VAE latent channels and the text encoder's hidden size equal the model's input widths.
+    A pair is skipped when either side is absent or does not declare its field (e.g. a stand-in).
+
+    Raises:
+        ValueError: naming both config fields and both numbers, at construction (also through
+            ``from_pretrained``), before any model runs.
+    """
+    for component, field, model, model_field, what in COMPONENT_FITS:
+        have = _config_value(getattr(pipe, component, None), field)
+        want = _config_value(getattr(pipe, model, None), model_field)
+        if have is not None and want is not None and have != want:
+            raise ValueError(
+                f"{component}.config.{field} is {have} but {model}.config.{model_field} is {want}: the {what} of "
+                f"the {component} must equal the {model}'s; load components converted for the same MAGI-2 model"
+            )

@@ -55,6 +55,31 @@ class StandInTransformer(ModelMixin, ConfigMixin):
         return StubOutput(sample=video, audio_sample=audio)
 
 
+@dataclass
+class RefinerStubOutput(BaseOutput):
+    sample: torch.Tensor
+    audio_sample: torch.Tensor | None = None
+
+
+class StandInRefiner(ModelMixin, ConfigMixin):
+    """Deterministic velocity with the refiner's keyword API; depends on the text so that the cond
+    and uncond forwards differ. Records every call."""
+
+    @register_to_config
+    def __init__(self, in_channels: int = 48):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+        self.calls = []
+
+    def forward(self, hidden_states, encoder_hidden_states, audio_hidden_states=None, encoder_attention_mask=None,
+                attention_kwargs=None, return_dict=True):
+        self.calls.append(dict(hidden_states=hidden_states.clone(), encoder_hidden_states=encoder_hidden_states.clone(),
+                               audio_hidden_states=audio_hidden_states, attention_kwargs=attention_kwargs))
+        text = encoder_hidden_states.float().mean(dim=(1, 2)).view(-1, 1, 1, 1, 1)
+        v = 0.9 * hidden_states - 0.2 * torch.tanh(hidden_states) + 0.3 * text
+        return RefinerStubOutput(sample=v) if return_dict else (v, None)
+
+
 def preview_scheduler() -> UniPCMultistepScheduler:
     """The converter's scheduler config: flow-prediction UniPC, flow sigmas, shift 7."""
     return UniPCMultistepScheduler(
@@ -134,3 +159,28 @@ def tiny_real_format_components(with_vae: bool = False) -> dict:
     ).eval()
     components["scheduler"] = preview_scheduler()
     return components
+
+
+def stub_embeds(n: int = 1) -> dict:
+    """Prompt and negative-prompt embeddings (width 8, 5 and 3 tokens) for the stand-in pipelines."""
+    g = torch.Generator().manual_seed(3)
+    return dict(
+        prompt_embeds=torch.randn(n, 5, 8, generator=g), prompt_attention_mask=torch.ones(n, 5, dtype=torch.bool),
+        negative_prompt_embeds=torch.randn(n, 3, 8, generator=g),
+        negative_prompt_attention_mask=torch.ones(n, 3, dtype=torch.bool),
+    )
+
+
+def tiny_two_stage_pipeline(fixtures_dir):
+    """``Magi2Pipeline`` with the ``magi2_tiny`` preview (``preview_h4``) and refiner DiTs, both fp32 from
+    their SandAI checkpoints, and :func:`tiny_real_format_components`."""
+    from diffusers_magi2 import Magi2Pipeline, Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
+
+    tiny = fixtures_dir / "magi2_tiny"
+    transformer = Magi2Transformer3DModel.from_original_checkpoint(
+        tiny / "preview_h4" / "sandai_checkpoint", dtype=torch.float32
+    )
+    refiner = Magi2RefinerTransformer3DModel.from_original_checkpoint(
+        tiny / "refiner" / "sandai_checkpoint", torch_dtype=torch.float32
+    )
+    return Magi2Pipeline(transformer=transformer, refiner=refiner, **tiny_real_format_components())

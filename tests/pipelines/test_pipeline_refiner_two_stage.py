@@ -18,9 +18,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_stubs import tiny_real_format_components  # noqa: E402
+from pipeline_stubs import tiny_two_stage_pipeline  # noqa: E402
 
-from diffusers_magi2 import Magi2Pipeline, Magi2Transformer3DModel, export_to_video_with_audio  # noqa: E402
+from diffusers_magi2 import Magi2Pipeline, export_to_video_with_audio  # noqa: E402
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel  # noqa: E402
 from diffusers_magi2.pipelines.refiner_stage import run_refiner_stage  # noqa: E402
 from diffusers_magi2.utils.export import probe_streams  # noqa: E402
@@ -31,14 +31,7 @@ TWO_STAGE = dict(height=64, width=96, preview_height=32, preview_width=48, num_i
 
 @pytest.fixture(scope="module")
 def pipe(fixtures_dir):
-    tiny = fixtures_dir / "magi2_tiny"
-    transformer = Magi2Transformer3DModel.from_original_checkpoint(
-        tiny / "preview_h4" / "sandai_checkpoint", dtype=torch.float32
-    )
-    refiner = Magi2RefinerTransformer3DModel.from_original_checkpoint(
-        tiny / "refiner" / "sandai_checkpoint", torch_dtype=torch.float32
-    )
-    return Magi2Pipeline(transformer=transformer, refiner=refiner, **tiny_real_format_components())
+    return tiny_two_stage_pipeline(fixtures_dir)
 
 
 def test_two_stage_call_writes_25fps_mp4_with_audio(pipe, tmp_path):
@@ -54,8 +47,8 @@ def test_two_stage_call_writes_25fps_mp4_with_audio(pipe, tmp_path):
     finally:
         hook.remove()
     # 5 refiner steps x two batch-1 forwards (cond, then the built-in negative prompt), no audio tokens
-    cond_len = pipe.encode_prompt([PROMPT], "cpu")[0].shape[1]
-    neg_len = pipe.encode_prompt([pipe.config.negative_prompt], "cpu")[0].shape[1]
+    cond_len = pipe.encode_text([PROMPT], "cpu")[0].shape[1]
+    neg_len = pipe.encode_text([pipe.config.negative_prompt], "cpu")[0].shape[1]
     assert cond_len != neg_len  # so the order cond -> uncond is visible in the calls
     assert calls == [((1, 12, 63, 4, 6), cond_len, None), ((1, 12, 63, 4, 6), neg_len, None)] * 5
 
@@ -89,8 +82,8 @@ def test_two_stage_latents_equal_a_direct_refiner_stage_call(pipe):
     g = torch.Generator().manual_seed(5)
     preview = pipe(PROMPT, height=32, width=48, num_inference_steps=2, generator=g, output_type="latent")
     assert torch.equal(preview.audio, two.audio)
-    cond, cond_mask, _ = pipe.encode_prompt([PROMPT], "cpu")
-    neg, neg_mask, _ = pipe.encode_prompt([pipe.config.negative_prompt], "cpu")
+    cond, cond_mask, _ = pipe.encode_text([PROMPT], "cpu")
+    neg, neg_mask, _ = pipe.encode_text([pipe.config.negative_prompt], "cpu")
     direct = run_refiner_stage(
         pipe.refiner, preview.frames, cond, neg, pipe.scheduler, height=64, width=96,
         prompt_attention_mask=cond_mask, negative_prompt_attention_mask=neg_mask, generator=g,

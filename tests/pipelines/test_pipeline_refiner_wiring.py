@@ -10,7 +10,6 @@ independent computations in a few seconds. The real tiny models run in
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,42 +19,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_stubs import (  # noqa: E402
-    StandInTransformer, preview_scheduler, tiny_oobleck, tiny_text_encoder, tiny_wan22_vae,
+    StandInRefiner, StandInTransformer, preview_scheduler, stub_embeds, tiny_oobleck, tiny_text_encoder, tiny_wan22_vae,
 )
-
-from diffusers.configuration_utils import ConfigMixin, register_to_config  # noqa: E402
-from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
-from diffusers.utils import BaseOutput  # noqa: E402
 
 from diffusers_magi2.pipelines.pipeline_magi2 import Magi2Pipeline, resize_video_frames  # noqa: E402
 from diffusers_magi2.pipelines.refiner_stage import run_refiner_stage  # noqa: E402
 
 S_220 = 0.838910  # spec §5.7: re-noise signal scale at noise_value 220
-
-
-@dataclass
-class _RefinerOut(BaseOutput):
-    sample: torch.Tensor
-    audio_sample: torch.Tensor | None = None
-
-
-class StandInRefiner(ModelMixin, ConfigMixin):
-    """Deterministic velocity with the refiner's keyword API; depends on the text so that the cond
-    and uncond forwards differ. Records every call."""
-
-    @register_to_config
-    def __init__(self, in_channels: int = 48):
-        super().__init__()
-        self.anchor = torch.nn.Parameter(torch.zeros(1))
-        self.calls = []
-
-    def forward(self, hidden_states, encoder_hidden_states, audio_hidden_states=None, encoder_attention_mask=None,
-                attention_kwargs=None, return_dict=True):
-        self.calls.append(dict(hidden_states=hidden_states.clone(), encoder_hidden_states=encoder_hidden_states.clone(),
-                               audio_hidden_states=audio_hidden_states, attention_kwargs=attention_kwargs))
-        text = encoder_hidden_states.float().mean(dim=(1, 2)).view(-1, 1, 1, 1, 1)
-        v = 0.9 * hidden_states - 0.2 * torch.tanh(hidden_states) + 0.3 * text
-        return _RefinerOut(sample=v) if return_dict else (v, None)
 
 
 def make_pipe(with_vae=False, refiner=True):
@@ -66,13 +36,7 @@ def make_pipe(with_vae=False, refiner=True):
     )
 
 
-def embeds(n=1):
-    g = torch.Generator().manual_seed(3)
-    return dict(
-        prompt_embeds=torch.randn(n, 5, 8, generator=g), prompt_attention_mask=torch.ones(n, 5, dtype=torch.bool),
-        negative_prompt_embeds=torch.randn(n, 3, 8, generator=g),
-        negative_prompt_attention_mask=torch.ones(n, 3, dtype=torch.bool),
-    )
+embeds = stub_embeds
 
 
 SMALL = dict(height=64, width=96, preview_height=32, preview_width=48, num_inference_steps=2)
@@ -254,8 +218,8 @@ def test_preview_cfg_off_encodes_the_default_negative_prompt_for_the_refiner():
     pipe(prompt="a fox in snow", **SMALL, guidance_scale=1.0, audio_guidance_scale=1.0, refiner_num_inference_steps=1,
          output_type="latent", latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64),
          generator=torch.Generator().manual_seed(0))
-    neg, _, _ = pipe.encode_prompt([pipe.config.negative_prompt], "cpu")
-    cond, _, _ = pipe.encode_prompt(["a fox in snow"], "cpu")
+    neg, _, _ = pipe.encode_text([pipe.config.negative_prompt], "cpu")
+    cond, _, _ = pipe.encode_text(["a fox in snow"], "cpu")
     assert all(c["hidden_states"].shape[0] == 1 for c in pipe.transformer.calls)
     calls = pipe.refiner.calls
     assert len(calls) == 2 and cond.shape[1] != neg.shape[1]

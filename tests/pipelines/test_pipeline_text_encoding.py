@@ -140,7 +140,7 @@ def test_pipeline_encode_prompt_matches_fixture(folder, tokenizer, encoders, cas
                          audio_vae=tiny_oobleck(), scheduler=preview_scheduler())
     assert has_cjk_pre_tokenizer_split(pipe.tokenizer)
     prompts = [meta["prompts"][k]["prompt"] for k in ("ascii", "json_markdown")]
-    embeds, mask, pooled = pipe.encode_prompt(prompts, "cpu", figure_target="<Figure 1>")
+    embeds, mask, pooled = pipe.encode_text(prompts, "cpu", figure_target="<Figure 1>")
     assert embeds.shape == (2, 234, 64) and mask.sum(1).tolist() == [62, 234]
     torch.testing.assert_close(embeds[0, :62], tensors["fp32.ascii.selected_hidden_state"][0], atol=1e-5, rtol=1e-5)
     assert torch.count_nonzero(embeds[0, 62:]) == 0

@@ -1,0 +1,38 @@
+"""diffusers' caching hooks on the MAGI-2 transformers (preview and refiner).
+
+FirstBlockCache and MagCache find the blocks by the ``transformer_blocks`` name and read each
+block's ``hidden_states`` through ``TransformerBlockRegistry`` (each model module registers its
+block). TaylorSeer's built-in identifiers (``^transformer_blocks.*attn``, matched in full) do not
+match a MAGI-2 block's ``attention`` child, so :class:`Magi2CacheMixin` fills in the
+``cache_identifiers`` of a ``TaylorSeerCacheConfig`` that names none: the diffusers way to tell
+TaylorSeer which modules to approximate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from diffusers.models.cache_utils import CacheMixin
+
+__all__ = ["MAGI2_ATTENTION_IDENTIFIERS", "Magi2CacheMixin"]
+
+#: Regexes (``re.fullmatch`` on module names) of the attention module of every MAGI-2 block.
+MAGI2_ATTENTION_IDENTIFIERS = (r"transformer_blocks\.\d+\.attention",)
+
+
+class Magi2CacheMixin(CacheMixin):
+    """``CacheMixin`` whose TaylorSeer default approximates the blocks' attention modules."""
+
+    def enable_cache(self, config) -> None:
+        """``CacheMixin.enable_cache``; a ``TaylorSeerCacheConfig`` without ``cache_identifiers``,
+        ``skip_predict_identifiers`` or ``use_lite_mode`` gets :data:`MAGI2_ATTENTION_IDENTIFIERS`."""
+        from diffusers.hooks import TaylorSeerCacheConfig
+
+        if (
+            isinstance(config, TaylorSeerCacheConfig)
+            and not config.cache_identifiers
+            and not config.skip_predict_identifiers
+            and not config.use_lite_mode
+        ):
+            config = dataclasses.replace(config, cache_identifiers=list(MAGI2_ATTENTION_IDENTIFIERS))
+        super().enable_cache(config)
