@@ -245,7 +245,7 @@ class Magi2Pipeline(DiffusionPipeline):
             refiner_shift=refiner_shift,
             refiner_noise_value=refiner_noise_value,
         )
-        check_components(self)
+        self._check_components()
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
         # The reference preprocesses the I2V image with VideoProcessor(vae_scale_factor=2 * 16).
         self.reference_image_processor = VideoProcessor(vae_scale_factor=2 * self.vae_scale_factor_spatial)
@@ -418,6 +418,8 @@ class Magi2Pipeline(DiffusionPipeline):
     # ------------------------------------------------------------------------------------------
     # Validation
     # ------------------------------------------------------------------------------------------
+
+    _check_components = check_components
 
     def check_inputs(
         self,
