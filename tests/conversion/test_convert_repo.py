@@ -399,7 +399,7 @@ from diffusers_magi2 import Magi2Pipeline
 try:
     Magi2Pipeline.from_pretrained({str(snapshot)!r})
 except ValueError as error:
-    assert "vae.config.z_dim is 48 but transformer.config.video_in_channels is 12" in str(error), error
+    assert "vae.config.z_dim is 48 but transformer.config.in_channels is 12" in str(error), error
 else:
     raise AssertionError("mismatched components were accepted")
 Magi2Pipeline._check_components = lambda self: None
