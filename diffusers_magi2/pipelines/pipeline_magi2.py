@@ -1,8 +1,21 @@
 """``Magi2Pipeline``: MAGI-2 Preview text-to-video and image-to-video, with audio, as a diffusers pipeline.
 
 Semantics follow SandAI's ``inference/pipeline`` (``Magi2InferenceEngine.evaluate`` and
-``Magi2PreviewSampler``) at commit ``f68a0f9`` (spec ``magi2_reference_spec.md`` §5); the code is this
-package's own.
+``Magi2PreviewSampler``) at commit ``f68a0f9``; the code is this package's own.
+
+One call, up to two stages, one sampler. The preview stage denoises the video and audio latents with one
+``[cond; uncond]`` forward per step. On the 1080p path the refiner stage
+(:func:`~diffusers_magi2.pipelines.refiner_stage.run_refiner_stage`) upsamples the final video latent to
+``2T − 1`` frames at ``height/16 × width/16``, re-noises it (drawn from the same ``generator``, after the
+preview draws) and denoises it with refiner CFG (two forwards per step, no audio tokens); the preview
+audio is decoded as is, with 4·(2T − 2) + 1 = 249 frames at 2 · ``fps`` = 25 fps. Both stages run
+``Magi2Pipeline._denoise`` (:func:`~diffusers_magi2.pipelines.sampling_magi2.denoise_steps`): a cache
+context per forward (``"cond_uncond"``, or ``"cond"`` without CFG; the refiner's ``"cond_{b}"`` /
+``"uncond_{b}"``, one per sample, as it runs a batch's samples one after another through its blocks),
+``interrupt``, step callbacks and a progress bar. The refiner is a stage of this pipeline, not a
+pipeline of its own as LTX-2's latent upsampler is, because the 1080p preset is one call: the re-noise
+continues the preview's generator stream, the stage reuses the call's text embeddings, callbacks and
+decoding, and ``model_index.json`` already holds the refiner as a component.
 """
 
 from __future__ import annotations
@@ -39,9 +52,9 @@ from .presets_magi2 import (
 )
 from .refiner_stage import Magi2RefinerStageConfig, run_refiner_stage
 from .sampling_magi2 import (
-    cache_context,
     check_scheduler,
     combine_guidance,
+    denoise_steps,
     flow_schedulers,
     pad_text_batch,
     unshifted_sigmas,
@@ -51,26 +64,9 @@ from .text_encoding import (
     DEFAULT_SKIP_LAYERS,
     add_figure_reference,
     apply_cjk_pre_tokenizer_split,
-    encode_prompt_features,
-    find_target_token_indices,
-    normalize_prompt,
-    pool_target_features,
-    tokenize_prompt,
+    encode_prompt_text,
 )
-from .validation_magi2 import (
-    attention_kwargs_for,
-    check_attention_kwargs,
-    check_batch_sizes,
-    check_components,
-    check_image_inputs,
-    check_latents_and_decoder,
-    check_output_size,
-    check_prompt_inputs,
-    check_refiner_inputs,
-    check_sampling_inputs,
-    check_sizes,
-    check_text_widths,
-)
+from .validation_magi2 import Magi2PipelineChecksMixin, attention_kwargs_for
 
 logger = logging.get_logger(__name__)
 
@@ -85,7 +81,7 @@ __all__ = [
 ]
 
 
-class Magi2Pipeline(DiffusionPipeline):
+class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
     r"""MAGI-2 Preview: a 10 s video with a stereo soundtrack from a prompt, optionally conditioned on an image.
 
     Components:
@@ -103,6 +99,9 @@ class Magi2Pipeline(DiffusionPipeline):
         refiner (`Magi2RefinerTransformer3DModel`, optional): the 1080p refiner stage (spec §5.7),
             run after the preview when ``height=1088, width=1920`` (``resolution="1080p"``) or an
             explicit ``preview_height/preview_width`` is given; without it those raise.
+
+    Construction (and so ``from_pretrained``) raises ``ValueError`` when a component's latent or text width
+    does not fit the transformer or refiner (:data:`~diffusers_magi2.pipelines.validation_magi2.COMPONENT_FITS`).
 
     Loading a converted repo (``import diffusers_magi2`` registers the model modules)::
 
@@ -124,19 +123,6 @@ class Magi2Pipeline(DiffusionPipeline):
     can store a smaller one), ``refiner_num_inference_steps`` (5), ``refiner_guidance_scale`` (2.0),
     ``refiner_shift`` (5.0), ``refiner_noise_value`` (220 → re-noise signal scale 0.838910); the
     values of SandAI ``magi2_refiner.json`` ``evaluation_config``.
-
-    Two-stage path (1080p): the preview stage runs at the preview size with the usual noise draws,
-    then :func:`~diffusers_magi2.pipelines.refiner_stage.run_refiner_stage` upsamples the final
-    video latent to ``2T − 1`` frames at ``height/16 × width/16``, re-noises it (drawn from the same
-    ``generator``, after the preview draws), denoises it with 5 Flow-UniPC steps (shift 5, a
-    scheduler built from ``scheduler``'s config) and refiner CFG 2.0 (two forwards per step, no audio
-    tokens). The refined latent is decoded with the video decoder (4·(2T − 2) + 1 = 249 frames at
-    2 · ``fps`` = 25 fps); the preview audio latent is decoded as is.
-
-    Caching hooks (``pipe.transformer.enable_cache(FirstBlockCacheConfig(...))``, TaylorSeer, MagCache; the
-    same on ``pipe.refiner``): every denoiser forward runs in ``cache_context`` — ``"cond_uncond"`` for the
-    batched preview forward (``"cond"`` without CFG), ``"cond_{b}"`` / ``"uncond_{b}"`` for the refiner's
-    per-sample forwards — with ``step_index``, ``num_inference_steps`` and ``timestep``.
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->refiner->video_decoder->vae->audio_vae"
@@ -250,9 +236,7 @@ class Magi2Pipeline(DiffusionPipeline):
         # The reference preprocesses the I2V image with VideoProcessor(vae_scale_factor=2 * 16).
         self.reference_image_processor = VideoProcessor(vae_scale_factor=2 * self.vae_scale_factor_spatial)
 
-    # ------------------------------------------------------------------------------------------
-    # Geometry read from the component configs
-    # ------------------------------------------------------------------------------------------
+    # --- Geometry read from the component configs
 
     def _video_latent_geometry(self, vae_key: str, decoder_key: str, default: int) -> int:
         """``vae.config[vae_key]`` when there is a ``vae``, else ``video_decoder.config[decoder_key]`` when
@@ -300,9 +284,7 @@ class Magi2Pipeline(DiffusionPipeline):
         """Audio latent length of a ``duration_s`` clip: ``round(duration·audio_latent_fps)`` (250)."""
         return int(round(float(self.config.duration_s) * float(self.config.audio_latent_fps)))
 
-    # ------------------------------------------------------------------------------------------
-    # Properties (diffusers conventions)
-    # ------------------------------------------------------------------------------------------
+    # --- Properties (diffusers conventions)
 
     @property
     def guidance_scale(self) -> float:
@@ -347,9 +329,7 @@ class Magi2Pipeline(DiffusionPipeline):
         (see ``check_inputs``)."""
         return self._attention_kwargs
 
-    # ------------------------------------------------------------------------------------------
-    # Scheduling (the shift is applied exactly once, by the scheduler, on every task path)
-    # ------------------------------------------------------------------------------------------
+    # --- Scheduling (the shift is applied exactly once, by the scheduler, on every task path)
     def base_sigmas(self, num_inference_steps: int) -> np.ndarray:
         """Unshifted sigmas ``linspace(sigma_start, 0, N + 1)[:-1]`` (float64, length N)."""
         return unshifted_sigmas(self.config.sigma_start, num_inference_steps)
@@ -362,8 +342,7 @@ class Magi2Pipeline(DiffusionPipeline):
 
         The pipeline passes the unshifted :meth:`base_sigmas` to ``set_timesteps(sigmas=…)``; the
         scheduler applies ``flow_shift`` once: σ' = sσ/(1 + (s − 1)σ), final σ 0, integer timesteps
-        int64(σ'·1000) (truncated). For N = 100, s = 7: 999, 998, 996, …, 124, 65 (spec §5.2).
-        Used identically for T2V and I2V.
+        int64(σ'·1000) (truncated). For N = 100, s = 7: 999, 998, 996, …, 124, 65 (T2V and I2V alike).
 
         Returns:
             ``(video_scheduler, audio_scheduler, timesteps)``; ``timesteps`` int64 ``[N]``.
@@ -373,9 +352,7 @@ class Magi2Pipeline(DiffusionPipeline):
         """
         return flow_schedulers(self.scheduler, self.base_sigmas(num_inference_steps), device)
 
-    # ------------------------------------------------------------------------------------------
-    # Two-stage (1080p refiner) geometry and settings
-    # ------------------------------------------------------------------------------------------
+    # --- Two-stage (1080p refiner) geometry and settings
 
     apply_resolution_preset = staticmethod(apply_resolution_preset)
 
@@ -415,86 +392,7 @@ class Magi2Pipeline(DiffusionPipeline):
             vae_stride_spatial=self.vae_scale_factor_spatial,
         )
 
-    # ------------------------------------------------------------------------------------------
-    # Validation
-    # ------------------------------------------------------------------------------------------
-
-    _check_components = check_components
-
-    def check_inputs(
-        self,
-        prompt,
-        negative_prompt,
-        image,
-        height,
-        width,
-        num_inference_steps,
-        guidance_scale,
-        audio_guidance_scale,
-        prompt_embeds,
-        prompt_attention_mask,
-        negative_prompt_embeds,
-        negative_prompt_attention_mask,
-        image_embeds,
-        output_type,
-        callback_on_step_end_tensor_inputs,
-        latents=None,
-        audio_latents=None,
-        preview_height=None,
-        preview_width=None,
-        output_height=None,
-        output_width=None,
-        refiner_num_inference_steps=None,
-        refiner_guidance_scale=None,
-        attention_kwargs=None,
-        num_videos_per_prompt=1,
-    ) -> None:
-        """Reject bad arguments with a ``ValueError`` before any work starts (see ``__call__``)."""
-        check_sizes(height, width, preview_height, preview_width)
-        refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
-        check_refiner_inputs(
-            self, refine, height, width, refiner_num_inference_steps, refiner_guidance_scale, negative_prompt_embeds
-        )
-        check_attention_kwargs(self, attention_kwargs, refine)
-        check_output_size(output_height, output_width, output_type)
-        check_sampling_inputs(
-            self, num_inference_steps, guidance_scale, audio_guidance_scale, output_type, callback_on_step_end_tensor_inputs,
-            num_videos_per_prompt,
-        )
-        check_prompt_inputs(
-            prompt,
-            negative_prompt,
-            prompt_embeds,
-            prompt_attention_mask,
-            negative_prompt_embeds,
-            negative_prompt_attention_mask,
-        )
-        check_image_inputs(self, image, prompt_embeds, image_embeds)
-        # batch size and text width, checked here so that nothing is encoded before a mismatch raises
-        check_batch_sizes(
-            prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds, latents, audio_latents,
-            num_videos_per_prompt,
-        )
-        check_text_widths(self, prompt_embeds, negative_prompt_embeds, image_embeds)
-        check_latents_and_decoder(self, output_type, latents, audio_latents, refine, denoise_height, denoise_width)
-
-    # ------------------------------------------------------------------------------------------
-    # Text
-    # ------------------------------------------------------------------------------------------
-
-    def _encode_one(self, text: str, device, want_offsets: bool = False):
-        normalized = normalize_prompt(text)
-        tokens = tokenize_prompt(
-            self.tokenizer, normalized, int(self.config.max_sequence_length), return_offsets_mapping=want_offsets
-        )
-        features = encode_prompt_features(
-            self.text_encoder,
-            tokens["input_ids"].to(device),
-            tokens["attention_mask"].to(device),
-            skip_layers=int(self.config.text_skip_layers),
-        )
-        offsets = tokens["offset_mapping"][0] if want_offsets else None
-        return features, normalized, offsets
+    # --- Text
 
     @torch.no_grad()
     def encode_text(
@@ -524,51 +422,37 @@ class Magi2Pipeline(DiffusionPipeline):
         features, pooled = [], []
         with self._stage_progress_bar(len(prompts), "Encoding text") as progress_bar:
             for text in prompts:
-                f, normalized, offsets = self._encode_one(text, device, want_offsets=figure_target is not None)
+                f, target = encode_prompt_text(
+                    self.tokenizer, self.text_encoder, text, device, int(self.config.max_sequence_length),
+                    int(self.config.text_skip_layers), figure_target,
+                )
                 features.append(f)
-                if figure_target is not None:
-                    indices = find_target_token_indices(normalized, offsets, figure_target)
-                    pooled.append(pool_target_features(f, indices))
+                pooled.append(target)
                 progress_bar.update()
         embeds, mask = pad_text_batch(features, [None] * len(features))
-        return embeds, mask, (torch.stack(pooled, 0) if pooled else None)
+        return embeds, mask, (None if figure_target is None else torch.stack(pooled, 0))
 
     @torch.no_grad()
     def encode_prompt(
-        self,
-        prompt: str | list[str] | None,
-        negative_prompt: str | list[str] | None = None,
-        do_classifier_free_guidance: bool = True,
-        num_videos_per_prompt: int = 1,
-        prompt_embeds: torch.Tensor | None = None,
-        negative_prompt_embeds: torch.Tensor | None = None,
-        prompt_attention_mask: torch.Tensor | None = None,
-        negative_prompt_attention_mask: torch.Tensor | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        self, prompt: str | list[str] | None, negative_prompt: str | list[str] | None = None,
+        do_classifier_free_guidance: bool = True, num_videos_per_prompt: int = 1,
+        prompt_embeds: torch.Tensor | None = None, negative_prompt_embeds: torch.Tensor | None = None,
+        prompt_attention_mask: torch.Tensor | None = None, negative_prompt_attention_mask: torch.Tensor | None = None,
+        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        r"""Text conditioning of a call, as Wan / LTX-2 ``encode_prompt``: the prompt and (with CFG) the
-        negative prompt, each ``[B·n, Lt, C]`` with a ``[B·n, Lt]`` bool mask, every prompt's rows
-        repeated ``n = num_videos_per_prompt`` times (adjacent).
+        r"""Text conditioning as Wan / LTX-2 ``encode_prompt``: ``(prompt_embeds, prompt_attention_mask,
+        negative_prompt_embeds, negative_prompt_attention_mask)``, embeddings ``[B·n, Lt, C]`` with
+        ``[B·n, Lt]`` bool masks, each prompt's rows repeated ``n = num_videos_per_prompt`` times (adjacent).
 
         Args:
-            prompt: one string or a list (``B`` prompts); ``None`` with ``prompt_embeds``.
-            negative_prompt: the unconditional text (one string or ``B``); default ``config.negative_prompt``.
+            prompt: ``B`` prompts (a string or list), or ``None`` with ``prompt_embeds`` (``[B, Lt, C]``) and
+                ``prompt_attention_mask``; the negative pair likewise (default text ``config.negative_prompt``).
             do_classifier_free_guidance: also return the negative pair (else ``None, None`` unless given).
-            num_videos_per_prompt: rows per prompt (≥ 1).
-            prompt_embeds, prompt_attention_mask: ``[B, Lt, C]`` / ``[B, Lt]`` used instead of ``prompt``.
-            negative_prompt_embeds, negative_prompt_attention_mask: likewise for the negative prompt.
-            device: where the text encoder runs and the results live (default: execution device).
-            dtype: cast the embeddings (default: the text encoder's dtype).
+            device, dtype: where the text encoder runs and the results live; cast of the embeddings.
 
-        Returns:
-            ``(prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask)``.
-
-        Image-to-video also needs the ``<Figure 1>`` special-token embedding (``image_embeds``); it
-        comes from the same text-encoder pass: ``embeds, mask, image_embeds =
-        pipe.encode_text(add_figure_reference(prompt), figure_target="<Figure 1>")`` (what ``__call__``
-        does; ``add_figure_reference`` is in :mod:`diffusers_magi2.pipelines.text_encoding`); pass
-        ``embeds``/``mask`` as ``prompt_embeds``/``prompt_attention_mask`` here or to ``__call__``.
+        The I2V ``image_embeds`` (the ``<Figure 1>`` special-token embedding) come from the same pass:
+        ``embeds, mask, image_embeds = pipe.encode_text(add_figure_reference(prompt), figure_target="<Figure 1>")``
+        (``add_figure_reference`` from :mod:`diffusers_magi2.pipelines.text_encoding`; what ``__call__`` does).
         """
         device = device or self._execution_device
         if prompt_embeds is None:
@@ -596,9 +480,7 @@ class Magi2Pipeline(DiffusionPipeline):
         progress_bar.set_description(description)
         return progress_bar
 
-    # ------------------------------------------------------------------------------------------
-    # Image
-    # ------------------------------------------------------------------------------------------
+    # --- Image
 
     def preprocess_reference_image(self, image, height: int, width: int) -> torch.Tensor:
         """The I2V image as VAE input ``[1, 3, 1, H', W']`` (fp32 values): SandAI
@@ -627,20 +509,12 @@ class Magi2Pipeline(DiffusionPipeline):
         mean, inv_std = wan_latent_stats(vae, mu.device)
         return (mu - mean) * inv_std
 
-    # ------------------------------------------------------------------------------------------
-    # Latents
-    # ------------------------------------------------------------------------------------------
+    # --- Latents
 
     def prepare_latents(
-        self,
-        batch_size: int,
-        height: int,
-        width: int,
-        device: torch.device | str,
-        generator: torch.Generator | list[torch.Generator] | None = None,
-        latents: torch.Tensor | None = None,
-        audio_latents: torch.Tensor | None = None,
-        num_latent_frames: int | None = None,
+        self, batch_size: int, height: int, width: int, device: torch.device | str,
+        generator: torch.Generator | list[torch.Generator] | None = None, latents: torch.Tensor | None = None,
+        audio_latents: torch.Tensor | None = None, num_latent_frames: int | None = None,
         num_audio_latents: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Initial noise, fp32: video ``[B, 48, T, H/16, W/16]`` drawn first, then audio ``[B, L, 64]``,
@@ -662,9 +536,7 @@ class Magi2Pipeline(DiffusionPipeline):
             audio_latents = audio_latents.to(device=device, dtype=torch.float32)
         return latents, audio_latents
 
-    # ------------------------------------------------------------------------------------------
-    # Decoding
-    # ------------------------------------------------------------------------------------------
+    # --- Decoding
 
     @torch.no_grad()
     def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
@@ -688,9 +560,7 @@ class Magi2Pipeline(DiffusionPipeline):
         return decode_audio_latents(self.audio_vae, audio_latents, float(self.config.audio_resample_ratio))
 
 
-    # ------------------------------------------------------------------------------------------
-    # Call
-    # ------------------------------------------------------------------------------------------
+    # --- Call
 
     @torch.no_grad()
     def __call__(
@@ -780,45 +650,28 @@ class Magi2Pipeline(DiffusionPipeline):
             refined latents ``[B, 48, 2T − 1, height/16, width/16]`` and the audio the preview audio latents.
 
         Raises:
-            ValueError: bad sizes, empty prompt, wrong image type, ``num_inference_steps < 1``,
-                negative guidance, embeddings without their masks, ``image`` + ``prompt_embeds``
-                without ``image_embeds``, a ``negative_prompt`` list, ``negative_prompt_embeds``,
-                ``image_embeds``, ``latents`` or ``audio_latents`` whose batch is not the prompt batch,
-                embeddings whose last dim is not ``transformer.config.text_in_channels``
-                (or the refiner's), bad ``output_type``, an unknown ``resolution``, the refiner
-                path without a ``refiner``, bad refiner settings, an output size that is not positive
-                or comes without the other or with ``output_type="latent"`` — all before any work starts.
+            ValueError: before any work starts: bad sizes, empty prompt, wrong image type, steps or
+                ``num_videos_per_prompt`` < 1, negative guidance, embeddings without masks, ``image`` +
+                ``prompt_embeds`` without ``image_embeds``, a negative prompt / ``image_embeds`` not of the
+                prompt batch, ``latents`` / ``audio_latents`` without one row per video, embeddings not of
+                the models' ``text_in_channels``, bad ``output_type`` or ``resolution``, the refiner path
+                without a ``refiner`` or with bad settings, a bad output size.
         """
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         if resolution is not None:
             height, width = self.apply_resolution_preset(resolution, height, width)
         self.check_inputs(
-            prompt,
-            negative_prompt,
-            image,
-            height,
-            width,
-            num_inference_steps,
-            guidance_scale,
-            audio_guidance_scale,
-            prompt_embeds,
-            prompt_attention_mask,
-            negative_prompt_embeds,
-            negative_prompt_attention_mask,
-            image_embeds,
-            output_type,
-            callback_on_step_end_tensor_inputs,
-            latents,
-            audio_latents,
-            preview_height=preview_height,
-            preview_width=preview_width,
-            output_height=output_height,
-            output_width=output_width,
-            refiner_num_inference_steps=refiner_num_inference_steps,
-            refiner_guidance_scale=refiner_guidance_scale,
-            attention_kwargs=attention_kwargs,
-            num_videos_per_prompt=num_videos_per_prompt,
+            prompt=prompt, negative_prompt=negative_prompt, image=image, height=height, width=width,
+            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+            audio_guidance_scale=audio_guidance_scale, prompt_embeds=prompt_embeds,
+            prompt_attention_mask=prompt_attention_mask, negative_prompt_embeds=negative_prompt_embeds,
+            negative_prompt_attention_mask=negative_prompt_attention_mask, image_embeds=image_embeds,
+            output_type=output_type, callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            latents=latents, audio_latents=audio_latents, preview_height=preview_height, preview_width=preview_width,
+            output_height=output_height, output_width=output_width,
+            refiner_num_inference_steps=refiner_num_inference_steps, refiner_guidance_scale=refiner_guidance_scale,
+            attention_kwargs=attention_kwargs, num_videos_per_prompt=num_videos_per_prompt,
         )
         check_scheduler(self.scheduler)
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
@@ -888,75 +741,50 @@ class Magi2Pipeline(DiffusionPipeline):
         latents, audio_latents = self.prepare_latents(
             num_videos, denoise_height, denoise_width, device, generator, latents, audio_latents
         )
-        self._num_timesteps = len(timesteps)
 
         # 5. denoise: one forward per step on [cond, uncond]
         tensors = dict(latents=latents, audio_latents=audio_latents, prompt_embeds=prompt_embeds,
                        negative_prompt_embeds=negative_prompt_embeds)
+        steps = dict(callback_on_step_end=callback_on_step_end,
+                     callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+        branch = "cond_uncond" if self.do_classifier_free_guidance else "cond"
 
-        def step_callback(i, t, stage_tensors):
-            # explicit table, not locals(): a renamed local must not silently break the callback contract
-            tensors.update(stage_tensors)
-            if callback_on_step_end is not None:
-                callback_kwargs = {name: tensors[name] for name in callback_on_step_end_tensor_inputs}
-                tensors.update(callback_on_step_end(self, i, t, callback_kwargs) or {})
-            return {name: tensors[name] for name in stage_tensors}
+        def predict(i, t, tensors, context):
+            with context(branch):
+                video, audio = self.predict_velocity(
+                    tensors["latents"], tensors["audio_latents"], t, tensors["prompt_embeds"], prompt_attention_mask,
+                    tensors["negative_prompt_embeds"], negative_prompt_attention_mask, image_latents, image_embeds,
+                )
+            return {"latents": video, "audio_latents": audio}
 
-        with self._stage_progress_bar(num_inference_steps, "Denoising") as progress_bar:
-            for i, t in enumerate(timesteps):
-                if self.interrupt:
-                    continue
-                self._current_timestep = t
-                context = "cond_uncond" if self.do_classifier_free_guidance else "cond"
-                with cache_context(self.transformer, context, step_index=i, num_inference_steps=len(timesteps),
-                                   timestep=t):
-                    video_velocity, audio_velocity = self.predict_velocity(
-                        tensors["latents"],
-                        tensors["audio_latents"],
-                        t,
-                        tensors["prompt_embeds"],
-                        prompt_attention_mask,
-                        tensors["negative_prompt_embeds"],
-                        negative_prompt_attention_mask,
-                        image_latents,
-                        image_embeds,
-                    )
-                step_callback(i, t, dict(
-                    latents=video_scheduler.step(video_velocity, t, tensors["latents"], return_dict=False)[0],
-                    audio_latents=audio_scheduler.step(audio_velocity, t, tensors["audio_latents"], return_dict=False)[0],
-                ))
-                progress_bar.update()
-        self._current_timestep = None
+        schedulers = {"latents": video_scheduler, "audio_latents": audio_scheduler}
+        self._denoise(self.transformer, timesteps, tensors, schedulers, predict, "Denoising", **steps)
 
         # 6. (1080p) refiner stage on the final preview video latent; the same generator continues,
         # so the re-noise is drawn after the preview's video and audio noise. Audio is not refined.
         fps = float(self.config.fps)
         if refine and not self.interrupt:
-            self._num_timesteps = refiner_config.num_inference_steps
-            with self._stage_progress_bar(refiner_config.num_inference_steps, "Refining") as refiner_bar:
 
-                def refiner_step(i, t, stage_tensors):
-                    self._current_timestep = t
-                    refiner_bar.update()
-                    return step_callback(i, t, stage_tensors)
+            def refiner_denoise(model, timesteps, stage_tensors, schedulers, predict):
+                # the refiner denoises within the call's step table: its callbacks see the preview audio too
+                tensors.update(stage_tensors)
+                return self._denoise(model, timesteps, tensors, schedulers, predict, "Refining", **steps)
 
-                tensors["latents"] = run_refiner_stage(
-                    self.refiner,
-                    tensors["latents"],
-                    tensors["prompt_embeds"],
-                    tensors["negative_prompt_embeds"],
-                    self.scheduler,
-                    height=height,
-                    width=width,
-                    prompt_attention_mask=prompt_attention_mask,
-                    negative_prompt_attention_mask=negative_prompt_attention_mask,
-                    config=refiner_config,
-                    generator=generator,
-                    attention_kwargs=attention_kwargs_for(self.refiner, attention_kwargs),
-                    step_tensors_callback=refiner_step,
-                    interrupt=lambda: self.interrupt,
-                )
-            self._current_timestep = None
+            tensors["latents"] = run_refiner_stage(
+                self.refiner,
+                tensors["latents"],
+                tensors["prompt_embeds"],
+                tensors["negative_prompt_embeds"],
+                self.scheduler,
+                height=height,
+                width=width,
+                prompt_attention_mask=prompt_attention_mask,
+                negative_prompt_attention_mask=negative_prompt_attention_mask,
+                config=refiner_config,
+                generator=generator,
+                attention_kwargs=attention_kwargs_for(self.refiner, attention_kwargs),
+                denoise=refiner_denoise,
+            )
             # 2T − 1 latents on the 25 fps timeline: twice the preview frame rate.
             fps = 2.0 * fps
         latents, audio_latents = tensors["latents"], tensors["audio_latents"]
@@ -981,6 +809,34 @@ class Magi2Pipeline(DiffusionPipeline):
         if not return_dict:
             return (frames, audio)
         return Magi2PipelineOutput(frames=frames, audio=audio, audio_sample_rate=sample_rate, fps=fps)
+
+    def _denoise(
+        self, model, timesteps, tensors, schedulers, predict, description, callback_on_step_end,
+        callback_on_step_end_tensor_inputs,
+    ) -> dict:
+        """The sampler of both stages: :func:`~diffusers_magi2.pipelines.sampling_magi2.denoise_steps`
+        (cache context per forward) with the pipeline's progress bar, ``interrupt``, ``current_timestep``,
+        ``num_timesteps`` and step callbacks ``fn(pipe, step, timestep, tensors)``; returns ``tensors``."""
+        self._num_timesteps = len(timesteps)
+        with self._stage_progress_bar(len(timesteps), description) as progress_bar:
+
+            def predict_step(i, t, tensors, context):
+                self._current_timestep = t
+                return predict(i, t, tensors, context)
+
+            def on_step_end(i, t, tensors):
+                outputs = {}
+                if callback_on_step_end is not None:
+                    # explicit table, not locals(): a renamed local must not silently break the callback contract
+                    inputs = {name: tensors[name] for name in callback_on_step_end_tensor_inputs}
+                    outputs = callback_on_step_end(self, i, t, inputs) or {}
+                progress_bar.update()
+                return {name: value for name, value in outputs.items() if name in tensors}
+
+            denoise_steps(model, timesteps, tensors, schedulers, predict_step, on_step_end=on_step_end,
+                          skip_step=lambda: self.interrupt)
+        self._current_timestep = None
+        return tensors
 
     @torch.no_grad()
     def predict_velocity(

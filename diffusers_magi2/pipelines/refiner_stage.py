@@ -3,8 +3,8 @@
 ``Magi2Pipeline`` calls :func:`run_refiner_stage` with its final preview latent, its prompt and
 negative-prompt embeddings (the negative ones are encoded even when the preview runs without CFG),
 its ``scheduler``, the requested output size, a :class:`Magi2RefinerStageConfig` built from the
-pipeline config (``refiner_*`` keys) and the same ``generator`` the preview drew from; it is also
-usable on its own (e.g. to refine a saved preview latent).
+pipeline config (``refiner_*`` keys), the same ``generator`` the preview drew from and its own
+``_denoise`` as the loop; it is also usable on its own (e.g. to refine a saved preview latent).
 
 After the preview denoise, SandAI's engine (``Magi2InferenceEngine.evaluate_magi2_refiner_with_latent``)
 
@@ -26,6 +26,7 @@ Independent implementation; no reference code is copied.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .sampling_magi2 import cache_context
+from .sampling_magi2 import denoise_steps
 
 __all__ = [
     "Magi2RefinerStageConfig",
@@ -190,8 +191,7 @@ def run_refiner_stage(
     generator: Optional[Union[torch.Generator, list]] = None,
     attention_kwargs: Optional[dict] = None,
     callback_on_step_end: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None,
-    step_tensors_callback: Optional[Callable[[int, torch.Tensor, dict], Optional[dict]]] = None,
-    interrupt: Optional[Callable[[], bool]] = None,
+    denoise: Optional[Callable[..., dict]] = None,
 ) -> torch.Tensor:
     """Run the refiner stage on a final preview latent and return the refined latent.
 
@@ -210,20 +210,24 @@ def run_refiner_stage(
             (``randn`` in fp32 on the latents' device, after the preview draws, as the reference).
         attention_kwargs: passed to the refiner (e.g. ``{"window_backend": "flex"}``).
         callback_on_step_end: ``fn(step_index, timestep, latents)`` after each scheduler step.
-        step_tensors_callback: ``fn(step_index, timestep, tensors)`` after each step, with ``tensors``
-            ``{"latents", "prompt_embeds", "negative_prompt_embeds"}``; a returned dict replaces any of
-            them for the following steps (``Magi2Pipeline`` routes its ``callback_on_step_end`` here).
-        interrupt: ``fn() -> bool`` checked before each step; once true the remaining steps are skipped.
+        denoise: the loop, called as ``denoise(refiner, timesteps, tensors, schedulers, predict)`` with
+            the step table ``{"latents", "prompt_embeds", "negative_prompt_embeds"}``; default
+            :func:`~diffusers_magi2.pipelines.sampling_magi2.denoise_steps`. ``Magi2Pipeline`` passes
+            its ``_denoise`` (progress bar, interrupt, step callbacks); not together with
+            ``callback_on_step_end``.
 
     Returns:
         ``[B, C, 2T - 1, H, W]`` fp32 refined latent.
 
     Raises:
-        ValueError: bad shapes, a missing negative prompt with CFG, or a non-flow scheduler.
+        ValueError: bad shapes, a missing negative prompt with CFG, a non-flow scheduler, or both
+            ``callback_on_step_end`` and ``denoise``.
     """
     from diffusers.utils.torch_utils import randn_tensor
 
     cfg = config or Magi2RefinerStageConfig()
+    if denoise is not None and callback_on_step_end is not None:
+        raise ValueError("pass callback_on_step_end or denoise (which runs its own callbacks), not both")
     if latents.dim() != 5:
         raise ValueError(f"latents must be [B, C, T, h, w], got {tuple(latents.shape)}")
     if prompt_embeds.dim() != 3 or prompt_embeds.shape[0] != latents.shape[0]:
@@ -249,41 +253,40 @@ def run_refiner_stage(
     sched.set_timesteps(sigmas=refiner_base_sigmas(cfg.num_inference_steps, cfg.sigma_start), device=x.device)
     sched.set_begin_index(0)
     g = torch.tensor(float(cfg.guidance_scale), dtype=torch.float32, device=x.device)
-    text = {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds}
-    num_steps = len(sched.timesteps)
+    masks = {"cond": prompt_attention_mask, "uncond": negative_prompt_attention_mask}
 
-    def call(branch, mask, i, t):
+    def forward(branch, tensors, context):
         # one forward per sample, each in its own cache context (the refiner runs the samples of a
         # batch one after another through its blocks, so a cache hook must not mix them)
-        embeds = text[f"{'negative_' if branch == 'uncond' else ''}prompt_embeds"]
-        batch = x.shape[0]
+        latents, mask = tensors["latents"], masks[branch]
+        embeds = tensors["negative_prompt_embeds" if branch == "uncond" else "prompt_embeds"]
+        batch = latents.shape[0]
         rows = []
         for b in range(batch):
             pick = (lambda v: v) if batch == 1 else (lambda v: None if v is None else v[b : b + 1])
-            with cache_context(refiner, f"{branch}_{b}", step_index=i, num_inference_steps=num_steps, timestep=t):
+            with context(f"{branch}_{b}"):
                 out = refiner(
-                    hidden_states=pick(x), encoder_hidden_states=pick(embeds), encoder_attention_mask=pick(mask),
+                    hidden_states=pick(latents), encoder_hidden_states=pick(embeds), encoder_attention_mask=pick(mask),
                     attention_kwargs=attention_kwargs,
                 )
             rows.append(_velocity(out).float())
         return torch.cat(rows, dim=0) if batch > 1 else rows[0]
 
-    for i, t in enumerate(sched.timesteps):
-        if interrupt is not None and interrupt():
-            continue
+    def predict(i, t, tensors, context):
         if uncond_only:
-            v = call("uncond", negative_prompt_attention_mask, i, t)
-        elif not use_cfg:
-            v = call("cond", prompt_attention_mask, i, t)
-        else:
-            v_c = call("cond", prompt_attention_mask, i, t)
-            v_u = call("uncond", negative_prompt_attention_mask, i, t)
-            v = v_u + g * (v_c - v_u)
-        x = sched.step(v, t, x, return_dict=False)[0]
-        if callback_on_step_end is not None:
-            callback_on_step_end(i, t, x)
-        if step_tensors_callback is not None:
-            replaced = dict(step_tensors_callback(i, t, {"latents": x, **text}) or {})
-            x = replaced.pop("latents", x)
-            text.update(replaced)
-    return x
+            return {"latents": forward("uncond", tensors, context)}
+        if not use_cfg:
+            return {"latents": forward("cond", tensors, context)}
+        v_c = forward("cond", tensors, context)
+        v_u = forward("uncond", tensors, context)
+        return {"latents": v_u + g * (v_c - v_u)}
+
+    if denoise is None:
+
+        def on_step_end(i, t, tensors):
+            if callback_on_step_end is not None:
+                callback_on_step_end(i, t, tensors["latents"])
+
+        denoise = functools.partial(denoise_steps, on_step_end=on_step_end)
+    tensors = {"latents": x, "prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds}
+    return denoise(refiner, sched.timesteps, tensors, {"latents": sched}, predict)["latents"]

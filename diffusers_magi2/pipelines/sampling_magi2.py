@@ -1,5 +1,10 @@
-"""Sampler pieces of the MAGI-2 pipeline: the flow-matching UniPC schedules and the classifier-free
-guidance batch.
+"""Sampler pieces of the MAGI-2 pipeline: the flow-matching UniPC schedules, the classifier-free
+guidance batch and the one denoising loop both stages run (:func:`denoise_steps`).
+
+Each step ``i`` at timestep ``t``: the stage's ``predict`` returns one velocity per latent it
+denoises (preview: video and audio; refiner: video), its forwards inside ``model.cache_context``;
+each latent takes its scheduler's Flow-UniPC step ``x ← step(v, t, x)``; then ``on_step_end`` may
+replace any tensor of the step table (latents or text embeddings) for the following steps.
 
 Follows SandAI ``Magi2PreviewSampler`` (``prepare_model_input``, ``cfg_velocity``) at commit ``f68a0f9``
 (spec ``magi2_reference_spec.md`` §5.2–5.3); the code is this package's own.
@@ -14,7 +19,7 @@ import torch
 from diffusers import UniPCMultistepScheduler
 from diffusers.models.cache_utils import CacheMixin
 
-__all__ = ["cache_context", "check_scheduler", "combine_guidance", "flow_schedulers", "pad_text_batch", "unshifted_sigmas"]
+__all__ = ["cache_context", "check_scheduler", "denoise_steps", "combine_guidance", "flow_schedulers", "pad_text_batch", "unshifted_sigmas"]
 
 
 def check_scheduler(scheduler) -> None:
@@ -97,3 +102,33 @@ def cache_context(model, name: str, **context):
     if isinstance(model, CacheMixin):
         return model.cache_context(name, **context)
     return contextlib.nullcontext()
+
+
+def denoise_steps(model, timesteps, tensors: dict, schedulers: dict, predict, *, on_step_end=None, skip_step=None) -> dict:
+    """The denoising loop of both stages (see the module docstring).
+
+    Args:
+        model: the denoiser ``predict`` runs (its cache context is set per step).
+        timesteps: the schedule, ``[N]``.
+        tensors: the step table, name → tensor (e.g. ``latents``, ``prompt_embeds``); updated in place.
+        schedulers: name → scheduler for each latent ``predict`` returns a velocity for.
+        predict: ``fn(step_index, t, tensors, context)`` → name → velocity, where ``context(name)`` is
+            the cache context manager of one forward at this step.
+        on_step_end: ``fn(step_index, t, tensors)`` → a dict of replacements (or ``None``).
+        skip_step: ``fn() -> bool`` checked before each step; true skips it (interrupt).
+
+    Returns:
+        ``tensors`` after the last step.
+    """
+    for i, t in enumerate(timesteps):
+        if skip_step is not None and skip_step():
+            continue
+
+        def context(name: str, i=i, t=t):
+            return cache_context(model, name, step_index=i, num_inference_steps=len(timesteps), timestep=t)
+
+        for name, velocity in predict(i, t, tensors, context).items():
+            tensors[name] = schedulers[name].step(velocity, t, tensors[name], return_dict=False)[0]
+        if on_step_end is not None:
+            tensors.update(on_step_end(i, t, tensors) or {})
+    return tensors

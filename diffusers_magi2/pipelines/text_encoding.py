@@ -35,6 +35,7 @@ __all__ = [
     "add_figure_reference",
     "apply_cjk_pre_tokenizer_split",
     "encode_prompt_features",
+    "encode_prompt_text",
     "find_target_token_indices",
     "has_cjk_pre_tokenizer_split",
     "json_to_compact_markdown",
@@ -476,3 +477,28 @@ def pool_target_features(features: torch.Tensor, indices: Sequence[int]) -> torc
     if len(indices) == 0:
         return features.new_zeros(features.shape[-1])
     return features[0, list(indices), :].mean(dim=0)
+
+
+def encode_prompt_text(
+    tokenizer: Any,
+    text_encoder: torch.nn.Module,
+    prompt: str,
+    device: torch.device | str,
+    max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
+    skip_layers: int = DEFAULT_SKIP_LAYERS,
+    figure_target: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One prompt through steps 2, 4 and (with ``figure_target``) 5 of the module docstring.
+
+    Returns:
+        ``(features [1, Lt, C], target_embeds [C] or None)``.
+    """
+    normalized = normalize_prompt(prompt)
+    tokens = tokenize_prompt(tokenizer, normalized, max_sequence_length, return_offsets_mapping=figure_target is not None)
+    features = encode_prompt_features(
+        text_encoder, tokens["input_ids"].to(device), tokens["attention_mask"].to(device), skip_layers=skip_layers
+    )
+    if figure_target is None:
+        return features, None
+    indices = find_target_token_indices(normalized, tokens["offset_mapping"][0], figure_target)
+    return features, pool_target_features(features, indices)

@@ -1,7 +1,8 @@
-"""Argument checks of ``Magi2Pipeline.__call__``, one function per concern; ``Magi2Pipeline.check_inputs``
-runs them in order, so every bad argument raises a ``ValueError`` before any work starts.
+"""Argument and component checks of ``Magi2Pipeline``: :class:`Magi2PipelineChecksMixin` (its
+``check_inputs`` and the construction-time component fit check) and the pure checks it runs.
 
-Functions that need the pipeline's components or config take it as ``pipe`` (a ``Magi2Pipeline``).
+``check_inputs`` takes ``__call__``'s arguments by keyword and hands each concern only what it needs,
+so every bad argument raises a ``ValueError`` (``TypeError`` for none here) before any work starts.
 """
 
 from __future__ import annotations
@@ -15,19 +16,13 @@ from .image_processing_magi2 import IMAGE_TYPES
 from .presets_magi2 import OUTPUT_TYPES, REFINER_RESOLUTION
 
 __all__ = [
+    "COMPONENT_FITS",
+    "Magi2PipelineChecksMixin",
     "attention_kwargs_for",
-    "attention_models",
-    "check_attention_kwargs",
     "check_batch_sizes",
-    "check_components",
-    "check_image_inputs",
-    "check_latents_and_decoder",
     "check_output_size",
     "check_prompt_inputs",
-    "check_refiner_inputs",
-    "check_sampling_inputs",
     "check_sizes",
-    "check_text_widths",
 ]
 
 
@@ -40,93 +35,6 @@ def check_sizes(height, width, preview_height=None, preview_width=None) -> None:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 16):
             raise ValueError(f"{name} must be a positive multiple of 16 (512x896 for the released model); got {value!r}")
 
-
-def check_refiner_inputs(
-    pipe, refine: bool, height, width, refiner_num_inference_steps, refiner_guidance_scale, negative_prompt_embeds
-) -> None:
-    """The two-stage path needs the ``refiner`` component, valid refiner steps/CFG, and a way to get the
-    negative prompt's embeddings when the refiner runs CFG; the refiner settings are refused on a
-    single-stage call."""
-    if refine and getattr(pipe, "refiner", None) is None:
-        if (height, width) == REFINER_RESOLUTION:
-            what = "1088x1920 (1080p) is produced by the MAGI-2 refiner stage (preview at 512x896, then the refiner)"
-        else:
-            what = "preview_height/preview_width select the two-stage path (preview, then the refiner stage)"
-        raise ValueError(
-            f"{what}, which needs the `refiner` component (Magi2RefinerTransformer3DModel), and this pipeline has "
-            "none: load a repo converted with the refiner or pass refiner=...; or use height=512, width=896 "
-            "(or 256x448) without preview_height/preview_width"
-        )
-    if refine:
-        if refiner_num_inference_steps is not None and (
-            not isinstance(refiner_num_inference_steps, int)
-            or isinstance(refiner_num_inference_steps, bool)
-            or refiner_num_inference_steps < 1
-        ):
-            raise ValueError(
-                f"refiner_num_inference_steps must be an integer >= 1 (released: 5); got {refiner_num_inference_steps!r}"
-            )
-        if refiner_guidance_scale is not None and (
-            not isinstance(refiner_guidance_scale, (int, float))
-            or isinstance(refiner_guidance_scale, bool)
-            or not np.isfinite(refiner_guidance_scale)
-            or refiner_guidance_scale < 0
-        ):
-            raise ValueError(
-                f"refiner_guidance_scale must be a finite number >= 0 (released: 2.0); got {refiner_guidance_scale!r}"
-            )
-        stage_cfg = pipe.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale)
-        if (
-            stage_cfg.guidance_scale != 1.0
-            and negative_prompt_embeds is None
-            and (getattr(pipe, "tokenizer", None) is None or getattr(pipe, "text_encoder", None) is None)
-        ):
-            raise ValueError(
-                f"the refiner stage runs CFG (refiner_guidance_scale={stage_cfg.guidance_scale}) and needs the negative "
-                "prompt's embeddings even when the preview runs without CFG: pass negative_prompt_embeds and "
-                "negative_prompt_attention_mask, or load the tokenizer and text_encoder"
-            )
-    elif refiner_num_inference_steps is not None or refiner_guidance_scale is not None:
-        raise ValueError(
-            "refiner_num_inference_steps/refiner_guidance_scale only apply to the two-stage refiner path "
-            "(height=1088, width=1920, resolution='1080p', or preview_height/preview_width)"
-        )
-
-
-def attention_models(pipe, refine: bool) -> list:
-    """The models a call runs: the transformer, plus the refiner on the two-stage path."""
-    models = [pipe.transformer]
-    if refine and getattr(pipe, "refiner", None) is not None:
-        models.append(pipe.refiner)
-    return models
-
-
-def check_attention_kwargs(pipe, attention_kwargs, refine: bool) -> None:
-    """Every ``attention_kwargs`` key must be used by a model this call runs.
-
-    A model declares the keys it takes in ``supported_attention_kwargs`` (the MAGI-2 transformer:
-    none; the refiner: ``window_backend``, ``max_dense_mask_elements``, ``mlp_chunk_size``). A
-    model without that declaration (a custom component) receives the whole dict and checks it
-    itself, so no key is checked here then.
-
-    Raises:
-        ValueError: not a dict/``None``, or a key no model of this call takes (e.g. a refiner key
-            on a single-stage call).
-    """
-    if attention_kwargs is None:
-        return
-    if not isinstance(attention_kwargs, dict):
-        raise ValueError(f"attention_kwargs must be a dict or None; got {type(attention_kwargs).__name__}")
-    declared = [getattr(m, "supported_attention_kwargs", None) for m in attention_models(pipe, refine)]
-    if any(d is None for d in declared):
-        return
-    allowed = sorted({k for d in declared for k in d})
-    unknown = sorted(k for k in attention_kwargs if k not in allowed)
-    if unknown:
-        hint = "" if refine else " (the refiner's keys only apply on the two-stage 1080p/preview_height path)"
-        raise ValueError(f"attention_kwargs {unknown} are not used by this call; allowed keys: {allowed}{hint}")
-
-
 def attention_kwargs_for(model, attention_kwargs):
     """The part of ``attention_kwargs`` that ``model`` takes (its ``supported_attention_kwargs``;
     everything for a model without that declaration); ``None`` when empty. Keys were checked by
@@ -137,7 +45,6 @@ def attention_kwargs_for(model, attention_kwargs):
     if supported is None:
         return attention_kwargs
     return {k: v for k, v in attention_kwargs.items() if k in supported} or None
-
 
 def check_output_size(output_height, output_width, output_type) -> None:
     """``output_height``/``output_width``: both or neither, positive ints, not with ``output_type='latent'``."""
@@ -154,27 +61,6 @@ def check_output_size(output_height, output_width, output_type) -> None:
             raise ValueError(
                 "output_height/output_width resize decoded frames; they are not allowed with output_type='latent'"
             )
-
-
-def check_sampling_inputs(
-    pipe, num_inference_steps, guidance_scale, audio_guidance_scale, output_type, callback_on_step_end_tensor_inputs,
-    num_videos_per_prompt=1,
-) -> None:
-    """Steps ≥ 1, videos per prompt ≥ 1, finite guidance scales ≥ 0, a known ``output_type``, callback
-    tensor names from ``pipe._callback_tensor_inputs``."""
-    for name, value in (("num_inference_steps", num_inference_steps), ("num_videos_per_prompt", num_videos_per_prompt)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-    for name, value in (("guidance_scale", guidance_scale), ("audio_guidance_scale", audio_guidance_scale)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
-            raise ValueError(f"{name} must be a finite number >= 0 (1 disables guidance); got {value!r}")
-    if output_type not in OUTPUT_TYPES:
-        raise ValueError(f"output_type must be one of {OUTPUT_TYPES}; got {output_type!r}")
-    if callback_on_step_end_tensor_inputs is not None:
-        bad = [k for k in callback_on_step_end_tensor_inputs if k not in pipe._callback_tensor_inputs]
-        if bad:
-            raise ValueError(f"callback_on_step_end_tensor_inputs may only name {pipe._callback_tensor_inputs}; got {bad}")
-
 
 def check_prompt_inputs(
     prompt, negative_prompt, prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask
@@ -224,30 +110,6 @@ def check_prompt_inputs(
                 f"negative_prompt_embeds batch {negative_prompt_embeds.shape[0]} != prompt_embeds batch {prompt_embeds.shape[0]}"
             )
 
-
-def check_image_inputs(pipe, image, prompt_embeds, image_embeds) -> None:
-    """``image`` type/shape/path, the ``vae`` it needs, and ``image_embeds`` (only with ``image``, ``[B, C]``,
-    required with ``prompt_embeds``)."""
-    if image is not None:
-        if not isinstance(image, (PIL.Image.Image, str, os.PathLike, np.ndarray)):
-            raise ValueError(f"image must be a {IMAGE_TYPES}; got {type(image).__name__}")
-        if isinstance(image, np.ndarray) and (image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8):
-            raise ValueError(f"a numpy image must be uint8 [H, W, 3] (RGB); got {image.dtype} {image.shape}")
-        if isinstance(image, (str, os.PathLike)) and not os.path.isfile(image):
-            raise ValueError(f"image path {os.fspath(image)!r} is not an existing file")
-        if getattr(pipe, "vae", None) is None:
-            raise ValueError("image-to-video needs the `vae` component (AutoencoderKLWan) to encode the image")
-        if prompt_embeds is not None and image_embeds is None:
-            raise ValueError(
-                "image with prompt_embeds also needs image_embeds (the <Figure 1> special-token embedding, "
-                "[batch, channels]); or pass prompt instead of prompt_embeds"
-            )
-    elif image_embeds is not None:
-        raise ValueError("image_embeds is only used with image (image-to-video); pass image too")
-    if image_embeds is not None and image_embeds.ndim != 2:
-        raise ValueError(f"image_embeds must be [batch, channels]; got shape {tuple(image_embeds.shape)}")
-
-
 def check_batch_sizes(
     prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds, latents, audio_latents,
     num_videos_per_prompt=1,
@@ -271,62 +133,13 @@ def check_batch_sizes(
                 f"({source}) x num_videos_per_prompt {num_videos_per_prompt} = {batch_size * num_videos_per_prompt}"
             )
 
-
-def check_text_widths(pipe, prompt_embeds, negative_prompt_embeds, image_embeds) -> None:
-    """Given embeddings have the ``text_in_channels`` of the transformer (and of the refiner)."""
-    text_widths = {}
-    for component in ("transformer", "refiner"):
-        model = getattr(pipe, component, None)
-        width = getattr(getattr(model, "config", None), "text_in_channels", None)
-        if width is not None:
-            text_widths[component] = int(width)
-    for name, tensor in (
-        ("prompt_embeds", prompt_embeds),
-        ("negative_prompt_embeds", negative_prompt_embeds),
-        ("image_embeds", image_embeds),
-    ):
-        if tensor is None:
-            continue
-        for component, width in text_widths.items():
-            if tensor.shape[-1] != width:
-                raise ValueError(
-                    f"{name} has {tensor.shape[-1]} channels; {component}.config.text_in_channels allows "
-                    f"only {width} (the text encoder's hidden size)"
-                )
-
-
-def check_latents_and_decoder(
-    pipe, output_type, latents, audio_latents, refine: bool, denoise_height: int, denoise_width: int
-) -> None:
-    """A video decoder for decoded output, and the shapes of given ``latents`` / ``audio_latents`` at the
-    size the (preview) stage denoises at."""
-    if output_type != "latent" and getattr(pipe, "video_decoder", None) is None and getattr(pipe, "vae", None) is None:
-        raise ValueError("decoding needs `video_decoder` or `vae`; neither is loaded (use output_type='latent')")
-
-    h, w = denoise_height // pipe.vae_scale_factor_spatial, denoise_width // pipe.vae_scale_factor_spatial
-    if latents is not None:
-        if latents.ndim != 5 or latents.shape[1] != pipe.num_channels_latents or tuple(latents.shape[3:]) != (h, w):
-            stage = " (the preview stage of the refiner path)" if refine else ""
-            raise ValueError(
-                f"latents must be [batch, {pipe.num_channels_latents}, T, {h}, {w}] for "
-                f"{denoise_height}x{denoise_width}{stage}; got {tuple(latents.shape)}"
-            )
-    if audio_latents is not None:
-        if audio_latents.ndim != 3 or audio_latents.shape[2] != pipe.num_channels_audio_latents:
-            raise ValueError(
-                f"audio_latents must be [batch, L, {pipe.num_channels_audio_latents}]; got {tuple(audio_latents.shape)}"
-            )
-    if latents is not None and audio_latents is not None and latents.shape[0] != audio_latents.shape[0]:
-        raise ValueError(f"latents batch {latents.shape[0]} != audio_latents batch {audio_latents.shape[0]}")
-
-
 def _config_value(component, field: str):
     config = getattr(component, "config", None)
     value = None if config is None else getattr(config, field, None)
     return None if value is None else int(value)
 
-
 #: Component pairs whose widths must agree: ``(component, config field, model, config field, what)``.
+
 COMPONENT_FITS = (
     ("vae", "z_dim", "transformer", "in_channels", "video latent channels"),
     ("video_decoder", "latent_channels", "transformer", "in_channels", "video latent channels"),
@@ -339,20 +152,248 @@ COMPONENT_FITS = (
 )
 
 
-def check_components(pipe) -> None:
-    """The components fit the transformer (and the refiner): the VAE / video decoder latent channels,
-    the audio VAE latent channels and the text encoder's hidden size equal the model's input widths.
-    A pair is skipped when either side is absent or does not declare its field (e.g. a stand-in).
+class Magi2PipelineChecksMixin:
+    """The checks of ``Magi2Pipeline`` that read its components and config (mixed into the pipeline)."""
 
-    Raises:
-        ValueError: naming both config fields and both numbers, at construction (also through
-            ``from_pretrained``), before any model runs.
-    """
-    for component, field, model, model_field, what in COMPONENT_FITS:
-        have = _config_value(getattr(pipe, component, None), field)
-        want = _config_value(getattr(pipe, model, None), model_field)
-        if have is not None and want is not None and have != want:
+    def check_inputs(
+        self,
+        *,
+        prompt=None,
+        negative_prompt=None,
+        image=None,
+        height=512,
+        width=896,
+        num_inference_steps=100,
+        guidance_scale=5.0,
+        audio_guidance_scale=7.0,
+        prompt_embeds=None,
+        prompt_attention_mask=None,
+        negative_prompt_embeds=None,
+        negative_prompt_attention_mask=None,
+        image_embeds=None,
+        output_type="np",
+        callback_on_step_end_tensor_inputs=None,
+        latents=None,
+        audio_latents=None,
+        preview_height=None,
+        preview_width=None,
+        output_height=None,
+        output_width=None,
+        refiner_num_inference_steps=None,
+        refiner_guidance_scale=None,
+        attention_kwargs=None,
+        num_videos_per_prompt=1,
+    ) -> None:
+        """Reject bad ``__call__`` arguments (same names and defaults) with a ``ValueError`` before any work
+        starts; the rules are listed under ``Raises`` in ``Magi2Pipeline.__call__``."""
+        check_sizes(height, width, preview_height, preview_width)
+        refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
+        self._check_refiner_inputs(
+            refine, height, width, refiner_num_inference_steps, refiner_guidance_scale, negative_prompt_embeds
+        )
+        self._check_attention_kwargs(attention_kwargs, refine)
+        check_output_size(output_height, output_width, output_type)
+        self._check_sampling_inputs(
+            num_inference_steps, num_videos_per_prompt, guidance_scale, audio_guidance_scale, output_type,
+            callback_on_step_end_tensor_inputs,
+        )
+        check_prompt_inputs(
+            prompt, negative_prompt, prompt_embeds, prompt_attention_mask, negative_prompt_embeds,
+            negative_prompt_attention_mask,
+        )
+        self._check_image_inputs(image, prompt_embeds, image_embeds)
+        # batch size and text width, checked here so that nothing is encoded before a mismatch raises
+        check_batch_sizes(
+            prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds, latents, audio_latents,
+            num_videos_per_prompt,
+        )
+        self._check_text_widths(prompt_embeds, negative_prompt_embeds, image_embeds)
+        self._check_latents_and_decoder(output_type, latents, audio_latents, refine, denoise_height, denoise_width)
+
+    def _check_refiner_inputs(
+        self, refine: bool, height, width, refiner_num_inference_steps, refiner_guidance_scale, negative_prompt_embeds
+    ) -> None:
+        """The two-stage path needs the ``refiner`` component, valid refiner steps/CFG, and a way to get the
+        negative prompt's embeddings when the refiner runs CFG; the refiner settings are refused on a
+        single-stage call."""
+        if refine and getattr(self, "refiner", None) is None:
+            if (height, width) == REFINER_RESOLUTION:
+                what = "1088x1920 (1080p) is produced by the MAGI-2 refiner stage (preview at 512x896, then the refiner)"
+            else:
+                what = "preview_height/preview_width select the two-stage path (preview, then the refiner stage)"
             raise ValueError(
-                f"{component}.config.{field} is {have} but {model}.config.{model_field} is {want}: the {what} of "
-                f"the {component} must equal the {model}'s; load components converted for the same MAGI-2 model"
+                f"{what}, which needs the `refiner` component (Magi2RefinerTransformer3DModel), and this pipeline has "
+                "none: load a repo converted with the refiner or pass refiner=...; or use height=512, width=896 "
+                "(or 256x448) without preview_height/preview_width"
             )
+        if refine:
+            if refiner_num_inference_steps is not None and (
+                not isinstance(refiner_num_inference_steps, int)
+                or isinstance(refiner_num_inference_steps, bool)
+                or refiner_num_inference_steps < 1
+            ):
+                raise ValueError(
+                    f"refiner_num_inference_steps must be an integer >= 1 (released: 5); got {refiner_num_inference_steps!r}"
+                )
+            if refiner_guidance_scale is not None and (
+                not isinstance(refiner_guidance_scale, (int, float))
+                or isinstance(refiner_guidance_scale, bool)
+                or not np.isfinite(refiner_guidance_scale)
+                or refiner_guidance_scale < 0
+            ):
+                raise ValueError(
+                    f"refiner_guidance_scale must be a finite number >= 0 (released: 2.0); got {refiner_guidance_scale!r}"
+                )
+            stage_cfg = self.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale)
+            if (
+                stage_cfg.guidance_scale != 1.0
+                and negative_prompt_embeds is None
+                and (getattr(self, "tokenizer", None) is None or getattr(self, "text_encoder", None) is None)
+            ):
+                raise ValueError(
+                    f"the refiner stage runs CFG (refiner_guidance_scale={stage_cfg.guidance_scale}) and needs the negative "
+                    "prompt's embeddings even when the preview runs without CFG: pass negative_prompt_embeds and "
+                    "negative_prompt_attention_mask, or load the tokenizer and text_encoder"
+                )
+        elif refiner_num_inference_steps is not None or refiner_guidance_scale is not None:
+            raise ValueError(
+                "refiner_num_inference_steps/refiner_guidance_scale only apply to the two-stage refiner path "
+                "(height=1088, width=1920, resolution='1080p', or preview_height/preview_width)"
+            )
+
+    def _attention_models(self, refine: bool) -> list:
+        """The models a call runs: the transformer, plus the refiner on the two-stage path."""
+        models = [self.transformer]
+        if refine and getattr(self, "refiner", None) is not None:
+            models.append(self.refiner)
+        return models
+
+    def _check_attention_kwargs(self, attention_kwargs, refine: bool) -> None:
+        """Every ``attention_kwargs`` key must be used by a model this call runs.
+
+        A model declares the keys it takes in ``supported_attention_kwargs`` (the MAGI-2 transformer:
+        none; the refiner: ``window_backend``, ``max_dense_mask_elements``, ``mlp_chunk_size``). A
+        model without that declaration (a custom component) receives the whole dict and checks it
+        itself, so no key is checked here then.
+
+        Raises:
+            ValueError: not a dict/``None``, or a key no model of this call takes (e.g. a refiner key
+                on a single-stage call).
+        """
+        if attention_kwargs is None:
+            return
+        if not isinstance(attention_kwargs, dict):
+            raise ValueError(f"attention_kwargs must be a dict or None; got {type(attention_kwargs).__name__}")
+        declared = [getattr(m, "supported_attention_kwargs", None) for m in self._attention_models(refine)]
+        if any(d is None for d in declared):
+            return
+        allowed = sorted({k for d in declared for k in d})
+        unknown = sorted(k for k in attention_kwargs if k not in allowed)
+        if unknown:
+            hint = "" if refine else " (the refiner's keys only apply on the two-stage 1080p/preview_height path)"
+            raise ValueError(f"attention_kwargs {unknown} are not used by this call; allowed keys: {allowed}{hint}")
+
+    def _check_sampling_inputs(
+        self, num_inference_steps, num_videos_per_prompt, guidance_scale, audio_guidance_scale, output_type,
+        callback_on_step_end_tensor_inputs,
+    ) -> None:
+        """Steps ≥ 1, videos per prompt ≥ 1, finite guidance scales ≥ 0, a known ``output_type``, callback
+        tensor names from ``self._callback_tensor_inputs``."""
+        for name, value in (("num_inference_steps", num_inference_steps), ("num_videos_per_prompt", num_videos_per_prompt)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        for name, value in (("guidance_scale", guidance_scale), ("audio_guidance_scale", audio_guidance_scale)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0 (1 disables guidance); got {value!r}")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}; got {output_type!r}")
+        if callback_on_step_end_tensor_inputs is not None:
+            bad = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
+            if bad:
+                raise ValueError(f"callback_on_step_end_tensor_inputs may only name {self._callback_tensor_inputs}; got {bad}")
+
+    def _check_image_inputs(self, image, prompt_embeds, image_embeds) -> None:
+        """``image`` type/shape/path, the ``vae`` it needs, and ``image_embeds`` (only with ``image``, ``[B, C]``,
+        required with ``prompt_embeds``)."""
+        if image is not None:
+            if not isinstance(image, (PIL.Image.Image, str, os.PathLike, np.ndarray)):
+                raise ValueError(f"image must be a {IMAGE_TYPES}; got {type(image).__name__}")
+            if isinstance(image, np.ndarray) and (image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8):
+                raise ValueError(f"a numpy image must be uint8 [H, W, 3] (RGB); got {image.dtype} {image.shape}")
+            if isinstance(image, (str, os.PathLike)) and not os.path.isfile(image):
+                raise ValueError(f"image path {os.fspath(image)!r} is not an existing file")
+            if getattr(self, "vae", None) is None:
+                raise ValueError("image-to-video needs the `vae` component (AutoencoderKLWan) to encode the image")
+            if prompt_embeds is not None and image_embeds is None:
+                raise ValueError(
+                    "image with prompt_embeds also needs image_embeds (the <Figure 1> special-token embedding, "
+                    "[batch, channels]); or pass prompt instead of prompt_embeds"
+                )
+        elif image_embeds is not None:
+            raise ValueError("image_embeds is only used with image (image-to-video); pass image too")
+        if image_embeds is not None and image_embeds.ndim != 2:
+            raise ValueError(f"image_embeds must be [batch, channels]; got shape {tuple(image_embeds.shape)}")
+
+    def _check_text_widths(self, prompt_embeds, negative_prompt_embeds, image_embeds) -> None:
+        """Given embeddings have the ``text_in_channels`` of the transformer (and of the refiner)."""
+        text_widths = {}
+        for component in ("transformer", "refiner"):
+            model = getattr(self, component, None)
+            width = getattr(getattr(model, "config", None), "text_in_channels", None)
+            if width is not None:
+                text_widths[component] = int(width)
+        for name, tensor in (
+            ("prompt_embeds", prompt_embeds),
+            ("negative_prompt_embeds", negative_prompt_embeds),
+            ("image_embeds", image_embeds),
+        ):
+            if tensor is None:
+                continue
+            for component, width in text_widths.items():
+                if tensor.shape[-1] != width:
+                    raise ValueError(
+                        f"{name} has {tensor.shape[-1]} channels; {component}.config.text_in_channels allows "
+                        f"only {width} (the text encoder's hidden size)"
+                    )
+
+    def _check_latents_and_decoder(
+        self, output_type, latents, audio_latents, refine: bool, denoise_height: int, denoise_width: int
+    ) -> None:
+        """A video decoder for decoded output, and the shapes of given ``latents`` / ``audio_latents`` at the
+        size the (preview) stage denoises at."""
+        if output_type != "latent" and getattr(self, "video_decoder", None) is None and getattr(self, "vae", None) is None:
+            raise ValueError("decoding needs `video_decoder` or `vae`; neither is loaded (use output_type='latent')")
+
+        h, w = denoise_height // self.vae_scale_factor_spatial, denoise_width // self.vae_scale_factor_spatial
+        if latents is not None:
+            if latents.ndim != 5 or latents.shape[1] != self.num_channels_latents or tuple(latents.shape[3:]) != (h, w):
+                stage = " (the preview stage of the refiner path)" if refine else ""
+                raise ValueError(
+                    f"latents must be [batch, {self.num_channels_latents}, T, {h}, {w}] for "
+                    f"{denoise_height}x{denoise_width}{stage}; got {tuple(latents.shape)}"
+                )
+        if audio_latents is not None:
+            if audio_latents.ndim != 3 or audio_latents.shape[2] != self.num_channels_audio_latents:
+                raise ValueError(
+                    f"audio_latents must be [batch, L, {self.num_channels_audio_latents}]; got {tuple(audio_latents.shape)}"
+                )
+        if latents is not None and audio_latents is not None and latents.shape[0] != audio_latents.shape[0]:
+            raise ValueError(f"latents batch {latents.shape[0]} != audio_latents batch {audio_latents.shape[0]}")
+
+    def _check_components(self) -> None:
+        """The components fit the transformer (and the refiner): the VAE / video decoder latent channels,
+        the audio VAE latent channels and the text encoder's hidden size equal the model's input widths.
+        A pair is skipped when either side is absent or does not declare its field (e.g. a stand-in).
+
+        Raises:
+            ValueError: naming both config fields and both numbers, at construction (also through
+                ``from_pretrained``), before any model runs.
+        """
+        for component, field, model, model_field, what in COMPONENT_FITS:
+            have = _config_value(getattr(self, component, None), field)
+            want = _config_value(getattr(self, model, None), model_field)
+            if have is not None and want is not None and have != want:
+                raise ValueError(
+                    f"{component}.config.{field} is {have} but {model}.config.{model_field} is {want}: the {what} of "
+                    f"the {component} must equal the {model}'s; load components converted for the same MAGI-2 model"
+                )

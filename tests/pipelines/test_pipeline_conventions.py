@@ -258,3 +258,35 @@ def test_prompt_over_the_token_limit_warns_how_much_is_dropped(tiny, warnings_lo
         assert "tokens" not in warnings_logged.text
     finally:
         tiny.register_to_config(max_sequence_length=7000)
+
+
+def test_one_sampler_serves_both_stages():
+    """Both stages run ``Magi2Pipeline._denoise`` (the transformer, then the refiner), and during each
+    step ``current_timestep`` is the step's timestep."""
+    pipe = stub_pipe(refiner=True)
+    stages, timesteps = [], []
+    denoise = pipe._denoise
+
+    def recording_denoise(model, steps, *args, **kwargs):
+        stages.append((model, [int(t) for t in steps]))
+        return denoise(model, steps, *args, **kwargs)
+
+    pipe._denoise = recording_denoise
+
+    def callback(p, i, t, tensors):
+        timesteps.append(int(p.current_timestep) == int(t))
+        return {}
+
+    pipe(**embeds(), **SMALL, generator=torch.Generator().manual_seed(0), callback_on_step_end=callback)
+    assert [model for model, _ in stages] == [pipe.transformer, pipe.refiner]
+    assert stages[1][1] == [999, 952, 882, 768, 555]
+    assert len(timesteps) == 7 and all(timesteps) and pipe.current_timestep is None
+
+
+def test_check_inputs_takes_the_call_arguments_by_keyword():
+    pipe = stub_pipe()
+    pipe.check_inputs(prompt="a fox", output_type="latent")  # the call's defaults fill in the rest
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pipe.check_inputs(prompt="a fox", height=500)
+    with pytest.raises(TypeError):
+        pipe.check_inputs("a fox")
