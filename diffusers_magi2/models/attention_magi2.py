@@ -38,7 +38,7 @@ from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from .embeddings_magi2 import apply_magi2_rotary_emb
-from .modality import Magi2ModalityDispatch, Magi2ModalityGroupedLinear, Magi2MultiModalityRMSNorm
+from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, linear_compute_dtype, modality_linear
 from .window_attention import (
     DEFAULT_MAX_DENSE_MASK_ELEMENTS,
     WINDOW_ATTENTION_BACKENDS,
@@ -366,9 +366,9 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
         self.gate_in_fp32 = gate_in_fp32
         grouped = dict(num_modality=num_modality, dtype=params_dtype)
         self.pre_norm = Magi2MultiModalityRMSNorm(query_dim, num_modality, eps=eps)
-        self.linear_g = Magi2ModalityGroupedLinear(query_dim, heads, **grouped) if gated else None
-        self.linear_qkv = Magi2ModalityGroupedLinear(query_dim, self.q_size + 2 * self.kv_size, **grouped)
-        self.linear_proj = Magi2ModalityGroupedLinear(self.q_size, query_dim, **grouped)
+        self.linear_g = modality_linear(query_dim, heads, **grouped) if gated else None
+        self.linear_qkv = modality_linear(query_dim, self.q_size + 2 * self.kv_size, **grouped)
+        self.linear_proj = modality_linear(self.q_size, query_dim, **grouped)
         if num_sink_tokens > 0:
             self.sinks = nn.Parameter(torch.zeros(num_sink_tokens, heads, dtype=torch.float32))
         else:
@@ -388,8 +388,9 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """Dtype the attention runs in: that of ``linear_qkv``."""
-        return self.linear_qkv.weight.dtype
+        """Dtype the attention runs in: the one ``linear_qkv`` computes in (:func:`linear_compute_dtype`;
+        under layerwise casting the compute dtype, never the storage dtype)."""
+        return linear_compute_dtype(self.linear_qkv)
 
     def forward(
         self,

@@ -15,8 +15,8 @@ import torch.nn as nn
 
 from .modality import (
     Magi2ModalityDispatch,
-    Magi2ModalityGroupedLinear,
     Magi2MultiModalityRMSNorm,
+    modality_linear,
     swiglu7_interleaved,
 )
 
@@ -56,8 +56,8 @@ class Magi2FeedForward(nn.Module):
         self.output_dtype = output_dtype
         self.chunk_size = chunk_size
         self.pre_norm = Magi2MultiModalityRMSNorm(hidden_size, num_modality, eps=eps)
-        self.up_gate_proj = Magi2ModalityGroupedLinear(hidden_size, 2 * intermediate_size, num_modality, dtype=params_dtype)
-        self.down_proj = Magi2ModalityGroupedLinear(intermediate_size, hidden_size, num_modality, dtype=params_dtype)
+        self.up_gate_proj = modality_linear(hidden_size, 2 * intermediate_size, num_modality, dtype=params_dtype)
+        self.down_proj = modality_linear(intermediate_size, hidden_size, num_modality, dtype=params_dtype)
 
     def _forward_tokens(self, hidden_states: torch.Tensor, group_sizes) -> torch.Tensor:
         x = self.pre_norm(hidden_states, group_sizes)
@@ -80,7 +80,7 @@ class Magi2FeedForward(nn.Module):
 
         Raises:
             ValueError: last dim is not ``C`` or the group sizes do not sum to ``T``
-                (from :class:`Magi2MultiModalityRMSNorm` / :class:`Magi2ModalityGroupedLinear`).
+                (from the norm and the linears).
         """
         gs = dispatch.group_sizes if self.num_modality > 1 else None
         chunk = self.chunk_size if chunk_size is _DEFAULT else chunk_size
@@ -129,8 +129,8 @@ class Magi2MoEFeedForward(nn.Module):
         self.shared_intermediate_size = shared_intermediate_size
         self.modality_specific_intermediate_size = modality_specific_intermediate_size
         self.pre_norm = Magi2MultiModalityRMSNorm(hidden_size, num_modality)
-        self.split_linear = Magi2ModalityGroupedLinear(hidden_size, moe_hidden_size, 1, dtype=params_dtype)
-        self.merge_linear = Magi2ModalityGroupedLinear(moe_hidden_size, hidden_size, 1, dtype=params_dtype)
+        self.split_linear = modality_linear(hidden_size, moe_hidden_size, 1, dtype=params_dtype)
+        self.merge_linear = modality_linear(moe_hidden_size, hidden_size, 1, dtype=params_dtype)
         moe_config = Magi2MultiHeadMoEConfig(
             hidden_size=moe_hidden_size,
             num_heads=num_heads,
@@ -143,12 +143,12 @@ class Magi2MoEFeedForward(nn.Module):
             route_scale=route_scale,
         )
         self.moe_mlp = Magi2MultiHeadMoE(moe_config)
-        self.shared_expert_fc1 = Magi2ModalityGroupedLinear(hidden_size, 2 * shared_intermediate_size, 1, dtype=params_dtype)
-        self.shared_expert_fc2 = Magi2ModalityGroupedLinear(shared_intermediate_size, hidden_size, 1, dtype=params_dtype)
-        self.modality_specific_shared_expert_fc1 = Magi2ModalityGroupedLinear(
+        self.shared_expert_fc1 = modality_linear(hidden_size, 2 * shared_intermediate_size, 1, dtype=params_dtype)
+        self.shared_expert_fc2 = modality_linear(shared_intermediate_size, hidden_size, 1, dtype=params_dtype)
+        self.modality_specific_shared_expert_fc1 = modality_linear(
             hidden_size, 2 * modality_specific_intermediate_size, num_modality, dtype=params_dtype
         )
-        self.modality_specific_shared_expert_fc2 = Magi2ModalityGroupedLinear(
+        self.modality_specific_shared_expert_fc2 = modality_linear(
             modality_specific_intermediate_size, hidden_size, num_modality, dtype=params_dtype
         )
 

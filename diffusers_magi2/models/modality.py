@@ -11,6 +11,12 @@ text) and take the per-modality token counts as a tuple of Python ints
 (``num_modality == 1``) ignore the group sizes, so the same code serves the refiner (no mHC, GQA,
 fp32 residual after layer 0) and the preview.
 
+Single-modality projections are :class:`Magi2Linear`, an ``nn.Linear``, so diffusers' layerwise
+casting and PEFT LoRA see them; the 3-modality ones are :class:`Magi2ModalityGroupedLinear`
+(:func:`modality_linear` picks). A projection computes in the dtype its weight has *during* its call:
+the weight dtype, or the compute dtype of diffusers' layerwise casting, whose hook casts the stored
+(e.g. FP8) weight for the call; :func:`linear_compute_dtype` reads that dtype from outside.
+
 Everything here follows the math of SandAI's ``magi2_preview.py`` (``Modality``,
 ``ModalityDispatcher``, ``MultiModalityRMSNorm``, ``CustomGroupedLinear``, ``swiglu7``) but is an
 independent implementation.
@@ -26,6 +32,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from diffusers.hooks.layerwise_casting import _LAYERWISE_CASTING_HOOK
 
 from ..moe.activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT, swiglu7_interleaved  # the one swiglu7 (re-exported)
 
@@ -34,6 +41,9 @@ __all__ = [
     "Magi2ModalityDispatch",
     "Magi2MultiModalityRMSNorm",
     "Magi2ModalityGroupedLinear",
+    "Magi2Linear",
+    "linear_compute_dtype",
+    "modality_linear",
     "swiglu7_interleaved",
     "SWIGLU7_ALPHA",
     "SWIGLU7_LIMIT",
@@ -290,3 +300,40 @@ class Magi2ModalityGroupedLinear(nn.Module):
                 [F.linear(p, wb[m], None if bb is None else bb[m]) for m, p in enumerate(parts)], dim=0
             )
         return y if out_dtype is None else y.to(out_dtype)
+
+
+class Magi2Linear(nn.Linear):
+    """``nn.Linear`` of a single-modality projection (SandAI ``CustomGroupedLinear`` with one modality).
+
+    Same parameters and state-dict names as ``nn.Linear`` (``weight [out, in]``, optional ``bias``). The
+    input is cast to the weight's dtype at call time, as SandAI does; under layerwise casting that is
+    the compute dtype. ``group_sizes`` is accepted and ignored, so it drops in where a grouped linear is
+    called (and PEFT's LoRA wrapper passes it through).
+
+    Raises:
+        ValueError: the input's last dim is not ``in_features``.
+    """
+
+    def forward(self, input: torch.Tensor, group_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+        if input.shape[-1] != self.in_features:
+            raise ValueError(f"linear expects input width {self.in_features}, got shape {tuple(input.shape)}")
+        return F.linear(input.to(self.weight.dtype), self.weight, self.bias)
+
+
+def modality_linear(
+    in_features: int, out_features: int, num_modality: int = 1, bias: bool = False, dtype: Optional[torch.dtype] = None
+) -> nn.Module:
+    """A :class:`Magi2Linear` for one modality, else a :class:`Magi2ModalityGroupedLinear`."""
+    if num_modality == 1:
+        return Magi2Linear(in_features, out_features, bias=bias, dtype=dtype)
+    return Magi2ModalityGroupedLinear(in_features, out_features, num_modality, bias=bias, dtype=dtype)
+
+
+def linear_compute_dtype(linear: nn.Module) -> torch.dtype:
+    """The dtype ``linear`` computes in: the layerwise-casting compute dtype when its hook is on, else the
+    weight's dtype (a PEFT wrapper is looked through to its base layer)."""
+    while hasattr(linear, "base_layer"):
+        linear = linear.base_layer
+    registry = getattr(linear, "_diffusers_hook", None)
+    hook = registry.get_hook(_LAYERWISE_CASTING_HOOK) if registry is not None else None
+    return hook.compute_dtype if hook is not None else linear.weight.dtype

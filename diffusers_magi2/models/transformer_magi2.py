@@ -237,6 +237,9 @@ class Magi2Transformer3DModel(
     Runtime switches (not saved): ``set_attention_backend`` (diffusers), :meth:`set_moe_backend`
     (routed-expert kernels), :meth:`set_mhc_backend` (low-precision rounding of the stream mixing),
     ``enable_gradient_checkpointing``, ``compile_repeated_blocks``, ``enable_cache``.
+    Memory and adapters (:class:`~diffusers_magi2.models.modeling_magi2.Magi2ModelMixin`):
+    ``enable_layerwise_casting`` stores every dense projection in e.g. FP8; ``enable_group_offload``;
+    LoRA (``add_adapter``, ``load_lora_adapter``, ``save_lora_adapter``) on the single-modality projections.
     """
 
     _supports_gradient_checkpointing = True

@@ -147,6 +147,9 @@ class Magi2RefinerTransformer3DModel(
     ``set_attn_processor(Magi2WindowAttnProcessor(backend="gather"))`` (a dict sets it per layer);
     ``set_attention_backend`` picks the kernel of dense layers; :meth:`enable_forward_chunking` sets
     the MLP token chunk; ``enable_gradient_checkpointing``, ``enable_cache``.
+    Memory and adapters (:class:`~diffusers_magi2.models.modeling_magi2.Magi2ModelMixin`):
+    ``enable_layerwise_casting`` stores every dense projection in e.g. FP8; ``enable_group_offload``;
+    LoRA (``add_adapter``, ``load_lora_adapter``, ``save_lora_adapter``) on the single-modality projections.
     """
 
     _supports_gradient_checkpointing = True

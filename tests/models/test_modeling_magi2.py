@@ -148,9 +148,13 @@ def test_layerwise_casting_and_group_offload_keep_fp32_islands(model_and_call):
     model, call = model_and_call
     islands = _island_names(model)
     before = {n: t.clone() for n, t in _floating(model).items() if n in islands}
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    after = _floating(model)
+    assert all(after[n].dtype == torch.float32 and torch.equal(after[n], before[n]) for n in islands)
+    assert any(t.dtype == torch.float8_e4m3fn for t in after.values())  # the dense projections are stored in FP8
     with torch.no_grad():
         reference = call(model).sample
-    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    # group offload moves what layerwise casting stores, dtypes and values as they are
     model.enable_group_offload(torch.device("cpu"), offload_type="leaf_level")
     with torch.no_grad():
         out = call(model).sample
