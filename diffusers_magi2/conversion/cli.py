@@ -5,6 +5,9 @@ Examples::
     # whole release, bf16 output, 5 GB shards
     magi2-convert --checkpoint_root /ckpt --output_path MAGI-2-preview-diffusers --dtype bf16
 
+    # the same with FP8 routed experts (one-GPU repo)
+    magi2-convert --checkpoint_root /ckpt --output_path MAGI-2-preview-fp8 --dtype bf16 --expert_dtype fp8_e4m3
+
     # only the transformer, from its own folder and config; plan only
     magi2-convert --preview_dir /ckpt/preview --config magi2_preview.json \\
         --output_path out --components transformer --dry_run
@@ -21,7 +24,7 @@ import sys
 from pathlib import Path
 
 from ..loaders.key_plan import CheckpointValidationError
-from ..utils.dtype_utils import DTYPE_CHOICES
+from ..utils.dtype_utils import DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
 from ..utils.safetensors_io import parse_size
 from .repo import (
     ALL_COMPONENTS,
@@ -62,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output_path", type=Path, required=True, help="repository folder to create")
     p.add_argument("--components", help=f"comma list of {','.join(ALL_COMPONENTS)} (default: all whose inputs are given, plus scheduler)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="keep", help="output dtype; fp32 islands always stay fp32 (default: keep)")
+    p.add_argument("--expert_dtype", choices=tuple(EXPERT_DTYPE_CHOICES), default=None,
+                   help="store the transformer's routed experts in FP8 e4m3 with fp32 scales (default: as --dtype)")
     p.add_argument("--max_shard_size", default="5GB", help="output shard size limit, e.g. 5GB, 500MB (default: 5GB)")
     p.add_argument("--dry_run", action="store_true", help="read headers only, print the key plan and shard layout, write nothing")
     p.add_argument("--audio_vae_encoder", choices=("strict", "zeros"), default="strict",
@@ -115,6 +120,7 @@ def request_from_args(args: argparse.Namespace, log=print) -> ConversionRequest:
         inputs={c: p for c, p in inputs.items() if c in components},
         config=args.config,
         dtype=args.dtype,
+        expert_dtype=args.expert_dtype,
         max_shard_size=parse_size(args.max_shard_size),
         overwrite=args.overwrite,
         dry_run=args.dry_run,

@@ -16,6 +16,13 @@ Steps for one component (``transformer`` = preview DiT, ``refiner`` = 1080p refi
 
 Steps 1–3 are the loader's (:mod:`diffusers_magi2.loaders.original_checkpoint`, which also backs
 ``from_original_checkpoint``); this module adds the output layout and the streaming write.
+
+With ``expert_dtype="float8_e4m3fn"`` (``magi2-convert --expert_dtype fp8_e4m3``) the routed experts
+``W_gate``/``W_up``/``W_down`` are written in FP8 with their fp32 scales ``W_*_scale`` beside them: each bank
+is read in row chunks, cast to its ``--dtype`` output dtype, quantized with
+:func:`~diffusers_magi2.moe.quantize.quantize_fp8` and written; ``config.json`` records ``expert_dtype``, so the
+repo loads as FP8 with a plain ``from_pretrained`` (and equals, bit for bit, a quantize-at-load of the same
+repo converted without the flag).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from ..loaders.fp8_experts import expert_bank_names
 from ..loaders.key_plan import KeyPlan, build_key_plan, read_source_checkpoint
 from ..loaders.original_checkpoint import (
     build_meta_model,
@@ -35,8 +43,12 @@ from ..loaders.original_checkpoint import (
     expected_specs_from_model,
     original_format,
 )
+from ..moe.quantize import EXPERT_DTYPES, parse_expert_dtype, quantize_fp8
 from ..utils.safetensors_io import (
+    DTYPE_ITEMSIZE,
+    DTYPE_TO_TORCH,
     TORCH_TO_DTYPE,
+    OutputTensor,
     ShardLayout,
     ShardWriter,
     plan_shards,
@@ -92,6 +104,7 @@ class PreparedTransformer:
         model: the model built on the meta device (for ``save_config``).
         layouts: the output shard layouts (headers included).
         config_label: where the SandAI config came from.
+        fp8_banks: target names of the routed-expert banks written in FP8 (with a ``_scale`` each).
     """
 
     target: TransformerTarget
@@ -99,11 +112,14 @@ class PreparedTransformer:
     model: torch.nn.Module
     layouts: list[ShardLayout]
     config_label: str
+    fp8_banks: frozenset = frozenset()
 
     def describe(self) -> str:
         """Key plan plus output shard layout (the ``--dry_run`` report for this component)."""
         lines = [f"[{self.target.component}] {self.target.class_name} from {self.plan.source_dir} ({self.config_label})"]
         lines.append(self.plan.describe())
+        if self.fp8_banks:
+            lines.append(f"routed experts in FP8 (float8_e4m3fn): {len(self.fp8_banks)} banks, each with an fp32 _scale")
         total = sum(lay.data_size for lay in self.layouts)
         lines.append(f"output {self.target.component}/: {len(self.layouts)} shard(s), {total} bytes of tensor data")
         for lay in self.layouts:
@@ -119,6 +135,7 @@ def prepare_transformer_conversion(
     dtype: str = "keep",
     max_shard_size: int = 5 * 10**9,
     check_data: bool = True,
+    expert_dtype: str | None = None,
 ) -> PreparedTransformer:
     """Validate a SandAI transformer/refiner checkpoint and lay out its output (headers only).
 
@@ -130,13 +147,16 @@ def prepare_transformer_conversion(
         max_shard_size: output shard data size limit in bytes.
         check_data: also require each shard's data section to be present (``False`` for dry runs
             on header-only stubs).
+        expert_dtype: ``None`` (experts as ``dtype``) or ``"float8_e4m3fn"`` (FP8 routed experts + scales).
 
     Raises:
         CheckpointValidationError: every problem found, listed together.
-        ValueError: bad arguments or a config without the needed section.
+        ValueError: bad arguments (``expert_dtype`` outside ``(None, "float8_e4m3fn")``, or FP8 experts for a
+            model without routed experts) or a config without the needed section.
     """
     if component not in TRANSFORMER_TARGETS:
         raise ValueError(f"component must be one of {sorted(TRANSFORMER_TARGETS)}, got {component!r}")
+    fp8 = parse_expert_dtype(expert_dtype) is not None
     target = TRANSFORMER_TARGETS[component]
     cls = target.model_class()
     fmt = original_format(cls)
@@ -147,8 +167,19 @@ def prepare_transformer_conversion(
     plan = build_key_plan(
         source, expected, dtype=dtype, context=f"checked against {label}", hint=config_hint(source_dir, config)
     )
-    layouts = plan_shards(plan.output_tensors(), max_shard_size, WEIGHTS_NAME)
-    return PreparedTransformer(target, plan, model, layouts, label)
+    fp8_banks = frozenset(expert_bank_names(model)) if fp8 else frozenset()
+    if fp8 and not fp8_banks:
+        raise ValueError(f"expert_dtype applies to routed experts; the {component} ({cls.__name__}) has none")
+    outputs = []
+    for t in plan.output_tensors():
+        if t.name in fp8_banks:
+            outputs += [OutputTensor(t.name, "F8_E4M3", t.shape), OutputTensor(f"{t.name}_scale", "F32", (t.shape[0], t.shape[2]))]
+        else:
+            outputs.append(t)
+    layouts = plan_shards(outputs, max_shard_size, WEIGHTS_NAME)
+    if fp8:
+        model.register_to_config(expert_dtype=EXPERT_DTYPES[1])  # saved with the config: the repo loads as FP8
+    return PreparedTransformer(target, plan, model, layouts, label, fp8_banks)
 
 
 def write_transformer(
@@ -194,7 +225,9 @@ def write_transformer(
                     if e.source_key not in keys or info is None or info.dtype != e.source_dtype or tuple(info.shape) != e.shape:
                         raise ValueError(f"{path}: {e.source_key} changed since it was validated")
                     start = header.data_start + info.data_offsets[0]
-                    if e.source_dtype == e.target_dtype:  # stored bytes are the output bytes
+                    if e.target_key in prepared.fp8_banks:
+                        _write_fp8_bank(writer, e, fd, start, chunk_bytes)
+                    elif e.source_dtype == e.target_dtype:  # stored bytes are the output bytes
                         writer.copy_bytes(e.target_key, fd, start, info.nbytes)
                     else:
                         writer.cast_bytes(e.target_key, fd, start, info.nbytes, e.source_dtype, chunk_bytes)
@@ -203,3 +236,23 @@ def write_transformer(
     write_index(out_folder, prepared.layouts, WEIGHTS_NAME)
     prepared.model.save_config(out_folder)
     return out_folder
+
+
+def _write_fp8_bank(writer: ShardWriter, entry, fd: int, start: int, chunk_bytes: int) -> None:
+    """Quantize one expert bank ``[R, K, N]`` chunk of rows by chunk of rows: FP8 rows, then their fp32 scales."""
+    rows, row_elems = entry.shape[0], entry.shape[1] * entry.shape[2]
+    row_bytes = row_elems * DTYPE_ITEMSIZE[entry.source_dtype]
+    step = max(1, min(rows, chunk_bytes // row_bytes))
+    buf = bytearray(step * row_bytes)
+    source = torch.frombuffer(buf, dtype=DTYPE_TO_TORCH[entry.source_dtype]).view(step, *entry.shape[1:])
+    for first in range(0, rows, step):
+        n = min(step, rows - first)
+        view, got = memoryview(buf)[: n * row_bytes], 0
+        while got < len(view):
+            read = os.preadv(fd, [view[got:]], start + first * row_bytes + got)
+            if read == 0:
+                raise ValueError(f"{entry.source_key}: source ended early")
+            got += read
+        q, scale = quantize_fp8(source[:n].to(DTYPE_TO_TORCH[entry.target_dtype]))
+        writer.write_chunk(entry.target_key, q)
+        writer.write_chunk(f"{entry.target_key}_scale", scale)

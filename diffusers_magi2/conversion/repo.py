@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..loaders.key_plan import CheckpointValidationError
-from ..utils.dtype_utils import DTYPE_CHOICES
+from ..utils.dtype_utils import DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
 from . import components
 from .convert_transformer import PreparedTransformer, prepare_transformer_conversion, write_transformer
 from .model_card import components_table, model_summary, render_model_card
@@ -95,6 +95,7 @@ class ConversionRequest:
         inputs: component -> its source path (every requested component but ``scheduler``).
         config: SandAI JSON for ``transformer``/``refiner`` (``None``: the released configs).
         dtype: ``"keep"``, ``"bf16"`` or ``"fp32"``; fp32 islands always stay fp32.
+        expert_dtype: ``None`` or ``"fp8_e4m3"``: the transformer's routed experts in FP8 with fp32 scales.
         max_shard_size: output shard size limit in bytes.
         overwrite: replace an existing non-empty ``OUT``.
         dry_run: validate and print the plan only; write nothing.
@@ -108,6 +109,7 @@ class ConversionRequest:
     inputs: dict[str, Path] = field(default_factory=dict)
     config: Path | None = None
     dtype: str = "keep"
+    expert_dtype: str | None = None
     max_shard_size: int = 5 * 10**9
     overwrite: bool = False
     dry_run: bool = False
@@ -186,6 +188,10 @@ def _check_request(req: ConversionRequest) -> None:
         problems.append("no components to convert: give --checkpoint_root or a per-part flag, or list --components")
     if req.dtype not in DTYPE_CHOICES:
         problems.append(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {req.dtype!r}")
+    if req.expert_dtype is not None and req.expert_dtype not in EXPERT_DTYPE_CHOICES:
+        problems.append(f"--expert_dtype must be one of {', '.join(EXPERT_DTYPE_CHOICES)}, got {req.expert_dtype!r}")
+    elif req.expert_dtype is not None and "transformer" not in req.components:
+        problems.append("--expert_dtype applies to the transformer's routed experts (the refiner has none); the transformer is not converted")
     for comp in req.components:
         if comp == "scheduler" or comp not in ALL_COMPONENTS:
             continue
@@ -233,6 +239,7 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
             prepared[comp] = prepare_transformer_conversion(
                 comp, req.inputs[comp], req.config, dtype=req.dtype, max_shard_size=req.max_shard_size,
                 check_data=not req.dry_run,
+                expert_dtype=EXPERT_DTYPE_CHOICES.get(req.expert_dtype) if comp == "transformer" else None,
             )
         except CheckpointValidationError as err:
             failures[comp] = err
@@ -308,7 +315,7 @@ def _render_card(req: ConversionRequest, components: list[str], transformer: Pre
             "repo_id": repo_id,
             "components_table": components_table(components),
             "converter_version": __version__,
-            "dtype": req.dtype,
+            "dtype": req.dtype if req.expert_dtype is None else f"{req.dtype}, routed experts {req.expert_dtype}",
         }
     )
 

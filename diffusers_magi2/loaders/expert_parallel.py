@@ -8,7 +8,8 @@ on the meta device, every ``Magi2MultiHeadMoE`` is replaced by its local-size tw
 the checkpoint shards reach diffusers' per-shard loader through
 :class:`~diffusers_magi2.parallel.ep_loading.RowShardedShards`, which cuts the six EP-sharded tensors of each
 MoE layer (:data:`EP_SHARDED_SUFFIXES`) to this rank's rows. So no rank ever allocates the other ranks'
-experts. ``enable_expert_parallel`` does the same to a model already in memory.
+experts. ``enable_expert_parallel`` does the same to a model already in memory. The same hook gives FP8 routed
+experts their own loading step (:mod:`diffusers_magi2.loaders.fp8_experts`), after the rows are cut.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Optional, Union
 import torch.nn as nn
 
 from ..moe.layer import Magi2MultiHeadMoE
+from ..moe.quantize import FP8_SCALE_NAMES
 from ..parallel.ep_loading import RowShard, RowShardedShards
 from ..parallel.expert_parallel import (
     Magi2ExpertParallelConfig,
@@ -30,6 +32,7 @@ from ..parallel.expert_parallel import (
     warn_if_idle,
 )
 from ..utils.safetensors_io import check_safetensors_file, read_index
+from .fp8_experts import FP8ExpertShards, plan_fp8_expert_loading
 
 __all__ = ["EP_SHARDED_SUFFIXES", "ExpertParallelLoaderMixin", "apply_expert_parallel"]
 
@@ -96,7 +99,7 @@ def apply_expert_parallel(model: nn.Module, config: Magi2ExpertParallelConfig) -
         full_sd = full.state_dict()
         new_sd = {}
         for key, t in local.state_dict(keep_vars=True).items():
-            src = local.ep_slice(full_sd[key]) if key in EP_SHARDED_SUFFIXES else full_sd[key]
+            src = local.ep_slice(full_sd[key]) if key in EP_SHARDED_SUFFIXES + FP8_SCALE_NAMES else full_sd[key]
             new_sd[key] = src.detach().clone().to(t.dtype)
         local.load_state_dict(new_sd, strict=True, assign=True)
         requires_grad = {n: p.requires_grad for n, p in full.named_parameters()}
@@ -163,7 +166,8 @@ class ExpertParallelLoaderMixin:
                 checkpoint or config, missing checkpoint keys, an EP tensor without ``num_heads·num_experts``
                 rows, a missing, truncated or corrupt shard of a local checkpoint (named, before any model is
                 built), a ``device_map`` spanning several devices, ``low_cpu_mem_usage=False``,
-                ``parallel_config`` or ``quantization_config``.
+                ``parallel_config`` or ``quantization_config``; the FP8-expert checks of
+                :func:`~diffusers_magi2.loaders.fp8_experts.plan_fp8_expert_loading` (with or without EP).
         """
         expert_parallel = kwargs.pop("expert_parallel", None)
         if expert_parallel is None:
@@ -178,31 +182,42 @@ class ExpertParallelLoaderMixin:
 
     @classmethod
     def _load_pretrained_model(cls, model, state_dict, resolved_model_file, *args, **kwargs):
-        # diffusers 0.42's per-shard loading step: the hook point (the model is built on meta, the files resolved)
+        # diffusers 0.42's per-shard loading step: the hook point (the model is built on meta, the files resolved).
+        # Expert parallelism cuts the shards to this rank's rows first; FP8 experts then take their tensors out of
+        # each (already cut) shard (:mod:`diffusers_magi2.loaders.fp8_experts`).
         ep = _LOADING_EP_GROUP.get()
-        if ep is None:
-            return super()._load_pretrained_model(model, state_dict, resolved_model_file, *args, **kwargs)
-        fingerprint = {
-            "config": _public_config(model),
-            "files": sorted((os.path.basename(f), os.path.getsize(f)) for f in resolved_model_file),
-            "dtype": str(kwargs.get("dtype")),
-        }
-        check_same_on_all_ranks(fingerprint, ep, "checkpoint or config")
-        if ep.size > 1:
+        if ep is not None:
+            fingerprint = {
+                "config": _public_config(model),
+                "files": sorted((os.path.basename(f), os.path.getsize(f)) for f in resolved_model_file),
+                "dtype": str(kwargs.get("dtype")),
+            }
+            check_same_on_all_ranks(fingerprint, ep, "checkpoint or config")
+        _, filled = plan_fp8_expert_loading(model, state_dict, resolved_model_file)  # headers only
+        if ep is not None and ep.size > 1:
             _swap_in_local_moes(model, ep)
             plan = {
                 f"{name}.{suffix}": RowShard(
                     m.local_head_start * m.num_experts, m.local_flatten_num_experts, m.num_heads * m.num_experts
                 )
                 for name, m in _moe_modules(model)
-                for suffix in EP_SHARDED_SUFFIXES
+                for suffix in EP_SHARDED_SUFFIXES + (FP8_SCALE_NAMES if m.fp8_experts else ())
             }
             shards = [state_dict] if state_dict is not None else resolved_model_file
             resolved_model_file, state_dict = RowShardedShards(shards, plan), None
             kwargs["is_parallel_loading_enabled"] = False  # one shard at a time, this rank's rows only
+        if any(m.fp8_experts for _, m in _moe_modules(model)):
+            shards = [state_dict] if state_dict is not None else resolved_model_file
+            resolved_model_file, state_dict = FP8ExpertShards(shards, model, kwargs.get("device_map")), None
+            kwargs["is_parallel_loading_enabled"] = False  # tensors are placed by this loader, one shard at a time
+            if filled:  # scales computed while reading count as loaded (no "newly initialized" warning)
+                if "loaded_keys" in kwargs:
+                    kwargs["loaded_keys"] = list(kwargs["loaded_keys"]) + sorted(filled)
+                else:
+                    args = (args[0], list(args[1]) + sorted(filled), *args[2:])
         result = super()._load_pretrained_model(model, state_dict, resolved_model_file, *args, **kwargs)
         missing = sorted(result[1])
-        if missing:
+        if ep is not None and missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} model keys, e.g. {missing[:5]}")
         return result
 

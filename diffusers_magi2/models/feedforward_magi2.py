@@ -104,7 +104,8 @@ class Magi2MoEFeedForward(nn.Module):
     ``x = pre_norm(u)`` (3 modalities always), ``y = merge_linear(moe_mlp(split_linear(x)))
     + shared_expert_fc2(a) + modality_specific_shared_expert_fc2(b)`` where ``(a | b) =
     swiglu7([shared_expert_fc1(x) | modality_specific_shared_expert_fc1(x)])``. ``moe_mlp`` is the
-    MoE core :class:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE` (routed experts).
+    MoE core :class:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE` (routed experts), whose banks are stored in
+    ``expert_dtype`` (``Magi2MultiHeadMoEConfig.expert_dtype``).
     """
 
     def __init__(
@@ -121,6 +122,7 @@ class Magi2MoEFeedForward(nn.Module):
         route_norm: bool,
         route_scale: float,
         params_dtype=None,
+        expert_dtype=None,
     ) -> None:
         super().__init__()
         from ..moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
@@ -141,6 +143,7 @@ class Magi2MoEFeedForward(nn.Module):
             score_func=score_func,
             route_norm=route_norm,
             route_scale=route_scale,
+            expert_dtype=expert_dtype,
         )
         self.moe_mlp = Magi2MultiHeadMoE(moe_config)
         self.shared_expert_fc1 = modality_linear(hidden_size, 2 * shared_intermediate_size, 1, dtype=params_dtype)

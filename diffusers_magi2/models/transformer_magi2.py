@@ -17,8 +17,9 @@ feed-forwards in :mod:`.feedforward_magi2`, input/output adapters in :mod:`.adap
 packing of diffusers-facing inputs in :mod:`.packing_magi2` (their names are re-exported here).
 
 Dtype policy (spec §1.11): the fp32 "islands" (embedders, post adapter, every norm weight, sinks,
-all ``mhc_*``, router gate and biases, rope bands) are always fp32 (``_keep_in_fp32_modules``);
-every other weight takes the load dtype. The residual streams, attention/MLP inputs and outputs
+all ``mhc_*``, router gate and biases, rope bands, the FP8 experts' scales) are always fp32
+(``_keep_in_fp32_modules``); the routed experts are stored in ``expert_dtype`` (the load dtype, or FP8
+e4m3 with those scales); every other weight takes the load dtype. The residual streams, attention/MLP inputs and outputs
 live in the dtype of the attention weights (bf16 released, fp32 in an fp32 model); mHC
 coefficients, norms, q/k after norm and rope, router math are fp32.
 """
@@ -38,6 +39,7 @@ from diffusers.utils import BaseOutput
 
 from ..loaders.expert_parallel import ExpertParallelLoaderMixin
 from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
+from ..moe.quantize import EXPERT_DTYPES, FP8_SCALE_NAMES as _FP8_SCALE_NAMES, parse_expert_dtype
 from ..utils.dtype_utils import parse_dtype
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
 from .attention_magi2 import (
@@ -228,10 +230,18 @@ class Magi2Transformer3DModel(
         time_embed_dim: width of the time embedding written into channels ``[0:dim]`` (64).
         params_dtype: construction-time dtype of the non-fp32 weights (``None`` = torch default);
             not stored in the config (``from_pretrained(dtype=...)`` decides at load time).
+        expert_dtype: storage of the routed experts ``W_gate``/``W_up``/``W_down``: ``None`` (the load
+            dtype) or ``"float8_e4m3fn"`` (FP8 weight-only with fp32 scales ``W_*_scale`` per expert and
+            output channel; :mod:`diffusers_magi2.moe.quantize`). Stored in the config, so a saved FP8 repo
+            loads as FP8; ``from_pretrained(bf16_repo, expert_dtype="float8_e4m3fn")`` quantizes while reading.
+
+    Raises:
+        ValueError: inconsistent geometry, or ``expert_dtype`` outside ``(None, "float8_e4m3fn")``.
 
     Loading: ``from_pretrained(path, dtype=torch.bfloat16)`` (converted repos; fp32 islands kept by
     ``_keep_in_fp32_modules``; ``local_files_only`` defaults from ``HF_HUB_OFFLINE``;
-    ``expert_parallel=`` shards the routed experts) or ``from_original_checkpoint(sandai_dir)``.
+    ``expert_parallel=`` shards the routed experts; ``expert_dtype=`` as above) or
+    ``from_original_checkpoint(sandai_dir)``.
     ``.to(dtype)`` / ``pipe.to(dtype)`` keep the fp32 islands fp32 too (:class:`.Magi2ModelMixin`).
 
     Runtime switches (not saved): ``set_attention_backend`` (diffusers), :meth:`set_moe_backend`
@@ -256,6 +266,7 @@ class Magi2Transformer3DModel(
         "sinks",
         "gate",
         "router",
+        *_FP8_SCALE_NAMES,
         *_MHC_PARAM_NAMES,
     ]
     ignore_for_config = ["params_dtype"]
@@ -290,8 +301,11 @@ class Magi2Transformer3DModel(
         split_merge_intermediate_size: Optional[int] = None,
         time_embed_dim: int = 64,
         params_dtype: Optional[torch.dtype] = None,
+        expert_dtype: Optional[str] = None,
     ) -> None:
         super().__init__()
+        if parse_expert_dtype(expert_dtype) is not None and not isinstance(expert_dtype, str):
+            self.register_to_config(expert_dtype=EXPERT_DTYPES[1])  # a torch dtype given: the config stores its name
         check_transformer_geometry(
             num_layers, num_attention_heads, num_key_value_heads, attention_head_dim,
             multimodal_layers=multimodal_layers, moe_layers=moe_layers,
@@ -324,6 +338,7 @@ class Magi2Transformer3DModel(
                     moe_route_norm,
                     moe_route_scale,
                     params_dtype=params_dtype,
+                    expert_dtype=expert_dtype,
                 )
             else:
                 mlp = Magi2FeedForward(
@@ -386,6 +401,9 @@ class Magi2Transformer3DModel(
         with ``HF_HUB_OFFLINE=1`` this default makes offline loading of local folders work.
         ``expert_parallel=Magi2ExpertParallelConfig(ep_degree=N)`` loads only this rank's routed experts
         (:class:`~diffusers_magi2.loaders.expert_parallel.ExpertParallelLoaderMixin`).
+        ``expert_dtype="float8_e4m3fn"`` quantizes the routed experts of a bf16 repo tensor by tensor while reading;
+        an FP8 repo (its config says ``expert_dtype``) loads as FP8 without it
+        (:mod:`diffusers_magi2.loaders.fp8_experts`; its ``ValueError`` s name a missing or misshaped scale).
         """
         if kwargs.get("local_files_only") is None:
             from huggingface_hub import constants as hf_constants

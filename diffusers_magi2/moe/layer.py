@@ -230,6 +230,9 @@ class Magi2MultiHeadMoE(nn.Module):
                 bank[real_rows:].zero_()
                 continue
             scale, chunk = getattr(self, f"{name}_scale"), 64  # FP8: drawn in fp32 and quantized, chunk by chunk
+            if bank.is_meta:  # built for loading (meta banks, real scales): the loader fills both
+                scale.zero_()
+                continue
             for start in range(0, bank.shape[0], chunk):
                 block = torch.empty(bank[start : start + chunk].shape, device=bank.device).normal_(0.0, std)
                 block[max(0, real_rows - start) :].zero_()

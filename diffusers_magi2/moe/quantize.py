@@ -17,12 +17,14 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["EXPERT_DTYPES", "FP8_DTYPE", "FP8_MAX", "dequantize_expert", "parse_expert_dtype", "quantize_fp8"]
+__all__ = ["EXPERT_DTYPES", "FP8_DTYPE", "FP8_MAX", "FP8_SCALE_NAMES", "dequantize_expert", "parse_expert_dtype", "quantize_fp8"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 #: Allowed values of ``expert_dtype``: ``None`` (the experts keep the load dtype) or FP8 e4m3.
 EXPERT_DTYPES = (None, "float8_e4m3fn")
+#: names of the scale buffers beside ``W_gate``/``W_up``/``W_down`` (fp32 islands of the models).
+FP8_SCALE_NAMES = ("W_gate_scale", "W_up_scale", "W_down_scale")
 
 
 def parse_expert_dtype(expert_dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:

@@ -1,7 +1,7 @@
 """Dtype names: the one place where a dtype written as a string becomes a ``torch.dtype``.
 
 SandAI configs write ``"params_dtype": "bfloat16"`` (sometimes ``"torch.bfloat16"``), model and MoE
-arguments accept the same names, and ``magi2-convert --dtype`` takes ``keep`` / ``bf16`` / ``fp32``.
+arguments accept the same names, and ``magi2-convert --dtype`` takes ``keep`` / ``bf16`` / ``fp32`` (``--expert_dtype``: ``fp8_e4m3``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["DTYPE_CHOICES", "FLOAT_DTYPES", "convert_dtype", "parse_dtype"]
+__all__ = ["DTYPE_CHOICES", "EXPERT_DTYPE_CHOICES", "FLOAT_DTYPES", "convert_dtype", "parse_dtype"]
 
 #: floating dtype names (a leading ``torch.`` is ignored) -> torch dtype.
 FLOAT_DTYPES: dict[str, torch.dtype] = {
@@ -23,6 +23,8 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
 }
 #: ``magi2-convert --dtype`` choices: ``keep`` the stored dtypes, or cast to bf16 / fp32 (fp32 islands stay fp32).
 DTYPE_CHOICES = ("keep", "bf16", "fp32")
+#: ``magi2-convert --expert_dtype`` choices -> the model's ``expert_dtype`` (FP8 e4m3 routed experts + fp32 scales).
+EXPERT_DTYPE_CHOICES = {"fp8_e4m3": "float8_e4m3fn"}
 
 
 def parse_dtype(value: Union[str, torch.dtype], what: str = "dtype") -> torch.dtype:

@@ -266,3 +266,22 @@ def ep_worker(rank: int, world: int, fixtures_root: str, folders: dict) -> dict:
         "moe": moe_checks(rank, world, ep),
         "transformer": transformer_checks(rank, world, ep_cfg, folders),
     }
+
+
+def fp8_worker(rank: int, world: int, fixtures_root: str, folders: dict) -> dict:
+    """FP8 experts under EP: an FP8 repo and a bf16 repo quantized at load, each rank reading its rows and scales."""
+    from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
+
+    set_fixtures_root(fixtures_root)
+    ep_cfg = Magi2ExpertParallelConfig(ep_degree=world)
+    case = transformer_case("preview_h4")
+    res = {}
+    for name, kwargs in (("fp8_repo", {}), ("quantize_at_load", {"expert_dtype": "float8_e4m3fn"})):
+        folder = folders["fp8"] if name == "fp8_repo" else folders["bf16"]
+        model = Magi2Transformer3DModel.from_pretrained(folder, torch_dtype=torch.float32, expert_parallel=ep_cfg, **kwargs)
+        res[name, "out"] = packed_forward(model, case)
+        res[name, "moe"] = {
+            n: {k: v.clone() for k, v in m.state_dict().items()} for n, m in model.named_modules() if isinstance(m, Magi2MultiHeadMoE)
+        }
+        res[name, "rows"] = {n: (m.local_head_start, m.local_num_heads) for n, m in model.named_modules() if isinstance(m, Magi2MultiHeadMoE)}
+    return res

@@ -1,0 +1,177 @@
+"""FP8 routed experts through diffusers' loading: a saved FP8 repo stays FP8, a bf16 repo is quantized while read.
+
+diffusers 0.42.1 casts every floating checkpoint tensor to ``from_pretrained(dtype=...)`` unless a quantizer
+is set (and to the model's dtype when no ``dtype`` is given), so FP8 banks cannot pass through its per-tensor
+loader. When the model has FP8 experts (``expert_dtype="float8_e4m3fn"`` in its config or in the
+``from_pretrained`` call) the routed-expert tensors of every ``Magi2MultiHeadMoE`` take this path instead;
+everything else is diffusers' (dtype, ``_keep_in_fp32_modules``, ``device_map``):
+
+* ``W_gate``/``W_up``/``W_down`` stored as ``float8_e4m3fn`` (an FP8 repo) are placed as they are, with their
+  fp32 scales ``W_*_scale`` (the scales are fp32 islands of the model);
+* stored in a floating dtype (a bf16 or fp32 repo) they are quantized with
+  :func:`~diffusers_magi2.moe.quantize.quantize_fp8` tensor by tensor, shard by shard, as the shard is read,
+  so the full-precision model never exists in memory (peak: the FP8 model plus one source shard).
+
+The checkpoint is checked against the model from the shard headers before any tensor is read
+(:func:`plan_fp8_expert_loading`): an FP8 bank without its scale, a scale of the wrong shape or dtype, a scale
+beside a non-FP8 bank, or FP8 banks loaded into a model without FP8 experts raise ``ValueError`` naming the tensor.
+Under expert parallelism the shards reach this step already cut to the rank's rows
+(:class:`~diffusers_magi2.parallel.ep_loading.RowShardedShards`, which cuts the scales like their banks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import torch
+import torch.nn as nn
+
+from ..moe.layer import Magi2MultiHeadMoE
+from ..moe.quantize import FP8_DTYPE, FP8_SCALE_NAMES, quantize_fp8
+from ..utils.safetensors_io import DTYPE_TO_TORCH, read_safetensors_header
+
+__all__ = ["FP8ExpertShards", "expert_bank_names", "plan_fp8_expert_loading"]
+
+_BANKS = ("W_gate", "W_up", "W_down")
+
+
+def expert_bank_names(model: nn.Module) -> dict[str, tuple[Magi2MultiHeadMoE, str]]:
+    """``{state-dict name: (MoE module, bank)}`` of every routed-expert bank of ``model``."""
+    return {
+        f"{path}.{bank}": (module, bank)
+        for path, module in model.named_modules()
+        if isinstance(module, Magi2MultiHeadMoE)
+        for bank in _BANKS
+    }
+
+
+def _tensor_infos(
+    state_dict: Mapping[str, torch.Tensor] | None, files: Sequence[Any], strict: bool
+) -> dict[str, tuple[torch.dtype, tuple]]:
+    """``{name: (dtype, shape)}`` of the checkpoint, from ``state_dict`` or the safetensors headers of ``files``."""
+    if state_dict is not None:
+        return {k: (v.dtype, tuple(v.shape)) for k, v in state_dict.items()}
+    infos = {}
+    for f in files:
+        if isinstance(f, Mapping):
+            infos.update({k: (v.dtype, tuple(v.shape)) for k, v in f.items()})
+            continue
+        if not str(f).endswith(".safetensors"):
+            if strict:
+                raise ValueError(f"routed experts in FP8 load from safetensors checkpoints; got {f}")
+            continue  # a model without FP8 experts: nothing to check in a pickled checkpoint
+        for name, t in read_safetensors_header(f).tensors.items():
+            infos[name] = (DTYPE_TO_TORCH[t.dtype], tuple(t.shape))
+    return infos
+
+
+def plan_fp8_expert_loading(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None, files: Sequence[Any]
+) -> tuple[set[str], set[str]]:
+    """Check a checkpoint's routed-expert tensors against ``model`` before anything is read.
+
+    Args:
+        model: the model built for loading (meta banks; under EP, the local-size MoE layers).
+        state_dict: the checkpoint when diffusers already read it (single file), else ``None``.
+        files: the checkpoint's shard files.
+
+    Returns:
+        ``(quantized, filled)``: the bank names that will be quantized while read (stored in a floating dtype),
+        and the scale names this loader fills without the checkpoint holding them.
+
+    Raises:
+        ValueError: naming the tensor: an FP8 bank in a model without FP8 experts; an FP8 bank whose scale is
+            missing or not ``[num_heads*num_experts, out_channels]`` floating point; a bank of the wrong shape or
+            dtype; a scale beside a bank that is not FP8.
+    """
+    banks = expert_bank_names(model)
+    if not banks:
+        return set(), set()
+    infos = _tensor_infos(state_dict, files, strict=any(module.fp8_experts for module, _ in banks.values()))
+    quantized, filled = set(), set()
+    for name, (module, bank) in banks.items():
+        if name not in infos:
+            continue  # a missing key: diffusers' (and the EP loader's) missing-key report names it
+        dtype, shape = infos[name]
+        scale_name = f"{name}_scale"
+        full_rows = module.num_heads * module.num_experts
+        expected = (full_rows, *getattr(module, bank).shape[1:])
+        if not module.fp8_experts:
+            if dtype == FP8_DTYPE or scale_name in infos:
+                raise ValueError(
+                    f"{name} is stored in FP8 (float8_e4m3fn with {scale_name}) but the model's routed experts are "
+                    f"not: load it with expert_dtype='float8_e4m3fn' (the FP8 repo's config.json says so)"
+                )
+            continue
+        if shape != expected:
+            raise ValueError(f"{name}: checkpoint shape {list(shape)}, the model expects {list(expected)}")
+        expected_scale = (full_rows, expected[2])
+        if dtype == FP8_DTYPE:
+            if scale_name not in infos:
+                raise ValueError(
+                    f"{name} is FP8 but the checkpoint has no {scale_name} (its fp32 scale "
+                    f"{list(expected_scale)}, one per expert and output channel)"
+                )
+            scale_dtype, scale_shape = infos[scale_name]
+            if scale_shape != expected_scale or not scale_dtype.is_floating_point:
+                raise ValueError(
+                    f"{scale_name}: checkpoint has {str(scale_dtype).removeprefix('torch.')}{list(scale_shape)}, "
+                    f"expected float32{list(expected_scale)} (one scale per expert and output channel of {name})"
+                )
+        elif dtype.is_floating_point and dtype.itemsize >= 2:
+            if scale_name in infos:
+                raise ValueError(f"{scale_name} is in the checkpoint but {name} is {dtype}, not float8_e4m3fn")
+            quantized.add(name)
+            filled.add(scale_name)
+        else:
+            raise ValueError(f"{name}: checkpoint dtype {dtype}; routed experts load from float8_e4m3fn or a float dtype")
+    return quantized, filled
+
+
+class FP8ExpertShards(Sequence):
+    """Checkpoint shards as diffusers' loader reads them, the FP8 experts' tensors taken out and placed here.
+
+    Each item is the shard's state dict without the banks and scales of FP8 ``Magi2MultiHeadMoE`` layers; those
+    are put into ``model`` on their device (diffusers' ``device_map`` rule), FP8 banks as stored, floating banks
+    quantized first (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`), scales as fp32.
+
+    Args:
+        shards: shard paths or state dicts (possibly a :class:`~diffusers_magi2.parallel.ep_loading.RowShardedShards`).
+        model: the model being loaded.
+        device_map: the ``device_map`` diffusers loads with (``None``: CPU).
+    """
+
+    def __init__(self, shards: Sequence[Union[str, Mapping[str, torch.Tensor]]], model: nn.Module, device_map=None):
+        self.shards = shards
+        self.model = model
+        self.device_map = device_map
+        self.banks = {n: b for n, b in expert_bank_names(model).items() if b[0].fp8_experts}
+        self.scales = {f"{n}_scale" for n in self.banks}
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def _place(self, name: str, value: torch.Tensor) -> None:
+        from accelerate.utils import set_module_tensor_to_device
+        from diffusers.models.model_loading_utils import _determine_param_device
+
+        device = _determine_param_device(name, self.device_map)
+        if device == "disk":
+            raise ValueError(f"{name}: routed experts in FP8 cannot be offloaded to disk by device_map")
+        dtype = torch.float32 if name in self.scales else FP8_DTYPE
+        set_module_tensor_to_device(self.model, name, device, value=value.to(dtype), dtype=dtype)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        from diffusers.models.model_loading_utils import load_state_dict
+
+        state = dict(load_state_dict(self.shards[index]))
+        for name in [k for k in state if k in self.banks or k in self.scales]:
+            value = state.pop(name)
+            if name in self.banks and value.dtype != FP8_DTYPE:
+                q, scale = quantize_fp8(value)
+                del value
+                self._place(f"{name}_scale", scale)
+                value = q
+            self._place(name, value)
+        return state
