@@ -134,7 +134,8 @@ class FP8ExpertShards(Sequence):
 
     Each item is the shard's state dict without the banks and scales of FP8 ``Magi2MultiHeadMoE`` layers; those
     are put into ``model`` on their device (diffusers' ``device_map`` rule), FP8 banks as stored, floating banks
-    quantized first (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`), scales as fp32.
+    quantized first (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`), scales as fp32. The shard's other tensors
+    are handed on as copies, so the shard's memory map (with the pages of the banks read) is released.
 
     Args:
         shards: shard paths or state dicts (possibly a :class:`~diffusers_magi2.parallel.ep_loading.RowShardedShards`).
@@ -166,7 +167,8 @@ class FP8ExpertShards(Sequence):
         from diffusers.models.model_loading_utils import load_state_dict
 
         state = dict(load_state_dict(self.shards[index]))
-        for name in [k for k in state if k in self.banks or k in self.scales]:
+        taken = [k for k in state if k in self.banks or k in self.scales]
+        for name in taken:
             value = state.pop(name)
             if name in self.banks and value.dtype != FP8_DTYPE:
                 q, scale = quantize_fp8(value)
@@ -174,4 +176,8 @@ class FP8ExpertShards(Sequence):
                 self._place(f"{name}_scale", scale)
                 value = q
             self._place(name, value)
+        if taken:
+            # the rest may be views of the shard's memory map, which would keep the pages of the banks just read
+            # (quantized: their bf16 bytes) resident for the model's lifetime: own copies release the map
+            state = {k: v.clone() for k, v in state.items()}
         return state
