@@ -5,8 +5,8 @@ Run from the repository root::
     python -m tests.benchmarks.bench_gpu_block [--out block.json] [--small]
 
 * ``block``: a one-block Preview model at the released width (C 3072, 24 heads of 128, 4 mHC streams, an MoE
-  block with 12 heads x 256 experts, top-6, De 1280) in bf16, and again with FP8 routed experts when this
-  checkout has them. Reference: the torch path (``_native_math`` attention, torch expert loop); candidates: SDPA
+  block with 12 heads x 256 experts, top-6, De 1280) in bf16, and again with FP8 routed experts
+  (``expert_dtype="float8_e4m3fn"``). Reference: the torch path (``_native_math`` attention, torch expert loop); candidates: SDPA
   flash and cuDNN attention with the Triton experts. Reports rel-L2 against the reference and the forward time.
 * ``group_offload``: a two-block released-width model (a dense multimodal block and an MoE block), bf16, on the
   GPU as is and under ``enable_group_offload(onload_device="cuda", offload_type="block_level",
@@ -20,7 +20,6 @@ paths only, so the script can be checked to start.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import platform
@@ -39,11 +38,6 @@ SMALL = dict(
     shared_expert_intermediate_size=64, modality_specific_expert_intermediate_size=64, intermediate_factor=2,
 )
 FP8 = "float8_e4m3fn"
-
-
-def has_fp8_experts() -> bool:
-    """Whether this checkout's model takes ``expert_dtype`` (FP8 routed experts)."""
-    return "expert_dtype" in inspect.signature(Magi2Transformer3DModel.__init__).parameters
 
 
 def build(layers: dict, small: bool, device, expert_dtype=None) -> Magi2Transformer3DModel:
@@ -112,9 +106,6 @@ def block_check(device, small: bool) -> dict:
     candidates = ["_native_flash", "_native_cudnn"] if device.type == "cuda" else ["native"]
     report = {}
     for variant in ("bf16", "fp8_experts"):
-        if variant == "fp8_experts" and not has_fp8_experts():
-            report[variant] = "not run: this checkout's model has no expert_dtype (FP8 routed experts)"
-            continue
         model = build(layers, small, device, FP8 if variant == "fp8_experts" else None)
         entry = {}
         model.set_attention_backend("_native_math")
@@ -187,7 +178,6 @@ def main(argv=None) -> dict:
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "configuration": "small (CPU smoke)" if small else "released width",
-        "fp8_experts_available": has_fp8_experts(),
     }
     for part, fn in (("block", block_check), ("group_offload", group_offload_check)):
         if args.only in (None, part):

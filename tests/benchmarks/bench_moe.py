@@ -2,15 +2,17 @@
 
 Run from the repository root::
 
-    OMP_NUM_THREADS=1 python -m tests.benchmarks.bench_moe [--out moe_bench.json]
+    OMP_NUM_THREADS=1 python -m tests.benchmarks.bench_moe [--out moe_bench.json] [--expert_dtype bf16 fp8_e4m3]
 
 CPU (1 thread; S=4096, H=12, E=32, k=6, Dh=64, De=128, fp32): time of the full torch-path forward
 (``Magi2MultiHeadMoE.forward``: routing, CSR sort, experts) against the time of the same three GEMMs per expert run as
 plain dense matmuls over pre-gathered rows, measured in the same run. Target: ``gemm_s / full_forward_s >= 0.6``.
 
 CUDA (only when a GPU is present; otherwise the JSON says so): the released shape (H=12, E=256, k=6, Dh=256,
-De=1280, bf16) at 4,096 and 29,184 tokens: TFLOP/s of the Triton kernel (atomic and deterministic), of the torch
-path, and of one dense bf16 GEMM with the same FLOPs.
+De=1280, bf16 activations) at 4,096 and 29,184 tokens, once per ``--expert_dtype`` (``bf16`` experts, ``fp8_e4m3``:
+FP8 experts with fp32 scales): TFLOP/s of the Triton kernel (atomic and deterministic), of the torch path, and of
+one dense bf16 GEMM with the same FLOPs. With ``fp8_e4m3`` the CPU part also times the torch-path forward with FP8
+experts against the fp32 one.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ def _best_of(fn, repeats: int, sync=lambda: None, clock=time.perf_counter) -> fl
     return best
 
 
-def _module(num_tokens, heads, experts, top_k, head_dim, expert_dim, dtype, device, seed=0):
+EXPERT_DTYPES = {"bf16": None, "fp8_e4m3": "float8_e4m3fn"}  # --expert_dtype -> Magi2MultiHeadMoEConfig.expert_dtype
+
+
+def _module(num_tokens, heads, experts, top_k, head_dim, expert_dim, dtype, device, seed=0, expert_dtype=None):
     torch.manual_seed(seed)
     cfg = Magi2MultiHeadMoEConfig(
         hidden_size=heads * head_dim,
@@ -52,6 +57,7 @@ def _module(num_tokens, heads, experts, top_k, head_dim, expert_dim, dtype, devi
         expert_intermediate_size=expert_dim,
         params_dtype=dtype,
         route_scale=4.9,
+        expert_dtype=expert_dtype,
     )
     with torch.device(device):  # build (and randomly initialise) the bank directly on the device
         module = Magi2MultiHeadMoE(cfg)
@@ -59,8 +65,9 @@ def _module(num_tokens, heads, experts, top_k, head_dim, expert_dim, dtype, devi
     return module, hidden
 
 
-def bench_cpu(num_tokens=4096, heads=12, experts=32, top_k=6, head_dim=64, expert_dim=128, repeats=3) -> dict:
-    """Full torch-path forward vs the same GEMMs as dense matmuls over pre-gathered rows (1 thread, fp32)."""
+def bench_cpu(num_tokens=4096, heads=12, experts=32, top_k=6, head_dim=64, expert_dim=128, repeats=3, fp8=False) -> dict:
+    """Full torch-path forward vs the same GEMMs as dense matmuls over pre-gathered rows (1 thread, fp32); with
+    ``fp8`` also the full forward with FP8 experts (same shape and inputs)."""
     torch.set_num_threads(1)
     module, hidden = _module(num_tokens, heads, experts, top_k, head_dim, expert_dim, torch.float32, "cpu")
     module.set_backend("torch")
@@ -94,6 +101,12 @@ def bench_cpu(num_tokens=4096, heads=12, experts=32, top_k=6, head_dim=64, exper
             experts_s = min(experts_s, _best_of(experts_only, 1, clock=clock))
             gemm_s = min(gemm_s, _best_of(gemms_only, 1, clock=clock))
         wall_full_s = _best_of(lambda: module(hidden), 1)
+        fp8_s = None
+        if fp8:
+            fp8_module, _ = _module(num_tokens, heads, experts, top_k, head_dim, expert_dim, torch.float32, "cpu",
+                                    expert_dtype="float8_e4m3fn")
+            fp8_module.set_backend("torch")
+            fp8_s = min(_best_of(lambda: fp8_module(hidden), 1, clock=clock) for _ in range(repeats))
     routes = num_tokens * heads * top_k
     flops = 6.0 * routes * head_dim * expert_dim
     return {
@@ -110,18 +123,27 @@ def bench_cpu(num_tokens=4096, heads=12, experts=32, top_k=6, head_dim=64, exper
         "meets_target_full_forward": gemm_s / full_s >= 0.6,
         "meets_target_experts_only": gemm_s / experts_s >= 0.6,
         "full_forward_gflops": flops / full_s / 1e9,
+        **({} if fp8_s is None else {"fp8_experts_full_forward_s": fp8_s, "fp8_over_fp32_full_forward": fp8_s / full_s}),
     }
 
 
-def bench_cuda(token_counts=(4096, 29184), repeats=5) -> dict:
-    """Released shape on the GPU: Triton kernel vs torch path vs one dense bf16 GEMM of equal FLOPs."""
+def bench_cuda(token_counts=(4096, 29184), repeats=5, expert_dtype: str = "bf16") -> dict:
+    """Released shape on the GPU: Triton kernel vs torch path vs one dense bf16 GEMM of equal FLOPs.
+
+    ``expert_dtype``: ``"bf16"`` or ``"fp8_e4m3"`` (FP8 banks with their scales; activations stay bf16).
+    """
     from diffusers_magi2.moe.experts_triton import triton_mh_moe_forward
 
     heads, experts, top_k, head_dim, expert_dim = 12, 256, 6, 256, 1280
     device = torch.device("cuda")
     sync = torch.cuda.synchronize
-    results = {"device": torch.cuda.get_device_name(device), "shape": dict(H=heads, E=experts, k=top_k, Dh=head_dim, De=expert_dim, dtype="bfloat16")}
-    module, _ = _module(8, heads, experts, top_k, head_dim, expert_dim, torch.bfloat16, device)
+    results = {
+        "device": torch.cuda.get_device_name(device),
+        "shape": dict(H=heads, E=experts, k=top_k, Dh=head_dim, De=expert_dim, dtype="bfloat16", experts=expert_dtype),
+    }
+    module, _ = _module(8, heads, experts, top_k, head_dim, expert_dim, torch.bfloat16, device,
+                        expert_dtype=EXPERT_DTYPES[expert_dtype])
+    scales = tuple(getattr(module, f"{n}_scale") for n in ("W_gate", "W_up", "W_down")) if module.fp8_experts else None
     with torch.no_grad():
         for num_tokens in token_counts:
             x = torch.randn(num_tokens, heads, head_dim, device=device, dtype=torch.bfloat16)
@@ -130,11 +152,13 @@ def bench_cuda(token_counts=(4096, 29184), repeats=5) -> dict:
             weights = (module.W_gate, module.W_up, module.W_down)
             flops = 6.0 * num_tokens * heads * top_k * head_dim * expert_dim
             entry = {}
-            entry["triton_atomic_s"] = _best_of(lambda: triton_mh_moe_forward(x, *routing, *weights), repeats, sync)
-            entry["triton_deterministic_s"] = _best_of(
-                lambda: triton_mh_moe_forward(x, *routing, *weights, deterministic=True), repeats, sync
+            entry["triton_atomic_s"] = _best_of(
+                lambda: triton_mh_moe_forward(x, *routing, *weights, scales=scales), repeats, sync
             )
-            entry["torch_path_s"] = _best_of(lambda: torch_mh_moe_forward(x, *routing, *weights), 1, sync)
+            entry["triton_deterministic_s"] = _best_of(
+                lambda: triton_mh_moe_forward(x, *routing, *weights, deterministic=True, scales=scales), repeats, sync
+            )
+            entry["torch_path_s"] = _best_of(lambda: torch_mh_moe_forward(x, *routing, *weights, scales=scales), 1, sync)
             m = num_tokens * heads * top_k
             a = torch.randn(m, head_dim, device=device, dtype=torch.bfloat16)
             w13 = torch.randn(head_dim, 2 * expert_dim, device=device, dtype=torch.bfloat16)
@@ -158,15 +182,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--tokens", type=int, default=4096, help="CPU token count (default 4096)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--expert_dtype", nargs="+", choices=tuple(EXPERT_DTYPES), default=["bf16"],
+                        help="routed-expert storage(s) to benchmark: bf16, fp8_e4m3 (default: bf16)")
     args = parser.parse_args(argv)
     report = {
         "benchmark": "diffusers_magi2.moe",
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "cpu": bench_cpu(num_tokens=args.tokens, repeats=args.repeats),
+        "cpu": bench_cpu(num_tokens=args.tokens, repeats=args.repeats, fp8="fp8_e4m3" in args.expert_dtype),
     }
     if torch.cuda.is_available():
-        report["cuda"] = bench_cuda()
+        report["cuda"] = {dtype: bench_cuda(expert_dtype=dtype) for dtype in args.expert_dtype}
     else:
         report["cuda"] = "skipped: no CUDA device on this machine (the Triton/GPU part needs one)"
     text = json.dumps(report, indent=2)
