@@ -2,7 +2,17 @@
 
 The math is :mod:`diffusers_magi2.moe.reference` (SandAI's ``_mh_moe_fwd_kernel``, ``inference/flash_mh_moe/
 triton/mh_moe_fwd.py``, with its rounding points); this path computes the same bits with a few reused buffers,
-``out=`` GEMMs and the in-place form of :func:`~diffusers_magi2.moe.activation.swiglu7`.
+``out=`` GEMMs and the in-place form of :func:`~diffusers_magi2.moe.activation.swiglu7`. It reads the expert
+offsets on the host once per call (to size its buffers and loop over experts).
+
+The grouped form (backend ``"torch_grouped"``) has the same rounding points and no host synchronisation, for
+code that must not sync inside a layer (context parallelism): every route's input row is gathered at once, each
+projection is one ``torch._grouped_mm`` over all experts with the device-side offsets (per expert on CPU it
+computes what ``torch.mm`` computes), and the ``k`` route rows of every (token, head) are summed in ascending
+expert id in the activation dtype. swiglu7 then runs over one ``[T, De]`` block instead of one block per expert,
+so in fp32 an element may land in a different SIMD lane or tail and differ in its last bits (on the tiny
+fixtures it measured bit-identical to the torch path). It needs top-k routing (every (token, head) owns
+``T / (S·H)`` routes) and upcasts a non-fp32 expert bank to fp32 as a whole for the call.
 
 ``torch.ops.diffusers_magi2.mh_moe_experts`` is the expert call of ``Magi2MultiHeadMoE``: a
 ``torch.library.custom_op`` that runs the torch or the Triton path, with a fake (meta) implementation so that
@@ -22,6 +32,9 @@ from .quantize import FP8_DTYPE, dequantize_expert
 from .reference import expert_route_blocks, hidden_dtype
 
 __all__ = ["check_expert_inputs", "mh_moe_experts", "mh_moe_experts_backward", "torch_mh_moe_forward"]
+
+#: Concrete backends of :func:`mh_moe_experts`.
+EXPERT_BACKENDS = ("torch", "torch_grouped", "triton")
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = _ACT_DTYPES + (FP8_DTYPE,)
@@ -274,6 +287,49 @@ def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: tor
     out_head.zero_().index_add_(0, tokens, contrib)
 
 
+def _grouped_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales=None) -> torch.Tensor:
+    """The ``"torch_grouped"`` backend of :func:`mh_moe_experts`: :func:`_torch_experts`' math with no host
+    synchronisation (no offset, count or index leaves the device; every size is a shape).
+
+    Raises:
+        ValueError: ``T`` is not a multiple of ``S·H`` (not top-k routes).
+    """
+    num_tokens, num_heads, head_dim = x.shape
+    num_flat, num_routes = w_gate.shape[0], gather_ids.numel()
+    if num_routes == 0 or num_tokens == 0:
+        return torch.zeros_like(x, memory_format=torch.contiguous_format)
+    if num_routes % (num_tokens * num_heads):
+        raise ValueError(
+            f"the torch_grouped expert backend needs top-k routes (the same number per (token, head)): "
+            f"T={num_routes} is not a multiple of S*H={num_tokens * num_heads}"
+        )
+    top_k = num_routes // (num_tokens * num_heads)
+    f32 = torch.float32
+    ends = expert_offsets[1:]
+    route = torch.arange(num_routes, device=x.device, dtype=ends.dtype)
+    head = torch.searchsorted(ends, route, right=True).div_(num_flat // num_heads, rounding_mode="floor")
+    tokens = gather_ids.to(torch.int64)
+    rows = x[tokens, head].to(f32)  # [T, Dh], CSR order (upcast exact)
+    scales = (None, None, None) if scales is None else scales
+    wg, wu, wd = (
+        w.to(f32) if s is None else w.to(f32).mul_(s.unsqueeze(1))  # FP8: dequantized as dequantize_expert does
+        for w, s in zip((w_gate, w_up, w_down), scales)
+    )
+    offs = ends.to(torch.int32)
+    hidden = swiglu7(torch._grouped_mm(rows, wg, offs=offs), torch._grouped_mm(rows, wu, offs=offs))
+    round_to = hidden_dtype(w_down.dtype, x.dtype)
+    if round_to != f32:
+        hidden = hidden.to(round_to).float()
+    contrib = torch._grouped_mm(hidden, wd, offs=offs).mul_(probs.to(f32).unsqueeze(1)).to(x.dtype)
+    # (head, token)-major with a stable sort: each (token, head)'s k rows stay in CSR (= ascending expert) order
+    order = torch.sort(head * num_tokens + tokens, stable=True).indices
+    per_token = contrib.index_select(0, order).view(num_heads, num_tokens, top_k, head_dim)
+    total = per_token[:, :, 0].clone()
+    for j in range(1, top_k):
+        total.add_(per_token[:, :, j])
+    return total.permute(1, 0, 2).contiguous()
+
+
 # --------------------------------------------------------------------------------------------- the custom op
 
 
@@ -283,7 +339,7 @@ def mh_moe_experts(
     w_gate_scale: Optional[Tensor], w_up_scale: Optional[Tensor], w_down_scale: Optional[Tensor],
     backend: str, deterministic: bool,
 ) -> Tensor:
-    """The expert call with a concrete ``backend`` (``"torch"`` or ``"triton"``); other arguments as
+    """The expert call with a concrete ``backend`` (one of :data:`EXPERT_BACKENDS`); other arguments as
     :func:`torch_mh_moe_forward` (the three scales ``None`` unless the experts are FP8), ``deterministic`` as
     ``triton_mh_moe_forward`` (Triton only).
 
@@ -294,13 +350,16 @@ def mh_moe_experts(
     if backend == "torch":
         check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales)
         return _torch_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales)
+    if backend == "torch_grouped":
+        check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales)
+        return _grouped_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales)
     if backend == "triton":
         from . import experts_triton  # Triton is imported on first use
 
         return experts_triton.triton_mh_moe_forward(
             x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales=scales, deterministic=deterministic
         )
-    raise ValueError(f"mh_moe_experts backend must be 'torch' or 'triton'; got {backend!r}")
+    raise ValueError(f"mh_moe_experts backend must be one of {EXPERT_BACKENDS}; got {backend!r}")
 
 
 @mh_moe_experts.register_fake

@@ -294,13 +294,16 @@ def _launch(config: TileConfig, grid: int, args: tuple, constants: dict) -> None
 
 
 def _launch_tiles(
-    configs: list[TileConfig], offsets: torch.Tensor, num_routes: int, on_host: bool, make_args, constants: dict
+    configs: list[TileConfig], offsets: torch.Tensor, num_routes: int, make_args, constants: dict
 ) -> TileConfig:
     """Launch with the first config that fits the device and return it.
 
     ``make_args(tile_offsets)`` builds the kernel's positional arguments; ``tile_offsets [H*E+1]`` are the
-    cumulative per-expert tile counts for the config's ``block_t``. A config that raises ``OutOfResources`` (at
-    compile/launch time, before anything is enqueued) is skipped; any other error propagates.
+    cumulative per-expert tile counts for the config's ``block_t``. The grid is the host-known upper bound
+    ``⌊T/B⌋ + min(H·E, T)`` of ``Σ_g ⌈n_g/B⌉`` (programs past ``tile_offsets[-1]`` exit at once), so no count is
+    read back: no host synchronisation, on the GPU and in the interpreter alike. A config that raises
+    ``OutOfResources`` (at compile/launch time, before anything is enqueued) is skipped; any other error
+    propagates.
 
     Raises:
         ValueError: ``configs`` is empty.
@@ -312,10 +315,7 @@ def _launch_tiles(
     for config in configs:
         tiles = torch.div(counts + (config.block_t - 1), config.block_t, rounding_mode="floor")
         tile_offsets = torch.cat([tiles.new_zeros(1), torch.cumsum(tiles, 0)]).to(torch.int32)
-        if on_host:  # the interpreter is already on the host: launch exactly the real tiles
-            grid = int(tile_offsets[-1])
-        else:  # static upper bound: no host sync
-            grid = num_routes // config.block_t + min(num_flat, num_routes)
+        grid = num_routes // config.block_t + min(num_flat, num_routes)
         try:
             _launch(config, max(grid, 1), make_args(tile_offsets), constants)
         except OutOfResources as err:
@@ -456,7 +456,7 @@ def triton_mh_moe_forward(
     device_key = _device_key(device)
     cache_key = (device_key, head_dim, expert_dim, act_dtype, w_gate.dtype, deterministic)
     configs = _tile_configs_to_try(device_key, cache_key)
-    _CHOSEN[cache_key] = _launch_tiles(configs, offsets, num_routes, not x.is_cuda, make_args, constants)
+    _CHOSEN[cache_key] = _launch_tiles(configs, offsets, num_routes, make_args, constants)
     if deterministic:
         return _deterministic_reduce(out, num_heads, num_tokens, act_dtype)
     return out.to(act_dtype)

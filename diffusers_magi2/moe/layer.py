@@ -9,6 +9,7 @@ to the transformer. ``forward`` = split heads -> (EP dispatch) -> :meth:`forward
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -242,10 +243,13 @@ class Magi2MultiHeadMoE(nn.Module):
         """Choose the expert backend once for this module.
 
         Args:
-            backend: ``"torch"`` (loop over experts, any device), ``"triton"`` (fused kernel: CUDA tensors, or CPU
-                tensors when the process runs with ``TRITON_INTERPRET=1``) or ``"auto"``, resolved per call by
-                the ``moe_experts`` row of :mod:`diffusers_magi2.utils.backends` (Triton for CUDA tensors, torch
-                otherwise). Nothing is read from the environment inside ``forward``.
+            backend: ``"torch"`` (loop over experts, any device; reads the expert offsets on the host),
+                ``"torch_grouped"`` (one grouped GEMM per projection, no host synchronisation; top-k routes),
+                ``"triton"`` (fused kernel: CUDA tensors, or CPU tensors when the process runs with
+                ``TRITON_INTERPRET=1``) or ``"auto"``, resolved per call by the ``moe_experts`` row of
+                :mod:`diffusers_magi2.utils.backends` (Triton for CUDA tensors; on other devices torch, or
+                torch_grouped under context parallelism, which must not sync inside a layer). Nothing is read
+                from the environment inside ``forward``.
             deterministic: Triton only: write per-route rows without atomics and reduce them in ascending global
                 expert id order, bit-identical across runs (the torch backend is always deterministic).
 
@@ -359,10 +363,11 @@ class Magi2MultiHeadMoE(nn.Module):
         num_tokens = hidden_states.shape[0]
         x = hidden_states.reshape(num_tokens, self.num_heads, self.head_dim)
         if context_parallel is not None and context_parallel.world_size > 1:
+            local_heads = functools.partial(self.forward_local_heads, sync_free=True)
             if self.ep_size == 1:
-                out = self.forward_local_heads(x)
+                out = local_heads(x)
             else:
-                out = context_parallel.routed_experts(x, self.forward_local_heads, self.num_heads, self.ep_size)
+                out = context_parallel.routed_experts(x, local_heads, self.num_heads, self.ep_size)
         elif self.ep_size != 1 or ep_token_counts is not None:
             out = self._forward_expert_parallel(x, ep_token_counts)
         else:
@@ -410,8 +415,10 @@ class Magi2MultiHeadMoE(nn.Module):
         )
         return probs * self.config.route_scale, indices
 
-    def forward_local_heads(self, x_local: torch.Tensor) -> torch.Tensor:
+    def forward_local_heads(self, x_local: torch.Tensor, *, sync_free: bool = False) -> torch.Tensor:
         """Route and run the experts of this rank's heads: ``[S', L, Dh] -> [S', L, Dh]``.
+
+        ``sync_free=True`` (context parallelism) makes ``"auto"`` pick a backend without host synchronisation.
 
         ``x_local`` holds every token this rank serves for its ``L = local_num_heads`` heads (after EP dispatch,
         ``S'`` is the sum of the ranks' token counts; with ``ep_size = 1`` it is the input itself). Padded heads
@@ -436,16 +443,21 @@ class Magi2MultiHeadMoE(nn.Module):
         rows = num_real * self.num_experts
         weights = [getattr(self, name)[:rows] for name in _BANKS]
         scales = [getattr(self, f"{name}_scale")[:rows] for name in _BANKS] if self.fp8_experts else None
-        y = self.run_experts(x_real, gather_ids, probs_sorted, expert_offsets, *weights, scales=scales)
+        y = self.run_experts(
+            x_real, gather_ids, probs_sorted, expert_offsets, *weights, scales=scales, sync_free=sync_free
+        )
         if num_real == self.local_num_heads:
             return y
         out = torch.zeros_like(x_local, memory_format=torch.contiguous_format)
         out[:, :num_real] = y
         return out
 
-    def run_experts(self, x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, *, scales=None) -> torch.Tensor:
-        """Expert compute with the backend chosen by :meth:`set_backend` (arguments as ``torch_mh_moe_forward``)."""
-        backend = resolve_backend("moe_experts", self._backend, x.device)
+    def run_experts(
+        self, x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, *, scales=None, sync_free: bool = False
+    ) -> torch.Tensor:
+        """Expert compute with the backend chosen by :meth:`set_backend` (arguments as ``torch_mh_moe_forward``;
+        ``sync_free`` as :meth:`forward_local_heads`)."""
+        backend = resolve_backend("moe_experts", self._backend, x.device, sync_free=sync_free)
         sg, su, sd = (None, None, None) if scales is None else scales
         return mh_moe_experts(
             x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, sg, su, sd, backend, self._deterministic

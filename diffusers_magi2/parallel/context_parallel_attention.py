@@ -229,10 +229,12 @@ def ulysses_attention(
     matched one-to-one with the query heads when the local kv heads do not form plain GQA groups
     (``query_heads`` are the global query-head ids, e.g. to slice per-head sinks); otherwise k/v keep
     ``|K_r|`` heads with local query head ``i`` reading kv head ``i // (|Q_r|/|K_r|)``. A rank without real
-    query heads calls nothing but still joins both exchanges.
+    query heads calls nothing but still joins both exchanges. Both exchanges are issued asynchronously and
+    waited for where their result is first used.
     """
-    q_l, k_l, v_l = ulysses_scatter_heads(query, key, value, layout, plan, group)
+    pending = ulysses_scatter_heads(query, key, value, layout, plan, group, async_op=True)
     heads = layout.local_query_heads
+    q_l, k_l, v_l = pending.wait()
     if len(heads) == 0:
         out = q_l  # [T, 0, D], still in the autograd graph so the backward joins the exchanges
     else:
@@ -242,4 +244,4 @@ def ulysses_attention(
             idx = torch.tensor(index, device=k_l.device)
             k_l, v_l = k_l.index_select(1, idx), v_l.index_select(1, idx)
         out = attention_fn(q_l, k_l, v_l, heads)
-    return ulysses_gather_heads(out, layout, plan, group)
+    return ulysses_gather_heads(out, layout, plan, group, async_op=True).wait()

@@ -190,10 +190,11 @@ def ep_replica_heads_forward(
 ) -> torch.Tensor:
     """Dispatch, ``compute_local_heads`` (``[S', Hl, Dh] → [S', Hl, Dh]``, zeros for padded heads), undispatch.
 
-    Returns ``[S_r, H, Dh]``, equal to computing every head of this rank's tokens on one device.
+    Returns ``[S_r, H, Dh]``, equal to computing every head of this rank's tokens on one device. Both exchanges
+    are issued asynchronously and waited for where their result is first used.
     """
-    local_in = ep_replica_dispatch(x, token_counts, layout, group)
+    local_in = ep_replica_dispatch(x, token_counts, layout, group, async_op=True).wait()
     out = compute_local_heads(local_in)
     if needs_autograd(x) and not out.requires_grad:
         out = out + local_in * 0  # keep an idle owner in the graph so its backward joins the collectives
-    return ep_replica_undispatch(out, token_counts, layout, group)
+    return ep_replica_undispatch(out, token_counts, layout, group, async_op=True).wait()

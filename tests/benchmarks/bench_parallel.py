@@ -5,10 +5,10 @@ Run from the repository root::
     OMP_NUM_THREADS=1 python -m tests.benchmarks.bench_parallel [--ranks 8] [--text_tokens 256] [--no-measure]
 
 Measured part (CPU, gloo, ``torch.multiprocessing.spawn``): the fp32 tiny fixture ``magi2_tiny/preview_h4``
-(4 attention heads, 4 MoE heads, 4 layers, 2 of them MoE) on its packed t2v case, single process (N = 1) and
-CP N x EP N for N = 2, 4: each rank's FLOPs (FlopCounterMode, CPU SDPA counted) as a ratio of the
-single-process forward, and the bytes each rank sends per block through ``all_to_all_single`` (self chunk
-excluded), with the ideal ``1/N`` beside it.
+(4 attention heads, 4 MoE heads, 4 layers, 2 of them MoE) on its packed t2v case, single process (N = 1),
+CP N x EP N for N = 2, 4, and CP4 x EP2 x 2 replicas: each rank's FLOPs (FlopCounterMode, CPU SDPA counted) as a
+ratio of the single-process forward, and the bytes each rank sends per block through ``all_to_all_single``
+(self chunk excluded), with the ideal ``1/N`` beside it.
 
 Analytic table for the released MAGI-2 Preview (40 layers, hidden 3072, 24 query = kv heads of 128, 4 mHC
 streams, dense MLP 8192 in layers 0, 1, 38, 39, MoE in layers 2-37 with 12 heads x 256 experts, top-6, width 1280,
@@ -187,7 +187,7 @@ def _tiny_forward(model, d):
         )
 
 
-def _measure_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+def _measure_rank(rank: int, world: int, ep: int, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
     from diffusers import ContextParallelConfig
@@ -199,7 +199,7 @@ def _measure_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     model, d = _load_tiny()
-    model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=world))
+    model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=ep))
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
     sent = [0]
     orig = dist.all_to_all_single
@@ -215,9 +215,14 @@ def _measure_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.save({"flops": flops, "bytes": sent[0], "blocks": len(model.transformer_blocks)}, f"{out_dir}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: gloo runs that built a device mesh may abort there
 
 
-def measured_table(worlds=(2, 4)) -> list[str]:
+#: measured layouts ``(N, EP degree)``: CP N x EP N, and EP 2 x 2 replicas on 4 ranks
+LAYOUTS = ((2, 2), (4, 4), (4, 2))
+
+
+def measured_table(layouts=LAYOUTS) -> list[str]:
     import torch
     import torch.multiprocessing as mp
 
@@ -228,21 +233,24 @@ def measured_table(worlds=(2, 4)) -> list[str]:
     lines = [
         f"measured on CPU: magi2_tiny preview_h4 fp32, {d['model.x'].shape[0]} packed tokens; single process "
         f"{single / 1e6:.1f} MFLOPs",
-        f"{'N':>3} {'rank':>4} {'FLOPs vs N=1':>13} {'ideal 1/N':>10} {'a2a bytes/block':>16}",
-        f"{1:>3} {0:>4} {1.0:>13.3f} {1.0:>10.3f} {0:>16}",
+        f"{'layout':<22} {'rank':>4} {'FLOPs vs N=1':>13} {'ideal 1/N':>10} {'a2a bytes/block':>16}",
+        f"{'N=1 (plain model)':<22} {0:>4} {1.0:>13.3f} {1.0:>10.3f} {0:>16}",
     ]
-    for world in worlds:
+    for world, ep in layouts:
+        label = f"CP{world} x EP{ep}" + (f" x {world // ep} replicas" if ep != world else "")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         with tempfile.TemporaryDirectory() as out_dir:
-            mp.spawn(_measure_rank, args=(world, port, out_dir), nprocs=world, join=True)
-            for rank in range(world):
-                r = torch.load(f"{out_dir}/rank{rank}.pt")
+            mp.spawn(_measure_rank, args=(world, ep, port, out_dir), nprocs=world, join=True)
+            ranks = [torch.load(f"{out_dir}/rank{rank}.pt") for rank in range(world)]
+            for rank, r in enumerate(ranks):
                 lines.append(
-                    f"{world:>3} {rank:>4} {r['flops'] / single:>13.3f} {1 / world:>10.3f} "
+                    f"{label:<22} {rank:>4} {r['flops'] / single:>13.3f} {1 / world:>10.3f} "
                     f"{r['bytes'] / r['blocks']:>16.0f}"
                 )
+            total = sum(r["flops"] for r in ranks) / single
+            lines.append(f"{label:<22} {'sum':>4} {total:>13.3f} {1.0:>10.3f}  (work split, not skipped)")
     return lines
 
 

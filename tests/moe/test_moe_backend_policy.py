@@ -26,7 +26,9 @@ def test_documented_table_lists_every_switch_and_backend() -> None:
     ("switch", "device", "conditions", "expected"),
     [
         ("moe_experts", "cpu", {}, "torch"),
+        ("moe_experts", "cpu", {"sync_free": True}, "torch_grouped"),
         ("moe_experts", "cuda", {}, "triton"),
+        ("moe_experts", "cuda", {"sync_free": True}, "triton"),
         ("moe_experts", "meta", {}, "torch"),
         ("mhc", "cuda", {"grad_enabled": False}, "fused"),
         ("mhc", "cuda", {"grad_enabled": True}, "torch"),
@@ -48,13 +50,13 @@ def test_concrete_backend_is_never_replaced(switch) -> None:
 
 
 def test_bad_names_raise_listing_allowed_values() -> None:
-    with pytest.raises(ValueError, match=r"moe_experts backend must be one of \('auto', 'torch', 'triton'\)"):
+    with pytest.raises(ValueError, match=r"moe_experts backend must be one of \('auto', 'torch', 'torch_grouped', 'triton'\)"):
         check_backend("moe_experts", "cuda")
     with pytest.raises(ValueError, match="unknown backend switch"):
         check_backend("attention", "auto")
     with pytest.raises(ValueError, match="must be one of"):
         resolve_backend("mhc", None, "cpu")
     module = Magi2MultiHeadMoE(Magi2MultiHeadMoEConfig(32, 2, 2, 1, 16, torch.float32))
-    with pytest.raises(ValueError, match=r"\('auto', 'torch', 'triton'\)"):
+    with pytest.raises(ValueError, match=r"\('auto', 'torch', 'torch_grouped', 'triton'\)"):
         module.set_backend("fused")
     assert module.backend == "auto"

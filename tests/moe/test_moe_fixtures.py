@@ -14,7 +14,7 @@ import torch
 from conftest import FIXTURES
 from safetensors import safe_open
 
-from diffusers_magi2.moe.experts import torch_mh_moe_forward
+from diffusers_magi2.moe.experts import mh_moe_experts, torch_mh_moe_forward
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from diffusers_magi2.moe.reference import reference_mh_moe_forward
 from diffusers_magi2.moe.routing import compute_topk_probs_and_indices, global_sort_routes
@@ -177,17 +177,23 @@ def test_bf16_module_forward_end_to_end(model: str, layer: int) -> None:
     assert rel_l2(out, case["core.out"]) <= 0.15
 
 
+@pytest.mark.parametrize("experts", ["reference", "torch_grouped"])
 @pytest.mark.parametrize("variant", ["fp32", "bf16"])
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("model", MODELS)
-def test_reference_oracle_reproduces_core_out(model: str, layer: int, variant: str) -> None:
-    """The loop-over-experts oracle on the stored routes (teacher forcing) against SandAI's core.out."""
+def test_oracle_and_grouped_backend_reproduce_core_out(model: str, layer: int, variant: str, experts: str) -> None:
+    """The loop-over-experts oracle and the sync-free ``torch_grouped`` backend on the stored routes (teacher
+    forcing) against SandAI's core.out."""
     case = load_case(model, variant, layer)
     module = build_module(model, layer, torch.float32 if variant == "fp32" else torch.bfloat16)
     x = case["core.x"].view(-1, module.num_heads, module.head_dim)
     routes = (case["core.gather_ids"], case["core.probs_sorted"], case["core.expert_offsets"])
+    weights = (module.W_gate, module.W_up, module.W_down)
     with torch.no_grad():
-        out = reference_mh_moe_forward(x, *routes, module.W_gate, module.W_up, module.W_down)
+        if experts == "reference":
+            out = reference_mh_moe_forward(x, *routes, *weights)
+        else:
+            out = mh_moe_experts(x, *routes, *weights, None, None, None, "torch_grouped", False)
     ref = case["core.out"].view_as(out)
     assert out.dtype == x.dtype
     if variant == "fp32":

@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
-from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig
 from diffusers_magi2.utils.flop_counter import count_flops
 from ep_workers import split_tokens as uneven_with_empty_rank  # rank 1 holds no token
@@ -27,7 +26,8 @@ PREVIEWS = ("preview_h4", "preview_h3")
 REFINER_CASES = ("", "noaudio.")
 #: collectives whose calls are counted inside each transformer block
 COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "all_to_all")
-SYNC_METHODS = ("item", "tolist", "cpu")
+#: host reads of a tensor counted inside each block (each one a device-to-host sync on a GPU)
+SYNC_METHODS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
 
 
 def preview_case(model: str) -> dict:
@@ -69,19 +69,20 @@ def load_refiner() -> Magi2RefinerTransformer3DModel:
 
 
 class BlockProbe:
-    """Counts collectives and host syncs issued while a transformer block runs (routed-expert backends excluded:
-    the torch oracle walks its expert offsets on the host by design)."""
+    """Counts collectives and host syncs issued while a transformer block runs (routed experts included), and
+    how many collectives were issued with ``async_op=True``."""
 
     def __init__(self, model) -> None:
         self.model = model
         self.inside = 0
-        self.paused = 0
         self.blocks = 0
         self.counts: dict = {}
+        self.async_calls = 0
 
-    def _count(self, name: str):
-        if self.inside and not self.paused:
+    def _count(self, name: str, kwargs: dict):
+        if self.inside:
             self.counts[name] = self.counts.get(name, 0) + 1
+            self.async_calls += bool(kwargs.get("async_op"))
 
     @contextlib.contextmanager
     def active(self):
@@ -91,7 +92,7 @@ class BlockProbe:
             orig = getattr(owner, name)
 
             def counting(*args, **kwargs):
-                self._count(label)
+                self._count(label, kwargs)
                 return orig(*args, **kwargs)
 
             setattr(owner, name, counting)
@@ -102,16 +103,6 @@ class BlockProbe:
                 wrap(dist, name, name)
         for name in SYNC_METHODS:
             wrap(torch.Tensor, name, name)
-        orig_experts = Magi2MultiHeadMoE.run_experts
-
-        def run_experts(moe, *args, **kwargs):
-            self.paused += 1
-            try:
-                return orig_experts(moe, *args, **kwargs)
-            finally:
-                self.paused -= 1
-
-        Magi2MultiHeadMoE.run_experts = run_experts
         hooks = []
         for block in self.model.transformer_blocks:
             hooks.append(block.register_forward_pre_hook(lambda *a: self._enter()))
@@ -121,7 +112,6 @@ class BlockProbe:
         finally:
             for h in hooks:
                 h.remove()
-            Magi2MultiHeadMoE.run_experts = orig_experts
             for owner, name, orig in reversed(patched):
                 setattr(owner, name, orig)
 
@@ -137,7 +127,7 @@ def _probe(model, fn):
     probe = BlockProbe(model)
     with probe.active():
         fn()
-    return {"blocks": probe.blocks, "counts": dict(probe.counts)}
+    return {"blocks": probe.blocks, "counts": dict(probe.counts), "async": probe.async_calls}
 
 
 def preview_checks(rank: int, world: int, ep_degrees) -> dict:
@@ -158,6 +148,10 @@ def preview_checks(rank: int, world: int, ep_degrees) -> dict:
             if ep == world or (ep is None and name == "preview_h4"):
                 res[name, ep, "probe"] = _probe(model, lambda: preview_forward(model, d, ""))
                 res[name, ep, "flops"] = count_flops(preview_forward, model, d, "")[1]
+            if ep == world and name == "preview_h4":  # the probe sees the host read of an explicit "torch" backend
+                model.set_moe_backend("torch")
+                res[name, ep, "probe_torch_backend"] = _probe(model, lambda: preview_forward(model, d, ""))
+                model.set_moe_backend("auto")
     return res
 
 

@@ -17,6 +17,7 @@ import torch
 from cp_model_workers import (
     PREVIEWS,
     REFINER_CASES,
+    SYNC_METHODS,
     case_prefixes,
     cp_model_worker,
     load_preview,
@@ -96,20 +97,30 @@ def test_refiner_context_parallel_equals_single_process_and_fixture(world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_collectives_per_block(world):
-    """Per block: 2 all-to-alls for attention (q, k, v fused) + 2 for an EP MoE layer; nothing else, and no
-    ``.item()`` / ``.tolist()`` / ``.cpu()`` outside the routed-expert backend."""
+    """Per block: 2 all-to-alls for attention (q, k, v fused) + 2 for an EP MoE layer, all issued with async
+    handles; no other collective (no all-gather, no size exchange) and no host read of a tensor (``.item()``,
+    ``.tolist()``, ``.cpu()``, ``bool``/``int``/``float``), routed experts included (``"auto"`` picks the
+    sync-free ``torch_grouped`` backend under CP on CPU)."""
     results = _results(world)
     model = load_preview("preview_h4")
     num_blocks = len(model.transformer_blocks)
     num_moe = sum(1 for b in model.transformer_blocks if hasattr(b.mlp, "moe_mlp"))
+    num_refiner_blocks = len(load_refiner().transformer_blocks)
     for rank in range(world):
-        probe = results[rank]["preview"]["preview_h4", world, "probe"]
-        assert probe["blocks"] == num_blocks
-        assert probe["counts"] == {"all_to_all_single": 2 * num_blocks + 2 * num_moe}
-        probe = results[rank]["preview"]["preview_h4", None, "probe"]  # CP without EP: experts run locally
-        assert probe["counts"] == {"all_to_all_single": 2 * num_blocks}
-        probe = results[rank]["refiner"]["probe"]
-        assert probe["counts"] == {"all_to_all_single": 2 * len(load_refiner().transformer_blocks)}
+        probes = [
+            (results[rank]["preview"]["preview_h4", world, "probe"], 2 * num_blocks + 2 * num_moe),
+            (results[rank]["preview"]["preview_h4", None, "probe"], 2 * num_blocks),  # CP without EP
+            (results[rank]["refiner"]["probe"], 2 * num_refiner_blocks),
+        ]
+        for probe, all_to_alls in probes:
+            assert probe["counts"] == {"all_to_all_single": all_to_alls}, probe  # nothing else was counted
+            assert all(probe["counts"].get(name, 0) == 0 for name in SYNC_METHODS)
+            assert probe["async"] == all_to_alls
+        assert probes[0][0]["blocks"] == num_blocks
+    # the probe does see host reads: an explicit "torch" backend reads its expert offsets once per MoE layer on a
+    # rank that owns MoE heads (rank 0 always does)
+    torch_backend = results[0]["preview"]["preview_h4", world, "probe_torch_backend"]["counts"]
+    assert torch_backend.get("tolist", 0) >= num_moe, torch_backend
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,0 +1,98 @@
+"""The ``torch_grouped`` expert backend: the torch path's math with no host synchronisation.
+
+It is the backend context parallelism picks on CPU (``"auto"`` with ``sync_free``); here it is checked against
+the default torch path and for the absence of host reads (``.item()``, ``.tolist()``, ``.cpu()``,
+``bool()``/``int()``/``float()`` of a tensor). Against SandAI's fixtures: ``test_moe_fixtures.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from test_moe_experts import random_case
+
+from diffusers_magi2.moe.experts import mh_moe_experts
+from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
+from diffusers_magi2.moe.quantize import quantize_fp8
+from diffusers_magi2.moe.routing import global_sort_routes
+
+HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Count calls of :data:`HOST_READS` on any tensor while active."""
+    counts: dict = {}
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def wrap(name, orig):
+        def counting(self, *args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return orig(self, *args, **kwargs)
+
+        return counting
+
+    for name, orig in originals.items():
+        setattr(torch.Tensor, name, wrap(name, orig))
+    try:
+        yield counts
+    finally:
+        for name, orig in originals.items():
+            setattr(torch.Tensor, name, orig)
+
+
+def _experts(backend, x, routes, weights, scales=(None, None, None)):
+    with torch.no_grad():
+        return mh_moe_experts(x, *routes, *weights, *scales, backend, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grouped_backend_matches_torch_backend(dtype: torch.dtype) -> None:
+    """Same rounding points as the torch path; only fp32 elementwise/GEMM blocking may differ (≤ a few ulp)."""
+    for shape in [(9, 3, 5, 3, 16, 24), (33, 3, 16, 6, 16, 32), (1, 2, 6, 1, 16, 16)]:
+        x, probs, idx, *weights = random_case(*shape, dtype)
+        routes = global_sort_routes(probs, idx, shape[2])
+        got, want = (_experts(b, x, routes, weights) for b in ("torch_grouped", "torch"))
+        assert got.dtype == dtype and got.shape == x.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        else:
+            torch.testing.assert_close(got, want)
+
+
+def test_grouped_backend_fp8_and_mixed_dtypes_match_torch_backend() -> None:
+    x, probs, idx, wg, wu, wd = random_case(20, 3, 5, 2, 16, 32, torch.bfloat16)
+    routes = global_sort_routes(probs, idx, 5)
+    quantized = [quantize_fp8(w) for w in (wg, wu, wd)]
+    weights, scales = [q for q, _ in quantized], [s for _, s in quantized]
+    got, want = (_experts(b, x, routes, weights, scales) for b in ("torch_grouped", "torch"))
+    torch.testing.assert_close(got, want)
+    got, want = (_experts(b, x.float(), routes, (wg, wu, wd)) for b in ("torch_grouped", "torch"))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_backend_reads_nothing_on_the_host() -> None:
+    """The whole MoE module forward (routing, CSR layout, experts, reduce) under ``torch_grouped``."""
+    module = Magi2MultiHeadMoE(Magi2MultiHeadMoEConfig(64, 4, 8, 2, 32, torch.float32)).eval()
+    module.set_backend("torch_grouped")
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), count_host_reads() as counts:
+        out = module(x)
+    assert counts == {}
+    module.set_backend("torch")
+    with torch.no_grad():
+        torch.testing.assert_close(out, module(x), atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), count_host_reads() as counts:
+        module(x)
+    assert counts.get("tolist", 0) >= 1  # the probe sees the default path's host read of the expert offsets
+
+
+def test_grouped_backend_empty_and_bad_input() -> None:
+    x, probs, idx, *weights = random_case(6, 2, 4, 2, 16, 16, torch.float32)
+    gather_ids, probs_sorted, offsets = global_sort_routes(probs, idx, 4)
+    empty = _experts("torch_grouped", x[:0], (gather_ids[:0], probs_sorted[:0], torch.zeros_like(offsets)), weights)
+    assert empty.shape == (0, 2, 16) and empty.dtype == torch.float32
+    with pytest.raises(ValueError, match="needs top-k routes"):  # 23 routes over 6 tokens x 2 heads
+        _experts("torch_grouped", x, (gather_ids[:23], probs_sorted[:23], offsets.clamp(max=23)), weights)
