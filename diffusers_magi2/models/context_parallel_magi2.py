@@ -108,6 +108,13 @@ class Magi2ContextParallelMixin:
         """``N`` after :meth:`enable_parallelism`, else 1."""
         return 1 if self._magi2_context_parallel is None else self._magi2_context_parallel.size
 
+    @property
+    def context_parallel_group(self) -> Optional[Magi2ContextParallelGroup]:
+        """The resolved CP group (``group``, ``rank``, ``size``, ``device``) after :meth:`enable_parallelism`
+        with ``N > 1``, else ``None``."""
+        cp = self._magi2_context_parallel
+        return None if cp is None or cp.size == 1 else cp
+
     def _context_parallel_context(
         self, num_tokens: int, segment_lengths: Sequence[int]
     ) -> Optional[Magi2ContextParallelContext]:

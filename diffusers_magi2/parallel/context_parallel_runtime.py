@@ -29,6 +29,7 @@ from .expert_parallel import _launched_world_size
 __all__ = [
     "Magi2ContextParallelGroup",
     "Magi2ContextParallelContext",
+    "broadcast_from_first_rank",
     "context_parallel_from_launch",
     "resolve_context_parallel",
 ]
@@ -94,6 +95,43 @@ def resolve_context_parallel(config: Any) -> Magi2ContextParallelGroup:
         config.setup(rank, world, device, mesh)
     ulysses = mesh["ulysses"]
     return Magi2ContextParallelGroup(ulysses.get_group(), ulysses.get_local_rank(), ulysses.size(), device)
+
+
+def broadcast_from_first_rank(
+    tensors: Sequence[Optional[torch.Tensor]], cp: Magi2ContextParallelGroup, device: torch.device
+) -> list[Optional[torch.Tensor]]:
+    """CP rank 0's ``tensors`` on every rank of ``cp`` (e.g. text encoded once instead of ``N`` times).
+
+    One ``broadcast_object_list`` of the shapes and dtypes (``None`` entries stay ``None``), then one
+    ``broadcast`` per tensor; what the other ranks pass is ignored. Called outside the transformer blocks.
+
+    Args:
+        tensors: on rank 0, the tensors to share (any device); elsewhere placeholders of the same length.
+        cp: the resolved CP group. device: where the received tensors are allocated (rank 0's are moved there).
+
+    Returns:
+        The tensors, on ``device``, equal on every rank (``cp.size == 1``: ``tensors`` unchanged).
+    """
+    if cp.size == 1:
+        return list(tensors)
+    src = dist.get_global_rank(cp.group, 0)
+    meta = [None if t is None else (tuple(t.shape), t.dtype) for t in tensors] if cp.rank == 0 else [None]
+    holder = [meta]
+    dist.broadcast_object_list(holder, src=src, group=cp.group)
+    out = []
+    for i, entry in enumerate(holder[0]):
+        if entry is None:
+            out.append(None)
+            continue
+        shape, dtype = entry
+        if cp.rank == 0:
+            t = tensors[i].to(device).contiguous()
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+        wire = t.view(torch.uint8) if dtype == torch.bool else t  # bool travels as bytes on every backend
+        dist.broadcast(wire, src=src, group=cp.group)
+        out.append(t)
+    return out
 
 
 def context_parallel_from_launch(ulysses_degree: Optional[int] = None, ep_degree: Optional[int] = None):

@@ -38,6 +38,7 @@ from diffusers.video_processor import VideoProcessor
 from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..models.turbo_vae import Magi2TurboVAEDecoder
+from ..parallel.context_parallel_runtime import broadcast_from_first_rank
 from ..utils.dtype_utils import parse_dtype
 from .decoding_magi2 import decode_audio_latents, decode_video_latents, resize_video_frames, wan_latent_stats
 from .image_processing_magi2 import letterbox_image, preprocess_reference_image
@@ -474,6 +475,26 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             *per_video(negative_prompt_embeds, negative_prompt_attention_mask),
         )
 
+    def _encode_conditioning(
+        self, prompts, negative_prompt, image, need_negative, num_videos_per_prompt, prompt_embeds,
+        negative_prompt_embeds, prompt_attention_mask, negative_prompt_attention_mask, image_embeds, device,
+    ):
+        """``__call__``'s text step: :meth:`encode_prompt` (I2V prompts with the ``<Figure 1>`` reference and its
+        pooled token) and ``image_embeds`` per video; returns the four text tensors and ``image_embeds``."""
+        if prompts is not None and image is not None:
+            prompts = [add_figure_reference(p) for p in prompts]
+            prompt_embeds, prompt_attention_mask, pooled = self.encode_text(prompts, device, figure_target="<Figure 1>")
+            image_embeds = pooled if image_embeds is None else image_embeds
+            prompts = None
+        # The refiner's CFG needs the negative prompt even when the preview runs without CFG (need_negative).
+        embeds = self.encode_prompt(
+            prompts, negative_prompt, need_negative, num_videos_per_prompt, prompt_embeds, negative_prompt_embeds,
+            prompt_attention_mask, negative_prompt_attention_mask, device=device,
+        )
+        if image_embeds is not None:
+            image_embeds = image_embeds.to(device).repeat_interleave(num_videos_per_prompt, 0)
+        return (*embeds, image_embeds)
+
     def _stage_progress_bar(self, total: int, description: str):
         """A diffusers progress bar (``set_progress_bar_config`` applies) labelled with the stage."""
         progress_bar = self.progress_bar(total=total)
@@ -648,6 +669,10 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             :class:`Magi2PipelineOutput` ``(frames, audio, audio_sample_rate, fps)``; ``fps`` is 25
             (2 · ``config.fps``) on the refiner path. With ``output_type="latent"`` the frames are the
             refined latents ``[B, 48, 2T − 1, height/16, width/16]`` and the audio the preview audio latents.
+            Under context parallelism (``context_parallel=`` / :meth:`enable_context_parallel`) every rank
+            denoises, but CP rank 0 alone encodes the text (and the I2V image), broadcasting them, and alone
+            decodes: the other ranks get ``frames=None`` and ``audio=None`` (the latents with
+            ``output_type="latent"``, as on rank 0).
 
         Raises:
             ValueError: before any work starts: bad sizes, empty prompt, wrong image type, steps or
@@ -705,36 +730,32 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             batch_size = prompt_embeds.shape[0]
         num_videos = batch_size * num_videos_per_prompt
 
+        # Context parallel: CP rank 0 alone encodes the image and the text and broadcasts them; it alone decodes.
+        cp_group = getattr(self.transformer, "context_parallel_group", None)
+        first_rank = cp_group is None or cp_group.rank == 0
+
         # 2. reference image (encoded first, like the reference engine)
         image_latents = None
-        if image is not None:
+        if image is not None and first_rank:
             pixels = self.preprocess_reference_image(image, denoise_height, denoise_width)
             image_latents = self.encode_reference_image(pixels).to(device)
-            image_latents = image_latents.expand(num_videos, -1, -1, -1, -1)
 
         # 3. text; I2V prompts get the <Figure 1> reference and its pooled token from the same pass
-        if prompts is not None and image is not None:
-            prompts = [add_figure_reference(p) for p in prompts]
-            prompt_embeds, prompt_attention_mask, pooled = self.encode_text(prompts, device, figure_target="<Figure 1>")
-            image_embeds = pooled if image_embeds is None else image_embeds
-            prompts = None
-        # The refiner's CFG needs the negative prompt even when the preview runs without CFG.
         need_negative = self.do_classifier_free_guidance or (refine and refiner_config.guidance_scale != 1.0)
-        prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask = (
-            self.encode_prompt(
-                prompts,
-                negative_prompt,
-                need_negative,
-                num_videos_per_prompt,
-                prompt_embeds,
-                negative_prompt_embeds,
-                prompt_attention_mask,
-                negative_prompt_attention_mask,
-                device=device,
+        if first_rank:
+            prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask, image_embeds = (
+                self._encode_conditioning(
+                    prompts, negative_prompt, image, need_negative, num_videos_per_prompt, prompt_embeds,
+                    negative_prompt_embeds, prompt_attention_mask, negative_prompt_attention_mask, image_embeds, device,
+                )
             )
-        )
-        if image_embeds is not None:
-            image_embeds = image_embeds.to(device).repeat_interleave(num_videos_per_prompt, 0)
+        if cp_group is not None:
+            conditioning = [prompt_embeds, prompt_attention_mask, negative_prompt_embeds,
+                            negative_prompt_attention_mask, image_embeds, image_latents]
+            (prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask, image_embeds,
+             image_latents) = broadcast_from_first_rank(conditioning, cp_group, device)
+        if image_latents is not None:
+            image_latents = image_latents.expand(num_videos, -1, -1, -1, -1)
 
         # 4. schedule and noise (one draw per video)
         video_scheduler, audio_scheduler, timesteps = self.prepare_timesteps(num_inference_steps, device)
@@ -789,9 +810,11 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             fps = 2.0 * fps
         latents, audio_latents = tensors["latents"], tensors["audio_latents"]
 
-        # 7. decode
+        # 7. decode (under context parallelism on CP rank 0 only; the other ranks return no frames and no audio)
         if output_type == "latent":
             frames, audio, sample_rate, fps = latents, audio_latents, None, None
+        elif not first_rank:
+            frames, audio, sample_rate = None, None, self.audio_sample_rate
         else:
             with self._stage_progress_bar(2, "Decoding video and audio") as progress_bar:
                 video = self.decode_video(latents)

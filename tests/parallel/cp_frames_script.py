@@ -30,14 +30,32 @@ if expert_parallel is not None:
     pipe.transformer.enable_expert_parallel(expert_parallel)
 if context_parallel is not None:
     pipe.enable_context_parallel(context_parallel)
+calls = {"text_encoder": 0, "video_decoder": 0, "audio_decoder": 0}
+
+
+def _counting(name, fn):
+    def wrapped(*a, **k):
+        calls[name] += 1
+        return fn(*a, **k)
+
+    return wrapped
+
+
+pipe.text_encoder.register_forward_pre_hook(lambda *a: calls.__setitem__("text_encoder", calls["text_encoder"] + 1))
+pipe.video_decoder.decode = _counting("video_decoder", pipe.video_decoder.decode)
+pipe.audio_vae.decode = _counting("audio_decoder", pipe.audio_vae.decode)
 output = pipe(
     prompt="a cat on a piano", height=64, width=64, num_inference_steps=2,
     generator=torch.Generator("cpu").manual_seed(42), output_type="np",
 )
-frames = np.asarray(output.frames[0])
-if frames.dtype != np.uint8:
-    frames = (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
-if int(os.environ.get("RANK", "0")) == 0:
+rank = int(os.environ.get("RANK", "0"))
+print(f"CP_CALLS rank={rank} " + " ".join(f"{k}={v}" for k, v in calls.items())
+      + f" frames={'none' if output.frames is None else 'array'} audio={'none' if output.audio is None else 'array'}",
+      flush=True)
+if rank == 0:
+    frames = np.asarray(output.frames[0])
+    if frames.dtype != np.uint8:
+        frames = (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
     np.save(args.out, frames)
     print(f"CP_FRAMES cp={pipe.transformer.context_parallel_degree} shape={frames.shape}")
 end_distributed_run(0)

@@ -1,6 +1,7 @@
 """``accelerate launch --multi_gpu --num_processes 2`` on CPU (gloo) runs the tiny default pipeline under CP2 x EP2
 (the launch default): its decoded uint8 frames, before any encoding, equal the single-process frames within one
-level, and only rank 0 writes."""
+level, and only rank 0 writes. Rank 0 alone runs the text encoder (prompt and negative prompt; the other rank
+receives them by broadcast) and the video and audio decoders; the other rank gets no frames and no audio."""
 
 from __future__ import annotations
 
@@ -14,17 +15,33 @@ from test_ep_accelerate_launch import _env, _multi_cpu
 SCRIPT = str(Path(__file__).with_name("cp_frames_script.py"))
 
 
+def _calls(stdout: str) -> dict:
+    """``{rank: {"text_encoder": n, ..., "frames": "array" | "none", "audio": ...}}`` from the CP_CALLS lines."""
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("CP_CALLS "):
+            fields = dict(item.split("=") for item in line.split()[1:])
+            rank = int(fields.pop("rank"))
+            out[rank] = {k: (int(v) if v.isdigit() else v) for k, v in fields.items()}
+    return out
+
+
 def test_cp2_ep2_launch_frames_equal_single_process(tmp_path):
     single = tmp_path / "single.npy"
     res = subprocess.run([sys.executable, SCRIPT, "--out", str(single)], cwd=tmp_path, env=_env(),
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "CP_FRAMES cp=1" in res.stdout
+    single_calls = _calls(res.stdout)[0]
+    assert single_calls["text_encoder"] == 2 and single_calls["video_decoder"] == single_calls["audio_decoder"] == 1
     parallel = tmp_path / "parallel.npy"
     res = subprocess.run(_multi_cpu(SCRIPT, "--out", str(parallel)), cwd=tmp_path, env=_env(),
                          capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("CP_FRAMES cp=2") == 1  # rank 0 alone reports and writes
+    calls = _calls(res.stdout)
+    assert calls[0] == {**single_calls, "frames": "array", "audio": "array"}, calls
+    assert calls[1] == {"text_encoder": 0, "video_decoder": 0, "audio_decoder": 0, "frames": "none", "audio": "none"}
     a, b = np.load(single), np.load(parallel)
     assert a.dtype == b.dtype == np.uint8 and a.shape == b.shape
     assert np.abs(a.astype(np.int16) - b.astype(np.int16)).max() <= 1
