@@ -37,15 +37,14 @@ import torch.nn as nn
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+from ..utils.backends import check_backend, resolve_backend
 from .embeddings_magi2 import apply_magi2_rotary_emb
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, linear_compute_dtype, modality_linear
 from .window_attention import (
     DEFAULT_MAX_DENSE_MASK_ELEMENTS,
-    WINDOW_ATTENTION_BACKENDS,
     Magi2WindowGeometry,
     block_window_attention,
     cached_flex_block_mask,
-    resolve_window_backend,
 )
 
 __all__ = [
@@ -72,8 +71,6 @@ class Magi2AttentionMask:
             :class:`Magi2WindowAttnProcessor`; the varlen processor attends densely per segment).
         dense_mask: explicit ``[N, N]`` bool mask (True = attend), for the reference's own
             ``(q, k)`` ranges; window processors evaluate it with SDPA.
-        window_backend, max_dense_mask_elements: per-call overrides of the window processors'
-            options (``None`` = the processor's own).
         context_parallel: under context parallelism, the forward's
             :class:`~diffusers_magi2.parallel.context_parallel_runtime.Magi2ContextParallelContext`: the layers
             hold this rank's token shard and attention runs as Ulysses attention over all tokens of this
@@ -83,8 +80,6 @@ class Magi2AttentionMask:
     segment_lengths: tuple
     window: Optional[Magi2WindowGeometry] = None
     dense_mask: Optional[torch.Tensor] = None
-    window_backend: Optional[str] = None
-    max_dense_mask_elements: Optional[int] = None
     context_parallel: Optional[Any] = None
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -280,16 +275,12 @@ class Magi2WindowAttnProcessor(_Magi2AttnProcessorBase):
     """
 
     def __init__(self, backend: str = "auto", max_dense_mask_elements: int = DEFAULT_MAX_DENSE_MASK_ELEMENTS) -> None:
-        if backend not in WINDOW_ATTENTION_BACKENDS:
-            raise ValueError(f"window_backend must be one of {WINDOW_ATTENTION_BACKENDS}, got {backend!r}")
-        self.backend = backend
+        self.backend = check_backend("window_attn", backend)
         self.max_dense_mask_elements = int(max_dense_mask_elements)
 
     def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask, heads=None) -> torch.Tensor:
         mask = attention_mask
-        backend = mask.window_backend or self.backend
-        max_dense = mask.max_dense_mask_elements or self.max_dense_mask_elements
-        geometry = mask.window
+        backend, max_dense, geometry = self.backend, self.max_dense_mask_elements, mask.window
         if mask.dense_mask is not None:
             return block_window_attention(
                 query, key, value, None, dense_mask=mask.dense_mask, backend=backend, scale=attn.scale
@@ -300,7 +291,7 @@ class Magi2WindowAttnProcessor(_Magi2AttnProcessorBase):
                 self._parallel_config,
             )
         device = query.device
-        backend = resolve_window_backend(backend, device, geometry.num_tokens, max_dense)
+        backend = resolve_backend("window_attn", backend, device, num_tokens=geometry.num_tokens, max_dense_elements=max_dense)
         dense = block = None
         if backend == "sdpa":
             dense = mask.cached(("dense", geometry, str(device), max_dense),
@@ -431,11 +422,20 @@ def check_transformer_geometry(
             raise ValueError(f"{name} must hold layer indices in [0, {num_layers}), got {list(layers)}")
 
 
-def check_attention_kwargs(model_name: str, attention_kwargs, supported: Sequence[str]) -> dict:
-    """``attention_kwargs`` as a dict after checking every key is one the model uses.
+#: Keys the refiner's ``attention_kwargs`` no longer take, and the diffusers-style call that sets each.
+_MOVED_ATTENTION_KWARGS = {
+    "window_backend": "set_attn_processor(Magi2WindowAttnProcessor(backend=...))",
+    "max_dense_mask_elements": "set_attn_processor(Magi2WindowAttnProcessor(max_dense_mask_elements=...))",
+    "mlp_chunk_size": "enable_forward_chunking(chunk_size)",
+}
+
+
+def check_attention_kwargs(owner: str, attention_kwargs, supported: Sequence[str]) -> dict:
+    """``attention_kwargs`` as a dict after checking that ``owner`` (a model or pipeline name) uses every key.
 
     Raises:
-        ValueError: not a dict/``None``, or a key outside ``supported`` (never silently dropped).
+        ValueError: not a dict/``None``, or a key outside ``supported`` (never silently dropped); the
+            message names the processor or method that now sets a moved key.
     """
     if attention_kwargs is None:
         return {}
@@ -443,9 +443,10 @@ def check_attention_kwargs(model_name: str, attention_kwargs, supported: Sequenc
         raise ValueError(f"attention_kwargs must be a dict or None, got {type(attention_kwargs).__name__}")
     unknown = sorted(k for k in attention_kwargs if k not in supported)
     if unknown:
+        moved = "; ".join(f"for {k} use {_MOVED_ATTENTION_KWARGS[k]}" for k in unknown if k in _MOVED_ATTENTION_KWARGS)
         raise ValueError(
-            f"{model_name} does not support attention_kwargs {unknown}; allowed keys: {list(supported)} "
-            "(choose attention kernels with set_attention_backend / set_attn_processor)"
+            f"{owner} does not support attention_kwargs {unknown}; allowed keys: {list(supported)} "
+            f"({moved or 'choose attention kernels with set_attention_backend / set_attn_processor'})"
         )
     return dict(attention_kwargs)
 

@@ -22,7 +22,6 @@ from .modality import (
 
 __all__ = ["Magi2FeedForward", "Magi2MoEFeedForward"]
 
-_DEFAULT = object()  # "use the module's own chunk size"
 
 
 class Magi2FeedForward(nn.Module):
@@ -65,7 +64,7 @@ class Magi2FeedForward(nn.Module):
         x = swiglu7_interleaved(x)
         return self.down_proj(x, group_sizes).to(self.output_dtype or hidden_states.dtype)
 
-    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch, chunk_size=_DEFAULT) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
         """Dense MLP on modality-sorted tokens (matches SandAI ``MLP.forward``).
 
         Args:
@@ -73,7 +72,6 @@ class Magi2FeedForward(nn.Module):
                 text) as ``dispatch`` describes.
             dispatch: the batch's modality order; its ``group_sizes`` pick the per-modality norm and
                 linear blocks when this layer has 3 modalities (ignored with 1).
-            chunk_size: this call's token chunk (``None`` = unchunked); default :attr:`chunk_size`.
 
         Returns:
             ``[T, C]`` in :attr:`output_dtype` (default ``hidden_states.dtype``).
@@ -83,7 +81,7 @@ class Magi2FeedForward(nn.Module):
                 (from the norm and the linears).
         """
         gs = dispatch.group_sizes if self.num_modality > 1 else None
-        chunk = self.chunk_size if chunk_size is _DEFAULT else chunk_size
+        chunk = self.chunk_size
         n = hidden_states.shape[0]
         if chunk is None or n <= chunk:
             return self._forward_tokens(hidden_states, gs)

@@ -40,6 +40,7 @@ from diffusers.utils import BaseOutput
 from ..loaders.expert_parallel import ExpertParallelLoaderMixin
 from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
 from ..moe.quantize import EXPERT_DTYPES, FP8_SCALE_NAMES as _FP8_SCALE_NAMES, parse_expert_dtype
+from ..utils.backends import check_backend, resolve_backend
 from ..utils.dtype_utils import parse_dtype
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
 from .attention_magi2 import (
@@ -138,13 +139,9 @@ class Magi2TransformerBlock(nn.Module):
         self.mhc_backend = "auto"
 
     def _mhc_fused(self, streams: torch.Tensor) -> bool:
-        # SandAI runs its fp32-accumulating Triton mHC kernels on CUDA without grad and its torch
-        # einsums (rounding in the stream dtype) everywhere else; "auto" mirrors that choice.
-        if self.mhc_backend == "fused":
-            return True
-        if self.mhc_backend == "torch":
-            return False
-        return streams.is_cuda and not torch.is_grad_enabled()
+        """Whether this call mixes the streams fused (the ``mhc`` row of :mod:`~diffusers_magi2.utils.backends`)."""
+        backend = resolve_backend("mhc", self.mhc_backend, streams.device, grad_enabled=torch.is_grad_enabled())
+        return backend == "fused"
 
     def _site_coefficients(self, streams: torch.Tensor, site: str, dispatch: Magi2ModalityDispatch):
         gs = dispatch.group_sizes if self.num_modality > 1 else None
@@ -382,8 +379,7 @@ class Magi2Transformer3DModel(
         Raises:
             ValueError: unknown backend name.
         """
-        if backend not in ("auto", "fused", "torch"):
-            raise ValueError(f"mHC backend must be 'auto', 'fused' or 'torch', got {backend!r}")
+        check_backend("mhc", backend)
         for block in self.transformer_blocks:
             block.mhc_backend = backend
 

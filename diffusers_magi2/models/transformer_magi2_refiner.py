@@ -46,7 +46,7 @@ from .modality import Magi2ModalityDispatch, Modality
 from .context_parallel_magi2 import Magi2ContextParallelMixin
 from .modeling_magi2 import Magi2ModelMixin
 from .packing_magi2 import pack_refiner_sample, unpack_refiner_sample
-from .window_attention import DEFAULT_MAX_DENSE_MASK_ELEMENTS, WINDOW_ATTENTION_BACKENDS, Magi2WindowGeometry, ranges_to_dense_mask
+from .window_attention import DEFAULT_MAX_DENSE_MASK_ELEMENTS, Magi2WindowGeometry, ranges_to_dense_mask
 
 __all__ = [
     "Magi2RefinerTransformer3DModel",
@@ -58,7 +58,6 @@ __all__ = [
 #: Tokens per MLP chunk by default (same math as unchunked, up to GEMM row-blocking rounding; bounds
 #: the fp32 ``[N, 2I]`` intermediate, 45 GB at 1080p unchunked).
 DEFAULT_MLP_CHUNK_SIZE = 65536
-_UNSET = object()
 
 
 def refiner_mlp_intermediate_size(hidden_size: int) -> int:
@@ -111,12 +110,10 @@ class Magi2RefinerTransformerBlock(nn.Module):
         rotary_emb: torch.Tensor,
         dispatch: Magi2ModalityDispatch,
         attention_mask: Magi2AttentionMask,
-        mlp_chunk_size: Any = _UNSET,
     ) -> torch.Tensor:
         """``hidden_states`` ``[N, C]`` modality-sorted -> ``[N, C]`` (fp32 after layer 0's MLP)."""
         hidden_states = hidden_states + self.attention(hidden_states, rotary_emb, dispatch, attention_mask)
-        chunk = {} if mlp_chunk_size is _UNSET else {"chunk_size": mlp_chunk_size}
-        return hidden_states + self.mlp(hidden_states, dispatch, **chunk)
+        return hidden_states + self.mlp(hidden_states, dispatch)
 
 
 class Magi2RefinerTransformer3DModel(
@@ -157,9 +154,8 @@ class Magi2RefinerTransformer3DModel(
     _repeated_blocks = ["Magi2RefinerTransformerBlock"]
     _keep_in_fp32_modules = ["pre_adapter", "post_adapter", "pre_norm", "q_norm", "k_norm"]
     _skip_layerwise_casting_patterns = ["pre_adapter", "post_adapter", "norm"]
-    #: ``attention_kwargs`` keys :meth:`forward` / :meth:`forward_packed` understand, as per-call
-    #: overrides of the window processors' options and of the MLP chunk; any other key raises.
-    supported_attention_kwargs: tuple = ("window_backend", "max_dense_mask_elements", "mlp_chunk_size")
+    #: ``attention_kwargs`` keys :meth:`forward` / :meth:`forward_packed` take: none (kernels are processors).
+    supported_attention_kwargs: tuple = ()
 
     @register_to_config
     def __init__(
@@ -232,32 +228,15 @@ class Magi2RefinerTransformer3DModel(
         for block in self.transformer_blocks:
             block.mlp.chunk_size = None
 
-    def _parse_attention_kwargs(self, attention_kwargs: Optional[dict]) -> tuple:
-        """The per-call overrides in ``attention_kwargs`` as ``(window_backend, max_dense, mlp_chunk_size)``.
-
-        Raises:
-            ValueError: not a dict/``None``, a key outside :attr:`supported_attention_kwargs`, an unknown
-                window backend, or a bad ``mlp_chunk_size``.
-        """
-        kw = check_attention_kwargs(type(self).__name__, attention_kwargs, self.supported_attention_kwargs)
-        backend = kw.get("window_backend")
-        if backend is not None and backend not in WINDOW_ATTENTION_BACKENDS:
-            raise ValueError(f"window_backend must be one of {WINDOW_ATTENTION_BACKENDS}, got {backend!r}")
-        max_dense = kw.get("max_dense_mask_elements")
-        chunk = kw.get("mlp_chunk_size", _UNSET)
-        if chunk is not _UNSET and chunk is not None and (not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"mlp_chunk_size must be a positive int or None, got {chunk!r}")
-        return backend, (None if max_dense is None else int(max_dense)), chunk
-
-    def _run(self, embedded, rotary_emb, dispatch: Magi2ModalityDispatch, mask: Magi2AttentionMask, chunk):
+    def _run(self, embedded, rotary_emb, dispatch: Magi2ModalityDispatch, mask: Magi2AttentionMask):
         """Blocks + post adapter on one packed sample: ``embedded`` ``[N, C]`` fp32 (packed order) ->
         ``[N, max(Cv, Ca)]`` fp32 (video rows in ``[:Cv]``, audio rows in ``[:Ca]``, text rows zero)."""
         h = dispatch.sort(embedded).to(self.compute_dtype)
         for block in self.transformer_blocks:
             if torch.is_grad_enabled() and self.gradient_checkpointing:
-                h = self._gradient_checkpointing_func(block, h, rotary_emb, dispatch, mask, chunk)
+                h = self._gradient_checkpointing_func(block, h, rotary_emb, dispatch, mask)
             else:
-                h = block(h, rotary_emb, dispatch, mask, chunk)
+                h = block(h, rotary_emb, dispatch, mask)
         return self.post_adapter(dispatch.unsort(h).float(), dispatch.modality_ids)
 
     # --------------------------------------------------------------- packed entry
@@ -283,16 +262,16 @@ class Magi2RefinerTransformer3DModel(
                 ``num_context_tokens`` others); or
             q_ranges, k_ranges: the reference's ``local_attn_handler`` ranges (``[P, 2]``), turned into
                 a dense mask (small inputs only). With neither, attention is dense over the sample.
-            attention_kwargs: per-call overrides ``{"window_backend": ..., "max_dense_mask_elements": ...,
-                "mlp_chunk_size": ...}``.
+            attention_kwargs: must be ``None`` or empty (see :func:`~.attention_magi2.check_attention_kwargs`).
 
         Returns:
             ``[N, max(Cv, Ca)]`` fp32 (reference ``x_out``).
 
         Raises:
-            ValueError: inconsistent shapes, unknown modality ids, both a geometry and ranges given.
+            ValueError: inconsistent shapes, unknown modality ids, both a geometry and ranges given, any
+                ``attention_kwargs`` key.
         """
-        backend, max_dense, chunk = self._parse_attention_kwargs(attention_kwargs)
+        check_attention_kwargs(type(self).__name__, attention_kwargs, self.supported_attention_kwargs)
         if x.dim() != 2 or coords_mapping.shape != (x.shape[0], 9) or modality_mapping.shape != (x.shape[0],):
             raise ValueError(
                 f"expected x [N, C], coords_mapping [N, 9], modality_mapping [N]; got {tuple(x.shape)}, "
@@ -316,11 +295,9 @@ class Magi2RefinerTransformer3DModel(
         if q_ranges is not None or k_ranges is not None:
             if q_ranges is None or k_ranges is None:
                 raise ValueError("q_ranges and k_ranges must be given together")
-            limit = max_dense or DEFAULT_MAX_DENSE_MASK_ELEMENTS
+            limit = DEFAULT_MAX_DENSE_MASK_ELEMENTS
             dense_mask = ranges_to_dense_mask(q_ranges.cpu(), k_ranges.cpu(), x.shape[0], limit).to(x.device)
-            if backend not in (None, "auto", "sdpa"):
-                raise ValueError("explicit q/k ranges are evaluated with the 'sdpa' backend only")
-        mask = Magi2AttentionMask((x.shape[0],), window_geometry, dense_mask, backend, max_dense)
+        mask = Magi2AttentionMask((x.shape[0],), window_geometry, dense_mask)
         cp = self._context_parallel_context(x.shape[0], mask.segment_lengths)
         if cp is not None:  # this rank keeps its slice of the packed sample; attention sees all of it
             mask.context_parallel = cp
@@ -331,7 +308,7 @@ class Magi2RefinerTransformer3DModel(
         else:
             dispatch = Magi2ModalityDispatch.from_modality_mapping(ids)
         emb, rope = self.pre_adapter(x, coords_mapping, dispatch.modality_ids)
-        out = self._run(emb, rope, dispatch, mask, chunk)
+        out = self._run(emb, rope, dispatch, mask)
         return out if cp is None else cp.gather(out)
 
     # ------------------------------------------------------------ diffusers entry
@@ -358,19 +335,17 @@ class Magi2RefinerTransformer3DModel(
                 audio tokens). ``La`` may be 0.
             encoder_attention_mask: ``[B, Lt]`` bool/0-1, True = real text token (padding is dropped,
                 not attended); ``None`` = all tokens valid.
-            attention_kwargs: optional per-call overrides ``{"window_backend": "auto"|"sdpa"|"flex"|"gather",
-                "max_dense_mask_elements": int, "mlp_chunk_size": int | None}`` of the window
-                processors' options and the MLP chunk (:meth:`enable_forward_chunking`).
+            attention_kwargs: must be ``None`` or empty; the window kernel is a processor option
+                (``set_attn_processor``), the MLP chunk :meth:`enable_forward_chunking`.
             return_dict: return :class:`Magi2RefinerTransformerOutput` (else a tuple).
 
         Returns:
             ``sample`` ``[B, Cv, T, H, W]`` fp32 and ``audio_sample`` ``[B, La, Ca]`` fp32 or ``None``.
 
         Raises:
-            ValueError: wrong ranks, channel counts, batch sizes or mask shape; an ``attention_kwargs``
-                key other than :attr:`supported_attention_kwargs` or a bad value for one.
+            ValueError: wrong ranks, channel counts, batch sizes or mask shape; any ``attention_kwargs`` key.
         """
-        backend, max_dense, chunk = self._parse_attention_kwargs(attention_kwargs)
+        check_attention_kwargs(type(self).__name__, attention_kwargs, self.supported_attention_kwargs)
         cfg = self.config
         if hidden_states.dim() != 5 or hidden_states.shape[1] != cfg.in_channels:
             raise ValueError(
@@ -406,8 +381,8 @@ class Magi2RefinerTransformer3DModel(
                 [pa.embed(m, t) for m, t, n in zip(Modality, sample.tokens, sample.group_sizes) if n], dim=0
             )
             dispatch = Magi2ModalityDispatch.from_sorted_group_sizes(sample.group_sizes, hidden_states.device)
-            mask = Magi2AttentionMask((geom.num_tokens,), geom, None, backend, max_dense)
-            out = self._run(emb, pa.rope(sample.coords), dispatch, mask, chunk)
+            mask = Magi2AttentionMask((geom.num_tokens,), geom)
+            out = self._run(emb, pa.rope(sample.coords), dispatch, mask)
             video, audio = unpack_refiner_sample(out, sample, cfg.in_channels, cfg.audio_in_channels)
             video_out.append(video)
             audio_out.append(audio)

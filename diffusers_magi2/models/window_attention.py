@@ -40,18 +40,15 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..utils.backends import check_backend, resolve_backend
+
 __all__ = [
     "Magi2WindowGeometry",
     "ranges_to_dense_mask",
     "block_window_attention",
-    "resolve_window_backend",
     "cached_flex_block_mask",
-    "WINDOW_ATTENTION_BACKENDS",
     "DEFAULT_MAX_DENSE_MASK_ELEMENTS",
 ]
-
-#: Backends accepted by :func:`block_window_attention`.
-WINDOW_ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "gather")
 
 #: Largest ``N_q * N_k`` for which a dense boolean mask may be built (64 Mi elements, i.e. 8192^2).
 #: A 1080p refiner sequence (514,080 video tokens) is ~4,000x larger, so it never takes this path.
@@ -422,24 +419,6 @@ def _flex(q, k, v, block_mask, scale):
     return out.transpose(1, 2)
 
 
-def resolve_window_backend(
-    backend: str, device: torch.device, num_tokens: int, max_dense_elements: int = DEFAULT_MAX_DENSE_MASK_ELEMENTS
-) -> str:
-    """The concrete backend ``"auto"`` stands for: ``"flex"`` on CUDA; elsewhere ``"sdpa"`` when the
-    dense mask has at most ``max_dense_elements`` entries, else ``"gather"``. Other names pass through.
-
-    Raises:
-        ValueError: unknown backend name.
-    """
-    if backend not in WINDOW_ATTENTION_BACKENDS:
-        raise ValueError(f"unknown window-attention backend {backend!r}; allowed: {WINDOW_ATTENTION_BACKENDS}")
-    if backend != "auto":
-        return backend
-    if torch.device(device).type == "cuda":
-        return "flex"
-    return "sdpa" if num_tokens * num_tokens <= max_dense_elements else "gather"
-
-
 def block_window_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -476,8 +455,7 @@ def block_window_attention(
     Raises:
         ValueError: unknown backend, shape mismatch, or a dense mask that would be too large.
     """
-    if backend not in WINDOW_ATTENTION_BACKENDS:
-        raise ValueError(f"unknown window-attention backend {backend!r}; allowed: {WINDOW_ATTENTION_BACKENDS}")
+    check_backend("window_attn", backend)
     if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape:
         raise ValueError(
             f"expected query [N, Hq, D] and key/value [N, Hkv, D], got {tuple(query.shape)}, "
@@ -501,7 +479,7 @@ def block_window_attention(
     if geometry is None:
         return _sdpa_bnhd(query[None], key[None], value[None], None, scale)[0]
 
-    backend = resolve_window_backend(backend, query.device, n, max_dense_elements)
+    backend = resolve_backend("window_attn", backend, query.device, num_tokens=n, max_dense_elements=max_dense_elements)
     if backend == "sdpa":
         mask = geometry.dense_mask(query.device, max_elements=max_dense_elements)
         return _sdpa_bnhd(query[None], key[None], value[None], mask, scale)[0]

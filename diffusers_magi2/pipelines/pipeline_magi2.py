@@ -641,10 +641,9 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             image_embeds: ``[B, C]`` special-token embedding; required with ``image`` + ``prompt_embeds``.
             output_type: ``"np"`` (default), ``"pil"``, ``"pt"`` or ``"latent"``.
             return_dict: return :class:`Magi2PipelineOutput` (else a tuple ``(frames, audio)``).
-            attention_kwargs: keys for the models this call runs, each key passed to the model that
-                declares it in ``supported_attention_kwargs``: the MAGI-2 transformer takes none; the
-                refiner takes ``window_backend``, ``max_dense_mask_elements``, ``mlp_chunk_size``
-                (two-stage path only). Any other key raises ``ValueError`` before work starts.
+            attention_kwargs: passed to each model that declares the key in ``supported_attention_kwargs``
+                (both MAGI-2 models declare none; kernels are chosen with ``set_attn_processor``). Any
+                other key raises ``ValueError`` before work starts.
             callback_on_step_end: called as ``fn(pipe, step, timestep, tensors)`` after each step of
                 either stage (``step`` counts within the stage; in the refiner stage ``latents`` is the
                 refined latent and ``audio_latents`` the preview's); a returned dict may replace any of

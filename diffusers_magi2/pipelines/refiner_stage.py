@@ -208,7 +208,7 @@ def run_refiner_stage(
         config: :class:`Magi2RefinerStageConfig` (released defaults).
         noise: optional fixed re-noise ``eps`` ``[B, C, 2T-1, H, W]``; else drawn with ``generator``
             (``randn`` in fp32 on the latents' device, after the preview draws, as the reference).
-        attention_kwargs: passed to the refiner (e.g. ``{"window_backend": "flex"}``).
+        attention_kwargs: passed to the refiner.
         callback_on_step_end: ``fn(step_index, timestep, latents)`` after each scheduler step.
         denoise: the loop, called as ``denoise(refiner, timesteps, tensors, schedulers, predict)`` with
             the step table ``{"latents", "prompt_embeds", "negative_prompt_embeds"}``; default

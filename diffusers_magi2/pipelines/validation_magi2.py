@@ -12,6 +12,7 @@ import os
 import numpy as np
 import PIL.Image
 
+from ..models.attention_magi2 import check_attention_kwargs
 from .image_processing_magi2 import IMAGE_TYPES
 from .presets_magi2 import OUTPUT_TYPES, REFINER_RESOLUTION
 
@@ -269,29 +270,18 @@ class Magi2PipelineChecksMixin:
         return models
 
     def _check_attention_kwargs(self, attention_kwargs, refine: bool) -> None:
-        """Every ``attention_kwargs`` key must be used by a model this call runs.
-
-        A model declares the keys it takes in ``supported_attention_kwargs`` (the MAGI-2 transformer:
-        none; the refiner: ``window_backend``, ``max_dense_mask_elements``, ``mlp_chunk_size``). A
-        model without that declaration (a custom component) receives the whole dict and checks it
-        itself, so no key is checked here then.
+        """Every ``attention_kwargs`` key must be one a model of this call declares in
+        ``supported_attention_kwargs`` (a model without that declaration checks the dict itself).
 
         Raises:
-            ValueError: not a dict/``None``, or a key no model of this call takes (e.g. a refiner key
-                on a single-stage call).
+            ValueError: not a dict/``None``, or a key no model of this call takes.
         """
-        if attention_kwargs is None:
-            return
-        if not isinstance(attention_kwargs, dict):
-            raise ValueError(f"attention_kwargs must be a dict or None; got {type(attention_kwargs).__name__}")
         declared = [getattr(m, "supported_attention_kwargs", None) for m in self._attention_models(refine)]
         if any(d is None for d in declared):
-            return
-        allowed = sorted({k for d in declared for k in d})
-        unknown = sorted(k for k in attention_kwargs if k not in allowed)
-        if unknown:
-            hint = "" if refine else " (the refiner's keys only apply on the two-stage 1080p/preview_height path)"
-            raise ValueError(f"attention_kwargs {unknown} are not used by this call; allowed keys: {allowed}{hint}")
+            supported = list(attention_kwargs) if isinstance(attention_kwargs, dict) else []
+        else:
+            supported = sorted({k for d in declared for k in d})
+        check_attention_kwargs(type(self).__name__, attention_kwargs, supported)
 
     def _check_sampling_inputs(
         self, num_inference_steps, num_videos_per_prompt, guidance_scale, audio_guidance_scale, output_type,

@@ -20,8 +20,9 @@ switch             backends                     ``"auto"`` resolves to
                                                 ``gather``
 =================  ===========================  =====================================================================
 
-``Magi2Transformer3DModel.set_moe_backend`` (and ``Magi2MultiHeadMoE.set_backend``) is the public face of the
-``moe_experts`` switch.
+Where each switch is set: ``moe_experts`` by ``Magi2Transformer3DModel.set_moe_backend`` (or
+``Magi2MultiHeadMoE.set_backend``), ``mhc`` by ``Magi2Transformer3DModel.set_mhc_backend``, ``window_attn`` by
+``Magi2WindowAttnProcessor(backend=...)`` through ``set_attn_processor``.
 """
 
 from __future__ import annotations

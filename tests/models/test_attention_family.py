@@ -97,7 +97,7 @@ def test_window_processor_options_reach_the_kernel(refiner_fp32, refiner_case):
             _refine(refiner_fp32, refiner_case)
     finally:
         refiner_fp32.set_attn_processor(Magi2WindowAttnProcessor())
-    with pytest.raises(ValueError, match="window_backend must be one of"):
+    with pytest.raises(ValueError, match="window_attn backend must be one of"):
         Magi2WindowAttnProcessor(backend="fa3")
 
 

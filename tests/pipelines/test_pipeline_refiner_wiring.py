@@ -101,14 +101,17 @@ def test_refiner_settings_reach_the_stage():
 
 
 def test_attention_kwargs_reach_the_model_that_declares_them():
-    """Each key goes to the model listing it in ``supported_attention_kwargs`` (the real classes'
-    declarations); a key no model of the call takes raises before any model runs."""
+    """Each key goes to the model listing it in ``supported_attention_kwargs``; a key no model of the
+    call takes raises before any model runs. Both real MAGI-2 models declare none, and an old refiner
+    kernel key names the processor that chooses the kernel now."""
     from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
     from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 
+    assert Magi2Transformer3DModel.supported_attention_kwargs == ()
+    assert Magi2RefinerTransformer3DModel.supported_attention_kwargs == ()
     pipe = make_pipe()
-    pipe.transformer.supported_attention_kwargs = Magi2Transformer3DModel.supported_attention_kwargs
-    pipe.refiner.supported_attention_kwargs = Magi2RefinerTransformer3DModel.supported_attention_kwargs
+    pipe.transformer.supported_attention_kwargs = ()
+    pipe.refiner.supported_attention_kwargs = ("refiner_only",)
     seen = []
     forward = pipe.transformer.forward
 
@@ -120,16 +123,18 @@ def test_attention_kwargs_reach_the_model_that_declares_them():
     e = embeds()
     common = dict(**e, latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64), output_type="latent")
     pipe(**common, **SMALL, refiner_num_inference_steps=1, generator=torch.Generator().manual_seed(2),
-         attention_kwargs={"window_backend": "sdpa", "mlp_chunk_size": 7})
+         attention_kwargs={"refiner_only": 7})
     assert seen and all(a is None for a in seen)  # the preview DiT takes none of them
-    assert all(c["attention_kwargs"] == {"window_backend": "sdpa", "mlp_chunk_size": 7} for c in pipe.refiner.calls)
+    assert pipe.refiner.calls and all(c["attention_kwargs"] == {"refiner_only": 7} for c in pipe.refiner.calls)
 
     seen.clear()
     pipe.refiner.calls.clear()
-    with pytest.raises(ValueError, match=r"attention_kwargs \['scale'\] are not used by this call; allowed keys"):
+    with pytest.raises(ValueError, match=r"does not support attention_kwargs \['scale'\]; allowed keys"):
         pipe(**common, **SMALL, attention_kwargs={"scale": 1.0})
-    with pytest.raises(ValueError, match="two-stage"):  # refiner keys on a single-stage call
-        pipe(**common, height=32, width=48, num_inference_steps=1, attention_kwargs={"window_backend": "sdpa"})
+    with pytest.raises(ValueError, match=r"allowed keys: \[\]"):  # the refiner's key on a single-stage call
+        pipe(**common, height=32, width=48, num_inference_steps=1, attention_kwargs={"refiner_only": 7})
+    with pytest.raises(ValueError, match=r"for window_backend use set_attn_processor"):
+        pipe(**common, **SMALL, attention_kwargs={"window_backend": "sdpa"})
     with pytest.raises(ValueError, match="attention_kwargs must be a dict"):
         pipe(**common, **SMALL, attention_kwargs=[("window_backend", "sdpa")])
     assert seen == [] and pipe.refiner.calls == []

@@ -89,8 +89,8 @@ BAD = {
     "audio_latents batch": (dict(prompt=["a", "b"], audio_latents=torch.randn(1, 10, 64)), r"audio_latents has batch 1.*batch 2"),
     "image_embeds batch": (dict(**embeds(), image=IMAGE, image_embeds=torch.zeros(2, 8)), r"image_embeds has batch 2.*batch 1"),
     # attention_kwargs: every key must reach a model that uses it
-    "unknown attention_kwargs": (dict(prompt="x", attention_kwargs={"scale": 1.0}), r"attention_kwargs \['scale'\] are not used"),
-    "refiner attention_kwargs on one stage": (dict(prompt="x", attention_kwargs={"window_backend": "sdpa"}), "two-stage"),
+    "unknown attention_kwargs": (dict(prompt="x", attention_kwargs={"scale": 1.0}), r"does not support attention_kwargs \['scale'\]"),
+    "a moved kernel key in attention_kwargs": (dict(prompt="x", attention_kwargs={"window_backend": "sdpa"}), "set_attn_processor"),
     "attention_kwargs not a dict": (dict(prompt="x", attention_kwargs=["scale"]), "attention_kwargs must be a dict"),
     # text width vs transformer.config.text_in_channels (8 here)
     "prompt_embeds width": (

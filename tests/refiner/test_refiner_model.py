@@ -1,4 +1,4 @@
-"""Magi2RefinerTransformer3DModel vs SandAI's golden refiner fixture (spec §1.12, §2.3, §5.7)."""
+"""Magi2RefinerTransformer3DModel vs SandAI's golden refiner fixture (SandAI ``magi2_refiner.Transformer``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from diffusers_magi2.models.attention_magi2 import Magi2WindowAttnProcessor
 from diffusers_magi2.models.transformer_magi2_refiner import (
     Magi2RefinerTransformer3DModel,
     refiner_mlp_intermediate_size,
@@ -86,11 +87,14 @@ def test_fp32_packed_entry_with_config_geometry(model_fp32, fp32_case, prefix, b
     d = fp32_case
     ids = d[prefix + "model.modality_mapping"]
     geom = model_fp32.window_geometry(5, 4, 8, int((ids > 0).sum()))
-    with torch.no_grad():
-        out = model_fp32.forward_packed(
-            d[prefix + "model.x"], d[prefix + "model.coords_mapping"], ids, window_geometry=geom,
-            attention_kwargs={"window_backend": backend},
-        )
+    try:
+        model_fp32.set_attn_processor(Magi2WindowAttnProcessor(backend=backend))
+        with torch.no_grad():
+            out = model_fp32.forward_packed(
+                d[prefix + "model.x"], d[prefix + "model.coords_mapping"], ids, window_geometry=geom
+            )
+    finally:
+        model_fp32.set_attn_processor(Magi2WindowAttnProcessor())
     ref = d[prefix + "model.out"]
     assert (out - ref).abs().max().item() <= 1e-4
     assert _rel(out, ref) <= 1e-5
@@ -191,14 +195,18 @@ def test_bad_inputs_raise(model_fp32, fp32_case):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, audio_hidden_states=torch.zeros(2, 3, 16))
     with pytest.raises(ValueError, match="encoder_attention_mask"):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, encoder_attention_mask=torch.ones(1, 3, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"does not support attention_kwargs \['scale'\]; allowed keys: \['window_backend'"):
+    with pytest.raises(ValueError, match=r"does not support attention_kwargs \['scale'\]; allowed keys: \[\]"):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs={"scale": 1.0})
     with pytest.raises(ValueError, match="attention_kwargs must be a dict"):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs=[("window_backend", "sdpa")])
-    assert Magi2RefinerTransformer3DModel.supported_attention_kwargs == (
-        "window_backend", "max_dense_mask_elements", "mlp_chunk_size")
-    with pytest.raises(ValueError, match="window_backend"):
-        model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs={"window_backend": "fa3"})
+    assert Magi2RefinerTransformer3DModel.supported_attention_kwargs == ()
+    # kernel keys are processor options now: the error names the diffusers-style call
+    with pytest.raises(ValueError, match=r"for window_backend use set_attn_processor\(Magi2WindowAttnProcessor"):
+        model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs={"window_backend": "sdpa"})
+    with pytest.raises(ValueError, match=r"for mlp_chunk_size use enable_forward_chunking"):
+        model_fp32.forward_packed(
+            d["model.x"], d["model.coords_mapping"], d["model.modality_mapping"], attention_kwargs={"mlp_chunk_size": 7}
+        )
     with pytest.raises(ValueError, match="num_key_value_heads"):
         Magi2RefinerTransformer3DModel(num_layers=1, num_attention_heads=6, attention_head_dim=16, num_key_value_heads=4)
 
@@ -219,14 +227,19 @@ def test_mlp_token_chunking_is_exact(request, fp32_case, model_name):
     """Chunking the MLP over tokens (bounded memory at 1080p) gives the same result up to GEMM rounding,
     also when chunks straddle modality borders."""
     model = request.getfixturevalue(model_name)
-    full = _diffusers_call(model, fp32_case, "", attention_kwargs={"mlp_chunk_size": None})
-    chunked = _diffusers_call(model, fp32_case, "", attention_kwargs={"mlp_chunk_size": 7})
+    try:
+        model.disable_forward_chunking()
+        full = _diffusers_call(model, fp32_case, "")
+        model.enable_forward_chunking(7)
+        chunked = _diffusers_call(model, fp32_case, "")
+    finally:
+        model.enable_forward_chunking()
     # identical math; only the GEMM blocking over rows can differ (fp32 rounding level)
     tol = 2e-5 if model_name == "model_fp32" else 2e-3 * full.sample.abs().max().item()
     assert (chunked.sample - full.sample).abs().max().item() <= tol
     assert (chunked.audio_sample - full.audio_sample).abs().max().item() <= tol
-    with pytest.raises(ValueError, match="mlp_chunk_size"):
-        _diffusers_call(model, fp32_case, "", attention_kwargs={"mlp_chunk_size": 0})
+    with pytest.raises(ValueError, match="positive int"):
+        model.enable_forward_chunking(0)
 
 
 def test_converter_roundtrip_equals_original_loader(refiner_root, model_bf16, tmp_path):
