@@ -1,21 +1,12 @@
-"""``Magi2Pipeline``: MAGI-2 Preview text-to-video and image-to-video, with audio, as a diffusers pipeline.
+"""``Magi2Pipeline``: MAGI-2 Preview text/image-to-video with audio (SandAI ``Magi2InferenceEngine.evaluate``
+and ``Magi2PreviewSampler`` at commit ``f68a0f9``).
 
-Semantics follow SandAI's ``inference/pipeline`` (``Magi2InferenceEngine.evaluate`` and
-``Magi2PreviewSampler``) at commit ``f68a0f9``; the code is this package's own.
-
-One call, up to two stages, one sampler. The preview stage denoises the video and audio latents with one
-``[cond; uncond]`` forward per step. On the 1080p path the refiner stage
-(:func:`~diffusers_magi2.pipelines.refiner_stage.run_refiner_stage`) upsamples the final video latent to
-``2T − 1`` frames at ``height/16 × width/16``, re-noises it (drawn from the same ``generator``, after the
-preview draws) and denoises it with refiner CFG (two forwards per step, no audio tokens); the preview
-audio is decoded as is, with 4·(2T − 2) + 1 = 249 frames at 2 · ``fps`` = 25 fps. Both stages run
-``Magi2Pipeline._denoise`` (:func:`~diffusers_magi2.pipelines.sampling_magi2.denoise_steps`): a cache
-context per forward (``"cond_uncond"``, or ``"cond"`` without CFG; the refiner's ``"cond_{b}"`` /
-``"uncond_{b}"``, one per sample, as it runs a batch's samples one after another through its blocks),
-``interrupt``, step callbacks and a progress bar. The refiner is a stage of this pipeline, not a
-pipeline of its own as LTX-2's latent upsampler is, because the 1080p preset is one call: the re-noise
-continues the preview's generator stream, the stage reuses the call's text embeddings, callbacks and
-decoding, and ``model_index.json`` already holds the refiner as a component.
+Per preview step, one forward on ``[cond; uncond]`` and CFG ``v = v_u + g (v_c - v_u)`` (``g`` = 5 video, 7
+audio). On the 1080p path the refiner stage upsamples the final video latent to ``2T - 1`` frames, re-noises
+it from the same ``generator`` and denoises it with its own CFG; audio is not refined. Both stages run one
+sampler (``_denoise``: cache context per forward, ``interrupt``, callbacks, progress bar). The refiner is a
+stage, not a pipeline of its own as LTX-2's upsampler is: the 1080p preset is one call that continues the
+preview's generator stream and reuses its text embeddings, callbacks and decoding.
 """
 
 from __future__ import annotations
@@ -33,8 +24,7 @@ from diffusers.utils import logging
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
-# The model modules are imported by name so that they are in ``sys.modules`` when diffusers resolves
-# the ``model_index.json`` entries ``diffusers_magi2.models.*`` of a converted repo.
+# imported by name: diffusers resolves model_index.json's ``diffusers_magi2.models.*`` through sys.modules
 from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..models.turbo_vae import Magi2TurboVAEDecoder
@@ -86,44 +76,30 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
     r"""MAGI-2 Preview: a 10 s video with a stereo soundtrack from a prompt, optionally conditioned on an image.
 
     Components:
-        tokenizer: Qwen3.5 tokenizer (a transformers fast tokenizer). The reference's extra CJK
-            pre-tokenizer split is applied here when the pipeline is built (idempotent).
+        tokenizer: Qwen3.5 fast tokenizer (the reference's CJK pre-tokenizer split is added, idempotently).
         text_encoder (`transformers.Qwen3_5TextModel`): prompt features are ``hidden_states[-3]``.
-        transformer (`Magi2Transformer3DModel`): the MoE DiT; one forward per step on the batch
-            ``[cond, uncond]`` (each row its own attention segment).
-        audio_vae (`AutoencoderOobleck`): Stable Audio Open decoder for the 64-channel audio latents.
-        scheduler (`UniPCMultistepScheduler`, flow prediction, ``use_flow_sigmas``, ``flow_shift`` 7):
-            steps the video latent; the audio instance is built from its config at call time.
-        vae (`AutoencoderKLWan`, Wan2.2 form, optional): encodes the I2V reference image; decodes
-            video when there is no ``video_decoder``.
+        transformer (`Magi2Transformer3DModel`): the MoE DiT.
+        audio_vae (`AutoencoderOobleck`): decoder of the 64-channel audio latents.
+        scheduler (`UniPCMultistepScheduler`, flow prediction, ``use_flow_sigmas``, ``flow_shift`` 7): the
+            video scheduler; the audio one is built from its config per call.
+        vae (`AutoencoderKLWan`, optional): encodes the I2V image; decodes video without ``video_decoder``.
         video_decoder (`Magi2TurboVAEDecoder`, optional): the default video decoder (TurboVAED).
-        refiner (`Magi2RefinerTransformer3DModel`, optional): the 1080p refiner stage (spec §5.7),
-            run after the preview when ``height=1088, width=1920`` (``resolution="1080p"``) or an
-            explicit ``preview_height/preview_width`` is given; without it those raise.
+        refiner (`Magi2RefinerTransformer3DModel`, optional): the 1080p stage, run for 1088 x 1920 or an
+            explicit ``preview_height``/``preview_width``.
 
-    Construction (and so ``from_pretrained``) raises ``ValueError`` when a component's latent or text width
-    does not fit the transformer or refiner (:data:`~diffusers_magi2.pipelines.validation_magi2.COMPONENT_FITS`).
-
-    Loading a converted repo (``import diffusers_magi2`` registers the model modules)::
+    Construction raises ``ValueError`` when a component's latent or text width does not fit the models
+    (:data:`~diffusers_magi2.pipelines.validation_magi2.COMPONENT_FITS`). The reference's dtypes::
 
         pipe = Magi2Pipeline.from_pretrained(
             repo, dtype={"default": torch.bfloat16, "vae": torch.float32, "audio_vae": torch.float32}
         )
 
-    The reference runs the Wan2.2 encoder (I2V image) in fp32 and the DiT, text encoder and TurboVAE
-    in bf16; the dict above reproduces that. Latents and the CFG/scheduler math stay fp32 whatever
-    the component dtypes.
-
-    Config (stored in ``model_index.json``): ``negative_prompt`` (the built-in one),
-    ``sigma_start`` (0.999: sigmas are ``linspace(sigma_start, 0, N + 1)[:-1]`` before the shift),
-    ``text_skip_layers`` (2 → ``hidden_states[-3]``), ``max_sequence_length`` (7,000),
-    ``fps`` (12.5), ``duration_s`` (10), ``audio_latent_fps`` (25), ``audio_resample_ratio``
-    (441/512), ``reference_image_dtype`` ("bfloat16": the reference rounds the I2V pixels to its
-    engine dtype before encoding). Two-stage (refiner) settings: ``preview_height`` /
-    ``preview_width`` (512 × 896: the preview size of the 1080p preset; a repo with a small model
-    can store a smaller one), ``refiner_num_inference_steps`` (5), ``refiner_guidance_scale`` (2.0),
-    ``refiner_shift`` (5.0), ``refiner_noise_value`` (220 → re-noise signal scale 0.838910); the
-    values of SandAI ``magi2_refiner.json`` ``evaluation_config``.
+    Config (``model_index.json``; SandAI ``magi2_refiner.json`` ``evaluation_config`` values): ``negative_prompt``,
+    ``sigma_start`` (0.999), ``text_skip_layers`` (2), ``max_sequence_length`` (7,000), ``fps`` (12.5),
+    ``duration_s`` (10), ``audio_latent_fps`` (25), ``audio_resample_ratio`` (441/512),
+    ``reference_image_dtype`` ("bfloat16"), ``preview_height`` x ``preview_width`` (512 x 896),
+    ``refiner_num_inference_steps`` (5), ``refiner_guidance_scale`` (2.0), ``refiner_shift`` (5.0),
+    ``refiner_noise_value`` (220).
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->refiner->video_decoder->vae->audio_vae"
@@ -132,17 +108,15 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """``DiffusionPipeline.from_pretrained``, plus two parallel options (both off unless given):
+        """``DiffusionPipeline.from_pretrained`` with two parallel options.
 
-        * ``expert_parallel=Magi2ExpertParallelConfig(ep_degree=E)``: the transformer is loaded with only this
-          rank's routed experts (:func:`~diffusers_magi2.pipelines.loading_magi2.load_pipeline_with_expert_parallel`);
-        * ``context_parallel=diffusers.ContextParallelConfig(ulysses_degree=N)``: after loading, the transformer and
-          the refiner (if any) get ``enable_parallelism(config=...)`` (N = the world size; with EP, ``E`` divides
-          ``N``).
+        Args:
+            expert_parallel: ``Magi2ExpertParallelConfig(ep_degree=E)``: load only this rank's routed experts.
+            context_parallel: ``diffusers.ContextParallelConfig(ulysses_degree=N)`` (N = world size, ``E | N``):
+                :meth:`enable_context_parallel` after loading.
 
         Raises:
-            ValueError: the errors of both (see ``Magi2Transformer3DModel.enable_parallelism``), before the
-                weights load where the sizes alone decide.
+            ValueError: a bad degree, before the weights load.
         """
         expert_parallel = kwargs.pop("expert_parallel", None)
         context_parallel = kwargs.pop("context_parallel", None)
@@ -234,14 +208,12 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         )
         self._check_components()
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
-        # The reference preprocesses the I2V image with VideoProcessor(vae_scale_factor=2 * 16).
         self.reference_image_processor = VideoProcessor(vae_scale_factor=2 * self.vae_scale_factor_spatial)
 
     # --- Geometry read from the component configs
 
     def _video_latent_geometry(self, vae_key: str, decoder_key: str, default: int) -> int:
-        """``vae.config[vae_key]`` when there is a ``vae``, else ``video_decoder.config[decoder_key]`` when
-        the decoder declares it, else ``default`` (the released model's value)."""
+        """``vae.config[vae_key]``, else ``video_decoder.config[decoder_key]``, else ``default``."""
         vae = getattr(self, "vae", None)
         if vae is not None:
             return int(getattr(vae.config, vae_key))
@@ -257,7 +229,7 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
 
     @property
     def vae_scale_factor_temporal(self) -> int:
-        """Frames per latent frame after the first (4): F = 4·(T − 1) + 1."""
+        """Frames per latent frame after the first (4)."""
         return self._video_latent_geometry("scale_factor_temporal", "temporal_compression_ratio", 4)
 
     @property
@@ -276,28 +248,24 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         return int(self.audio_vae.config.sampling_rate)
 
     def num_latent_frames(self) -> int:
-        """Video latent length of a ``duration_s`` clip: frames on the 25 fps timeline
-        ``round(duration·fps·2)``, then ``(frames − 1) // 8 + 1`` (32 for 10 s; SandAI ``_resolve_lengths``)."""
+        """Video latent length of a ``duration_s`` clip, ``(round(2 duration fps) - 1) // 8 + 1`` (SandAI ``_resolve_lengths``)."""
         frames = int(round(float(self.config.duration_s) * float(self.config.fps) * 2))
         return (frames - 1) // (2 * self.vae_scale_factor_temporal) + 1
 
     def num_audio_latents(self) -> int:
-        """Audio latent length of a ``duration_s`` clip: ``round(duration·audio_latent_fps)`` (250)."""
+        """Audio latent length of a ``duration_s`` clip (250)."""
         return int(round(float(self.config.duration_s) * float(self.config.audio_latent_fps)))
 
     # --- Properties (diffusers conventions)
 
     @property
     def guidance_scale(self) -> float:
-        """Video CFG scale of the current/last call (Python float, ≥ 0; 1 = no video guidance); set by
-        ``__call__`` from its ``guidance_scale`` argument (SandAI ``Magi2PreviewSampler`` video scale, 5.0).
-        Reading it before the first call raises ``AttributeError``."""
+        """Video CFG scale of the current/last call."""
         return self._guidance_scale
 
     @property
     def audio_guidance_scale(self) -> float:
-        """Audio CFG scale of the current/last call (Python float, ≥ 0; reference default 7.0); set by
-        ``__call__``. Reading it before the first call raises ``AttributeError``."""
+        """Audio CFG scale of the current/last call."""
         return self._audio_guidance_scale
 
     @property
@@ -307,30 +275,25 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
 
     @property
     def num_timesteps(self) -> int:
-        """Number of denoising steps of the stage being (or last) denoised: ``num_inference_steps`` in the
-        preview, the refiner steps in the refiner stage. Reading it before a call raises ``AttributeError``."""
+        """Steps of the stage being (or last) denoised."""
         return self._num_timesteps
 
     @property
     def current_timestep(self):
-        """The timestep being denoised (a 0-d scheduler tensor on the 0–1000 scale), or ``None``
-        outside the denoising loops (diffusers convention, for callbacks and hooks)."""
+        """The timestep being denoised (0-d tensor, 0-1000 scale), ``None`` outside the loops."""
         return self._current_timestep
 
     @property
     def interrupt(self) -> bool:
-        """``True`` once a step callback set ``pipe._interrupt = True``: the remaining steps of the stage
-        (and, from the preview, the refiner stage) are skipped and the current latents are decoded."""
+        """``True`` once a callback set ``pipe._interrupt = True``: the rest is skipped, the latents decoded."""
         return self._interrupt
 
     @property
     def attention_kwargs(self):
-        """The ``attention_kwargs`` dict (or ``None``) of the current/last call, as the user passed it;
-        each model receives only the keys it declares in ``supported_attention_kwargs``
-        (see ``check_inputs``)."""
+        """The ``attention_kwargs`` of the current/last call."""
         return self._attention_kwargs
 
-    # --- Scheduling (the shift is applied exactly once, by the scheduler, on every task path)
+    # --- Scheduling
     def base_sigmas(self, num_inference_steps: int) -> np.ndarray:
         """Unshifted sigmas ``linspace(sigma_start, 0, N + 1)[:-1]`` (float64, length N)."""
         return unshifted_sigmas(self.config.sigma_start, num_inference_steps)
@@ -338,12 +301,8 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
     def prepare_timesteps(
         self, num_inference_steps: int, device: torch.device | str | None = None
     ) -> tuple[UniPCMultistepScheduler, UniPCMultistepScheduler, torch.Tensor]:
-        """Set up the video scheduler (``self.scheduler``) and a fresh audio scheduler built from its
-        config, both with the same schedule.
-
-        The pipeline passes the unshifted :meth:`base_sigmas` to ``set_timesteps(sigmas=…)``; the
-        scheduler applies ``flow_shift`` once: σ' = sσ/(1 + (s − 1)σ), final σ 0, integer timesteps
-        int64(σ'·1000) (truncated). For N = 100, s = 7: 999, 998, 996, …, 124, 65 (T2V and I2V alike).
+        """The video scheduler and a fresh audio one on the same schedule; the scheduler applies the shift
+        once, ``s' = k s / (1 + (k - 1) s)``, timesteps ``int64(1000 s')``.
 
         Returns:
             ``(video_scheduler, audio_scheduler, timesteps)``; ``timesteps`` int64 ``[N]``.
@@ -360,9 +319,8 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
     def stage_sizes(
         self, height: int, width: int, preview_height: int | None = None, preview_width: int | None = None
     ) -> tuple[bool, int, int]:
-        """Whether the call runs the refiner, and the size the preview stage denoises at:
-        :func:`~diffusers_magi2.pipelines.presets_magi2.resolve_stage_sizes` with the config's preview size
-        (``config.preview_height × config.preview_width``, 512 × 896 for the released model).
+        """Whether the call runs the refiner, and the preview stage's size
+        (:func:`~diffusers_magi2.pipelines.presets_magi2.resolve_stage_sizes`).
 
         Returns:
             ``(refine, denoise_height, denoise_width)`` in pixels.
@@ -376,9 +334,7 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
     def refiner_stage_config(
         self, num_inference_steps: int | None = None, guidance_scale: float | None = None
     ) -> Magi2RefinerStageConfig:
-        """The :class:`Magi2RefinerStageConfig` of a call: steps and CFG from the arguments (``None`` →
-        ``config.refiner_num_inference_steps`` / ``config.refiner_guidance_scale``), shift and re-noise
-        index from the config, the preview's ``sigma_start`` and the VAE's spatial factor."""
+        """The :class:`Magi2RefinerStageConfig` of a call (``None`` arguments take the config's values)."""
         cfg = self.config
         if num_inference_steps is None:
             num_inference_steps = cfg.get("refiner_num_inference_steps", 5)
@@ -402,18 +358,14 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         device: torch.device | str | None = None,
         figure_target: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Qwen3.5 features of each prompt, zero-padded to the longest with a boolean mask.
-
-        Each prompt is normalised (JSON → compact markdown), tokenised alone (at most
-        ``max_sequence_length`` tokens; longer prompts are cut with a warning) and encoded; features
-        are ``hidden_states[-3]`` in the text encoder's dtype, as SandAI ``Qwen35TextEncoder.encode``.
-        A progress bar counts the prompts.
+        """Qwen3.5 features of each prompt (SandAI ``Qwen35TextEncoder.encode``), zero-padded to the longest.
 
         Args:
-            prompt: one string or a list.
-            device: where to run the text encoder (default: the pipeline's execution device).
-            figure_target: e.g. ``"<Figure 1>"``: also return the mean feature of the tokens that
-                overlap it in each (normalised) prompt — the image special-token embedding.
+            prompt: one string or a list; each is normalised and tokenised alone (at most
+                ``max_sequence_length`` tokens, longer ones cut with a warning).
+            device: where to run the text encoder (default: the execution device).
+            figure_target: e.g. ``"<Figure 1>"``: also return the mean feature of its tokens (the image
+                special-token embedding).
 
         Returns:
             ``(embeds [B, Lt, C], mask [B, Lt] bool, target_embeds [B, C] or None)``.
@@ -441,19 +393,18 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         prompt_attention_mask: torch.Tensor | None = None, negative_prompt_attention_mask: torch.Tensor | None = None,
         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        r"""Text conditioning as Wan / LTX-2 ``encode_prompt``: ``(prompt_embeds, prompt_attention_mask,
-        negative_prompt_embeds, negative_prompt_attention_mask)``, embeddings ``[B·n, Lt, C]`` with
-        ``[B·n, Lt]`` bool masks, each prompt's rows repeated ``n = num_videos_per_prompt`` times (adjacent).
+        r"""Text conditioning as Wan / LTX-2 ``encode_prompt``.
 
         Args:
-            prompt: ``B`` prompts (a string or list), or ``None`` with ``prompt_embeds`` (``[B, Lt, C]``) and
-                ``prompt_attention_mask``; the negative pair likewise (default text ``config.negative_prompt``).
-            do_classifier_free_guidance: also return the negative pair (else ``None, None`` unless given).
-            device, dtype: where the text encoder runs and the results live; cast of the embeddings.
+            prompt: ``B`` prompts, or ``None`` with ``prompt_embeds`` ``[B, Lt, C]`` and ``prompt_attention_mask``
+                ``[B, Lt]``; the negative pair likewise (default text ``config.negative_prompt``).
+            do_classifier_free_guidance: also return the negative pair.
+            num_videos_per_prompt: ``n``; each prompt's rows are repeated ``n`` times, adjacent.
+            device, dtype: where the text encoder runs and the results live; dtype of the embeddings.
 
-        The I2V ``image_embeds`` (the ``<Figure 1>`` special-token embedding) come from the same pass:
-        ``embeds, mask, image_embeds = pipe.encode_text(add_figure_reference(prompt), figure_target="<Figure 1>")``
-        (``add_figure_reference`` from :mod:`diffusers_magi2.pipelines.text_encoding`; what ``__call__`` does).
+        Returns:
+            ``(prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask)``,
+            ``[B n, Lt, C]`` and ``[B n, Lt]`` bool (the negative pair ``None`` without CFG).
         """
         device = device or self._execution_device
         if prompt_embeds is None:
@@ -496,7 +447,7 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         return (*embeds, image_embeds)
 
     def _stage_progress_bar(self, total: int, description: str):
-        """A diffusers progress bar (``set_progress_bar_config`` applies) labelled with the stage."""
+        """A diffusers progress bar labelled with the stage."""
         progress_bar = self.progress_bar(total=total)
         progress_bar.set_description(description)
         return progress_bar
@@ -504,20 +455,14 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
     # --- Image
 
     def preprocess_reference_image(self, image, height: int, width: int) -> torch.Tensor:
-        """The I2V image as VAE input ``[1, 3, 1, H', W']`` (fp32 values): SandAI
-        ``Magi2InferenceEngine._encode_image`` with ``ref_image_type="original"`` (long side scaled to
-        ``max(height, width)``, letterboxed, floored to multiples of 32, rounded to
-        ``config.reference_image_dtype``); see
-        :func:`~diffusers_magi2.pipelines.image_processing_magi2.preprocess_reference_image`.
-        """
+        """The I2V image as VAE input ``[1, 3, 1, H', W']``
+        (:func:`~diffusers_magi2.pipelines.image_processing_magi2.preprocess_reference_image`)."""
         rounding = parse_dtype(self.config.reference_image_dtype, "reference_image_dtype")
         return preprocess_reference_image(image, height, width, self.reference_image_processor, rounding)
 
     @torch.no_grad()
     def encode_reference_image(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Normalised mean latent of the reference image with the Wan2.2 VAE:
-        ``(μ − mean) · (1 / std)`` with the tables from ``vae.config.latents_mean/latents_std``
-        (``1/std`` computed in fp32 first, as the reference).
+        """Normalised mean latent ``(mu - mean) * (1 / std)`` of the reference image (Wan2.2 VAE tables).
 
         Args:
             pixels: ``[B, 3, 1, H, W]`` in [-1, 1].
@@ -538,10 +483,8 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         audio_latents: torch.Tensor | None = None, num_latent_frames: int | None = None,
         num_audio_latents: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Initial noise, fp32: video ``[B, 48, T, H/16, W/16]`` drawn first, then audio ``[B, L, 64]``,
-        from ``generator`` (spec §5.6 draw order). Given tensors are used as they are (moved to
-        ``device``, cast to fp32); T and L default to the ``duration_s`` clip (32 and 250).
-        """
+        """Initial fp32 noise: video ``[B, 48, T, H/16, W/16]`` drawn first, then audio ``[B, L, 64]`` (SandAI's
+        draw order); given tensors are moved and cast. T and L default to the ``duration_s`` clip."""
         scale = self.vae_scale_factor_spatial
         frames = self.num_latent_frames() if num_latent_frames is None else int(num_latent_frames)
         audio_len = self.num_audio_latents() if num_audio_latents is None else int(num_audio_latents)
@@ -561,25 +504,13 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
 
     @torch.no_grad()
     def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised video latents ``[B, 48, T, h, w]`` → pixels ``[B, 3, 4(T−1)+1, 16h, 16w]`` in [-1, 1].
-
-        Uses ``video_decoder`` (TurboVAED; it de-normalises internally) when present, else the Wan
-        VAE after de-normalising ``z / (1/std) + mean`` with its config tables
-        (:func:`~diffusers_magi2.pipelines.decoding_magi2.decode_video_latents`).
-        """
+        """Normalised video latents ``[B, 48, T, h, w]`` -> pixels ``[B, 3, 4(T-1)+1, 16h, 16w]`` in [-1, 1]."""
         return decode_video_latents(getattr(self, "video_decoder", None), getattr(self, "vae", None), latents)
 
     @torch.no_grad()
     def decode_audio(self, audio_latents: torch.Tensor) -> np.ndarray:
-        """Audio latents ``[B, L, 64]`` → stereo ``[B, 2, S]`` float32 numpy at ``audio_sample_rate``.
-
-        Oobleck decode of ``[B, 64, L]`` (L·2048 samples, identity latent scaling), then
-        ``scipy.signal.resample`` to ``int(N · audio_resample_ratio)`` samples (441/512: 250 latents →
-        512,000 → 441,000 = 10 s). Matches SandAI ``decode_audio``/``resample_audio_sinc``
-        (:func:`~diffusers_magi2.pipelines.decoding_magi2.decode_audio_latents`).
-        """
+        """Audio latents ``[B, L, 64]`` -> stereo ``[B, 2, S]`` float32 numpy at ``audio_sample_rate``."""
         return decode_audio_latents(self.audio_vae, audio_latents, float(self.config.audio_resample_ratio))
-
 
     # --- Call
 
@@ -619,19 +550,15 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         output_width: int | None = None,
         num_videos_per_prompt: int = 1,
     ):
-        r"""Generate a 10 s clip (125 frames at 12.5 fps; 249 at 25 fps with the refiner) with a 44.1 kHz
-        stereo soundtrack.
+        r"""Generate a 10 s clip (125 frames at 12.5 fps; 249 at 25 fps with the refiner) with 44.1 kHz stereo audio.
 
         Args:
-            prompt: text, or a JSON object string (rendered to compact markdown when it has a
-                ``global_layer``). A list gives a batch.
+            prompt: text, or a JSON object string (rendered to markdown); a list gives a batch.
             negative_prompt: the unconditional text; default the built-in one (``config.negative_prompt``).
-            image: I2V reference (PIL, a local file path, or uint8 ``[H, W, 3]``). It conditions the whole
-                clip (it is not the first frame); the prompt gets a ``<Figure 1>`` reference and the image
-                is kept in the unconditional branch, so CFG steers the text only.
-            height, width: pixels, multiples of 16. Trained: 256×448 and 512×896 (others warn);
-                1088×1920 runs the two-stage refiner path (needs the ``refiner`` component): the preview
-                at ``config.preview_height × config.preview_width`` (512×896), then the refiner stage.
+            image: I2V reference (PIL, a file path, or uint8 ``[H, W, 3]``) conditioning the whole clip; it stays
+                in the unconditional branch, so CFG steers the text only.
+            height, width: pixels, multiples of 16; trained 256x448 and 512x896 (others warn). 1088x1920 runs
+                the preview at ``config.preview_height x config.preview_width``, then the refiner.
             num_inference_steps: denoising steps (≥ 1; the preview uses 100).
             guidance_scale: video CFG scale (≥ 0; default 5.0). audio_guidance_scale: audio CFG (7.0).
             generator: RNG for the noise (video drawn first, then audio).
@@ -644,23 +571,17 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             attention_kwargs: passed to each model that declares the key in ``supported_attention_kwargs``
                 (both MAGI-2 models declare none; kernels are chosen with ``set_attn_processor``). Any
                 other key raises ``ValueError`` before work starts.
-            callback_on_step_end: called as ``fn(pipe, step, timestep, tensors)`` after each step of
-                either stage (``step`` counts within the stage; in the refiner stage ``latents`` is the
-                refined latent and ``audio_latents`` the preview's); a returned dict may replace any of
-                ``callback_on_step_end_tensor_inputs``. Setting ``pipe._interrupt = True`` skips the
-                remaining steps (and, from the preview, the refiner stage) and decodes what there is.
+            callback_on_step_end: ``fn(pipe, step, timestep, tensors)`` after each step of either stage (``step``
+                counts within the stage); a returned dict may replace any of the tensor inputs.
             callback_on_step_end_tensor_inputs: names from ``_callback_tensor_inputs``.
             resolution: ``"272p"`` (256×448), ``"540p"`` (512×896) or ``"1080p"`` (1088×1920, two-stage);
                 replaces ``height``/``width`` (leave those at their defaults).
             preview_height, preview_width: run the two-stage path with the preview at this size and the
-                refiner output at ``height × width`` (for models other than the released one, e.g. a tiny
-                test model: preview 32×48, output 64×96). Default for 1088×1920: the config's 512×896.
+                refiner output at ``height x width``.
             refiner_num_inference_steps: refiner Flow-UniPC steps (default ``config``: 5).
-            refiner_guidance_scale: refiner CFG scale (default ``config``: 2.0; needs the negative prompt
-                even when the preview CFG is off).
-            output_height, output_width: optional bilinear resize of the decoded frames (both or neither;
-                e.g. 1080×1920), as the reference's ``--output-height/--output-width``; not with
-                ``output_type="latent"``.
+            refiner_guidance_scale: refiner CFG scale (default ``config``: 2.0).
+            output_height, output_width: bilinear resize of the decoded frames (both or neither; e.g.
+                1080x1920), as the reference's ``--output-height/--output-width``.
             num_videos_per_prompt: videos per prompt (≥ 1), each from its own noise; the output batch
                 is ``len(prompt) · num_videos_per_prompt`` (a prompt's videos adjacent).
 
@@ -780,13 +701,11 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         schedulers = {"latents": video_scheduler, "audio_latents": audio_scheduler}
         self._denoise(self.transformer, timesteps, tensors, schedulers, predict, "Denoising", **steps)
 
-        # 6. (1080p) refiner stage on the final preview video latent; the same generator continues,
-        # so the re-noise is drawn after the preview's video and audio noise. Audio is not refined.
+        # 6. refiner stage; its re-noise continues the generator after the preview draws
         fps = float(self.config.fps)
         if refine and not self.interrupt:
 
             def refiner_denoise(model, timesteps, stage_tensors, schedulers, predict):
-                # the refiner denoises within the call's step table: its callbacks see the preview audio too
                 tensors.update(stage_tensors)
                 return self._denoise(model, timesteps, tensors, schedulers, predict, "Refining", **steps)
 
@@ -805,7 +724,6 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
                 attention_kwargs=attention_kwargs_for(self.refiner, attention_kwargs),
                 denoise=refiner_denoise,
             )
-            # 2T − 1 latents on the 25 fps timeline: twice the preview frame rate.
             fps = 2.0 * fps
         latents, audio_latents = tensors["latents"], tensors["audio_latents"]
 
@@ -836,9 +754,7 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         self, model, timesteps, tensors, schedulers, predict, description, callback_on_step_end,
         callback_on_step_end_tensor_inputs,
     ) -> dict:
-        """The sampler of both stages: :func:`~diffusers_magi2.pipelines.sampling_magi2.denoise_steps`
-        (cache context per forward) with the pipeline's progress bar, ``interrupt``, ``current_timestep``,
-        ``num_timesteps`` and step callbacks ``fn(pipe, step, timestep, tensors)``; returns ``tensors``."""
+        """The sampler of both stages: ``denoise_steps`` with progress bar, interrupt and step callbacks."""
         self._num_timesteps = len(timesteps)
         with self._stage_progress_bar(len(timesteps), description) as progress_bar:
 
@@ -849,7 +765,6 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             def on_step_end(i, t, tensors):
                 outputs = {}
                 if callback_on_step_end is not None:
-                    # explicit table, not locals(): a renamed local must not silently break the callback contract
                     inputs = {name: tensors[name] for name in callback_on_step_end_tensor_inputs}
                     outputs = callback_on_step_end(self, i, t, inputs) or {}
                 progress_bar.update()
@@ -873,7 +788,9 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         image_latents,
         image_embeds,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One transformer forward and the CFG combination: v = v_u + g·(v_c − v_u), g = 5 (video) / 7 (audio).
+        """One transformer forward on ``[cond; uncond]`` and the CFG combination (SandAI
+        ``Magi2PreviewSampler.prepare_model_input``/``cfg_velocity``, ``use_ref_for_uncond``): the halves differ
+        only in the text.
 
         Args:
             latents, audio_latents: ``[B, 48, T, h, w]`` / ``[B, L, 64]`` noisy latents (fp32).
@@ -884,11 +801,6 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
 
         Returns:
             guided ``(video [B, 48, T, h, w], audio [B, L, 64])`` velocities, fp32.
-
-        Both halves share the noisy latents, the timestep (the scheduler's integer value, as a float
-        on the 0–1000 scale), the reference image latents and the special-token embedding; they differ
-        only in the text (each keeps its own length through the mask). Matches SandAI
-        ``Magi2PreviewSampler.prepare_model_input``/``cfg_velocity`` with ``use_ref_for_uncond``.
         """
         batch = latents.shape[0]
         cfg = self.do_classifier_free_guidance
