@@ -1,30 +1,17 @@
-"""MAGI-2 attention, shared by the Preview and the 1080p Refiner: gated, qk-normed, 3-axis-rope GQA
-self-attention over packed, modality-sorted tokens.
+"""MAGI-2 attention of both models (SandAI ``Attention`` in ``magi2_preview.py`` and ``magi2_refiner.py``):
+gated, qk-normed, 3-axis-rope GQA self-attention over packed, modality-sorted tokens::
 
-For tokens ``x`` of one layer (``M`` = 3 weight blocks in multimodal layers, else 1)::
+    u = pre_norm(x);  q, k, v = split(linear_qkv(u));  q, k = rope(q_norm(q)), rope(k_norm(k))
+    y = linear_proj(attention(q, k, v; mask) * sigmoid(linear_g(u)))
 
-    u = pre_norm(x);  q, k, v = split(linear_qkv(u));  q, k = q_norm(q), k_norm(k)      (fp32 norms)
-    q, k = rope(q), rope(k);  o = attention(q, k, v; mask);  o = o * sigmoid(linear_g(u))
-    y = linear_proj(o)
+:class:`Magi2Attention` owns the weights; a processor does the math (``set_attn_processor``):
+:class:`Magi2AttnProcessor` (varlen with sinks, through ``dispatch_attention_fn``, so
+``set_attention_backend`` picks the kernel) and :class:`Magi2WindowAttnProcessor` (the refiner's block window).
 
-SandAI ``Attention`` in ``magi2_preview.py`` and ``magi2_refiner.py``. Following diffusers,
-:class:`Magi2Attention` owns the weights and a processor does the math:
-
-* :class:`Magi2AttnProcessor` — varlen attention, one segment per packed sample, with per-head sink
-  logits (the Preview), through diffusers' ``dispatch_attention_fn`` so ``set_attention_backend``
-  picks the kernel;
-* :class:`Magi2WindowAttnProcessor` — the Refiner's block-window attention
-  (:mod:`.window_attention`); its ``backend`` option picks the window kernel.
-
-Both models are :class:`~diffusers.models.attention.AttentionMixin` s: ``set_attn_processor`` swaps
-processors, per layer with a dict.
-
-Sinks are applied exactly through an extra key, for any backend: the head dim is padded by 8 zero
-channels; query head ``h`` carries ``sink_h / scale`` (split into a high and a low part in the compute
-dtype, so the sink logit is exact to ~bf16² in bf16 runs) in two of them, and one extra key with ones
-in those channels and a zero value is appended to every segment. Its scaled logit is exactly
-``sink_h``; since its value is zero this equals MagiAttention's ``out * sigmoid(lse - sink)``.
-Several sink tokens combine to ``logsumexp_s sink[s, h]``.
+Sinks, exactly and for any backend: pad the head dim by 8; query head ``h`` carries ``sink_h / scale`` (as a
+high + low pair in the compute dtype) in two pad channels, and each segment gets one extra key with ones there
+and a zero value. Its logit is ``sink_h``, so the output equals MagiAttention's ``out * sigmoid(lse - sink)``;
+several sinks combine to ``logsumexp_s sink[s, h]``.
 """
 
 from __future__ import annotations
@@ -66,15 +53,11 @@ class Magi2AttentionMask:
     """Which tokens attend to which in one forward; built once by the model, read by every layer.
 
     Attributes:
-        segment_lengths: tokens per packed sample (packed order); samples never attend to each other.
-        window: block-window geometry of a single-sample sequence (read by
-            :class:`Magi2WindowAttnProcessor`; the varlen processor attends densely per segment).
-        dense_mask: explicit ``[N, N]`` bool mask (True = attend), for the reference's own
-            ``(q, k)`` ranges; window processors evaluate it with SDPA.
-        context_parallel: under context parallelism, the forward's
-            :class:`~diffusers_magi2.parallel.context_parallel_runtime.Magi2ContextParallelContext`: the layers
-            hold this rank's token shard and attention runs as Ulysses attention over all tokens of this
-            rank's heads (the mask describes the whole packed sequence).
+        segment_lengths: tokens per packed sample; samples never attend to each other.
+        window: block-window geometry of a single-sample sequence (window processors).
+        dense_mask: explicit ``[N, N]`` bool mask (True = attend), evaluated with SDPA.
+        context_parallel: the forward's ``Magi2ContextParallelContext`` or ``None``; the mask always describes
+            the whole sequence, the layers hold this rank's tokens.
     """
 
     segment_lengths: tuple
@@ -91,7 +74,7 @@ class Magi2AttentionMask:
         return cls(tuple(int(n) for n in mask))
 
     def cached(self, key, build):
-        """``build()`` once per mask (the layers of one forward share it)."""
+        """``build()`` once per mask."""
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
@@ -110,12 +93,10 @@ def magi2_attention_with_sinks(
     """Bidirectional varlen attention with per-head sink logits, via ``dispatch_attention_fn``.
 
     Args:
-        query: ``[N, Hq, D]``; key, value: ``[N, Hkv, D]`` (same dtype; the backend's compute dtype).
-            ``Hq`` must be a multiple of ``Hkv``; query head ``h`` reads kv head ``h // (Hq/Hkv)``.
-        sinks: ``[S, Hq]`` fp32 sink logits in the scaled-logit domain, or ``None`` (no sinks).
-        segment_lengths: Python ints summing to ``N``; tokens of different segments never attend
-            to each other (the packed samples, ``diff(cu_seqlens)``).
-        scale: softmax scale (``D ** -0.5`` in MAGI-2).
+        query: ``[N, Hq, D]``; key, value: ``[N, Hkv, D]``, one dtype, ``Hq % Hkv == 0``.
+        sinks: ``[S, Hq]`` fp32 sink logits, or ``None``.
+        segment_lengths: ints summing to ``N``; segments never attend to each other.
+        scale: softmax scale.
         backend: diffusers ``AttentionBackendName`` or ``None`` (the active default).
 
     Returns:
@@ -179,21 +160,17 @@ def magi2_attention_with_sinks(
 
 
 class _Magi2AttnProcessorBase:
-    """The steps both processors share (tokens modality-sorted on entry and exit): ``pre_norm`` ->
-    ``linear_qkv`` -> fp32 q/k RMSNorm -> packed order -> rope on q, k (fp32) -> compute dtype ->
-    :meth:`attend` (the processor's kernel, packed order) -> sorted order -> ``out * sigmoid(g)`` ->
-    ``linear_proj``."""
+    """The steps both processors share; subclasses give :meth:`attend` (packed order)."""
 
     _attention_backend = None
     _parallel_config = None
 
     def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask, heads=None) -> torch.Tensor:
-        """``[N, Hq, D]``, ``[N, Hkv, D]`` x2 (packed order, compute dtype) -> ``[N, Hq, D]``; ``heads`` (a
-        ``range`` of query heads, ``None`` = all) names the heads ``query`` holds under context parallelism."""
+        """``[N, Hq, D]``, ``[N, Hkv, D]`` x2 -> ``[N, Hq, D]``; ``heads``: the query heads held under CP."""
         raise NotImplementedError
 
     def _attend_all_tokens(self, attn, query, key, value, attention_mask: Magi2AttentionMask) -> torch.Tensor:
-        """:meth:`attend` on this process's tokens, or, under context parallelism, as Ulysses attention."""
+        """:meth:`attend`, as Ulysses attention under context parallelism."""
         cp = attention_mask.context_parallel
         if cp is None or cp.world_size == 1:
             return self.attend(attn, query, key, value, attention_mask)
@@ -223,23 +200,16 @@ class _Magi2AttnProcessorBase:
         out = dispatch.sort(self._attend_all_tokens(attn, q, k, v.to(dtype), attention_mask).to(dtype))
         if attn.linear_g is not None:
             g = attn.linear_g(u, gs)
-            # SandAI's preview gates in the compute dtype, its refiner in fp32
             g = g.float() if attn.gate_in_fp32 else g.to(out.dtype)
             out = out * torch.sigmoid(g).unsqueeze(-1)
         return attn.linear_proj(out.reshape(n, attn.q_size).to(dtype), gs)
 
 
 class Magi2AttnProcessor(_Magi2AttnProcessorBase):
-    """Varlen attention with sinks (SandAI preview ``Attention.forward``); the Preview's processor.
-
-    Each packed sample is its own segment; sinks are used when the layer has them. The kernel is the
-    diffusers attention backend (``set_attention_backend``).
+    """Varlen attention with sinks, one segment per packed sample (SandAI preview ``Attention.forward``).
 
     Args:
-        upcast_off_cuda: attend in fp32 off CUDA when the compute dtype is lower. SandAI's FA3 takes
-            bf16 q/k/v but keeps the softmax and ``P @ V`` in fp32; CPU kernels fed bf16 round far
-            more, so the (already rounded) q/k/v are attended in fp32 and the result rounded once,
-            as in the golden fixtures.
+        upcast_off_cuda: attend the (rounded) q/k/v in fp32 off CUDA, as FA3 keeps softmax and ``P @ V`` in fp32.
     """
 
     def __init__(self, upcast_off_cuda: bool = True) -> None:
@@ -260,14 +230,11 @@ class Magi2AttnProcessor(_Magi2AttnProcessorBase):
 class Magi2WindowAttnProcessor(_Magi2AttnProcessorBase):
     """Block-window attention of one packed Refiner sample (SandAI refiner ``Attention.forward``).
 
-    Reads ``attention_mask.window`` (a :class:`Magi2WindowGeometry`) or ``attention_mask.dense_mask``;
-    with neither, it attends densely per segment (through the diffusers attention backend). Masks are
-    built once per forward, and flex ``BlockMask`` s are cached across forwards.
+    Reads ``attention_mask.window`` or ``.dense_mask``; with neither it attends densely per segment.
 
     Args:
-        backend: window kernel, one of ``"auto"`` (flex on CUDA; elsewhere sdpa when the dense mask is
-            small enough, else gather), ``"sdpa"``, ``"flex"``, ``"gather"``
-            (see :func:`~diffusers_magi2.models.window_attention.block_window_attention`).
+        backend: ``"auto"``, ``"sdpa"``, ``"flex"`` or ``"gather"``
+            (:func:`~diffusers_magi2.models.window_attention.block_window_attention`).
         max_dense_mask_elements: largest ``N * N`` dense mask the ``"sdpa"`` kernel may build.
 
     Raises:
@@ -320,9 +287,8 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
         params_dtype: dtype of ``linear_g``, ``linear_qkv``, ``linear_proj`` (``None`` = torch default).
         processor: a processor instance (default :class:`Magi2AttnProcessor`).
 
-    Parameters: ``pre_norm.weight [M*C]``, ``linear_g.weight [M*Hq, C]``,
-    ``linear_qkv.weight [M*(Hq+2Hkv)*D, C]`` (rows q | k | v), ``linear_proj.weight [M*C, Hq*D]``,
-    ``sinks [S, Hq]``, ``q_norm.weight``/``k_norm.weight [M*D]``; fp32 except the three linears.
+    Parameters (fp32 but the three linears): ``pre_norm [M*C]``, ``linear_g [M*Hq, C]``, ``linear_qkv
+    [M*(Hq+2Hkv)*D, C]`` (rows q | k | v), ``linear_proj [M*C, Hq*D]``, ``sinks [S, Hq]``, ``q_norm``/``k_norm [M*D]``.
 
     Raises:
         ValueError: ``Hq`` is not a multiple of ``Hkv``.
@@ -368,7 +334,6 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
         self.k_norm = Magi2MultiModalityRMSNorm(dim_head, num_modality, eps=eps, out_dtype=torch.float32)
         self.set_processor(processor if processor is not None else self._default_processor_cls())
 
-    # diffusers-style aliases
     @property
     def num_heads(self) -> int:
         return self.heads
@@ -379,8 +344,7 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """Dtype the attention runs in: the one ``linear_qkv`` computes in (:func:`linear_compute_dtype`;
-        under layerwise casting the compute dtype, never the storage dtype)."""
+        """Dtype the attention runs in (``linear_qkv``'s compute dtype)."""
         return linear_compute_dtype(self.linear_qkv)
 
     def forward(
@@ -390,19 +354,15 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
         dispatch: Magi2ModalityDispatch,
         attention_mask: Union[Magi2AttentionMask, Sequence[int]],
     ) -> torch.Tensor:
-        """``hidden_states`` ``[N, C]`` (modality-sorted) -> ``[N, C]`` in the compute dtype.
-
-        ``rotary_emb`` is ``[N, 6*D/8]`` fp32 in packed order; ``attention_mask`` a
-        :class:`Magi2AttentionMask` or the packed samples' lengths.
-        """
+        """``hidden_states`` ``[N, C]`` modality-sorted, ``rotary_emb`` ``[N, 6D/8]`` fp32 packed order,
+        ``attention_mask`` a :class:`Magi2AttentionMask` or segment lengths -> ``[N, C]`` compute dtype."""
         return self.processor(self, hidden_states, rotary_emb, dispatch, Magi2AttentionMask.wrap(attention_mask))
 
 
 def check_transformer_geometry(
     num_layers: int, num_attention_heads: int, num_key_value_heads: int, attention_head_dim: int, **layer_lists
 ) -> None:
-    """Check a MAGI-2 config's attention geometry and its per-layer index lists (``name=[indices]`` or
-    ``None``).
+    """Check a MAGI-2 config's attention geometry and its per-layer index lists (``name=[indices]``).
 
     Raises:
         ValueError: a count below 1, ``Hq % Hkv != 0``, a head dim that is not a multiple of 8 (rope), or
@@ -452,15 +412,14 @@ def check_attention_kwargs(owner: str, attention_kwargs, supported: Sequence[str
 
 
 def _skip_magi2_attention(module, *args, **kwargs):
-    # LayerSkip-style hooks: a skipped MAGI-2 attention hands back its input hidden states.
+    """LayerSkip hooks: a skipped attention returns its input."""
     hidden_states = kwargs.get("hidden_states")
     return hidden_states if hidden_states is not None else args[0]
 
 
 def register_block_for_caching_hooks(block_cls) -> None:
-    """Register a MAGI-2 block (returns its hidden states) and the attention processors with diffusers'
-    hook registries (private API, diffusers pinned to 0.42.x), so FirstBlockCache, MagCache and
-    TaylorSeer find ``transformer_blocks``."""
+    """Register a block class and the processors with diffusers' hook registries (FirstBlockCache, MagCache,
+    TaylorSeer; private API of diffusers 0.42)."""
     from diffusers.hooks._helpers import (
         AttentionProcessorMetadata,
         AttentionProcessorRegistry,

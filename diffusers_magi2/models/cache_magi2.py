@@ -1,12 +1,5 @@
-"""diffusers' caching hooks on the MAGI-2 transformers (preview and refiner).
-
-FirstBlockCache and MagCache find the blocks by the ``transformer_blocks`` name and read each
-block's ``hidden_states`` through ``TransformerBlockRegistry`` (each model module registers its
-block). TaylorSeer's built-in identifiers (``^transformer_blocks.*attn``, matched in full) do not
-match a MAGI-2 block's ``attention`` child, so :class:`Magi2CacheMixin` fills in the
-``cache_identifiers`` of a ``TaylorSeerCacheConfig`` that names none: the diffusers way to tell
-TaylorSeer which modules to approximate.
-"""
+"""diffusers' caching hooks on both models: TaylorSeer's built-in identifiers do not match a MAGI-2 block's
+``attention`` child, so :class:`Magi2CacheMixin` names it."""
 
 from __future__ import annotations
 
@@ -24,8 +17,7 @@ class Magi2CacheMixin(CacheMixin):
     """``CacheMixin`` whose TaylorSeer default approximates the blocks' attention modules."""
 
     def enable_cache(self, config) -> None:
-        """``CacheMixin.enable_cache``; a ``TaylorSeerCacheConfig`` without ``cache_identifiers``,
-        ``skip_predict_identifiers`` or ``use_lite_mode`` gets :data:`MAGI2_ATTENTION_IDENTIFIERS`."""
+        """``CacheMixin.enable_cache``; a bare ``TaylorSeerCacheConfig`` gets :data:`MAGI2_ATTENTION_IDENTIFIERS`."""
         from diffusers.hooks import TaylorSeerCacheConfig
 
         if (

@@ -1,16 +1,13 @@
-"""Position and time embeddings of MAGI-2 (Preview and Refiner).
+"""Position and time embeddings of MAGI-2, all fp32.
 
-* :class:`Magi2RotaryPosEmbed` — element-wise 3-axis Fourier/RoPE table from 9-column token
-  coordinates (SandAI ``ElementWiseFourierEmbed``, reference spec §1.3). Its ``bands`` buffer is the
-  checkpoint key ``pre_adapter.rope.bands``.
-* :func:`apply_magi2_rotary_emb` — GPT-NeoX rotate-half on the first ``6*B`` (= 3/4) head dims
-  (SandAI ``apply_rotary_emb_torch``, non-interleaved).
-* :func:`magi2_timestep_embedding` — the cos-first sinusoidal time embedding (SandAI
-  ``sinusoidal_embedding_1d``), which overwrites channels ``0:64`` of the embedded stream.
-* ``*_coords`` helpers — the coordinate rows the preview data proxy builds (spec §1.3 table,
-  SandAI ``get_coords`` + ``SingleData.coords_to_cat``).
+Rope (SandAI ``ElementWiseFourierEmbed``): a token at ``(t, h, w)`` of a grid ``(T, H, W)`` with reference size
+``(refT, refH, refW)`` gets, per axis ``a`` and band ``k < B = head_dim / 8``::
 
-All math is fp32. Independent implementation of the reference behaviour.
+    theta[a, k] = (pos_a - c_a) * (ref_a - 1) / (size_a - 1) * bands[k],   c = (0, (H-1)/2, (W-1)/2)
+
+and the table ``[sin theta, cos theta]`` (``6B`` = 3/4 of the head dims) rotates q and k rotate-half
+(SandAI ``apply_rotary_emb_torch``). The time embedding is SandAI's cos-first ``sinusoidal_embedding_1d``; the
+``*_coords`` helpers build the coordinate rows of SandAI ``get_coords``.
 """
 
 from __future__ import annotations
@@ -35,28 +32,17 @@ __all__ = [
 
 
 def magi2_default_rope_bands(head_dim: int, temperature: float = 10000.0) -> torch.Tensor:
-    """Default rope bands ``temperature ** (-k / B)``, ``k = 0..B-1``, ``B = head_dim // 8`` (fp32 ``[B]``).
-
-    Matches SandAI ``freq_bands(dim // 8, step=1)``.
-    """
+    """Rope bands ``temperature ** (-k / B)``, ``B = head_dim // 8`` (SandAI ``freq_bands``)."""
     num_bands = head_dim // 8
     exponent = torch.arange(0, num_bands, dtype=torch.int64).to(torch.float32) / num_bands
     return 1.0 / (temperature**exponent)
 
 
 class Magi2RotaryPosEmbed(nn.Module):
-    """Element-wise 3-axis rope table (SandAI ``ElementWiseFourierEmbed``, spec §1.3).
-
-    For each token with coordinates ``(t, h, w, T, H, W, refT, refH, refW)``:
-    ``scale_a = (ref_a - 1) / (size_a - 1)`` (1 where ``ref_a == size_a == 1``), ``h``/``w`` are
-    centred by ``(size - 1) / 2`` (``t`` is not), ``theta[a, k] = coord_a * scale_a * bands[k]``.
-    Output ``[N, 6B]`` fp32 = ``[sin theta_t, sin theta_h, sin theta_w, cos theta_t, cos theta_h, cos theta_w]``.
+    """Element-wise 3-axis rope table (module docstring); ``bands`` is a persistent ``[B]`` fp32 buffer.
 
     Args:
-        head_dim: attention head dim; ``B = head_dim // 8`` bands per axis, ``6B = 3/4 * head_dim``
-            dims are rotated.
-
-    Buffers: ``bands`` ``[B]`` fp32, persistent (checkpoint key ``pre_adapter.rope.bands``).
+        head_dim: attention head dim, a multiple of 8.
     """
 
     def __init__(self, head_dim: int) -> None:
@@ -70,8 +56,7 @@ class Magi2RotaryPosEmbed(nn.Module):
         """``coords`` ``[N, 9]`` (any float dtype, computed in fp32) -> rope ``[N, 6B]`` fp32.
 
         Raises:
-            ValueError: if ``coords`` is not ``[N, 9]`` or a scale is 0/0 or infinite (a size of 1
-                with a reference other than 1), which the reference asserts against.
+            ValueError: ``coords`` is not ``[N, 9]``, or a size of 1 has a reference other than 1.
         """
         if coords.dim() != 2 or coords.shape[1] != 9:
             raise ValueError(f"coords must be [N, 9], got {tuple(coords.shape)}")
@@ -92,15 +77,11 @@ class Magi2RotaryPosEmbed(nn.Module):
 
 
 def apply_magi2_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rope on the first ``rope.shape[-1]`` dims of each head, in fp32.
+    """Rotate-half rope on the first ``2R`` dims of each head, fp32: ``(x1 cos - x2 sin, x2 cos + x1 sin, rest)``.
 
     Args:
-        x: ``[N, heads, head_dim]`` (any float dtype; the result is fp32).
-        rope: ``[N, 2R]`` fp32 from :class:`Magi2RotaryPosEmbed`; first half sin, second half cos;
-            ``2R <= head_dim`` dims are rotated, the rest pass through.
-
-    With ``x1 = x[..., :R]``, ``x2 = x[..., R:2R]``: ``out1 = x1*cos - x2*sin``,
-    ``out2 = x2*cos + x1*sin`` (SandAI ``apply_rotary_emb_torch``, non-interleaved).
+        x: ``[N, heads, head_dim]``, any float dtype.
+        rope: ``[N, 2R]`` fp32 ``[sin | cos]`` from :class:`Magi2RotaryPosEmbed`, ``2R <= head_dim``.
     """
     x = x.float()
     rot = rope.shape[-1]
@@ -117,20 +98,15 @@ def magi2_timestep_embedding(t_normalized: torch.Tensor, dim: int = 64) -> torch
     """Cos-first sinusoidal time embedding (SandAI ``sinusoidal_embedding_1d``).
 
     Args:
-        t_normalized: ``[N]`` diffusion time on the **0-1** scale (the reference passes
-            timestep/1000); cast to fp32, then ``p = t * 1000``.
-        dim: embedding width (64 in MAGI-2).
+        t_normalized: ``[N]`` diffusion time on the 0-1 scale; ``p = 1000 t``.
+        dim: embedding width (64).
 
     Returns:
-        ``[N, dim]`` fp32: ``[cos(p f_k) for k < dim/2, sin(p f_k) ...]`` with
-        ``f_k = exp(-ln(10000) k / (dim/2))``; an odd ``dim`` gets a trailing zero column.
-        ``t = 0`` gives ``dim/2`` ones then zeros.
+        ``[N, dim]`` fp32 ``[cos(p f_k), sin(p f_k)]``, ``f_k = exp(-ln(10000) k / (dim/2))`` (odd ``dim``: a zero column).
     """
     position = t_normalized.to(torch.float32).reshape(-1) * 1000.0
     half = dim // 2
-    # The fp32 exponent is the reference's; the exp itself is taken in float64 and rounded once so the
-    # frequencies are correctly rounded on every CPU/GPU (vectorised fp32 exp differs by 1 ulp across
-    # SIMD widths; the golden fixtures hold the correctly rounded values).
+    # exp in float64, rounded once: fp32 exp differs by 1 ulp across SIMD widths; the fixtures are correctly rounded
     exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32) / half
     freqs = torch.exp(exponent.double()).to(device=position.device, dtype=torch.float32)
     args = position[:, None] * freqs[None]
@@ -147,10 +123,7 @@ def grid_coords(
     device: Optional[torch.device] = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Coordinates ``[T*H*W, 9]`` of a (T, H, W) grid, row-major t, h, w (SandAI ``get_coords``).
-
-    Columns: ``(t + off_t, h + off_h, w + off_w, T, H, W, refT, refH, refW)``.
-    """
+    """Coordinates ``[T*H*W, 9]`` ``(t, h, w) + offset, T, H, W, ref`` of a grid, row-major (SandAI ``get_coords``)."""
     T, H, W = shape
     t = torch.arange(T, device=device, dtype=dtype) + offset[0]
     h = torch.arange(H, device=device, dtype=dtype) + offset[1]
@@ -179,11 +152,8 @@ def text_coords(length: int, device=None, dtype=torch.float32) -> torch.Tensor:
 def image_coords(
     t_offset: int, height: int, width: int, device=None, dtype=torch.float32
 ) -> torch.Tensor:
-    """Reference image ``k``: one special-token row then ``height*width`` patch rows. ``[1 + h*w, 9]``.
-
-    ``t_offset`` is ``T + 2 + k`` (``T`` = video latent frames). Special token: ``(t_off, -1, -1,
-    1, h, w, 1, h, w)``; patches: a ``(1, h, w)`` grid at time ``t_off``.
-    """
+    """Reference image ``k`` at ``t_offset = T + 2 + k``: the special-token row ``(t, -1, -1, 1, h, w, 1, h, w)``
+    then its ``(1, h, w)`` patch grid, ``[1 + h*w, 9]``."""
     special = torch.tensor(
         [[t_offset, -1, -1, 1, height, width, 1, height, width]], device=device, dtype=dtype
     )

@@ -1,9 +1,10 @@
-"""Feed-forward layers of MAGI-2: the dense swiglu7 MLP (Preview and Refiner) and the Preview's multi-head MoE MLP.
+"""Feed-forward layers of MAGI-2 (SandAI ``MLP`` and ``MultiHeadMoELayer``), under ``transformer_blocks.{i}.mlp.``::
 
-Numerically follow SandAI-org/MAGI-2-preview ``inference/model/magi2_preview.py`` (``MLP`` and
-``MultiHeadMoELayer``; reference spec §1.8, §1.9, §3). Parameter names are SandAI's, under
-``transformer_blocks.{i}.mlp.``. The routed experts are the MoE core
-(:class:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE`).
+    dense:  y = down_proj(swiglu7(up_gate_proj(pre_norm(x))))
+    MoE:    u = pre_norm(x);  y = merge_linear(moe(split_linear(u))) + shared_fc2(swiglu7(shared_fc1(u)))
+                                  + modality_shared_fc2(swiglu7(modality_shared_fc1(u)))
+
+with the three MoE terms each rounded to the residual dtype before the sum, as SandAI does.
 """
 
 from __future__ import annotations
@@ -25,19 +26,15 @@ __all__ = ["Magi2FeedForward", "Magi2MoEFeedForward"]
 
 
 class Magi2FeedForward(nn.Module):
-    """Dense swiglu7 MLP of both models (SandAI ``MLP``; spec §1.8). Prefix ``transformer_blocks.{i}.mlp.``.
-
-    ``pre_norm`` (multi-modality RMSNorm) -> ``up_gate_proj`` ``[M*2I, C]`` (gate/linear rows
-    interleaved) -> swiglu7 (fp32 math, rounded to the weight dtype) -> ``down_proj`` ``[M*C, I]``.
+    """Dense swiglu7 MLP of both models (SandAI ``MLP``); ``up_gate_proj`` ``[M*2I, C]`` has gate/linear rows
+    interleaved, ``down_proj`` is ``[M*C, I]``.
 
     Args:
         hidden_size: ``C``; intermediate_size: ``I``; num_modality: ``M`` (1 or 3).
-        params_dtype: dtype of the two linears (``None`` = torch default).
+        params_dtype: dtype of the two linears.
         eps: RMSNorm epsilon.
-        output_dtype: dtype of the result; ``None`` = the input dtype (the Preview). The Refiner's
-            MLP returns fp32, so its residual is fp32 from layer 0's MLP on.
-        chunk_size: tokens per chunk (``None`` = unchunked). Every op is per token, so chunking is the
-            same math up to GEMM rounding; it bounds the ``[N, 2I]`` fp32 intermediate.
+        output_dtype: dtype of the result; ``None`` = the input dtype (the refiner's is fp32).
+        chunk_size: tokens per chunk (``None`` = unchunked; the same math up to GEMM rounding).
     """
 
     def __init__(
@@ -65,20 +62,17 @@ class Magi2FeedForward(nn.Module):
         return self.down_proj(x, group_sizes).to(self.output_dtype or hidden_states.dtype)
 
     def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
-        """Dense MLP on modality-sorted tokens (matches SandAI ``MLP.forward``).
+        """Dense MLP on modality-sorted tokens.
 
         Args:
-            hidden_states: ``[T, C]`` tokens (any float dtype), sorted by modality (video, audio,
-                text) as ``dispatch`` describes.
-            dispatch: the batch's modality order; its ``group_sizes`` pick the per-modality norm and
-                linear blocks when this layer has 3 modalities (ignored with 1).
+            hidden_states: ``[T, C]`` tokens, sorted by modality as ``dispatch`` describes.
+            dispatch: the batch's modality order.
 
         Returns:
             ``[T, C]`` in :attr:`output_dtype` (default ``hidden_states.dtype``).
 
         Raises:
-            ValueError: last dim is not ``C`` or the group sizes do not sum to ``T``
-                (from the norm and the linears).
+            ValueError: last dim is not ``C``, or the group sizes do not sum to ``T``.
         """
         gs = dispatch.group_sizes if self.num_modality > 1 else None
         chunk = self.chunk_size
@@ -97,14 +91,8 @@ class Magi2FeedForward(nn.Module):
 
 
 class Magi2MoEFeedForward(nn.Module):
-    """Multi-head MoE MLP with shared experts (SandAI ``MultiHeadMoELayer``; spec §1.9, §3).
-
-    ``x = pre_norm(u)`` (3 modalities always), ``y = merge_linear(moe_mlp(split_linear(x)))
-    + shared_expert_fc2(a) + modality_specific_shared_expert_fc2(b)`` where ``(a | b) =
-    swiglu7([shared_expert_fc1(x) | modality_specific_shared_expert_fc1(x)])``. ``moe_mlp`` is the
-    MoE core :class:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE` (routed experts), whose banks are stored in
-    ``expert_dtype`` (``Magi2MultiHeadMoEConfig.expert_dtype``).
-    """
+    """Multi-head MoE MLP with shared experts (SandAI ``MultiHeadMoELayer``; module docstring); ``moe_mlp`` is
+    :class:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE`, its banks stored in ``expert_dtype``."""
 
     def __init__(
         self,
@@ -165,24 +153,18 @@ class Magi2MoEFeedForward(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch, context_parallel=None
     ) -> torch.Tensor:
-        """Routed + shared experts on modality-sorted tokens (matches SandAI ``MultiHeadMoELayer.forward``).
+        """Routed + shared experts on modality-sorted tokens.
 
         Args:
-            hidden_states: ``[T, C]`` tokens in the residual dtype (bf16 or fp32), sorted by modality
-                as ``dispatch`` describes (``pre_norm`` always has 3 modality blocks).
-            dispatch: the batch's modality order (``group_sizes`` for the norm and the
-                modality-specific shared expert).
-            context_parallel: under context parallelism, the forward's
-                ``Magi2ContextParallelContext`` (the tokens are this rank's shard; passed to ``moe_mlp``).
+            hidden_states: ``[T, C]`` tokens in the residual dtype, sorted as ``dispatch`` describes.
+            dispatch: the batch's modality order.
+            context_parallel: the forward's ``Magi2ContextParallelContext`` (tokens are this rank's shard).
 
         Returns:
-            ``[T, C]`` in ``hidden_states.dtype``: ``merge_linear(moe_mlp(split_linear(x)))`` plus the
-            shared and modality-specific shared experts, each rounded to that dtype before the sum
-            (the reference's order).
+            ``[T, C]`` in ``hidden_states.dtype``.
 
         Raises:
-            ValueError: last dim is not ``C`` or the group sizes do not sum to ``T``; the routed-expert
-                backend's errors (see :meth:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE.forward`).
+            ValueError: last dim is not ``C``, the group sizes do not sum to ``T``, or the expert backend fails.
         """
         dtype = hidden_states.dtype
         norm_output = self.pre_norm(hidden_states, dispatch.group_sizes)

@@ -1,25 +1,11 @@
-"""Per-modality building blocks shared by the MAGI-2 Preview and Refiner transformers.
+"""Per-modality building blocks of both MAGI-2 models (SandAI ``magi2_preview.py``: ``Modality``,
+``ModalityDispatcher``, ``MultiModalityRMSNorm``, ``CustomGroupedLinear``).
 
-MAGI-2 packs video, audio and text tokens of one or more samples into a single token sequence.
-Several weights exist once per modality ("grouped" or "multi-modality" weights). They are stored
-modality-major along dim 0 (block ``m`` in video, audio, text order is rows ``m*out:(m+1)*out``),
-exactly as in SandAI's released checkpoints (reference spec §1.6, §2.2).
-
-Grouped ops in this module expect their tokens **sorted by modality** (all video, then audio, then
-text) and take the per-modality token counts as a tuple of Python ints
-(:class:`Magi2ModalityDispatch` computes both once per forward). Single-modality modules
-(``num_modality == 1``) ignore the group sizes, so the same code serves the refiner (no mHC, GQA,
-fp32 residual after layer 0) and the preview.
-
-Single-modality projections are :class:`Magi2Linear`, an ``nn.Linear``, so diffusers' layerwise
-casting and PEFT LoRA see them; the 3-modality ones are :class:`Magi2ModalityGroupedLinear`
-(:func:`modality_linear` picks). A projection computes in the dtype its weight has *during* its call:
-the weight dtype, or the compute dtype of diffusers' layerwise casting, whose hook casts the stored
-(e.g. FP8) weight for the call; :func:`linear_compute_dtype` reads that dtype from outside.
-
-Everything here follows the math of SandAI's ``magi2_preview.py`` (``Modality``,
-``ModalityDispatcher``, ``MultiModalityRMSNorm``, ``CustomGroupedLinear``, ``swiglu7``) but is an
-independent implementation.
+A grouped weight holds one block per modality, modality-major along dim 0 (block ``m`` of video, audio, text
+is rows ``m*out:(m+1)*out``), as in SandAI's checkpoints. Grouped ops take tokens sorted by modality and the
+per-modality counts as Python ints (:class:`Magi2ModalityDispatch`); with one modality they ignore the counts.
+Single-modality projections are :class:`Magi2Linear` (an ``nn.Linear``, so layerwise casting and PEFT see
+them); a projection computes in its weight's dtype during the call (:func:`linear_compute_dtype`).
 """
 
 from __future__ import annotations
@@ -34,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from diffusers.hooks.layerwise_casting import _LAYERWISE_CASTING_HOOK
 
-from ..moe.activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT, swiglu7_interleaved  # the one swiglu7 (re-exported)
+from ..moe.activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT, swiglu7_interleaved  # re-exported
 
 __all__ = [
     "Modality",
@@ -51,11 +37,7 @@ __all__ = [
 
 
 class Modality(IntEnum):
-    """Token modality ids used in ``modality_mapping`` (matches SandAI reference ``Modality``).
-
-    ``TIME`` only exists as an input marker; models remap it to ``TEXT`` before dispatching, so the
-    number of per-modality weight blocks is always 3 (video, audio, text).
-    """
+    """Token modality ids of ``modality_mapping`` (SandAI ``Modality``); ``TIME`` is dispatched as ``TEXT``."""
 
     VIDEO = 0
     AUDIO = 1
@@ -68,16 +50,14 @@ NUM_MODALITIES = 3
 
 @dataclass
 class Magi2ModalityDispatch:
-    """Modality-sorted token order for one packed sequence (cf. SandAI ``ModalityDispatcher``).
+    """Modality-sorted token order of one packed sequence (SandAI ``ModalityDispatcher``).
 
     Attributes:
-        modality_ids: ``[N]`` int64, per-token modality in *packed* order (TIME already mapped to TEXT).
-        permutation: ``[N]`` int64, stable ``argsort(modality_ids)``; ``x[permutation]`` is sorted
-            (video, audio, text), preserving packed order inside each modality.
-        inverse_permutation: ``[N]`` int64 with ``sorted[inverse_permutation] == packed``.
-            Both are ``None`` when the packed order is already sorted (sorting is then the identity).
-        group_sizes: tuple of ``num_modalities`` Python ints, tokens per modality in sorted order.
-        sorted_modality_ids: ``[N]`` int64, ``modality_ids[permutation]``.
+        modality_ids: ``[N]`` int64 per-token modality, packed order.
+        permutation: stable ``argsort(modality_ids)`` (``x[permutation]`` is sorted), or ``None`` if already sorted.
+        inverse_permutation: ``sorted[inverse_permutation] == packed``, or ``None``.
+        group_sizes: tokens per modality (Python ints).
+        sorted_modality_ids: ``modality_ids[permutation]``.
     """
 
     modality_ids: torch.Tensor
@@ -93,12 +73,11 @@ class Magi2ModalityDispatch:
         """Build the dispatch from a per-token modality tensor.
 
         Args:
-            modality_mapping: ``[N]`` integer tensor of :class:`Modality` values (``TIME`` allowed,
-                it is treated as ``TEXT``).
-            num_modalities: number of weight blocks (3 for MAGI-2).
+            modality_mapping: ``[N]`` integer :class:`Modality` values.
+            num_modalities: number of weight blocks (3).
 
         Raises:
-            ValueError: if ``modality_mapping`` is not 1-D or holds ids outside ``[0, 3]``.
+            ValueError: not 1-D, or ids outside ``[0, 3]``.
         """
         if modality_mapping.dim() != 1:
             raise ValueError(
@@ -121,8 +100,7 @@ class Magi2ModalityDispatch:
     def from_sorted_group_sizes(
         cls, group_sizes: Sequence[int], device: Optional[torch.device] = None
     ) -> "Magi2ModalityDispatch":
-        """The identity dispatch of a sequence already packed in modality order (video, audio, text),
-        ``group_sizes[m]`` tokens of modality ``m``."""
+        """The identity dispatch of a sequence already in modality order."""
         sizes = tuple(int(g) for g in group_sizes)
         ids = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
         return cls(ids, None, None, sizes, ids)
@@ -136,7 +114,7 @@ class Magi2ModalityDispatch:
         return x if self.inverse_permutation is None else x.index_select(0, self.inverse_permutation)
 
     def to(self, device: torch.device) -> "Magi2ModalityDispatch":
-        """Return a copy whose index tensors live on ``device``."""
+        """A copy with the index tensors on ``device``."""
 
         def move(t):
             return None if t is None else t.to(device)
@@ -163,21 +141,14 @@ def _check_groups(num_tokens: int, group_sizes: Optional[Sequence[int]], num_mod
 
 
 class Magi2MultiModalityRMSNorm(nn.Module):
-    """Zero-centred RMSNorm with one weight block per modality (SandAI ``MultiModalityRMSNorm``).
-
-    ``y = x * rsqrt(mean(x**2, -1) + eps) * (1 + w_m)``, computed in fp32, where ``w_m`` is the
-    block of ``weight`` (fp32, shape ``[num_modality * dim]``, modality-major) of the token's
-    modality. Leading dims of ``x`` other than the token dim are allowed (e.g. q/k norms on
-    ``[N, heads, head_dim]``: one weight shared by all heads).
+    """Zero-centred RMSNorm, one fp32 weight block per modality (SandAI ``MultiModalityRMSNorm``):
+    ``y = x * rsqrt(mean(x^2) + eps) * (1 + w_m)`` in fp32, on ``[N, ..., dim]``.
 
     Args:
         dim: normalised (last) dimension.
-        num_modality: 1 (one weight for all tokens) or 3 (video, audio, text blocks).
-        eps: added to the mean square (1e-6 everywhere in MAGI-2).
-        out_dtype: output dtype; ``None`` keeps the input dtype (q/k/mHC norms use fp32).
-
-    Shapes: ``x`` ``[N, ..., dim]`` any float dtype, tokens sorted by modality if
-    ``num_modality > 1``; returns the same shape.
+        num_modality: 1 or 3.
+        eps: added to the mean square.
+        out_dtype: output dtype; ``None`` keeps the input dtype.
     """
 
     def __init__(
@@ -200,10 +171,10 @@ class Magi2MultiModalityRMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, group_sizes: Optional[Sequence[int]] = None
     ) -> torch.Tensor:
-        """Normalise ``x`` ``[N, ..., dim]``; ``group_sizes`` = tokens per modality (sorted order).
+        """Normalise ``x`` ``[N, ..., dim]`` (sorted by modality, ``group_sizes`` tokens each).
 
         Raises:
-            ValueError: if ``x``'s last dim is not ``dim`` or the group sizes do not match.
+            ValueError: last dim is not ``dim``, or the group sizes do not match.
         """
         if x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm expects last dim {self.dim}, got input shape {tuple(x.shape)}")
@@ -220,21 +191,14 @@ class Magi2MultiModalityRMSNorm(nn.Module):
 
 
 class Magi2ModalityGroupedLinear(nn.Module):
-    """Linear layer with one weight matrix per modality (SandAI ``CustomGroupedLinear``).
-
-    ``weight`` has shape ``[num_modality * out_features, in_features]`` (block ``m`` = rows
-    ``m*out:(m+1)*out``) and is applied as ``x @ W_m.T`` to the tokens of modality ``m``.
-    The input is cast to the weight dtype (bf16 matmul for bf16 weights, as the reference); the
-    result is returned in ``out_dtype`` if given, else the weight dtype.
+    """One weight matrix per modality (SandAI ``CustomGroupedLinear``): ``y = x @ W_m.T`` for the tokens of
+    modality ``m``, ``[N, in] -> [N, out]``, in the weight dtype (the input is cast to it).
 
     Args:
         in_features, out_features: per-modality matrix size.
         num_modality: 1 or 3.
-        bias: whether to add a per-modality bias ``[num_modality * out_features]``.
-        dtype: parameter dtype (None → torch default).
-
-    Shapes: ``x`` ``[N, in_features]`` sorted by modality when ``num_modality > 1``;
-    returns ``[N, out_features]``.
+        bias: add a per-modality bias.
+        dtype: parameter dtype.
     """
 
     def __init__(
@@ -257,7 +221,7 @@ class Magi2ModalityGroupedLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """``nn.Linear``'s default init per modality block (real checkpoints overwrite it; no-op on meta)."""
+        """``nn.Linear``'s default init per block (no-op on meta)."""
         if self.weight.is_meta:
             return
         bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
@@ -278,7 +242,7 @@ class Magi2ModalityGroupedLinear(nn.Module):
         group_sizes: Optional[Sequence[int]] = None,
         out_dtype: Optional[torch.dtype] = None,
     ) -> torch.Tensor:
-        """Apply the per-modality matrices; see class docstring.
+        """Apply the per-modality matrices (tokens sorted, ``group_sizes`` each), output in ``out_dtype``.
 
         Raises:
             ValueError: wrong input width or group sizes that do not match the token count.
@@ -303,12 +267,8 @@ class Magi2ModalityGroupedLinear(nn.Module):
 
 
 class Magi2Linear(nn.Linear):
-    """``nn.Linear`` of a single-modality projection (SandAI ``CustomGroupedLinear`` with one modality).
-
-    Same parameters and state-dict names as ``nn.Linear`` (``weight [out, in]``, optional ``bias``). The
-    input is cast to the weight's dtype at call time, as SandAI does; under layerwise casting that is
-    the compute dtype. ``group_sizes`` is accepted and ignored, so it drops in where a grouped linear is
-    called (and PEFT's LoRA wrapper passes it through).
+    """``nn.Linear`` of a single-modality projection; casts the input to the weight's dtype and ignores
+    ``group_sizes`` (so it drops in for a grouped linear).
 
     Raises:
         ValueError: the input's last dim is not ``in_features``.
@@ -330,8 +290,7 @@ def modality_linear(
 
 
 def linear_compute_dtype(linear: nn.Module) -> torch.dtype:
-    """The dtype ``linear`` computes in: the layerwise-casting compute dtype when its hook is on, else the
-    weight's dtype (a PEFT wrapper is looked through to its base layer)."""
+    """The dtype ``linear`` computes in: layerwise casting's compute dtype, else the weight's (through PEFT)."""
     while hasattr(linear, "base_layer"):
         linear = linear.base_layer
     registry = getattr(linear, "_diffusers_hook", None)

@@ -1,23 +1,11 @@
-"""``Magi2ModelMixin``: what both MAGI-2 transformers add to diffusers' ``ModelMixin``.
+"""``Magi2ModelMixin``: what both MAGI-2 models add to diffusers' ``ModelMixin``.
 
-* **fp32 islands through dtype moves.** ``from_pretrained(dtype=...)`` keeps every ``_keep_in_fp32_modules``
-  tensor fp32; ``ModelMixin.to(dtype)`` (and ``half()``, ``bfloat16()``, ``DiffusionPipeline.to(dtype)``)
-  would cast them. Every one of these ends in ``nn.Module._apply(fn)``, so the mixin's ``_apply`` routes the
-  islands (see :func:`~diffusers_magi2.utils.fp32_islands.is_fp32_island`): when ``fn`` changes a tensor's
-  dtype, an island only follows its device move and stays fp32. Device-only moves (``.to("cuda")``,
-  ``enable_model_cpu_offload``, group offload) keep every dtype as it is.
-* **Saving next to other variants.** diffusers 0.42.1 ``ModelMixin.save_pretrained`` removes every file
-  that looks like a shard of the weights name from the target folder, other variants' shards included
-  (``diffusion_pytorch_model.bf16-00001-of-00002.safetensors`` goes when the default weights are saved, and
-  the ``bf16`` index then points at missing files). :meth:`Magi2ModelMixin.save_pretrained` sets those
-  shards aside for the duration of the save and puts them back.
-* **Layerwise casting.** :meth:`Magi2ModelMixin.enable_layerwise_casting` is diffusers', with two changes:
-  ``_keep_in_fp32_modules`` entries skip a module only when they equal a component of its name (the rule
-  of :func:`~diffusers_magi2.utils.fp32_islands.is_fp32_island`; diffusers searches them as substrings,
-  so ``"gate"`` would skip every ``up_gate_proj``), and the modality-grouped linears are cast too.
-* **LoRA.** diffusers' ``PeftAdapterMixin``: every ``nn.Linear`` in ``transformer_blocks`` (the
-  single-modality projections) takes an adapter. The modality-grouped projections of the multimodal layers
-  hold one weight block per modality and are not ``nn.Linear``: targeting one raises ``ValueError``.
+* dtype moves (``to``, ``half``, a pipeline's ``to(dtype)``) keep the fp32 islands fp32: they all end in
+  ``_apply(fn)``, which lets an island follow only its device move;
+* ``save_pretrained`` keeps other variants' shards, which diffusers 0.42's save deletes;
+* ``enable_layerwise_casting`` matches islands as name components (diffusers matches substrings, so ``"gate"``
+  would skip ``up_gate_proj``) and casts the modality-grouped linears too;
+* LoRA (``PeftAdapterMixin``) on the single-modality ``nn.Linear`` s; targeting a grouped one raises.
 """
 
 from __future__ import annotations
@@ -43,7 +31,7 @@ _VARIANT_SHARD = re.compile(r"^(?P<stem>[^.]+)\.(?P<variant>[^.]+)-\d{5}-of-\d{5
 
 
 def other_variant_shards(folder: str | os.PathLike, variant: str | None) -> list[Path]:
-    """Shard files in ``folder`` that belong to a variant other than ``variant`` (``None`` = the default weights)."""
+    """Shard files in ``folder`` of a variant other than ``variant`` (``None`` = the default weights)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -56,7 +44,7 @@ def other_variant_shards(folder: str | os.PathLike, variant: str | None) -> list
 
 
 class _DropFp32CastWarning(logging.Filter):
-    """Drops ``ModelMixin.to``'s "should be kept in float32" warning, which this mixin makes untrue."""
+    """Drops ``ModelMixin.to``'s "should be kept in float32" warning, untrue here."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "should be kept in float32" not in record.getMessage()
@@ -64,7 +52,7 @@ class _DropFp32CastWarning(logging.Filter):
 
 @contextmanager
 def _without_fp32_cast_warning():
-    """Silence the warning above on diffusers' ``modeling_utils`` logger for the duration of the block."""
+    """Silence that warning for the block."""
     logger = logging.getLogger(ModelMixin.__module__)
     drop = _DropFp32CastWarning()
     logger.addFilter(drop)
@@ -75,11 +63,8 @@ def _without_fp32_cast_warning():
 
 
 class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
-    r"""``ModelMixin`` + ``PeftAdapterMixin`` whose dtype moves keep the fp32 islands, whose saves keep other
-    variants and whose layerwise casting reaches every dense projection (see the module docstring).
-
-    Subclasses list their islands in ``_keep_in_fp32_modules``; :meth:`is_fp32_island` answers for one name.
-    """
+    r"""``ModelMixin`` + ``PeftAdapterMixin`` with the changes of the module docstring; subclasses list their fp32
+    islands in ``_keep_in_fp32_modules``."""
 
     @property
     def hidden_size(self) -> int:
@@ -88,8 +73,7 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """Dtype the blocks compute in (bf16 released, fp32 for exact checks): the block linears' weight dtype, or
-        the compute dtype of layerwise casting (never its storage dtype)."""
+        """Dtype the blocks compute in (under layerwise casting its compute dtype, not the storage dtype)."""
         return self.transformer_blocks[0].attention.compute_dtype
 
     def is_fp32_island(self, name: str) -> bool:
@@ -97,8 +81,7 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         return is_fp32_island(name, self._keep_in_fp32_modules)
 
     def _apply(self, fn, recurse=True):
-        # ``fn`` sees the tensor objects themselves (parameters, their grads, buffers), so islands are told apart by
-        # identity; ``islands`` keeps them alive so that their ids stay unique for the whole call.
+        # islands are told apart by identity; the list keeps them alive so their ids stay unique
         islands = []
         for name, param in self.named_parameters():
             if param.is_floating_point() and self.is_fp32_island(name):
@@ -117,13 +100,9 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         return super()._apply(keep_islands, recurse)
 
     def to(self, *args, **kwargs):
-        """``ModelMixin.to``; a dtype in the arguments leaves the fp32 islands fp32 (so no "kept in float32" warning)."""
+        """``ModelMixin.to``; a dtype leaves the fp32 islands fp32."""
         with _without_fp32_cast_warning():
             return super().to(*args, **kwargs)
-
-    def to_compute_dtype(self, dtype: torch.dtype):
-        """Same as ``.to(dtype)`` (which keeps the fp32 islands); kept for callers written before it did. Returns self."""
-        return self.to(dtype)
 
     def save_pretrained(
         self,
@@ -138,13 +117,10 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
     ):
         """``ModelMixin.save_pretrained`` that keeps other variants' shards in ``save_directory``.
 
-        Args: as ``ModelMixin.save_pretrained`` (``variant``, ``safe_serialization``, ``max_shard_size`` are
-        named, so ``DiffusionPipeline.save_pretrained`` forwards them). The other variants' shard files are
-        moved into a hidden folder inside ``save_directory`` and back, also when the save raises.
+        Args: as ``ModelMixin.save_pretrained``. The other variants' shards are moved aside and back, also on error.
 
         Raises:
-            ValueError: the model is expert-parallel (each rank holds only its routed experts, so the files
-                would pass for a full checkpoint).
+            ValueError: the model is expert-parallel (a rank holds only its routed experts).
         """
         from ..moe.layer import Magi2MultiHeadMoE
 
@@ -191,16 +167,13 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
     ) -> None:
         """Store the dense projections in ``storage_dtype`` and run each in ``compute_dtype`` (diffusers' hooks).
 
-        As ``ModelMixin.enable_layerwise_casting``, except that the fp32 islands are matched as name components
-        and the modality-grouped linears of the multimodal layers are cast like the ``nn.Linear`` s. The islands,
-        ``_skip_layerwise_casting_patterns``, the routed experts (not a linear layer) and PEFT's adapter layers
-        keep their dtype; activations run in ``compute_dtype``.
+        The islands, ``_skip_layerwise_casting_patterns``, the routed experts and PEFT's adapter layers keep
+        their dtype.
 
         Args:
-            storage_dtype: dtype the weights are kept in between calls (e.g. ``torch.float8_e4m3fn``).
-            compute_dtype: dtype each layer's weights are cast to for its call; ``None`` = :attr:`dtype`.
-            skip_modules_pattern: regexes of module names to leave alone, replacing the defaults (diffusers'
-                default patterns, the islands, ``_skip_layerwise_casting_patterns``, PEFT adapter layers).
+            storage_dtype: dtype the weights are kept in between calls.
+            compute_dtype: dtype of each layer's call; ``None`` = :attr:`dtype`.
+            skip_modules_pattern: regexes of module names to leave alone, replacing the defaults.
             skip_modules_classes, non_blocking: as in diffusers.
         """
         import re
@@ -236,7 +209,7 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
     # ------------------------------------------------------------------------------------------ LoRA
 
     def modality_grouped_linear_names(self) -> list[str]:
-        """Names of the modality-grouped projections (one weight block per modality; they take no LoRA)."""
+        """Names of the modality-grouped projections (they take no LoRA)."""
         return [name for name, module in self.named_modules() if isinstance(module, Magi2ModalityGroupedLinear)]
 
     @staticmethod
@@ -253,10 +226,10 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         )
 
     def add_adapter(self, adapter_config, adapter_name: str = "default") -> None:
-        """``PeftAdapterMixin.add_adapter``, checked first: the config must not target a modality-grouped projection.
+        """``PeftAdapterMixin.add_adapter``.
 
         Raises:
-            ValueError: ``adapter_config`` matches a name of :meth:`modality_grouped_linear_names` (all listed).
+            ValueError: ``adapter_config`` targets a modality-grouped projection (all are listed).
         """
         from peft.tuners.tuners_utils import check_target_module_exists
 
@@ -266,8 +239,7 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         return super().add_adapter(adapter_config, adapter_name)
 
     def load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="transformer", hotswap: bool = False, **kwargs):
-        """``PeftAdapterMixin.load_lora_adapter`` (files written by ``save_lora_adapter`` carry no prefix: pass
-        ``prefix=None``).
+        """``PeftAdapterMixin.load_lora_adapter`` (files from ``save_lora_adapter`` need ``prefix=None``).
 
         Raises:
             ValueError: the adapter targets a modality-grouped projection (nothing is loaded).
@@ -275,7 +247,6 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         try:
             return super().load_lora_adapter(pretrained_model_name_or_path_or_dict, prefix=prefix, hotswap=hotswap, **kwargs)
         except ValueError as error:
-            # PEFT names the module it cannot wrap by its repr; turn that into the error above
             if Magi2ModalityGroupedLinear.__name__ in str(error):
                 raise self._grouped_lora_error(None) from error
             raise

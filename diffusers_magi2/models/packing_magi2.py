@@ -1,11 +1,12 @@
-"""Packing of both MAGI-2 transformers' diffusers-facing inputs into one token sequence, and back.
+"""Packing of both models' inputs into one token sequence, and back.
 
-Follows SandAI-org/MAGI-2-preview's preview data proxy (``process_input``; reference spec §5.4):
-each batch row becomes one attention segment holding its video tokens, audio tokens, text tokens
-and, for I2V, one special text token plus the reference image patches, with 9-column rope
-coordinates, modality ids and a per-token time embedding. :meth:`Magi2Transformer3DModel.pack_inputs`
-and :meth:`~Magi2Transformer3DModel.unpack_outputs` call the functions here. The Refiner packs each
-sample on its own (SandAI ``refiner_data_proxy.py``): video tokens in window-block order, audio, text.
+Preview (SandAI preview data proxy ``process_input``): each batch row is one attention segment::
+
+    [ video T*H*W (raster) | audio La | text Lt (valid) | I2V: special token, image h*w at time T+2 ]
+
+with 9-column rope coordinates, modality ids and a time embedding (``timestep / 1000`` on video and audio,
+0 elsewhere). Refiner (SandAI ``refiner_data_proxy.py``): one sample at a time, video in window-block order,
+then audio, then text.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ __all__ = [
 
 @dataclass
 class Magi2PackedInputs:
-    """Packed model inputs (the reference data proxy's ``process_input`` result, spec §5.4).
+    """Packed model inputs (SandAI ``process_input``'s result).
 
     Attributes:
         hidden_states: ``[N, max(Cv, Ca, Ct)]`` fp32 tokens, zero-padded on channels.
@@ -61,20 +62,15 @@ def pack_magi2_inputs(
     image_latents: Optional[torch.Tensor] = None,
     image_embeds: Optional[torch.Tensor] = None,
 ) -> Magi2PackedInputs:
-    """Pack a batch like SandAI's preview data proxy (spec §5.4).
-
-    Per batch row: video ``T*H*W`` tokens (row-major t, h, w), audio ``La``, text (its true length),
-    then for I2V one special text token and ``h*w`` image patch tokens at time ``T+2``. Video and
-    audio tokens get time ``timestep/1000``; text and image tokens time 0.
+    """Pack a preview batch (module docstring).
 
     Args:
-        config: the model config (``in_channels``, ``audio_in_channels``, ``text_in_channels``,
-            ``time_embed_dim``).
+        config: the model config (channel widths, ``time_embed_dim``).
         hidden_states, timestep, encoder_hidden_states, audio_hidden_states, encoder_attention_mask,
-        image_latents, image_embeds: as in :meth:`Magi2Transformer3DModel.forward` (shapes there).
+        image_latents, image_embeds: as in :meth:`Magi2Transformer3DModel.forward`.
 
     Returns:
-        :class:`Magi2PackedInputs` (fp32 tokens zero-padded to ``max(Cv, Ca, Ct)`` channels).
+        :class:`Magi2PackedInputs`.
 
     Raises:
         ValueError: wrong ranks, channel counts, batch sizes, or a mask that is not a prefix of ones.
@@ -167,13 +163,7 @@ def pack_magi2_inputs(
 
 
 def unpack_magi2_outputs(config: Any, packed_out: torch.Tensor, packed: Magi2PackedInputs):
-    """Split ``[N, max(Cv, Ca)]`` model output into video ``[B, Cv, T, H, W]`` and audio ``[B, La, Ca]``.
-
-    ``packed`` is the :class:`Magi2PackedInputs` the output was computed from (its ``video_shape``,
-    ``audio_length`` and ``token_offsets`` locate each row's video and audio tokens); ``config``
-    gives ``in_channels`` / ``audio_in_channels``. Returns contiguous tensors in
-    ``packed_out.dtype``.
-    """
+    """``[N, max(Cv, Ca)]`` output of ``packed`` -> video ``[B, Cv, T, H, W]`` and audio ``[B, La, Ca]``."""
     t, h, w = packed.video_shape
     cv, ca = config.in_channels, config.audio_in_channels
     n_vid, la = t * h * w, packed.audio_length
@@ -186,11 +176,10 @@ def unpack_magi2_outputs(config: Any, packed_out: torch.Tensor, packed: Magi2Pac
 
 @dataclass
 class Magi2RefinerPackedSample:
-    """One Refiner sample packed as SandAI's refiner data proxy does (spec §5.7).
+    """One refiner sample, packed.
 
     Attributes:
-        tokens: ``(video [T*H*W, Cv], audio [La, Ca], text [Lt, Ct])`` fp32, in packed order (video in
-            window-block order); the sequence is already modality-sorted.
+        tokens: ``(video [T*H*W, Cv], audio [La, Ca], text [Lt, Ct])`` fp32, packed (= modality-sorted) order.
         coords: ``[N, 9]`` fp32 rope coordinates, packed order.
         group_sizes: ``(T*H*W, La, Lt)``.
         restore: ``[T*H*W]`` packed position of each raster video token.
@@ -207,7 +196,7 @@ class Magi2RefinerPackedSample:
 def pack_refiner_sample(
     geometry: Any, video: torch.Tensor, audio: Optional[torch.Tensor], text: torch.Tensor
 ) -> Magi2RefinerPackedSample:
-    """Pack one sample: video tokens in block order, then audio, then the (valid) text tokens.
+    """Pack one refiner sample.
 
     Args:
         geometry: the sample's :class:`~diffusers_magi2.models.window_attention.Magi2WindowGeometry`.

@@ -1,20 +1,10 @@
-"""MAGI-2 1080p refiner: ``Magi2RefinerTransformer3DModel``.
+"""MAGI-2 1080p refiner (SandAI ``magi2_refiner.py``): a dense DiT over the upsampled, re-noised preview latent.
 
-SandAI's 1080p tier runs a second, dense 6.7B DiT (``inference/model/magi2_refiner.py``) over the
-upsampled, re-noised preview latent (reference spec §1.12, §2.3, §5.7). It is built from the same
-parts as the preview (:class:`~.attention_magi2.Magi2Attention`, :class:`~.feedforward_magi2.Magi2FeedForward`,
-the adapters and the modality dispatch); per layer ``h = h + attention(h); h = h + mlp(h)``, with
-one residual stream (no hyper-connections), no MoE, no attention sinks, no timestep input, GQA
-(32 query / 8 kv heads), a swiglu7 MLP of width ``int(4C*2/3)//4*4`` (10920), and block-window
-attention (:class:`~.attention_magi2.Magi2WindowAttnProcessor`) in the window layers.
-
-Parameter names are SandAI's with the single rename ``block.layers.{i}.`` ->
-``transformer_blocks.{i}.`` (281 tensors at full size: 280 parameters + the rope ``bands`` buffer).
-
-Dtype policy ("compute dtype" = the dtype of the block linears: bf16 released, fp32 when loaded in
-fp32): adapters, every RMSNorm weight and the rope table are fp32 (``_keep_in_fp32_modules``); the
-embedded tokens enter layer 0 in the compute dtype; attention runs in the compute dtype with its gate
-in fp32; the MLP returns fp32, so the residual is fp32 from layer 0's MLP on.
+Per layer ``h = h + attention(h); h = h + mlp(h)``: one residual stream, no MoE, no sinks, no timestep, GQA,
+a swiglu7 MLP of width ``int(4C * 2/3) // 4 * 4``, block-window attention in the window layers. Parameter names
+are SandAI's with ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``. Adapters, norms and rope are fp32
+islands; attention runs in the compute dtype with an fp32 gate; the MLP returns fp32, so the residual is fp32
+from layer 0's MLP on.
 """
 
 from __future__ import annotations
@@ -55,16 +45,12 @@ __all__ = [
     "refiner_mlp_intermediate_size",
 ]
 
-#: Tokens per MLP chunk by default (same math as unchunked, up to GEMM row-blocking rounding; bounds
-#: the fp32 ``[N, 2I]`` intermediate, 45 GB at 1080p unchunked).
+#: Tokens per MLP chunk by default (bounds the fp32 ``[N, 2I]`` intermediate, 45 GB at 1080p unchunked).
 DEFAULT_MLP_CHUNK_SIZE = 65536
 
 
 def refiner_mlp_intermediate_size(hidden_size: int) -> int:
-    """swiglu7 width of the refiner MLP: ``int(C * 4 * 2 / 3) // 4 * 4`` (4096 -> 10920).
-
-    Matches the reference ``TransformerLayer`` rule (a multiple of 4, not 128 as in the preview).
-    """
+    """swiglu7 width of the refiner MLP, ``int(C * 4 * 2 / 3) // 4 * 4`` (SandAI ``TransformerLayer``)."""
     return int(hidden_size * 4 * 2 / 3) // 4 * 4
 
 
@@ -74,8 +60,7 @@ class Magi2RefinerTransformerOutput(BaseOutput):
 
     Args:
         sample: ``[B, Cv, T, H, W]`` fp32 video velocity prediction.
-        audio_sample: ``[B, La, Ca]`` fp32 audio prediction, or ``None`` when no audio tokens were given
-            (the released pipeline runs the refiner without audio).
+        audio_sample: ``[B, La, Ca]`` fp32 audio prediction, or ``None`` without audio tokens.
     """
 
     sample: torch.Tensor
@@ -83,11 +68,7 @@ class Magi2RefinerTransformerOutput(BaseOutput):
 
 
 class Magi2RefinerTransformerBlock(nn.Module):
-    """One refiner layer: ``h = h + attention(h); h = h + mlp(h)`` (no post-norms, no mHC).
-
-    Window layers get a :class:`Magi2WindowAttnProcessor`, the others a :class:`Magi2AttnProcessor`
-    (dense within the sample, attended in the compute dtype as SandAI's refiner does).
-    """
+    """One refiner layer; window layers get a :class:`Magi2WindowAttnProcessor`, the others dense attention."""
 
     def __init__(
         self, hidden_size: int, num_attention_heads: int, num_key_value_heads: int, attention_head_dim: int,
@@ -121,9 +102,7 @@ class Magi2RefinerTransformer3DModel(
 ):
     r"""MAGI-2 1080p refiner DiT (SandAI ``magi2_refiner.Transformer``) as a diffusers model.
 
-    Config defaults are the released refiner (``configs/magi2_refiner.json``): 30 layers, width 4096
-    (32 x 128 query heads, 8 kv heads), in-channels 48 / 64 / 5120, multimodal layers 0, 1, 28, 29,
-    gated attention, block-window attention in all layers with 8 x 4 x 4 blocks and radius 2.
+    Config defaults are the released refiner (SandAI ``configs/magi2_refiner.json``).
 
     Args:
         num_layers: transformer layers.
@@ -140,13 +119,8 @@ class Magi2RefinerTransformer3DModel(
         mlp_intermediate_size: swiglu7 width; ``None`` -> :func:`refiner_mlp_intermediate_size`.
         norm_eps: RMSNorm epsilon.
 
-    Runtime switches (not saved): the window kernel is a processor option,
-    ``set_attn_processor(Magi2WindowAttnProcessor(backend="gather"))`` (a dict sets it per layer);
-    ``set_attention_backend`` picks the kernel of dense layers; :meth:`enable_forward_chunking` sets
-    the MLP token chunk; ``enable_gradient_checkpointing``, ``enable_cache``.
-    Memory and adapters (:class:`~diffusers_magi2.models.modeling_magi2.Magi2ModelMixin`):
-    ``enable_layerwise_casting`` stores every dense projection in e.g. FP8; ``enable_group_offload``;
-    LoRA (``add_adapter``, ``load_lora_adapter``, ``save_lora_adapter``) on the single-modality projections.
+    Runtime switches: ``set_attn_processor(Magi2WindowAttnProcessor(backend=...))`` (the window kernel),
+    ``set_attention_backend`` (dense layers), :meth:`enable_forward_chunking` (the MLP token chunk).
     """
 
     _supports_gradient_checkpointing = True
@@ -180,7 +154,6 @@ class Magi2RefinerTransformer3DModel(
             num_layers, num_attention_heads, num_key_value_heads, attention_head_dim,
             multimodal_layers=multimodal_layers, window_attention_layers=window_attention_layers,
         )
-        # validate window geometry early (raises ValueError on bad values)
         Magi2WindowGeometry((1, 1, 1), tuple(window_block_size), tuple(window_radius))
 
         hidden = num_attention_heads * attention_head_dim
@@ -210,7 +183,7 @@ class Magi2RefinerTransformer3DModel(
         )
 
     def enable_forward_chunking(self, chunk_size: Optional[int] = None, dim: int = 0) -> None:
-        """Run every MLP ``chunk_size`` tokens at a time (default 65,536; the same math up to GEMM rounding).
+        """Run every MLP ``chunk_size`` tokens at a time (default 65,536).
 
         Raises:
             ValueError: ``dim`` other than 0 (tokens are dim 0) or a non-positive ``chunk_size``.
@@ -229,8 +202,7 @@ class Magi2RefinerTransformer3DModel(
             block.mlp.chunk_size = None
 
     def _run(self, embedded, rotary_emb, dispatch: Magi2ModalityDispatch, mask: Magi2AttentionMask):
-        """Blocks + post adapter on one packed sample: ``embedded`` ``[N, C]`` fp32 (packed order) ->
-        ``[N, max(Cv, Ca)]`` fp32 (video rows in ``[:Cv]``, audio rows in ``[:Ca]``, text rows zero)."""
+        """Blocks + post adapter on one packed sample, ``[N, C]`` -> ``[N, max(Cv, Ca)]`` fp32."""
         h = dispatch.sort(embedded).to(self.compute_dtype)
         for block in self.transformer_blocks:
             if torch.is_grad_enabled() and self.gradient_checkpointing:
@@ -251,17 +223,15 @@ class Magi2RefinerTransformer3DModel(
         k_ranges: Optional[torch.Tensor] = None,
         attention_kwargs: Optional[dict] = None,
     ) -> torch.Tensor:
-        """Packed entry equal to the reference ``Transformer.forward`` for one sample (batch 1).
+        """SandAI ``Transformer.forward`` on one packed sample.
 
         Args:
-            x: ``[N, C_max]`` packed tokens, each zero-padded on channels; a token of modality m uses
-                its first ``C_m`` channels. Video tokens already in block order.
-            coords_mapping: ``[N, 9]`` (t, h, w, T, H, W, refT, refH, refW).
-            modality_mapping: ``[N]`` integer :class:`Modality` ids (0 video, 1 audio, 2 text).
-            window_geometry: the block-window geometry (video tokens first, in block order, then
-                ``num_context_tokens`` others); or
-            q_ranges, k_ranges: the reference's ``local_attn_handler`` ranges (``[P, 2]``), turned into
-                a dense mask (small inputs only). With neither, attention is dense over the sample.
+            x: ``[N, C_max]`` packed tokens (video first, in block order); modality ``m`` uses ``C_m`` channels.
+            coords_mapping: ``[N, 9]`` rope coordinates.
+            modality_mapping: ``[N]`` :class:`Modality` ids (0 video, 1 audio, 2 text).
+            window_geometry: the block-window geometry; or
+            q_ranges, k_ranges: the reference's ``[P, 2]`` ranges, as a dense mask (small inputs only).
+                With neither, attention is dense.
             attention_kwargs: must be ``None`` or empty (see :func:`~.attention_magi2.check_attention_kwargs`).
 
         Returns:
@@ -321,20 +291,13 @@ class Magi2RefinerTransformer3DModel(
         attention_kwargs: Optional[dict[str, Any]] = None,
         return_dict: bool = True,
     ) -> Union[Magi2RefinerTransformerOutput, tuple]:
-        """Refine a batch of video latents (velocity prediction; the refiner takes no timestep).
-
-        Each sample is packed as the reference refiner data proxy does (spec §5.7;
-        :func:`~.packing_magi2.pack_refiner_sample`): video tokens in block order
-        (``window_block_size`` blocks), then audio tokens, then the sample's valid text tokens;
-        block-window attention from the config; outputs restored to raster order.
+        """Velocity prediction for a batch of video latents (no timestep), one packed sample at a time.
 
         Args:
-            hidden_states: ``[B, Cv, T, H, W]`` video latent (any float dtype; fp32 math at the adapters).
+            hidden_states: ``[B, Cv, T, H, W]`` video latent.
             encoder_hidden_states: ``[B, Lt, Ct]`` text features.
-            audio_hidden_states: ``[B, La, Ca]`` audio latent, or ``None`` (released pipeline: no
-                audio tokens). ``La`` may be 0.
-            encoder_attention_mask: ``[B, Lt]`` bool/0-1, True = real text token (padding is dropped,
-                not attended); ``None`` = all tokens valid.
+            audio_hidden_states: ``[B, La, Ca]`` audio latent, or ``None``.
+            encoder_attention_mask: ``[B, Lt]`` bool, True = real text token; ``None`` = all valid.
             attention_kwargs: must be ``None`` or empty; the window kernel is a processor option
                 (``set_attn_processor``), the MLP chunk :meth:`enable_forward_chunking`.
             return_dict: return :class:`Magi2RefinerTransformerOutput` (else a tuple).

@@ -1,21 +1,10 @@
-"""MAGI-2's TurboVAE video decoder (``video_decoder`` component) as a diffusers ``ModelMixin``.
+"""MAGI-2's TurboVAE video decoder (SandAI ``turbo_vaed.py`` ``TurboVAED``; same ``decoder.*`` keys).
 
-The module tree mirrors SandAI's ``inference/model/turbo_vaed.py`` (``TurboVAED``) so the original
-checkpoint's ``decoder.*`` keys load 1:1 (after the converter strips ``module.``):
-
-* ``decoder.conv_in`` - a 3x3x3 conv (time padded by repeating the edge frames, space zero-padded);
-* ``decoder.mid_block.resnets.{i}`` - RMSNorm / SiLU / conv residual blocks;
-* ``decoder.up_blocks.{i}`` - optional ``conv_in`` residual block when the width changes, optional
-  upsampler (``upsample3d``: a (3,1,1) time conv that doubles the frame count, then nearest-exact 2x
-  spatial upsampling and a 3x3 conv; ``upsample2d``: spatial only), residual blocks;
-* the head: either unpatchify (``conv_out`` to ``3 * patch_size**2`` channels, then a pixel
-  unshuffle of 2) or ``norm_up_1`` / SiLU / per-frame conv + ``pixel_shuffle(2)`` then ``conv_out``.
-
-``decode`` de-normalises the latents with the Wan2.2 latent mean/std tables stored in the config
-(``latents_mean``, ``latents_std``), then decodes with a temporal sliding window (``first_chunk_size``
-and ``step_size`` from the config) whose windows overlap by one latent frame on each inner side.
-The stride is ``temporal_compression_ratio`` (4) in time and ``spatial_compression_ratio`` (16) in
-space: ``T_lat`` latent frames give ``1 + 4 * (T_lat - 1)`` video frames.
+``conv_in`` (3x3x3, time edge-replicated) -> mid residual blocks -> up blocks (optional width-change block,
+optional 2x upsampler: ``upsample3d`` doubles the frames with a (3, 1, 1) time conv, both modes upsample space
+nearest-exact + 3x3 conv) -> head (unpatchify, or per-frame conv + ``pixel_shuffle(2)``). ``decode``
+de-normalises with the config's Wan2.2 tables and decodes in temporal windows that overlap by one latent
+frame: ``T`` latent frames give ``1 + 4 (T - 1)`` frames at 16x the latent size.
 """
 
 from __future__ import annotations
@@ -33,9 +22,7 @@ from diffusers.utils.accelerate_utils import apply_forward_hook
 
 __all__ = ["Magi2TurboVAEDecoder", "WAN22_LATENTS_MEAN", "WAN22_LATENTS_STD"]
 
-# Wan2.2 VAE latent statistics (48 channels), as used by SandAI's ``turbo_vaed.py`` and ``vae2_2.py``.
-# They are the *defaults* of the config fields; the values that are used at run time always come
-# from the model config (``latents_mean`` / ``latents_std``), which the converter writes explicitly.
+# Wan2.2 VAE latent statistics (48 channels): the defaults of the config's latents_mean / latents_std
 WAN22_LATENTS_MEAN: Tuple[float, ...] = (
     -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,
     -0.1382, 0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825,
@@ -60,18 +47,14 @@ WAN22_LATENTS_STD: Tuple[float, ...] = (
 
 
 def _channel_rms_norm(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
-    """Parameter-free RMS norm over the channel axis (dim 1) of ``[B, C, ...]``.
-
-    The mean square is taken in fp32; the product follows torch promotion (an fp32 result for
-    half inputs) and is cast back to the input dtype, as SandAI's ``RMSNorm(elementwise_affine=False)``.
-    """
+    """Parameter-free RMS norm over dim 1, mean square in fp32, result in the input dtype."""
     input_dtype = hidden_states.dtype
     variance = hidden_states.to(torch.float32).pow(2).mean(1, keepdim=True)
     return (hidden_states * torch.rsqrt(variance + eps)).to(input_dtype)
 
 
 class _ChannelRMSNorm(nn.Module):
-    """Module wrapper of :func:`_channel_rms_norm` (no parameters, so no state-dict keys)."""
+    """Module wrapper of :func:`_channel_rms_norm`."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
@@ -96,11 +79,7 @@ def _triple(value: Union[int, Sequence[int]]) -> Tuple[int, int, int]:
 
 
 class _TimeReplicateConv3d(nn.Module):
-    """3-D conv with edge-replicated time padding and zero spatial padding (keeps T, H, W).
-
-    Key layout: ``conv.weight`` ``[out, in, kt, kh, kw]``, ``conv.bias`` ``[out]``
-    (SandAI ``TurboVAEDCausalConv3d`` with ``is_causal=False``).
-    """
+    """3-D conv, time edge-replicated, space zero-padded (SandAI ``TurboVAEDCausalConv3d``, non-causal)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: Union[int, Sequence[int]] = 3) -> None:
         super().__init__()
@@ -113,11 +92,7 @@ class _TimeReplicateConv3d(nn.Module):
 
 
 class _TimeReplicateSeparableConv3d(nn.Module):
-    """Depthwise ``k x k x k`` conv (time edge-replicated) followed by a pointwise ``1x1x1`` conv.
-
-    Key layout: ``depthwise_conv.{weight,bias}`` ``[in, 1, k, k, k]``, ``pointwise_conv.{weight,bias}``
-    ``[out, in, 1, 1, 1]`` (SandAI ``TurboVAEDCausalDepthwiseSeparableConv3d``).
-    """
+    """Depthwise ``k^3`` conv then pointwise conv (SandAI ``TurboVAEDCausalDepthwiseSeparableConv3d``)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: Union[int, Sequence[int]] = 3) -> None:
         super().__init__()
@@ -140,12 +115,7 @@ def _make_conv(in_channels: int, out_channels: int, kernel_size: int, separable:
 
 
 class _ResidualBlock3d(nn.Module):
-    """``x + conv2(act(norm2(conv1(act1(norm1(x))))))``, with a norm3 + 1x1x1 shortcut when widths differ.
-
-    ``norm1``/``norm2`` use eps 1e-8, ``norm3`` uses ``resnet_eps`` (SandAI ``TurboVAEDResNetBlock3d``).
-    ``relu_first`` (set for res-blocks that follow an upsampler) makes the first activation ReLU.
-    Separable blocks use ``dw_kernel_size`` for both convs (the reference's ``is_dw_conv``).
-    """
+    """``x + conv2(silu(norm2(conv1(act(norm1(x))))))`` with a shortcut on width change (SandAI ``TurboVAEDResNetBlock3d``)."""
 
     def __init__(
         self,
@@ -181,7 +151,7 @@ class _ResidualBlock3d(nn.Module):
 
 
 class _NearestExactUpsample2x(nn.Module):
-    """2x nearest-exact spatial upsampling of ``[N, C, H, W]``, computed in fp32, returned in the input dtype."""
+    """2x nearest-exact upsampling of ``[N, C, H, W]`` in fp32."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         upsampled = F.interpolate(hidden_states.float(), scale_factor=(2.0, 2.0), mode="nearest-exact")
@@ -189,14 +159,8 @@ class _NearestExactUpsample2x(nn.Module):
 
 
 class _Upsampler(nn.Module):
-    """Spatial (``"upsample2d"``) or spatio-temporal (``"upsample3d"``) 2x upsampler.
-
-    ``upsample3d`` first applies ``time_conv`` (``[2C, C, 3, 1, 1]``), splits the channels into two
-    halves and interleaves them in time (frame ``t`` -> ``2t`` from the first half, ``2t+1`` from the
-    second), dropping the very first output frame in the first window of a decode (causal start).
-    Both modes then upsample each frame 2x (nearest-exact) and apply ``resample.1`` (3x3 conv).
-    Key names follow SandAI ``WanResample`` (``resample.1.*``, ``time_conv.conv.*``).
-    """
+    """2x upsampler (SandAI ``WanResample``); ``upsample3d`` interleaves ``time_conv``'s channel halves in time,
+    dropping the first frame of a decode's first window."""
 
     def __init__(self, channels: int, temporal: bool) -> None:
         super().__init__()
@@ -285,11 +249,7 @@ class _PixelShuffleUpsampler(nn.Module):
 
 
 def _unpatchify(hidden_states: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """``[B, C*p*p, T, H, W] -> [B, C, T, H*p, W*p]``; channel index = ``c*p*p + pw*p + ph``.
-
-    The channel split order (``c``, then the *width* offset, then the *height* offset) is the one of
-    SandAI's ``_turbo_unpatchify`` and Wan2.2's patchify.
-    """
+    """``[B, C*p*p, T, H, W] -> [B, C, T, H*p, W*p]``, channel ``c*p*p + pw*p + ph`` (SandAI ``_turbo_unpatchify``)."""
     if patch_size == 1:
         return hidden_states
     batch, channels_p, frames, height, width = hidden_states.shape
@@ -389,10 +349,7 @@ class _WindowPlan:
 class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
     r"""TurboVAE decoder of MAGI-2 (the pipeline's default ``video_decoder``); decode-only.
 
-    Faithful to SandAI ``inference/model/turbo_vaed.py`` (``TurboVAED``, commit ``f68a0f9``): same
-    module tree and state-dict keys (``decoder.*``), same numerics, same sliding-window schedule.
-
-    Config arguments (names of the SandAI JSON, which ``from_config`` accepts directly):
+    Config arguments (the SandAI JSON's names):
         latent_channels (`int`, 48): latent channels ``z``.
         out_channels (`int`, 3): pixel channels.
         decoder_block_out_channels (`Tuple[int]`): widths in *encoder* order (decoder reverses them).
@@ -410,9 +367,6 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
         latents_mean, latents_std (`Tuple[float]`, ``latent_channels`` values each): the Wan2.2 latent
             statistics used to de-normalise (defaults: the 48 released values).
         decoder_causal (`bool`, False): must be False (the reference asserts a non-causal decoder).
-        Training-only or unused keys of the SandAI JSON (``in_channels``, ``patch_size_t``,
-        ``scaling_factor``, ``encoder_block_out_channels``, ``aligned_feature_dims``) are ignored by
-        ``from_config`` (with diffusers' warning); the converter drops them.
 
     Raises:
         ValueError: inconsistent config (list lengths, ``patch_size != 2``, table lengths, causal decoder,
@@ -487,12 +441,7 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
     # -- normalisation --------------------------------------------------------------------------
 
     def denormalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Map normalised latents ``[B, z, T, h, w]`` to the decoder's input space, keeping the dtype.
-
-        Computes ``latents / (1 / std) + mean`` with fp32 tables from the config (``1 / std`` is
-        formed in fp32 first, as the reference's ``scale = [mean, 1.0 / std]``), then casts back to
-        ``latents.dtype`` (SandAI ``TurboVAED._sliding_window_decode``).
-        """
+        """``latents / (1 / std) + mean`` with fp32 tables, in ``latents.dtype`` (SandAI ``_sliding_window_decode``)."""
         mean = torch.tensor(self.config.latents_mean, dtype=torch.float32, device=latents.device)
         inv_std = 1.0 / torch.tensor(self.config.latents_std, dtype=torch.float32, device=latents.device)
         shape = (1, -1, 1, 1, 1)
@@ -501,13 +450,8 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
     # -- sliding window ---------------------------------------------------------------------------
 
     def plan_windows(self, num_latent_frames: int) -> Tuple[int, list]:
-        """The window schedule for ``num_latent_frames`` (after padding), as the reference builds it.
-
-        Returns ``(num_padding_frames, windows)``. Latents are padded (last frame repeated) so that
-        ``T = first_chunk_size + n * step_size``. With one chunk the whole input is decoded at once.
-        Otherwise: first window ``[0, first+1)`` (first-chunk, right trim), inner windows
-        ``[i-1, i+step+1)`` (both trims) and the last ``[i-1, T)`` (left trim); trims are
-        ``temporal_compression_ratio`` pixel frames (one latent frame of overlap).
+        """``(num_padding_frames, windows)``: latents padded to ``first_chunk_size + n * step_size`` frames, windows
+        ``[0, first+1)``, ``[i-1, i+step+1)``, ..., ``[i-1, T)``, each trimmed by one latent frame of overlap.
 
         Raises:
             ValueError: ``num_latent_frames < 1``.
@@ -555,20 +499,13 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
         r"""Decode normalised video latents to pixels.
 
         Args:
-            latents (`torch.Tensor`): ``[B, latent_channels, T_lat, h, w]``, *normalised* latents
-                (what the transformer denoises). Cast to the model dtype first (the reference casts the
-                latent to the weight dtype before decoding); de-normalisation uses fp32 tables.
+            latents (`torch.Tensor`): ``[B, latent_channels, T_lat, h, w]`` normalised latents (cast to the model dtype).
             return_dict (`bool`): return a :class:`~diffusers.models.autoencoders.vae.DecoderOutput`.
-            output_device: move each decoded window there before concatenating (the reference's
-                ``output_offload``, e.g. ``"cpu"`` for 1080p); default: keep on the model device.
-
-        Works with ``enable_model_cpu_offload`` (``apply_forward_hook``: the offload hook moves the
-        model to its execution device before decoding, as for diffusers' VAEs).
+            output_device: move each decoded window there (the reference's ``output_offload``).
 
         Returns:
-            ``DecoderOutput(sample=video)`` (or ``(video,)``), ``video`` ``[B, out_channels,
-            1 + temporal_compression_ratio * (T_lat - 1), spatial_compression_ratio * h,
-            spatial_compression_ratio * w]`` in the model dtype, nominally in [-1, 1] (not clamped).
+            ``DecoderOutput(sample=video)`` (or ``(video,)``), ``[B, 3, 1 + 4 (T_lat - 1), 16 h, 16 w]`` in the
+            model dtype, nominally in [-1, 1].
 
         Raises:
             ValueError: wrong rank or channel count.

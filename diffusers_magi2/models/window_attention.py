@@ -1,34 +1,15 @@
-"""Block-window attention of the MAGI-2 refiner (1080p super-resolution DiT).
+"""Block-window attention of the MAGI-2 refiner (SandAI ``refiner_data_proxy.py``: ``_build_block_order``,
+``BlockGridLocalAttn``, ``_build_window_local_attn_handler``).
 
-The refiner attends *locally* in every layer: video tokens are grouped into 3-D blocks of
-``block_size = (bt, bh, bw)`` latent positions (released: 8 x 4 x 4 = 128 tokens) and a video token
-sees the video tokens of every block whose block index differs by at most ``radius = (rt, rh, rw)``
-on each axis (released: 2, 2, 2; clipped at the borders, so up to 5 x 5 x 5 blocks), plus all
-"context" tokens (audio and text). Context tokens see every token. Edge blocks are partial when a
-grid size is not a multiple of the block size (e.g. the last of the 8 time blocks of a 63-frame
-latent has 7 frames). Reference: spec §5.7 and SandAI ``refiner_data_proxy.py``
-(``_build_block_order``, ``BlockGridLocalAttn``, ``_build_window_local_attn_handler``).
+Video tokens form 3-D blocks of ``(bt, bh, bw)`` latent positions (released 8 x 4 x 4; edge blocks partial).
+Video token ``q`` may attend video token ``k`` iff ``|block(q) - block(k)| <= (rt, rh, rw)`` on every axis
+(released radius 2); context tokens (audio, text) attend and are attended by every token. One sample packs as::
 
-Packed token order used by everything here (one sample)::
+    [ video tokens in block order | context tokens (audio, then text) ]
 
-    [ video tokens in *block order* | context tokens (audio, then text) ]
-
-Block order: blocks in row-major (t-block, h-block, w-block) order; inside a block, tokens in
-row-major (t, h, w) order. :meth:`Magi2WindowGeometry.video_token_order` maps block order to the
-raster (t, h, w) order of ``latent.flatten(2)`` and :meth:`~Magi2WindowGeometry.video_restore_order`
-maps back.
-
-The mask is available in four forms, none of which materialises a dense ``N x N`` mask unless
-explicitly asked for (and then only below a size guard):
-
-* :meth:`Magi2WindowGeometry.ranges` -- ``(q_range, k_range)`` pairs as MagiAttention takes them
-  (the reference's form; used to check against the golden fixture);
-* :meth:`Magi2WindowGeometry.flex_block_mask` -- a ``torch.nn.attention.flex_attention.BlockMask``;
-* :meth:`Magi2WindowGeometry.dense_mask` -- a boolean ``[N, N]`` mask for SDPA on small inputs;
-* the ``"gather"`` backend of :func:`block_window_attention`, which gathers each query block's
-  key window (exact, memory ``O(chunk x window)``, any device).
-
-This module is an independent implementation; no reference code is copied.
+with blocks row-major over (t, h, w) blocks and tokens row-major inside a block. The mask exists as MagiAttention
+``(q, k)`` ranges, a flex ``BlockMask``, a dense ``[N, N]`` bool (small inputs only), and the ``"gather"``
+kernel, which gathers each query block's key window (exact, ``O(chunk x window)`` memory).
 """
 
 from __future__ import annotations
@@ -50,8 +31,7 @@ __all__ = [
     "DEFAULT_MAX_DENSE_MASK_ELEMENTS",
 ]
 
-#: Largest ``N_q * N_k`` for which a dense boolean mask may be built (64 Mi elements, i.e. 8192^2).
-#: A 1080p refiner sequence (514,080 video tokens) is ~4,000x larger, so it never takes this path.
+#: Largest ``N_q * N_k`` for which a dense boolean mask may be built (8192^2).
 DEFAULT_MAX_DENSE_MASK_ELEMENTS = 1 << 26
 
 
@@ -133,17 +113,13 @@ class Magi2WindowGeometry:
         return torch.stack([ends - counts, ends], dim=1).to(device)
 
     def video_restore_order(self, device: Optional[torch.device] = None) -> torch.Tensor:
-        """``[T*H*W]`` int64: packed (block-order) position of each raster ``(t, h, w)`` token.
-
-        ``packed[video_restore_order()]`` is the raster order (the reference's ``token_restore_order``).
-        """
+        """``[T*H*W]`` int64 with ``packed[order]`` = raster order (the reference's ``token_restore_order``)."""
         T, H, W = self.grid
         bt, bh, bw = self.block_size
         _, nh, nw = self.block_grid
         t = torch.arange(T).view(T, 1, 1)
         h = torch.arange(H).view(1, H, 1)
         w = torch.arange(W).view(1, 1, W)
-        # actual (possibly partial) extent of the block each position falls in, per axis
         sh = _axis_block_sizes(H, bh)[h // bh]
         sw = _axis_block_sizes(W, bw)[w // bw]
         block_id = ((t // bt) * nh + (h // bh)) * nw + (w // bw)
@@ -152,10 +128,7 @@ class Magi2WindowGeometry:
         return (starts[block_id] + rank).reshape(-1).to(device)
 
     def video_token_order(self, device: Optional[torch.device] = None) -> torch.Tensor:
-        """``[T*H*W]`` int64: raster index of the token at each packed (block-order) position.
-
-        ``raster[video_token_order()]`` is the block order (the reference's ``token_order``).
-        """
+        """``[T*H*W]`` int64 with ``raster[order]`` = block order (the reference's ``token_order``)."""
         restore = self.video_restore_order()
         order = torch.empty_like(restore)
         order[restore] = torch.arange(restore.numel())
@@ -173,14 +146,8 @@ class Magi2WindowGeometry:
 
     # ------------------------------------------------------------ mask forms
     def ranges(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mask as ``(q_ranges, k_ranges)``, each ``[P, 2]`` int32 ``[start, end)`` in packed order.
-
-        A query may attend to a key iff some pair covers both. Pairs: for every video block and every
-        in-radius ``(dt, dh)`` neighbour row, one key range spanning the in-radius w-blocks of that
-        row (contiguous in block order); every video block -> all context tokens; all context
-        tokens -> all tokens. The *set of allowed (q, k) pairs* equals the reference's
-        (``BlockGridLocalAttn`` plus the dense context ranges); the list itself is shorter.
-        """
+        """The mask as ``(q_ranges, k_ranges)``, each ``[P, 2]`` int32 ``[start, end)`` in packed order; it allows
+        the same ``(q, k)`` pairs as the reference's ranges, with one key range per neighbour ``(dt, dh)`` row."""
         nt, nh, nw = self.block_grid
         rt, rh, rw = self.radius
         br = self.block_ranges()
@@ -216,11 +183,10 @@ class Magi2WindowGeometry:
         device: Optional[torch.device] = None,
         max_elements: int = DEFAULT_MAX_DENSE_MASK_ELEMENTS,
     ) -> torch.Tensor:
-        """Boolean ``[N, N]`` mask (True = may attend), for SDPA on *small* sequences only.
+        """Boolean ``[N, N]`` mask (True = may attend), for SDPA on small sequences.
 
         Raises:
-            ValueError: if ``N * N > max_elements`` (a 1080p sequence would need ~2.7e11 entries;
-                use the ``"flex"`` or ``"gather"`` backend instead).
+            ValueError: ``N * N > max_elements``.
         """
         n = self.num_tokens
         if n * n > max_elements:
@@ -236,11 +202,7 @@ class Magi2WindowGeometry:
         return mask
 
     def flex_mask_mod(self, device: Optional[torch.device] = None):
-        """``mask_mod(b, h, q_idx, kv_idx)`` for ``flex_attention``.
-
-        Closes over three 1-D ``[N]`` int32 lookups of each token's block index per axis and an
-        ``[N]`` bool ``is_context`` lookup (context tokens attend to / are attended by everything).
-        """
+        """``mask_mod(b, h, q_idx, kv_idx)`` for ``flex_attention`` (per-axis block-index lookups, ``[N]`` each)."""
         nv, n = self.num_video_tokens, self.num_tokens
         coords = torch.zeros(n, 3, dtype=torch.int32, device=device)
         coords[:nv] = self.token_block_coords(device).to(torch.int32)
@@ -263,10 +225,8 @@ class Magi2WindowGeometry:
         """``BlockMask`` for ``torch.nn.attention.flex_attention`` over the packed sequence.
 
         Args:
-            device: device of the mask (the attention inputs' device).
-            compile_mask: build with ``create_block_mask(_compile=True)``, which never materialises
-                the dense mask; default: True on CUDA, False elsewhere (eager evaluation, fine for
-                small CPU tests).
+            device: device of the attention inputs.
+            compile_mask: ``create_block_mask(_compile=True)`` (never materialises the dense mask); default on CUDA.
         """
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -288,8 +248,7 @@ def ranges_to_dense_mask(
     """Union of ``(q_range, k_range)`` rectangles as a boolean ``[num_tokens, num_tokens]`` mask.
 
     Args:
-        q_ranges, k_ranges: ``[P, 2]`` integer ``[start, end)`` pairs (MagiAttention / reference
-            ``local_attn`` layout, ``attn_type_map`` 0 = full).
+        q_ranges, k_ranges: ``[P, 2]`` integer ``[start, end)`` pairs (MagiAttention layout, full attention).
         num_tokens: sequence length N.
 
     Raises:
@@ -334,11 +293,10 @@ def _gather_window_attention(
     scale: float,
     blocks_per_chunk: int,
 ) -> torch.Tensor:
-    """Exact block-window attention by gathering each query block's key window (see module doc)."""
+    """Exact block-window attention by gathering each query block's key window."""
     nv, n = geometry.num_video_tokens, geometry.num_tokens
     device = query.device
     out = torch.empty_like(query)
-    # context queries attend to everything: plain SDPA, no mask
     if n > nv:
         out[nv:] = _sdpa_bnhd(query[None, nv:], key[None], value[None], None, scale)[0]
     if nv == 0:
@@ -361,11 +319,9 @@ def _gather_window_attention(
     for b0 in range(0, geometry.num_blocks, blocks_per_chunk):
         b = torch.arange(b0, min(b0 + blocks_per_chunk, geometry.num_blocks), device=device)
         bt, bh, bw = b // (nh * nw), (b // nw) % nh, b % nw
-        # queries of each block, padded to qmax
         q_idx = br[b, :1] + ar_q[None, :]  # [nb, qmax]
         q_valid = ar_q[None, :] < counts[b, None]
         q_idx = torch.where(q_valid, q_idx, torch.zeros_like(q_idx))
-        # neighbour blocks, padded to a fixed count
         kt, kh, kw = bt[:, None] + dts, bh[:, None] + dhs, bw[:, None] + dws  # [nb, Nnei]
         nb_ok = (kt >= 0) & (kt < nt) & (kh >= 0) & (kh < nh) & (kw >= 0) & (kw < nw)
         kb = torch.where(nb_ok, (kt * nh + kh) * nw + kw, torch.zeros_like(kt))
@@ -393,8 +349,7 @@ _FLEX_MASK_CACHE_SIZE = 4
 
 
 def cached_flex_block_mask(geometry: Magi2WindowGeometry, device) -> object:
-    """``geometry.flex_block_mask(device)``, cached for the last few geometries (a refiner stage runs
-    the cond and uncond geometries, which differ only in their text length, once per step)."""
+    """``geometry.flex_block_mask(device)``, cached for the last few geometries (cond and uncond per step)."""
     key = (geometry, str(torch.device(device)))
     if key not in _FLEX_MASK_CACHE:
         if len(_FLEX_MASK_CACHE) >= _FLEX_MASK_CACHE_SIZE:
@@ -435,17 +390,11 @@ def block_window_attention(
     """Bidirectional attention of one packed refiner sample under its block-window mask.
 
     Args:
-        query: ``[N, Hq, D]``; key, value: ``[N, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA: query head
-            ``h`` reads kv head ``h // (Hq // Hkv)``). All three in the same dtype (bf16 in the
-            released model, fp32 for exact checks). Packed order per the module docstring.
-        geometry: the sample's :class:`Magi2WindowGeometry`. ``None`` together with
-            ``dense_mask=None`` means full (unmasked) attention.
-        dense_mask: optional explicit boolean ``[N, N]`` mask (True = attend); then only ``"sdpa"``
-            (or ``"auto"``) is allowed. Used for the reference's own ``(q, k)`` ranges.
-        backend: ``"sdpa"`` (dense boolean mask, refused above ``max_dense_elements``), ``"flex"``
-            (``flex_attention`` + ``BlockMask``, compiled on CUDA), ``"gather"`` (exact, gathers each
-            query block's key window in chunks of ``blocks_per_chunk`` blocks), or ``"auto"``: flex on
-            CUDA, sdpa when the dense mask is small enough, gather otherwise.
+        query: ``[N, Hq, D]``; key, value: ``[N, Hkv, D]``, ``Hq % Hkv == 0``, one dtype, packed order.
+        geometry: the sample's :class:`Magi2WindowGeometry`; ``None`` (without ``dense_mask``) = full attention.
+        dense_mask: explicit bool ``[N, N]`` mask (True = attend), for ``"sdpa"``/``"auto"`` only.
+        backend: ``"sdpa"``, ``"flex"`` (compiled on CUDA), ``"gather"`` (``blocks_per_chunk`` query blocks at
+            a time) or ``"auto"`` (the ``window_attn`` row of :mod:`~diffusers_magi2.utils.backends`).
         scale: softmax scale, default ``D ** -0.5``.
         block_mask: a prebuilt ``BlockMask`` for ``"flex"`` (built from ``geometry`` if omitted).
 

@@ -124,12 +124,6 @@ def test_dtype_move_does_not_warn_about_fp32_modules():
     assert not [r for r in records if "float32" in r.getMessage()]
 
 
-def test_to_compute_dtype_is_the_dtype_move():
-    model, reference = tiny_model(), tiny_model().to(torch.bfloat16)
-    assert model.to_compute_dtype(torch.bfloat16) is model
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
-
-
 def test_pipeline_to_dtype_keeps_the_transformer_fp32_islands():
     pipe = build_tiny_default_pipeline()
     before = {n: t.clone() for n, t in _floating(pipe.transformer).items()}
