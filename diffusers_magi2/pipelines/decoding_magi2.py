@@ -1,9 +1,8 @@
-"""Latent → output helpers of the MAGI-2 pipeline: the Wan latent normalisation tables, video and audio
-decoding, the audio resample and the optional output resize.
+"""Latent -> output helpers of the MAGI-2 pipeline (SandAI ``Magi2InferenceEngine.decode_video``,
+``decode_audio`` / ``resample_audio_sinc``, ``Magi2Evaluator._resize_video``).
 
-Follows SandAI ``Magi2InferenceEngine.decode_video``, ``audio_decoder.decode_audio`` /
-``resample_audio_sinc`` and ``Magi2Evaluator._resize_video`` at commit ``f68a0f9`` (spec
-``magi2_reference_spec.md`` §5.5); the code is this package's own.
+Normalised video latents are ``(mu - mean) * (1 / std)`` with the Wan2.2 tables; audio is the Oobleck decode
+(2048 samples per latent) resampled by ``audio_resample_ratio`` (441/512: 250 latents -> 441,000 samples).
 """
 
 from __future__ import annotations
@@ -23,14 +22,8 @@ __all__ = [
 
 
 def resize_video_frames(video: torch.Tensor, height: int, width: int, frames_per_chunk: int = 16) -> torch.Tensor:
-    """Bilinear resize of every frame of ``video`` ``[B, C, F, H, W]`` to ``height`` × ``width``.
-
-    Per-frame 2-D ``F.interpolate(mode="bilinear", align_corners=False)`` (no mixing across time),
-    as SandAI ``Magi2Evaluator._resize_video`` (``--output-width/--output-height``). Works on any
-    value range: bilinear weights are convex, so resizing the [-1, 1] decoder output and then mapping
-    to [0, 1] equals mapping first. (The reference resizes after 8-bit quantisation; this port
-    resizes the float frames, before it.) Processes ``frames_per_chunk`` frames at a time to bound
-    the temporary memory at 1080p.
+    """Per-frame bilinear resize (``align_corners=False``) of ``video`` to ``height x width``, ``frames_per_chunk``
+    frames at a time; the reference resizes after 8-bit quantisation, this the float frames.
 
     Args:
         video: ``[B, C, F, H, W]`` float tensor.
@@ -58,20 +51,15 @@ def resize_video_frames(video: torch.Tensor, height: int, width: int, frames_per
 
 
 def wan_latent_stats(vae, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Wan2.2 latent normalisation tables ``(mean, 1 / std)``, each fp32 ``[1, C, 1, 1, 1]`` on
-    ``device``, from ``vae.config.latents_mean/latents_std`` (``1/std`` computed in fp32, as the reference).
-    Normalised latents are ``(μ − mean) · (1/std)``."""
+    """``(mean, 1 / std)`` fp32 ``[1, C, 1, 1, 1]`` from ``vae.config.latents_mean/latents_std``."""
     mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=device).view(1, -1, 1, 1, 1)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std, dtype=torch.float32, device=device).view(1, -1, 1, 1, 1)
     return mean, inv_std
 
 
 def decode_video_latents(video_decoder, vae, latents: torch.Tensor) -> torch.Tensor:
-    """Normalised video latents ``[B, 48, T, h, w]`` → pixels ``[B, 3, 4(T−1)+1, 16h, 16w]`` in [-1, 1], fp32.
-
-    Uses ``video_decoder`` (TurboVAED; it de-normalises internally) when it is not ``None``, else the
-    Wan ``vae`` after de-normalising ``z / (1/std) + mean`` (:func:`wan_latent_stats`), clamped to [-1, 1].
-    """
+    """Normalised latents ``[B, 48, T, h, w]`` -> fp32 pixels ``[B, 3, 4(T-1)+1, 16h, 16w]`` through
+    ``video_decoder`` (it de-normalises itself), else the Wan ``vae`` (clamped to [-1, 1])."""
     if video_decoder is not None:
         out = video_decoder.decode(latents.to(device=video_decoder.device, dtype=video_decoder.dtype))
         video = out.sample if hasattr(out, "sample") else out[0]
@@ -84,15 +72,10 @@ def decode_video_latents(video_decoder, vae, latents: torch.Tensor) -> torch.Ten
 
 
 def resample_audio(audio: Union[np.ndarray, torch.Tensor], ratio: float, axis: int = 0) -> np.ndarray:
-    """Resample ``audio`` along ``axis`` to ``int(N * ratio)`` samples with ``scipy.signal.resample`` (FFT).
-
-    Matches SandAI ``decode_audio`` / ``resample_audio_sinc``: ``scipy.signal.resample(x, int(N * ratio))``
-    on the time axis, result cast to float32. MAGI-2 uses ``ratio = 441/512`` (exact in binary, so
-    ``int(N * ratio) == int(N * 441 / 512)``); the pipeline reads it from its config.
+    """``scipy.signal.resample`` of ``audio`` along ``axis`` to ``int(N * ratio)`` samples (SandAI ``resample_audio_sinc``).
 
     Args:
-        audio: samples, e.g. ``[N, channels]`` (time on ``axis``), any float dtype; a torch tensor is
-            moved to CPU and converted to float32 numpy first.
+        audio: samples with time on ``axis`` (numpy, or a torch tensor taken to fp32 CPU).
         ratio: output/input sample-count ratio, > 0.
         axis: time axis.
 
@@ -118,12 +101,7 @@ def resample_audio(audio: Union[np.ndarray, torch.Tensor], ratio: float, axis: i
 
 
 def decode_audio_latents(audio_vae, audio_latents: torch.Tensor, ratio: float) -> np.ndarray:
-    """Audio latents ``[B, L, 64]`` → stereo ``[B, 2, S]`` float32 numpy at ``audio_vae.config.sampling_rate``.
-
-    Oobleck decode of ``[B, 64, L]`` (L·2048 samples, identity latent scaling), then
-    :func:`resample_audio` of each row to ``int(N · ratio)`` samples (441/512: 250 latents →
-    512,000 → 441,000 = 10 s). Matches SandAI ``decode_audio``/``resample_audio_sinc``.
-    """
+    """Audio latents ``[B, L, 64]`` -> stereo float32 numpy ``[B, 2, S]`` (module docstring)."""
     waveform = audio_vae.decode(audio_latents.transpose(1, 2).to(device=audio_vae.device, dtype=audio_vae.dtype)).sample
     waveform = waveform.float().cpu().numpy()
     out = [resample_audio(row.T, ratio, axis=0).T for row in waveform]

@@ -1,8 +1,6 @@
-"""Reference-image (I2V) preprocessing of the MAGI-2 pipeline: loading, letterboxing and the VAE input.
-
-Follows SandAI ``Magi2InferenceEngine._encode_image`` (``ref_image_type="original"``) and
-``inference_engine.resizepad`` at commit ``f68a0f9`` (spec ``magi2_reference_spec.md`` §5.5); the code is
-this package's own.
+"""Reference-image (I2V) preprocessing (SandAI ``Magi2InferenceEngine._encode_image`` with
+``ref_image_type="original"``, and ``resizepad``): long side scaled to ``max(height, width)``, letterboxed on
+white, floored to multiples of 32 and mapped to [-1, 1], rounded to ``reference_image_dtype``.
 """
 
 from __future__ import annotations
@@ -21,10 +19,7 @@ IMAGE_TYPES = "PIL.Image.Image, a local file path (str or os.PathLike), or an RG
 
 
 def letterbox_image(image: PIL.Image.Image, height: int, width: int) -> PIL.Image.Image:
-    """Fit ``image`` into a ``height`` × ``width`` white canvas, keeping its aspect ratio.
-
-    The image is resized with LANCZOS by ``min(width / w, height / h)`` (sizes rounded to the nearest
-    integer, at least 1) and pasted centred. Matches SandAI ``inference_engine.resizepad``.
+    """``image`` resized (LANCZOS, aspect kept) and centred on a white ``height x width`` canvas (SandAI ``resizepad``).
 
     Raises:
         ValueError: the image has a zero dimension.
@@ -42,8 +37,7 @@ def letterbox_image(image: PIL.Image.Image, height: int, width: int) -> PIL.Imag
 
 
 def load_reference_image(image: PIL.Image.Image | str | os.PathLike | np.ndarray) -> PIL.Image.Image:
-    """``image`` as a PIL image: a PIL image as is, a uint8 ``[H, W, 3]`` array via ``fromarray``, a
-    local path via ``diffusers.utils.load_image`` (types are checked by ``check_inputs`` first)."""
+    """``image`` (PIL, uint8 ``[H, W, 3]`` array or local path) as a PIL image."""
     if isinstance(image, PIL.Image.Image):
         return image
     if isinstance(image, np.ndarray):
@@ -60,18 +54,8 @@ def preprocess_reference_image(
     processor: VideoProcessor,
     rounding_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The I2V image as VAE input ``[1, 3, 1, H', W']`` (fp32 values), following SandAI
-    ``Magi2InferenceEngine._encode_image`` with ``ref_image_type="original"``:
-
-    1. scale the long side to ``max(height, width)`` (other side ``int``-truncated),
-    2. :func:`letterbox_image` onto a white canvas of that size,
-    3. ``processor.preprocess`` (``VideoProcessor(vae_scale_factor=32)``: floors both sides to multiples
-       of 32, resizes, maps to [-1, 1]),
-    4. round to ``rounding_dtype`` (``reference_image_dtype``, bf16 in the reference engine), keep RGB,
-       add T = 1.
-
-    E.g. a 1920×1080 image for 512×896 → 896×504 → 896×480 → latent 56×30 (spec §5.5).
-    """
+    """The I2V image as VAE input ``[1, 3, 1, H', W']`` (module docstring; ``processor`` is a
+    ``VideoProcessor(vae_scale_factor=32)``), e.g. 1920x1080 for 512x896 -> 896x480."""
     pil = load_reference_image(image)
     longest = max(height, width)
     if pil.width > pil.height:

@@ -20,12 +20,8 @@ def load_pipeline_with_expert_parallel(
     expert_parallel: Magi2ExpertParallelConfig,
     **kwargs: Any,
 ):
-    """Load the transformer (subfolder ``transformer``) with only this rank's routed experts, then the pipeline.
-
-    The transformer gets the same ``torch_dtype``/``dtype`` (a per-component dict gives its ``"transformer"``
-    entry, else ``"default"``, else fp32), ``variant`` and Hub arguments, and goes straight to this rank's device
-    (``ep_device``: its GPU under nccl, else CPU); it is then handed to ``pipeline_cls.from_pretrained`` as a
-    ready component, so no rank ever builds the full expert bank.
+    """Load the transformer with only this rank's routed experts, on this rank's device, then the pipeline around it
+    (same dtype, variant and Hub arguments; no rank builds the full expert bank).
 
     Raises:
         ValueError: a ``transformer`` component was passed too (shard it with ``enable_expert_parallel``
@@ -38,7 +34,6 @@ def load_pipeline_with_expert_parallel(
     shared = ("torch_dtype", "dtype", "variant", "revision", "cache_dir", "token", "local_files_only")
     transformer_kwargs = {k: kwargs[k] for k in shared if kwargs.get(k) is not None}
     for key in ("torch_dtype", "dtype"):
-        # a per-component dict (diffusers: {"default": ..., "<component>": ...}) -> the transformer's entry
         if isinstance(transformer_kwargs.get(key), dict):
             table = transformer_kwargs[key]
             transformer_kwargs[key] = table.get("transformer", table.get("default", torch.float32))

@@ -1,8 +1,7 @@
 """MAGI-2 pipeline presets: the built-in negative prompt, the trained and ``resolution=`` sizes, and the
 allowed ``output_type`` values.
 
-Values follow SandAI ``inference_engine.py`` / ``entry.py`` at commit ``f68a0f9`` (spec
-``magi2_reference_spec.md`` §5); :mod:`~diffusers_magi2.pipelines.pipeline_magi2` re-exports them.
+Values follow SandAI ``inference_engine.py`` / ``entry.py`` at commit ``f68a0f9``.
 """
 
 from __future__ import annotations
@@ -17,9 +16,7 @@ __all__ = [
     "resolve_stage_sizes",
 ]
 
-#: The reference's built-in negative prompt (``DEFAULT_NEGATIVE_PROMPT`` in ``inference_engine.py``):
-#: visual, audio and voice defects. It is the default ``negative_prompt`` and is stored in the
-#: pipeline config (``model_index.json``), so a converted repo can carry another one.
+#: SandAI's built-in negative prompt (``inference_engine.py``): visual, audio and voice defects.
 DEFAULT_NEGATIVE_PROMPT = (
     "Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, static, "
     "overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra fingers, poorly "
@@ -54,9 +51,7 @@ OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 
 
 def apply_resolution_preset(resolution: str, height: int, width: int) -> tuple[int, int]:
-    """``(height, width)`` of a ``resolution`` preset (``RESOLUTION_PRESETS``: "272p", "540p", "1080p").
-
-    ``height``/``width`` must be left at their defaults (512 × 896) or equal the preset.
+    """``(height, width)`` of a ``resolution`` preset; ``height``/``width`` must be the defaults or the preset.
 
     Raises:
         ValueError: an unknown preset, or a conflicting explicit height/width.
@@ -79,12 +74,8 @@ def resolve_stage_sizes(
     preview_width: int | None = None,
     default_preview: tuple[int, int] = (512, 896),
 ) -> tuple[bool, int, int]:
-    """Whether a call runs the refiner, and the size the preview stage denoises at.
-
-    The two-stage path runs when ``(height, width) == REFINER_RESOLUTION`` (1088 × 1920; its preview size
-    is then ``default_preview``, the pipeline config's 512 × 896 for the released model) or when
-    ``preview_height`` and ``preview_width`` are given (e.g. a tiny model: preview 32 × 48, refined
-    output ``height × width`` = 64 × 96). Otherwise a single stage at ``height × width``.
+    """Whether a call runs the refiner, and the preview stage's size: two stages for ``REFINER_RESOLUTION``
+    (preview ``default_preview``) or an explicit preview size, else one stage at ``height x width``.
 
     Returns:
         ``(refine, denoise_height, denoise_width)`` in pixels.

@@ -1,13 +1,9 @@
-"""Sampler pieces of the MAGI-2 pipeline: the flow-matching UniPC schedules, the classifier-free
-guidance batch and the one denoising loop both stages run (:func:`denoise_steps`).
+"""Sampler pieces of the MAGI-2 pipeline (SandAI ``Magi2PreviewSampler``): flow-matching UniPC schedules, the
+CFG batch and the one denoising loop of both stages.
 
-Each step ``i`` at timestep ``t``: the stage's ``predict`` returns one velocity per latent it
-denoises (preview: video and audio; refiner: video), its forwards inside ``model.cache_context``;
-each latent takes its scheduler's Flow-UniPC step ``x ← step(v, t, x)``; then ``on_step_end`` may
-replace any tensor of the step table (latents or text embeddings) for the following steps.
-
-Follows SandAI ``Magi2PreviewSampler`` (``prepare_model_input``, ``cfg_velocity``) at commit ``f68a0f9``
-(spec ``magi2_reference_spec.md`` §5.2–5.3); the code is this package's own.
+Step ``i`` at timestep ``t``: ``predict`` returns a velocity per latent (forwards inside ``model.cache_context``),
+each latent steps ``x <- step(v, t, x)``, then ``on_step_end`` may replace any tensor of the step table.
+Sigmas are ``linspace(sigma_start, 0, N + 1)[:-1]``; the scheduler applies its ``flow_shift`` once.
 """
 
 from __future__ import annotations
@@ -47,14 +43,13 @@ def unshifted_sigmas(sigma_start: float, num_inference_steps: int) -> np.ndarray
 def flow_schedulers(
     scheduler: UniPCMultistepScheduler, sigmas: np.ndarray, device: torch.device | str | None = None
 ) -> tuple[UniPCMultistepScheduler, UniPCMultistepScheduler, torch.Tensor]:
-    """``scheduler`` (video) and a fresh audio scheduler built from its config, both set to the unshifted
-    ``sigmas`` (the scheduler applies its ``flow_shift`` once) and to begin at index 0.
+    """``scheduler`` (video) and a fresh audio one from its config, both set to ``sigmas`` and begin index 0.
 
     Returns:
         ``(video_scheduler, audio_scheduler, timesteps)``; ``timesteps`` int64 ``[N]``.
 
     Raises:
-        ValueError: the scheduler is not a flow-prediction UniPC with flow sigmas (:func:`check_scheduler`).
+        ValueError: as :func:`check_scheduler`.
     """
     check_scheduler(scheduler)
     audio_scheduler = UniPCMultistepScheduler.from_config(scheduler.config)
@@ -67,15 +62,8 @@ def flow_schedulers(
 def pad_text_batch(
     embeds: list[torch.Tensor], masks: list[torch.Tensor | None]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack text feature batches of different lengths along the batch, zero-padded to the longest.
-
-    Args:
-        embeds: tensors ``[B_i, L_i, C]``; the result has ``embeds[0]``'s dtype and device.
-        masks: per entry a ``[B_i, L_i]`` mask, or ``None`` for "all ``L_i`` tokens are real".
-
-    Returns:
-        ``(text [ΣB_i, max L_i, C], mask [ΣB_i, max L_i] bool)``; padding is zero / ``False``.
-    """
+    """Stack ``[B_i, L_i, C]`` text batches (with ``[B_i, L_i]`` masks or ``None`` = all real), zero-padded:
+    ``(text [sum B_i, max L_i, C], mask bool)`` in ``embeds[0]``'s dtype and device."""
     longest = max(e.shape[1] for e in embeds)
     total = sum(e.shape[0] for e in embeds)
     text = embeds[0].new_zeros(total, longest, embeds[0].shape[-1])
@@ -96,26 +84,24 @@ def combine_guidance(velocity: torch.Tensor, batch: int, scale: float) -> torch.
 
 
 def cache_context(model, name: str, **context):
-    """``model.cache_context(name, **context)`` for a diffusers ``CacheMixin`` model (what its caching
-    hooks read: ``step_index``, ``num_inference_steps``, ``timestep``); a no-op context for any other
-    callable, which has no caching hooks to inform."""
+    """``model.cache_context(name, **context)`` for a ``CacheMixin`` model, else a no-op context."""
     if isinstance(model, CacheMixin):
         return model.cache_context(name, **context)
     return contextlib.nullcontext()
 
 
 def denoise_steps(model, timesteps, tensors: dict, schedulers: dict, predict, *, on_step_end=None, skip_step=None) -> dict:
-    """The denoising loop of both stages (see the module docstring).
+    """The denoising loop of both stages (module docstring).
 
     Args:
-        model: the denoiser ``predict`` runs (its cache context is set per step).
+        model: the denoiser ``predict`` runs.
         timesteps: the schedule, ``[N]``.
-        tensors: the step table, name → tensor (e.g. ``latents``, ``prompt_embeds``); updated in place.
-        schedulers: name → scheduler for each latent ``predict`` returns a velocity for.
-        predict: ``fn(step_index, t, tensors, context)`` → name → velocity, where ``context(name)`` is
-            the cache context manager of one forward at this step.
-        on_step_end: ``fn(step_index, t, tensors)`` → a dict of replacements (or ``None``).
-        skip_step: ``fn() -> bool`` checked before each step; true skips it (interrupt).
+        tensors: the step table, name -> tensor; updated in place.
+        schedulers: name -> scheduler of each latent ``predict`` returns a velocity for.
+        predict: ``fn(step_index, t, tensors, context)`` -> name -> velocity; ``context(name)`` is a forward's
+            cache context.
+        on_step_end: ``fn(step_index, t, tensors)`` -> replacements or ``None``.
+        skip_step: ``fn() -> bool``; true skips the step (interrupt).
 
     Returns:
         ``tensors`` after the last step.

@@ -1,20 +1,9 @@
-"""Prompt handling for MAGI-2: prompt normalisation, tokenisation and Qwen3.5 feature extraction.
+"""MAGI-2 prompt handling (SandAI ``qwen35.py`` ``Qwen35TextEncoder`` and ``Magi2InferenceEngine``'s prompt edits).
 
-Everything here reproduces SandAI's text-encoder wrapper (``inference/model/qwen35.py``,
-``Qwen35TextEncoder``) and the prompt edits of ``Magi2InferenceEngine`` (``inference_engine.py``)
-at commit ``f68a0f9`` (spec ``magi2_reference_spec.md`` §5.5); the code is written for this package.
-
-The pieces, in the order the pipeline uses them:
-
-1. :func:`add_figure_reference` — I2V only: make the prompt mention ``<Figure 1>``.
-2. :func:`normalize_prompt` — a JSON prompt with a ``global_layer`` becomes compact markdown
-   (:func:`json_to_compact_markdown`).
-3. :func:`apply_cjk_pre_tokenizer_split` — the extra leading pre-tokenizer split, including the
-   reference's regex quirk (see its docstring).
-4. :func:`encode_prompt_features` — token ids (right padding, at most 7,000 tokens, no chat
-   template) → ``hidden_states[-3]``.
-5. :func:`pool_target_features` — the ``<Figure 1>`` special-token embedding: mean of the features of
-   the tokens whose character offsets overlap the target string.
+In the pipeline's order: I2V prompts mention ``<Figure 1>`` (:func:`add_figure_reference`); JSON prompts become
+compact markdown (:func:`normalize_prompt`); the tokenizer gets SandAI's extra CJK pre-tokenizer split; tokens
+(right padding, at most 7,000, no chat template) give ``hidden_states[-3]``; the image special-token embedding
+is the mean feature of the tokens overlapping ``<Figure 1>``.
 """
 
 from __future__ import annotations
@@ -44,21 +33,15 @@ __all__ = [
     "tokenize_prompt",
 ]
 
-#: The reference's CJK isolation pattern, character for character. It is compiled by the
-#: ``tokenizers`` library (Oniguruma), which does not understand ``\U00020000``/``\U0002FFFF``:
-#: the tail of the class is read as the literal range ``0``–``U`` (0x30–0x55) plus a few literal
-#: characters. So the split ALSO isolates digits, ``:;<=>?@`` and the capitals ``A``–``U`` (each
-#: becomes its own pre-token) and does NOT isolate CJK Extension B. The released model was trained
-#: with these token ids, so the quirk is reproduced on purpose (fixture ``text_encoder/``,
-#: ``cjk_split_isolates_ascii``). Do not "fix" it with Python ``re``.
+#: SandAI's CJK isolation pattern, character for character. Oniguruma reads ``\U0002...`` as the literal range
+#: ``0``-``U``, so the split also isolates digits, ``:;<=>?@`` and ``A``-``U``, and not CJK Extension B; the
+#: released model was trained on those token ids, so the quirk stays (do not "fix" it with Python ``re``).
 CJK_SPLIT_PATTERN = (
     r"([\u1100-\u11ff\u2e80-\ua4cf\ua840-\uD7AF\uF900-\uFAFF\uFE30-\uFE4F\uFF65-\uFFDC"
     r"\U00020000-\U0002FFFF])"
 )
 
-#: ``max_length`` of the reference tokenizer call (truncation on).
 DEFAULT_MAX_SEQUENCE_LENGTH = 7000
-#: ``skip_layer`` of the reference: the feature is ``hidden_states[-(skip_layer + 1)]``.
 DEFAULT_SKIP_LAYERS = 2
 #: Text the reference engine adds for an I2V prompt (``_ensure_figure_tokens``).
 FIGURE_REFERENCE_TEXT = "The first frame refers to <Figure 1>"
@@ -89,13 +72,7 @@ def _is_cjk_split(entry: Any) -> bool:
 
 
 def has_cjk_pre_tokenizer_split(tokenizer: Any) -> bool:
-    """Whether ``tokenizer``'s backend pre-tokenizer already starts with the MAGI-2 CJK split.
-
-    Args:
-        tokenizer: a transformers fast tokenizer (has ``backend_tokenizer``).
-
-    Returns:
-        ``True`` when the first pre-tokenizer is a ``Split`` with exactly :data:`CJK_SPLIT_PATTERN`.
+    """Whether the fast ``tokenizer``'s pre-tokenizer starts with a ``Split`` on :data:`CJK_SPLIT_PATTERN`.
 
     Raises:
         ValueError: the tokenizer has no ``tokenizers`` backend.
@@ -112,18 +89,10 @@ def has_cjk_pre_tokenizer_split(tokenizer: Any) -> bool:
 
 
 def apply_cjk_pre_tokenizer_split(tokenizer: Any) -> Any:
-    """Prepend the reference's CJK ``Split`` pre-tokenizer (behaviour "isolated"), idempotently.
-
-    Matches SandAI ``Qwen35TextEncoder.__init__``, which wraps the tokenizer's own pre-tokenizer as
-    ``Sequence([cjk_split, original])``. Applying it twice is a no-op, so a tokenizer saved by this
-    pipeline (which may already carry the split) can be loaded again safely. The regex quirk of
-    :data:`CJK_SPLIT_PATTERN` is kept by compiling the same pattern with ``tokenizers.Regex``.
-
-    Args:
-        tokenizer: a transformers fast tokenizer; modified in place.
+    """Prepend SandAI's CJK ``Split`` pre-tokenizer (``Sequence([cjk_split, original])``) in place, idempotently.
 
     Returns:
-        The same tokenizer object.
+        The same tokenizer.
 
     Raises:
         ValueError: the tokenizer has no ``tokenizers`` backend.
@@ -145,7 +114,7 @@ def apply_cjk_pre_tokenizer_split(tokenizer: Any) -> Any:
 
 
 def _drop_empty(value: Any) -> Any:
-    """Remove ``None``/``[]``/``{}`` dict values (after cleaning them) and ``None`` list items."""
+    """Drop ``None``/``[]``/``{}`` values, recursively."""
     if isinstance(value, dict):
         cleaned = {}
         for key, child in value.items():
@@ -160,7 +129,7 @@ def _drop_empty(value: Any) -> Any:
 
 
 def _flat(value: Any) -> str:
-    """One line of text: ``None`` → ``""``, other values ``str()``-ed, whitespace runs → one space."""
+    """One line of text, whitespace runs collapsed."""
     if value is None:
         return ""
     return " ".join(str(value).split())
@@ -289,15 +258,8 @@ def _render_timeline(dynamic_layer: dict, lines: list[str]) -> None:
 
 
 def json_to_compact_markdown(prompt: str | dict) -> str:
-    """Render a structured MAGI-2 prompt (``global_layer`` / ``dynamic_layer`` / ``reference_layer``)
-    as the compact markdown the model was trained on.
-
-    Same output as SandAI ``inference/model/qwen35.py::json_to_compact_markdown``: empty values
-    (``None``, ``[]``, ``{}``; and empty strings, which render to nothing) are dropped; whitespace
-    runs inside values collapse to one space; sections ``context``, ``aesthetics``, ``audio``,
-    ``subjects``, ``objects``, ``timeline`` and then the ``reference_layer`` lines, joined by
-    ``"\\n"``, blank lines removed. An object without ``global_layer`` (or a non-object) is returned
-    unchanged (the original string, or ``json.dumps(..., ensure_ascii=False)`` for a dict).
+    """A structured prompt (``global_layer`` / ``dynamic_layer`` / ``reference_layer``) as the compact markdown of
+    SandAI ``qwen35.py::json_to_compact_markdown``; anything without ``global_layer`` is returned as text.
 
     Args:
         prompt: JSON text or an already parsed object.
@@ -323,11 +285,7 @@ def json_to_compact_markdown(prompt: str | dict) -> str:
 
 
 def normalize_prompt(prompt: str) -> str:
-    """The text the tokenizer sees: JSON prompts (objects or arrays) go through
-    :func:`json_to_compact_markdown`; anything else is returned unchanged.
-
-    Matches SandAI ``Qwen35TextEncoder._normalize_prompt``.
-    """
+    """The text the tokenizer sees (SandAI ``Qwen35TextEncoder._normalize_prompt``)."""
     try:
         parsed = json.loads(prompt)
     except (json.JSONDecodeError, TypeError):
@@ -338,13 +296,8 @@ def normalize_prompt(prompt: str) -> str:
 
 
 def add_figure_reference(prompt: str) -> str:
-    """Make an I2V prompt mention ``<Figure 1>`` the way the reference engine does.
-
-    A JSON-object prompt gets ``"reference_layer": ["The first frame refers to <Figure 1>"]``
-    (replacing any existing one) and is re-serialised with ``json.dumps(ensure_ascii=False)``; any
-    other prompt gets ``"reference_layer:The first frame refers to <Figure 1>"`` appended with no
-    separator. Matches SandAI ``Magi2InferenceEngine._ensure_figure_tokens`` (single image).
-    """
+    """An I2V prompt that mentions ``<Figure 1>`` (SandAI ``_ensure_figure_tokens``): a JSON object gets it as its
+    ``reference_layer``, other text gets ``"reference_layer:..."`` appended."""
     try:
         parsed = json.loads(prompt)
     except (json.JSONDecodeError, TypeError):
@@ -366,16 +319,11 @@ def tokenize_prompt(
     max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
     return_offsets_mapping: bool = False,
 ) -> dict:
-    """Tokenise one already-normalised prompt like the reference: right padding, truncation at
-    ``max_sequence_length`` tokens, no chat template, no added special tokens beyond the tokenizer's
-    own post-processor.
-
-    A prompt cut at ``max_sequence_length`` logs a warning with the number of tokens dropped and
-    the start of the dropped text.
+    """Tokenise one normalised prompt as SandAI does (right padding, at most ``max_sequence_length`` tokens;
+    a longer prompt is cut with a warning).
 
     Returns:
-        the tokenizer's ``BatchEncoding`` with ``input_ids``/``attention_mask`` ``[1, Lt]`` int64
-        (and ``offset_mapping`` ``[1, Lt, 2]`` when asked).
+        ``BatchEncoding`` with ``input_ids``/``attention_mask`` ``[1, Lt]`` (and ``offset_mapping`` ``[1, Lt, 2]``).
     """
     tokenizer.padding_side = "right"
     tokens = tokenizer(
@@ -406,17 +354,12 @@ def encode_prompt_features(
     attention_mask: torch.Tensor,
     skip_layers: int = DEFAULT_SKIP_LAYERS,
 ) -> torch.Tensor:
-    """Qwen3.5 features of a tokenised prompt: ``hidden_states[-(skip_layers + 1)]``.
-
-    ``hidden_states`` has ``num_hidden_layers + 1`` entries (embeddings first, the last one after
-    the final norm), so the default ``skip_layers=2`` returns the raw output of decoder layer
-    ``num_hidden_layers - 3`` (SandAI ``Qwen35TextEncoder.encode`` with ``skip_layer=2``);
-    ``skip_layers=0`` returns ``last_hidden_state``.
+    """Qwen3.5 features ``hidden_states[-(skip_layers + 1)]`` (``last_hidden_state`` for 0; SandAI ``encode``).
 
     Args:
-        text_encoder: a transformers ``Qwen3_5TextModel`` (or any model returning ``hidden_states``).
+        text_encoder: a ``Qwen3_5TextModel`` or any model returning ``hidden_states``.
         input_ids, attention_mask: ``[B, Lt]`` int64, on the encoder's device.
-        skip_layers: number of final layers to skip (≥ 0).
+        skip_layers: final layers to skip (>= 0).
 
     Returns:
         ``[B, Lt, hidden]`` in the text encoder's dtype.
@@ -435,10 +378,7 @@ def encode_prompt_features(
 def find_target_token_indices(
     text: str, offsets: Sequence[Sequence[int]] | torch.Tensor, target: str
 ) -> list[int]:
-    """Indices of the tokens whose character span overlaps the first occurrence of ``target``.
-
-    Tokens with offset ``(0, 0)`` other than the first are skipped (special/padding tokens).
-    Matches SandAI ``Qwen35TextEncoder.get_target_token_indices``.
+    """Indices of the tokens overlapping the first ``target`` in ``text`` (SandAI ``get_target_token_indices``).
 
     Args:
         text: the normalised prompt the offsets refer to.
@@ -464,8 +404,7 @@ def find_target_token_indices(
 
 
 def pool_target_features(features: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
-    """Mean of ``features[0, indices]`` (the special-token embedding of an image), or a zero vector
-    when ``indices`` is empty. Matches SandAI ``Qwen35TextEncoder.get_special_token``.
+    """Mean of ``features[0, indices]``, zeros when empty (SandAI ``get_special_token``).
 
     Args:
         features: ``[1, Lt, C]`` prompt features.
@@ -488,7 +427,7 @@ def encode_prompt_text(
     skip_layers: int = DEFAULT_SKIP_LAYERS,
     figure_target: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One prompt through steps 2, 4 and (with ``figure_target``) 5 of the module docstring.
+    """One prompt normalised, tokenised and encoded, with its ``figure_target`` embedding when asked.
 
     Returns:
         ``(features [1, Lt, C], target_embeds [C] or None)``.

@@ -1,14 +1,7 @@
 """The embedded tiny default: a complete ``Magi2Pipeline`` with random weights, built offline in code.
 
-``examples/generate.py`` runs it when no ``--model`` is given, so the README's first command exercises
-the whole product (prompt wrapper, transformer with MoE layers, schedulers, TurboVAE decoder, Oobleck
-decoder, 441/512 resample, mp4 export) on a fresh CPU machine with no download. Every component has
-the real structure and channel interfaces (48 video / 64 audio latent channels, 10 s clips: 32 video
-latents and 250 audio latents) but tiny widths; the tokenizer is a byte-level BPE trained here on an
-embedded corpus. The output is noise-like: the weights are random.
-
-Sizes and step count live in :data:`TINY_DEFAULT_CONFIG`; they are chosen so that the main job
-finishes in well under 180 s on 2 CPU cores with ``OMP_NUM_THREADS=1``.
+Every component has the real structure and channel interfaces but tiny widths (:data:`TINY_DEFAULT_CONFIG`),
+and the tokenizer is a byte-level BPE trained here; ``examples/generate.py`` runs it when no ``--model`` is given.
 """
 
 from __future__ import annotations
@@ -135,12 +128,7 @@ _CORPUS_EXTRA = [
 
 
 def build_tiny_tokenizer(vocab_size: int = 1024):
-    """A Qwen3.5-style byte-level BPE tokenizer built offline (no download), deterministic.
-
-    Same pipeline shape as ``Qwen3_5Tokenizer``: NFC normaliser, the Qwen split regex, ByteLevel
-    pre-tokeniser/decoder, ByteLevel post-processor without BOS/EOS; specials ``<|endoftext|>``
-    (id 0, padding), ``<|im_start|>``, ``<|im_end|>``. The vocabulary (all 256 bytes plus merges) is
-    learned from a small embedded corpus. ``Magi2Pipeline`` adds the CJK split when it is built.
+    """A deterministic Qwen3.5-style byte-level BPE tokenizer (same normaliser, split, specials), trained offline.
 
     Returns:
         ``transformers.PreTrainedTokenizerFast`` with right padding.
@@ -183,13 +171,7 @@ def build_tiny_tokenizer(vocab_size: int = 1024):
 
 @torch.no_grad()
 def init_tiny_weights(module: torch.nn.Module, generator: torch.Generator) -> torch.nn.Module:
-    """Deterministic random init for a tiny model whose parameters may be created empty.
-
-    Matrices (≥ 2-D) get N(0, 1/fan_in) with fan_in the input width (``[out, in]`` linears and
-    ``[groups, in, out]`` expert banks alike); zero-centred norm weights, biases, sinks and
-    hyper-connection biases get 0; hyper-connection ``alpha`` gates get 0.5 (so mixing matters).
-    Buffers are left as built.
-    """
+    """Deterministic init: matrices N(0, 1/fan_in), mHC ``alpha`` 0.5, norms, biases and sinks 0; buffers kept."""
     for name, param in module.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if "alpha" in leaf:
@@ -205,17 +187,12 @@ def init_tiny_weights(module: torch.nn.Module, generator: torch.Generator) -> to
     return module
 
 
-#: Components kept in fp32 whatever the compute dtype: the reference runs the Wan2.2 encoder (I2V
-#: image) in fp32, and the Oobleck decoder is kept fp32 as in the documented ``from_pretrained`` dict.
+#: Components kept in fp32 whatever the compute dtype, as the reference runs them.
 FP32_COMPONENTS = ("vae", "audio_vae")
 
 
 def cast_pipeline_to_compute_dtype(pipe, dtype: torch.dtype):
-    """Cast a ``Magi2Pipeline``'s models to ``dtype`` in memory, except :data:`FP32_COMPONENTS`.
-
-    The transformers' ``.to(dtype)`` keeps their fp32 islands fp32. The text encoder and the TurboVAE
-    decoder take ``dtype``; ``vae`` and ``audio_vae`` stay fp32, matching the dtype split of the
-    reference engine (DiT, text encoder, TurboVAE in bf16; Wan2.2 encoder fp32).
+    """Cast a ``Magi2Pipeline``'s models to ``dtype`` in place, except :data:`FP32_COMPONENTS` (and fp32 islands).
 
     Args:
         pipe: a ``Magi2Pipeline`` (any device).
@@ -235,9 +212,7 @@ def build_tiny_default_pipeline(config: dict[str, Any] | None = None, dtype: tor
 
     Args:
         config: overrides merged over :data:`TINY_DEFAULT_CONFIG` (per component, shallow).
-        dtype: compute dtype of the models (fp32 on CPU); a non-fp32 dtype is applied with
-            :func:`cast_pipeline_to_compute_dtype` (the transformer's fp32 islands, the Wan2.2 VAE and
-            the Oobleck decoder stay fp32).
+        dtype: compute dtype of the models (:func:`cast_pipeline_to_compute_dtype`).
 
     Returns:
         a ``Magi2Pipeline`` on CPU; its tiny call defaults are in ``pipe.tiny_call_defaults``.

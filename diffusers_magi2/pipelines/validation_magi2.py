@@ -37,9 +37,7 @@ def check_sizes(height, width, preview_height=None, preview_width=None) -> None:
             raise ValueError(f"{name} must be a positive multiple of 16 (512x896 for the released model); got {value!r}")
 
 def attention_kwargs_for(model, attention_kwargs):
-    """The part of ``attention_kwargs`` that ``model`` takes (its ``supported_attention_kwargs``;
-    everything for a model without that declaration); ``None`` when empty. Keys were checked by
-    ``Magi2Pipeline.check_inputs``, so nothing is dropped silently: each key reaches the model that uses it."""
+    """The keys of ``attention_kwargs`` that ``model`` declares (all for an undeclaring model), or ``None``."""
     if not attention_kwargs:
         return None
     supported = getattr(model, "supported_attention_kwargs", None)
@@ -214,9 +212,7 @@ class Magi2PipelineChecksMixin:
     def _check_refiner_inputs(
         self, refine: bool, height, width, refiner_num_inference_steps, refiner_guidance_scale, negative_prompt_embeds
     ) -> None:
-        """The two-stage path needs the ``refiner`` component, valid refiner steps/CFG, and a way to get the
-        negative prompt's embeddings when the refiner runs CFG; the refiner settings are refused on a
-        single-stage call."""
+        """The two-stage path's component and settings (refused on a single-stage call)."""
         if refine and getattr(self, "refiner", None) is None:
             if (height, width) == REFINER_RESOLUTION:
                 what = "1088x1920 (1080p) is produced by the MAGI-2 refiner stage (preview at 512x896, then the refiner)"
@@ -270,12 +266,7 @@ class Magi2PipelineChecksMixin:
         return models
 
     def _check_attention_kwargs(self, attention_kwargs, refine: bool) -> None:
-        """Every ``attention_kwargs`` key must be one a model of this call declares in
-        ``supported_attention_kwargs`` (a model without that declaration checks the dict itself).
-
-        Raises:
-            ValueError: not a dict/``None``, or a key no model of this call takes.
-        """
+        """Every ``attention_kwargs`` key is declared by a model of this call (an undeclaring model checks its own)."""
         declared = [getattr(m, "supported_attention_kwargs", None) for m in self._attention_models(refine)]
         if any(d is None for d in declared):
             supported = list(attention_kwargs) if isinstance(attention_kwargs, dict) else []
@@ -349,8 +340,7 @@ class Magi2PipelineChecksMixin:
     def _check_latents_and_decoder(
         self, output_type, latents, audio_latents, refine: bool, denoise_height: int, denoise_width: int
     ) -> None:
-        """A video decoder for decoded output, and the shapes of given ``latents`` / ``audio_latents`` at the
-        size the (preview) stage denoises at."""
+        """A video decoder for decoded output; given latents fit the (preview) stage's size."""
         if output_type != "latent" and getattr(self, "video_decoder", None) is None and getattr(self, "vae", None) is None:
             raise ValueError("decoding needs `video_decoder` or `vae`; neither is loaded (use output_type='latent')")
 
@@ -371,14 +361,7 @@ class Magi2PipelineChecksMixin:
             raise ValueError(f"latents batch {latents.shape[0]} != audio_latents batch {audio_latents.shape[0]}")
 
     def _check_components(self) -> None:
-        """The components fit the transformer (and the refiner): the VAE / video decoder latent channels,
-        the audio VAE latent channels and the text encoder's hidden size equal the model's input widths.
-        A pair is skipped when either side is absent or does not declare its field (e.g. a stand-in).
-
-        Raises:
-            ValueError: naming both config fields and both numbers, at construction (also through
-                ``from_pretrained``), before any model runs.
-        """
+        """Each :data:`COMPONENT_FITS` pair present on both sides agrees (a ``ValueError`` names both fields)."""
         for component, field, model, model_field, what in COMPONENT_FITS:
             have = _config_value(getattr(self, component, None), field)
             want = _config_value(getattr(self, model, None), model_field)

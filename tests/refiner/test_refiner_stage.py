@@ -1,4 +1,4 @@
-"""Refiner stage (spec §5.7) against the `sampler/` component fixture (stand-in refiner velocity)."""
+"""Refiner stage (SandAI ``evaluate_magi2_refiner_with_latent``) against the `sampler/` component fixture (stand-in refiner velocity)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 from diffusers_magi2.pipelines.refiner_stage import (
     Magi2RefinerStageConfig,
     make_refiner_scheduler,
-    refiner_base_sigmas,
     refiner_latent_size,
     refiner_renoise_scale,
     renoise_latents,
@@ -19,6 +18,7 @@ from diffusers_magi2.pipelines.refiner_stage import (
     upsample_preview_latents,
     zero_snr_refiner_sigmas,
 )
+from diffusers_magi2.pipelines.sampling_magi2 import unshifted_sigmas
 
 B48 = torch.linspace(-0.05, 0.05, 48).view(1, 48, 1, 1, 1)
 COND = torch.ones(1, 2, 8)
@@ -83,7 +83,7 @@ def test_upsample_and_renoise(case):
 def test_refiner_schedule_values(case):
     sched = make_refiner_scheduler(_base_scheduler(), 5.0)
     assert sched.config.flow_shift == 5.0 and sched.config.solver_order == 2
-    sched.set_timesteps(sigmas=refiner_base_sigmas(5))
+    sched.set_timesteps(sigmas=unshifted_sigmas(0.999, 5))
     assert sched.timesteps.tolist() == [999, 952, 882, 768, 555]
     assert torch.equal(sched.timesteps.cpu(), case["refiner.timesteps"])
     assert np.allclose(np.asarray(sched.sigmas, dtype=np.float32), case["refiner.sigmas"].numpy(), atol=1e-7)
@@ -112,7 +112,7 @@ def test_refiner_stage_closed_loop(case):
 def test_refiner_stage_teacher_forced_guidance(case):
     """Stored cond/uncond velocities -> guided velocity and scheduler step, per step."""
     sched = make_refiner_scheduler(_base_scheduler(), 5.0)
-    sched.set_timesteps(sigmas=refiner_base_sigmas(5))
+    sched.set_timesteps(sigmas=unshifted_sigmas(0.999, 5))
     for k, t in enumerate(sched.timesteps):
         c, u = case[f"refiner.step{k}.video_cond"], case[f"refiner.step{k}.video_uncond"]
         v = u + torch.tensor(2.0) * (c - u)
