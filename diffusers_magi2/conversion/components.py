@@ -1,10 +1,7 @@
 """Converters for MAGI-2's non-transformer components (SandAI release layout -> diffusers folders).
 
-Each ``convert_*`` function reads one original-format component, validates it completely, and writes a
-folder that the target library loads with ``from_pretrained`` (written with that library's
-``save_pretrained``). They are called by :mod:`diffusers_magi2.conversion.repo` (the CLI), which owns
-the repository-level temporary directory; each function also refuses a non-empty ``out_dir`` and
-removes whatever it wrote if it fails, so no partial folder is left behind by its own errors.
+Each ``convert_*`` validates one component completely, then writes a ``save_pretrained`` folder (refusing a
+non-empty ``out_dir`` and removing what it wrote on failure).
 
 =====================  =============================  ==========================================
 function               source                         output
@@ -16,8 +13,7 @@ vae
 convert_text_encoder   ``text_encoder/``              ``Qwen3_5TextModel`` folder + tokenizer
 =====================  =============================  ==========================================
 
-``dtype``: ``"keep"`` (source dtypes), ``"bf16"`` or ``"fp32"`` (floating tensors cast). Pickled inputs
-are read with ``torch.load(weights_only=True, mmap=True)``; a pickle that refuses is an error.
+``dtype`` is ``"keep"``, ``"bf16"`` or ``"fp32"``; pickles are read with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -63,11 +59,10 @@ PathLike = Union[str, Path]
 
 
 def load_pickle_state(path: PathLike) -> object:
-    """``torch.load(path, map_location="cpu", weights_only=True, mmap=True)`` with clear errors.
+    """``torch.load(path, map_location="cpu", weights_only=True, mmap=True)``.
 
     Raises:
-        ValueError: missing file, or a pickle that the safe loader refuses (arbitrary objects,
-            legacy non-zip format that cannot be memory-mapped, truncated file...).
+        ValueError: missing file, or a pickle the safe loader refuses.
     """
     path = Path(path)
     if not path.is_file():
@@ -183,7 +178,6 @@ def wan22_to_diffusers_key_map(keys, num_res_blocks: Optional[int] = None) -> Tu
     ``middle.{0,1,2}`` -> ``mid_block.resnets.0`` / ``attentions.0`` / ``resnets.1``; ``head.{0,2}`` ->
     ``norm_out`` / ``conv_out``; ``conv1``/``conv2`` -> ``quant_conv``/``post_quant_conv``;
     inside resnets ``residual.{0,2,3,6}`` -> ``norm1, conv1, norm2, conv2``, ``shortcut`` -> ``conv_shortcut``.
-    The parameter-free ``AvgDown3D``/``DupUp3D`` shortcuts have no keys.
 
     Returns:
         ``(mapping, unknown)``: source -> target for every recognised key, and the unrecognised keys.
@@ -303,12 +297,8 @@ def _tensor_items(obj: object, path: Path) -> Dict[str, torch.Tensor]:
 
 
 def convert_wan22_vae(vae_path: PathLike, out_dir: PathLike, dtype: str = "keep") -> Path:
-    """Convert SandAI's ``vae/Wan2.2_VAE.pth`` into a diffusers ``AutoencoderKLWan`` folder.
-
-    The ``.pth`` is a plain ``torch.save`` of the ``WanVAE_`` state dict (``encoder.*``, ``conv1.*``,
-    ``conv2.*``, ``decoder.*``; no config beside it). The config comes from
-    :func:`wan22_config_from_state_dict`, keys from :func:`wan22_to_diffusers_key_map`; every model
-    key must be filled (strict) with the source shape.
+    """Convert SandAI's ``vae/Wan2.2_VAE.pth`` (a ``WanVAE_`` state dict) into an ``AutoencoderKLWan`` folder,
+    every model key filled with the source shape.
 
     Args:
         vae_path: the ``.pth`` file (a folder holding exactly one ``.pth`` is accepted too).
@@ -360,10 +350,8 @@ TURBO_TRAINING_ONLY_PREFIXES = ("aligned_feature_projection_heads.", "encoder.")
 
 
 def turbo_vae_config_from_json(turbo_dir: PathLike) -> Tuple[dict, Path]:
-    """Find and read the TurboVAED JSON config in ``turbo_dir`` (any file name).
-
-    Returns the ``Magi2TurboVAEDecoder`` config (unused keys dropped, latent tables added: the
-    Wan2.2 ones, which the reference hard-codes) and the JSON path.
+    """The ``Magi2TurboVAEDecoder`` config (unused keys dropped, Wan2.2 tables added) from the one JSON in
+    ``turbo_dir``, and its path.
 
     Raises:
         ValueError: no / several candidate JSON files, unreadable JSON, unknown keys.
@@ -397,12 +385,8 @@ def turbo_vae_config_from_json(turbo_dir: PathLike) -> Tuple[dict, Path]:
 
 
 def turbo_vae_state_dict_from_checkpoint(ckpt: object, path: PathLike = "checkpoint") -> Tuple[Dict[str, torch.Tensor], List[str]]:
-    """Pick the decoder weights from a loaded TurboVAE training checkpoint.
-
-    As SandAI ``get_turbo_vaed``: ``ema_state_dict`` if present, else ``state_dict``, else the raw
-    dict; a leading ``module.`` is stripped. Training-only tensors
-    (``aligned_feature_projection_heads.*``, an ``encoder.*``) are dropped and reported; other
-    non-tensor entries (``global_step``, ``epoch``) are ignored.
+    """The decoder weights of a TurboVAE training checkpoint, as SandAI ``get_turbo_vaed`` picks them (EMA first,
+    ``module.`` stripped, training-only tensors dropped and reported).
 
     Returns:
         ``(decoder_state, dropped_keys)``.
@@ -437,12 +421,7 @@ def turbo_vae_state_dict_from_checkpoint(ckpt: object, path: PathLike = "checkpo
 
 
 def convert_turbo_vae(turbo_dir: PathLike, out_dir: PathLike, dtype: str = "keep") -> Path:
-    """Convert SandAI's ``turbo_vae/`` folder into a :class:`Magi2TurboVAEDecoder` folder.
-
-    Config: :func:`turbo_vae_config_from_json` (``first_chunk_size``/``step_size`` kept from the JSON,
-    latent mean/std tables written into ``config.json``). Weights: the one ``*.ckpt``/``*.pt``/``*.pth``
-    file, loaded safely, via :func:`turbo_vae_state_dict_from_checkpoint` (EMA over the non-EMA decoy,
-    ``module.`` stripped, training-only heads dropped); every decoder key must be present.
+    """Convert SandAI's ``turbo_vae/`` folder (JSON + one checkpoint file) into a :class:`Magi2TurboVAEDecoder` folder.
 
     Raises:
         ValueError: config or checkpoint problems (see the helpers), missing/unexpected decoder keys,
@@ -478,15 +457,11 @@ _WN = ("weight_g", "weight_v", "bias")
 def oobleck_config_from_sao(model_config: Mapping) -> Tuple[dict, bool]:
     """``AutoencoderOobleck`` config from a Stable Audio ``model_config.json`` (its ``pretransform``).
 
-    Returns ``(config, encoder_representable)``. diffusers' encoder uses one width
-    (``encoder_hidden_size``) both for its first conv and for its output conv, so the source encoder is
-    representable only when its ``latent_dim`` equals its ``channels`` (true for Stable Audio Open 1.0:
-    128 / 128).
+    Returns ``(config, encoder_representable)``: diffusers' encoder has one width for its first and last conv,
+    so the encoder is representable only when its ``latent_dim`` equals its ``channels``.
 
     Raises:
-        ValueError: anything diffusers cannot hold: non-``autoencoder`` pretransform, non-oobleck
-            encoder/decoder, no snake, ``final_tanh``, different encoder/decoder ``c_mults``/``strides``,
-            a bottleneck other than ``vae``, or ``2 * decoder latent_dim`` != encoder ``latent_dim``.
+        ValueError: a pretransform diffusers' ``AutoencoderOobleck`` cannot hold (the fault named).
     """
     try:
         pre = model_config["model"]["pretransform"]
@@ -596,9 +571,7 @@ _ZEROS_SPELLING = (
 
 
 def check_stable_audio_vae(sao_dir: PathLike, audio_encoder: str = "strict") -> Tuple[dict, bool]:
-    """Read and check a Stable Audio Open folder's config (no weights), as :func:`convert_stable_audio_vae` will.
-
-    The converter runs this before it writes anything, so an unrepresentable encoder is reported up front.
+    """Check a Stable Audio Open folder's config (no weights) as :func:`convert_stable_audio_vae` will, up front.
 
     Returns:
         ``(AutoencoderOobleck config, encoder representable)``.
@@ -639,26 +612,17 @@ def convert_stable_audio_vae(
 ) -> Path:
     """Convert a Stable Audio Open folder (``model_config.json`` + ``model.safetensors``) to ``AutoencoderOobleck``.
 
-    Only ``pretransform.model.*`` tensors are used (the prefix is stripped; conditioner / diffusion
-    tensors are skipped); all of them, encoder included, must map (SandAI loads them strictly).
-    ``weight_g``/``weight_v`` (old-style weight norm) are kept as they are; snake ``alpha``/``beta``
-    ``[C]`` become ``[1, C, 1]``.
+    Every ``pretransform.model.*`` tensor must map (SandAI loads them strictly); the rest is skipped.
 
     Args:
         sao_dir: the Stable Audio folder.
         out_dir: folder to create (absent or empty).
         dtype: ``"keep"``, ``"bf16"`` or ``"fp32"``.
-        audio_encoder: ``"strict"`` (default): the encoder must be representable in
-            ``AutoencoderOobleck`` (its ``latent_dim`` equal to its ``channels``, as in Stable Audio
-            Open 1.0), else ``ValueError``. ``"zeros"`` (``magi2-convert --audio_vae_encoder zeros``):
-            allowed only when it is not representable; the decoder is converted exactly and the encoder
-            weights are written as zeros (MAGI-2 never encodes audio; the decoder is unaffected) with a
-            logged warning.
+        audio_encoder: ``"strict"``: the encoder must be representable; ``"zeros"`` (only when it is not): zero
+            encoder weights, with a warning (MAGI-2 never encodes audio).
 
     Raises:
-        ValueError: missing files, config not representable, unknown/missing keys, shape mismatches,
-            an unrepresentable encoder with ``audio_encoder="strict"``, bad arguments
-            (see :func:`check_stable_audio_vae`).
+        ValueError: missing files, an unrepresentable config or encoder, unknown/missing keys, shape mismatches.
     """
     from diffusers import AutoencoderOobleck
     from safetensors import safe_open

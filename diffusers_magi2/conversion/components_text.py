@@ -1,17 +1,8 @@
 """Text-encoder conversion: SandAI's ``text_encoder/`` (Qwen3.5, transformers format) -> ``Qwen3_5TextModel``.
 
-Two source layouts are accepted:
-
-* **text-only** (``model_type: qwen3_5_text``; keys ``embed_tokens.*``, ``layers.*``, ``norm.*``, or the
-  same under ``model.``): copied verbatim file by file (streamed; the real model is tens of GB) when
-  ``dtype="keep"``, otherwise rewritten shard by shard with floating tensors cast;
-* **multimodal** (``Qwen3_5ForConditionalGeneration``; keys ``model.language_model.*`` plus
-  ``model.visual.*``, ``lm_head.*``, ``mtp.*``): rewritten to a text-only ``config.json`` (the
-  source ``text_config``) and ``model.language_model.X -> X`` keys, vision / LM-head / MTP tensors
-  dropped, one source shard at a time.
-
-Tokenizer files are copied verbatim to the tokenizer folder; the pipeline adds SandAI's CJK
-pre-tokenizer split when it loads them.
+A text-only source is copied file by file (with ``dtype="keep"``) or rewritten shard by shard; a multimodal
+one (``model.language_model.*``) is rewritten to its ``text_config`` with ``model.language_model.X -> X`` and the
+vision, LM-head and MTP tensors dropped. Tokenizer files are copied verbatim.
 """
 
 from __future__ import annotations
@@ -50,11 +41,7 @@ MULTIMODAL_DROPPED_PREFIXES = ("model.visual.", "lm_head.", "mtp.")
 
 
 def _weight_files(src: Path) -> Tuple[Dict[str, str], Optional[Path]]:
-    """``({tensor name: shard file name}, index path or None)`` of a text encoder folder.
-
-    Raises:
-        ValueError: no safetensors weights (pickled ones are named), a bad index, or shards it names missing.
-    """
+    """``({tensor name: shard file}, index path or None)`` of a text-encoder folder (ValueError if unusable)."""
     pickles = sorted(p.name for p in src.glob("*.bin"))
     if pickles and not any(src.glob("model.safetensors*")):
         raise ValueError(f"{src}: pickled weights {pickles} are not accepted; convert them to safetensors")
@@ -154,11 +141,7 @@ def _plan(src: Path, config: dict, weight_map: Dict[str, str]) -> Tuple[dict, Di
 
 @contextlib.contextmanager
 def _output_dir(out_dir: PathLike) -> Iterator[Path]:
-    """Yield ``out_dir`` (created if needed; must be absent or empty). On error, remove what was written.
-
-    Raises:
-        ValueError: ``out_dir`` exists and is not an empty directory.
-    """
+    """Yield ``out_dir`` (absent or empty, else ValueError), removing what was written on error."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"output folder {out} exists and is not empty; refusing to overwrite it")
@@ -209,8 +192,7 @@ def convert_text_encoder(
 ) -> Tuple[Path, Path]:
     """Convert SandAI's ``text_encoder/`` folder into a ``Qwen3_5TextModel`` folder plus a tokenizer folder.
 
-    See the module docstring for the two layouts. Every check (config, index vs shards, keys and shapes
-    against a meta-device ``Qwen3_5TextModel``) runs before anything is written.
+    Every check (config, index vs shards, keys and shapes on a meta model) runs before anything is written.
 
     Args:
         src_dir: transformers-format Qwen3.5 folder (``config.json``, safetensors weights, tokenizer files).

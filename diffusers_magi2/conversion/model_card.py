@@ -1,13 +1,7 @@
 """Render the Hub model card (``README.md``) of a converted repository.
 
-Single source: the repository's top-level ``model_card.md``. The package reaches it as the
-resource ``diffusers_magi2/conversion/model_card.md``, which is a symbolic link to
-``../../model_card.md``: in a source checkout or an editable install it *is* the top-level file,
-and when a wheel is built setuptools copies the link's target as ordinary package data
-(``pyproject.toml`` ships ``**/*.md``), so an installed package renders the same text.
-``tests/conversion/test_convert_repo.py`` checks that the resource and the top-level file agree.
-
-Placeholders are ``{{ name }}``; rendering fails if one is left unfilled or unknown.
+The template is the top-level ``model_card.md``, packaged through the symlink ``conversion/model_card.md``
+(a wheel copies its target). Placeholders are ``{{ name }}``; an unfilled or unknown one fails.
 """
 
 from __future__ import annotations
@@ -46,8 +40,7 @@ def render_model_card(values: Mapping[str, str], template: str | None = None) ->
     """Fill the ``{{ name }}`` placeholders of the model card.
 
     Args:
-        values: placeholder -> text. The shipped card uses ``title``, ``model_summary``
-            (:func:`model_summary`), ``repo_id``, ``components_table``, ``converter_version`` and ``dtype``.
+        values: placeholder -> text.
         template: card text; the shipped ``model_card.md`` when ``None``.
 
     Raises:

@@ -1,25 +1,9 @@
 """Repository-level conversion: SandAI release -> diffusers pipeline folder (``magi2-convert``).
 
-:func:`convert_checkpoint` is the library entry point behind the CLI. It
-
-1. checks the request (components, inputs, output folder) and raises ``ValueError`` before any
-   work when something is wrong;
-2. validates and plans every transformer-like component from headers only, and checks the Stable
-   Audio encoder option against its config (all problems of all components are collected and
-   raised together as a :class:`ConversionValidationError`, nothing written);
-3. unless ``dry_run``, writes everything into a sibling temporary folder
-   ``.<OUT name>.tmp-<id>`` and renames it to ``OUT`` at the end; on any failure the temporary
-   folder is removed and ``OUT`` is left exactly as it was (absent, or untouched). An existing
-   non-empty ``OUT`` is refused unless ``overwrite``, in which case the whole folder is replaced
-   (so no stale shard of an earlier conversion can survive).
-
-Output layout (a standard diffusers pipeline repo): ``model_index.json`` naming the
-``diffusers_magi2`` classes by their defining modules, ``transformer/``, ``refiner/``,
-``vae/``, ``video_decoder/``, ``audio_vae/``, ``text_encoder/`` + ``tokenizer/``, ``scheduler/``,
-and ``README.md`` rendered from the top-level ``model_card.md``.
-
-The VAE, TurboVAE, Stable Audio and text-encoder conversions are functions of
-``diffusers_magi2.conversion.components``.
+:func:`convert_checkpoint` checks the request, validates every component from headers (all problems raised
+together, nothing written), then writes into a sibling temporary folder renamed to ``OUT`` at the end (removed
+on failure; an existing ``OUT`` is replaced only with ``overwrite``). The result is a diffusers pipeline repo:
+``model_index.json``, one folder per component, ``README.md`` from ``model_card.md``.
 """
 
 from __future__ import annotations
@@ -91,17 +75,16 @@ class ConversionRequest:
 
     Attributes:
         output_path: the repository folder to create (``OUT``).
-        components: components to produce, a subset of :data:`ALL_COMPONENTS`.
-        inputs: component -> its source path (every requested component but ``scheduler``).
+        components: a subset of :data:`ALL_COMPONENTS`.
+        inputs: component -> source path (all but ``scheduler``).
         config: SandAI JSON for ``transformer``/``refiner`` (``None``: the released configs).
-        dtype: ``"keep"``, ``"bf16"`` or ``"fp32"``; fp32 islands always stay fp32.
-        expert_dtype: ``None`` or ``"fp8_e4m3"``: the transformer's routed experts in FP8 with fp32 scales.
+        dtype: ``"keep"``, ``"bf16"`` or ``"fp32"`` (fp32 islands stay fp32).
+        expert_dtype: ``None`` or ``"fp8_e4m3"``: the routed experts in FP8 with fp32 scales.
         max_shard_size: output shard size limit in bytes.
         overwrite: replace an existing non-empty ``OUT``.
-        dry_run: validate and print the plan only; write nothing.
-        repo_id: Hub id shown in the model card snippet (and used by ``push_to_hub``).
-        component_options: component -> extra keyword arguments for its converter function
-            (e.g. ``{"audio_vae": {"audio_encoder": "zeros"}}``).
+        dry_run: validate and print the plan only.
+        repo_id: Hub id of the model card snippet and ``push_to_hub``.
+        component_options: component -> extra keyword arguments of its converter.
     """
 
     output_path: Path
@@ -120,8 +103,7 @@ class ConversionRequest:
 class ConversionValidationError(ValueError):
     """What is wrong with the inputs of each component, found before anything was written.
 
-    ``str(err)`` holds one summary per component; ``report(verbose=True)`` (``magi2-convert --verbose``)
-    lists every problem of every checkpoint.
+    ``str(err)`` summarises each component; ``report(verbose=True)`` lists every problem.
 
     Attributes:
         errors: component -> its error (a :class:`~.key_plan.CheckpointValidationError` for a transformer).
@@ -140,11 +122,7 @@ class ConversionValidationError(ValueError):
 
 
 def default_scheduler():
-    """The ``UniPCMultistepScheduler`` that reproduces SandAI's Flow-UniPC (spec §5.2), shift 7.
-
-    The pipeline passes ``sigmas=linspace(0.999, 0, N+1)[:-1]`` to ``set_timesteps`` and derives the
-    audio and refiner instances (refiner shift 5) from this one.
-    """
+    """The ``UniPCMultistepScheduler`` that reproduces SandAI's Flow-UniPC (``Magi2PreviewSampler``), shift 7."""
     from diffusers import UniPCMultistepScheduler
 
     return UniPCMultistepScheduler(
@@ -218,12 +196,8 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
         the output folder, or ``None`` for a dry run.
 
     Raises:
-        ValueError: a bad request (unknown component, missing input, non-empty ``OUT`` without
-            ``overwrite``), or :class:`ConversionValidationError` holding every checkpoint problem
-            of every transformer-like component and an unusable Stable Audio encoder choice; raised
-            before anything is written.
-        Any error of a component converter (e.g. a pickle refused by ``weights_only``) propagates
-        after the temporary folder is removed; ``OUT`` is never left half-written.
+        ValueError: a bad request, or :class:`ConversionValidationError` with every checkpoint problem, before
+            anything is written; a converter's error propagates after the temporary folder is removed.
     """
     _check_request(req)
     out = Path(req.output_path).absolute()
@@ -335,10 +309,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 
 def push_folder_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, log: Callable[[str], None] = print) -> str:
-    """Create (if needed) the Hub model repo ``repo_id`` and upload ``folder`` to it in one commit.
-
-    Uses ``huggingface_hub.HfApi.create_repo(exist_ok=True)`` then ``upload_folder``; the token
-    comes from the usual ``huggingface_hub`` login / ``HF_TOKEN``.
+    """Create (if needed) the Hub model repo ``repo_id`` and upload ``folder`` in one commit (``HfApi``).
 
     Returns:
         the repository URL.

@@ -1,8 +1,5 @@
-"""Dtype names: the one place where a dtype written as a string becomes a ``torch.dtype``.
-
-SandAI configs write ``"params_dtype": "bfloat16"`` (sometimes ``"torch.bfloat16"``), model and MoE
-arguments accept the same names, and ``magi2-convert --dtype`` takes ``keep`` / ``bf16`` / ``fp32`` (``--expert_dtype``: ``fp8_e4m3``).
-"""
+"""Dtype names: the one place where a dtype written as a string (SandAI configs, ``--dtype``, ``--expert_dtype``)
+becomes a ``torch.dtype``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Write MAGI-2 output (frames + stereo audio) to an mp4 with PyAV.
-
-diffusers' ``export_to_video``/``encode_video`` take an integer fps and scale any numpy frames by
-255; MAGI-2 needs a rational 12.5 fps (25/2) and may hand over uint8 frames (the reference decoder
-produces uint8), so this module writes the container itself.
-"""
+"""Write MAGI-2 output (frames + stereo audio) to an mp4 with PyAV: diffusers' ``export_to_video`` takes an
+integer fps and rescales uint8 frames, MAGI-2 needs 12.5 fps (25/2)."""
 
 from __future__ import annotations
 
@@ -35,15 +31,8 @@ def _as_numpy(value: Any) -> np.ndarray:
 
 
 def frames_to_uint8(video: Any) -> np.ndarray:
-    """Convert frames to a ``[F, H, W, 3]`` uint8 array without double scaling.
-
-    Accepted inputs:
-
-    * uint8 arrays/tensors ``[F, H, W, 3]`` (or a batch of one ``[1, F, H, W, 3]``; ``[F, 3, H, W]`` is
-      transposed): used as they are;
-    * float arrays/tensors in ``[0, 1]``, same layouts: ``clip(x, 0, 1) * 255`` then truncated to
-      uint8, exactly as the reference's final ``.mul(255).numpy().astype(np.uint8)``;
-    * a list of ``PIL.Image`` (RGB) or of ``[H, W, 3]`` arrays.
+    """Frames as ``[F, H, W, 3]`` uint8: uint8 as is, float ``[0, 1]`` as ``uint8(clip(x) * 255)`` (the reference's
+    rounding); ``[1, F, ...]`` and ``[F, 3, H, W]`` layouts and lists of PIL images are accepted.
 
     Raises:
         ValueError: wrong rank/channel count, an empty clip, or an unsupported dtype.
@@ -124,31 +113,22 @@ def export_to_video_with_audio(
     audio_bitrate: int = 192_000,
     trim_or_pad_audio: bool = False,
 ) -> str:
-    """Write an mp4: H.264 (yuv420p) video at an exact rational frame rate, plus a stereo AAC track.
+    """Write an mp4 (H.264 yuv420p at an exact rational frame rate, stereo AAC) via a temporary file and a rename.
 
-    Frames get presentation times ``i / fps`` exactly (12.5 fps is stored as 25/2, never truncated to
-    an int), so for MAGI-2's 125 frames the video lasts 10 s, and 441,000 audio samples at 44.1 kHz
-    last 10 s: the two durations agree within one frame. The file is written to a temporary name in
-    the target folder and renamed into place only when complete.
-
-    Durations must agree: with ``F`` frames at ``fps`` and ``N`` audio samples at ``audio_sample_rate``,
-    ``|F / fps - N / audio_sample_rate| <= 1 / fps`` is checked in exact fractions (boundary inclusive:
-    249 frames at 25 fps with 10.0 s of audio pass), before anything is encoded or written.
+    The durations must agree, ``|F / fps - N / audio_sample_rate| <= 1 / fps`` in exact fractions, before
+    anything is written.
 
     Args:
-        video: ``[F, H, W, 3]`` uint8 (0–255, used unchanged) or float (0–1) frames, as numpy, a torch
-            tensor or a list of PIL images. ``Magi2PipelineOutput.frames`` of any ``output_type`` except
-            ``"latent"`` (take ``frames[0]`` for a batch). H and W must be even (yuv420p).
+        video: ``[F, H, W, 3]`` frames (see :func:`frames_to_uint8`), e.g. ``Magi2PipelineOutput.frames[0]``;
+            H and W even.
         output_path: destination ``.mp4``.
-        audio: optional waveform ``[samples, channels]`` or ``[channels, samples]`` (mono is duplicated
-            to stereo), float in [-1, 1]; numpy or torch.
-        fps: frame rate; a float is converted exactly with ``Fraction`` (12.5 → 25/2).
-        audio_sample_rate: samples per second of ``audio`` (44,100 for MAGI-2).
+        audio: optional waveform ``[samples, channels]`` or ``[channels, samples]`` in [-1, 1] (mono duplicated).
+        fps: frame rate (a float is made an exact ``Fraction``).
+        audio_sample_rate: samples per second of ``audio``.
         video_codec: PyAV/FFmpeg encoder name.
         crf: x264 constant-rate factor.
         audio_bitrate: AAC bitrate in bit/s.
-        trim_or_pad_audio: if ``True``, audio of another duration is cut, or padded with silence at the
-            end, to ``round(F / fps * audio_sample_rate)`` samples instead of raising. Default ``False``.
+        trim_or_pad_audio: cut or silence-pad audio of another duration instead of raising.
 
     Returns:
         ``str(output_path)``.

@@ -1,9 +1,7 @@
 """FLOP counting with ``torch.utils.flop_counter.FlopCounterMode``, including CPU attention.
 
-torch counts the CUDA SDPA kernels but not ``aten._scaled_dot_product_flash_attention_for_cpu``, the op that
-``F.scaled_dot_product_attention`` lowers to on CPU, so CPU attention would count as free. The formula registered
-here is torch's own SDPA count: for ``q [B, H, Lq, D]``, ``k [B, H, Lk, D]``, ``v [B, H, Lk, Dv]`` it is
-``2·B·H·Lq·Lk·D`` (``q·kᵀ``) ``+ 2·B·H·Lq·Lk·Dv`` (``p·v``); the softmax is not counted, as for the CUDA kernels.
+torch does not count ``aten._scaled_dot_product_flash_attention_for_cpu``; this registers torch's own SDPA count
+for it, ``2 B H Lq Lk (D + Dv)`` (softmax not counted).
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
-"""Safetensors I/O: dtype codes, our own header parser, the checkpoint index reader and a streaming shard writer.
+"""Safetensors I/O without MAGI-2 knowledge: a header parser, the checkpoint index reader and a streaming writer.
 
-Kept apart from any MAGI-2 knowledge:
-
-* :func:`read_safetensors_header` parses the 8-byte length + JSON header of a ``.safetensors`` file
-  without touching the data section, so ``--dry_run`` works on header-only or sparse stub files
-  (``safetensors.safe_open`` refuses those, since it checks the file size first).
-  :func:`check_data_present` adds the size check that a real conversion needs.
-* :func:`read_index` reads a sharded checkpoint's ``*.safetensors.index.json`` ``weight_map`` (or says
-  the folder holds one single file instead): the one index reader of the package.
-* :class:`ShardWriter` writes pre-sized output shards. Each shard's header is computed from the
-  plan before any data is read (:func:`plan_shards`), the file is created at its final size, and
-  every tensor is written at its own offset, so a whole shard (or even a whole tensor) is never
-  held in memory: a tensor kept as stored is copied byte for byte, file to file, by the kernel
-  (:meth:`ShardWriter.copy_bytes`); a tensor whose dtype changes is read in chunks into a reused
-  buffer, cast and written (:meth:`ShardWriter.cast_bytes`). In-memory tensors can be appended
-  with :meth:`ShardWriter.write_chunk`.
-
-File format (https://github.com/huggingface/safetensors, "Format"): ``u64`` little-endian header
-length ``N``, ``N`` bytes of UTF-8 JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]},
-"__metadata__": {str: str}}``, then the data section; offsets are relative to the data section,
-little-endian, C order. Our writer pads the JSON with spaces to a multiple of 8 bytes, as the
-reference serializer does, so the data section starts 8-byte aligned.
+Format: ``u64`` little-endian header length ``N``, ``N`` bytes of JSON ``{name: {dtype, shape, data_offsets}, "__metadata__"}``,
+then the data (offsets relative to it, C order). The parser reads headers only, so ``--dry_run`` works on stub
+files that ``safe_open`` refuses. :class:`ShardWriter` creates each planned shard at its final size and writes
+every tensor at its offset: kept bytes are copied file to file by the kernel, cast ones in reused chunk buffers,
+so no shard or tensor is held in memory. Headers are space-padded to 8 bytes, as safetensors does.
 """
 
 from __future__ import annotations
@@ -81,10 +65,7 @@ DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 def parse_size(size: int | str) -> int:
-    """Parse a shard size such as ``"5GB"``, ``"500MB"``, ``"10KB"``, ``"2GiB"`` or ``1234`` into bytes.
-
-    Decimal units (KB/MB/GB/TB = 10^3…) follow ``huggingface_hub``'s ``max_shard_size`` convention;
-    binary units (KiB/MiB/GiB/TiB) are powers of 1024.
+    """Bytes of a shard size such as ``"5GB"`` (decimal, as ``huggingface_hub``), ``"2GiB"`` or ``1234``.
 
     Raises:
         ValueError: the size is not a positive number of bytes with one of those units.
@@ -115,14 +96,7 @@ def parse_size(size: int | str) -> int:
 
 @dataclass(frozen=True)
 class TensorHeader:
-    """One tensor entry of a safetensors header.
-
-    Attributes:
-        name: tensor name.
-        dtype: safetensors dtype code (``"BF16"``, ``"F32"``, …).
-        shape: tensor shape.
-        data_offsets: ``(begin, end)`` byte offsets relative to the start of the data section.
-    """
+    """One tensor entry of a safetensors header (``data_offsets`` relative to the data section)."""
 
     name: str
     dtype: str
@@ -136,14 +110,7 @@ class TensorHeader:
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
-    """Parsed header of one safetensors file.
-
-    Attributes:
-        path: the file.
-        data_start: byte offset of the data section in the file (``8 + header length``).
-        tensors: name -> :class:`TensorHeader`, in data-offset order.
-        metadata: the ``__metadata__`` string map (``{}`` when absent).
-    """
+    """Parsed header of one safetensors file (``tensors`` in data-offset order, ``data_start`` = 8 + header length)."""
 
     path: Path
     data_start: int
@@ -161,15 +128,10 @@ class SafetensorsHeader:
 
 
 def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
-    """Read and validate the header of a safetensors file without reading its data section.
-
-    Works on header-only stubs and sparse files. Checks that every entry has a known dtype, a
-    non-negative integer shape and offsets whose length equals ``prod(shape) * itemsize``, and
-    that entries do not overlap.
+    """Read and validate (dtypes, shapes, offset lengths, no overlap) a safetensors header without its data.
 
     Raises:
-        ValueError: the file is missing, shorter than its declared header, or the header is not
-            valid safetensors JSON; the message names the file and the fault.
+        ValueError: the file is missing, shorter than its header, or the header is invalid (file and fault named).
     """
     path = Path(path)
     try:
@@ -227,11 +189,10 @@ def read_index(directory: str | os.PathLike, index_name: str, single_name: str) 
         single_name: the unsharded file, e.g. ``"model.safetensors"``.
 
     Returns:
-        the index's ``weight_map``; ``None`` when there is no index but ``single_name`` exists (its header
-        holds the keys).
+        the index's ``weight_map``; ``None`` when there is no index but ``single_name`` exists.
 
     Raises:
-        ValueError: neither file exists, or the index is not a JSON object with a ``weight_map`` of name -> file.
+        ValueError: neither file exists, or the index has no valid ``weight_map``.
     """
     directory = Path(directory)
     index_path = directory / index_name
@@ -273,10 +234,7 @@ def check_safetensors_file(path: str | os.PathLike, index: str | os.PathLike | N
 
 
 def check_data_present(header: SafetensorsHeader) -> str | None:
-    """Return a problem message if the file is shorter than its header says, else ``None``.
-
-    A truncated shard (an interrupted download or copy) is detected here, before any data is read.
-    """
+    """A problem message if the file is shorter than its header says (truncated), else ``None``."""
     actual = header.path.stat().st_size
     if actual < header.expected_file_size:
         return (
@@ -301,15 +259,7 @@ class OutputTensor:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """One output shard, fully determined before any data is read.
-
-    Attributes:
-        filename: file name inside the output folder.
-        header: the encoded header bytes (length prefix included).
-        offsets: tensor name -> absolute ``(begin, end)`` byte offsets in the file.
-        file_size: final size of the file in bytes.
-        dtypes: tensor name -> safetensors dtype code.
-    """
+    """One output shard, fully determined before any data is read (``offsets`` absolute in the file)."""
 
     filename: str
     header: bytes
@@ -349,15 +299,8 @@ def plan_shards(
     weights_name: str = "diffusion_pytorch_model.safetensors",
     metadata: dict[str, str] | None = None,
 ) -> list[ShardLayout]:
-    """Split ``tensors`` into shards of at most ``max_shard_size`` data bytes and lay each one out.
-
-    Tensors are taken in the given order (the converter passes source order, so each source shard
-    feeds few output shards) and a new shard starts when the next tensor would overflow the
-    current one; a tensor larger than ``max_shard_size`` gets a shard of its own. Inside a shard,
-    tensors are ordered by element size (largest first) then name, so every tensor starts at an
-    offset aligned to its element size. File names follow ``save_pretrained``:
-    ``diffusion_pytorch_model.safetensors`` for one shard, else
-    ``diffusion_pytorch_model-0000i-of-0000n.safetensors``.
+    """Split ``tensors`` (in order) into shards of at most ``max_shard_size`` data bytes, named as ``save_pretrained``
+    names them; inside a shard, larger elements first, so every tensor is aligned to its element size.
 
     Raises:
         ValueError: duplicate tensor names or a non-positive ``max_shard_size``.
@@ -393,11 +336,7 @@ def plan_shards(
 
 
 def write_index(folder: str | os.PathLike, layouts: Sequence[ShardLayout], weights_name: str = "diffusion_pytorch_model.safetensors") -> Path | None:
-    """Write ``<weights_name>.index.json`` (``metadata.total_size`` + ``weight_map``) for a sharded layout.
-
-    Returns the index path, or ``None`` for a single unsharded file (no index is written, as
-    ``save_pretrained`` does).
-    """
+    """Write ``<weights_name>.index.json`` for a sharded layout; its path, or ``None`` for one file (no index)."""
     if len(layouts) == 1 and layouts[0].filename == weights_name:
         return None
     weight_map = {name: lay.filename for lay in layouts for name in sorted(lay.offsets)}
@@ -411,13 +350,7 @@ def write_index(folder: str | os.PathLike, layouts: Sequence[ShardLayout], weigh
 
 
 class ShardWriter:
-    """Write pre-laid-out shards tensor by tensor, chunk by chunk (a context manager).
-
-    On enter every shard file is created, its header written and the file extended to its final
-    size; :meth:`write_chunk` then writes each chunk at its tensor's next offset with ``os.pwrite``.
-    On a clean exit :meth:`close` checks that every tensor received exactly its byte count. The
-    writer never deletes files: the caller writes into a temporary directory and removes it on
-    failure.
+    """Write planned shards chunk by chunk (a context manager; the caller writes into a temporary folder).
 
     Args:
         folder: existing directory to write into.
@@ -469,13 +402,7 @@ class ShardWriter:
         self._written[name] = pos - begin
 
     def copy_bytes(self, name: str, src_fd: int, src_offset: int, nbytes: int) -> None:
-        """Append ``nbytes`` raw bytes of an open source file (from ``src_offset``) to tensor ``name``.
-
-        Used when the stored bytes need no cast: the kernel copies file to file
-        (``os.copy_file_range``), so no tensor data passes through Python memory. Where the call
-        is unavailable (non-Linux) or refused for this pair of files (``EXDEV``, ``ENOSYS``,
-        ``EOPNOTSUPP``, ``EINVAL``), the same bytes are copied with ``os.preadv``/``os.pwrite`` through
-        one 16 MB buffer; the result is identical either way.
+        """Append ``nbytes`` raw bytes of a source file to tensor ``name`` (``os.copy_file_range``, else one buffer).
 
         Raises:
             ValueError: unknown tensor name, more bytes than planned, or a source shorter than asked.
@@ -515,12 +442,7 @@ class ShardWriter:
     def cast_bytes(
         self, name: str, src_fd: int, src_offset: int, nbytes: int, src_dtype: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES
     ) -> None:
-        """Append a source tensor's bytes to tensor ``name``, cast element-wise to ``name``'s planned dtype.
-
-        Reads at most ``chunk_bytes`` source bytes at a time with ``os.preadv`` into one reused
-        buffer, casts them with ``Tensor.copy_`` into a second reused buffer and writes that at the
-        tensor's next offset, so memory stays at two chunk buffers whatever the tensor size (no
-        memory map of the source either).
+        """Append a source tensor's bytes to tensor ``name``, cast to its planned dtype ``chunk_bytes`` at a time.
 
         Args:
             src_dtype: safetensors dtype code of the source bytes (little-endian, C order).
