@@ -31,7 +31,7 @@ import torch
 
 from ..models.turbo_vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, Magi2TurboVAEDecoder
 from ..utils.dtype_utils import convert_dtype
-from .components_text import _output_dir, convert_text_encoder
+from .components_text import _output_dir, convert_text_encoder, key_problems
 
 __all__ = [
     "convert_stable_audio_vae",
@@ -87,18 +87,8 @@ def _check_against_model(
     model: torch.nn.Module, state: Mapping[str, torch.Tensor], what: str, problems: List[str]
 ) -> None:
     """Append every missing / unexpected key and shape mismatch of ``state`` vs ``model.state_dict()``."""
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing:
-        problems.append(f"{what}: {len(missing)} model keys missing from the checkpoint, e.g. {missing[:5]}")
-    if unexpected:
-        problems.append(f"{what}: {len(unexpected)} checkpoint keys the model does not have, e.g. {unexpected[:5]}")
-    for key in sorted(set(expected) & set(state)):
-        if tuple(expected[key].shape) != tuple(state[key].shape):
-            problems.append(
-                f"{what}: {key} has shape {tuple(state[key].shape)}, the model expects {tuple(expected[key].shape)}"
-            )
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    problems += key_problems(expected, {k: tuple(v.shape) for k, v in state.items()}, what)
 
 
 def _load_and_save(

@@ -40,6 +40,21 @@ MULTIMODAL_PREFIX = "model.language_model."
 MULTIMODAL_DROPPED_PREFIXES = ("model.visual.", "lm_head.", "mtp.")
 
 
+def key_problems(expected: Dict[str, tuple], found: Dict[str, tuple], what: str) -> List[str]:
+    """Missing and unexpected keys and shape mismatches of ``found`` against ``expected`` (name -> shape)."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"{what}: {len(missing)} model keys missing from the checkpoint, e.g. {missing[:5]}")
+    if unexpected:
+        problems.append(f"{what}: {len(unexpected)} checkpoint keys the model does not have, e.g. {unexpected[:5]}")
+    for key in sorted(set(expected) & set(found)):
+        if tuple(expected[key]) != tuple(found[key]):
+            problems.append(f"{what}: {key} has shape {tuple(found[key])}, the model expects {tuple(expected[key])}")
+    return problems
+
+
 def _weight_files(src: Path) -> Tuple[Dict[str, str], Optional[Path]]:
     """``({tensor name: shard file}, index path or None)`` of a text-encoder folder (ValueError if unusable)."""
     pickles = sorted(p.name for p in src.glob("*.bin"))
@@ -124,16 +139,7 @@ def _plan(src: Path, config: dict, weight_map: Dict[str, str]) -> Tuple[dict, Di
         problems.append(f"{len(unknown)} tensors outside '{prefix}' that are not vision/LM-head/MTP, e.g. {unknown[:5]}")
     expected = _expected_shapes(text_config)
     shapes = _read_shapes(src, {k: weight_map[k] for k in mapping})
-    targets = {t: s for s, t in mapping.items()}
-    missing = sorted(set(expected) - set(targets))
-    extra = sorted(set(targets) - set(expected))
-    if missing:
-        problems.append(f"{len(missing)} Qwen3_5TextModel keys missing, e.g. {missing[:5]}")
-    if extra:
-        problems.append(f"{len(extra)} keys Qwen3_5TextModel does not have, e.g. {extra[:5]}")
-    for target, source in sorted(targets.items()):
-        if target in expected and shapes[source][0] != expected[target]:
-            problems.append(f"{source}: shape {shapes[source][0]}, Qwen3_5TextModel expects {expected[target]}")
+    problems += key_problems(expected, {t: shapes[s][0] for s, t in mapping.items()}, "Qwen3_5TextModel")
     if problems:
         raise ValueError(f"cannot convert text encoder {src}:\n  " + "\n  ".join(problems))
     return text_config, mapping, dropped

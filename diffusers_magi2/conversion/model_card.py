@@ -10,20 +10,21 @@ import re
 from collections.abc import Mapping
 from importlib import resources
 
-__all__ = ["COMPONENT_DESCRIPTIONS", "format_parameter_count", "load_model_card_template", "model_summary", "render_model_card"]
+__all__ = ["COMPONENTS", "format_parameter_count", "load_model_card_template", "model_summary", "render_model_card"]
 
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 
-#: folder -> (class shown in the card, what it was converted from).
-COMPONENT_DESCRIPTIONS: dict[str, tuple[str, str]] = {
-    "transformer": ("`Magi2Transformer3DModel`", "SandAI `preview/` (every tensor, renamed only)"),
-    "refiner": ("`Magi2RefinerTransformer3DModel`", "SandAI `refiner/` (every tensor, renamed only)"),
-    "vae": ("`diffusers.AutoencoderKLWan`", "`vae/Wan2.2_VAE.pth`"),
-    "video_decoder": ("`Magi2TurboVAEDecoder`", "`turbo_vae/checkpoint.ckpt` (EMA weights)"),
-    "audio_vae": ("`diffusers.AutoencoderOobleck`", "`stable-audio-open-1.0/` (`pretransform.model.*`)"),
-    "text_encoder": ("`transformers.Qwen3_5TextModel`", "`text_encoder/` (Qwen3.5-27B)"),
-    "tokenizer": ("tokenizer of `text_encoder/`", "`text_encoder/`"),
-    "scheduler": ("`diffusers.UniPCMultistepScheduler`", "flow prediction, shift 7"),
+#: folder -> (library or defining module, class, what it was converted from): the model_index.json entries
+#: (the tokenizer class is read from the converted ``tokenizer_config.json``) and the card's table.
+COMPONENTS: dict[str, tuple[str, str, str]] = {
+    "transformer": ("diffusers_magi2.models.transformer_magi2", "Magi2Transformer3DModel", "SandAI `preview/` (every tensor, renamed only)"),
+    "refiner": ("diffusers_magi2.models.transformer_magi2_refiner", "Magi2RefinerTransformer3DModel", "SandAI `refiner/` (every tensor, renamed only)"),
+    "vae": ("diffusers", "AutoencoderKLWan", "`vae/Wan2.2_VAE.pth`"),
+    "video_decoder": ("diffusers_magi2.models.turbo_vae", "Magi2TurboVAEDecoder", "`turbo_vae/checkpoint.ckpt` (EMA weights)"),
+    "audio_vae": ("diffusers", "AutoencoderOobleck", "`stable-audio-open-1.0/` (`pretransform.model.*`)"),
+    "text_encoder": ("transformers", "Qwen3_5TextModel", "`text_encoder/` (Qwen3.5-27B)"),
+    "tokenizer": ("transformers", "PreTrainedTokenizerFast", "`text_encoder/`"),
+    "scheduler": ("diffusers", "UniPCMultistepScheduler", "flow prediction, shift 7"),
 }
 
 
@@ -59,8 +60,9 @@ def components_table(components: list[str]) -> str:
     """Markdown table rows (``| folder | class | source |``) for the converted components."""
     rows = []
     for name in components:
-        cls, src = COMPONENT_DESCRIPTIONS[name]
-        rows.append(f"| `{name}/` | {cls} | {src} |")
+        library, cls, src = COMPONENTS[name]
+        shown = cls if library.startswith("diffusers_magi2") else f"{library}.{cls}"
+        rows.append(f"| `{name}/` | `{shown}` | {src} |")
     return "\n".join(rows)
 
 

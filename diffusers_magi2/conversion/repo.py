@@ -20,7 +20,7 @@ from ..loaders.key_plan import CheckpointValidationError
 from ..utils.dtype_utils import DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
 from . import components
 from .convert_transformer import PreparedTransformer, prepare_transformer_conversion, write_transformer
-from .model_card import components_table, model_summary, render_model_card
+from .model_card import COMPONENTS, components_table, model_summary, render_model_card
 
 __all__ = [
     "ALL_COMPONENTS",
@@ -36,18 +36,8 @@ __all__ = [
 ALL_COMPONENTS = ("transformer", "refiner", "vae", "video_decoder", "audio_vae", "text_encoder", "scheduler")
 TRANSFORMER_COMPONENTS = ("transformer", "refiner")
 
-#: model_index.json entries: component -> (library or defining module, class). The tokenizer class
-#: is read from the converted ``tokenizer_config.json``.
-MODEL_INDEX_ENTRIES: dict[str, tuple[str, str]] = {
-    "transformer": ("diffusers_magi2.models.transformer_magi2", "Magi2Transformer3DModel"),
-    "refiner": ("diffusers_magi2.models.transformer_magi2_refiner", "Magi2RefinerTransformer3DModel"),
-    "vae": ("diffusers", "AutoencoderKLWan"),
-    "video_decoder": ("diffusers_magi2.models.turbo_vae", "Magi2TurboVAEDecoder"),
-    "audio_vae": ("diffusers", "AutoencoderOobleck"),
-    "text_encoder": ("transformers", "Qwen3_5TextModel"),
-    "tokenizer": ("transformers", "PreTrainedTokenizerFast"),
-    "scheduler": ("diffusers", "UniPCMultistepScheduler"),
-}
+#: model_index.json entries: component -> (library or defining module, class).
+MODEL_INDEX_ENTRIES: dict[str, tuple[str, str]] = {name: (lib, cls) for name, (lib, cls, _) in COMPONENTS.items()}
 PIPELINE_ENTRY = ("diffusers_magi2.pipelines.pipeline_magi2", "Magi2Pipeline")
 
 #: component -> name of its conversion function in ``diffusers_magi2.conversion.components``.

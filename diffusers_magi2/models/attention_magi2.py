@@ -335,14 +335,6 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
         self.set_processor(processor if processor is not None else self._default_processor_cls())
 
     @property
-    def num_heads(self) -> int:
-        return self.heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.kv_heads
-
-    @property
     def compute_dtype(self) -> torch.dtype:
         """Dtype the attention runs in (``linear_qkv``'s compute dtype)."""
         return linear_compute_dtype(self.linear_qkv)

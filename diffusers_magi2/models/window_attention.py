@@ -272,17 +272,15 @@ def ranges_to_dense_mask(
 # --------------------------------------------------------------------------- attention
 
 
+def _heads_first(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``kernel`` (a ``[B, H, N, D]`` attention with GQA) on ``[B, N, H, D]`` tensors."""
+    qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return kernel(*qkv, enable_gqa=q.shape[2] != k.shape[2], **kwargs).transpose(1, 2)
+
+
 def _sdpa_bnhd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float):
-    """SDPA on ``[B, N, H, D]`` tensors with GQA; returns ``[B, Nq, Hq, D]``."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+    """SDPA on ``[B, N, H, D]`` tensors; returns ``[B, Nq, Hq, D]``."""
+    return _heads_first(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, scale=scale)
 
 
 def _gather_window_attention(
@@ -367,11 +365,7 @@ def _flex(q, k, v, block_mask, scale):
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
-    out = fn(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask, scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+    return _heads_first(fn, q, k, v, block_mask=block_mask, scale=scale)
 
 
 def block_window_attention(

@@ -180,14 +180,8 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         if tokenizer is not None:
             apply_cjk_pre_tokenizer_split(tokenizer)
         self.register_modules(
-            tokenizer=tokenizer,
-            text_encoder=text_encoder,
-            transformer=transformer,
-            audio_vae=audio_vae,
-            scheduler=scheduler,
-            vae=vae,
-            video_decoder=video_decoder,
-            refiner=refiner,
+            tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, audio_vae=audio_vae,
+            scheduler=scheduler, vae=vae, video_decoder=video_decoder, refiner=refiner,
         )
         self.register_to_config(
             negative_prompt=negative_prompt,

@@ -179,39 +179,32 @@ def _render_global(global_layer: dict, lines: list[str]) -> None:
     if sound:
         lines.append("audio: " + "; ".join(sound))
 
-    subjects = global_layer.get("alive_subjects_static")
-    if isinstance(subjects, list) and subjects:
-        lines.append("subjects:")
-        for subject in subjects:
-            if not isinstance(subject, dict):
-                continue
-            row = " - " + _joined((_flat(subject.get("subject_id")), _flat(subject.get("description"))), " | ")
-            where = _joined((_flat(subject.get("position")), _flat(subject.get("orientation"))), "; ")
-            if where:
-                row += f" ({where})"
-            visual = _mapping(subject.get("visual_attributes"))
-            attrs = []
-            for key in ("gender", "age_group", "ethnicity", "clothing", "appearance_details"):
-                if visual.get(key) in (None, [], {}):
-                    continue
-                text = _flat(visual[key])
-                if text:
-                    attrs.append(f"{key}={text}")
-            if attrs:
-                row += " :: " + "; ".join(attrs)
-            lines.append(row)
+    _render_rows(lines, "subjects:", global_layer.get("alive_subjects_static"), _subject_row)
+    _render_rows(lines, "objects:", global_layer.get("objects_static"), _object_row)
 
-    objects = global_layer.get("objects_static")
-    if isinstance(objects, list) and objects:
-        lines.append("objects:")
-        for item in objects:
-            if not isinstance(item, dict):
-                continue
-            row = " - " + _joined((_flat(item.get("object_id")), _flat(item.get("description"))), " | ")
-            details = _joined((_flat(item.get("shape_and_color")), _flat(item.get("position"))), "; ")
-            if details:
-                row += " :: " + details
-            lines.append(row)
+
+def _render_rows(lines: list[str], heading: str, items: Any, row) -> None:
+    """A heading and one ``row(item)`` line per dict item, when ``items`` is a non-empty list."""
+    if isinstance(items, list) and items:
+        lines.append(heading)
+        lines.extend(row(item) for item in items if isinstance(item, dict))
+
+
+def _subject_row(subject: dict) -> str:
+    row = " - " + _joined((_flat(subject.get("subject_id")), _flat(subject.get("description"))), " | ")
+    where = _joined((_flat(subject.get("position")), _flat(subject.get("orientation"))), "; ")
+    if where:
+        row += f" ({where})"
+    visual = _mapping(subject.get("visual_attributes"))
+    keys = ("gender", "age_group", "ethnicity", "clothing", "appearance_details")
+    attrs = [f"{key}={_flat(visual[key])}" for key in keys if visual.get(key) not in (None, [], {}) and _flat(visual[key])]
+    return row + (" :: " + "; ".join(attrs) if attrs else "")
+
+
+def _object_row(item: dict) -> str:
+    row = " - " + _joined((_flat(item.get("object_id")), _flat(item.get("description"))), " | ")
+    details = _joined((_flat(item.get("shape_and_color")), _flat(item.get("position"))), "; ")
+    return row + (" :: " + details if details else "")
 
 
 def _render_timeline(dynamic_layer: dict, lines: list[str]) -> None:

@@ -61,6 +61,19 @@ def check_output_size(output_height, output_width, output_type) -> None:
                 "output_height/output_width resize decoded frames; they are not allowed with output_type='latent'"
             )
 
+def _check_embeds(name: str, embeds, mask) -> None:
+    """``embeds`` (if given) is ``[B, Lt, C]`` with a ``[B, Lt]`` mask."""
+    if embeds is None:
+        return
+    mask_name = name.replace("_embeds", "_attention_mask")
+    if embeds.ndim != 3:
+        raise ValueError(f"{name} must be [batch, tokens, channels]; got shape {tuple(embeds.shape)}")
+    if mask is None:
+        raise ValueError(f"{name} needs {mask_name} ([batch, tokens], true for real tokens)")
+    if tuple(mask.shape) != tuple(embeds.shape[:2]):
+        raise ValueError(f"{mask_name} must be {tuple(embeds.shape[:2])} to match {name}; got {tuple(mask.shape)}")
+
+
 def check_prompt_inputs(
     prompt, negative_prompt, prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask
 ) -> None:
@@ -76,34 +89,15 @@ def check_prompt_inputs(
             raise ValueError(f"prompt must be a non-empty string or a non-empty list of strings; got {type(prompt).__name__}")
         if any(not p.strip() for p in prompts):
             raise ValueError("prompt must not be empty or whitespace only")
-    if prompt_embeds is not None:
-        if prompt_embeds.ndim != 3:
-            raise ValueError(f"prompt_embeds must be [batch, tokens, channels]; got shape {tuple(prompt_embeds.shape)}")
-        if prompt_attention_mask is None:
-            raise ValueError("prompt_embeds needs prompt_attention_mask ([batch, tokens], true for real tokens)")
-        if tuple(prompt_attention_mask.shape) != tuple(prompt_embeds.shape[:2]):
-            raise ValueError(
-                f"prompt_attention_mask must be {tuple(prompt_embeds.shape[:2])} to match prompt_embeds; "
-                f"got {tuple(prompt_attention_mask.shape)}"
-            )
+    _check_embeds("prompt_embeds", prompt_embeds, prompt_attention_mask)
     if negative_prompt is not None and negative_prompt_embeds is not None:
         raise ValueError("pass either negative_prompt or negative_prompt_embeds, not both")
     if negative_prompt is not None:
         negatives = [negative_prompt] if isinstance(negative_prompt, str) else negative_prompt
         if not isinstance(negatives, list) or not all(isinstance(p, str) for p in negatives):
             raise ValueError("negative_prompt must be a string or a list of strings")
+    _check_embeds("negative_prompt_embeds", negative_prompt_embeds, negative_prompt_attention_mask)
     if negative_prompt_embeds is not None:
-        if negative_prompt_embeds.ndim != 3:
-            raise ValueError(
-                f"negative_prompt_embeds must be [batch, tokens, channels]; got shape {tuple(negative_prompt_embeds.shape)}"
-            )
-        if negative_prompt_attention_mask is None:
-            raise ValueError("negative_prompt_embeds needs negative_prompt_attention_mask ([batch, tokens])")
-        if tuple(negative_prompt_attention_mask.shape) != tuple(negative_prompt_embeds.shape[:2]):
-            raise ValueError(
-                f"negative_prompt_attention_mask must be {tuple(negative_prompt_embeds.shape[:2])}; "
-                f"got {tuple(negative_prompt_attention_mask.shape)}"
-            )
         if prompt_embeds is not None and negative_prompt_embeds.shape[0] != prompt_embeds.shape[0]:
             raise ValueError(
                 f"negative_prompt_embeds batch {negative_prompt_embeds.shape[0]} != prompt_embeds batch {prompt_embeds.shape[0]}"

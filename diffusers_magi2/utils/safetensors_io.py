@@ -95,17 +95,23 @@ def parse_size(size: int | str) -> int:
 
 
 @dataclass(frozen=True)
-class TensorHeader:
-    """One tensor entry of a safetensors header (``data_offsets`` relative to the data section)."""
+class OutputTensor:
+    """A tensor to be written: name, safetensors dtype code and shape."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
-    data_offsets: tuple[int, int]
 
     @property
     def nbytes(self) -> int:
-        return self.data_offsets[1] - self.data_offsets[0]
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class TensorHeader(OutputTensor):
+    """One tensor entry of a safetensors header (``data_offsets`` relative to the data section)."""
+
+    data_offsets: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -242,19 +248,6 @@ def check_data_present(header: SafetensorsHeader) -> str | None:
             f"the file has {actual}"
         )
     return None
-
-
-@dataclass(frozen=True)
-class OutputTensor:
-    """A tensor to be written: name, safetensors dtype code and shape."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)

@@ -113,4 +113,4 @@ def test_full_size_meta_build_matches_released_key_table(fixtures_dir, released_
     assert n_params == 6_720_075_264
     assert sum(p.numel() for p in model.parameters()) == 6_720_075_264
     blk = model.transformer_blocks[2].attention
-    assert (blk.num_heads, blk.num_kv_heads, blk.head_dim) == (32, 8, 128)
+    assert (blk.heads, blk.kv_heads, blk.head_dim) == (32, 8, 128)
