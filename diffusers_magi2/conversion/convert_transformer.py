@@ -1,28 +1,10 @@
 """Transformer and refiner conversion: config -> meta model -> validated key plan -> streamed shards.
 
-Steps for one component (``transformer`` = preview DiT, ``refiner`` = 1080p refiner):
-
-1. Read the SandAI JSON config (``extends`` resolved by ``loaders.sandai_config.load_sandai_config``),
-   defaulting to the released config the package ships.
-2. Turn it into the diffusers model's ``register_to_config`` kwargs and build the model on the
-   meta device; its ``state_dict()`` gives every expected key and shape exactly (no guessing).
-   Expected source dtypes are ``F32`` for the fp32 islands and the config's ``params_dtype``
-   otherwise.
-3. Read the source index and shard headers and validate them against those expectations
-   (:func:`diffusers_magi2.loaders.key_plan.build_key_plan`, every problem listed before anything is written).
-4. Stream: one source shard at a time (``safe_open``), each tensor in row chunks straight into
-   its pre-sized output shard (:class:`safetensors_io.ShardWriter`), then ``config.json`` and the
-   index.
-
-Steps 1–3 are the loader's (:mod:`diffusers_magi2.loaders.original_checkpoint`, which also backs
-``from_original_checkpoint``); this module adds the output layout and the streaming write.
-
-With ``expert_dtype="float8_e4m3fn"`` (``magi2-convert --expert_dtype fp8_e4m3``) the routed experts
-``W_gate``/``W_up``/``W_down`` are written in FP8 with their fp32 scales ``W_*_scale`` beside them: each bank
-is read in row chunks, cast to its ``--dtype`` output dtype, quantized with
-:func:`~diffusers_magi2.moe.quantize.quantize_fp8` and written; ``config.json`` records ``expert_dtype``, so the
-repo loads as FP8 with a plain ``from_pretrained`` (and equals, bit for bit, a quantize-at-load of the same
-repo converted without the flag).
+Config, meta model and key plan are the loader's (:mod:`diffusers_magi2.loaders.original_checkpoint`); this
+module adds the output layout and the streaming write, one source shard at a time into pre-sized output shards
+(:class:`~diffusers_magi2.utils.safetensors_io.ShardWriter`). With ``expert_dtype="float8_e4m3fn"`` the routed
+experts are cast, quantized (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`) and written with their scales,
+and ``config.json`` records ``expert_dtype`` (bit for bit what quantize-at-load gives).
 """
 
 from __future__ import annotations
@@ -72,7 +54,7 @@ class TransformerTarget:
     """Where a transformer-like component's diffusers class lives.
 
     Attributes:
-        component: ``model_index.json`` name (``"transformer"`` or ``"refiner"``).
+        component: ``model_index.json`` name.
         module: defining module of the model class (public format, never moves).
         class_name: the model class.
     """
@@ -101,10 +83,10 @@ class PreparedTransformer:
     Attributes:
         target: which component.
         plan: the validated key plan.
-        model: the model built on the meta device (for ``save_config``).
-        layouts: the output shard layouts (headers included).
+        model: the meta model (for ``save_config``).
+        layouts: the output shard layouts.
         config_label: where the SandAI config came from.
-        fp8_banks: target names of the routed-expert banks written in FP8 (with a ``_scale`` each).
+        fp8_banks: the banks written in FP8 (each with a ``_scale``).
     """
 
     target: TransformerTarget
@@ -145,8 +127,7 @@ def prepare_transformer_conversion(
         config: SandAI JSON path / dict, ``None`` for the released config.
         dtype: ``"keep"``, ``"bf16"`` or ``"fp32"`` (fp32 islands always stay fp32).
         max_shard_size: output shard data size limit in bytes.
-        check_data: also require each shard's data section to be present (``False`` for dry runs
-            on header-only stubs).
+        check_data: require each shard's data (``False`` for dry runs on header-only stubs).
         expert_dtype: ``None`` (experts as ``dtype``) or ``"float8_e4m3fn"`` (FP8 routed experts + scales).
 
     Raises:
@@ -190,13 +171,7 @@ def write_transformer(
 ) -> Path:
     """Stream the planned tensors into ``out_folder`` (created; must not exist yet).
 
-    Source shards are processed one at a time: ``safe_open`` checks the shard, then a plain
-    descriptor reads it at the offsets of its (validated) header. A tensor kept in its stored dtype
-    is copied byte for byte into its offset in the pre-sized output shard (kernel file-to-file
-    copy, no tensor in memory); a tensor whose dtype changes is read in chunks of at most
-    ``chunk_bytes`` into a reused buffer, cast and written at its offset. Memory stays at two
-    chunk buffers; no source shard is memory-mapped. Then ``config.json`` (the model's ``save_config``) and, when sharded,
-    ``diffusion_pytorch_model.safetensors.index.json`` are written.
+    Kept tensors are copied byte for byte, cast ones ``chunk_bytes`` at a time; then ``config.json`` and the index.
 
     Args:
         log: called once per source shard with a progress line (``None``: silent).

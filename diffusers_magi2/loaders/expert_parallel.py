@@ -1,15 +1,11 @@
 """Expert parallelism as a hook on diffusers' loading: ``from_pretrained(expert_parallel=...)`` and
 ``enable_expert_parallel``.
 
-``from_pretrained(path, expert_parallel=Magi2ExpertParallelConfig(ep_degree=N))`` is diffusers'
-``ModelMixin.from_pretrained`` (Hub download, variants, sharded index, ``dtype`` with
-``_keep_in_fp32_modules``, ``device_map``, ``eval``) with one step changed: once diffusers has built the model
-on the meta device, every ``Magi2MultiHeadMoE`` is replaced by its local-size twin (this rank's heads only), and
-the checkpoint shards reach diffusers' per-shard loader through
-:class:`~diffusers_magi2.parallel.ep_loading.RowShardedShards`, which cuts the six EP-sharded tensors of each
-MoE layer (:data:`EP_SHARDED_SUFFIXES`) to this rank's rows. So no rank ever allocates the other ranks'
-experts. ``enable_expert_parallel`` does the same to a model already in memory. The same hook gives FP8 routed
-experts their own loading step (:mod:`diffusers_magi2.loaders.fp8_experts`), after the rows are cut.
+It is diffusers' ``ModelMixin.from_pretrained`` with one step changed: on the meta model every
+``Magi2MultiHeadMoE`` becomes its local-size twin (this rank's heads), and the shards reach diffusers' loader
+through :class:`~diffusers_magi2.parallel.ep_loading.RowShardedShards`, cut to this rank's rows
+(:data:`EP_SHARDED_SUFFIXES`), so no rank allocates another's experts. FP8 experts load in a step of their own
+(:mod:`diffusers_magi2.loaders.fp8_experts`) after the cut.
 """
 
 from __future__ import annotations
@@ -77,13 +73,11 @@ def _public_config(model: nn.Module) -> dict:
 def apply_expert_parallel(model: nn.Module, config: Magi2ExpertParallelConfig) -> nn.Module:
     """Shard an in-memory model's routed experts over the EP group; returns ``model``.
 
-    Every ``Magi2MultiHeadMoE`` is replaced by a twin that owns only this rank's heads, filled from this rank's
-    rows of the full tensors (zero rows for padded heads); the full tensors are released. All ranks must call it
-    with the same model config (checked with one ``all_gather_object``).
+    Every ``Magi2MultiHeadMoE`` becomes a twin holding this rank's heads (zero rows for padded ones); all ranks
+    call it with the same config (one ``all_gather_object`` checks).
 
     Raises:
-        ValueError: EP set-up errors (see ``resolve_expert_parallel``), ranks disagreeing on the config, a model
-            without MoE layer, or one already sharded.
+        ValueError: EP set-up errors, ranks disagreeing on the config, no MoE layer, or already sharded.
     """
     ep = resolve_expert_parallel(config)
     moes = _moe_modules(model)
@@ -145,11 +139,7 @@ def _check_local_shards(pretrained_model_name_or_path: Union[str, os.PathLike], 
 
 
 class ExpertParallelLoaderMixin:
-    """Adds ``expert_parallel=`` to ``from_pretrained`` and ``enable_expert_parallel`` to a MAGI-2 model class.
-
-    List it before ``ModelMixin`` in the bases: its ``from_pretrained`` and ``_load_pretrained_model`` wrap
-    diffusers' own.
-    """
+    """Adds ``expert_parallel=`` to ``from_pretrained`` and ``enable_expert_parallel`` (list it before ``ModelMixin``)."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Union[str, os.PathLike], **kwargs: Any):
@@ -157,17 +147,13 @@ class ExpertParallelLoaderMixin:
 
         Args:
             expert_parallel (:class:`~diffusers_magi2.Magi2ExpertParallelConfig`, *optional*): load only this
-                rank's routed experts (every rank calls it with the same checkpoint and config; checked once,
-                before any tensor is read). ``device`` / ``device_map`` name this rank's single device.
+                rank's routed experts (all ranks pass the same checkpoint and config); ``device_map`` names one device.
             **kwargs: as ``ModelMixin.from_pretrained``.
 
         Raises:
-            ValueError: EP set-up errors (no process group, ``ep_degree`` ≠ world size), ranks disagreeing on the
-                checkpoint or config, missing checkpoint keys, an EP tensor without ``num_heads·num_experts``
-                rows, a missing, truncated or corrupt shard of a local checkpoint (named, before any model is
-                built), a ``device_map`` spanning several devices, ``low_cpu_mem_usage=False``,
-                ``parallel_config`` or ``quantization_config``; the FP8-expert checks of
-                :func:`~diffusers_magi2.loaders.fp8_experts.plan_fp8_expert_loading` (with or without EP).
+            ValueError: EP set-up errors, ranks disagreeing, missing keys, an EP tensor without
+                ``num_heads * num_experts`` rows, a missing/truncated/corrupt shard (named, before the model is
+                built), an unsupported loading option, the FP8 checks of ``plan_fp8_expert_loading``.
         """
         expert_parallel = kwargs.pop("expert_parallel", None)
         if expert_parallel is None:

@@ -1,22 +1,9 @@
 """FP8 routed experts through diffusers' loading: a saved FP8 repo stays FP8, a bf16 repo is quantized while read.
 
-diffusers 0.42.1 casts every floating checkpoint tensor to ``from_pretrained(dtype=...)`` unless a quantizer
-is set (and to the model's dtype when no ``dtype`` is given), so FP8 banks cannot pass through its per-tensor
-loader. When the model has FP8 experts (``expert_dtype="float8_e4m3fn"`` in its config or in the
-``from_pretrained`` call) the routed-expert tensors of every ``Magi2MultiHeadMoE`` take this path instead;
-everything else is diffusers' (dtype, ``_keep_in_fp32_modules``, ``device_map``):
-
-* ``W_gate``/``W_up``/``W_down`` stored as ``float8_e4m3fn`` (an FP8 repo) are placed as they are, with their
-  fp32 scales ``W_*_scale`` (the scales are fp32 islands of the model);
-* stored in a floating dtype (a bf16 or fp32 repo) they are quantized with
-  :func:`~diffusers_magi2.moe.quantize.quantize_fp8` tensor by tensor, shard by shard, as the shard is read,
-  so the full-precision model never exists in memory (peak: the FP8 model plus one source shard).
-
-The checkpoint is checked against the model from the shard headers before any tensor is read
-(:func:`plan_fp8_expert_loading`): an FP8 bank without its scale, a scale of the wrong shape or dtype, a scale
-beside a non-FP8 bank, or FP8 banks loaded into a model without FP8 experts raise ``ValueError`` naming the tensor.
-Under expert parallelism the shards reach this step already cut to the rank's rows
-(:class:`~diffusers_magi2.parallel.ep_loading.RowShardedShards`, which cuts the scales like their banks).
+diffusers 0.42 casts every floating checkpoint tensor to the load dtype, so with FP8 experts the routed-expert
+tensors take this path (the rest stays diffusers'): FP8 banks are placed as stored with their fp32 scales, floating
+banks are quantized (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`) as each shard is read, so the full-precision
+model never exists (peak: the FP8 model plus one shard). :func:`plan_fp8_expert_loading` checks the headers first.
 """
 
 from __future__ import annotations
@@ -77,13 +64,11 @@ def plan_fp8_expert_loading(
         files: the checkpoint's shard files.
 
     Returns:
-        ``(quantized, filled)``: the bank names that will be quantized while read (stored in a floating dtype),
-        and the scale names this loader fills without the checkpoint holding them.
+        ``(quantized, filled)``: the banks quantized while read, and the scales this loader fills itself.
 
     Raises:
-        ValueError: naming the tensor: an FP8 bank in a model without FP8 experts; an FP8 bank whose scale is
-            missing or not ``[num_heads*num_experts, out_channels]`` floating point; a bank of the wrong shape or
-            dtype; a scale beside a bank that is not FP8.
+        ValueError: naming the tensor: FP8 banks in a model without FP8 experts, a missing or misshaped scale,
+            a bank of the wrong shape or dtype, a scale beside a non-FP8 bank.
     """
     banks = expert_bank_names(model)
     if not banks:
@@ -132,10 +117,8 @@ def plan_fp8_expert_loading(
 class FP8ExpertShards(Sequence):
     """Checkpoint shards as diffusers' loader reads them, the FP8 experts' tensors taken out and placed here.
 
-    Each item is the shard's state dict without the banks and scales of FP8 ``Magi2MultiHeadMoE`` layers; those
-    are put into ``model`` on their device (diffusers' ``device_map`` rule), FP8 banks as stored, floating banks
-    quantized first (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`), scales as fp32. The shard's other tensors
-    are handed on as copies, so the shard's memory map (with the pages of the banks read) is released.
+    Each item is the shard's state dict without the FP8 layers' banks and scales, which go into ``model`` directly; the
+    other tensors are handed on as copies, so the shard's memory map is released.
 
     Args:
         shards: shard paths or state dicts (possibly a :class:`~diffusers_magi2.parallel.ep_loading.RowShardedShards`).

@@ -1,22 +1,10 @@
 """Key plan for the MAGI-2 transformer and refiner: SandAI checkpoint keys -> diffusers keys.
 
-The plan is rename-only and shape-preserving:
-
-* ``block.layers.{i}.<rest>`` -> ``transformer_blocks.{i}.<rest>``; every other key
-  (``pre_adapter.*``, ``post_adapter.*``) keeps its name.
-* Every tensor is kept whole (no split, transpose or de-interleave), so expert-parallel ranks can
-  ``get_slice`` their rows straight from the Hub files (spec §6.3).
-* ``...router.expert_bias`` is written with the values of the source ``...router.expert_bias_ema``
-  (the reference loader's ``_apply_router_bias_ema``, default ``MAGI2_ROUTER_BIAS_SOURCE=ema``);
-  ``...router.expert_bias_ema`` is written unchanged. The source ``expert_bias`` must be present
-  (the reference loads strictly) but its values are not used.
-
-Validation is exhaustive: :func:`build_key_plan` collects every problem (index faults, missing or
-unknown keys, shape and dtype mismatches) and raises one :class:`CheckpointValidationError`
-listing them all, before anything is written. The expected keys, shapes and dtypes come from the
-diffusers model built on the meta device (see ``original_checkpoint.expected_specs_from_model``);
-the plan itself knows nothing about the architecture, so it serves the preview (1,371 keys) and
-the refiner (281 keys) alike.
+Rename-only and shape-preserving: ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``, other keys kept, every
+tensor whole (so expert-parallel ranks ``get_slice`` their rows from the files), and ``router.expert_bias``
+written from the source ``router.expert_bias_ema`` (SandAI's ``_apply_router_bias_ema``; the raw bias must be
+present but is not used). :func:`build_key_plan` checks the checkpoint against the keys, shapes and dtypes of
+the model built on the meta device and raises every problem in one :class:`CheckpointValidationError`.
 """
 
 from __future__ import annotations
@@ -68,12 +56,7 @@ def target_to_source_key(key: str) -> str:
 
 
 def target_dtype_for(source_dtype: str, dtype: str, *, fp32_island: bool) -> str:
-    """Output safetensors dtype code of a tensor under ``--dtype`` (fp32 islands always stay ``F32``).
-
-    Args:
-        source_dtype: its dtype code in the source file.
-        dtype: ``"keep"`` (source dtype), ``"bf16"`` or ``"fp32"``.
-        fp32_island: whether the model keeps this tensor fp32 (:attr:`TensorSpec.fp32_island`).
+    """Output dtype code of a tensor under ``--dtype`` ``"keep"``/``"bf16"``/``"fp32"`` (fp32 islands stay ``F32``).
 
     Raises:
         ValueError: ``dtype`` is not one of those three.
@@ -95,15 +78,7 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class PlannedTensor:
-    """One output tensor of the plan.
-
-    Attributes:
-        target_key: diffusers name written to the output.
-        source_key: SandAI name read from the source (``...expert_bias_ema`` for ``...expert_bias``).
-        source_file: source shard file name holding ``source_key``.
-        shape: shape (identical in source and output).
-        source_dtype / target_dtype: safetensors dtype codes.
-    """
+    """One output tensor of the plan (``target_key`` written from ``source_key`` of ``source_file``)."""
 
     target_key: str
     source_key: str
@@ -125,8 +100,8 @@ class KeyPlan:
 
     Attributes:
         source_dir: the SandAI checkpoint folder.
-        entries: output tensors in write order (source shard by shard, in data-offset order).
-        source_files: source shard file names in reading order.
+        entries: output tensors in write order (source shard by shard, data-offset order).
+        source_files: source shards in reading order.
         read_not_written: source keys validated but not written (the raw ``router.expert_bias``).
     """
 
@@ -169,13 +144,7 @@ _PROBLEM_KINDS = (
 class CheckpointValidationError(ValueError):
     """Every problem found in a source checkpoint, raised before anything is written.
 
-    ``str(err)`` is a summary that fits a terminal: the heading, the hint, the count of each kind of
-    problem and the first :attr:`SUMMARY_LIMIT` problems. ``problems`` and ``report(verbose=True)``
-    (``magi2-convert --verbose``) hold every one.
-
-    Attributes:
-        problems: one message per problem.
-        hint: what to try next (e.g. pass ``--config``), or ``""``.
+    ``str(err)`` summarises (heading, hint, counts, the first :attr:`SUMMARY_LIMIT`); ``report(verbose=True)`` lists all.
     """
 
     SUMMARY_LIMIT = 5
@@ -218,10 +187,9 @@ class SourceCheckpoint:
 
     Attributes:
         directory: the folder.
-        weight_map: key -> shard file name, from the index (or the single file's header).
-        headers: shard file name -> parsed header, for every shard that could be read.
-        problems: index-level faults found while reading (missing/truncated/unreferenced shards,
-            keys missing from their shard, shard keys absent from the index).
+        weight_map: key -> shard file name.
+        headers: shard file name -> parsed header, for every readable shard.
+        problems: index-level faults found while reading.
     """
 
     directory: Path
@@ -240,14 +208,8 @@ def _shard_sort_key(name: str):
 
 
 def read_source_checkpoint(directory: str | Path, *, check_data: bool = True) -> SourceCheckpoint:
-    """Read the index and every shard header of a SandAI checkpoint folder, collecting problems.
-
-    The index's ``weight_map`` is authoritative. Recorded as problems (not raised): a shard named
-    by the index that is missing or unreadable, a truncated shard (only when ``check_data``; a
-    dry run on header-only stubs passes ``False``), a key missing from the shard the index names,
-    a shard tensor absent from the index (or mapped to another shard), and a ``*.safetensors``
-    file in the folder that the index does not reference. Without an index, a single
-    ``model.safetensors`` is accepted (as the reference loader does).
+    """Read the index (or a single ``model.safetensors``) and every shard header, recording as problems missing,
+    unreadable, truncated (with ``check_data``) or unreferenced shards and keys that disagree with the index.
 
     Raises:
         ValueError: the folder does not exist, or holds neither an index nor ``model.safetensors``,
@@ -310,19 +272,16 @@ def build_key_plan(
 
     Args:
         source: from :func:`read_source_checkpoint`.
-        expected: target key -> expected shape and *source* dtype code (from the model built on
-            the meta device from the config; fp32 islands ``F32``, the rest ``params_dtype``).
-        dtype: output dtype policy, ``"keep"``, ``"bf16"`` or ``"fp32"``; fp32 islands stay F32.
-        context: appended to the error heading, e.g. the config the weights were checked against.
-        hint: what to try when validation fails (shown under the heading).
+        expected: target key -> expected shape and source dtype code.
+        dtype: ``"keep"``, ``"bf16"`` or ``"fp32"``.
+        context: appended to the error heading.
+        hint: what to try when validation fails.
 
     Returns:
         a :class:`KeyPlan` covering every expected key exactly once.
 
     Raises:
-        CheckpointValidationError: listing together every problem of ``source.problems`` plus
-            every unknown key, missing key, shape mismatch and dtype mismatch. A config that
-            disagrees with the weights shows up here as missing/unknown keys or wrong shapes.
+        CheckpointValidationError: every index fault, unknown or missing key, shape and dtype mismatch.
         ValueError: ``dtype`` is not allowed.
     """
     convert_dtype(dtype)  # validates the choice before any problem is collected

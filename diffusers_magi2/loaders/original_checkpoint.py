@@ -1,17 +1,9 @@
 """SandAI checkpoint folders -> diffusers models: ``from_original_checkpoint`` for both MAGI-2 transformers.
 
-As diffusers' ``FromOriginalModelMixin`` (``loaders/single_file_model.py``) finds a class's checkpoint
-mapping in a table keyed by class name, :data:`ORIGINAL_CHECKPOINT_FORMATS` names, per model class, the
-SandAI config section and translator and the released config. Loading a folder of SandAI safetensors
-shards then runs the converter's steps in memory:
-
-1. the SandAI JSON config (``extends`` resolved) -> ``register_to_config`` kwargs -> the model built on
-   the meta device, whose ``state_dict()`` gives every expected key and shape;
-2. expected source dtypes: ``F32`` for the fp32 islands, the config's ``params_dtype`` otherwise;
-3. the index and shard headers validated against them (:func:`~.key_plan.build_key_plan`: every
-   problem listed in one ``CheckpointValidationError`` before any tensor is read);
-4. each planned tensor read, renamed (``block.layers.{i}.`` -> ``transformer_blocks.{i}.``; the router
-   bias from its EMA) and cast, then ``load_state_dict(strict=True, assign=True)``.
+As diffusers' ``FromOriginalModelMixin``, a table keyed by class name (:data:`ORIGINAL_CHECKPOINT_FORMATS`)
+gives each model its SandAI config section, translator and released config. Loading runs the converter's steps
+in memory: config -> the model on the meta device (expected keys, shapes; ``F32`` for islands, ``params_dtype``
+otherwise) -> :func:`~.key_plan.build_key_plan` -> each tensor read, renamed, cast -> a strict ``assign`` load.
 """
 
 from __future__ import annotations
@@ -49,9 +41,9 @@ class OriginalCheckpointFormat:
     """How one model class reads SandAI's layout.
 
     Attributes:
-        component: the ``model_index.json`` component name (``"transformer"`` or ``"refiner"``).
+        component: the ``model_index.json`` component name.
         config_function: merged SandAI config -> ``register_to_config`` kwargs.
-        arch_section: the SandAI config section holding the architecture (and ``params_dtype``).
+        arch_section: the SandAI config section holding the architecture and ``params_dtype``.
         released_config: file name of the bundled released SandAI config.
     """
 
@@ -124,12 +116,7 @@ def build_meta_model(cls: type, kwargs: dict[str, Any]) -> nn.Module:
 
 
 def expected_specs_from_model(model: nn.Module, params_dtype: str = "BF16") -> dict[str, TensorSpec]:
-    """Expected source tensors of a SandAI checkpoint for ``model``: key, shape and safetensors dtype code.
-
-    Keys and shapes are the model's ``state_dict()`` (meta tensors work); floating tensors are ``F32`` for
-    the model's fp32 islands (``_keep_in_fp32_modules``) and ``params_dtype`` otherwise, integer buffers keep
-    the model's dtype.
-    """
+    """Expected source tensors for ``model``: its ``state_dict()`` keys and shapes, ``F32`` for islands, else ``params_dtype``."""
     specs = {}
     for name, t in model.state_dict().items():
         island = t.is_floating_point() and is_fp32_island(name, model._keep_in_fp32_modules)
@@ -170,8 +157,7 @@ def load_original_checkpoint(
         the model in eval mode, every tensor on CPU with its own storage.
 
     Raises:
-        CheckpointValidationError: every missing/unexpected key, shape or dtype mismatch and index fault,
-            listed together (a ``ValueError``), before any tensor is read.
+        CheckpointValidationError: every checkpoint problem, before any tensor is read.
         ValueError: ``cls`` is not a MAGI-2 model class, or the config lacks its architecture section.
     """
     from safetensors import safe_open
@@ -239,24 +225,22 @@ class FromOriginalCheckpointMixin:
     ):
         """Build the model from a SandAI checkpoint folder (``preview/`` or ``refiner/``: safetensors shards + index).
 
-        The same validation and renames as ``magi2-convert`` (``block.layers.{i}.`` -> ``transformer_blocks.{i}.``,
-        ``router.expert_bias`` := ``router.expert_bias_ema``, SandAI's loader default), then a strict load.
+        The same validation and renames as ``magi2-convert`` (:mod:`~diffusers_magi2.loaders.key_plan`), then a
+        strict load.
 
         Args:
             checkpoint_dir: folder with ``model.safetensors.index.json`` and its shards (or ``model.safetensors``).
-            config: SandAI config dict or JSON path (``extends`` resolved); default: the ``magi2_*.json`` beside
-                the shards, else the bundled released config (the released refiner folder ships none).
-            torch_dtype / dtype (aliases): dtype of the non-fp32 weights; default: the config's ``params_dtype``
-                (bf16 released). The fp32 islands always load as fp32.
+            config: SandAI config dict or JSON path; default: the ``magi2_*.json`` beside the shards, else the
+                bundled released config.
+            torch_dtype / dtype (aliases): dtype of the non-fp32 weights; default: the config's ``params_dtype``.
             device: where the weights are placed.
 
         Returns:
             the model in eval mode.
 
         Raises:
-            ValueError: ``torch_dtype`` and ``dtype`` disagree; every missing/unexpected key, shape or dtype
-                mismatch and index fault, listed together (``CheckpointValidationError``); a config without the
-                model's architecture section.
+            ValueError: ``torch_dtype`` and ``dtype`` disagree; a ``CheckpointValidationError`` with every
+                checkpoint problem; a config without the model's architecture section.
         """
         if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
             raise ValueError(f"torch_dtype={torch_dtype} and dtype={dtype} disagree; pass one of them")

@@ -1,12 +1,7 @@
 """Read SandAI MAGI-2 JSON configs and map the Preview architecture to ``Magi2Transformer3DModel`` kwargs.
 
-SandAI ships architecture + evaluation configs as JSON (``configs/magi2_preview.json``;
-``magi2_refiner.json`` has ``"extends": "magi2_preview.json"``). The released files are bundled as
-package data under ``diffusers_magi2/loaders/released_configs/`` (see :func:`released_config_path`).
-
-``extends`` resolution: the named base file is looked up next to the extending file, then among the
-bundled released configs; the child is merged over the base recursively (dicts merge key by key,
-any other value replaces), and the ``extends`` key is dropped. Cycles raise ``ValueError``.
+The released configs are bundled under ``loaders/released_configs/``. ``"extends": "<base>.json"`` names a base
+looked up beside the file, then among the bundled ones; the child is merged over it recursively (dicts key by key).
 """
 
 from __future__ import annotations
@@ -101,18 +96,12 @@ def _require(cond: bool, message: str) -> None:
 def preview_config_from_sandai(cfg: Mapping[str, Any]) -> dict:
     """Map a SandAI preview config dict (with ``arch_config``) to ``Magi2Transformer3DModel`` kwargs.
 
-    Accepts the whole config (``{"arch_config": ...}``) or the ``arch_config`` dict itself. The
-    reference's own constraints are enforced: mHC, attention gating and attention sinks must be
-    enabled, the activation must be ``swiglu7`` and the softcap disabled (≤ 0).
-
-    Returns:
-        dict of ``register_to_config`` kwargs (JSON-serialisable), in diffusers vocabulary:
-        ``num_attention_heads`` (= ``hidden_size // head_dim``), ``attention_head_dim``,
-        ``num_key_value_heads`` (= ``num_query_groups``), ``in_channels`` (= ``video_in_channels``),
-        ``multimodal_layers`` (= ``mm_layers``); the other names are SandAI's.
+    Accepts the whole config or its ``arch_config``; ``num_attention_heads = hidden_size // head_dim``,
+    ``num_key_value_heads = num_query_groups``, ``in_channels = video_in_channels``, ``multimodal_layers = mm_layers``.
 
     Raises:
-        ValueError: missing ``arch_config`` fields or a setting the model does not implement.
+        ValueError: missing fields, or a setting the model does not implement (mHC, gating and sinks off, an
+            activation other than swiglu7, a softcap).
     """
     arch = cfg.get("arch_config", cfg)
     _require(isinstance(arch, Mapping) and "hidden_size" in arch, "SandAI config has no arch_config.hidden_size")

@@ -1,10 +1,7 @@
 """Map SandAI's refiner config (``configs/magi2_refiner.json``) to ``Magi2RefinerTransformer3DModel`` kwargs.
 
-The refiner architecture lives in ``magi2_refiner_arch_config``; its window-attention geometry lives
-in the data-proxy section ``evaluation_config.magi2_refiner_data_proxy_config.attn_config`` (spec
-§5.7). Both are copied into the diffusers config, so the geometry is configuration, not constants.
-The released ``magi2_refiner.json`` ``extends`` the preview JSON: resolve that first with
-:func:`diffusers_magi2.loaders.sandai_config.load_sandai_config`.
+The architecture is ``magi2_refiner_arch_config``; the window geometry, from the data proxy's
+``evaluation_config.magi2_refiner_data_proxy_config.attn_config``, becomes diffusers config too.
 """
 
 from __future__ import annotations
@@ -41,18 +38,11 @@ def refiner_config_from_sandai(cfg: Mapping[str, Any]) -> dict[str, Any]:
             ``evaluation_config.magi2_refiner_data_proxy_config``.
 
     Returns:
-        dict with ``num_layers``, ``num_attention_heads`` (= hidden_size // head_dim),
-        ``attention_head_dim``, ``num_key_value_heads`` (= ``num_query_groups``), the three in-channel
-        widths, ``multimodal_layers`` (= ``mm_layers``), ``window_attention_layers``
-        (= ``local_attn_layers``, ``None`` when it covers every layer), ``window_block_size``
-        (``(block_t_size, block_size, block_size)``), ``window_radius``
-        (``(block_t_radius, block_h_radius, block_w_radius)``) and ``attention_gating``.
+        the kwargs; ``window_attention_layers = local_attn_layers`` (``None`` for all layers), ``window_block_size
+        = (block_t_size, block_size, block_size)``, ``window_radius = (block_t/h/w_radius)``.
 
     Raises:
-        ValueError: unresolved ``extends``; missing sections; features the port does not implement
-            (post-norm layers, an activation other than swiglu7, patch sizes other than 1, an
-            attention mode other than block/grid windows with local layers, ``full_attn_layers``
-            overrides, ``spatial_rope_interpolation`` other than ``"extra"``).
+        ValueError: unresolved ``extends``, missing sections, or a feature the port does not implement (named).
     """
     arch = _arch(cfg)
     proxy = _proxy(cfg)
@@ -108,8 +98,7 @@ def refiner_config_from_sandai(cfg: Mapping[str, Any]) -> dict[str, Any]:
 def refiner_sampling_from_sandai(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Refiner-stage sampling settings from a merged SandAI config's ``evaluation_config``.
 
-    Returns ``num_inference_steps`` (5), ``shift`` (5.0), ``guidance_scale`` (2.0), ``noise_value``
-    (220), ``audio_noise_scale`` (-1.0 = no audio tokens) and ``vae_stride`` ([4, 16, 16]).
+    Returns ``num_inference_steps``, ``shift``, ``guidance_scale``, ``noise_value``, ``audio_noise_scale`` and ``vae_stride``.
 
     Raises:
         ValueError: no ``evaluation_config`` section.

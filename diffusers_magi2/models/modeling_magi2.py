@@ -1,7 +1,8 @@
 """``Magi2ModelMixin``: what both MAGI-2 models add to diffusers' ``ModelMixin``.
 
-* dtype moves (``to``, ``half``, a pipeline's ``to(dtype)``) keep the fp32 islands fp32: they all end in
-  ``_apply(fn)``, which lets an island follow only its device move;
+* dtype moves (``to``, ``half``, a pipeline's ``to(dtype)``) keep the fp32 islands fp32 (the FP8 experts' scales
+  included; FP8 banks keep their dtype in ``Magi2MultiHeadMoE._apply``): they all end in ``_apply(fn)``, which lets
+  an island follow only its device move;
 * ``save_pretrained`` keeps other variants' shards, which diffusers 0.42's save deletes;
 * ``enable_layerwise_casting`` matches islands as name components (diffusers matches substrings, so ``"gate"``
   would skip ``up_gate_proj``) and casts the modality-grouped linears too;

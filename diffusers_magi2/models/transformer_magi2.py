@@ -1,27 +1,13 @@
-"""``Magi2Transformer3DModel``: SandAI's MAGI-2 Preview DiT as a Diffusers model.
+"""``Magi2Transformer3DModel``: SandAI's MAGI-2 Preview DiT (``magi2_preview.py`` ``Transformer``) as a diffusers model.
 
-Numerically follows SandAI-org/MAGI-2-preview ``inference/model/magi2_preview.py`` (``Transformer``)
-and the preview data proxy's packing (reference spec §1, §2, §5.4). Parameter names are SandAI's
-with the single rename ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``.
+Per layer, with the residual as ``n`` mHC streams (:mod:`.mhc`)::
 
-Two entry points:
+    s = mhc(s, attention);  s = mhc(s, mlp)          mlp: dense swiglu7, or the multi-head MoE in MoE layers
 
-* :meth:`Magi2Transformer3DModel.forward` — diffusers-facing (``hidden_states`` video latent,
-  ``timestep``, ``encoder_hidden_states``, ``audio_hidden_states``, ...). Each batch row is packed
-  (video, audio, text, optional reference image) into its own attention segment.
-* :meth:`Magi2Transformer3DModel.forward_packed` — the reference ``Transformer.forward`` on packed
-  tokens (9-column coordinates, modality ids, ``cu_seqlens``, per-token time embedding).
-
-This module holds the transformer block with mHC and the model; its parts live beside it:
-feed-forwards in :mod:`.feedforward_magi2`, input/output adapters in :mod:`.adapters_magi2`, the
-packing of diffusers-facing inputs in :mod:`.packing_magi2` (their names are re-exported here).
-
-Dtype policy (spec §1.11): the fp32 "islands" (embedders, post adapter, every norm weight, sinks,
-all ``mhc_*``, router gate and biases, rope bands, the FP8 experts' scales) are always fp32
-(``_keep_in_fp32_modules``); the routed experts are stored in ``expert_dtype`` (the load dtype, or FP8
-e4m3 with those scales); every other weight takes the load dtype. The residual streams, attention/MLP inputs and outputs
-live in the dtype of the attention weights (bf16 released, fp32 in an fp32 model); mHC
-coefficients, norms, q/k after norm and rope, router math are fp32.
+between the pre adapter (per-modality embedders, time embedding over channels ``[0:64]``) and the post adapter.
+Parameter names are SandAI's with ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``. fp32 islands: embedders,
+post adapter, norms, sinks, ``mhc_*``, router, rope bands, FP8 scales; the routed experts are stored in
+``expert_dtype``; the residual runs in the attention weights' dtype, coefficients, norms and routing in fp32.
 """
 
 from __future__ import annotations
@@ -96,13 +82,7 @@ class Magi2TransformerOutput(BaseOutput):
 
 
 class Magi2TransformerBlock(nn.Module):
-    """One MAGI-2 Preview layer with manifold hyper-connections (SandAI ``TransformerLayer``; spec §1.5).
-
-    ``hidden_states`` ``[T, n*C]`` (modality-sorted, residual dtype) -> same. Two mHC sites
-    (attention, MLP) each compute their coefficients from the state before the site
-    (``mhc_norm`` over all ``n*C`` channels, fp32, then ``@ mhc_phi_fused_<site>``).
-    Registered with diffusers' ``TransformerBlockRegistry`` for the caching hooks.
-    """
+    """One Preview layer with two mHC sites, attention and MLP (SandAI ``TransformerLayer``)."""
 
     def __init__(
         self,
@@ -167,9 +147,7 @@ class Magi2TransformerBlock(nn.Module):
         dispatch: Magi2ModalityDispatch,
         attention_mask: Union[Magi2AttentionMask, Sequence[int]],
     ) -> torch.Tensor:
-        """Args: ``hidden_states`` ``[T, n*C]``; ``rotary_emb`` ``[T, 6*Dh/8]`` fp32 (packed order);
-        ``dispatch`` modality order; ``attention_mask`` the packed samples (a
-        :class:`Magi2AttentionMask` or their lengths)."""
+        """``hidden_states`` ``[T, n*C]`` modality-sorted, in the residual dtype -> the same shape."""
         s = hidden_states.reshape(hidden_states.shape[0], self.num_streams, self.hidden_size)
         fused = self._mhc_fused(s)
         h_pre, h_post, h_res = self._site_coefficients(s, "attn", dispatch)
@@ -189,7 +167,6 @@ class Magi2TransformerBlock(nn.Module):
 
 
 def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
-    # SandAI: int(hidden * factor * 2 / 3) // 128 * 128 for gated (swiglu7) activations.
     return int(hidden_size * factor * 2 / 3) // 128 * 128
 
 
@@ -204,11 +181,7 @@ class Magi2Transformer3DModel(
 ):
     r"""MAGI-2 Preview diffusion transformer (114B-parameter MoE, joint audio + video).
 
-    Defaults are the released Preview (``configs/magi2_preview.json``): 40 layers, hidden 3072
-    (24 query heads of dim 128, 24 kv heads), in-channels 48 / 64 / 5120, multimodal layers
-    0, 1, 38, 39, MoE layers 2-37, 4 hyper-connection streams, gated attention with one sink per
-    head, swiglu7, MoE with 12 heads x 256 experts, top-6, expert / shared / modality-specific
-    widths 1280, sigmoid routing with route_norm and route_scale 4.9.
+    Defaults are the released Preview (SandAI ``configs/magi2_preview.json``).
 
     Args:
         num_layers: transformer layers.
@@ -225,28 +198,14 @@ class Magi2Transformer3DModel(
         shared_expert_intermediate_size, modality_specific_expert_intermediate_size: shared-expert widths.
         split_merge_intermediate_size: MoE width between split/merge linears (``None`` = hidden).
         time_embed_dim: width of the time embedding written into channels ``[0:dim]`` (64).
-        params_dtype: construction-time dtype of the non-fp32 weights (``None`` = torch default);
-            not stored in the config (``from_pretrained(dtype=...)`` decides at load time).
-        expert_dtype: storage of the routed experts ``W_gate``/``W_up``/``W_down``: ``None`` (the load
-            dtype) or ``"float8_e4m3fn"`` (FP8 weight-only with fp32 scales ``W_*_scale`` per expert and
-            output channel; :mod:`diffusers_magi2.moe.quantize`). Stored in the config, so a saved FP8 repo
-            loads as FP8; ``from_pretrained(bf16_repo, expert_dtype="float8_e4m3fn")`` quantizes while reading.
+        params_dtype: construction-time dtype of the non-fp32 weights (not stored in the config).
+        expert_dtype: storage of the routed experts: ``None`` (the load dtype) or ``"float8_e4m3fn"`` (weight-only,
+            fp32 scales per expert and output channel; :mod:`diffusers_magi2.moe.quantize`).
 
     Raises:
         ValueError: inconsistent geometry, or ``expert_dtype`` outside ``(None, "float8_e4m3fn")``.
 
-    Loading: ``from_pretrained(path, dtype=torch.bfloat16)`` (converted repos; fp32 islands kept by
-    ``_keep_in_fp32_modules``; ``local_files_only`` defaults from ``HF_HUB_OFFLINE``;
-    ``expert_parallel=`` shards the routed experts; ``expert_dtype=`` as above) or
-    ``from_original_checkpoint(sandai_dir)``.
-    ``.to(dtype)`` / ``pipe.to(dtype)`` keep the fp32 islands fp32 too (:class:`.Magi2ModelMixin`).
-
-    Runtime switches (not saved): ``set_attention_backend`` (diffusers), :meth:`set_moe_backend`
-    (routed-expert kernels), :meth:`set_mhc_backend` (low-precision rounding of the stream mixing),
-    ``enable_gradient_checkpointing``, ``compile_repeated_blocks``, ``enable_cache``.
-    Memory and adapters (:class:`~diffusers_magi2.models.modeling_magi2.Magi2ModelMixin`):
-    ``enable_layerwise_casting`` stores every dense projection in e.g. FP8; ``enable_group_offload``;
-    LoRA (``add_adapter``, ``load_lora_adapter``, ``save_lora_adapter``) on the single-modality projections.
+    Runtime switches: ``set_attention_backend``, :meth:`set_moe_backend`, :meth:`set_mhc_backend`.
     """
 
     _supports_gradient_checkpointing = True
@@ -267,8 +226,7 @@ class Magi2Transformer3DModel(
         *_MHC_PARAM_NAMES,
     ]
     ignore_for_config = ["params_dtype"]
-    #: ``attention_kwargs`` keys :meth:`forward` understands: none (the attention backend is chosen with
-    #: ``set_attention_backend``); any key raises ``ValueError`` rather than being dropped.
+    #: ``attention_kwargs`` keys :meth:`forward` takes: none (any key raises).
     supported_attention_kwargs: tuple = ()
 
     @register_to_config
@@ -360,21 +318,12 @@ class Magi2Transformer3DModel(
         return self.compute_dtype
 
     def check_attention_kwargs(self, attention_kwargs: Optional[Dict[str, Any]]) -> None:
-        """Raise for any ``attention_kwargs`` key this model does not use (it uses none).
-
-        Raises:
-            ValueError: ``attention_kwargs`` is not a dict/``None``, or names any key (allowed keys:
-                :attr:`supported_attention_kwargs`, empty; pick the attention kernel with
-                ``set_attention_backend``, the MoE kernel with :meth:`set_moe_backend`).
-        """
+        """Raise ``ValueError`` unless ``attention_kwargs`` is ``None`` or empty."""
         check_attention_kwargs(type(self).__name__, attention_kwargs, self.supported_attention_kwargs)
 
     def set_mhc_backend(self, backend: str = "auto") -> None:
-        """Choose how the mHC stream mixing rounds in low precision (no effect in fp32).
-
-        ``"fused"``: accumulate in fp32, round once (SandAI's Triton kernels); ``"torch"``: einsums in
-        the residual dtype (SandAI's torch fallback); ``"auto"`` (default): fused on CUDA without
-        grad, torch otherwise -- the same choice SandAI's code makes.
+        """Choose how the mHC stream mixing rounds in low precision: ``"fused"``, ``"torch"`` or ``"auto"`` (the
+        ``mhc`` row of :mod:`~diffusers_magi2.utils.backends`, the choice SandAI's code makes).
 
         Raises:
             ValueError: unknown backend name.
@@ -391,15 +340,15 @@ class Magi2Transformer3DModel(
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """``ModelMixin.from_pretrained`` with ``local_files_only`` defaulting to ``HF_HUB_OFFLINE``.
+        """``ModelMixin.from_pretrained`` (``local_files_only`` defaults to ``HF_HUB_OFFLINE``).
 
-        diffusers 0.42.1 queries the Hub for sharded checkpoints unless ``local_files_only`` is set;
-        with ``HF_HUB_OFFLINE=1`` this default makes offline loading of local folders work.
-        ``expert_parallel=Magi2ExpertParallelConfig(ep_degree=N)`` loads only this rank's routed experts
-        (:class:`~diffusers_magi2.loaders.expert_parallel.ExpertParallelLoaderMixin`).
-        ``expert_dtype="float8_e4m3fn"`` quantizes the routed experts of a bf16 repo tensor by tensor while reading;
-        an FP8 repo (its config says ``expert_dtype``) loads as FP8 without it
-        (:mod:`diffusers_magi2.loaders.fp8_experts`; its ``ValueError`` s name a missing or misshaped scale).
+        Args:
+            expert_parallel: ``Magi2ExpertParallelConfig(ep_degree=N)``: load only this rank's routed experts.
+            expert_dtype: ``"float8_e4m3fn"`` quantizes a bf16 repo's routed experts while reading (an FP8 repo
+                loads as FP8 without it).
+
+        Raises:
+            ValueError: a missing or misshaped FP8 scale, or an expert-parallel loading error.
         """
         if kwargs.get("local_files_only") is None:
             from huggingface_hub import constants as hf_constants
@@ -424,18 +373,16 @@ class Magi2Transformer3DModel(
         attention_kwargs: Optional[Dict[str, Any]] = None,
         return_layer_outputs: bool = False,
     ):
-        """Reference ``Transformer.forward`` on packed tokens (spec §1.1).
+        """SandAI ``Transformer.forward`` on packed tokens.
 
         Args:
-            hidden_states: ``[N, C_max]`` tokens, each zero-padded on channels (``C_max`` >= the widest
-                modality actually present; video rows use ``[:Cv]`` etc.).
-            coords: ``[N, 9]`` ``(t, h, w, T, H, W, refT, refH, refW)``.
-            modality_mapping: ``[N]`` integer :class:`Modality` ids (``TIME`` is treated as ``TEXT``).
-            cu_seqlens: ``[S+1]`` integer segment boundaries (0, ..., N); segments attend separately.
-            time_embedding: ``[N, time_embed_dim]`` written over channels ``[0:dim]`` after the adapters.
-            attention_kwargs: must be ``None`` or empty (see :meth:`check_attention_kwargs`).
-            return_layer_outputs: also return the residual after each layer, ``[N, n*C]`` fp32 in
-                packed order (debug/teacher forcing).
+            hidden_states: ``[N, C_max]`` tokens zero-padded on channels (video rows use ``[:Cv]``, ...).
+            coords: ``[N, 9]`` rope coordinates.
+            modality_mapping: ``[N]`` :class:`Modality` ids.
+            cu_seqlens: ``[S+1]`` segment boundaries; segments attend separately.
+            time_embedding: ``[N, time_embed_dim]``, written over channels ``[0:dim]`` after the adapters.
+            attention_kwargs: must be ``None`` or empty.
+            return_layer_outputs: also return the residual after each layer, ``[N, n*C]`` fp32.
 
         Returns:
             ``[N, max(Cv, Ca)]`` fp32 (and the list of layer outputs if requested).
@@ -501,12 +448,7 @@ class Magi2Transformer3DModel(
     # ------------------------------------------------------------------------------------------
 
     def pack_inputs(self, *args, **kwargs) -> Magi2PackedInputs:
-        """Pack a batch like SandAI's preview data proxy (spec §5.4): :func:`pack_magi2_inputs` with
-        this model's config.
-
-        Takes :meth:`forward`'s ``hidden_states``, ``timestep``, ``encoder_hidden_states``,
-        ``audio_hidden_states``, ``encoder_attention_mask``, ``image_latents``, ``image_embeds``
-        (same names, order and shapes). Returns :class:`Magi2PackedInputs`.
+        """:func:`pack_magi2_inputs` with this model's config, on :meth:`forward`'s inputs.
 
         Raises:
             ValueError: wrong ranks, channel counts, batch sizes, or a mask that is not a prefix of ones.
@@ -514,8 +456,7 @@ class Magi2Transformer3DModel(
         return pack_magi2_inputs(self.config, *args, **kwargs)
 
     def unpack_outputs(self, packed_out: torch.Tensor, packed: Magi2PackedInputs):
-        """Split ``[N, max(Cv, Ca)]`` model output into video ``[B, Cv, T, H, W]`` and audio ``[B, La, Ca]``
-        (:func:`unpack_magi2_outputs`)."""
+        """:func:`unpack_magi2_outputs` with this model's config."""
         return unpack_magi2_outputs(self.config, packed_out, packed)
 
     def forward(
@@ -534,16 +475,12 @@ class Magi2Transformer3DModel(
 
         Args:
             hidden_states: ``[B, Cv, T, H, W]`` noisy video latent.
-            timestep: ``[B]`` (or scalar) diffusion time on the 0-1000 scale, float; embedded as given
-                (``p = fp32(t/1000) * 1000``), no rounding (the pipeline passes scheduler timesteps).
-            encoder_hidden_states: ``[B, Lt, Ct]`` text features (zero-padded on the right).
+            timestep: ``[B]`` or scalar float time on the 0-1000 scale.
+            encoder_hidden_states: ``[B, Lt, Ct]`` text features, zero-padded on the right.
             audio_hidden_states: ``[B, La, Ca]`` noisy audio latent.
-            encoder_attention_mask: ``[B, Lt]`` bool, True for real text tokens (a prefix); padding is
-                dropped, not attended. ``None`` = all tokens real.
-            image_latents: ``[B, Cv, 1, h, w]`` I2V reference latent, with ``image_embeds`` ``[B, Ct]``
-                (its special-token embedding).
-            attention_kwargs: must be ``None`` or empty: this model takes no attention kwargs, and any
-                key raises (:meth:`check_attention_kwargs`) instead of being silently ignored.
+            encoder_attention_mask: ``[B, Lt]`` bool prefix mask of real text tokens; ``None`` = all real.
+            image_latents: ``[B, Cv, 1, h, w]`` I2V reference latent, with ``image_embeds`` ``[B, Ct]``.
+            attention_kwargs: must be ``None`` or empty.
             return_dict: return :class:`Magi2TransformerOutput` (else a tuple).
 
         Returns:
