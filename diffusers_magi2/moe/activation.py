@@ -5,9 +5,7 @@ With ``g = min(gate, 7)`` and ``u = clamp(up, -7, 7)``:
 
     swiglu7(gate, up) = g * sigmoid(1.702 * g) * (u + 1),
 
-computed in fp32. The gate is clamped from above only, and the ``+ 1`` on the linear half is part of the model
-(gpt-oss style), not a bug. Matches SandAI's ``swiglu7`` (``inference/model/magi2_preview.py``) and
-``_swiglu7_fwd``.
+in fp32; the gate is clamped from above only and the ``+ 1`` is part of the model (SandAI ``swiglu7``, ``_swiglu7_fwd``).
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ __all__ = ["SWIGLU7_ALPHA", "SWIGLU7_LIMIT", "swiglu7", "swiglu7_backward", "swi
 SWIGLU7_LIMIT = 7.0
 SWIGLU7_ALPHA = 1.702
 
-# 0-dim fp32 constants for the in-place form (the same fp32 values a Python float becomes; no per-call wrapping).
 _ALPHA_FP32 = torch.tensor(SWIGLU7_ALPHA, dtype=torch.float32)
 _ONE_FP32 = torch.tensor(1.0, dtype=torch.float32)
 
@@ -36,17 +33,13 @@ def swiglu7(
     """swiglu7 on separate gate and linear ("up") halves.
 
     Args:
-        gate: gate (glu) half, any float dtype, any shape.
-        up: linear half, same shape as ``gate``; with ``out=`` it may also be a callable returning it, called once
-            the gate half is done, so that it can compute the linear half into ``gate``'s buffer (one buffer less
-            for the CPU expert loop, which keeps its buffers cache-resident).
+        gate: gate half, any float dtype and shape.
+        up: linear half of ``gate``'s shape; with ``out=`` also a callable returning it once ``gate`` is consumed.
         out_dtype: dtype of the result; default: the promoted dtype of ``gate`` and ``up``.
-        out: optional fp32 buffer of ``gate``'s shape for the in-place form (no autograd): ``gate`` and ``up``
-            must then be fp32, are used as scratch (overwritten), and the result is written to ``out``. The
-            operations and their order per element are those of the out-of-place form, so the bits are equal.
+        out: fp32 buffer for the in-place form (no autograd; fp32 ``gate``/``up`` used as scratch; same bits).
 
     Returns:
-        Tensor of ``gate``'s shape, rounded once from fp32 to ``out_dtype`` (``out`` itself with ``out=``).
+        ``gate``'s shape, rounded once from fp32 to ``out_dtype`` (``out`` itself with ``out=``).
 
     Raises:
         ValueError: shapes differ, an input is not floating point, or ``out=`` with non-fp32 tensors or a
@@ -75,8 +68,7 @@ def swiglu7(
 
 
 def swiglu7_interleaved(x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """:func:`swiglu7` on a fused projection ``[..., 2I]`` whose even columns are the gate half and odd columns
-    the linear half (SandAI's layout); returns ``[..., I]`` in ``out_dtype`` (default ``x.dtype``).
+    """:func:`swiglu7` on ``[..., 2I]`` with gate/linear columns interleaved (SandAI's layout) -> ``[..., I]``.
 
     Raises:
         ValueError: the last dim is odd.

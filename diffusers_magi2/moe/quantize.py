@@ -28,12 +28,7 @@ FP8_SCALE_NAMES = ("W_gate_scale", "W_up_scale", "W_down_scale")
 
 
 def parse_expert_dtype(expert_dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
-    """``None`` or ``torch.float8_e4m3fn`` for an ``expert_dtype`` setting.
-
-    Raises:
-        ValueError: anything but ``None``, ``"float8_e4m3fn"`` (``"torch."`` prefix allowed) or the torch dtype,
-            naming the allowed values.
-    """
+    """``None`` or ``torch.float8_e4m3fn`` for an ``expert_dtype`` setting (ValueError naming the allowed values)."""
     if expert_dtype is None or expert_dtype is FP8_DTYPE:
         return expert_dtype
     if isinstance(expert_dtype, str) and expert_dtype.removeprefix("torch.") == "float8_e4m3fn":
@@ -45,7 +40,7 @@ def parse_expert_dtype(expert_dtype: Union[None, str, torch.dtype]) -> Optional[
 def quantize_fp8(weight: torch.Tensor, chunk_rows: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize an expert bank ``[R, K, N]`` to ``(q [R, K, N] float8_e4m3fn, scale [R, N] float32)``.
 
-    Works ``chunk_rows`` experts at a time, so the fp32 temporaries stay small whatever the bank size.
+    ``chunk_rows`` experts at a time (small fp32 temporaries).
 
     Raises:
         ValueError: ``weight`` is not a 3-D floating-point tensor.

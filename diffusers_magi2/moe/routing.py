@@ -1,8 +1,9 @@
 """Per-head top-k routing and the CSR route layout of MAGI-2's multi-head MoE (pure torch).
 
-Both functions follow SandAI's reference (``inference/flash_mh_moe``: ``compute_topk_probs_and_indices`` and
-``flash_mh_moe_global_sort``, commit ``f68a0f9``). Neither function
-synchronises with the host, so both can run inside a CUDA graph or ``torch.compile``.
+Per head: ``scores = sigmoid(logits)`` (or softmax), top-k of ``scores + expert_bias`` (the bias steers the choice
+only), weights the unbiased scores, L1-normalised with ``route_norm``. Routes are then sorted expert-major (CSR)
+over global ids ``g = h*E + e``. SandAI ``flash_mh_moe`` (``compute_topk_probs_and_indices``,
+``flash_mh_moe_global_sort``); no host sync, so both run in a CUDA graph or ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -23,29 +24,18 @@ def compute_topk_probs_and_indices(
     route_norm: bool = True,
     norm_eps: float = 1e-12,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose the top-k experts of every (head, token) and their routing weights.
-
-    Matches SandAI reference ``compute_topk_probs_and_indices`` as called by ``CoreMultiHeadMoE._route``:
-
-    1. ``scores = sigmoid(logits)`` (or ``softmax`` over the expert axis), in fp32;
-    2. selection: ``torch.topk(scores + expert_bias, top_k, sorted=True)`` per head; the bias (aux-loss-free
-       balancing) only steers *which* experts are chosen, ties resolve exactly as ``torch.topk`` does;
-    3. weights: the *unbiased* scores gathered at the chosen experts, then, if ``route_norm``, L1-normalised
-       ``p / max(sum |p|, norm_eps)``.
-
-    ``route_scale`` is **not** applied here; the caller multiplies once.
+    """The top-k experts of every (head, token) and their weights (module docstring; ``route_scale`` not applied).
 
     Args:
-        router_logits: ``[H, S, E]`` float32 router logits (one expert bank per MoE head).
-        top_k: experts chosen per (head, token), ``1 <= top_k <= E``.
-        score_func: ``"sigmoid"`` (released) or ``"softmax"``.
-        expert_bias: optional float selection bias, ``[H, E]`` or flattened ``[H*E]`` (flat id ``h*E + e``).
-        route_norm: L1-normalise the chosen weights per (head, token).
-        norm_eps: lower clamp of the L1 norm (reference: 1e-12).
+        router_logits: ``[H, S, E]`` float32.
+        top_k: experts per (head, token), ``1 <= top_k <= E``.
+        score_func: ``"sigmoid"`` or ``"softmax"``.
+        expert_bias: optional selection bias, ``[H, E]`` or ``[H*E]``.
+        route_norm: L1-normalise the chosen weights, ``p / max(sum |p|, norm_eps)``.
+        norm_eps: lower clamp of the L1 norm.
 
     Returns:
-        ``(probs, indices)``: ``probs [H, S, top_k]`` float32 and ``indices [H, S, top_k]`` int64 (local expert
-        ids in ``[0, E)``), in descending order of the biased score.
+        ``(probs [H, S, top_k] float32, indices [H, S, top_k] int64)``, in descending biased score.
 
     Raises:
         ValueError: ``router_logits`` is not a 3-D float32 tensor, ``top_k`` is outside ``[1, E]``,
@@ -94,21 +84,16 @@ def global_sort_routes(
     topk_indices: torch.Tensor,
     num_experts: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lay the routes out expert-major (CSR) across all heads' expert banks.
-
-    Matches SandAI reference ``flash_mh_moe_global_sort``: routes are flattened in (head, token, k) order and
-    stably sorted by their global expert id ``g = head * E + e``, so the rows of one expert are contiguous and in
-    token order. Offsets come from ``searchsorted`` over the sorted ids (no ``bincount``, no host sync).
+    """Routes in (head, token, k) order, stably sorted by global expert id (offsets by ``searchsorted``).
 
     Args:
-        topk_probs: ``[H, S, k]`` float routing weights (already scaled by ``route_scale`` if the caller wants).
-        topk_indices: ``[H, S, k]`` integer local expert ids in ``[0, num_experts)``.
+        topk_probs: ``[H, S, k]`` float routing weights.
+        topk_indices: ``[H, S, k]`` integer local expert ids.
         num_experts: ``E``, experts per head.
 
     Returns:
-        ``gather_ids [T]`` int32 (token index ``s`` of each route, sorted order), ``probs_sorted [T]`` float32 and
-        ``expert_offsets [H*E + 1]`` int64 (CSR: routes of expert ``g`` are ``offsets[g]:offsets[g+1]``), with
-        ``T = H * S * k``.
+        ``gather_ids [T]`` int32 (token of each route), ``probs_sorted [T]`` float32 and ``expert_offsets [H*E + 1]``
+        int64 (routes of expert ``g`` are ``offsets[g]:offsets[g+1]``), ``T = H * S * k``.
 
     Raises:
         ValueError: shapes differ or are not 3-D, ``topk_indices`` is not an integer tensor, or
@@ -136,8 +121,7 @@ def global_sort_routes(
         flat_ids = flat_ids.to(torch.int32)
     sorted_ids, order = torch.sort(flat_ids, stable=True)
     probs_sorted = topk_probs.reshape(-1).to(torch.float32).index_select(0, order)
-    # Position p in (h, s, k) order holds token s = (p // k) % S (computed in int32 when positions fit: same values,
-    # fewer bytes to move; the copy leaves ``order`` untouched).
+    # position p in (h, s, k) order holds token (p // k) % S (int32 when it fits)
     positions = order.to(torch.int32 if order.numel() < 2**31 else torch.int64, copy=True)
     gather_ids = positions.div_(top_k, rounding_mode="floor").remainder_(max(num_tokens, 1)).to(torch.int32)
     boundaries = torch.arange(num_heads * num_experts + 1, device=device, dtype=sorted_ids.dtype)

@@ -1,20 +1,11 @@
 """Context parallelism (CP) for MAGI-2: the sequence-shard plan of one packed token sequence.
 
-Under CP degree ``N`` every rank receives the full packed inputs (diffusers' convention) and keeps a contiguous
-slice of the ``T`` packed tokens: rank ``r`` holds rows ``[o_r, o_r + S_r)`` with ``o_r = S_0 + … + S_{r-1}`` and
-``S_0 + … + S_{N-1} = T``. The default split is balanced, ``S_r = ⌊T/N⌋ + [r < T mod N]``; any split of
-non-negative counts is allowed (uneven, or ranks with zero tokens). The counts are host integers that every rank
-derives from the same full inputs, so no collective is needed to agree on them: a plan is built once per forward
-and passed down, and no layer exchanges sizes or synchronises with the host.
-
-What is sliced with the tokens: the packed features, the rotary coordinates (``coords [T, 9]``, or the rope table
-built from them), the modality mapping, the per-token time embedding, and the per-sample segments. A segment
-``[c_i, c_{i+1})`` of ``cu_seqlens`` contributes ``|[c_i, c_{i+1}) ∩ [o_r, o_r + S_r)|`` tokens to rank ``r``.
-Attention itself runs on whole segments (Ulysses exchange, :mod:`.context_parallel_attention`), so tokens of
-different samples never attend to each other, whichever rank holds them.
-
-SandAI's reference (``magi2_preview.py`` with ``psm`` CP groups, spec §1.1, §5.4) pads the packed sequence to a
-multiple of 48 (after an all-reduce MAX) and requires equal shards; this plan needs neither.
+Every rank gets the full inputs and keeps rows ``[o_r, o_r + S_r)`` of the ``T`` packed tokens, ``o_r = S_0 + ... +
+S_{r-1}``; by default ``S_r = floor(T/N) + [r < T mod N]``, but any non-negative counts summing to ``T`` work. The
+counts are host integers every rank derives from the same inputs, so the plan is built once per forward and no
+layer exchanges sizes. Features, coordinates, modality ids and time embedding are sliced with the tokens;
+attention runs on whole segments (:mod:`.context_parallel_attention`). SandAI's ``magi2_preview.py`` (``psm`` CP
+groups) instead pads to a multiple of 48 and needs equal shards.
 """
 
 from __future__ import annotations
@@ -59,11 +50,9 @@ class Magi2SequenceShardPlan:
     """Which contiguous slice of the packed sequence each CP rank holds (host integers, identical on every rank).
 
     Attributes:
-        token_counts: ``(S_0, …, S_{N-1})``, tokens per rank (zeros allowed).
+        token_counts: ``(S_0, ..., S_{N-1})``.
         rank: this rank ``r``.
-        segment_lengths: lengths of the packed samples (``diff(cu_seqlens)``), summing to ``T``.
-
-    Build it with :func:`plan_sequence_shards`.
+        segment_lengths: packed sample lengths, summing to ``T``.
     """
 
     token_counts: tuple[int, ...]
@@ -133,10 +122,10 @@ def plan_sequence_shards(
     """Plan the contiguous CP split of a packed sequence of ``num_tokens`` tokens.
 
     Args:
-        num_tokens: ``T``, the packed length (every rank passes the same value: it comes from the full inputs).
-        world_size: CP degree ``N``. rank: this rank, ``0 <= rank < N``.
-        segment_lengths: per-sample lengths (``diff(cu_seqlens)`` as ints) summing to ``T``; ``None`` = one sample.
-        token_counts: explicit per-rank counts (non-negative ints summing to ``T``); ``None`` = balanced split.
+        num_tokens: ``T`` (the same on every rank).
+        world_size: CP degree ``N``. rank: this rank.
+        segment_lengths: per-sample lengths summing to ``T``; ``None`` = one sample.
+        token_counts: per-rank counts summing to ``T``; ``None`` = balanced.
 
     Returns:
         :class:`Magi2SequenceShardPlan`.
@@ -175,8 +164,7 @@ def plan_sequence_shards(
 def gather_sequence_shards(local: torch.Tensor, plan: Magi2SequenceShardPlan, group: Any) -> torch.Tensor:
     """Assemble every rank's ``[S_q, ...]`` rows into the full ``[T, ...]`` tensor on every rank.
 
-    One all-gather of shards padded to ``max S_q`` rows (uneven counts and empty ranks allowed); this is the
-    final gather of a CP forward, never used inside a layer. ``N = 1`` returns ``local``.
+    One all-gather padded to ``max S_q`` rows: the final gather of a CP forward, never inside a layer.
 
     Raises:
         ValueError: ``local`` does not hold this rank's ``S_r`` rows.
@@ -224,8 +212,7 @@ def needs_autograd(t: torch.Tensor) -> bool:
 def flat_all_to_all(send: torch.Tensor, out_splits: list, in_splits: list, group: Any, async_op: bool = False):
     """``all_to_all_single`` of a 1-D buffer with element splits; returns ``(work or None, receive buffer)``.
 
-    Under autograd (grad mode and ``send.requires_grad``) the differentiable functional collective is used (it
-    waits lazily, so ``work`` is ``None``).
+    Under autograd the differentiable functional collective is used (``work`` is then ``None``).
     """
     if needs_autograd(send):
         from torch.distributed._functional_collectives import all_to_all_single_autograd

@@ -1,11 +1,8 @@
 """Row-sharded loading: each expert-parallel rank keeps only its rows of the head-major expert tensors.
 
-An EP-sharded tensor is ``[H·E, ...]`` (row ``h·E + e``). Rank ``r`` keeps rows ``[s, s + n)`` with
-``s = local_head_start·E`` and ``n = local_num_heads·E``; rows at or past ``H·E`` (padded heads of the last
-ranks) are zero. This is SandAI's per-rank loading rule, written once: :func:`take_rows` slices a tensor or a
-``safe_open`` slice (so only those rows are read), and :class:`RowShardedShards` is the per-parameter slicing
-hook handed to diffusers' loader: it yields each checkpoint shard as a state dict whose planned tensors are
-already this rank's rows, so diffusers' own dtype, fp32-module and device handling load them unchanged.
+An EP-sharded tensor is ``[H E, ...]`` (row ``h E + e``); rank ``r`` keeps rows ``[local_head_start E, +local_num_heads E)``,
+zero past ``H E`` (SandAI's per-rank loading rule). :class:`RowShardedShards` hands diffusers' loader each shard with
+those rows cut (reading only them), so diffusers' own dtype and device handling load them unchanged.
 """
 
 from __future__ import annotations
@@ -36,9 +33,7 @@ def take_rows(source: Any, row_start: int, num_rows: int, name: str = "tensor") 
         name: the tensor's name, for the error message.
 
     Returns:
-        ``[num_rows, *shape[1:]]`` in ``source``'s dtype: a view when every row exists (of the file's memory map
-        for a slice: ``.clone()`` it to own the memory), else a new tensor. A range wholly past the end never
-        slices ``source`` (safetensors refuses an out-of-range start).
+        ``[num_rows, *shape[1:]]``: a view when every row exists (of the memory map for a slice), else a new tensor.
 
     Raises:
         ValueError: negative ``row_start`` or ``num_rows``.
@@ -61,10 +56,7 @@ def take_rows(source: Any, row_start: int, num_rows: int, name: str = "tensor") 
 class RowShardedShards(Sequence):
     """Checkpoint shards as state dicts, each row-sharded tensor cut to this rank's rows (:func:`take_rows`).
 
-    diffusers' ``ModelMixin._load_pretrained_model`` iterates its shard list and reads each item with
-    ``load_state_dict``, which passes a dict through unchanged; this sequence stands in for that list. A shard
-    is memory-mapped (safetensors), so only the planned rows of its sharded tensors are ever read; they are
-    copied out (the rest stays lazy until diffusers reads it) before the shard is handed on.
+    Stands in for the shard list of diffusers' ``_load_pretrained_model`` (``load_state_dict`` passes a dict through).
 
     Args:
         shards: shard file paths, or already loaded (memory-mapped) state dicts.

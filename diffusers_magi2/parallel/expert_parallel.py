@@ -1,20 +1,10 @@
 """Expert parallelism (EP) for the MAGI-2 multi-head MoE: group set-up, head layout and the collectives.
 
-Dims used below: ``S`` tokens on this rank, ``H`` real MoE heads, ``Hp`` heads padded to a multiple of the EP size
-``N``, ``Hl = Hp / N`` heads owned by each rank, ``Dh`` channels per head.
-
-Rank ``r`` owns the contiguous heads ``[r·Hl, (r+1)·Hl)``; heads ``≥ H`` are zero padding, so a rank whose first
-head is ``≥ H`` idles (it still joins every collective). This follows the SandAI reference (`CoreMultiHeadMoE`
-with ``psm.get_world_size("ep")``, spec §3.6), but the group comes from Accelerate + a ``torch.distributed``
-device mesh instead of a global process-group manager, and two token layouts are supported:
-
-(a) replicated tokens (default): every rank holds the same ``[S, H, Dh]``; each computes its own heads for every
-    token and one ``all_gather`` over the EP group assembles ``[S, Hp, Dh]``; padded heads are dropped.
-(b) sharded tokens (sequence/context parallel layout): rank ``r`` holds ``S_r`` tokens (host integers known to every
-    rank, zero allowed); one ``all_to_all_single`` sends each rank every token's slice for its heads, the local heads
-    are computed for all ``ΣS_r`` tokens, and a second ``all_to_all_single`` sends the results back.
-
-Neither layout synchronises with the host or exchanges sizes inside the layer. ``N = 1`` is the single-device path.
+With ``H`` heads padded to ``Hp`` (a multiple of the EP size ``N``), rank ``r`` owns heads ``[r Hl, (r+1) Hl)``,
+``Hl = Hp / N`` (SandAI ``CoreMultiHeadMoE``; a rank of padding heads idles but joins every collective). The group
+comes from Accelerate and a device mesh. Tokens ``[S, H, Dh]`` are (a) replicated: each rank computes its heads,
+one ``all_gather`` assembles them; or (b) sharded (context parallel): one ``all_to_all_single`` brings every
+token's slice of this rank's heads, a second sends the results back. No host sync or size exchange in the layer.
 """
 
 from __future__ import annotations
@@ -54,13 +44,10 @@ class Magi2ExpertParallelConfig:
     """User-facing expert-parallel request.
 
     Args:
-        ep_degree (`int`, defaults to 1): number of ranks the routed experts are split over. Must divide the world
-            size of the default process group when ``mesh`` is not given: consecutive groups of ``ep_degree`` ranks
-            each hold every expert once (``world // ep_degree`` replicas; the ranks at the same position of each
-            group own the same heads). ``1`` means no EP (every expert local).
-        mesh (`torch.distributed.device_mesh.DeviceMesh`, *optional*): a mesh that already has an ``"ep"`` dimension
-            of size ``ep_degree``; its group is used as is. When omitted, an ``("ep",)`` mesh over all ranks (or
-            ``("ep_replica", "ep")`` with replicas) is built (after ``accelerate.PartialState`` initialised the default group, if needed).
+        ep_degree (`int`, defaults to 1): ranks the routed experts are split over; it divides the world size
+            (consecutive groups of ``ep_degree`` ranks each hold every expert once).
+        mesh (`torch.distributed.device_mesh.DeviceMesh`, *optional*): a mesh with an ``"ep"`` dimension of size
+            ``ep_degree``; default: an ``("ep",)`` (or ``("ep_replica", "ep")``) mesh over all ranks.
 
     Raises:
         ValueError: ``ep_degree`` is not a positive int, or ``mesh`` has no ``"ep"`` dimension of that size.
@@ -100,10 +87,10 @@ class Magi2EPHeadLayout:
     """Which MoE heads (and flattened expert rows) one EP rank owns.
 
     Attributes:
-        num_heads: real heads ``H``. ep_size / ep_rank: ``N`` / ``r``.
-        padded_num_heads: ``Hp = ceil(H / N) · N``. local_num_heads: ``Hl = Hp / N``.
-        local_head_start: ``r · Hl`` (may be ``≥ H`` for an idle rank).
-        num_real_local_heads: how many of the local heads are real (``0 … Hl``).
+        num_heads: ``H``. ep_size / ep_rank: ``N`` / ``r``.
+        padded_num_heads: ``Hp = ceil(H / N) N``. local_num_heads: ``Hl``.
+        local_head_start: ``r Hl``.
+        num_real_local_heads: how many local heads are real.
     """
 
     num_heads: int
@@ -116,15 +103,12 @@ class Magi2EPHeadLayout:
 
     @property
     def has_real_heads(self) -> bool:
-        """Whether this rank owns at least one real (non-padding) MoE head, i.e.
-        ``num_real_local_heads > 0``. ``False`` for an idle rank whose ``local_head_start ≥ H``
-        (possible when ``N`` does not divide ``H``, SandAI ``CoreMultiHeadMoE`` padding rule): it holds
-        only padding heads and computes no routed expert, though it still joins every collective. Never raises."""
+        """Whether this rank owns a real (non-padding) head."""
         return self.num_real_local_heads > 0
 
 
 def ep_head_layout(num_heads: int, ep_size: int, ep_rank: int) -> Magi2EPHeadLayout:
-    """Head padding and ownership for one rank (SandAI ``CoreMultiHeadMoE.__init__`` padding rule, spec §3.6).
+    """Head padding and ownership for one rank (SandAI ``CoreMultiHeadMoE.__init__`` padding rule).
 
     Raises:
         ValueError: non-positive ``num_heads``/``ep_size`` or ``ep_rank`` outside ``[0, ep_size)``.
@@ -156,15 +140,12 @@ def _launched_world_size() -> int:
 def resolve_expert_parallel(config: Magi2ExpertParallelConfig) -> Magi2ExpertParallelGroup:
     """Turn a config into an EP group (cached on the config, so every model sharing it shares the group).
 
-    With ``config.mesh`` the mesh's ``"ep"`` group is used. Otherwise, for ``ep_degree > 1``: if the default process
-    group is not initialised yet but a launcher started several processes (``WORLD_SIZE > 1``), Accelerate's
-    ``PartialState(cpu=not torch.cuda.is_available())`` initialises it (nccl on GPU, gloo on CPU); then
-    ``init_device_mesh(device, (N,), mesh_dim_names=("ep",))`` (``(world // N, N)`` with dims
-    ``("ep_replica", "ep")`` when ``N`` is a proper divisor of the world size) supplies the group. Must be called on every rank.
+    Without ``config.mesh``, Accelerate's ``PartialState`` initialises the default group if a launcher started
+    several processes, then ``init_device_mesh`` builds the mesh. Call it on every rank.
 
     Raises:
-        ValueError: EP requested but no process group could be initialised (e.g. ``accelerate launch --cpu``, which
-            starts a single process), or ``ep_degree`` does not divide the world size.
+        ValueError: EP requested but no process group could be initialised, or ``ep_degree`` does not divide the
+            world size.
     """
     cached = getattr(config, "_resolved", None)
     if cached is not None:
@@ -217,10 +198,7 @@ def resolve_expert_parallel(config: Magi2ExpertParallelConfig) -> Magi2ExpertPar
 
 
 def check_same_on_all_ranks(value: Any, ep: Magi2ExpertParallelGroup, what: str) -> None:
-    """Check that ``value`` (small and JSON-serialisable: a config dict, checkpoint file list …) is identical on every
-    EP rank.
-
-    One ``all_gather_object`` over the EP group at set-up time (never inside a forward). No-op for ``ep.size == 1``.
+    """Check with one ``all_gather_object`` (set-up time only) that a small JSON-able ``value`` is the same on every EP rank.
 
     Raises:
         ValueError: on every rank, naming the ranks whose ``what`` differs from rank 0's and (for dicts) the keys.
@@ -278,10 +256,7 @@ def _all_to_all(send: torch.Tensor, out_shape: tuple, out_splits: list, in_split
 
 
 def ep_gather_heads(local_out: torch.Tensor, layout: Magi2EPHeadLayout, group: Any) -> torch.Tensor:
-    """Layout (a): assemble every rank's head outputs ``[S, Hl, Dh]`` into ``[S, H, Dh]`` (one all-gather).
-
-    Padded heads are dropped. ``S`` must be equal on all ranks (tokens replicated).
-    """
+    """Layout (a): every rank's ``[S, Hl, Dh]`` -> ``[S, H, Dh]`` (one all-gather, padding heads dropped)."""
     if layout.ep_size == 1:
         return local_out[:, : layout.num_heads]
     S, Hl, Dh = local_out.shape
@@ -314,12 +289,8 @@ def _validate_token_counts(token_counts: Sequence[int], layout: Magi2EPHeadLayou
 def ep_dispatch(
     x: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPHeadLayout, group: Any
 ) -> torch.Tensor:
-    """Layout (b) dispatch: this rank's ``[S_r, H, Dh]`` → every rank's tokens for this rank's heads ``[ΣS, Hl, Dh]``.
-
-    Heads are zero-padded to ``Hp``; one ``all_to_all_single`` with uneven splits (``S_r`` rows to each rank, ``S_q``
-    rows received from rank ``q``; zero allowed). Output rows are in global token order (rank 0's tokens first).
-    Same role as SandAI ``ep_dispatch``, which requires equal ``S_r``.
-    """
+    """Layout (b): this rank's ``[S_r, H, Dh]`` -> all tokens of this rank's heads ``[sum S, Hl, Dh]``, global token
+    order (SandAI ``ep_dispatch``, without its equal-``S_r`` requirement)."""
     counts = _validate_token_counts(token_counts, layout, x.shape[0])
     S, H, Dh = x.shape
     if H != layout.num_heads:
@@ -358,17 +329,13 @@ def expert_parallel_heads_forward(
     """Run the routed experts of ``x`` ``[S, H, Dh]`` with the heads spread over the EP group.
 
     Args:
-        x: per-head hidden states of this rank's tokens ``[S, H, Dh]`` (any float dtype; collectives move this dtype).
-        compute_local_heads: maps ``[S', Hl, Dh]`` (this rank's heads, padding heads zero) to ``[S', Hl, Dh]``
-            (routing + experts of the local heads; must return zeros for padding heads).
+        x: ``[S, H, Dh]`` per-head hidden states of this rank's tokens.
+        compute_local_heads: ``[S', Hl, Dh]`` -> ``[S', Hl, Dh]`` for the local heads (zeros for padding heads).
         layout: this rank's :class:`Magi2EPHeadLayout`. group: the EP process group (``None`` when ``N = 1``).
-        token_counts: ``None`` for layout (a) (tokens replicated); per-rank host ints for layout (b).
+        token_counts: ``None`` for layout (a); per-rank host ints for layout (b).
 
     Returns:
-        ``[S, H, Dh]``, equal (up to summation order) to computing every head on one device.
-
-    Under autograd (grad mode and ``x.requires_grad``) the collectives are the differentiable functional ones, so
-    every rank must run the same forward and call backward (layout (b) gradients equal the single-device ones).
+        ``[S, H, Dh]`` (differentiable; every rank then runs the same backward).
     """
     if token_counts is None:
         start, Hl = layout.local_head_start, layout.local_num_heads
