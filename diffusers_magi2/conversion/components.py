@@ -52,12 +52,6 @@ logger = logging.getLogger(__name__)
 PathLike = Union[str, Path]
 
 
-
-# ---------------------------------------------------------------------------------------------
-# 0. Shared helpers
-# ---------------------------------------------------------------------------------------------
-
-
 def load_pickle_state(path: PathLike) -> object:
     """``torch.load(path, map_location="cpu", weights_only=True, mmap=True)``.
 
@@ -105,10 +99,6 @@ def _load_and_save(
         model.save_pretrained(out, safe_serialization=True)
     return Path(out_dir)
 
-
-# ---------------------------------------------------------------------------------------------
-# 1. Wan2.2 VAE (``WanVAE_`` keys) -> diffusers ``AutoencoderKLWan``
-# ---------------------------------------------------------------------------------------------
 
 _WAN_RESNET_PARTS = {
     "residual.0.gamma": "norm1.gamma",
@@ -321,10 +311,6 @@ def convert_wan22_vae(vae_path: PathLike, out_dir: PathLike, dtype: str = "keep"
     return _load_and_save(model, target, out_dir, f"Wan2.2 VAE {path}")
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. TurboVAE decoder (``TurboVAED`` JSON + ``checkpoint.ckpt``) -> Magi2TurboVAEDecoder
-# ---------------------------------------------------------------------------------------------
-
 #: keys of the SandAI TurboVAED JSON that the decoder does not use (training-only / compatibility).
 TURBO_IGNORED_CONFIG_KEYS = (
     "_class_name",
@@ -433,10 +419,6 @@ def convert_turbo_vae(turbo_dir: PathLike, out_dir: PathLike, dtype: str = "keep
         raise ValueError(f"{folder}: invalid TurboVAED config: {err}") from err
     return _load_and_save(model, _cast_state(state, torch_dtype), out_dir, f"TurboVAE {ckpts[0]}")
 
-
-# ---------------------------------------------------------------------------------------------
-# 3. Stable Audio Open VAE (``pretransform.model.*``) -> diffusers ``AutoencoderOobleck``
-# ---------------------------------------------------------------------------------------------
 
 SAO_PREFIX = "pretransform.model."
 _SAO_RES_UNIT = {"layers.0.alpha": "snake1.alpha", "layers.0.beta": "snake1.beta", "layers.2.alpha": "snake2.alpha",

@@ -156,8 +156,6 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
             if keep:
                 stash.rmdir()
 
-    # ------------------------------------------------------------------------------------------ layerwise casting
-
     def enable_layerwise_casting(
         self,
         storage_dtype: torch.dtype = torch.float8_e4m3fn,
@@ -206,8 +204,6 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
             )
             if isinstance(module, Magi2ModalityGroupedLinear) and not skipped:
                 apply_layerwise_casting_hook(module, storage_dtype, compute_dtype, non_blocking)
-
-    # ------------------------------------------------------------------------------------------ LoRA
 
     def modality_grouped_linear_names(self) -> list[str]:
         """Names of the modality-grouped projections (they take no LoRA)."""

@@ -76,11 +76,6 @@ class Magi2TransformerOutput(BaseOutput):
     audio_sample: torch.Tensor
 
 
-# ----------------------------------------------------------------------------------------------
-# transformer block with mHC
-# ----------------------------------------------------------------------------------------------
-
-
 class Magi2TransformerBlock(nn.Module):
     """One Preview layer with two mHC sites, attention and MLP (SandAI ``TransformerLayer``)."""
 
@@ -159,11 +154,6 @@ class Magi2TransformerBlock(nn.Module):
         mlp_out = self.mlp(mhc_reduce_streams(h_pre, s, fused), dispatch, **cp_kwargs)
         s = mhc_hyper_connect(s, mlp_out, h_post, h_res, fused)
         return s.reshape(s.shape[0], self.num_streams * self.hidden_size)
-
-
-# ----------------------------------------------------------------------------------------------
-# the model
-# ----------------------------------------------------------------------------------------------
 
 
 def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
@@ -308,10 +298,6 @@ class Magi2Transformer3DModel(
         self.transformer_blocks = nn.ModuleList(blocks)
         self.gradient_checkpointing = False
 
-    # ------------------------------------------------------------------------------------------
-    # dtype / backends
-    # ------------------------------------------------------------------------------------------
-
     @property
     def residual_dtype(self) -> torch.dtype:
         """Dtype of the residual streams: the compute dtype (:attr:`compute_dtype`)."""
@@ -358,10 +344,6 @@ class Magi2Transformer3DModel(
             ).strip().upper() in ("1", "ON", "YES", "TRUE")
             kwargs["local_files_only"] = offline
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-
-    # ------------------------------------------------------------------------------------------
-    # packed entry (reference Transformer.forward)
-    # ------------------------------------------------------------------------------------------
 
     def forward_packed(
         self,
@@ -442,10 +424,6 @@ class Magi2Transformer3DModel(
         if return_layer_outputs:
             return out, layer_outputs
         return out
-
-    # ------------------------------------------------------------------------------------------
-    # diffusers-facing entry
-    # ------------------------------------------------------------------------------------------
 
     def pack_inputs(self, *args, **kwargs) -> Magi2PackedInputs:
         """:func:`pack_magi2_inputs` with this model's config, on :meth:`forward`'s inputs.

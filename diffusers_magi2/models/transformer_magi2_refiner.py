@@ -174,7 +174,6 @@ class Magi2RefinerTransformer3DModel(
         self.post_adapter = Magi2PostAdapter(hidden, in_channels, audio_in_channels, eps=norm_eps)
         self.gradient_checkpointing = False
 
-    # ------------------------------------------------------------------ helpers
     def window_geometry(self, num_frames: int, height: int, width: int, num_context_tokens: int) -> Magi2WindowGeometry:
         """Window geometry of one sample from this model's config (block sizes, radii)."""
         return Magi2WindowGeometry(
@@ -211,7 +210,6 @@ class Magi2RefinerTransformer3DModel(
                 h = block(h, rotary_emb, dispatch, mask)
         return self.post_adapter(dispatch.unsort(h).float(), dispatch.modality_ids)
 
-    # --------------------------------------------------------------- packed entry
     def forward_packed(
         self,
         x: torch.Tensor,
@@ -281,7 +279,6 @@ class Magi2RefinerTransformer3DModel(
         out = self._run(emb, rope, dispatch, mask)
         return out if cp is None else cp.gather(out)
 
-    # ------------------------------------------------------------ diffusers entry
     def forward(
         self,
         hidden_states: torch.Tensor,

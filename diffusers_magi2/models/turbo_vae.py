@@ -41,11 +41,6 @@ WAN22_LATENTS_STD: Tuple[float, ...] = (
 )  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------
-# 1. Building blocks
-# ---------------------------------------------------------------------------------------------
-
-
 def _channel_rms_norm(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
     """Parameter-free RMS norm over dim 1, mean square in fp32, result in the input dtype."""
     input_dtype = hidden_states.dtype
@@ -330,11 +325,6 @@ class _TurboDecoder3d(nn.Module):
         return hidden_states
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. The model
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclass
 class _WindowPlan:
     """One decoder call: latent frames ``[start, stop)``, first-window flag, pixel frames to trim."""
@@ -438,16 +428,12 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
             use_unpatchify=use_unpatchify,
         )
 
-    # -- normalisation --------------------------------------------------------------------------
-
     def denormalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """``latents / (1 / std) + mean`` with fp32 tables, in ``latents.dtype`` (SandAI ``_sliding_window_decode``)."""
         mean = torch.tensor(self.config.latents_mean, dtype=torch.float32, device=latents.device)
         inv_std = 1.0 / torch.tensor(self.config.latents_std, dtype=torch.float32, device=latents.device)
         shape = (1, -1, 1, 1, 1)
         return (latents / inv_std.view(shape) + mean.view(shape)).to(latents.dtype)
-
-    # -- sliding window ---------------------------------------------------------------------------
 
     def plan_windows(self, num_latent_frames: int) -> Tuple[int, list]:
         """``(num_padding_frames, windows)``: latents padded to ``first_chunk_size + n * step_size`` frames, windows

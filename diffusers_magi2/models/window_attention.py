@@ -81,7 +81,6 @@ class Magi2WindowGeometry:
             raise ValueError(f"num_context_tokens must be >= 0, got {self.num_context_tokens}")
         object.__setattr__(self, "num_context_tokens", int(self.num_context_tokens))
 
-    # ------------------------------------------------------------------ sizes
     @property
     def num_video_tokens(self) -> int:
         """``T * H * W``."""
@@ -101,7 +100,6 @@ class Magi2WindowGeometry:
     def num_blocks(self) -> int:
         return math.prod(self.block_grid)
 
-    # ----------------------------------------------------------- block layout
     def _block_token_counts(self) -> torch.Tensor:
         st, sh, sw = (_axis_block_sizes(n, b) for n, b in zip(self.grid, self.block_size))
         return (st[:, None, None] * sh[None, :, None] * sw[None, None, :]).reshape(-1)
@@ -144,7 +142,6 @@ class Magi2WindowGeometry:
         raster = torch.stack([t // bt, h // bh, w // bw], dim=-1).reshape(-1, 3)
         return raster[self.video_token_order()].to(device)
 
-    # ------------------------------------------------------------ mask forms
     def ranges(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The mask as ``(q_ranges, k_ranges)``, each ``[P, 2]`` int32 ``[start, end)`` in packed order; it allows
         the same ``(q, k)`` pairs as the reference's ranges, with one key range per neighbour ``(dt, dh)`` row."""
@@ -267,9 +264,6 @@ def ranges_to_dense_mask(
     qm = (idx[None, :] >= q_ranges[:, :1]) & (idx[None, :] < q_ranges[:, 1:])  # [P, N]
     km = (idx[None, :] >= k_ranges[:, :1]) & (idx[None, :] < k_ranges[:, 1:])
     return (qm.T.float() @ km.float()) > 0
-
-
-# --------------------------------------------------------------------------- attention
 
 
 def _heads_first(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -124,11 +124,6 @@ def ep_head_layout(num_heads: int, ep_size: int, ep_rank: int) -> Magi2EPHeadLay
     return Magi2EPHeadLayout(num_heads, ep_size, ep_rank, padded, local, start, real)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# group creation
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def _launched_world_size() -> int:
     """World size announced by a launcher (torchrun / accelerate) through the environment; 1 when absent."""
     try:
@@ -232,11 +227,6 @@ def warn_if_idle(layout: Magi2EPHeadLayout) -> None:
             "avoid idle ranks).",
             stacklevel=2,
         )
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# collectives
-# --------------------------------------------------------------------------------------------------------------------
 
 
 def _needs_autograd(t: torch.Tensor) -> bool:

@@ -557,14 +557,12 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             guidance_scale: video CFG scale (≥ 0; default 5.0). audio_guidance_scale: audio CFG (7.0).
             generator: RNG for the noise (video drawn first, then audio).
             latents, audio_latents: initial noise ``[B, 48, T, H/16, W/16]`` / ``[B, L, 64]`` (fp32).
-            prompt_embeds, prompt_attention_mask: ``[B, Lt, C]`` text features and ``[B, Lt]`` bool mask
-                (replace ``prompt``; the mask is required). The negative pair likewise.
+            prompt_embeds, prompt_attention_mask: ``[B, Lt, C]`` features and their ``[B, Lt]`` bool mask, instead of
+                ``prompt``; the negative pair likewise.
             image_embeds: ``[B, C]`` special-token embedding; required with ``image`` + ``prompt_embeds``.
             output_type: ``"np"`` (default), ``"pil"``, ``"pt"`` or ``"latent"``.
             return_dict: return :class:`Magi2PipelineOutput` (else a tuple ``(frames, audio)``).
-            attention_kwargs: passed to each model that declares the key in ``supported_attention_kwargs``
-                (both MAGI-2 models declare none; kernels are chosen with ``set_attn_processor``). Any
-                other key raises ``ValueError`` before work starts.
+            attention_kwargs: keys for the models that declare them (the MAGI-2 models declare none).
             callback_on_step_end: ``fn(pipe, step, timestep, tensors)`` after each step of either stage (``step``
                 counts within the stage); a returned dict may replace any of the tensor inputs.
             callback_on_step_end_tensor_inputs: names from ``_callback_tensor_inputs``.
@@ -576,25 +574,15 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             refiner_guidance_scale: refiner CFG scale (default ``config``: 2.0).
             output_height, output_width: bilinear resize of the decoded frames (both or neither; e.g.
                 1080x1920), as the reference's ``--output-height/--output-width``.
-            num_videos_per_prompt: videos per prompt (≥ 1), each from its own noise; the output batch
-                is ``len(prompt) · num_videos_per_prompt`` (a prompt's videos adjacent).
+            num_videos_per_prompt: videos per prompt (>= 1), each from its own noise, a prompt's videos adjacent.
 
         Returns:
-            :class:`Magi2PipelineOutput` ``(frames, audio, audio_sample_rate, fps)``; ``fps`` is 25
-            (2 · ``config.fps``) on the refiner path. With ``output_type="latent"`` the frames are the
-            refined latents ``[B, 48, 2T − 1, height/16, width/16]`` and the audio the preview audio latents.
-            Under context parallelism (``context_parallel=`` / :meth:`enable_context_parallel`) every rank
-            denoises, but CP rank 0 alone encodes the text (and the I2V image), broadcasting them, and alone
-            decodes: the other ranks get ``frames=None`` and ``audio=None`` (the latents with
-            ``output_type="latent"``, as on rank 0).
+            :class:`Magi2PipelineOutput` ``(frames, audio, audio_sample_rate, fps)`` (``fps`` 25 on the refiner path).
+            Under context parallelism CP rank 0 alone encodes the text and image (broadcasting them) and decodes;
+            the other ranks get ``frames=None`` and ``audio=None`` (the latents with ``output_type="latent"``).
 
         Raises:
-            ValueError: before any work starts: bad sizes, empty prompt, wrong image type, steps or
-                ``num_videos_per_prompt`` < 1, negative guidance, embeddings without masks, ``image`` +
-                ``prompt_embeds`` without ``image_embeds``, a negative prompt / ``image_embeds`` not of the
-                prompt batch, ``latents`` / ``audio_latents`` without one row per video, embeddings not of
-                the models' ``text_in_channels``, bad ``output_type`` or ``resolution``, the refiner path
-                without a ``refiner`` or with bad settings, a bad output size.
+            ValueError: any bad argument or missing component (:meth:`check_inputs`), before any work starts.
         """
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs

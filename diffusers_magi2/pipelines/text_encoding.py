@@ -47,11 +47,6 @@ DEFAULT_SKIP_LAYERS = 2
 FIGURE_REFERENCE_TEXT = "The first frame refers to <Figure 1>"
 
 
-# --------------------------------------------------------------------------------------------
-# Tokenizer: CJK pre-tokenizer split
-# --------------------------------------------------------------------------------------------
-
-
 def _backend(tokenizer: Any):
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -106,11 +101,6 @@ def apply_cjk_pre_tokenizer_split(tokenizer: Any) -> Any:
     original = backend.pre_tokenizer
     backend.pre_tokenizer = split if original is None else pre_tokenizers.Sequence([split, original])
     return tokenizer
-
-
-# --------------------------------------------------------------------------------------------
-# Prompt normalisation
-# --------------------------------------------------------------------------------------------
 
 
 def _drop_empty(value: Any) -> Any:
@@ -299,11 +289,6 @@ def add_figure_reference(prompt: str) -> str:
         parsed["reference_layer"] = [FIGURE_REFERENCE_TEXT]
         return json.dumps(parsed, ensure_ascii=False)
     return prompt + "reference_layer:" + FIGURE_REFERENCE_TEXT
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenisation and features
-# --------------------------------------------------------------------------------------------
 
 
 def tokenize_prompt(
