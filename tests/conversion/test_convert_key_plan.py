@@ -70,7 +70,7 @@ def test_fp32_island_rule_matches_the_released_dtypes(table, model_cls):
     # the same holds for the diffusers names
     wrong = [k for k, (_, dt) in rows.items() if (dt == "F32") != is_fp32_island(source_to_target_key(k), keep)]
     assert wrong == []
-    if "preview" in table:  # 118,754,352 fp32 *parameters* at FULL size (spec §0) ...
+    if "preview" in table:  # 118,754,352 fp32 *parameters* at FULL size (SandAI's released config) ...
         buffers = ("router.expert_bias", "rope.bands")  # ... plus the fp32 buffers (36*2*3072 + 16)
         fp32 = sum(torch.Size(s).numel() for k, (s, dt) in rows.items() if dt == "F32" and not any(b in k for b in buffers))
         assert fp32 == 118_754_352

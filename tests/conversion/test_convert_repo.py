@@ -268,7 +268,7 @@ def test_whole_release_converts_every_component(full_repo):
 
 
 def test_scheduler_reproduces_the_reference_schedule(full_repo):
-    """The shipped scheduler + the documented sigmas give SandAI's Flow-UniPC schedule (spec §5.2)."""
+    """The shipped scheduler + the documented sigmas give SandAI's Flow-UniPC schedule (``Magi2PreviewSampler``)."""
     import numpy as np
     from diffusers import UniPCMultistepScheduler
 

@@ -92,7 +92,7 @@ def _h4_args(fixtures_dir, prec="bf16"):
     )
 
 
-# Families that spec §1.11 requires to stay fp32.
+# Families SandAI's model keeps in fp32.
 def _expected_fp32(name: str) -> bool:
     parts = name.split(".")
     return (

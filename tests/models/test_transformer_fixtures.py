@@ -159,7 +159,7 @@ def test_bf16_teacher_forced_layers(fixtures_dir):
         for i, block in enumerate(model.transformer_blocks):
             x = dispatch.sort(inputs[i].to(torch.bfloat16))
             y = dispatch.unsort(block(x, rope, dispatch, segments))
-            assert y.dtype == torch.bfloat16  # the residual stays bf16 (spec §1.4)
+            assert y.dtype == torch.bfloat16  # the residual stays bf16 (as in SandAI's TransformerLayer)
             errors.append(rel_l2(y, dbg[f"debug.layer{i}.out"]))
     assert max(errors) <= 2e-2, errors
 

@@ -14,7 +14,7 @@ from diffusers_magi2.moe.routing import compute_topk_probs_and_indices, global_s
 
 
 def swiglu7_scalar(g: float, u: float) -> float:
-    """Closed form, spec §1.8: min(g,7) * sigmoid(1.702*min(g,7)) * (clamp(u,-7,7) + 1)."""
+    """Closed form of SandAI's ``swiglu7``: min(g,7) * sigmoid(1.702*min(g,7)) * (clamp(u,-7,7) + 1)."""
     g = min(g, 7.0)
     u = max(-7.0, min(u, 7.0))
     return g / (1.0 + math.exp(-1.702 * g)) * (u + 1.0)

@@ -45,7 +45,7 @@ def test_tensors_keys_shapes_and_dtypes() -> None:
 
 
 def expected_layout(num_heads: int, size: int, rank: int) -> dict:
-    """Independent arithmetic of SandAI's EP head padding (spec §3.6)."""
+    """Independent arithmetic of SandAI's EP head padding (``CoreMultiHeadMoE``)."""
     padded = math.ceil(num_heads / size) * size
     local = padded // size
     start = rank * local

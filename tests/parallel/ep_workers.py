@@ -157,7 +157,7 @@ def load_moe(moe: Magi2MultiHeadMoE, model: str, sharded: bool) -> None:
             else:
                 t = h.get_tensor(prefix + suffix)
         sd[suffix] = t.float()
-    sd["router.expert_bias"] = sd["router.expert_bias_ema"]  # SandAI loader rule (spec §6.2 step 4)
+    sd["router.expert_bias"] = sd["router.expert_bias_ema"]  # SandAI loader rule (_apply_router_bias_ema)
     moe.load_state_dict(sd, strict=True)
 
 

@@ -21,7 +21,7 @@ from diffusers_magi2.parallel.expert_parallel import (
 
 
 def test_ep_head_layout_padding_and_idle_rank():
-    # H = 12 on 8 ranks: padded to 16, 2 heads per rank, ranks 6 and 7 idle (spec §2.1 per-rank EP shapes)
+    # H = 12 on 8 ranks: padded to 16, 2 heads per rank, ranks 6 and 7 idle (SandAI CoreMultiHeadMoE padding)
     layouts = [ep_head_layout(12, 8, r) for r in range(8)]
     assert {lay.padded_num_heads for lay in layouts} == {16}
     assert [lay.local_head_start for lay in layouts] == [0, 2, 4, 6, 8, 10, 12, 14]

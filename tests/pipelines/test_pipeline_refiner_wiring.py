@@ -25,7 +25,7 @@ from pipeline_stubs import (  # noqa: E402
 from diffusers_magi2.pipelines.pipeline_magi2 import Magi2Pipeline, resize_video_frames  # noqa: E402
 from diffusers_magi2.pipelines.refiner_stage import run_refiner_stage  # noqa: E402
 
-S_220 = 0.838910  # spec §5.7: re-noise signal scale at noise_value 220
+S_220 = 0.838910  # SandAI ZeroSNRDDPMDiscretization: re-noise signal scale at noise_value 220
 
 
 def make_pipe(with_vae=False, refiner=True):

@@ -49,7 +49,7 @@ def embeds():
 @pytest.mark.parametrize("task", ["t2v", "i2v"])
 def test_schedule_shift_applied_once_for_video_and_audio(task):
     """Both task paths, and both the video and audio schedulers, give the reference schedule
-    (spec §5.2): the shift is applied once, by the scheduler. The I2V path runs ``__call__`` with an
+    (SandAI ``Magi2PreviewSampler``): the shift is applied once, by the scheduler. The I2V path runs ``__call__`` with an
     image (tiny Wan2.2 VAE, stand-in DiT) and records the timesteps the model received."""
     pipe = make_pipe()
     if task == "i2v":

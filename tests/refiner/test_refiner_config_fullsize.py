@@ -1,4 +1,4 @@
-"""Refiner config mapping and the full-size (released) refiner built on the meta device (spec §2.3)."""
+"""Refiner config mapping and the full-size (released) refiner built on the meta device (SandAI ``configs/magi2_refiner.json``)."""
 
 from __future__ import annotations
 

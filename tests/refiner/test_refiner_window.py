@@ -1,4 +1,4 @@
-"""Block-window attention geometry and masks of the refiner (spec §5.7) against SandAI's fixture."""
+"""Block-window attention geometry and masks of the refiner (SandAI ``refiner_data_proxy.py``) against SandAI's fixture."""
 
 from __future__ import annotations
 
