@@ -1,17 +1,9 @@
 """``Magi2ContextParallelMixin``: diffusers' ``enable_parallelism`` for both MAGI-2 transformers, on CUDA and CPU.
 
-``model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))`` (N = the world size) makes every
-forward sequence-parallel: each rank still passes the full inputs and gets the full outputs, but runs the
-per-token work (adapters, mHC, norms, projections, shared and modality-specific experts, MLPs, the gated output)
-on its contiguous slice of the packed sequence only, attention as Ulysses attention (one fused q/k/v all-to-all
-in, one out), and the routed experts on its sharded tokens (with expert parallelism over the same ranks: two
-all-to-alls per MoE layer, EP degree dividing N, with N/EP replicas). Only the final output gather is added.
-Sizes come from a :class:`~diffusers_magi2.parallel.context_parallel_runtime.Magi2ContextParallelContext` built
-once per forward, so no layer exchanges sizes.
-
-diffusers' own ``ModelMixin.enable_parallelism`` applies forward hooks from a ``_cp_plan`` that splits every
-input along one dimension; the MAGI-2 models pack their inputs first, so they shard the packed sequence
-themselves, and ``cp_plan`` is refused.
+With ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))`` every rank passes the full inputs and
+gets the full outputs, but runs the per-token work on its slice of the packed sequence, attention as Ulysses
+attention and the routed experts on its sharded tokens; only the final gather is added. The models pack their
+inputs first, so they shard the packed sequence themselves and refuse diffusers' ``cp_plan``.
 """
 
 from __future__ import annotations
@@ -47,9 +39,8 @@ class Magi2ContextParallelMixin:
 
         Raises:
             TypeError: ``config`` holds no ``ContextParallelConfig``.
-            ValueError: ``cp_plan`` given; tensor parallelism or ring attention asked for; ``N`` differs from the
-                world size; the model is expert-parallel over other ranks than the context-parallel ones, or with
-                an EP degree that does not divide ``N``.
+            ValueError: ``cp_plan`` given, tensor or ring parallelism asked for, ``N`` not the world size, or EP over
+                other ranks or with a degree not dividing ``N``.
             RuntimeError: parallelism is already enabled on this model.
         """
         from diffusers import ContextParallelConfig, ParallelConfig

@@ -1,23 +1,12 @@
 """Optimised torch path of the routed-expert compute (the CPU backend), and the expert call as a custom op.
 
-The math is :mod:`diffusers_magi2.moe.reference` (SandAI's ``_mh_moe_fwd_kernel``, ``inference/flash_mh_moe/
-triton/mh_moe_fwd.py``, with its rounding points); this path computes the same bits with a few reused buffers,
-``out=`` GEMMs and the in-place form of :func:`~diffusers_magi2.moe.activation.swiglu7`. It reads the expert
-offsets on the host once per call (to size its buffers and loop over experts).
-
-The grouped form (backend ``"torch_grouped"``) has the same rounding points and no host synchronisation, for
-code that must not sync inside a layer (context parallelism): every route's input row is gathered at once, each
-projection is one ``torch._grouped_mm`` over all experts with the device-side offsets (per expert on CPU it
-computes what ``torch.mm`` computes), and the ``k`` route rows of every (token, head) are summed in ascending
-expert id in the activation dtype. swiglu7 then runs over one ``[T, De]`` block instead of one block per expert,
-so in fp32 an element may land in a different SIMD lane or tail and differ in its last bits (on the tiny
-fixtures it measured bit-identical to the torch path). It needs top-k routing (every (token, head) owns
-``T / (S·H)`` routes) and upcasts a non-fp32 expert bank to fp32 as a whole for the call.
-
-``torch.ops.diffusers_magi2.mh_moe_experts`` is the expert call of ``Magi2MultiHeadMoE``: a
-``torch.library.custom_op`` that runs the torch or the Triton path, with a fake (meta) implementation so that
-``torch.compile(fullgraph=True)`` traces a whole MoE block, and a backward custom op (per-expert torch, for either
-forward backend: there is no Triton backward kernel).
+The math is :mod:`diffusers_magi2.moe.reference` (SandAI ``_mh_moe_fwd_kernel``, with its rounding points).
+``"torch"`` computes the same bits with reused buffers and ``out=`` GEMMs, reading the expert offsets on the host
+once per call. ``"torch_grouped"`` has no host sync (for context parallelism): one ``torch._grouped_mm`` per
+projection over all experts with device-side offsets, the ``k`` routes of each (token, head) summed in ascending
+expert id; it needs top-k routes, and its one-block swiglu7 may differ from the per-expert one in the last fp32 bit.
+``torch.ops.diffusers_magi2.mh_moe_experts`` is the expert call as a ``torch.library.custom_op`` (fake and backward
+ops, so ``torch.compile(fullgraph=True)`` traces a whole MoE block).
 """
 
 from __future__ import annotations
@@ -62,10 +51,7 @@ def _check_scales(w_gate: Tensor, scales, gate_shape: tuple, down_shape: tuple) 
 def check_expert_inputs(
     x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales=None
 ) -> tuple[int, int, int, int, int]:
-    """Validate the arguments shared by the torch and Triton expert paths (no host synchronisation).
-
-    ``scales`` is ``None`` for bf16/fp16/fp32 experts and ``(w_gate_scale, w_up_scale, w_down_scale)`` for FP8
-    experts (:mod:`diffusers_magi2.moe.quantize`).
+    """Validate the arguments shared by the expert paths, without host sync (``scales`` only for FP8 experts).
 
     Returns:
         ``(S, H, Dh, E, De)``.
@@ -136,10 +122,7 @@ def torch_mh_moe_forward(
 ) -> Tensor:
     """Routed-expert compute of MAGI-2's multi-head MoE in plain torch (differentiable).
 
-    Computes :func:`~diffusers_magi2.moe.reference.reference_mh_moe_forward` with fp32 GEMM accumulation, summed
-    in the activation dtype in ascending global expert id; bf16 weights are upcast per expert (exact), so gate/up
-    are not rounded to bf16, and FP8 weights are dequantized per expert (never the whole bank). Runs as
-    ``torch.ops.diffusers_magi2.mh_moe_experts`` with ``backend="torch"``.
+    The reference's bits; bf16 weights are upcast and FP8 ones dequantized per expert, never the whole bank.
 
     Args:
         x: ``[S, H, Dh]`` activations, fp32/bf16/fp16.
@@ -148,9 +131,8 @@ def torch_mh_moe_forward(
         expert_offsets: ``[H*E + 1]`` int CSR offsets.
         w_gate: ``[H*E, Dh, De]``; used as ``x @ W``.
         w_up: ``[H*E, Dh, De]``.
-        w_down: ``[H*E, De, Dh]``. The three weights are fp32/bf16/fp16, or ``float8_e4m3fn`` with ``scales``.
-        scales: FP8 only: ``(w_gate_scale [H*E, De], w_up_scale [H*E, De], w_down_scale [H*E, Dh])`` float32
-            (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`).
+        w_down: ``[H*E, De, Dh]``; the three are fp32/bf16/fp16, or ``float8_e4m3fn`` with ``scales``.
+        scales: FP8 only: fp32 ``(w_gate_scale [H*E, De], w_up_scale [H*E, De], w_down_scale [H*E, Dh])``.
 
     Returns:
         ``[S, H, Dh]`` in ``x.dtype``; heads/tokens without routes are zero.
@@ -193,13 +175,7 @@ def _forward_inference(
     weights: tuple[Tensor, Tensor, Tensor],
     scales: Optional[tuple[Tensor, Tensor, Tensor]],
 ) -> torch.Tensor:
-    """Reused buffers, ``out=`` GEMMs, in-place swiglu7.
-
-    Per head: one gather of its routed rows (upcast once to fp32), then per expert the gate/up GEMMs and swiglu7 in
-    two small buffers that stay cache-resident, the down GEMM straight into its rows of the head's fp32 block,
-    scaled there by the route weights; the block is rounded to the activation dtype and reduced per token
-    (:func:`_sum_head_routes_`). No allocation depends on the number of experts.
-    """
+    """Per head and expert: gate/up GEMMs and swiglu7 in two reused buffers, down GEMM into the head's fp32 block."""
     num_tokens, num_heads, head_dim = x.shape
     w_gate, w_up, w_down = weights
     num_experts, expert_dim = len(head_counts[0]), w_gate.shape[2]
@@ -257,19 +233,8 @@ def _forward_inference(
 
 
 def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: torch.Tensor) -> None:
-    """Overwrite ``out_head [S, Dh]`` with the per-token sums of one head's CSR-ordered route rows.
-
-    Sums run in ``contrib.dtype`` (the activation dtype), rounded after every add, per token in ascending expert id,
-    as the reference's sequential scatter:
-
-    * fp32 on CPU: one ``index_add_`` into the zeroed rows. On CPU it adds each output row's source rows one at a
-      time in index (CSR) order, with any thread count, and within a token the CSR order is ascending expert id;
-      fp32 is its accumulation type, so every add rounds to fp32. (On CUDA ``index_add_`` uses atomics, whose order
-      is not fixed, so CUDA tensors take the next path.)
-    * otherwise (bf16/fp16, whose CPU ``index_add_`` accumulates in fp32 and rounds once, or CUDA): the rows are
-      laid out per token (stable sort by token) and added column by column: with top-k routing every token owns
-      exactly ``k`` routes of the head and ``k - 1`` adds reduce them. Any other CSR falls back to ``index_add_``.
-    """
+    """Per-token sums of one head's route rows into ``out_head``, rounded after every add in ascending expert id
+    (fp32 CPU: ``index_add_``, which adds in index order; else ``k - 1`` column adds of the token-sorted rows)."""
     if contrib.dtype == torch.float32 and contrib.device.type == "cpu":
         out_head.zero_().index_add_(0, tokens, contrib)
         return
@@ -288,8 +253,7 @@ def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: tor
 
 
 def _grouped_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales=None) -> torch.Tensor:
-    """The ``"torch_grouped"`` backend of :func:`mh_moe_experts`: :func:`_torch_experts`' math with no host
-    synchronisation (no offset, count or index leaves the device; every size is a shape).
+    """The ``"torch_grouped"`` backend (module docstring): no offset, count or index leaves the device.
 
     Raises:
         ValueError: ``T`` is not a multiple of ``S·H`` (not top-k routes).
@@ -374,10 +338,7 @@ def mh_moe_experts_backward(
     w_gate: Tensor, w_up: Tensor, w_down: Tensor,
     w_gate_scale: Optional[Tensor], w_up_scale: Optional[Tensor], w_down_scale: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients ``(x, probs, w_gate, w_up, w_down)`` of the expert call (of the reference's formula), per expert.
-
-    With FP8 experts the weight gradients are those of the dequantized weights, in fp32 (FP8 weights are frozen).
-    """
+    """Gradients ``(x, probs, w_gate, w_up, w_down)`` of the expert call, per expert (fp32 ones for frozen FP8 weights)."""
     scales = (w_gate_scale, w_up_scale, w_down_scale)
     weights = (w_gate, w_up, w_down)
     f32 = torch.float32

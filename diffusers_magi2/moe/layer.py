@@ -1,10 +1,13 @@
 """``Magi2MultiHeadMoE``: the routed-expert core of a MAGI-2 MoE layer, ready for expert parallelism (EP).
 
-The module owns the router weight ``gate``, the expert banks ``W_gate``/``W_up``/``W_down`` and the two router
-biases under the released checkpoint names and layouts (SandAI ``CoreMultiHeadMoE``, commit ``f68a0f9``).
-The surrounding ``split_linear``/``merge_linear`` and shared experts belong
-to the transformer. ``forward`` = split heads -> (EP dispatch) -> :meth:`forward_local_heads`
-(route + experts) -> (EP undispatch) -> merge heads.
+SandAI ``CoreMultiHeadMoE``: ``x [S, C]`` is viewed as ``[S, H, Dh]``; head ``h`` routes to the top-k of its own
+``E`` experts (:mod:`.routing`) and sums their outputs weighted by ``route_scale * p``::
+
+    y[s, h] = route_scale * sum_k p[s, h, k] * W_down[g] swiglu7(x[s, h] W_gate[g], x[s, h] W_up[g]),  g = h E + e_k
+
+``forward`` = split heads -> (EP dispatch) -> :meth:`~Magi2MultiHeadMoE.forward_local_heads` -> (EP undispatch)
+-> merge heads. Tensors (``L`` local heads): ``gate [L E, Dh]`` fp32, ``W_gate``/``W_up [L E, Dh, De]``, ``W_down
+[L E, De, Dh]`` (``params_dtype``, or FP8 with fp32 ``W_*_scale``), ``router.expert_bias(_ema) [L E]`` fp32.
 """
 
 from __future__ import annotations
@@ -41,24 +44,20 @@ class Magi2MultiHeadMoEConfig:
     """Shape and routing settings of one multi-head MoE core (SandAI ``moe_config``).
 
     Attributes:
-        hidden_size: model width ``C`` (3072 released); split into ``num_heads`` MoE heads of ``C / H``.
-        num_heads: MoE heads ``H`` (12 released); each routes independently to its own expert bank.
-        num_experts: experts per head ``E`` (256 released).
-        top_k: experts per (token, head) ``k`` (6 released), ``1 <= k <= E``.
-        expert_intermediate_size: expert width ``De`` (1280 released).
-        params_dtype: dtype of ``W_gate``/``W_up``/``W_down`` (bf16 released); ``gate`` and the router biases are
-            always fp32. A string such as ``"bfloat16"`` is accepted.
-        expert_dtype: storage of the expert banks: ``None`` (``params_dtype``) or ``"float8_e4m3fn"`` (FP8
-            weight-only, with fp32 scales ``W_gate_scale``/``W_up_scale``/``W_down_scale``; see
-            :mod:`diffusers_magi2.moe.quantize`). ``torch.float8_e4m3fn`` is accepted too.
-        score_func: ``"sigmoid"`` (released) or ``"softmax"``.
-        route_norm: L1-normalise the chosen weights (released: True).
-        route_scale: factor applied once to the normalised weights (released: 4.9).
+        hidden_size: width ``C``, split into ``num_heads`` heads of ``Dh = C / H``.
+        num_heads: MoE heads ``H``.
+        num_experts: experts per head ``E``.
+        top_k: experts per (token, head), ``1 <= k <= E``.
+        expert_intermediate_size: expert width ``De``.
+        params_dtype: dtype of the expert banks (a name is accepted); the router is fp32.
+        expert_dtype: ``None`` (``params_dtype``) or ``"float8_e4m3fn"`` (:mod:`diffusers_magi2.moe.quantize`).
+        score_func: ``"sigmoid"`` or ``"softmax"``.
+        route_norm: L1-normalise the chosen weights.
+        route_scale: factor applied once to the normalised weights.
 
     Raises:
-        ValueError: on construction, for non-positive sizes, ``hidden_size % num_heads != 0``, ``top_k`` outside
-            ``[1, num_experts]``, an unknown ``score_func``, ``params_dtype`` or ``expert_dtype`` (the message names
-            the allowed values), or a non-finite ``route_scale``.
+        ValueError: a non-positive size, ``C % H != 0``, ``top_k`` out of range, an unknown ``score_func`` or dtype,
+            a non-finite ``route_scale``.
     """
 
     hidden_size: int
@@ -110,43 +109,19 @@ class _Magi2RouterBuffers(nn.Module):
 
 
 class Magi2MultiHeadMoE(nn.Module):
-    """Multi-head routed MoE core: ``[S, hidden] -> [S, hidden]`` (SandAI ``CoreMultiHeadMoE``).
-
-    The input (the ``split_linear`` output) is viewed as ``[S, H, Dh]``; head ``h`` owns channels
-    ``h*Dh:(h+1)*Dh`` and routes with its own router rows to the top-k of its own ``E`` experts; the expert
-    outputs, weighted by ``route_scale``-d probabilities, are summed per (token, head). ``route_scale`` is applied
-    exactly once, here. Routing reads ``router.expert_bias``; whoever loads a SandAI checkpoint fills it with
-    ``router.expert_bias_ema`` (SandAI's loader does this); both buffers are saved.
-
-    Tensors (``L = local_num_heads``; with ``ep_size = 1``, ``L = H``):
-
-    * ``gate``: ``nn.Parameter [L*E, Dh]`` float32 (router weight);
-    * ``W_gate``, ``W_up``: ``nn.Parameter [L*E, Dh, De]`` in ``params_dtype`` (used as ``x @ W``);
-    * ``W_down``: ``nn.Parameter [L*E, De, Dh]`` in ``params_dtype``;
-    * FP8 experts (``expert_dtype="float8_e4m3fn"``): the three banks are frozen ``float8_e4m3fn`` parameters, and
-      the persistent fp32 buffers ``W_gate_scale``, ``W_up_scale [L*E, De]`` and ``W_down_scale [L*E, Dh]`` hold
-      their scales; dtype moves (``.to(torch.bfloat16)``, ``.half()``) keep both dtypes;
-    * ``router.expert_bias``, ``router.expert_bias_ema``: persistent buffers ``[L*E]`` float32.
-
-    Flat expert row ``h_local*E + e`` belongs to global head ``local_head_start + h_local``.
-
-    Expert-parallel bookkeeping for EP size ``N`` (SandAI ``ep_dispatch`` layout):
-    ``padded_num_heads = ceil(H/N)*N``, ``local_num_heads = padded_num_heads // N``,
-    ``local_head_start = ep_rank * local_num_heads``, ``ep_pad_heads = padded_num_heads - H``,
-    ``local_real_num_heads`` (real heads among the local ones), ``has_real_moe_heads``
-    (false when ``local_head_start >= H``) and ``local_flatten_num_experts = local_num_heads * E``, all derived
-    from ``ep_layout`` (:func:`diffusers_magi2.parallel.expert_parallel.ep_head_layout`).
+    """Multi-head routed MoE core ``[S, C] -> [S, C]`` (module docstring); routing reads ``router.expert_bias``,
+    which a SandAI checkpoint fills from ``expert_bias_ema``. The EP head layout is ``ep_layout``
+    (:func:`diffusers_magi2.parallel.expert_parallel.ep_head_layout`); row ``h_local E + e`` is global head
+    ``local_head_start + h_local``.
 
     Args:
         config: :class:`Magi2MultiHeadMoEConfig`.
-        ep_group: optional ``torch.distributed`` process group for expert parallelism; rank and size are read
-            from it unless given explicitly.
-        ep_rank: this rank's index in the EP group (default 0, or the group's rank).
-        ep_size: EP group size ``N`` (default 1, or the group's size).
+        ep_group: optional process group for expert parallelism (rank and size read from it).
+        ep_rank: this rank's index in the EP group.
+        ep_size: EP group size ``N``.
 
     Raises:
-        ValueError: ``config`` is not a :class:`Magi2MultiHeadMoEConfig`, ``ep_size < 1``,
-            ``ep_rank`` outside ``[0, ep_size)``, or explicit rank/size disagreeing with ``ep_group``.
+        ValueError: a bad ``config``, ``ep_size < 1``, ``ep_rank`` out of range, or rank/size disagreeing with the group.
     """
 
     def __init__(
@@ -243,19 +218,14 @@ class Magi2MultiHeadMoE(nn.Module):
         """Choose the expert backend once for this module.
 
         Args:
-            backend: ``"torch"`` (loop over experts, any device; reads the expert offsets on the host),
-                ``"torch_grouped"`` (one grouped GEMM per projection, no host synchronisation; top-k routes),
-                ``"triton"`` (fused kernel: CUDA tensors, or CPU tensors when the process runs with
-                ``TRITON_INTERPRET=1``) or ``"auto"``, resolved per call by the ``moe_experts`` row of
-                :mod:`diffusers_magi2.utils.backends` (Triton for CUDA tensors; on other devices torch, or
-                torch_grouped under context parallelism, which must not sync inside a layer). Nothing is read
-                from the environment inside ``forward``.
-            deterministic: Triton only: write per-route rows without atomics and reduce them in ascending global
-                expert id order, bit-identical across runs (the torch backend is always deterministic).
+            backend: ``"torch"`` (loop over experts), ``"torch_grouped"`` (grouped GEMMs, no host sync), ``"triton"``
+                (fused kernel; CPU only under ``TRITON_INTERPRET=1``) or ``"auto"`` (the ``moe_experts`` row of
+                :mod:`diffusers_magi2.utils.backends`, per call).
+            deterministic: Triton only: atomic-free, reduced in ascending expert id (bit-identical across runs).
 
         Raises:
-            ValueError: unknown backend, or ``"triton"`` with ``Dh``/``De`` not multiples of 16 or with FP8 experts
-                on a GPU the kernel cannot run FP8 on (never a silent bf16 fallback: the same check runs per call).
+            ValueError: unknown backend, or ``"triton"`` with ``Dh``/``De`` not multiples of 16 or FP8 on a GPU
+                without FP8 support (checked per call too; no silent fallback).
             ImportError: ``"triton"`` requested but Triton cannot be imported.
         """
         check_backend("moe_experts", backend)
@@ -283,10 +253,7 @@ class Magi2MultiHeadMoE(nn.Module):
     def ep_slice(self, full_tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full (all-heads) checkpoint tensor.
 
-        Works for every EP-sharded tensor: ``gate [H*E, Dh]``, ``W_gate``/``W_up [H*E, Dh, De]``,
-        ``W_down [H*E, De, Dh]``, ``router.expert_bias(_ema) [H*E]`` and the FP8 scales ``W_*_scale``. Returns rows
-        ``[local_head_start*E, (local_head_start + L)*E)`` as a view when they all exist; rows of padded heads
-        (past ``H*E``) are zeros (then a new tensor is returned). With ``ep_size = 1`` it is the whole tensor.
+        Rows ``[local_head_start E, (local_head_start + L) E)`` of any ``[H E, ...]`` tensor, zeros for padded heads.
 
         Raises:
             ValueError: ``full_tensor`` is not a tensor whose first dimension is ``H*E``.
@@ -303,11 +270,7 @@ class Magi2MultiHeadMoE(nn.Module):
     _FP8_SCALE_KEYS = ("W_gate_scale", "W_up_scale", "W_down_scale")  # EP-sharded too, with FP8 experts
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """With ``ep_size > 1``, full (all-heads) EP tensors are sliced to this rank's rows with :meth:`ep_slice`.
-
-        A tensor that is neither local-sized nor full raises a ``ValueError`` naming expert parallelism instead of
-        torch's bare size mismatch.
-        """
+        """Full (all-heads) EP tensors are cut with :meth:`ep_slice`; other sizes raise ``ValueError``."""
         if self.ep_size > 1:
             full_rows = self.num_heads * self.num_experts
             for name in self._EP_SHARDED_KEYS + (self._FP8_SCALE_KEYS if self.fp8_experts else ()):
@@ -335,15 +298,10 @@ class Magi2MultiHeadMoE(nn.Module):
     ) -> torch.Tensor:
         """Routed MoE on ``hidden_states [S, hidden]`` (the ``split_linear`` output); returns ``[S, hidden]``.
 
-        The output has ``hidden_states.dtype``. Matches SandAI ``CoreMultiHeadMoE.forward`` (with ``route_scale``).
-        With ``ep_size > 1`` the heads are spread over ``ep_group`` (``diffusers_magi2.parallel.expert_parallel``):
-        ``ep_token_counts=None`` means the tokens are replicated on every rank (layout a: each rank computes its heads,
-        one all-gather assembles them); otherwise it is the per-rank token counts as host ints, this rank's count
-        being ``S`` (layout b: tokens sharded, two ``all_to_all_single`` exchanges; counts may differ and be 0).
-        ``context_parallel`` (a ``diffusers_magi2.parallel.context_parallel_runtime.Magi2ContextParallelContext``):
-        the tokens are this rank's sequence shard; without EP the local heads run on them, with EP (degree dividing
-        the CP degree, this rank at EP position ``cp_rank mod ep_size``) one ``all_to_all_single`` over the CP group
-        takes them to the head owners and one brings the results back.
+        Args:
+            ep_token_counts: with EP, ``None`` (tokens replicated) or the per-rank token counts (tokens sharded;
+                :mod:`diffusers_magi2.parallel.expert_parallel` layouts a and b).
+            context_parallel: the forward's ``Magi2ContextParallelContext`` (the tokens are this rank's shard).
 
         Raises:
             ValueError: ``hidden_states`` is not ``[S, hidden_size]`` floating point; ``ep_token_counts`` is not
@@ -385,9 +343,7 @@ class Magi2MultiHeadMoE(nn.Module):
     def compute_router_logits(self, x_local: torch.Tensor) -> torch.Tensor:
         """Router logits of the real local heads: ``[S', Hr, Dh] -> [Hr, S', E]`` in fp32 (x upcast).
 
-        ``Hr = x_local.shape[1] <= local_real_num_heads``. Matches SandAI ``CoreMultiHeadMoE._route`` (one fp32
-        einsum per head with ``gate``). Runs in fp32 inside ``torch.autocast`` too (autocast is disabled here for
-        CPU and CUDA), so expert selection does not depend on an enclosing autocast region.
+        SandAI ``CoreMultiHeadMoE._route``; autocast is disabled here, so routing is fp32 under autocast too.
         """
         num_real = x_local.shape[1]
         gate = self.gate[: num_real * self.num_experts].to(torch.float32)
@@ -418,11 +374,8 @@ class Magi2MultiHeadMoE(nn.Module):
     def forward_local_heads(self, x_local: torch.Tensor, *, sync_free: bool = False) -> torch.Tensor:
         """Route and run the experts of this rank's heads: ``[S', L, Dh] -> [S', L, Dh]``.
 
-        ``sync_free=True`` (context parallelism) makes ``"auto"`` pick a backend without host synchronisation.
-
-        ``x_local`` holds every token this rank serves for its ``L = local_num_heads`` heads (after EP dispatch,
-        ``S'`` is the sum of the ranks' token counts; with ``ep_size = 1`` it is the input itself). Padded heads
-        (and every head on an idle rank) produce zeros without routing.
+        ``x_local`` holds every token this rank serves; padded heads give zeros. ``sync_free=True`` (context
+        parallelism) makes ``"auto"`` pick a backend without host synchronisation.
 
         Raises:
             ValueError: ``x_local`` is not ``[S', local_num_heads, Dh]`` floating point.

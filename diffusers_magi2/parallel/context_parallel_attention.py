@@ -1,26 +1,11 @@
 """Ulysses attention for context parallelism: trade the token shard for a head shard and back.
 
-Before attention, rank ``r`` holds ``q [S_r, Hq, D]`` and ``k, v [S_r, Hkv, D]`` for its slice of the packed
-sequence (:class:`~.context_parallel.Magi2SequenceShardPlan`). One ``all_to_all_single`` gives every rank all
-``T = ΣS_q`` tokens (in packed order) for its own heads; it computes the segment-wise attention with sinks exactly
-as a single process would, and a second ``all_to_all_single`` sends each output row back to the rank that holds
-its token. q, k and v travel in ONE exchange (per destination one contiguous ``[S_r, W_j, D]`` block holding the
-query heads of ``j``, then the key heads, then the value heads it needs).
-
-Head ownership for ``N`` ranks: query heads are padded to ``Hp = ⌈Hq/N⌉·N``; rank ``j`` owns the padded heads
-``[j·Hl, (j+1)·Hl)`` with ``Hl = Hp/N``, of which only the real ones (``< Hq``) are sent, computed and returned,
-so padded heads cost nothing and their outputs are dropped by construction. With ``rep = Hq/Hkv`` query heads per
-kv head (GQA), rank ``j`` receives the kv heads ``[⌊a/rep⌋, ⌊(b-1)/rep⌋]`` its real query heads ``[a, b)`` read.
-When ``Hkv < N`` (or the split does not align with the kv groups) the same kv head goes to several ranks: the
-kv heads are replicated by the exchange, and nothing is padded on the kv side.
-
-Per rank and attention layer the elements sent are ``S_r·D·Σ_j (|Q_j| + 2|K_j|)`` into attention and
-``T·D·|Q_r|`` back (:meth:`Magi2UlyssesHeadLayout.send_elements`); with ``N | Hkv`` that is the local q, k and v
-once, ``S_r·D·(Hq + 2Hkv)``, and ``T·D·Hq/N``.
-
-The exchanges can be started asynchronously (``async_op=True`` returns a :class:`Magi2PendingExchange`), so a
-caller may overlap them with other work. SandAI's reference does the same exchange in ``magi2_fa3_with_sink_cp``
-(equal shards, ``N | Hq``); this one also takes uneven and empty shards and any head count.
+Rank ``r`` holds ``q [S_r, Hq, D]``, ``k, v [S_r, Hkv, D]``. One ``all_to_all_single`` (q, k, v in one buffer)
+gives every rank all ``T = sum S_q`` tokens for its heads, attention runs per segment as in one process, and a
+second exchange sends the rows back. Query heads are padded to ``Hp = ceil(Hq/N) N``; rank ``j`` owns
+``[j Hl, (j+1) Hl)`` and only its real heads ``[a, b)`` travel; it receives the kv heads ``[floor(a/rep),
+floor((b-1)/rep)]`` they read (replicated when ``Hkv < N``). Elements sent per layer: ``S_r D sum_j (|Q_j| + 2|K_j|)``
+in, ``T D |Q_r|`` back. SandAI's ``magi2_fa3_with_sink_cp`` does the same with equal shards and ``N | Hq``.
 """
 
 from __future__ import annotations
@@ -97,7 +82,7 @@ class Magi2UlyssesHeadLayout:
 
 
 def ulysses_head_layout(num_heads: int, num_kv_heads: int, world_size: int, rank: int) -> Magi2UlyssesHeadLayout:
-    """Build the :class:`Magi2UlyssesHeadLayout` of ``rank`` (pure host arithmetic, same on every rank).
+    """The :class:`Magi2UlyssesHeadLayout` of ``rank`` (host arithmetic).
 
     Raises:
         TypeError: a non-int argument. ValueError: non-positive head counts or world size, ``Hkv ∤ Hq``, or
@@ -189,7 +174,7 @@ def ulysses_gather_heads(
 ):
     """Head shard → token shard: ``[T, |Q_r|, D]`` attention outputs → this rank's ``[S_r, Hq, D]``.
 
-    One ``all_to_all_single``; padded query heads were never computed, so none are dropped here.
+    One ``all_to_all_single``.
 
     Raises:
         ValueError: ``local_out`` is not ``[T, |Q_r|, D]``.
@@ -225,12 +210,8 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """Scatter heads, run ``attention_fn`` on every token of this rank's heads, gather back: ``[S_r, Hq, D]``.
 
-    ``attention_fn(q [T, |Q_r|, D], k [T, |Q_r|, D], v [T, |Q_r|, D], query_heads)`` gets key/value already
-    matched one-to-one with the query heads when the local kv heads do not form plain GQA groups
-    (``query_heads`` are the global query-head ids, e.g. to slice per-head sinks); otherwise k/v keep
-    ``|K_r|`` heads with local query head ``i`` reading kv head ``i // (|Q_r|/|K_r|)``. A rank without real
-    query heads calls nothing but still joins both exchanges. Both exchanges are issued asynchronously and
-    waited for where their result is first used.
+    ``attention_fn(q, k, v, query_heads)`` gets this rank's heads (k/v matched one-to-one to the query heads unless
+    they form plain GQA groups; ``query_heads`` are global ids). Both exchanges are asynchronous.
     """
     pending = ulysses_scatter_heads(query, key, value, layout, plan, group, async_op=True)
     heads = layout.local_query_heads

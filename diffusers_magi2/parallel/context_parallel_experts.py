@@ -1,22 +1,10 @@
 """Routed experts on sequence-sharded tokens when the EP degree divides the CP degree (EP groups with replicas).
 
-The ``N`` context-parallel ranks hold token shards of sizes ``S_0 … S_{N-1}`` (host integers,
-:class:`~.context_parallel.Magi2SequenceShardPlan`). Expert parallelism runs over the same ranks with EP degree
-``E`` dividing ``N``: ``R = N/E`` EP groups tile the CP group, rank ``r = g·E + p`` sits at position ``p`` of group
-``g``, and owns the MoE heads of EP rank ``p`` (:func:`~.expert_parallel.ep_head_layout` with size ``E``: heads
-padded to ``Hp = ⌈H/E⌉·E``, ``Hl = Hp/E`` per position). The ``R`` ranks at the same position are replicas that own
-the same heads and expert weights.
-
-Every rank cuts its ``S_q`` tokens into ``R`` contiguous parts ``n_{q,0} … n_{q,R-1}``
-(``⌊S_q/R⌋`` each; the ``S_q mod R`` extra tokens go to the next replicas in a round robin carried over the
-ranks, so the replicas' totals differ by at most one token), and sends part ``g`` of its tokens, for the heads of position ``p``, to rank ``g·E + p``. Owner
-``(g, p)`` therefore routes ``Σ_q n_{q,g}`` tokens — part of every rank's tokens — for its ``Hl`` heads: no rank
-idles and the routed work is split evenly (12 heads on 8 ranks as EP 4 × 2 replicas: 3 heads per rank, no
-padding, where EP 8 pads to 16 heads and idles 2 ranks). One ``all_to_all_single`` over the whole CP group goes
-in, one comes back. ``E = N`` (``R = 1``) is exactly :func:`~.expert_parallel.ep_dispatch` /
-:func:`~.expert_parallel.ep_undispatch` (layout (b)).
-
-Per rank and MoE layer the elements sent are ``S_r·Hp·Dh`` each way (self-sends included).
+``R = N / E`` EP groups tile the ``N`` CP ranks; rank ``r = g E + p`` owns the heads of EP position ``p``
+(:func:`~.expert_parallel.ep_head_layout`), the ``R`` ranks of a position being replicas. Each rank cuts its ``S_q``
+tokens into ``R`` parts (``floor(S_q / R)``, the rest round-robin, so replica loads differ by at most one token) and
+sends part ``g`` to rank ``g E + p``: no rank idles. One ``all_to_all_single`` over the CP group goes in, one comes
+back, ``S_r Hp Dh`` elements each way; ``E = N`` is :func:`~.expert_parallel.ep_dispatch` (layout (b)).
 """
 
 from __future__ import annotations
@@ -190,8 +178,7 @@ def ep_replica_heads_forward(
 ) -> torch.Tensor:
     """Dispatch, ``compute_local_heads`` (``[S', Hl, Dh] → [S', Hl, Dh]``, zeros for padded heads), undispatch.
 
-    Returns ``[S_r, H, Dh]``, equal to computing every head of this rank's tokens on one device. Both exchanges
-    are issued asynchronously and waited for where their result is first used.
+    Returns ``[S_r, H, Dh]``, as on one device; both exchanges are asynchronous.
     """
     local_in = ep_replica_dispatch(x, token_counts, layout, group, async_op=True).wait()
     out = compute_local_heads(local_in)

@@ -1,15 +1,9 @@
 """Context parallelism at run time: the process group behind a ``ContextParallelConfig`` and the per-forward context.
 
-:func:`resolve_context_parallel` turns diffusers' ``ContextParallelConfig(ulysses_degree=N)`` into a group on CUDA
-(nccl) and on CPU (gloo) alike; diffusers 0.42.1's own ``ModelMixin._resolve_parallel_config`` computes
-``rank % torch.accelerator.device_count()``, which divides by zero on a machine without accelerators. This round
-the CP degree equals the world size and ring attention is not supported.
-
-:class:`Magi2ContextParallelContext` is built once per forward from host sizes every rank knows (the packed
-length and the samples' lengths): it carries the :class:`~.context_parallel.Magi2SequenceShardPlan`, the group
-and the head layouts, so the layers need no collective to agree on sizes. Every layer asks it for the Ulysses
-attention (:mod:`.context_parallel_attention`) and the routed experts on sharded tokens
-(:mod:`.context_parallel_experts`, EP degree dividing the CP degree); the model gathers the outputs at the end.
+:func:`resolve_context_parallel` builds the group on CUDA and CPU alike (diffusers 0.42's own resolution divides
+by the accelerator count); the CP degree is the world size, no ring attention. :class:`Magi2ContextParallelContext`
+is built once per forward from sizes every rank knows and gives the layers the Ulysses attention and the routed
+experts on sharded tokens.
 """
 
 from __future__ import annotations
@@ -48,9 +42,8 @@ class Magi2ContextParallelGroup:
 def resolve_context_parallel(config: Any) -> Magi2ContextParallelGroup:
     """The Ulysses group of a diffusers ``ContextParallelConfig`` (``config.setup`` is called, as diffusers does).
 
-    When the default process group is not initialised but a launcher started several processes, Accelerate's
-    ``PartialState(cpu=not torch.cuda.is_available())`` initialises it (nccl on GPU, gloo on CPU). The mesh is
-    ``config.mesh`` or a new ``("ring", "ulysses")`` mesh of shape ``(1, N)`` over all ranks.
+    Accelerate's ``PartialState`` initialises the default group if a launcher started several processes; the mesh is
+    ``config.mesh`` or a new ``(1, N)`` ``("ring", "ulysses")`` mesh.
 
     Raises:
         TypeError: ``config`` is not a ``ContextParallelConfig``.
@@ -102,8 +95,7 @@ def broadcast_from_first_rank(
 ) -> list[Optional[torch.Tensor]]:
     """CP rank 0's ``tensors`` on every rank of ``cp`` (e.g. text encoded once instead of ``N`` times).
 
-    One ``broadcast_object_list`` of the shapes and dtypes (``None`` entries stay ``None``), then one
-    ``broadcast`` per tensor; what the other ranks pass is ignored. Called outside the transformer blocks.
+    One ``broadcast_object_list`` of shapes and dtypes, then one ``broadcast`` per tensor (outside the blocks).
 
     Args:
         tensors: on rank 0, the tensors to share (any device); elsewhere placeholders of the same length.
@@ -137,9 +129,7 @@ def broadcast_from_first_rank(
 def context_parallel_from_launch(ulysses_degree: Optional[int] = None, ep_degree: Optional[int] = None):
     """The ``--ulysses_degree`` rule of ``examples/generate.py``: a resolved ``ContextParallelConfig`` or ``None``.
 
-    ``ulysses_degree=None``: the world size when launched distributed (``WORLD_SIZE > 1``), else no CP. An explicit
-    degree must equal the world size (``1`` means no CP); ``ep_degree``, when given, must divide it. Checked before
-    any model is built.
+    ``None`` means the world size when launched distributed, else no CP; checked before any model is built.
 
     Raises:
         ValueError: a degree that is not a positive int, differs from the world size, or that ``ep_degree``
