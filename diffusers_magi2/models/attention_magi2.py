@@ -99,11 +99,7 @@ def magi2_attention_with_sinks(
         scale: softmax scale.
         backend: diffusers ``AttentionBackendName`` or ``None`` (the active default).
 
-    Returns:
-        ``[N, Hq, D]`` in the query dtype.
-
-    Raises:
-        ValueError: if the segment lengths do not sum to ``N`` or the head counts do not divide.
+    Returns ``[N, Hq, D]`` in the query dtype; ValueError for lengths not summing to ``N`` or heads not dividing.
     """
     n, hq, d = query.shape
     hkv = key.shape[1]
@@ -233,12 +229,8 @@ class Magi2WindowAttnProcessor(_Magi2AttnProcessorBase):
     Reads ``attention_mask.window`` or ``.dense_mask``; with neither it attends densely per segment.
 
     Args:
-        backend: ``"auto"``, ``"sdpa"``, ``"flex"`` or ``"gather"``
-            (:func:`~diffusers_magi2.models.window_attention.block_window_attention`).
+        backend: ``"auto"``, ``"sdpa"``, ``"flex"`` or ``"gather"`` (ValueError otherwise).
         max_dense_mask_elements: largest ``N * N`` dense mask the ``"sdpa"`` kernel may build.
-
-    Raises:
-        ValueError: an unknown backend.
     """
 
     def __init__(self, backend: str = "auto", max_dense_mask_elements: int = DEFAULT_MAX_DENSE_MASK_ELEMENTS) -> None:
@@ -289,9 +281,6 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
 
     Parameters (fp32 but the three linears): ``pre_norm [M*C]``, ``linear_g [M*Hq, C]``, ``linear_qkv
     [M*(Hq+2Hkv)*D, C]`` (rows q | k | v), ``linear_proj [M*C, Hq*D]``, ``sinks [S, Hq]``, ``q_norm``/``k_norm [M*D]``.
-
-    Raises:
-        ValueError: ``Hq`` is not a multiple of ``Hkv``.
     """
 
     _default_processor_cls = Magi2AttnProcessor

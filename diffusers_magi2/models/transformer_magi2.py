@@ -65,12 +65,8 @@ _MHC_PARAM_NAMES = [
 
 @dataclass
 class Magi2TransformerOutput(BaseOutput):
-    """Output of :meth:`Magi2Transformer3DModel.forward`.
-
-    Attributes:
-        sample: ``[B, C_video, T, H, W]`` fp32 predicted velocity for the video latent.
-        audio_sample: ``[B, L_audio, C_audio]`` fp32 predicted velocity for the audio latent.
-    """
+    """Output of :meth:`Magi2Transformer3DModel.forward`: fp32 velocities ``sample`` ``[B, Cv, T, H, W]`` and
+    ``audio_sample`` ``[B, La, Ca]``."""
 
     sample: torch.Tensor
     audio_sample: torch.Tensor

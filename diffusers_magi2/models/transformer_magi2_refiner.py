@@ -56,12 +56,8 @@ def refiner_mlp_intermediate_size(hidden_size: int) -> int:
 
 @dataclass
 class Magi2RefinerTransformerOutput(BaseOutput):
-    """Output of :class:`Magi2RefinerTransformer3DModel`.
-
-    Args:
-        sample: ``[B, Cv, T, H, W]`` fp32 video velocity prediction.
-        audio_sample: ``[B, La, Ca]`` fp32 audio prediction, or ``None`` without audio tokens.
-    """
+    """Output of :class:`Magi2RefinerTransformer3DModel`: ``sample`` ``[B, Cv, T, H, W]`` and ``audio_sample``
+    ``[B, La, Ca]`` (or ``None`` without audio tokens), fp32."""
 
     sample: torch.Tensor
     audio_sample: Optional[torch.Tensor] = None
@@ -232,12 +228,8 @@ class Magi2RefinerTransformer3DModel(
                 With neither, attention is dense.
             attention_kwargs: must be ``None`` or empty (see :func:`~.attention_magi2.check_attention_kwargs`).
 
-        Returns:
-            ``[N, max(Cv, Ca)]`` fp32 (reference ``x_out``).
-
-        Raises:
-            ValueError: inconsistent shapes, unknown modality ids, both a geometry and ranges given, any
-                ``attention_kwargs`` key.
+        Returns ``[N, max(Cv, Ca)]`` fp32; ValueError for inconsistent shapes, unknown modality ids, both a geometry
+        and ranges, or any ``attention_kwargs`` key.
         """
         check_attention_kwargs(type(self).__name__, attention_kwargs, self.supported_attention_kwargs)
         if x.dim() != 2 or coords_mapping.shape != (x.shape[0], 9) or modality_mapping.shape != (x.shape[0],):
@@ -295,8 +287,7 @@ class Magi2RefinerTransformer3DModel(
             encoder_hidden_states: ``[B, Lt, Ct]`` text features.
             audio_hidden_states: ``[B, La, Ca]`` audio latent, or ``None``.
             encoder_attention_mask: ``[B, Lt]`` bool, True = real text token; ``None`` = all valid.
-            attention_kwargs: must be ``None`` or empty; the window kernel is a processor option
-                (``set_attn_processor``), the MLP chunk :meth:`enable_forward_chunking`.
+            attention_kwargs: must be ``None`` or empty.
             return_dict: return :class:`Magi2RefinerTransformerOutput` (else a tuple).
 
         Returns:

@@ -141,11 +141,7 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         return pipe
 
     def enable_context_parallel(self, config) -> None:
-        """``enable_parallelism(config=config)`` on the transformer and the refiner (when present).
-
-        Args:
-            config: ``diffusers.ContextParallelConfig(ulysses_degree=N)``, N = the world size.
-        """
+        """``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))`` on the transformer and the refiner."""
         for model in (self.transformer, getattr(self, "refiner", None)):
             if model is not None:
                 model.enable_parallelism(config=config)
@@ -295,15 +291,8 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
     def prepare_timesteps(
         self, num_inference_steps: int, device: torch.device | str | None = None
     ) -> tuple[UniPCMultistepScheduler, UniPCMultistepScheduler, torch.Tensor]:
-        """The video scheduler and a fresh audio one on the same schedule; the scheduler applies the shift
-        once, ``s' = k s / (1 + (k - 1) s)``, timesteps ``int64(1000 s')``.
-
-        Returns:
-            ``(video_scheduler, audio_scheduler, timesteps)``; ``timesteps`` int64 ``[N]``.
-
-        Raises:
-            ValueError: the scheduler is not a flow-prediction UniPC with flow sigmas.
-        """
+        """``(video_scheduler, audio_scheduler, timesteps [N] int64)`` on one schedule; the scheduler applies the shift
+        once, ``s' = k s / (1 + (k - 1) s)`` (ValueError for a scheduler that is not a flow UniPC)."""
         return flow_schedulers(self.scheduler, self.base_sigmas(num_inference_steps), device)
 
     # --- Two-stage (1080p refiner) geometry and settings
@@ -313,15 +302,7 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
     def stage_sizes(
         self, height: int, width: int, preview_height: int | None = None, preview_width: int | None = None
     ) -> tuple[bool, int, int]:
-        """Whether the call runs the refiner, and the preview stage's size
-        (:func:`~diffusers_magi2.pipelines.presets_magi2.resolve_stage_sizes`).
-
-        Returns:
-            ``(refine, denoise_height, denoise_width)`` in pixels.
-
-        Raises:
-            ValueError: only one of ``preview_height``/``preview_width`` given.
-        """
+        """``(refine, denoise_height, denoise_width)`` of a call (:func:`~.presets_magi2.resolve_stage_sizes`)."""
         default_preview = (int(self.config.get("preview_height", 512)), int(self.config.get("preview_width", 896)))
         return resolve_stage_sizes(height, width, preview_height, preview_width, default_preview)
 
@@ -456,14 +437,7 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
 
     @torch.no_grad()
     def encode_reference_image(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Normalised mean latent ``(mu - mean) * (1 / std)`` of the reference image (Wan2.2 VAE tables).
-
-        Args:
-            pixels: ``[B, 3, 1, H, W]`` in [-1, 1].
-
-        Returns:
-            ``[B, 48, 1, H/16, W/16]`` float32.
-        """
+        """Normalised fp32 mean latent ``[B, 48, 1, H/16, W/16]`` of ``pixels`` ``[B, 3, 1, H, W]`` in [-1, 1]."""
         vae = self.vae
         mu = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode().float()
         mean, inv_std = wan_latent_stats(vae, mu.device)
@@ -774,15 +748,8 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         ``Magi2PreviewSampler.prepare_model_input``/``cfg_velocity``, ``use_ref_for_uncond``): the halves differ
         only in the text.
 
-        Args:
-            latents, audio_latents: ``[B, 48, T, h, w]`` / ``[B, L, 64]`` noisy latents (fp32).
-            t: the step's timestep on the 0–1000 scale (0-d or ``[1]`` tensor).
-            prompt_embeds, prompt_attention_mask: ``[B, Lt, C]`` / ``[B, Lt]`` bool.
-            negative_prompt_embeds, negative_prompt_attention_mask: the uncond text (unused without CFG).
-            image_latents, image_embeds: ``[B, 48, 1, hi, wi]`` / ``[B, C]`` I2V conditioning or ``None``.
-
-        Returns:
-            guided ``(video [B, 48, T, h, w], audio [B, L, 64])`` velocities, fp32.
+        Returns guided fp32 ``(video [B, 48, T, h, w], audio [B, L, 64])`` velocities; the arguments are the step's
+        latents, timestep (0-1000), text pairs and I2V conditioning.
         """
         batch = latents.shape[0]
         cfg = self.do_classifier_free_guidance
