@@ -1,11 +1,6 @@
 """diffusers-magi2: SandAI's MAGI-2 Preview as a first-class Hugging Face Diffusers model.
 
-Importing the package imports every module that defines a loadable component, so diffusers'
-loader finds them in ``sys.modules`` when it reads the module paths stored in ``model_index.json``
-(``diffusers_magi2.models.transformer_magi2``, ``…transformer_magi2_refiner``, ``…turbo_vae``,
-``diffusers_magi2.pipelines.pipeline_magi2``). Those module paths are public format: they never move.
-
-Typical use::
+Importing it registers the modules ``model_index.json`` names (public format: they never move). Typical use::
 
     import torch
     from diffusers_magi2 import Magi2Pipeline, export_to_video_with_audio

@@ -368,18 +368,10 @@ def triton_mh_moe_forward(
     the activation dtype (exact); each GEMM's fp32 accumulator is multiplied by its per-output-channel scale.
 
     Args:
-        x: ``[S, H, Dh]`` fp32/bf16/fp16 activations (last dim contiguous).
-        gather_ids: ``[T]`` int32/int64 token index per route, CSR (expert-major) order.
-        probs: ``[T]`` float route weights (``route_scale`` applied).
-        expert_offsets: ``[H*E + 1]`` int CSR offsets.
-        w_gate, w_up: ``[H*E, Dh, De]``; w_down: ``[H*E, De, Dh]`` (any strides).
-        scales: FP8 only, as for the torch path.
-        deterministic: write per-route rows without atomics and sum them per (token, head) in ascending global
-            expert id order (requires every (token, head) to own the same number of routes, as top-k routing
-            gives): bit-identical across runs.
-
-    Returns:
-        ``[S, H, Dh]`` in ``x.dtype``.
+        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales: as for the torch path (``x``'s last dim
+            contiguous, weights of any strides).
+        deterministic: per-route rows without atomics, summed per (token, head) in ascending expert id (top-k
+            routes): bit-identical across runs.
 
     Raises:
         ValueError: bad shapes/dtypes/devices, ``Dh``/``De`` not multiples of 16, CPU tensors without
