@@ -272,12 +272,16 @@ def main(argv=None) -> int:
     )
 
     if int(os.environ.get("RANK", "0")) == 0:
+        # A clip of duration_s != 10 has 4(T - 1) + 1 frames, which can end more than a frame before its audio
+        # (5 s: 61 frames = 4.88 s at 12.5 fps); SandAI muxes both streams as they are. Here the audio is cut
+        # (or padded) to the video's duration, so both streams end together (10 s clips are unchanged).
         path = export_to_video_with_audio(
             output.frames[0],
             args.output,
             audio=output.audio[0],
             fps=output.fps,
             audio_sample_rate=output.audio_sample_rate,
+            trim_or_pad_audio=True,
         )
         info = probe_streams(path)
         print(
@@ -295,7 +299,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def abort_distributed_run() -> None:
+    """After an error: destroy the process group without a barrier (the other ranks may never reach one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    _rc = main()
+    try:
+        _rc = main()
+    except BaseException:
+        abort_distributed_run()
+        raise
     end_distributed_run(_rc)  # distributed: barrier, destroy the group, os._exit on CPU (gloo teardown abort)
     sys.exit(_rc)

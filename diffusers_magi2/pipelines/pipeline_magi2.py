@@ -554,6 +554,8 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             :class:`Magi2PipelineOutput` ``(frames, audio, audio_sample_rate, fps)`` (``fps`` 25 on the refiner path).
             Under context parallelism CP rank 0 alone encodes the text and image (broadcasting them) and decodes;
             the other ranks get ``frames=None`` and ``audio=None`` (the latents with ``output_type="latent"``).
+            With ``config.duration_s`` other than 10 the video can end more than a frame before the audio (5 s: 61
+            frames = 4.88 s), so export it with ``trim_or_pad_audio=True``, as ``examples/generate.py`` does.
 
         Raises:
             ValueError: any bad argument or missing component (:meth:`check_inputs`), before any work starts.

@@ -1,6 +1,7 @@
-"""Bad context-parallel set-ups raise a clear error before any work starts (one process, no process group).
+"""Bad context-parallel set-ups raise a clear error before any work starts.
 
-The multi-rank errors (EP over other ranks than CP, saving a sharded model) are checked in ``test_cp_models.py``.
+The multi-rank errors (EP over other ranks than CP, saving a sharded model) are checked in ``test_cp_models.py``;
+a bad ``--ulysses_degree`` under a two-process launch is checked here.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def test_launch_rules_fail_before_loading():
     with pytest.raises(ValueError, match="--ulysses_degree must be a positive int"):
         context_parallel_from_launch(0)
     assert context_parallel_from_launch(None) is None and context_parallel_from_launch(1) is None
+    with pytest.raises(ValueError, match="--ep_degree 3 must divide the context-parallel degree 1"):
+        context_parallel_from_launch(None, 3)
     # the pipeline checks the degree before it looks for the weights
     with pytest.raises(ValueError, match="must equal the world size"):
         Magi2Pipeline.from_pretrained("/nonexistent/repo", context_parallel=ContextParallelConfig(ulysses_degree=2))
@@ -75,3 +78,15 @@ def test_generate_script_refuses_a_bad_ulysses_degree_before_loading(tmp_path):
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert res.returncode != 0 and not out.exists()
     assert "--ulysses_degree 2 requested but this run has 1 process(es)" in res.stderr
+
+
+def test_generate_under_a_launcher_refuses_a_bad_ulysses_degree_on_every_rank(tmp_path):
+    """Two launched processes, --ulysses_degree 3: both stop with the error before any weight loads, destroying
+    their process group (the run ends well inside the timeout: nothing waits on a dead group)."""
+    from test_ep_accelerate_launch import GENERATE, _multi_cpu, _run
+
+    out = tmp_path / "never.mp4"
+    res = _run(_multi_cpu(GENERATE, "--prompt", "x", "--ulysses_degree", "3", "--output", str(out)), tmp_path, 180)
+    assert res.returncode != 0 and not out.exists()
+    assert res.stderr.count("--ulysses_degree 3 requested but this run has 2 process(es)") == 2
+    assert "wrote " not in res.stdout

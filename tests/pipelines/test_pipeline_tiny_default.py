@@ -59,6 +59,27 @@ def test_generate_main_job_writes_a_10s_clip(tmp_path, capsys):
     assert "main job wall time:" in printed and "tiny default" in printed
 
 
+def test_generate_main_job_writes_a_5s_clip_with_audio_cut_to_the_video(tmp_path, monkeypatch):
+    """duration_s = 5: 61 frames (4.88 s at 12.5 fps, as SandAI's latent lengths give) against 5.0 s of audio;
+    the main job cuts the audio to the video's duration instead of failing the export's duration check."""
+    generate = load_generate()
+    load = generate.load_pipeline
+
+    def load_5s(args):
+        pipe, defaults = load(args)
+        pipe.register_to_config(duration_s=5.0)
+        return pipe, defaults
+
+    monkeypatch.setattr(generate, "load_pipeline", load_5s)
+    out = tmp_path / "tiny_5s.mp4"
+    rc = generate.main(["--prompt", "A red fox", "--output", str(out), "--height", "32", "--width", "48",
+                        "--num_inference_steps", "1"])
+    assert rc == 0
+    info = probe_streams(out)
+    assert info["video_frames"] == 61 and info["fps"] == Fraction(25, 2)
+    assert abs(info["audio_stream_duration_s"] - 61 / 12.5) <= 0.08  # AAC frames pad by < 1024 samples
+
+
 def test_generate_rejects_bad_size_before_work(tmp_path):
     generate = load_generate()
     with pytest.raises(ValueError, match="multiple of 16"):
