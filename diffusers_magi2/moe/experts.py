@@ -2,9 +2,10 @@
 
 The math is :mod:`diffusers_magi2.moe.reference` (SandAI ``_mh_moe_fwd_kernel``, with its rounding points).
 ``"torch"`` computes the same bits with reused buffers and ``out=`` GEMMs, reading the expert offsets on the host
-once per call. ``"torch_grouped"`` has no host sync (for context parallelism): one ``torch._grouped_mm`` per
-projection over all experts with device-side offsets, the ``k`` routes of each (token, head) summed in ascending
-expert id; it needs top-k routes, and its one-block swiglu7 may differ from the per-expert one in the last fp32 bit.
+once per call. ``"torch_grouped"`` has no host sync (for context parallelism): per head, one ``torch._grouped_mm``
+per projection over that head's experts with device-side offsets, the ``k`` routes of each (token, head) summed in
+ascending expert id; it needs top-k routes, and its one-block swiglu7 may differ from the per-expert one in the last
+fp32 bit.
 ``torch.ops.diffusers_magi2.mh_moe_experts`` is the expert call as a ``torch.library.custom_op`` (fake and backward
 ops, so ``torch.compile(fullgraph=True)`` traces a whole MoE block).
 """
@@ -252,14 +253,20 @@ def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: tor
     out_head.zero_().index_add_(0, tokens, contrib)
 
 
+def _head_bank(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """One head's expert bank ``[E, K, N]`` in fp32 (FP8 dequantized as :func:`dequantize_expert` does)."""
+    return weight.float() if scale is None else weight.float().mul_(scale.unsqueeze(1))
+
+
 def _grouped_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales=None) -> torch.Tensor:
-    """The ``"torch_grouped"`` backend (module docstring): no offset, count or index leaves the device.
+    """The ``"torch_grouped"`` backend (module docstring): no offset, count or index leaves the device; one
+    head's experts are upcast at a time (top-k routes put head ``h``'s ``S·k`` routes at rows ``h·S·k``).
 
     Raises:
         ValueError: ``T`` is not a multiple of ``S·H`` (not top-k routes).
     """
     num_tokens, num_heads, head_dim = x.shape
-    num_flat, num_routes = w_gate.shape[0], gather_ids.numel()
+    num_routes = gather_ids.numel()
     if num_routes == 0 or num_tokens == 0:
         return torch.zeros_like(x, memory_format=torch.contiguous_format)
     if num_routes % (num_tokens * num_heads):
@@ -268,30 +275,31 @@ def _grouped_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down,
             f"T={num_routes} is not a multiple of S*H={num_tokens * num_heads}"
         )
     top_k = num_routes // (num_tokens * num_heads)
+    per_head, num_experts = num_tokens * top_k, w_gate.shape[0] // num_heads
     f32 = torch.float32
-    ends = expert_offsets[1:]
-    route = torch.arange(num_routes, device=x.device, dtype=ends.dtype)
-    head = torch.searchsorted(ends, route, right=True).div_(num_flat // num_heads, rounding_mode="floor")
-    tokens = gather_ids.to(torch.int64)
-    rows = x[tokens, head].to(f32)  # [T, Dh], CSR order (upcast exact)
-    scales = (None, None, None) if scales is None else scales
-    wg, wu, wd = (
-        w.to(f32) if s is None else w.to(f32).mul_(s.unsqueeze(1))  # FP8: dequantized as dequantize_expert does
-        for w, s in zip((w_gate, w_up, w_down), scales)
-    )
-    offs = ends.to(torch.int32)
-    hidden = swiglu7(torch._grouped_mm(rows, wg, offs=offs), torch._grouped_mm(rows, wu, offs=offs))
     round_to = hidden_dtype(w_down.dtype, x.dtype)
-    if round_to != f32:
-        hidden = hidden.to(round_to).float()
-    contrib = torch._grouped_mm(hidden, wd, offs=offs).mul_(probs.to(f32).unsqueeze(1)).to(x.dtype)
-    # (head, token)-major with a stable sort: each (token, head)'s k rows stay in CSR (= ascending expert) order
-    order = torch.sort(head * num_tokens + tokens, stable=True).indices
-    per_token = contrib.index_select(0, order).view(num_heads, num_tokens, top_k, head_dim)
-    total = per_token[:, :, 0].clone()
-    for j in range(1, top_k):
-        total.add_(per_token[:, :, j])
-    return total.permute(1, 0, 2).contiguous()
+    scales = (None, None, None) if scales is None else scales
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=x.dtype, device=x.device)
+    for h in range(num_heads):
+        lo, experts = h * per_head, slice(h * num_experts, (h + 1) * num_experts)
+        wg, wu, wd = (
+            _head_bank(w[experts], None if s is None else s[experts]) for w, s in zip((w_gate, w_up, w_down), scales)
+        )
+        offs = (expert_offsets[experts.start + 1 : experts.stop + 1] - lo).to(torch.int32)
+        tokens = gather_ids[lo : lo + per_head].to(torch.int64)
+        rows = x[tokens, h].to(f32)  # [S·k, Dh], this head's CSR block (upcast exact)
+        hidden = swiglu7(torch._grouped_mm(rows, wg, offs=offs), torch._grouped_mm(rows, wu, offs=offs))
+        if round_to != f32:
+            hidden = hidden.to(round_to).float()
+        contrib = torch._grouped_mm(hidden, wd, offs=offs).mul_(probs[lo : lo + per_head].to(f32).unsqueeze(1))
+        contrib = contrib.to(x.dtype)
+        # token-major with a stable sort: each token's k rows stay in CSR (= ascending expert) order
+        per_token = contrib.index_select(0, torch.sort(tokens, stable=True).indices).view(num_tokens, top_k, head_dim)
+        total = out[:, h]
+        total.copy_(per_token[:, 0])
+        for j in range(1, top_k):
+            total.add_(per_token[:, j])
+    return out
 
 
 # --------------------------------------------------------------------------------------------- the custom op

@@ -96,3 +96,25 @@ def test_grouped_backend_empty_and_bad_input() -> None:
     assert empty.shape == (0, 2, 16) and empty.dtype == torch.float32
     with pytest.raises(ValueError, match="needs top-k routes"):  # 23 routes over 6 tokens x 2 heads
         _experts("torch_grouped", x, (gather_ids[:23], probs_sorted[:23], offsets.clamp(max=23)), weights)
+
+
+def test_grouped_backend_upcasts_one_heads_experts_at_a_time(monkeypatch) -> None:
+    """Never the whole bank in fp32: each upcast holds the ``E`` experts of one head (FP8 dequantized likewise)."""
+    import diffusers_magi2.moe.experts as experts
+
+    num_heads, num_experts = 3, 5
+    x, probs, idx, *weights = random_case(12, num_heads, num_experts, 2, 16, 24, torch.bfloat16)
+    routes = global_sort_routes(probs, idx, num_experts)
+    quantized = [quantize_fp8(w) for w in weights]
+    upcast_rows = []
+    original = experts._head_bank
+
+    def recording(weight, scale):
+        upcast_rows.append(weight.shape[0])
+        return original(weight, scale)
+
+    monkeypatch.setattr(experts, "_head_bank", recording)
+    got = _experts("torch_grouped", x, routes, [q for q, _ in quantized], [s for _, s in quantized])
+    assert upcast_rows == [num_experts] * (3 * num_heads)
+    monkeypatch.setattr(experts, "_head_bank", original)
+    torch.testing.assert_close(got, _experts("torch", x, routes, [q for q, _ in quantized], [s for _, s in quantized]))
