@@ -50,12 +50,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output_height", type=int, default=None,
                         help="optional bilinear resize of the decoded frames (with --output_width, e.g. 1080)")
     parser.add_argument("--output_width", type=int, default=None, help="see --output_height (e.g. 1920)")
-    parser.add_argument("--guidance_scale", type=float, default=5.0, help="video CFG scale")
-    parser.add_argument("--audio_guidance_scale", type=float, default=7.0, help="audio CFG scale")
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--guidance_scale", type=float, default=5.0, help="video CFG scale (default 5.0)")
+    parser.add_argument("--audio_guidance_scale", type=float, default=7.0, help="audio CFG scale (default 7.0)")
+    parser.add_argument("--seed", type=int, default=42, help="seed of the noise generator (default 42)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="compute dtype of the models (default: --model bfloat16 on CUDA, float32 on CPU; the "
-                             "tiny default float32); fp32 islands, the Wan2.2 VAE and the Oobleck decoder stay float32")
+                        help="compute dtype of the models (unset: with --model, bfloat16 on CUDA and float32 on "
+                             "CPU; the tiny default: float32); fp32 islands, the Wan2.2 VAE and the Oobleck decoder "
+                             "stay float32")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--output", required=True, help="output .mp4 path")
     parser.add_argument("--ep_degree", type=int, default=None,
@@ -289,7 +290,8 @@ def main(argv=None) -> int:
             f"{float(info['fps'])} fps "
             f"({info['video_duration_s']:.2f} s), audio {info.get('audio_sample_rate')} Hz x "
             f"{info.get('audio_channels')} ch ({info.get('audio_stream_duration_s', 0.0):.2f} s), "
-            f"{steps} steps, model {'tiny default (random weights)' if args.model is None else args.model}"
+            f"{steps} step{'' if steps == 1 else 's'}, "
+            f"model {'tiny default (random weights)' if args.model is None else args.model}"
         )
         if args.expert_parallel is not None:
             print(f"expert parallel: routed experts split over {args.expert_parallel.ep_degree} ranks")
