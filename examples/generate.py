@@ -144,47 +144,6 @@ def pretrained_dtype(dtype_name: str):
     return {"default": dtype, "vae": torch.float32, "audio_vae": torch.float32}
 
 
-def expert_parallel_from_launch(ep_degree=None):
-    """The ``--ep_degree`` rule: an EP config matching how the script was launched (``None``: no EP).
-
-    ``ep_degree=None``: the world size when launched distributed (``WORLD_SIZE > 1``, set by ``accelerate launch
-    --multi_gpu`` / ``torchrun``), else no EP. An explicit ``ep_degree`` must divide the world size; in particular
-    ``accelerate launch --cpu --num_processes 2`` starts ONE process, and ``--ep_degree 2`` then raises instead of
-    silently running unsharded. The returned config is already resolved (process group, ``"ep"`` mesh).
-
-    Raises:
-        ValueError: ``ep_degree`` does not divide the launched world size, or is not a positive int.
-    """
-    import torch.distributed as dist
-
-    from diffusers_magi2 import Magi2ExpertParallelConfig
-    from diffusers_magi2.parallel.expert_parallel import resolve_expert_parallel
-
-    if dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size()
-    else:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if ep_degree is None:
-        if world == 1:
-            return None
-        ep_degree = world
-    if isinstance(ep_degree, bool) or not isinstance(ep_degree, int) or ep_degree < 1:
-        raise ValueError(f"--ep_degree must be a positive int, got {ep_degree!r}")
-    if world % ep_degree:
-        raise ValueError(
-            f"--ep_degree {ep_degree} requested but this run has {world} process(es), which it does not divide. "
-            "Launch one process per rank: "
-            f"`accelerate launch --multi_gpu --num_processes {ep_degree} examples/generate.py ...` (also on CPU; "
-            "`accelerate launch --cpu` starts a single process) or `torchrun --nproc_per_node "
-            f"{ep_degree} examples/generate.py ...`."
-        )
-    if ep_degree == 1:
-        return None
-    config = Magi2ExpertParallelConfig(ep_degree=ep_degree)
-    resolve_expert_parallel(config)
-    return config
-
-
 def end_distributed_run(exit_code: int = 0) -> None:
     """End a distributed run cleanly: barrier, destroy the default process group, then on CPU ``os._exit``.
 
@@ -208,6 +167,7 @@ def load_pipeline(args):
     """The tiny default (no ``--model``) or a converted repo; returns ``(pipe, call_defaults)``."""
     from diffusers_magi2 import Magi2Pipeline
     from diffusers_magi2.parallel.context_parallel_runtime import context_parallel_from_launch
+    from diffusers_magi2.parallel.expert_parallel import expert_parallel_from_launch
     from diffusers_magi2.parallel.expert_parallel import ep_device
     from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
     from diffusers_magi2.utils.dtype_utils import parse_dtype

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .context_parallel import Magi2SequenceShardPlan, gather_sequence_shards, plan_sequence_shards
 from .context_parallel_attention import ulysses_attention, ulysses_head_layout
 from .context_parallel_experts import ep_replica_heads_forward, ep_replica_layout
-from .expert_parallel import _launched_world_size
+from .expert_parallel import _check_launch_degree, _launched_world_size, _run_world_size
 
 __all__ = [
     "Magi2ContextParallelGroup",
@@ -137,10 +137,9 @@ def context_parallel_from_launch(ulysses_degree: Optional[int] = None, ep_degree
     """
     from diffusers import ContextParallelConfig
 
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else _launched_world_size()
+    world = _run_world_size()
     degree = world if ulysses_degree is None else ulysses_degree
-    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise ValueError(f"--ulysses_degree must be a positive int, got {ulysses_degree!r}")
+    _check_launch_degree(degree, "--ulysses_degree")
     if degree != world:
         raise ValueError(
             f"--ulysses_degree {degree} requested but this run has {world} process(es); the context-parallel degree "

@@ -28,6 +28,7 @@ __all__ = [
     "ep_gather_heads",
     "ep_head_layout",
     "ep_undispatch",
+    "expert_parallel_from_launch",
     "expert_parallel_heads_forward",
     "resolve_expert_parallel",
     "warn_if_idle",
@@ -130,6 +131,48 @@ def _launched_world_size() -> int:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         return 1
+
+
+def _run_world_size() -> int:
+    """World size of the initialised default group, else the launcher's (:func:`_launched_world_size`)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else _launched_world_size()
+
+
+def _check_launch_degree(value: Any, flag: str) -> None:
+    """A launch-rule degree (``--ep_degree`` / ``--ulysses_degree``) must be a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{flag} must be a positive int, got {value!r}")
+
+
+def expert_parallel_from_launch(ep_degree: Optional[int] = None) -> Optional[Magi2ExpertParallelConfig]:
+    """The ``--ep_degree`` rule of ``examples/generate.py``: a resolved EP config, or ``None`` for no EP.
+
+    ``None`` means the world size when launched distributed (``WORLD_SIZE > 1``, set by ``accelerate launch
+    --multi_gpu`` / ``torchrun``), else no EP. ``accelerate launch --cpu --num_processes 2`` starts ONE process, so
+    ``--ep_degree 2`` then raises instead of running unsharded.
+
+    Raises:
+        ValueError: ``ep_degree`` is not a positive int, or does not divide the launched world size.
+    """
+    world = _run_world_size()
+    if ep_degree is None:
+        if world == 1:
+            return None
+        ep_degree = world
+    _check_launch_degree(ep_degree, "--ep_degree")
+    if world % ep_degree:
+        raise ValueError(
+            f"--ep_degree {ep_degree} requested but this run has {world} process(es), which it does not divide. "
+            "Launch one process per rank: "
+            f"`accelerate launch --multi_gpu --num_processes {ep_degree} examples/generate.py ...` (also on CPU; "
+            "`accelerate launch --cpu` starts a single process) or `torchrun --nproc_per_node "
+            f"{ep_degree} examples/generate.py ...`."
+        )
+    if ep_degree == 1:
+        return None
+    config = Magi2ExpertParallelConfig(ep_degree=ep_degree)
+    resolve_expert_parallel(config)
+    return config
 
 
 def resolve_expert_parallel(config: Magi2ExpertParallelConfig) -> Magi2ExpertParallelGroup:

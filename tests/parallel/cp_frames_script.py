@@ -11,13 +11,14 @@ import numpy as np
 import torch
 
 from diffusers_magi2.parallel.context_parallel_runtime import context_parallel_from_launch
+from diffusers_magi2.parallel.expert_parallel import expert_parallel_from_launch
 from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 
-# the example script's launch rules and teardown, not copies of them
+# the example script's teardown, not a copy of it
 _spec = importlib.util.spec_from_file_location("magi2_generate", Path(__file__).parents[2] / "examples" / "generate.py")
 _generate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_generate)
-expert_parallel_from_launch, end_distributed_run = _generate.expert_parallel_from_launch, _generate.end_distributed_run
+end_distributed_run = _generate.end_distributed_run
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
