@@ -16,5 +16,6 @@ import sys
 
 from diffusers_magi2.conversion.cli import main
 
+
 if __name__ == "__main__":
     sys.exit(main())

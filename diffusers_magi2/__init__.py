@@ -13,6 +13,7 @@ Importing it registers the modules ``model_index.json`` names (public format: th
 
 from __future__ import annotations
 
+
 __version__ = "0.1.0.dev0"
 
 from .models.transformer_magi2 import Magi2Transformer3DModel, Magi2TransformerOutput
@@ -27,6 +28,7 @@ from .pipelines.pipeline_magi2 import Magi2Pipeline
 from .pipelines.pipeline_output import Magi2PipelineOutput
 from .pipelines.tiny_default import build_tiny_default_pipeline
 from .utils.export import export_to_video_with_audio
+
 
 __all__ = [
     "Magi2ExpertParallelConfig",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 
+
 _START = time.perf_counter()
 
 
@@ -44,27 +45,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num_inference_steps", type=int, default=None, help="default: 100, or the tiny default's")
     parser.add_argument("--height", type=int, default=None, help="pixels, multiple of 16 (default 512, tiny: its own)")
     parser.add_argument("--width", type=int, default=None, help="pixels, multiple of 16 (default 896, tiny: its own)")
-    parser.add_argument("--resolution", choices=["272p", "540p", "1080p"], default=None,
-                        help="preset instead of --height/--width: 272p = 256x448, 540p = 512x896, 1080p = 1088x1920 "
-                             "(preview 512x896, then the refiner stage; needs a repo with the refiner; 25 fps)")
-    parser.add_argument("--output_height", type=int, default=None,
-                        help="optional bilinear resize of the decoded frames (with --output_width, e.g. 1080)")
+    parser.add_argument(
+        "--resolution",
+        choices=["272p", "540p", "1080p"],
+        default=None,
+        help="preset instead of --height/--width: 272p = 256x448, 540p = 512x896, 1080p = 1088x1920 "
+        "(preview 512x896, then the refiner stage; needs a repo with the refiner; 25 fps)",
+    )
+    parser.add_argument(
+        "--output_height",
+        type=int,
+        default=None,
+        help="optional bilinear resize of the decoded frames (with --output_width, e.g. 1080)",
+    )
     parser.add_argument("--output_width", type=int, default=None, help="see --output_height (e.g. 1920)")
     parser.add_argument("--guidance_scale", type=float, default=5.0, help="video CFG scale (default 5.0)")
     parser.add_argument("--audio_guidance_scale", type=float, default=7.0, help="audio CFG scale (default 7.0)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the noise generator (default 42)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="compute dtype of the models (unset: with --model, bfloat16 on CUDA and float32 on "
-                             "CPU; the tiny default: float32); fp32 islands, the Wan2.2 VAE and the Oobleck decoder "
-                             "stay float32")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="compute dtype of the models (unset: with --model, bfloat16 on CUDA and float32 on "
+        "CPU; the tiny default: float32); fp32 islands, the Wan2.2 VAE and the Oobleck decoder "
+        "stay float32",
+    )
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--output", required=True, help="output .mp4 path")
-    parser.add_argument("--ep_degree", type=int, default=None,
-                        help="expert-parallel ranks (default: the world size under accelerate launch/torchrun, "
-                             "else 1); must divide the number of launched processes (replicas of EP groups)")
-    parser.add_argument("--ulysses_degree", type=int, default=None,
-                        help="context-parallel (Ulysses) ranks of both transformers (default: the world size under "
-                             "accelerate launch/torchrun, else 1); must equal the number of launched processes")
+    parser.add_argument(
+        "--ep_degree",
+        type=int,
+        default=None,
+        help="expert-parallel ranks (default: the world size under accelerate launch/torchrun, "
+        "else 1); must divide the number of launched processes (replicas of EP groups)",
+    )
+    parser.add_argument(
+        "--ulysses_degree",
+        type=int,
+        default=None,
+        help="context-parallel (Ulysses) ranks of both transformers (default: the world size under "
+        "accelerate launch/torchrun, else 1); must equal the number of launched processes",
+    )
     args = parser.parse_args(argv)
     check_output_path(args.output)
     if args.device is not None:
@@ -93,10 +114,14 @@ def check_device(device: str) -> None:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            raise ValueError(f"--device {device!r}: no CUDA device is available (torch {torch.__version__}, {build}); "
-                             "use --device cpu, or leave --device out to pick cuda when present")
+            raise ValueError(
+                f"--device {device!r}: no CUDA device is available (torch {torch.__version__}, {build}); "
+                "use --device cpu, or leave --device out to pick cuda when present"
+            )
         if dev.index is not None and dev.index >= count:
-            raise ValueError(f"--device {device!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+            raise ValueError(
+                f"--device {device!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
         return
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if accelerator is None or accelerator.type != dev.type:
@@ -167,8 +192,7 @@ def load_pipeline(args):
     """The tiny default (no ``--model``) or a converted repo; returns ``(pipe, call_defaults)``."""
     from diffusers_magi2 import Magi2Pipeline
     from diffusers_magi2.parallel.context_parallel_runtime import context_parallel_from_launch
-    from diffusers_magi2.parallel.expert_parallel import expert_parallel_from_launch
-    from diffusers_magi2.parallel.expert_parallel import ep_device
+    from diffusers_magi2.parallel.expert_parallel import ep_device, expert_parallel_from_launch
     from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
     from diffusers_magi2.utils.dtype_utils import parse_dtype
 
@@ -189,7 +213,9 @@ def load_pipeline(args):
     else:
         dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         pipe = Magi2Pipeline.from_pretrained(
-            args.model, dtype=pretrained_dtype(dtype_name), expert_parallel=expert_parallel,
+            args.model,
+            dtype=pretrained_dtype(dtype_name),
+            expert_parallel=expert_parallel,
             context_parallel=context_parallel,
         )
         defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
@@ -256,8 +282,12 @@ def main(argv=None) -> int:
         if args.expert_parallel is not None:
             print(f"expert parallel: routed experts split over {args.expert_parallel.ep_degree} ranks")
         if args.context_parallel is not None:
-            print(f"context parallel: packed sequence split over {args.context_parallel.ulysses_degree} ranks (Ulysses)")
-        print(f"main job wall time: {_seconds_since_process_start():.1f} s (script start to mp4 written, imports included)")
+            print(
+                f"context parallel: packed sequence split over {args.context_parallel.ulysses_degree} ranks (Ulysses)"
+            )
+        print(
+            f"main job wall time: {_seconds_since_process_start():.1f} s (script start to mp4 written, imports included)"
+        )
     return 0
 
 

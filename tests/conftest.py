@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("MAGI2_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures"))

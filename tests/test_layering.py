@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+
 PACKAGE = Path(__file__).resolve().parents[1] / "diffusers_magi2"
 LAYERS = ("utils", "parallel", "moe", "loaders", "models", "pipelines", "conversion")
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import tomllib
+from conftest import REPO_ROOT
 
 import diffusers_magi2
-from conftest import REPO_ROOT
 
 
 def test_pyproject_keeps_torch_and_triton_loose():
@@ -23,6 +23,10 @@ def test_ci_runs_the_readme_test_command():
     readme = (REPO_ROOT / "README.md").read_text()
     block = readme.split("<!-- test-command -->", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
     assert "pytest" in block and "ci-constraints.txt" in block
+    # diffusers' linter settings (pyproject [tool.ruff]) gate the tests: both ruff steps run before pytest
+    assert block.index("ruff check .") < block.index("ruff format --check .") < block.index("pytest")
+    ruff = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["ruff"]
+    assert ruff["line-length"] == 119 and ruff["lint"]["select"] == ["C", "E", "F", "I", "W"]
     assert "test-command" in (REPO_ROOT / ".ci" / "run").read_text()
 
 

@@ -35,6 +35,7 @@ from .repo import (
     push_folder_to_hub,
 )
 
+
 __all__ = ["build_parser", "main", "request_from_args"]
 
 _PART_FLAGS = {
@@ -54,28 +55,61 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert SandAI's MAGI-2 Preview release into a Hub-loadable diffusers repository.",
     )
     src = p.add_argument_group("inputs (each per-part flag works alone, without --checkpoint_root)")
-    src.add_argument("--checkpoint_root", type=Path, help="SandAI release root: preview/, refiner/, vae/Wan2.2_VAE.pth, turbo_vae/, stable-audio-open-1.0/, text_encoder/")
+    src.add_argument(
+        "--checkpoint_root",
+        type=Path,
+        help="SandAI release root: preview/, refiner/, vae/Wan2.2_VAE.pth, turbo_vae/, stable-audio-open-1.0/, text_encoder/",
+    )
     src.add_argument("--preview_dir", type=Path, help="preview transformer shards + model.safetensors.index.json")
     src.add_argument("--refiner_dir", type=Path, help="refiner shards + index")
     src.add_argument("--vae_path", type=Path, help="Wan2.2_VAE.pth")
     src.add_argument("--turbo_vae_dir", type=Path, help="TurboVAE folder (JSON config + checkpoint.ckpt)")
-    src.add_argument("--audio_vae_dir", type=Path, help="stable-audio-open-1.0 folder (model_config.json + model.safetensors)")
+    src.add_argument(
+        "--audio_vae_dir", type=Path, help="stable-audio-open-1.0 folder (model_config.json + model.safetensors)"
+    )
     src.add_argument("--text_encoder_dir", type=Path, help="Qwen3.5 text encoder folder (transformers format)")
-    src.add_argument("--config", type=Path, help="SandAI JSON (preview or refiner; 'extends' resolved) for transformer/refiner; default: the released configs")
+    src.add_argument(
+        "--config",
+        type=Path,
+        help="SandAI JSON (preview or refiner; 'extends' resolved) for transformer/refiner; default: the released configs",
+    )
     p.add_argument("--output_path", type=Path, required=True, help="repository folder to create")
-    p.add_argument("--components", help=f"comma list of {','.join(ALL_COMPONENTS)} (default: all whose inputs are given, plus scheduler)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="keep", help="output dtype; fp32 islands always stay fp32 (default: keep)")
-    p.add_argument("--expert_dtype", choices=tuple(EXPERT_DTYPE_CHOICES), default=None,
-                   help="store the transformer's routed experts in FP8 e4m3 with fp32 scales (default: as --dtype)")
+    p.add_argument(
+        "--components",
+        help=f"comma list of {','.join(ALL_COMPONENTS)} (default: all whose inputs are given, plus scheduler)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="keep",
+        help="output dtype; fp32 islands always stay fp32 (default: keep)",
+    )
+    p.add_argument(
+        "--expert_dtype",
+        choices=tuple(EXPERT_DTYPE_CHOICES),
+        default=None,
+        help="store the transformer's routed experts in FP8 e4m3 with fp32 scales (default: as --dtype)",
+    )
     p.add_argument("--max_shard_size", default="5GB", help="output shard size limit, e.g. 5GB, 500MB (default: 5GB)")
-    p.add_argument("--dry_run", action="store_true", help="read headers only, print the key plan and shard layout, write nothing")
-    p.add_argument("--audio_vae_encoder", choices=("strict", "zeros"), default="strict",
-                   help="Stable Audio encoder not representable in AutoencoderOobleck: 'strict' fails, 'zeros' writes a zero "
-                        "encoder (MAGI-2 only decodes audio); default strict")
+    p.add_argument(
+        "--dry_run", action="store_true", help="read headers only, print the key plan and shard layout, write nothing"
+    )
+    p.add_argument(
+        "--audio_vae_encoder",
+        choices=("strict", "zeros"),
+        default="strict",
+        help="Stable Audio encoder not representable in AutoencoderOobleck: 'strict' fails, 'zeros' writes a zero "
+        "encoder (MAGI-2 only decodes audio); default strict",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output_path")
-    p.add_argument("--verbose", action="store_true",
-                   help="on a checkpoint that does not match its config, list every problem (default: a summary)")
-    p.add_argument("--push_to_hub", action="store_true", help="upload the result with huggingface_hub (needs --repo_id)")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="on a checkpoint that does not match its config, list every problem (default: a summary)",
+    )
+    p.add_argument(
+        "--push_to_hub", action="store_true", help="upload the result with huggingface_hub (needs --repo_id)"
+    )
     p.add_argument("--repo_id", help="Hub repository id, e.g. org/MAGI-2-preview-diffusers")
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
     return p
@@ -125,7 +159,9 @@ def request_from_args(args: argparse.Namespace, log=print) -> ConversionRequest:
         overwrite=args.overwrite,
         dry_run=args.dry_run,
         repo_id=args.repo_id,
-        component_options={"audio_vae": {"audio_encoder": args.audio_vae_encoder}} if "audio_vae" in components else {},
+        component_options={"audio_vae": {"audio_encoder": args.audio_vae_encoder}}
+        if "audio_vae" in components
+        else {},
     )
 
 
@@ -142,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
                 push_folder_to_hub(out, args.repo_id, private=args.private)
     except Exception as err:  # noqa: BLE001 - every failure becomes a message and a non-zero exit
         kind = "" if isinstance(err, ValueError) else f"{type(err).__name__}: "
-        text = err.report(verbose=args.verbose) if isinstance(err, (ConversionValidationError, CheckpointValidationError)) else err
+        text = (
+            err.report(verbose=args.verbose)
+            if isinstance(err, (ConversionValidationError, CheckpointValidationError))
+            else err
+        )
         print(f"magi2-convert: error: {kind}{text}", file=sys.stderr)
         return 1
     return 0

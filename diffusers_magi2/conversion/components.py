@@ -25,13 +25,14 @@ import math
 import pickle
 import re
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
 from ..models.turbo_vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, Magi2TurboVAEDecoder
 from ..utils.dtype_utils import convert_dtype
 from .components_text import _output_dir, convert_text_encoder, key_problems
+
 
 __all__ = [
     "convert_stable_audio_vae",
@@ -85,9 +86,7 @@ def _check_against_model(
     problems += key_problems(expected, {k: tuple(v.shape) for k, v in state.items()}, what)
 
 
-def _load_and_save(
-    model: torch.nn.Module, state: Dict[str, torch.Tensor], out_dir: PathLike, what: str
-) -> Path:
+def _load_and_save(model: torch.nn.Module, state: Dict[str, torch.Tensor], out_dir: PathLike, what: str) -> Path:
     """Strict-load ``state`` (tensors assigned, so their dtypes are kept) and ``save_pretrained`` it."""
     problems: List[str] = []
     _check_against_model(model, state, what, problems)
@@ -360,7 +359,9 @@ def turbo_vae_config_from_json(turbo_dir: PathLike) -> Tuple[dict, Path]:
     return config, path
 
 
-def turbo_vae_state_dict_from_checkpoint(ckpt: object, path: PathLike = "checkpoint") -> Tuple[Dict[str, torch.Tensor], List[str]]:
+def turbo_vae_state_dict_from_checkpoint(
+    ckpt: object, path: PathLike = "checkpoint"
+) -> Tuple[Dict[str, torch.Tensor], List[str]]:
     """The decoder weights of a TurboVAE training checkpoint, as SandAI ``get_turbo_vaed`` picks them (EMA first,
     ``module.`` stripped, training-only tensors dropped and reported).
 
@@ -384,7 +385,7 @@ def turbo_vae_state_dict_from_checkpoint(ckpt: object, path: PathLike = "checkpo
     tensors = _tensor_items(chosen, Path(str(path)))
     state, dropped, unknown = {}, [], []
     for key, value in tensors.items():
-        name = key[len("module."):] if key.startswith("module.") else key
+        name = key[len("module.") :] if key.startswith("module.") else key
         if name.startswith("decoder."):
             state[name] = value
         elif name.startswith(TURBO_TRAINING_ONLY_PREFIXES):
@@ -408,7 +409,9 @@ def convert_turbo_vae(turbo_dir: PathLike, out_dir: PathLike, dtype: str = "keep
     config, _ = turbo_vae_config_from_json(folder)
     ckpts = sorted(p for ext in ("*.ckpt", "*.pt", "*.pth") for p in folder.glob(ext))
     if len(ckpts) != 1:
-        raise ValueError(f"{folder}: expected exactly one checkpoint (*.ckpt/*.pt/*.pth), found {[p.name for p in ckpts]}")
+        raise ValueError(
+            f"{folder}: expected exactly one checkpoint (*.ckpt/*.pt/*.pth), found {[p.name for p in ckpts]}"
+        )
     state, dropped = turbo_vae_state_dict_from_checkpoint(load_pickle_state(ckpts[0]), ckpts[0])
     if dropped:
         logger.info("TurboVAE: dropped %d training-only tensors (%s...)", len(dropped), dropped[0])
@@ -461,7 +464,9 @@ def oobleck_config_from_sao(model_config: Mapping) -> Tuple[dict, bool]:
     if dec_c.get("out_channels", 2) != audio_channels:
         problems.append(f"encoder in_channels {audio_channels} != decoder out_channels {dec_c.get('out_channels')}")
     if 2 * int(dec_c.get("latent_dim", 0)) != int(enc_c.get("latent_dim", -1)):
-        problems.append(f"encoder latent_dim {enc_c.get('latent_dim')} != 2 x decoder latent_dim {dec_c.get('latent_dim')}")
+        problems.append(
+            f"encoder latent_dim {enc_c.get('latent_dim')} != 2 x decoder latent_dim {dec_c.get('latent_dim')}"
+        )
     if problems:
         raise ValueError("Stable Audio VAE not representable as AutoencoderOobleck: " + "; ".join(problems))
     config = {
@@ -604,7 +609,7 @@ def convert_stable_audio_vae(
     folder = Path(sao_dir)
     weights = folder / "model.safetensors"
     with safe_open(str(weights), framework="pt") as f:
-        source = {k[len(SAO_PREFIX):]: f.get_tensor(k) for k in f.keys() if k.startswith(SAO_PREFIX)}
+        source = {k[len(SAO_PREFIX) :]: f.get_tensor(k) for k in f.keys() if k.startswith(SAO_PREFIX)}
     if not source:
         raise ValueError(f"{weights}: no '{SAO_PREFIX}*' tensors")
     num_blocks = len(config["channel_multiples"])
@@ -623,7 +628,8 @@ def convert_stable_audio_vae(
         provided = [k for k in target if k.startswith("encoder.")]
         logger.warning(
             "Stable Audio encoder not representable in AutoencoderOobleck: its %d tensors are replaced by zeros "
-            "(decoder converted exactly)", len(provided),
+            "(decoder converted exactly)",
+            len(provided),
         )
         target = {k: v for k, v in target.items() if not k.startswith("encoder.")}
         ref_dtype = next(iter(target.values())).dtype

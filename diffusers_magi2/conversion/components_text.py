@@ -19,6 +19,7 @@ import torch
 from ..utils.dtype_utils import convert_dtype
 from ..utils.safetensors_io import read_index, read_safetensors_header
 
+
 __all__ = ["TOKENIZER_FILES", "convert_text_encoder", "text_encoder_layout"]
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def _weight_files(src: Path) -> Tuple[Dict[str, str], Optional[Path]]:
     weight_map = read_index(src, "model.safetensors.index.json", "model.safetensors")
     if weight_map is None:
         single = src / "model.safetensors"
-        return {k: single.name for k in read_safetensors_header(single).tensors}, None
+        return dict.fromkeys(read_safetensors_header(single).tensors, single.name), None
     missing = sorted({f for f in weight_map.values() if not (src / f).is_file()})
     if missing:
         raise ValueError(f"{src}: shards named in the index are missing: {missing}")
@@ -120,14 +121,16 @@ def _plan(src: Path, config: dict, weight_map: Dict[str, str]) -> Tuple[dict, Di
         text_config = dict(config)
         prefix = "model." if any(k.startswith("model.") for k in weight_map) else ""
     if text_config.get("model_type") not in (None, "qwen3_5_text"):
-        raise ValueError(f"{src}: text config model_type is {text_config.get('model_type')!r}, expected 'qwen3_5_text'")
+        raise ValueError(
+            f"{src}: text config model_type is {text_config.get('model_type')!r}, expected 'qwen3_5_text'"
+        )
     text_config["model_type"] = "qwen3_5_text"
     text_config["architectures"] = ["Qwen3_5TextModel"]
 
     mapping, dropped, unknown = {}, [], []
     for key in weight_map:
         if prefix and key.startswith(prefix):
-            mapping[key] = key[len(prefix):]
+            mapping[key] = key[len(prefix) :]
         elif not prefix and not key.startswith(MULTIMODAL_DROPPED_PREFIXES):
             mapping[key] = key
         elif key.startswith(MULTIMODAL_DROPPED_PREFIXES):
@@ -136,7 +139,9 @@ def _plan(src: Path, config: dict, weight_map: Dict[str, str]) -> Tuple[dict, Di
             unknown.append(key)
     problems = []
     if unknown:
-        problems.append(f"{len(unknown)} tensors outside '{prefix}' that are not vision/LM-head/MTP, e.g. {unknown[:5]}")
+        problems.append(
+            f"{len(unknown)} tensors outside '{prefix}' that are not vision/LM-head/MTP, e.g. {unknown[:5]}"
+        )
     expected = _expected_shapes(text_config)
     shapes = _read_shapes(src, {k: weight_map[k] for k in mapping})
     problems += key_problems(expected, {t: shapes[s][0] for s, t in mapping.items()}, "Qwen3_5TextModel")
@@ -164,12 +169,14 @@ def _output_dir(out_dir: PathLike) -> Iterator[Path]:
         raise
 
 
-def _rewrite(src: Path, out: Path, weight_map: Dict[str, str], mapping: Dict[str, str], dtype: Optional[torch.dtype]) -> None:
+def _rewrite(
+    src: Path, out: Path, weight_map: Dict[str, str], mapping: Dict[str, str], dtype: Optional[torch.dtype]
+) -> None:
     """Write the mapped tensors shard by shard (one source shard resident at a time) + an index."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    shards = [s for s in dict.fromkeys(weight_map[k] for k in mapping)]  # source order, only useful shards
+    shards = list(dict.fromkeys(weight_map[k] for k in mapping))  # source order, only useful shards
     names = (
         ["model.safetensors"]
         if len(shards) == 1

@@ -38,6 +38,7 @@ from ..utils.safetensors_io import (
     write_index,
 )
 
+
 __all__ = [
     "TRANSFORMER_TARGETS",
     "TransformerTarget",
@@ -69,7 +70,9 @@ class TransformerTarget:
 
 
 TRANSFORMER_TARGETS: dict[str, TransformerTarget] = {
-    "transformer": TransformerTarget("transformer", "diffusers_magi2.models.transformer_magi2", "Magi2Transformer3DModel"),
+    "transformer": TransformerTarget(
+        "transformer", "diffusers_magi2.models.transformer_magi2", "Magi2Transformer3DModel"
+    ),
     "refiner": TransformerTarget(
         "refiner", "diffusers_magi2.models.transformer_magi2_refiner", "Magi2RefinerTransformer3DModel"
     ),
@@ -98,10 +101,14 @@ class PreparedTransformer:
 
     def describe(self) -> str:
         """Key plan plus output shard layout (the ``--dry_run`` report for this component)."""
-        lines = [f"[{self.target.component}] {self.target.class_name} from {self.plan.source_dir} ({self.config_label})"]
+        lines = [
+            f"[{self.target.component}] {self.target.class_name} from {self.plan.source_dir} ({self.config_label})"
+        ]
         lines.append(self.plan.describe())
         if self.fp8_banks:
-            lines.append(f"routed experts in FP8 (float8_e4m3fn): {len(self.fp8_banks)} banks, each with an fp32 _scale")
+            lines.append(
+                f"routed experts in FP8 (float8_e4m3fn): {len(self.fp8_banks)} banks, each with an fp32 _scale"
+            )
         total = sum(lay.data_size for lay in self.layouts)
         lines.append(f"output {self.target.component}/: {len(self.layouts)} shard(s), {total} bytes of tensor data")
         for lay in self.layouts:
@@ -154,7 +161,10 @@ def prepare_transformer_conversion(
     outputs = []
     for t in plan.output_tensors():
         if t.name in fp8_banks:
-            outputs += [OutputTensor(t.name, "F8_E4M3", t.shape), OutputTensor(f"{t.name}_scale", "F32", (t.shape[0], t.shape[2]))]
+            outputs += [
+                OutputTensor(t.name, "F8_E4M3", t.shape),
+                OutputTensor(f"{t.name}_scale", "F32", (t.shape[0], t.shape[2])),
+            ]
         else:
             outputs.append(t)
     layouts = plan_shards(outputs, max_shard_size, WEIGHTS_NAME)
@@ -189,7 +199,9 @@ def write_transformer(
         for i, (fname, entries) in enumerate(groups.items()):
             path = plan.source_dir / fname
             if log is not None:
-                log(f"[{prepared.target.component}] source shard {i + 1}/{len(groups)}: {fname} ({len(entries)} tensors)")
+                log(
+                    f"[{prepared.target.component}] source shard {i + 1}/{len(groups)}: {fname} ({len(entries)} tensors)"
+                )
             header = read_safetensors_header(path)
             with safe_open(str(path), framework="pt") as handle:  # the library's own check of the shard
                 keys = set(handle.keys())
@@ -197,7 +209,12 @@ def write_transformer(
             try:
                 for e in entries:
                     info = header.tensors.get(e.source_key)
-                    if e.source_key not in keys or info is None or info.dtype != e.source_dtype or tuple(info.shape) != e.shape:
+                    if (
+                        e.source_key not in keys
+                        or info is None
+                        or info.dtype != e.source_dtype
+                        or tuple(info.shape) != e.shape
+                    ):
                         raise ValueError(f"{path}: {e.source_key} changed since it was validated")
                     start = header.data_start + info.data_offsets[0]
                     if e.target_key in prepared.fp8_banks:

@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from importlib import resources
 
+
 __all__ = ["COMPONENTS", "format_parameter_count", "load_model_card_template", "model_summary", "render_model_card"]
 
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
@@ -17,10 +18,22 @@ _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 #: folder -> (library or defining module, class, what it was converted from): the model_index.json entries
 #: (the tokenizer class is read from the converted ``tokenizer_config.json``) and the card's table.
 COMPONENTS: dict[str, tuple[str, str, str]] = {
-    "transformer": ("diffusers_magi2.models.transformer_magi2", "Magi2Transformer3DModel", "SandAI `preview/` (every tensor, renamed only)"),
-    "refiner": ("diffusers_magi2.models.transformer_magi2_refiner", "Magi2RefinerTransformer3DModel", "SandAI `refiner/` (every tensor, renamed only)"),
+    "transformer": (
+        "diffusers_magi2.models.transformer_magi2",
+        "Magi2Transformer3DModel",
+        "SandAI `preview/` (every tensor, renamed only)",
+    ),
+    "refiner": (
+        "diffusers_magi2.models.transformer_magi2_refiner",
+        "Magi2RefinerTransformer3DModel",
+        "SandAI `refiner/` (every tensor, renamed only)",
+    ),
     "vae": ("diffusers", "AutoencoderKLWan", "`vae/Wan2.2_VAE.pth`"),
-    "video_decoder": ("diffusers_magi2.models.turbo_vae", "Magi2TurboVAEDecoder", "`turbo_vae/checkpoint.ckpt` (EMA weights)"),
+    "video_decoder": (
+        "diffusers_magi2.models.turbo_vae",
+        "Magi2TurboVAEDecoder",
+        "`turbo_vae/checkpoint.ckpt` (EMA weights)",
+    ),
     "audio_vae": ("diffusers", "AutoencoderOobleck", "`stable-audio-open-1.0/` (`pretransform.model.*`)"),
     "text_encoder": ("transformers", "Qwen3_5TextModel", "`text_encoder/` (Qwen3.5-27B)"),
     "tokenizer": ("transformers", "PreTrainedTokenizerFast", "`text_encoder/`"),
@@ -52,7 +65,9 @@ def render_model_card(values: Mapping[str, str], template: str | None = None) ->
     missing = sorted(names - set(values))
     unknown = sorted(set(values) - names)
     if missing or unknown:
-        raise ValueError(f"model card placeholders: missing values for {missing}, values without a placeholder {unknown}")
+        raise ValueError(
+            f"model card placeholders: missing values for {missing}, values without a placeholder {unknown}"
+        )
     return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), text)
 
 

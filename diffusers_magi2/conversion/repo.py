@@ -22,6 +22,7 @@ from . import components
 from .convert_transformer import PreparedTransformer, prepare_transformer_conversion, write_transformer
 from .model_card import COMPONENTS, components_table, model_summary, render_model_card
 
+
 __all__ = [
     "ALL_COMPONENTS",
     "MODEL_INDEX_ENTRIES",
@@ -159,7 +160,9 @@ def _check_request(req: ConversionRequest) -> None:
     if req.expert_dtype is not None and req.expert_dtype not in EXPERT_DTYPE_CHOICES:
         problems.append(f"--expert_dtype must be one of {', '.join(EXPERT_DTYPE_CHOICES)}, got {req.expert_dtype!r}")
     elif req.expert_dtype is not None and "transformer" not in req.components:
-        problems.append("--expert_dtype applies to the transformer's routed experts (the refiner has none); the transformer is not converted")
+        problems.append(
+            "--expert_dtype applies to the transformer's routed experts (the refiner has none); the transformer is not converted"
+        )
     for comp in req.components:
         if comp == "scheduler" or comp not in ALL_COMPONENTS:
             continue
@@ -201,7 +204,11 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
             continue
         try:
             prepared[comp] = prepare_transformer_conversion(
-                comp, req.inputs[comp], req.config, dtype=req.dtype, max_shard_size=req.max_shard_size,
+                comp,
+                req.inputs[comp],
+                req.config,
+                dtype=req.dtype,
+                max_shard_size=req.max_shard_size,
                 check_data=not req.dry_run,
                 expert_dtype=EXPERT_DTYPE_CHOICES.get(req.expert_dtype) if comp == "transformer" else None,
             )
@@ -246,7 +253,13 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
         for comp, fn in component_fns.items():
             log(f"[{comp}] converting {req.inputs[comp]}")
             if comp == "text_encoder":
-                fn(req.inputs[comp], tmp / "text_encoder", tmp / "tokenizer", req.dtype, **req.component_options.get(comp, {}))
+                fn(
+                    req.inputs[comp],
+                    tmp / "text_encoder",
+                    tmp / "tokenizer",
+                    req.dtype,
+                    **req.component_options.get(comp, {}),
+                )
                 written["text_encoder"] = MODEL_INDEX_ENTRIES["text_encoder"]
                 written["tokenizer"] = (MODEL_INDEX_ENTRIES["tokenizer"][0], _tokenizer_class(tmp / "tokenizer"))
             else:
@@ -257,7 +270,9 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
             written["scheduler"] = MODEL_INDEX_ENTRIES["scheduler"]
         (tmp / "model_index.json").write_text(json.dumps(model_index_dict(written), indent=2) + "\n")
         (tmp / "README.md").write_text(
-            _render_card(req, [c for c in ALL_COMPONENTS + ("tokenizer",) if c in written], prepared.get("transformer"))
+            _render_card(
+                req, [c for c in ALL_COMPONENTS + ("tokenizer",) if c in written], prepared.get("transformer")
+            )
         )
         _move_into_place(tmp, out)
     except BaseException:
@@ -298,7 +313,9 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def push_folder_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, log: Callable[[str], None] = print) -> str:
+def push_folder_to_hub(
+    folder: str | Path, repo_id: str, *, private: bool = False, log: Callable[[str], None] = print
+) -> str:
     """Create (if needed) the Hub model repo ``repo_id`` and upload ``folder`` in one commit (``HfApi``).
 
     Returns:
@@ -308,7 +325,11 @@ def push_folder_to_hub(folder: str | Path, repo_id: str, *, private: bool = Fals
 
     api = HfApi()
     url = api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)
-    api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model",
-                      commit_message="Upload MAGI-2 converted with diffusers_magi2 (magi2-convert)")
+    api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        repo_type="model",
+        commit_message="Upload MAGI-2 converted with diffusers_magi2 (magi2-convert)",
+    )
     log(f"uploaded {folder} to {url}")
     return str(url)

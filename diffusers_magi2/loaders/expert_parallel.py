@@ -30,6 +30,7 @@ from ..parallel.expert_parallel import (
 from ..utils.safetensors_io import check_safetensors_file, read_index
 from .fp8_experts import FP8ExpertShards, plan_fp8_expert_loading
 
+
 __all__ = ["EP_SHARDED_SUFFIXES", "ExpertParallelLoaderMixin", "apply_expert_parallel"]
 
 #: names (relative to a ``Magi2MultiHeadMoE``) of the tensors split across EP ranks along dim 0.
@@ -115,7 +116,9 @@ def _check_load_kwargs(kwargs: dict) -> None:
             f"expert-parallel loading places every tensor on one device per rank; got device_map={device_map!r}"
         )
     if kwargs.get("low_cpu_mem_usage", True) is False:
-        raise ValueError("expert-parallel loading is always low-memory (meta init); low_cpu_mem_usage=False is not supported")
+        raise ValueError(
+            "expert-parallel loading is always low-memory (meta init); low_cpu_mem_usage=False is not supported"
+        )
     for unsupported in ("parallel_config", "quantization_config", "use_flashpack"):
         if kwargs.get(unsupported):
             raise ValueError(f"from_pretrained(expert_parallel=...) does not support {unsupported}")

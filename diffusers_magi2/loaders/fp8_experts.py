@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 
 from ..moe.layer import Magi2MultiHeadMoE
-from ..moe.quantize import FP8_DTYPE, FP8_SCALE_NAMES, quantize_fp8
+from ..moe.quantize import FP8_DTYPE, quantize_fp8
 from ..utils.safetensors_io import DTYPE_TO_TORCH, read_safetensors_header
+
 
 __all__ = ["FP8ExpertShards", "expert_bank_names", "plan_fp8_expert_loading"]
 
@@ -110,7 +111,9 @@ def plan_fp8_expert_loading(
             quantized.add(name)
             filled.add(scale_name)
         else:
-            raise ValueError(f"{name}: checkpoint dtype {dtype}; routed experts load from float8_e4m3fn or a float dtype")
+            raise ValueError(
+                f"{name}: checkpoint dtype {dtype}; routed experts load from float8_e4m3fn or a float dtype"
+            )
     return quantized, filled
 
 

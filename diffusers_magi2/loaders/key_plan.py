@@ -24,6 +24,7 @@ from ..utils.safetensors_io import (
     read_safetensors_header,
 )
 
+
 __all__ = [
     "CheckpointValidationError",
     "KeyPlan",
@@ -31,7 +32,6 @@ __all__ = [
     "SourceCheckpoint",
     "TensorSpec",
     "build_key_plan",
-    "map_state_dict",
     "read_source_checkpoint",
     "source_to_target_key",
     "target_dtype_for",
@@ -123,7 +123,9 @@ class KeyPlan:
 
     def describe(self) -> str:
         """Human-readable plan: one line per output tensor (used by ``--dry_run``)."""
-        lines = [f"key plan for {self.source_dir}: {len(self.entries)} output tensors from {len(self.source_files)} source shard(s)"]
+        lines = [
+            f"key plan for {self.source_dir}: {len(self.entries)} output tensors from {len(self.source_files)} source shard(s)"
+        ]
         for e in self.entries:
             dt = e.source_dtype if e.source_dtype == e.target_dtype else f"{e.source_dtype}->{e.target_dtype}"
             lines.append(f"  {e.source_file}: {e.source_key} -> {e.target_key} {list(e.shape)} {dt} [{e.transform}]")
@@ -226,7 +228,9 @@ def read_source_checkpoint(directory: str | Path, *, check_data: bool = True) ->
     for fname in files:
         path = directory / fname
         if not path.is_file():
-            problems.append(f"{fname}: missing shard file (named by the index for {sum(v == fname for v in weight_map.values())} keys)")
+            problems.append(
+                f"{fname}: missing shard file (named by the index for {sum(v == fname for v in weight_map.values())} keys)"
+            )
             continue
         try:
             header = read_safetensors_header(path)
@@ -240,7 +244,9 @@ def read_source_checkpoint(directory: str | Path, *, check_data: bool = True) ->
                 continue
         headers[fname] = header
     if weight_map is None:
-        weight_map = {k: SOURCE_SINGLE_FILE for k in headers.get(SOURCE_SINGLE_FILE, SafetensorsHeader(directory, 0, {})).tensors}
+        weight_map = dict.fromkeys(
+            headers.get(SOURCE_SINGLE_FILE, SafetensorsHeader(directory, 0, {})).tensors, SOURCE_SINGLE_FILE
+        )
 
     for key, fname in weight_map.items():
         header = headers.get(fname)
@@ -252,7 +258,9 @@ def read_source_checkpoint(directory: str | Path, *, check_data: bool = True) ->
             if mapped is None:
                 problems.append(f"{key}: present in shard {fname} but absent from the index")
             elif mapped != fname:
-                problems.append(f"{key}: present in shard {fname} but the index maps it to {mapped} (stale or duplicate shard)")
+                problems.append(
+                    f"{key}: present in shard {fname} but the index maps it to {mapped} (stale or duplicate shard)"
+                )
     referenced = set(files)
     for path in sorted(directory.glob("*.safetensors")):
         if path.name not in referenced:
@@ -304,7 +312,9 @@ def build_key_plan(
             continue  # already reported as an index/shard problem
         spec = expected[target]
         if tuple(info.shape) != tuple(spec.shape):
-            problems.append(f"{src}: shape {list(info.shape)} in {source.weight_map[src]}, the model expects {list(spec.shape)}")
+            problems.append(
+                f"{src}: shape {list(info.shape)} in {source.weight_map[src]}, the model expects {list(spec.shape)}"
+            )
         if info.dtype != spec.dtype:
             problems.append(f"{src}: dtype {info.dtype} in {source.weight_map[src]}, the model expects {spec.dtype}")
     if problems:

@@ -23,6 +23,7 @@ from . import sandai_config
 from .key_plan import TensorSpec, build_key_plan, read_source_checkpoint
 from .sandai_config_refiner import refiner_config_from_sandai
 
+
 __all__ = [
     "ORIGINAL_CHECKPOINT_FORMATS",
     "FromOriginalCheckpointMixin",
@@ -67,7 +68,11 @@ class OriginalCheckpointFormat:
         if self.arch_section not in cfg:
             raise ValueError(
                 f"{label} has no '{self.arch_section}' section, so it does not describe the {self.component}; "
-                + ("pass the refiner JSON (it extends the preview JSON)" if self.component == "refiner" else "pass a SandAI preview JSON")
+                + (
+                    "pass the refiner JSON (it extends the preview JSON)"
+                    if self.component == "refiner"
+                    else "pass a SandAI preview JSON"
+                )
             )
         return cfg, label
 
@@ -198,7 +203,9 @@ def _own_storages(model: nn.Module) -> None:
                 ptr = tensor.untyped_storage().data_ptr()
                 if ptr in seen:
                     cloned = tensor.detach().clone()
-                    store[name] = nn.Parameter(cloned, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else cloned
+                    store[name] = (
+                        nn.Parameter(cloned, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else cloned
+                    )
                     ptr = cloned.untyped_storage().data_ptr()
                 seen.add(ptr)
 

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
+
 __all__ = [
     "RELEASED_CONFIG_DIR",
     "released_config_path",
@@ -148,9 +149,13 @@ def preview_config_from_sandai(cfg: Mapping[str, Any]) -> dict:
     dp = cfg.get("evaluation_config", {}).get("data_proxy_config", {}) if "arch_config" in cfg else {}
     if dp:
         out["time_embed_dim"] = int(dp.get("time_channel_dim", 64))
-        _require(int(dp.get("patch_size", 1)) == 1 and int(dp.get("t_patch_size", 1)) == 1,
-                 "only patch sizes of 1 are supported (the released setting)")
-        _require(dp.get("spatial_rope_interpolation", "extra") == "extra",
-                 "only spatial_rope_interpolation='extra' is supported (the released setting)")
+        _require(
+            int(dp.get("patch_size", 1)) == 1 and int(dp.get("t_patch_size", 1)) == 1,
+            "only patch sizes of 1 are supported (the released setting)",
+        )
+        _require(
+            dp.get("spatial_rope_interpolation", "extra") == "extra",
+            "only spatial_rope_interpolation='extra' is supported (the released setting)",
+        )
         _require(not dp.get("add_time_token", False), "add_time_token=true is not supported (the release disables it)")
     return out

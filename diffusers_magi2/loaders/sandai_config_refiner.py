@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+
 __all__ = ["refiner_config_from_sandai", "refiner_sampling_from_sandai"]
 
 
@@ -52,7 +53,9 @@ def refiner_config_from_sandai(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"hidden_size {hidden} is not a multiple of head_dim {head_dim}")
     num_layers = int(arch["num_layers"])
     if list(arch.get("post_norm_layers", [])):
-        raise ValueError(f"post_norm_layers {arch['post_norm_layers']} are not supported (the released refiner has none)")
+        raise ValueError(
+            f"post_norm_layers {arch['post_norm_layers']} are not supported (the released refiner has none)"
+        )
     if str(arch.get("activation_type", "swiglu7")) != "swiglu7" or arch.get("layer_activation_types"):
         raise ValueError("only the swiglu7 activation is supported")
     if int(proxy.get("patch_size", 1)) != 1 or int(proxy.get("t_patch_size", 1)) != 1:
@@ -68,7 +71,10 @@ def refiner_config_from_sandai(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if local_layers:
         if mode != "window":
             raise ValueError(f"local_attn_layers are set but attn_config.mode is {mode!r}; only 'window' is supported")
-        if str(window.get("level", "block")).lower() != "block" or str(window.get("block_mode", "scan")).lower() != "grid":
+        if (
+            str(window.get("level", "block")).lower() != "block"
+            or str(window.get("block_mode", "scan")).lower() != "grid"
+        ):
             raise ValueError("only window attention with level='block' and block_mode='grid' is supported")
         if list(window.get("full_attn_layers", []) or []):
             raise ValueError("attn_config.window.full_attn_layers is not supported")

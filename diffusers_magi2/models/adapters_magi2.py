@@ -13,6 +13,7 @@ import torch.nn as nn
 from .embeddings_magi2 import Magi2RotaryPosEmbed
 from .modality import Magi2MultiModalityRMSNorm, Modality
 
+
 __all__ = ["Magi2PreAdapter", "Magi2PostAdapter"]
 
 

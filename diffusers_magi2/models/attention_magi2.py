@@ -34,6 +34,7 @@ from .window_attention import (
     cached_flex_block_mask,
 )
 
+
 __all__ = [
     "Magi2Attention",
     "Magi2AttentionMask",
@@ -218,8 +219,14 @@ class Magi2AttnProcessor(_Magi2AttnProcessorBase):
         if self.upcast_off_cuda and not query.is_cuda and query.dtype != torch.float32:
             query, key, value = query.float(), key.float(), value.float()
         return magi2_attention_with_sinks(
-            query, key, value, sinks, attention_mask.segment_lengths, attn.scale,
-            backend=self._attention_backend, parallel_config=self._parallel_config,
+            query,
+            key,
+            value,
+            sinks,
+            attention_mask.segment_lengths,
+            attn.scale,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
         )
 
 
@@ -246,20 +253,37 @@ class Magi2WindowAttnProcessor(_Magi2AttnProcessorBase):
             )
         if geometry is None:
             return magi2_attention_with_sinks(
-                query, key, value, None, mask.segment_lengths, attn.scale, self._attention_backend,
+                query,
+                key,
+                value,
+                None,
+                mask.segment_lengths,
+                attn.scale,
+                self._attention_backend,
                 self._parallel_config,
             )
         device = query.device
-        backend = resolve_backend("window_attn", backend, device, num_tokens=geometry.num_tokens, max_dense_elements=max_dense)
+        backend = resolve_backend(
+            "window_attn", backend, device, num_tokens=geometry.num_tokens, max_dense_elements=max_dense
+        )
         dense = block = None
         if backend == "sdpa":
-            dense = mask.cached(("dense", geometry, str(device), max_dense),
-                                lambda: geometry.dense_mask(device, max_elements=max_dense))
+            dense = mask.cached(
+                ("dense", geometry, str(device), max_dense),
+                lambda: geometry.dense_mask(device, max_elements=max_dense),
+            )
         elif backend == "flex":
             block = mask.cached(("flex", geometry, str(device)), lambda: cached_flex_block_mask(geometry, device))
         return block_window_attention(
-            query, key, value, None if dense is not None else geometry, dense_mask=dense, backend=backend,
-            scale=attn.scale, block_mask=block, max_dense_elements=max_dense,
+            query,
+            key,
+            value,
+            None if dense is not None else geometry,
+            dense_mask=dense,
+            backend=backend,
+            scale=attn.scale,
+            block_mask=block,
+            max_dense_elements=max_dense,
         )
 
 
@@ -310,7 +334,7 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
         self.kv_size = kv_heads * dim_head
         self.scale = dim_head**-0.5
         self.gate_in_fp32 = gate_in_fp32
-        grouped = dict(num_modality=num_modality, dtype=params_dtype)
+        grouped = {"num_modality": num_modality, "dtype": params_dtype}
         self.pre_norm = Magi2MultiModalityRMSNorm(query_dim, num_modality, eps=eps)
         self.linear_g = modality_linear(query_dim, heads, **grouped) if gated else None
         self.linear_qkv = modality_linear(query_dim, self.q_size + 2 * self.kv_size, **grouped)

@@ -7,6 +7,7 @@ import dataclasses
 
 from diffusers.models.cache_utils import CacheMixin
 
+
 __all__ = ["MAGI2_ATTENTION_IDENTIFIERS", "Magi2CacheMixin"]
 
 #: Regexes (``re.fullmatch`` on module names) of the attention module of every MAGI-2 block.

@@ -18,6 +18,7 @@ from ..parallel.context_parallel_runtime import (
     resolve_context_parallel,
 )
 
+
 __all__ = ["Magi2ContextParallelMixin"]
 
 
@@ -113,5 +114,9 @@ class Magi2ContextParallelMixin:
         cp = self._magi2_context_parallel
         if cp is None or cp.size == 1:
             return None
-        counts = None if self.context_parallel_token_counts is None else self.context_parallel_token_counts(num_tokens, cp.size)
+        counts = (
+            None
+            if self.context_parallel_token_counts is None
+            else self.context_parallel_token_counts(num_tokens, cp.size)
+        )
         return Magi2ContextParallelContext.for_sequence(cp, num_tokens, segment_lengths, counts)

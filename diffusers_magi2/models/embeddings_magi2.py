@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+
 __all__ = [
     "Magi2RotaryPosEmbed",
     "apply_magi2_rotary_emb",
@@ -149,13 +150,9 @@ def text_coords(length: int, device=None, dtype=torch.float32) -> torch.Tensor:
     return grid_coords((length, 1, 1), (1, 1, 1), offset=(-length, 0, 0), device=device, dtype=dtype)
 
 
-def image_coords(
-    t_offset: int, height: int, width: int, device=None, dtype=torch.float32
-) -> torch.Tensor:
+def image_coords(t_offset: int, height: int, width: int, device=None, dtype=torch.float32) -> torch.Tensor:
     """Reference image ``k`` at ``t_offset = T + 2 + k``: the special-token row ``(t, -1, -1, 1, h, w, 1, h, w)``
     then its ``(1, h, w)`` patch grid, ``[1 + h*w, 9]``."""
-    special = torch.tensor(
-        [[t_offset, -1, -1, 1, height, width, 1, height, width]], device=device, dtype=dtype
-    )
+    special = torch.tensor([[t_offset, -1, -1, 1, height, width, 1, height, width]], device=device, dtype=dtype)
     patches = grid_coords((1, height, width), (1, height, width), offset=(t_offset, 0, 0), device=device, dtype=dtype)
     return torch.cat([special, patches], dim=0)

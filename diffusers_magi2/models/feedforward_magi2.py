@@ -21,8 +21,8 @@ from .modality import (
     swiglu7_interleaved,
 )
 
-__all__ = ["Magi2FeedForward", "Magi2MoEFeedForward"]
 
+__all__ = ["Magi2FeedForward", "Magi2MoEFeedForward"]
 
 
 class Magi2FeedForward(nn.Module):
@@ -85,7 +85,11 @@ class Magi2FeedForward(nn.Module):
         out = []
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
-            part = None if gs is None else tuple(max(0, min(b, starts[m + 1]) - max(a, starts[m])) for m in range(len(gs)))
+            part = (
+                None
+                if gs is None
+                else tuple(max(0, min(b, starts[m + 1]) - max(a, starts[m])) for m in range(len(gs)))
+            )
             out.append(self._forward_tokens(hidden_states[a:b], part))
         return torch.cat(out, dim=0)
 

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+
 __all__ = ["sinkhorn_knopp", "mhc_coefficients", "mhc_reduce_streams", "mhc_hyper_connect", "mhc_matmul_scale"]
 
 MHC_SINKHORN_ITERS = 20

@@ -22,6 +22,7 @@ from diffusers.hooks.layerwise_casting import _LAYERWISE_CASTING_HOOK
 
 from ..moe.activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT, swiglu7_interleaved  # re-exported
 
+
 __all__ = [
     "Modality",
     "Magi2ModalityDispatch",
@@ -80,9 +81,7 @@ class Magi2ModalityDispatch:
             ValueError: not 1-D, or ids outside ``[0, 3]``.
         """
         if modality_mapping.dim() != 1:
-            raise ValueError(
-                f"modality_mapping must be 1-D [N], got shape {tuple(modality_mapping.shape)}"
-            )
+            raise ValueError(f"modality_mapping must be 1-D [N], got shape {tuple(modality_mapping.shape)}")
         ids = modality_mapping.to(torch.int64)
         ids = torch.where(ids == int(Modality.TIME), torch.full_like(ids, int(Modality.TEXT)), ids)
         if ids.numel() > 0 and (int(ids.min()) < 0 or int(ids.max()) >= num_modalities):
@@ -168,9 +167,7 @@ class Magi2MultiModalityRMSNorm(nn.Module):
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_modality={self.num_modality}, eps={self.eps}, out_dtype={self.out_dtype}"
 
-    def forward(
-        self, x: torch.Tensor, group_sizes: Optional[Sequence[int]] = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, group_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Normalise ``x`` ``[N, ..., dim]`` (sorted by modality, ``group_sizes`` tokens each).
 
         Raises:
@@ -248,9 +245,7 @@ class Magi2ModalityGroupedLinear(nn.Module):
             ValueError: wrong input width or group sizes that do not match the token count.
         """
         if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"grouped linear expects input width {self.in_features}, got shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"grouped linear expects input width {self.in_features}, got shape {tuple(x.shape)}")
         w = self.weight
         x = x.to(w.dtype)
         if self.num_modality == 1:
@@ -260,9 +255,7 @@ class Magi2ModalityGroupedLinear(nn.Module):
             wb = w.view(self.num_modality, self.out_features, self.in_features)
             bb = None if self.bias is None else self.bias.view(self.num_modality, self.out_features)
             parts = torch.split(x, list(group_sizes), dim=0)
-            y = torch.cat(
-                [F.linear(p, wb[m], None if bb is None else bb[m]) for m, p in enumerate(parts)], dim=0
-            )
+            y = torch.cat([F.linear(p, wb[m], None if bb is None else bb[m]) for m, p in enumerate(parts)], dim=0)
         return y if out_dtype is None else y.to(out_dtype)
 
 

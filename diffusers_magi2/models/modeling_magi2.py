@@ -26,6 +26,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from ..utils.fp32_islands import is_fp32_island
 from .modality import Magi2ModalityGroupedLinear
 
+
 __all__ = ["Magi2ModelMixin", "other_variant_shards"]
 
 _VARIANT_SHARD = re.compile(r"^(?P<stem>[^.]+)\.(?P<variant>[^.]+)-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
@@ -230,19 +231,25 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         """
         from peft.tuners.tuners_utils import check_target_module_exists
 
-        targeted = [name for name in self.modality_grouped_linear_names() if check_target_module_exists(adapter_config, name)]
+        targeted = [
+            name for name in self.modality_grouped_linear_names() if check_target_module_exists(adapter_config, name)
+        ]
         if targeted:
             raise self._grouped_lora_error(targeted)
         return super().add_adapter(adapter_config, adapter_name)
 
-    def load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="transformer", hotswap: bool = False, **kwargs):
+    def load_lora_adapter(
+        self, pretrained_model_name_or_path_or_dict, prefix="transformer", hotswap: bool = False, **kwargs
+    ):
         """``PeftAdapterMixin.load_lora_adapter`` (files from ``save_lora_adapter`` need ``prefix=None``).
 
         Raises:
             ValueError: the adapter targets a modality-grouped projection (nothing is loaded).
         """
         try:
-            return super().load_lora_adapter(pretrained_model_name_or_path_or_dict, prefix=prefix, hotswap=hotswap, **kwargs)
+            return super().load_lora_adapter(
+                pretrained_model_name_or_path_or_dict, prefix=prefix, hotswap=hotswap, **kwargs
+            )
         except ValueError as error:
             if Magi2ModalityGroupedLinear.__name__ in str(error):
                 raise self._grouped_lora_error(None) from error

@@ -19,6 +19,7 @@ import torch
 from .embeddings_magi2 import audio_coords, image_coords, magi2_timestep_embedding, text_coords, video_coords
 from .modality import Modality
 
+
 __all__ = [
     "Magi2PackedInputs",
     "Magi2RefinerPackedSample",
@@ -102,14 +103,21 @@ def pack_magi2_inputs(
         lengths = mask.sum(dim=1)
         prefix = torch.arange(lt_max, device=mask.device)[None, :] < lengths[:, None]
         if not torch.equal(mask, prefix):
-            raise ValueError("encoder_attention_mask must mark a prefix of each row (valid tokens first, padding after)")
+            raise ValueError(
+                "encoder_attention_mask must mark a prefix of each row (valid tokens first, padding after)"
+            )
         text_lengths = [int(v) for v in lengths.tolist()]
     else:
         text_lengths = [lt_max] * b
     if (image_latents is None) != (image_embeds is None):
         raise ValueError("image_latents and image_embeds must be given together (I2V) or both be None")
     if image_latents is not None:
-        if image_latents.dim() != 5 or image_latents.shape[0] != b or image_latents.shape[1] != cv or image_latents.shape[2] != 1:
+        if (
+            image_latents.dim() != 5
+            or image_latents.shape[0] != b
+            or image_latents.shape[1] != cv
+            or image_latents.shape[2] != 1
+        ):
             raise ValueError(f"image_latents must be [B={b}, {cv}, 1, h, w], got {tuple(image_latents.shape)}")
         if image_embeds.shape != (b, ct):
             raise ValueError(f"image_embeds must be [B={b}, {ct}], got {tuple(image_embeds.shape)}")

@@ -19,13 +19,14 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 from diffusers.configuration_utils import ConfigMixin, register_to_config
-from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers' pipeline loader looks it up here)
 from diffusers.models.attention import AttentionMixin
+from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers' pipeline loader looks it up here)
 from diffusers.utils import BaseOutput
 
 from ..loaders.expert_parallel import ExpertParallelLoaderMixin
 from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
-from ..moe.quantize import EXPERT_DTYPES, FP8_SCALE_NAMES as _FP8_SCALE_NAMES, parse_expert_dtype
+from ..moe.quantize import EXPERT_DTYPES, parse_expert_dtype
+from ..moe.quantize import FP8_SCALE_NAMES as _FP8_SCALE_NAMES
 from ..utils.backends import check_backend, resolve_backend
 from ..utils.dtype_utils import parse_dtype
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
@@ -36,13 +37,14 @@ from .attention_magi2 import (
     check_transformer_geometry,
     register_block_for_caching_hooks,
 )
-from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward
 from .cache_magi2 import Magi2CacheMixin
 from .context_parallel_magi2 import Magi2ContextParallelMixin
-from .modeling_magi2 import Magi2ModelMixin
+from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward
 from .mhc import mhc_coefficients, mhc_hyper_connect, mhc_matmul_scale, mhc_reduce_streams
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, Modality
+from .modeling_magi2 import Magi2ModelMixin
 from .packing_magi2 import Magi2PackedInputs, pack_magi2_inputs, unpack_magi2_outputs
+
 
 __all__ = [
     "Magi2Transformer3DModel",
@@ -94,7 +96,12 @@ class Magi2TransformerBlock(nn.Module):
         self.num_modality = num_modality
         self.matmul_scale = mhc_matmul_scale(n, c)
         self.attention = Magi2Attention(
-            hidden_size, num_attention_heads, num_key_value_heads, attention_head_dim, num_modality, num_sink_tokens,
+            hidden_size,
+            num_attention_heads,
+            num_key_value_heads,
+            attention_head_dim,
+            num_modality,
+            num_sink_tokens,
             params_dtype=params_dtype,
         )
         self.mlp = mlp
@@ -248,8 +255,12 @@ class Magi2Transformer3DModel(
         if parse_expert_dtype(expert_dtype) is not None and not isinstance(expert_dtype, str):
             self.register_to_config(expert_dtype=EXPERT_DTYPES[1])  # a torch dtype given: the config stores its name
         check_transformer_geometry(
-            num_layers, num_attention_heads, num_key_value_heads, attention_head_dim,
-            multimodal_layers=multimodal_layers, moe_layers=moe_layers,
+            num_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            attention_head_dim,
+            multimodal_layers=multimodal_layers,
+            moe_layers=moe_layers,
         )
         if num_sink_tokens < 1:
             raise ValueError("num_sink_tokens must be >= 1 (MAGI-2 Preview requires attention sinks)")
@@ -287,8 +298,15 @@ class Magi2Transformer3DModel(
                 )
             blocks.append(
                 Magi2TransformerBlock(
-                    hidden_size, num_attention_heads, num_key_value_heads, attention_head_dim, num_streams,
-                    num_modality, num_sink_tokens, mlp, params_dtype,
+                    hidden_size,
+                    num_attention_heads,
+                    num_key_value_heads,
+                    attention_head_dim,
+                    num_streams,
+                    num_modality,
+                    num_sink_tokens,
+                    mlp,
+                    params_dtype,
                 )
             )
         self.transformer_blocks = nn.ModuleList(blocks)
@@ -397,7 +415,9 @@ class Magi2Transformer3DModel(
         cp = self._context_parallel_context(n_tok, mask.segment_lengths)
         if cp is not None:  # this rank keeps its slice of the packed sequence; attention sees all of it
             mask.context_parallel = cp
-            hidden_states, coords, ids, time_embedding = (cp.shard(t) for t in (hidden_states, coords, ids, time_embedding))
+            hidden_states, coords, ids, time_embedding = (
+                cp.shard(t) for t in (hidden_states, coords, ids, time_embedding)
+            )
         dispatch = Magi2ModalityDispatch.from_modality_mapping(ids)
 
         x, rope = self.pre_adapter(hidden_states, coords, ids)

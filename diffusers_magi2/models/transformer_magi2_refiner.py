@@ -31,12 +31,13 @@ from .attention_magi2 import (
     register_block_for_caching_hooks,
 )
 from .cache_magi2 import Magi2CacheMixin
+from .context_parallel_magi2 import Magi2ContextParallelMixin
 from .feedforward_magi2 import Magi2FeedForward
 from .modality import Magi2ModalityDispatch, Modality
-from .context_parallel_magi2 import Magi2ContextParallelMixin
 from .modeling_magi2 import Magi2ModelMixin
 from .packing_magi2 import pack_refiner_sample, unpack_refiner_sample
 from .window_attention import DEFAULT_MAX_DENSE_MASK_ELEMENTS, Magi2WindowGeometry, ranges_to_dense_mask
+
 
 __all__ = [
     "Magi2RefinerTransformer3DModel",
@@ -67,17 +68,36 @@ class Magi2RefinerTransformerBlock(nn.Module):
     """One refiner layer; window layers get a :class:`Magi2WindowAttnProcessor`, the others dense attention."""
 
     def __init__(
-        self, hidden_size: int, num_attention_heads: int, num_key_value_heads: int, attention_head_dim: int,
-        intermediate_size: int, num_modality: int, attention_gating: bool, window: bool, eps: float,
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_key_value_heads: int,
+        attention_head_dim: int,
+        intermediate_size: int,
+        num_modality: int,
+        attention_gating: bool,
+        window: bool,
+        eps: float,
     ) -> None:
         super().__init__()
         processor = Magi2WindowAttnProcessor() if window else Magi2AttnProcessor(upcast_off_cuda=False)
         self.attention = Magi2Attention(
-            hidden_size, num_attention_heads, num_key_value_heads, attention_head_dim, num_modality,
-            gated=attention_gating, gate_in_fp32=True, eps=eps, processor=processor,
+            hidden_size,
+            num_attention_heads,
+            num_key_value_heads,
+            attention_head_dim,
+            num_modality,
+            gated=attention_gating,
+            gate_in_fp32=True,
+            eps=eps,
+            processor=processor,
         )
         self.mlp = Magi2FeedForward(
-            hidden_size, intermediate_size, num_modality, eps=eps, output_dtype=torch.float32,
+            hidden_size,
+            intermediate_size,
+            num_modality,
+            eps=eps,
+            output_dtype=torch.float32,
             chunk_size=DEFAULT_MLP_CHUNK_SIZE,
         )
 
@@ -94,7 +114,12 @@ class Magi2RefinerTransformerBlock(nn.Module):
 
 
 class Magi2RefinerTransformer3DModel(
-    Magi2ContextParallelMixin, Magi2ModelMixin, ConfigMixin, FromOriginalCheckpointMixin, AttentionMixin, Magi2CacheMixin
+    Magi2ContextParallelMixin,
+    Magi2ModelMixin,
+    ConfigMixin,
+    FromOriginalCheckpointMixin,
+    AttentionMixin,
+    Magi2CacheMixin,
 ):
     r"""MAGI-2 1080p refiner DiT (SandAI ``magi2_refiner.Transformer``) as a diffusers model.
 
@@ -147,8 +172,12 @@ class Magi2RefinerTransformer3DModel(
     ) -> None:
         super().__init__()
         check_transformer_geometry(
-            num_layers, num_attention_heads, num_key_value_heads, attention_head_dim,
-            multimodal_layers=multimodal_layers, window_attention_layers=window_attention_layers,
+            num_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            attention_head_dim,
+            multimodal_layers=multimodal_layers,
+            window_attention_layers=window_attention_layers,
         )
         Magi2WindowGeometry((1, 1, 1), tuple(window_block_size), tuple(window_radius))
 
@@ -157,12 +186,21 @@ class Magi2RefinerTransformer3DModel(
         mm = {int(i) for i in multimodal_layers}
         win = set(range(num_layers)) if window_attention_layers is None else {int(i) for i in window_attention_layers}
 
-        self.pre_adapter = Magi2PreAdapter(hidden, attention_head_dim, in_channels, audio_in_channels, text_in_channels)
+        self.pre_adapter = Magi2PreAdapter(
+            hidden, attention_head_dim, in_channels, audio_in_channels, text_in_channels
+        )
         self.transformer_blocks = nn.ModuleList(
             [
                 Magi2RefinerTransformerBlock(
-                    hidden, num_attention_heads, num_key_value_heads, attention_head_dim, inter,
-                    3 if i in mm else 1, attention_gating, i in win, norm_eps,
+                    hidden,
+                    num_attention_heads,
+                    num_key_value_heads,
+                    attention_head_dim,
+                    inter,
+                    3 if i in mm else 1,
+                    attention_gating,
+                    i in win,
+                    norm_eps,
                 )
                 for i in range(num_layers)
             ]
@@ -170,10 +208,14 @@ class Magi2RefinerTransformer3DModel(
         self.post_adapter = Magi2PostAdapter(hidden, in_channels, audio_in_channels, eps=norm_eps)
         self.gradient_checkpointing = False
 
-    def window_geometry(self, num_frames: int, height: int, width: int, num_context_tokens: int) -> Magi2WindowGeometry:
+    def window_geometry(
+        self, num_frames: int, height: int, width: int, num_context_tokens: int
+    ) -> Magi2WindowGeometry:
         """Window geometry of one sample from this model's config (block sizes, radii)."""
         return Magi2WindowGeometry(
-            (num_frames, height, width), tuple(self.config.window_block_size), tuple(self.config.window_radius),
+            (num_frames, height, width),
+            tuple(self.config.window_block_size),
+            tuple(self.config.window_radius),
             num_context_tokens,
         )
 
@@ -303,12 +345,17 @@ class Magi2RefinerTransformer3DModel(
                 f"hidden_states must be [B, {cfg.in_channels}, T, H, W], got {tuple(hidden_states.shape)}"
             )
         B, _, T, H, W = hidden_states.shape
-        if encoder_hidden_states.dim() != 3 or encoder_hidden_states.shape[0] != B or encoder_hidden_states.shape[2] != cfg.text_in_channels:
+        if (
+            encoder_hidden_states.dim() != 3
+            or encoder_hidden_states.shape[0] != B
+            or encoder_hidden_states.shape[2] != cfg.text_in_channels
+        ):
             raise ValueError(
                 f"encoder_hidden_states must be [{B}, Lt, {cfg.text_in_channels}], got {tuple(encoder_hidden_states.shape)}"
             )
         if audio_hidden_states is not None and (
-            audio_hidden_states.dim() != 3 or audio_hidden_states.shape[0] != B
+            audio_hidden_states.dim() != 3
+            or audio_hidden_states.shape[0] != B
             or audio_hidden_states.shape[2] != cfg.audio_in_channels
         ):
             raise ValueError(

@@ -20,6 +20,7 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils.accelerate_utils import apply_forward_hook
 
+
 __all__ = ["Magi2TurboVAEDecoder", "WAN22_LATENTS_MEAN", "WAN22_LATENTS_STD"]
 
 # Wan2.2 VAE latent statistics (48 channels): the defaults of the config's latents_mean / latents_std
@@ -216,7 +217,9 @@ class _UpBlock(nn.Module):
             self.upsamplers = nn.ModuleList([_Upsampler(out_channels, temporal=not spatial_only)])
         self.resnets = nn.ModuleList(
             [
-                _ResidualBlock3d(out_channels, out_channels, resnet_eps, separable, dw_kernel_size, relu_first=upsample)
+                _ResidualBlock3d(
+                    out_channels, out_channels, resnet_eps, separable, dw_kernel_size, relu_first=upsample
+                )
                 for _ in range(num_layers)
             ]
         )
@@ -393,7 +396,9 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
         n_blocks = len(decoder_block_out_channels)
         problems = []
         if len(decoder_layers_per_block) != n_blocks + 1:
-            problems.append(f"decoder_layers_per_block needs {n_blocks + 1} entries, got {len(decoder_layers_per_block)}")
+            problems.append(
+                f"decoder_layers_per_block needs {n_blocks + 1} entries, got {len(decoder_layers_per_block)}"
+            )
         for name, values, want in (
             ("decoder_spatio_temporal_scaling", decoder_spatio_temporal_scaling, n_blocks),
             ("decoder_spatio_only", decoder_spatio_only, n_blocks),
@@ -456,7 +461,9 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
         windows = [_WindowPlan(0, first + 1, True, 0, overlap)]
         for i in range(first, total, step):
             last = i + step == total
-            windows.append(_WindowPlan(i - 1, i + step if last else i + step + 1, False, overlap, 0 if last else overlap))
+            windows.append(
+                _WindowPlan(i - 1, i + step if last else i + step + 1, False, overlap, 0 if last else overlap)
+            )
         return padding, windows
 
     def _decode(self, latents: torch.Tensor, output_device: Optional[torch.device] = None) -> torch.Tensor:

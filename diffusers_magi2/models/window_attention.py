@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..utils.backends import check_backend, resolve_backend
 
+
 __all__ = [
     "Magi2WindowGeometry",
     "ranges_to_dense_mask",
@@ -416,7 +417,9 @@ def block_window_attention(
     if geometry is None:
         return _sdpa_bnhd(query[None], key[None], value[None], None, scale)[0]
 
-    backend = resolve_backend("window_attn", backend, query.device, num_tokens=n, max_dense_elements=max_dense_elements)
+    backend = resolve_backend(
+        "window_attn", backend, query.device, num_tokens=n, max_dense_elements=max_dense_elements
+    )
     if backend == "sdpa":
         mask = geometry.dense_mask(query.device, max_elements=max_dense_elements)
         return _sdpa_bnhd(query[None], key[None], value[None], mask, scale)[0]

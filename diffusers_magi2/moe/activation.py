@@ -14,6 +14,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+
 __all__ = ["SWIGLU7_ALPHA", "SWIGLU7_LIMIT", "swiglu7", "swiglu7_backward", "swiglu7_interleaved"]
 
 SWIGLU7_LIMIT = 7.0
@@ -78,9 +79,7 @@ def swiglu7_interleaved(x: torch.Tensor, out_dtype: Optional[torch.dtype] = None
     return swiglu7(x[..., 0::2], x[..., 1::2], out_dtype=x.dtype if out_dtype is None else out_dtype)
 
 
-def swiglu7_backward(
-    gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu7_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients ``(d gate, d up)`` of :func:`swiglu7` for the output gradient ``grad``, in fp32.
 
     With ``s = sigmoid(1.702 g)``: ``d/dg [g s] = s (1 + 1.702 g (1 - s))``; each clamp passes the gradient where

@@ -21,6 +21,7 @@ from .activation import swiglu7, swiglu7_backward
 from .quantize import FP8_DTYPE, dequantize_expert
 from .reference import expert_route_blocks, hidden_dtype
 
+
 __all__ = ["check_expert_inputs", "mh_moe_experts", "mh_moe_experts_backward", "torch_mh_moe_forward"]
 
 #: Concrete backends of :func:`mh_moe_experts`.
@@ -89,9 +90,14 @@ def check_expert_inputs(
             f"w_down must be [H*E={flat_experts}, De={expert_dim}, Dh={head_dim}] with dtype {w_gate.dtype}; "
             f"got {tuple(w_down.shape)} {w_down.dtype}"
         )
-    if not isinstance(gather_ids, torch.Tensor) or gather_ids.dim() != 1 or gather_ids.dtype not in (
-        torch.int32,
-        torch.int64,
+    if (
+        not isinstance(gather_ids, torch.Tensor)
+        or gather_ids.dim() != 1
+        or gather_ids.dtype
+        not in (
+            torch.int32,
+            torch.int64,
+        )
     ):
         raise ValueError("gather_ids must be a 1-D int32/int64 tensor [T]")
     if not isinstance(probs, torch.Tensor) or probs.shape != gather_ids.shape or not probs.is_floating_point():
@@ -307,9 +313,18 @@ def _grouped_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down,
 
 @torch.library.custom_op("diffusers_magi2::mh_moe_experts", mutates_args=())
 def mh_moe_experts(
-    x: Tensor, gather_ids: Tensor, probs: Tensor, expert_offsets: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-    w_gate_scale: Optional[Tensor], w_up_scale: Optional[Tensor], w_down_scale: Optional[Tensor],
-    backend: str, deterministic: bool,
+    x: Tensor,
+    gather_ids: Tensor,
+    probs: Tensor,
+    expert_offsets: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    w_gate_scale: Optional[Tensor],
+    w_up_scale: Optional[Tensor],
+    w_down_scale: Optional[Tensor],
+    backend: str,
+    deterministic: bool,
 ) -> Tensor:
     """The expert call with a concrete ``backend`` (one of :data:`EXPERT_BACKENDS`); other arguments as
     :func:`torch_mh_moe_forward` (the three scales ``None`` unless the experts are FP8), ``deterministic`` as
@@ -342,9 +357,17 @@ def _mh_moe_experts_fake(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_d
 
 @torch.library.custom_op("diffusers_magi2::mh_moe_experts_backward", mutates_args=())
 def mh_moe_experts_backward(
-    grad_out: Tensor, x: Tensor, gather_ids: Tensor, probs: Tensor, expert_offsets: Tensor,
-    w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-    w_gate_scale: Optional[Tensor], w_up_scale: Optional[Tensor], w_down_scale: Optional[Tensor],
+    grad_out: Tensor,
+    x: Tensor,
+    gather_ids: Tensor,
+    probs: Tensor,
+    expert_offsets: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    w_gate_scale: Optional[Tensor],
+    w_up_scale: Optional[Tensor],
+    w_down_scale: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients ``(x, probs, w_gate, w_up, w_down)`` of the expert call, per expert (fp32 ones for frozen FP8 weights)."""
     scales = (w_gate_scale, w_up_scale, w_down_scale)

@@ -28,14 +28,15 @@ from typing import Optional
 
 import torch
 import triton
-from torch import Tensor
 import triton.language as tl
+from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from .activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT
 from .experts import check_expert_inputs
 from .quantize import FP8_DTYPE
 from .reference import hidden_dtype
+
 
 __all__ = ["triton_mh_moe_forward", "check_fp8_device", "check_triton_dims", "TileConfig"]
 
@@ -196,8 +197,12 @@ def _mh_moe_fwd_kernel(
             kmask = cols_k < HEAD_DIM
             xt = tl.load(x_rows[:, None] + cols_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             wmask = kmask[:, None] & nmask[None, :]
-            wg = tl.load(wg_base + cols_k[:, None] * stride_wg_k + cols_n[None, :] * stride_wg_n, mask=wmask, other=0.0)
-            wu = tl.load(wu_base + cols_k[:, None] * stride_wu_k + cols_n[None, :] * stride_wu_n, mask=wmask, other=0.0)
+            wg = tl.load(
+                wg_base + cols_k[:, None] * stride_wg_k + cols_n[None, :] * stride_wg_n, mask=wmask, other=0.0
+            )
+            wu = tl.load(
+                wu_base + cols_k[:, None] * stride_wu_k + cols_n[None, :] * stride_wu_n, mask=wmask, other=0.0
+            )
             if UPCAST:
                 xt = xt.to(tl.float32)
                 wg = wg.to(tl.float32)
@@ -357,7 +362,13 @@ def _deterministic_reduce(rows: torch.Tensor, num_heads: int, num_tokens: int, a
 
 
 def triton_mh_moe_forward(
-    x: Tensor, gather_ids: Tensor, probs: Tensor, expert_offsets: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+    x: Tensor,
+    gather_ids: Tensor,
+    probs: Tensor,
+    expert_offsets: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
     *,
     scales: Optional[tuple[Tensor, Tensor, Tensor]] = None,
     deterministic: bool = False,
@@ -423,21 +434,21 @@ def triton_mh_moe_forward(
         dest = gather_ids  # unused
         out = torch.zeros(num_tokens, num_heads, head_dim, device=device, dtype=out_dtype)
         stride_os, stride_oh = out.stride(0), out.stride(1)
-    constants = dict(
-        HEAD_DIM=head_dim,
-        EXPERT_DIM=expert_dim,
-        NUM_EXPERTS=num_experts,
-        NUM_FLAT=num_flat,
-        LOG2_FLAT=max(1, (num_flat - 1).bit_length()),
-        DH_PAD=_next_pow2(head_dim),
-        UPCAST=upcast,
-        W_FP8=fp8,
-        HID_ROUND=_rounding_mode(hidden_dtype(w_down.dtype, act_dtype), native_ok=not upcast),
-        OUT_ROUND=_rounding_mode(act_dtype, native_ok=native),
-        DETERMINISTIC=deterministic,
-        SWIGLU_LIMIT=SWIGLU7_LIMIT,
-        SWIGLU_ALPHA=SWIGLU7_ALPHA,
-    )
+    constants = {
+        "HEAD_DIM": head_dim,
+        "EXPERT_DIM": expert_dim,
+        "NUM_EXPERTS": num_experts,
+        "NUM_FLAT": num_flat,
+        "LOG2_FLAT": max(1, (num_flat - 1).bit_length()),
+        "DH_PAD": _next_pow2(head_dim),
+        "UPCAST": upcast,
+        "W_FP8": fp8,
+        "HID_ROUND": _rounding_mode(hidden_dtype(w_down.dtype, act_dtype), native_ok=not upcast),
+        "OUT_ROUND": _rounding_mode(act_dtype, native_ok=native),
+        "DETERMINISTIC": deterministic,
+        "SWIGLU_LIMIT": SWIGLU7_LIMIT,
+        "SWIGLU_ALPHA": SWIGLU7_ALPHA,
+    }
     probs32 = probs.to(torch.float32)
     strides = (x.stride(0), x.stride(1), *w_gate.stride(), *w_up.stride(), *w_down.stride(), stride_os, stride_oh)
     scale_args = tuple(s.contiguous() for s in scales) if fp8 else (probs32,) * 3  # unused without FP8

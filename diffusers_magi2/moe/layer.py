@@ -28,6 +28,7 @@ from .experts import mh_moe_experts
 from .quantize import FP8_DTYPE, parse_expert_dtype, quantize_fp8
 from .routing import compute_topk_probs_and_indices, global_sort_routes
 
+
 __all__ = ["Magi2MultiHeadMoEConfig", "Magi2MultiHeadMoE"]
 
 _BANKS = ("W_gate", "W_up", "W_down")
@@ -198,8 +199,11 @@ class Magi2MultiHeadMoE(nn.Module):
         self.router.expert_bias_ema.zero_()
         real_rows = self.local_real_num_heads * self.num_experts
         self.gate[real_rows:].zero_()
-        for name, std in (("W_gate", self.head_dim**-0.5), ("W_up", self.head_dim**-0.5),
-                          ("W_down", self.expert_intermediate_size**-0.5)):
+        for name, std in (
+            ("W_gate", self.head_dim**-0.5),
+            ("W_up", self.head_dim**-0.5),
+            ("W_down", self.expert_intermediate_size**-0.5),
+        ):
             bank = getattr(self, name)
             if not self.fp8_experts:
                 bank.normal_(0.0, std)

@@ -17,7 +17,16 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["EXPERT_DTYPES", "FP8_DTYPE", "FP8_MAX", "FP8_SCALE_NAMES", "dequantize_expert", "parse_expert_dtype", "quantize_fp8"]
+
+__all__ = [
+    "EXPERT_DTYPES",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "FP8_SCALE_NAMES",
+    "dequantize_expert",
+    "parse_expert_dtype",
+    "quantize_fp8",
+]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

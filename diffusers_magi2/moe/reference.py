@@ -18,6 +18,7 @@ import torch
 from .activation import swiglu7
 from .quantize import FP8_DTYPE, dequantize_expert
 
+
 __all__ = ["expert_route_blocks", "hidden_dtype", "reference_mh_moe_forward"]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+
 __all__ = ["compute_topk_probs_and_indices", "global_sort_routes"]
 
 _SCORE_FUNCS = ("sigmoid", "softmax")

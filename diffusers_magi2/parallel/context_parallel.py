@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .expert_parallel import _all_gather_single
 
+
 __all__ = [
     "Magi2PendingExchange",
     "flat_all_to_all",

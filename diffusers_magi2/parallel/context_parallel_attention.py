@@ -11,11 +11,12 @@ in, ``T D |Q_r|`` back. SandAI's ``magi2_fa3_with_sink_cp`` does the same with e
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
 from .context_parallel import Magi2PendingExchange, Magi2SequenceShardPlan, flat_all_to_all
+
 
 __all__ = [
     "Magi2UlyssesHeadLayout",
@@ -181,7 +182,9 @@ def ulysses_gather_heads(
     """
     nq, d = len(layout.local_query_heads), local_out.shape[-1]
     if local_out.dim() != 3 or tuple(local_out.shape[:2]) != (plan.num_tokens, nq):
-        raise ValueError(f"attention output must be [{plan.num_tokens}, {nq}, D] on this rank, got {tuple(local_out.shape)}")
+        raise ValueError(
+            f"attention output must be [{plan.num_tokens}, {nq}, D] on this rank, got {tuple(local_out.shape)}"
+        )
     if layout.world_size == 1:
         return Magi2PendingExchange(None, lambda: local_out) if async_op else local_out
     s = plan.num_local_tokens

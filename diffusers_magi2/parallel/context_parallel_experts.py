@@ -17,6 +17,7 @@ import torch
 from .context_parallel import Magi2PendingExchange, flat_all_to_all, needs_autograd
 from .expert_parallel import Magi2EPHeadLayout, ep_head_layout
 
+
 __all__ = [
     "Magi2EPReplicaLayout",
     "ep_replica_layout",

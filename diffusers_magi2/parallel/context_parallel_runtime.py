@@ -20,6 +20,7 @@ from .context_parallel_attention import ulysses_attention, ulysses_head_layout
 from .context_parallel_experts import ep_replica_heads_forward, ep_replica_layout
 from .expert_parallel import _check_launch_degree, _launched_world_size, _run_world_size
 
+
 __all__ = [
     "Magi2ContextParallelGroup",
     "Magi2ContextParallelContext",
@@ -76,8 +77,10 @@ def resolve_context_parallel(config: Any) -> Magi2ContextParallelGroup:
     on_gpu = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
     device_type = "cuda" if on_gpu else "cpu"
     rank = dist.get_rank()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))) if on_gpu else (
-        torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        if on_gpu
+        else (torch.device("cpu"))
     )
     mesh = config.mesh or config._mesh  # a config already set up (e.g. shared by the preview and the refiner)
     if mesh is None:
@@ -216,4 +219,6 @@ class Magi2ContextParallelContext:
         key_ = ("moe", num_heads, ep_size)
         if key_ not in self._layouts:
             self._layouts[key_] = ep_replica_layout(num_heads, self.world_size, ep_size, self.plan.rank)
-        return ep_replica_heads_forward(x, compute_local_heads, self._layouts[key_], self.group, self.plan.token_counts)
+        return ep_replica_heads_forward(
+            x, compute_local_heads, self._layouts[key_], self.group, self.plan.token_counts
+        )

@@ -14,6 +14,7 @@ import torch
 
 from ..utils.safetensors_io import DTYPE_TO_TORCH
 
+
 __all__ = ["RowShard", "RowShardedShards", "take_rows"]
 
 

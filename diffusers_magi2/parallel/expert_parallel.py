@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+
 __all__ = [
     "Magi2EPHeadLayout",
     "Magi2ExpertParallelConfig",
@@ -251,7 +252,12 @@ def check_same_on_all_ranks(value: Any, ep: Magi2ExpertParallelGroup, what: str)
         detail = ""
         if isinstance(gathered[0], dict):
             keys = sorted(
-                {k for r in bad for k in set(gathered[r]) | set(gathered[0]) if gathered[r].get(k) != gathered[0].get(k)}
+                {
+                    k
+                    for r in bad
+                    for k in set(gathered[r]) | set(gathered[0])
+                    if gathered[r].get(k) != gathered[0].get(k)
+                }
             )
             detail = f" (differing entries: {keys[:10]})"
         raise ValueError(
@@ -306,9 +312,7 @@ def ep_gather_heads(local_out: torch.Tensor, layout: Magi2EPHeadLayout, group: A
 
 def _validate_token_counts(token_counts: Sequence[int], layout: Magi2EPHeadLayout, num_local_tokens: int) -> list:
     counts = list(token_counts)
-    if len(counts) != layout.ep_size or any(
-        isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts
-    ):
+    if len(counts) != layout.ep_size or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
         raise ValueError(
             f"ep_token_counts must be {layout.ep_size} non-negative host ints (one per EP rank), got {token_counts!r}"
         )
@@ -319,9 +323,7 @@ def _validate_token_counts(token_counts: Sequence[int], layout: Magi2EPHeadLayou
     return counts
 
 
-def ep_dispatch(
-    x: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPHeadLayout, group: Any
-) -> torch.Tensor:
+def ep_dispatch(x: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPHeadLayout, group: Any) -> torch.Tensor:
     """Layout (b): this rank's ``[S_r, H, Dh]`` -> all tokens of this rank's heads ``[sum S, Hl, Dh]``, global token
     order (SandAI ``ep_dispatch``, without its equal-``S_r`` requirement)."""
     counts = _validate_token_counts(token_counts, layout, x.shape[0])
@@ -337,9 +339,7 @@ def ep_dispatch(
     return _all_to_all(send, (sum(counts), Hl, Dh), counts, [S] * N, group)
 
 
-def ep_undispatch(
-    y: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPHeadLayout, group: Any
-) -> torch.Tensor:
+def ep_undispatch(y: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPHeadLayout, group: Any) -> torch.Tensor:
     """Inverse of :func:`ep_dispatch`: ``[ΣS, Hl, Dh]`` local-head results → this rank's ``[S_r, H, Dh]``."""
     counts = list(token_counts)
     N, Hl = layout.ep_size, layout.local_num_heads

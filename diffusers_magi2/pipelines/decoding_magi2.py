@@ -12,6 +12,7 @@ from typing import Union
 import numpy as np
 import torch
 
+
 __all__ = [
     "decode_audio_latents",
     "decode_video_latents",
@@ -102,7 +103,9 @@ def resample_audio(audio: Union[np.ndarray, torch.Tensor], ratio: float, axis: i
 
 def decode_audio_latents(audio_vae, audio_latents: torch.Tensor, ratio: float) -> np.ndarray:
     """Audio latents ``[B, L, 64]`` -> stereo float32 numpy ``[B, 2, S]`` (module docstring)."""
-    waveform = audio_vae.decode(audio_latents.transpose(1, 2).to(device=audio_vae.device, dtype=audio_vae.dtype)).sample
+    waveform = audio_vae.decode(
+        audio_latents.transpose(1, 2).to(device=audio_vae.device, dtype=audio_vae.dtype)
+    ).sample
     waveform = waveform.float().cpu().numpy()
     out = [resample_audio(row.T, ratio, axis=0).T for row in waveform]
     return np.stack(out, axis=0)

@@ -12,6 +12,7 @@ import PIL.Image
 import torch
 from diffusers.video_processor import VideoProcessor
 
+
 __all__ = ["IMAGE_TYPES", "letterbox_image", "load_reference_image", "preprocess_reference_image"]
 
 #: What ``image=`` may be (used in error messages).

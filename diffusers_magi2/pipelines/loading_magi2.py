@@ -10,6 +10,7 @@ import torch
 from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..parallel.expert_parallel import Magi2ExpertParallelConfig, ep_device
 
+
 __all__ = ["load_pipeline_with_expert_parallel"]
 
 

@@ -59,6 +59,7 @@ from .text_encoding import (
 )
 from .validation_magi2 import Magi2PipelineChecksMixin, attention_kwargs_for
 
+
 logger = logging.get_logger(__name__)
 
 __all__ = [
@@ -176,8 +177,14 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         if tokenizer is not None:
             apply_cjk_pre_tokenizer_split(tokenizer)
         self.register_modules(
-            tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, audio_vae=audio_vae,
-            scheduler=scheduler, vae=vae, video_decoder=video_decoder, refiner=refiner,
+            tokenizer=tokenizer,
+            text_encoder=text_encoder,
+            transformer=transformer,
+            audio_vae=audio_vae,
+            scheduler=scheduler,
+            vae=vae,
+            video_decoder=video_decoder,
+            refiner=refiner,
         )
         self.register_to_config(
             negative_prompt=negative_prompt,
@@ -351,8 +358,13 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         with self._stage_progress_bar(len(prompts), "Encoding text") as progress_bar:
             for text in prompts:
                 f, target = encode_prompt_text(
-                    self.tokenizer, self.text_encoder, text, device, int(self.config.max_sequence_length),
-                    int(self.config.text_skip_layers), figure_target,
+                    self.tokenizer,
+                    self.text_encoder,
+                    text,
+                    device,
+                    int(self.config.max_sequence_length),
+                    int(self.config.text_skip_layers),
+                    figure_target,
                 )
                 features.append(f)
                 pooled.append(target)
@@ -362,11 +374,17 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
 
     @torch.no_grad()
     def encode_prompt(
-        self, prompt: str | list[str] | None, negative_prompt: str | list[str] | None = None,
-        do_classifier_free_guidance: bool = True, num_videos_per_prompt: int = 1,
-        prompt_embeds: torch.Tensor | None = None, negative_prompt_embeds: torch.Tensor | None = None,
-        prompt_attention_mask: torch.Tensor | None = None, negative_prompt_attention_mask: torch.Tensor | None = None,
-        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+        self,
+        prompt: str | list[str] | None,
+        negative_prompt: str | list[str] | None = None,
+        do_classifier_free_guidance: bool = True,
+        num_videos_per_prompt: int = 1,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        prompt_attention_mask: torch.Tensor | None = None,
+        negative_prompt_attention_mask: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         r"""Text conditioning as Wan / LTX-2 ``encode_prompt``.
 
@@ -402,20 +420,39 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         )
 
     def _encode_conditioning(
-        self, prompts, negative_prompt, image, need_negative, num_videos_per_prompt, prompt_embeds,
-        negative_prompt_embeds, prompt_attention_mask, negative_prompt_attention_mask, image_embeds, device,
+        self,
+        prompts,
+        negative_prompt,
+        image,
+        need_negative,
+        num_videos_per_prompt,
+        prompt_embeds,
+        negative_prompt_embeds,
+        prompt_attention_mask,
+        negative_prompt_attention_mask,
+        image_embeds,
+        device,
     ):
         """``__call__``'s text step: :meth:`encode_prompt` (I2V prompts with the ``<Figure 1>`` reference and its
         pooled token) and ``image_embeds`` per video; returns the four text tensors and ``image_embeds``."""
         if prompts is not None and image is not None:
             prompts = [add_figure_reference(p) for p in prompts]
-            prompt_embeds, prompt_attention_mask, pooled = self.encode_text(prompts, device, figure_target="<Figure 1>")
+            prompt_embeds, prompt_attention_mask, pooled = self.encode_text(
+                prompts, device, figure_target="<Figure 1>"
+            )
             image_embeds = pooled if image_embeds is None else image_embeds
             prompts = None
         # The refiner's CFG needs the negative prompt even when the preview runs without CFG (need_negative).
         embeds = self.encode_prompt(
-            prompts, negative_prompt, need_negative, num_videos_per_prompt, prompt_embeds, negative_prompt_embeds,
-            prompt_attention_mask, negative_prompt_attention_mask, device=device,
+            prompts,
+            negative_prompt,
+            need_negative,
+            num_videos_per_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            prompt_attention_mask,
+            negative_prompt_attention_mask,
+            device=device,
         )
         if image_embeds is not None:
             image_embeds = image_embeds.to(device).repeat_interleave(num_videos_per_prompt, 0)
@@ -446,9 +483,15 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
     # --- Latents
 
     def prepare_latents(
-        self, batch_size: int, height: int, width: int, device: torch.device | str,
-        generator: torch.Generator | list[torch.Generator] | None = None, latents: torch.Tensor | None = None,
-        audio_latents: torch.Tensor | None = None, num_latent_frames: int | None = None,
+        self,
+        batch_size: int,
+        height: int,
+        width: int,
+        device: torch.device | str,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        audio_latents: torch.Tensor | None = None,
+        num_latent_frames: int | None = None,
         num_audio_latents: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Initial fp32 noise: video ``[B, 48, T, H/16, W/16]`` drawn first, then audio ``[B, L, 64]`` (SandAI's
@@ -565,16 +608,31 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         if resolution is not None:
             height, width = self.apply_resolution_preset(resolution, height, width)
         self.check_inputs(
-            prompt=prompt, negative_prompt=negative_prompt, image=image, height=height, width=width,
-            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-            audio_guidance_scale=audio_guidance_scale, prompt_embeds=prompt_embeds,
-            prompt_attention_mask=prompt_attention_mask, negative_prompt_embeds=negative_prompt_embeds,
-            negative_prompt_attention_mask=negative_prompt_attention_mask, image_embeds=image_embeds,
-            output_type=output_type, callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            latents=latents, audio_latents=audio_latents, preview_height=preview_height, preview_width=preview_width,
-            output_height=output_height, output_width=output_width,
-            refiner_num_inference_steps=refiner_num_inference_steps, refiner_guidance_scale=refiner_guidance_scale,
-            attention_kwargs=attention_kwargs, num_videos_per_prompt=num_videos_per_prompt,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            image=image,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            audio_guidance_scale=audio_guidance_scale,
+            prompt_embeds=prompt_embeds,
+            prompt_attention_mask=prompt_attention_mask,
+            negative_prompt_embeds=negative_prompt_embeds,
+            negative_prompt_attention_mask=negative_prompt_attention_mask,
+            image_embeds=image_embeds,
+            output_type=output_type,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            latents=latents,
+            audio_latents=audio_latents,
+            preview_height=preview_height,
+            preview_width=preview_width,
+            output_height=output_height,
+            output_width=output_width,
+            refiner_num_inference_steps=refiner_num_inference_steps,
+            refiner_guidance_scale=refiner_guidance_scale,
+            attention_kwargs=attention_kwargs,
+            num_videos_per_prompt=num_videos_per_prompt,
         )
         check_scheduler(self.scheduler)
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
@@ -621,17 +679,42 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         # 3. text; I2V prompts get the <Figure 1> reference and its pooled token from the same pass
         need_negative = self.do_classifier_free_guidance or (refine and refiner_config.guidance_scale != 1.0)
         if first_rank:
-            prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask, image_embeds = (
-                self._encode_conditioning(
-                    prompts, negative_prompt, image, need_negative, num_videos_per_prompt, prompt_embeds,
-                    negative_prompt_embeds, prompt_attention_mask, negative_prompt_attention_mask, image_embeds, device,
-                )
+            (
+                prompt_embeds,
+                prompt_attention_mask,
+                negative_prompt_embeds,
+                negative_prompt_attention_mask,
+                image_embeds,
+            ) = self._encode_conditioning(
+                prompts,
+                negative_prompt,
+                image,
+                need_negative,
+                num_videos_per_prompt,
+                prompt_embeds,
+                negative_prompt_embeds,
+                prompt_attention_mask,
+                negative_prompt_attention_mask,
+                image_embeds,
+                device,
             )
         if cp_group is not None:
-            conditioning = [prompt_embeds, prompt_attention_mask, negative_prompt_embeds,
-                            negative_prompt_attention_mask, image_embeds, image_latents]
-            (prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask, image_embeds,
-             image_latents) = broadcast_from_first_rank(conditioning, cp_group, device)
+            conditioning = [
+                prompt_embeds,
+                prompt_attention_mask,
+                negative_prompt_embeds,
+                negative_prompt_attention_mask,
+                image_embeds,
+                image_latents,
+            ]
+            (
+                prompt_embeds,
+                prompt_attention_mask,
+                negative_prompt_embeds,
+                negative_prompt_attention_mask,
+                image_embeds,
+                image_latents,
+            ) = broadcast_from_first_rank(conditioning, cp_group, device)
         if image_latents is not None:
             image_latents = image_latents.expand(num_videos, -1, -1, -1, -1)
 
@@ -642,17 +725,30 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         )
 
         # 5. denoise: one forward per step on [cond, uncond]
-        tensors = dict(latents=latents, audio_latents=audio_latents, prompt_embeds=prompt_embeds,
-                       negative_prompt_embeds=negative_prompt_embeds)
-        steps = dict(callback_on_step_end=callback_on_step_end,
-                     callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+        tensors = {
+            "latents": latents,
+            "audio_latents": audio_latents,
+            "prompt_embeds": prompt_embeds,
+            "negative_prompt_embeds": negative_prompt_embeds,
+        }
+        steps = {
+            "callback_on_step_end": callback_on_step_end,
+            "callback_on_step_end_tensor_inputs": callback_on_step_end_tensor_inputs,
+        }
         branch = "cond_uncond" if self.do_classifier_free_guidance else "cond"
 
         def predict(i, t, tensors, context):
             with context(branch):
                 video, audio = self.predict_velocity(
-                    tensors["latents"], tensors["audio_latents"], t, tensors["prompt_embeds"], prompt_attention_mask,
-                    tensors["negative_prompt_embeds"], negative_prompt_attention_mask, image_latents, image_embeds,
+                    tensors["latents"],
+                    tensors["audio_latents"],
+                    t,
+                    tensors["prompt_embeds"],
+                    prompt_attention_mask,
+                    tensors["negative_prompt_embeds"],
+                    negative_prompt_attention_mask,
+                    image_latents,
+                    image_embeds,
                 )
             return {"latents": video, "audio_latents": audio}
 
@@ -709,7 +805,14 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
         return Magi2PipelineOutput(frames=frames, audio=audio, audio_sample_rate=sample_rate, fps=fps)
 
     def _denoise(
-        self, model, timesteps, tensors, schedulers, predict, description, callback_on_step_end,
+        self,
+        model,
+        timesteps,
+        tensors,
+        schedulers,
+        predict,
+        description,
+        callback_on_step_end,
         callback_on_step_end_tensor_inputs,
     ) -> dict:
         """The sampler of both stages: ``denoise_steps`` with progress bar, interrupt and step callbacks."""
@@ -728,8 +831,15 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
                 progress_bar.update()
                 return {name: value for name, value in outputs.items() if name in tensors}
 
-            denoise_steps(model, timesteps, tensors, schedulers, predict_step, on_step_end=on_step_end,
-                          skip_step=lambda: self.interrupt)
+            denoise_steps(
+                model,
+                timesteps,
+                tensors,
+                schedulers,
+                predict_step,
+                on_step_end=on_step_end,
+                skip_step=lambda: self.interrupt,
+            )
         self._current_timestep = None
         return tensors
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from diffusers.utils import BaseOutput
 
+
 __all__ = ["Magi2PipelineOutput"]
 
 

@@ -6,6 +6,7 @@ Values follow SandAI ``inference_engine.py`` / ``entry.py`` at commit ``f68a0f9`
 
 from __future__ import annotations
 
+
 __all__ = [
     "DEFAULT_NEGATIVE_PROMPT",
     "OUTPUT_TYPES",

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .sampling_magi2 import denoise_steps, unshifted_sigmas
 
+
 __all__ = [
     "Magi2RefinerStageConfig",
     "zero_snr_refiner_sigmas",
@@ -218,7 +219,9 @@ def run_refiner_stage(
             pick = (lambda v: v) if batch == 1 else (lambda v: None if v is None else v[b : b + 1])
             with context(f"{branch}_{b}"):
                 out = refiner(
-                    hidden_states=pick(latents), encoder_hidden_states=pick(embeds), encoder_attention_mask=pick(mask),
+                    hidden_states=pick(latents),
+                    encoder_hidden_states=pick(embeds),
+                    encoder_attention_mask=pick(mask),
                     attention_kwargs=attention_kwargs,
                 )
             rows.append(_velocity(out).float())

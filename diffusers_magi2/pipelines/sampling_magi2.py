@@ -15,7 +15,16 @@ import torch
 from diffusers import UniPCMultistepScheduler
 from diffusers.models.cache_utils import CacheMixin
 
-__all__ = ["cache_context", "check_scheduler", "denoise_steps", "combine_guidance", "flow_schedulers", "pad_text_batch", "unshifted_sigmas"]
+
+__all__ = [
+    "cache_context",
+    "check_scheduler",
+    "denoise_steps",
+    "combine_guidance",
+    "flow_schedulers",
+    "pad_text_batch",
+    "unshifted_sigmas",
+]
 
 
 def check_scheduler(scheduler) -> None:
@@ -59,9 +68,7 @@ def flow_schedulers(
     return scheduler, audio_scheduler, scheduler.timesteps
 
 
-def pad_text_batch(
-    embeds: list[torch.Tensor], masks: list[torch.Tensor | None]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_text_batch(embeds: list[torch.Tensor], masks: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack ``[B_i, L_i, C]`` text batches (with ``[B_i, L_i]`` masks or ``None`` = all real), zero-padded:
     ``(text [sum B_i, max L_i, C], mask bool)`` in ``embeds[0]``'s dtype and device."""
     longest = max(e.shape[1] for e in embeds)
@@ -90,7 +97,9 @@ def cache_context(model, name: str, **context):
     return contextlib.nullcontext()
 
 
-def denoise_steps(model, timesteps, tensors: dict, schedulers: dict, predict, *, on_step_end=None, skip_step=None) -> dict:
+def denoise_steps(
+    model, timesteps, tensors: dict, schedulers: dict, predict, *, on_step_end=None, skip_step=None
+) -> dict:
     """The denoising loop of both stages (module docstring).
 
     Args:

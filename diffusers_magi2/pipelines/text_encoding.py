@@ -14,6 +14,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from diffusers.utils import logging
 
+
 logger = logging.get_logger(__name__)
 
 __all__ = [
@@ -187,7 +188,9 @@ def _subject_row(subject: dict) -> str:
         row += f" ({where})"
     visual = _mapping(subject.get("visual_attributes"))
     keys = ("gender", "age_group", "ethnicity", "clothing", "appearance_details")
-    attrs = [f"{key}={_flat(visual[key])}" for key in keys if visual.get(key) not in (None, [], {}) and _flat(visual[key])]
+    attrs = [
+        f"{key}={_flat(visual[key])}" for key in keys if visual.get(key) not in (None, [], {}) and _flat(visual[key])
+    ]
     return row + (" :: " + "; ".join(attrs) if attrs else "")
 
 
@@ -320,7 +323,7 @@ def tokenize_prompt(
             logger.warning(
                 f"The prompt has {len(full['input_ids'])} tokens and MAGI-2 reads at most {max_sequence_length} "
                 f"(max_sequence_length): the last {dropped} tokens ({len(prompt) - kept_chars} characters) are "
-                f"dropped, starting with {prompt[kept_chars:kept_chars + 60]!r}"
+                f"dropped, starting with {prompt[kept_chars : kept_chars + 60]!r}"
             )
     return tokens
 
@@ -353,9 +356,7 @@ def encode_prompt_features(
     return outputs.hidden_states[-(skip_layers + 1)]
 
 
-def find_target_token_indices(
-    text: str, offsets: Sequence[Sequence[int]] | torch.Tensor, target: str
-) -> list[int]:
+def find_target_token_indices(text: str, offsets: Sequence[Sequence[int]] | torch.Tensor, target: str) -> list[int]:
     """Indices of the tokens overlapping the first ``target`` in ``text`` (SandAI ``get_target_token_indices``).
 
     Args:
@@ -411,7 +412,9 @@ def encode_prompt_text(
         ``(features [1, Lt, C], target_embeds [C] or None)``.
     """
     normalized = normalize_prompt(prompt)
-    tokens = tokenize_prompt(tokenizer, normalized, max_sequence_length, return_offsets_mapping=figure_target is not None)
+    tokens = tokenize_prompt(
+        tokenizer, normalized, max_sequence_length, return_offsets_mapping=figure_target is not None
+    )
     features = encode_prompt_features(
         text_encoder, tokens["input_ids"].to(device), tokens["attention_mask"].to(device), skip_layers=skip_layers
     )

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+
 __all__ = [
     "TINY_DEFAULT_CONFIG",
     "build_tiny_default_pipeline",
@@ -264,8 +265,15 @@ def build_tiny_default_pipeline(config: dict[str, Any] | None = None, dtype: tor
     audio_vae = AutoencoderOobleck(**cfg["audio_vae"]).eval()
     scheduler = UniPCMultistepScheduler(**cfg["scheduler"])
 
-    pipe = Magi2Pipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, audio_vae=audio_vae,
-                         scheduler=scheduler, vae=vae, video_decoder=video_decoder)
+    pipe = Magi2Pipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        audio_vae=audio_vae,
+        scheduler=scheduler,
+        vae=vae,
+        video_decoder=video_decoder,
+    )
     if dtype != torch.float32:
         cast_pipeline_to_compute_dtype(pipe, dtype)
     pipe.tiny_call_defaults = dict(cfg["call"])

@@ -16,6 +16,7 @@ from ..models.attention_magi2 import check_attention_kwargs
 from .image_processing_magi2 import IMAGE_TYPES
 from .presets_magi2 import OUTPUT_TYPES, REFINER_RESOLUTION
 
+
 __all__ = [
     "COMPONENT_FITS",
     "Magi2PipelineChecksMixin",
@@ -34,7 +35,10 @@ def check_sizes(height, width, preview_height=None, preview_width=None) -> None:
             raise ValueError(f"{name} must be a positive multiple of 16 (e.g. 256x448 or 512x896); got {value!r}")
     for name, value in (("preview_height", preview_height), ("preview_width", preview_width)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 16):
-            raise ValueError(f"{name} must be a positive multiple of 16 (512x896 for the released model); got {value!r}")
+            raise ValueError(
+                f"{name} must be a positive multiple of 16 (512x896 for the released model); got {value!r}"
+            )
+
 
 def attention_kwargs_for(model, attention_kwargs):
     """The keys of ``attention_kwargs`` that ``model`` declares (all for an undeclaring model), or ``None``."""
@@ -44,6 +48,7 @@ def attention_kwargs_for(model, attention_kwargs):
     if supported is None:
         return attention_kwargs
     return {k: v for k, v in attention_kwargs.items() if k in supported} or None
+
 
 def check_output_size(output_height, output_width, output_type) -> None:
     """``output_height``/``output_width``: both or neither, positive ints, not with ``output_type='latent'``."""
@@ -61,6 +66,7 @@ def check_output_size(output_height, output_width, output_type) -> None:
                 "output_height/output_width resize decoded frames; they are not allowed with output_type='latent'"
             )
 
+
 def _check_embeds(name: str, embeds, mask) -> None:
     """``embeds`` (if given) is ``[B, Lt, C]`` with a ``[B, Lt]`` mask."""
     if embeds is None:
@@ -75,7 +81,12 @@ def _check_embeds(name: str, embeds, mask) -> None:
 
 
 def check_prompt_inputs(
-    prompt, negative_prompt, prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask
+    prompt,
+    negative_prompt,
+    prompt_embeds,
+    prompt_attention_mask,
+    negative_prompt_embeds,
+    negative_prompt_attention_mask,
 ) -> None:
     """Exactly one of ``prompt``/``prompt_embeds``; non-empty strings; embeddings ``[B, Lt, C]`` with matching
     ``[B, Lt]`` masks; the negative pair likewise."""
@@ -86,7 +97,9 @@ def check_prompt_inputs(
     if prompt is not None:
         prompts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise ValueError(f"prompt must be a non-empty string or a non-empty list of strings; got {type(prompt).__name__}")
+            raise ValueError(
+                f"prompt must be a non-empty string or a non-empty list of strings; got {type(prompt).__name__}"
+            )
         if any(not p.strip() for p in prompts):
             raise ValueError("prompt must not be empty or whitespace only")
     _check_embeds("prompt_embeds", prompt_embeds, prompt_attention_mask)
@@ -103,8 +116,15 @@ def check_prompt_inputs(
                 f"negative_prompt_embeds batch {negative_prompt_embeds.shape[0]} != prompt_embeds batch {prompt_embeds.shape[0]}"
             )
 
+
 def check_batch_sizes(
-    prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds, latents, audio_latents,
+    prompt,
+    prompt_embeds,
+    negative_prompt,
+    negative_prompt_embeds,
+    image_embeds,
+    latents,
+    audio_latents,
     num_videos_per_prompt=1,
 ):
     """Every batched input matches the prompt batch, and given noise has one row per video (checked
@@ -118,7 +138,9 @@ def check_batch_sizes(
     source = "len(prompt)" if prompt is not None else "prompt_embeds.shape[0]"
     for name, tensor in (("negative_prompt_embeds", negative_prompt_embeds), ("image_embeds", image_embeds)):
         if tensor is not None and tensor.shape[0] != batch_size:
-            raise ValueError(f"{name} has batch {tensor.shape[0]}; it must equal the prompt batch {batch_size} ({source})")
+            raise ValueError(
+                f"{name} has batch {tensor.shape[0]}; it must equal the prompt batch {batch_size} ({source})"
+            )
     for name, tensor in (("latents", latents), ("audio_latents", audio_latents)):
         if tensor is not None and tensor.shape[0] != batch_size * num_videos_per_prompt:
             raise ValueError(
@@ -126,10 +148,12 @@ def check_batch_sizes(
                 f"({source}) x num_videos_per_prompt {num_videos_per_prompt} = {batch_size * num_videos_per_prompt}"
             )
 
+
 def _config_value(component, field: str):
     config = getattr(component, "config", None)
     value = None if config is None else getattr(config, field, None)
     return None if value is None else int(value)
+
 
 #: Component pairs whose widths must agree: ``(component, config field, model, config field, what)``.
 
@@ -187,17 +211,31 @@ class Magi2PipelineChecksMixin:
         self._check_attention_kwargs(attention_kwargs, refine)
         check_output_size(output_height, output_width, output_type)
         self._check_sampling_inputs(
-            num_inference_steps, num_videos_per_prompt, guidance_scale, audio_guidance_scale, output_type,
+            num_inference_steps,
+            num_videos_per_prompt,
+            guidance_scale,
+            audio_guidance_scale,
+            output_type,
             callback_on_step_end_tensor_inputs,
         )
         check_prompt_inputs(
-            prompt, negative_prompt, prompt_embeds, prompt_attention_mask, negative_prompt_embeds,
+            prompt,
+            negative_prompt,
+            prompt_embeds,
+            prompt_attention_mask,
+            negative_prompt_embeds,
             negative_prompt_attention_mask,
         )
         self._check_image_inputs(image, prompt_embeds, image_embeds)
         # batch size and text width, checked here so that nothing is encoded before a mismatch raises
         check_batch_sizes(
-            prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds, latents, audio_latents,
+            prompt,
+            prompt_embeds,
+            negative_prompt,
+            negative_prompt_embeds,
+            image_embeds,
+            latents,
+            audio_latents,
             num_videos_per_prompt,
         )
         self._check_text_widths(prompt_embeds, negative_prompt_embeds, image_embeds)
@@ -209,7 +247,9 @@ class Magi2PipelineChecksMixin:
         """The two-stage path's component and settings (refused on a single-stage call)."""
         if refine and getattr(self, "refiner", None) is None:
             if (height, width) == REFINER_RESOLUTION:
-                what = "1088x1920 (1080p) is produced by the MAGI-2 refiner stage (preview at 512x896, then the refiner)"
+                what = (
+                    "1088x1920 (1080p) is produced by the MAGI-2 refiner stage (preview at 512x896, then the refiner)"
+                )
             else:
                 what = "preview_height/preview_width select the two-stage path (preview, then the refiner stage)"
             raise ValueError(
@@ -269,12 +309,20 @@ class Magi2PipelineChecksMixin:
         check_attention_kwargs(type(self).__name__, attention_kwargs, supported)
 
     def _check_sampling_inputs(
-        self, num_inference_steps, num_videos_per_prompt, guidance_scale, audio_guidance_scale, output_type,
+        self,
+        num_inference_steps,
+        num_videos_per_prompt,
+        guidance_scale,
+        audio_guidance_scale,
+        output_type,
         callback_on_step_end_tensor_inputs,
     ) -> None:
         """Steps ≥ 1, videos per prompt ≥ 1, finite guidance scales ≥ 0, a known ``output_type``, callback
         tensor names from ``self._callback_tensor_inputs``."""
-        for name, value in (("num_inference_steps", num_inference_steps), ("num_videos_per_prompt", num_videos_per_prompt)):
+        for name, value in (
+            ("num_inference_steps", num_inference_steps),
+            ("num_videos_per_prompt", num_videos_per_prompt),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
         for name, value in (("guidance_scale", guidance_scale), ("audio_guidance_scale", audio_guidance_scale)):
@@ -285,7 +333,9 @@ class Magi2PipelineChecksMixin:
         if callback_on_step_end_tensor_inputs is not None:
             bad = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
             if bad:
-                raise ValueError(f"callback_on_step_end_tensor_inputs may only name {self._callback_tensor_inputs}; got {bad}")
+                raise ValueError(
+                    f"callback_on_step_end_tensor_inputs may only name {self._callback_tensor_inputs}; got {bad}"
+                )
 
     def _check_image_inputs(self, image, prompt_embeds, image_embeds) -> None:
         """``image`` type/shape/path, the ``vae`` it needs, and ``image_embeds`` (only with ``image``, ``[B, C]``,
@@ -335,12 +385,20 @@ class Magi2PipelineChecksMixin:
         self, output_type, latents, audio_latents, refine: bool, denoise_height: int, denoise_width: int
     ) -> None:
         """A video decoder for decoded output; given latents fit the (preview) stage's size."""
-        if output_type != "latent" and getattr(self, "video_decoder", None) is None and getattr(self, "vae", None) is None:
+        if (
+            output_type != "latent"
+            and getattr(self, "video_decoder", None) is None
+            and getattr(self, "vae", None) is None
+        ):
             raise ValueError("decoding needs `video_decoder` or `vae`; neither is loaded (use output_type='latent')")
 
         h, w = denoise_height // self.vae_scale_factor_spatial, denoise_width // self.vae_scale_factor_spatial
         if latents is not None:
-            if latents.ndim != 5 or latents.shape[1] != self.num_channels_latents or tuple(latents.shape[3:]) != (h, w):
+            if (
+                latents.ndim != 5
+                or latents.shape[1] != self.num_channels_latents
+                or tuple(latents.shape[3:]) != (h, w)
+            ):
                 stage = " (the preview stage of the refiner path)" if refine else ""
                 raise ValueError(
                     f"latents must be [batch, {self.num_channels_latents}, T, {h}, {w}] for "

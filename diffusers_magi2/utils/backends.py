@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+
 __all__ = ["BACKEND_CHOICES", "check_backend", "resolve_backend"]
 
 

@@ -7,6 +7,7 @@ from typing import Optional, Union
 
 import torch
 
+
 __all__ = ["DTYPE_CHOICES", "EXPERT_DTYPE_CHOICES", "FLOAT_DTYPES", "convert_dtype", "parse_dtype"]
 
 #: floating dtype names (a leading ``torch.`` is ignored) -> torch dtype.

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+
 __all__ = ["export_to_video_with_audio", "frames_to_uint8", "probe_streams"]
 
 _AUDIO_CHUNK = 1024  # AAC frame size
@@ -40,7 +41,9 @@ def frames_to_uint8(video: Any) -> np.ndarray:
     if isinstance(video, (list, tuple)):
         if len(video) == 0:
             raise ValueError("video has no frames")
-        frames = [np.asarray(frame.convert("RGB")) if hasattr(frame, "convert") else _as_numpy(frame) for frame in video]
+        frames = [
+            np.asarray(frame.convert("RGB")) if hasattr(frame, "convert") else _as_numpy(frame) for frame in video
+        ]
         video = np.stack(frames, axis=0)
     else:
         video = _as_numpy(video)
@@ -83,7 +86,9 @@ def _audio_planar(audio: Any) -> np.ndarray:
     return np.ascontiguousarray(audio.astype(np.float32))
 
 
-def _fit_audio_duration(samples: np.ndarray, num_frames: int, rate: Fraction, sample_rate: int, trim_or_pad: bool) -> np.ndarray:
+def _fit_audio_duration(
+    samples: np.ndarray, num_frames: int, rate: Fraction, sample_rate: int, trim_or_pad: bool
+) -> np.ndarray:
     """Check (or, with ``trim_or_pad``, enforce) that ``samples`` lasts as long as the video, within one frame."""
     video_s = Fraction(num_frames) / rate
     audio_s = Fraction(samples.shape[1], sample_rate)

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_flop_count
 
+
 __all__ = ["register_cpu_sdpa_flop_formula", "count_flops"]
 
 _CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+
 __all__ = ["is_fp32_island"]
 
 

@@ -14,11 +14,12 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -74,8 +75,17 @@ def parse_size(size: int | str) -> int:
         value = size
     else:
         text = str(size).strip()
-        units = {"TIB": 1024**4, "GIB": 1024**3, "MIB": 1024**2, "KIB": 1024, "TB": 10**12, "GB": 10**9,
-                 "MB": 10**6, "KB": 10**3, "B": 1}
+        units = {
+            "TIB": 1024**4,
+            "GIB": 1024**3,
+            "MIB": 1024**2,
+            "KIB": 1024,
+            "TB": 10**12,
+            "GB": 10**9,
+            "MB": 10**6,
+            "KB": 10**3,
+            "B": 1,
+        }
         upper = text.upper()
         for unit, mult in units.items():
             if upper.endswith(unit):
@@ -144,10 +154,14 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
         with open(path, "rb") as fh:
             prefix = fh.read(8)
             if len(prefix) < 8:
-                raise ValueError(f"{path}: not a safetensors file (only {len(prefix)} bytes; the 8-byte header length is missing)")
+                raise ValueError(
+                    f"{path}: not a safetensors file (only {len(prefix)} bytes; the 8-byte header length is missing)"
+                )
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > _MAX_HEADER_BYTES:
-                raise ValueError(f"{path}: declared header length {header_len} bytes exceeds the 100 MB limit; not a safetensors file")
+                raise ValueError(
+                    f"{path}: declared header length {header_len} bytes exceeds the 100 MB limit; not a safetensors file"
+                )
             raw = fh.read(header_len)
     except FileNotFoundError:
         raise ValueError(f"{path}: file not found") from None
@@ -169,9 +183,13 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: header entry {name!r} lacks a valid dtype/shape/data_offsets: {info!r}") from None
+            raise ValueError(
+                f"{path}: header entry {name!r} lacks a valid dtype/shape/data_offsets: {info!r}"
+            ) from None
         if dtype not in DTYPE_ITEMSIZE:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}; allowed: {sorted(DTYPE_ITEMSIZE)}")
+            raise ValueError(
+                f"{path}: tensor {name!r} has unsupported dtype {dtype!r}; allowed: {sorted(DTYPE_ITEMSIZE)}"
+            )
         if any(d < 0 for d in shape) or begin < 0 or end < begin:
             raise ValueError(f"{path}: tensor {name!r} has a negative shape or bad offsets {shape} {[begin, end]}")
         nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
@@ -265,7 +283,9 @@ class ShardLayout:
         return self.file_size - len(self.header)
 
 
-def encode_header(tensors: Sequence[OutputTensor], metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, tuple[int, int]]]:
+def encode_header(
+    tensors: Sequence[OutputTensor], metadata: dict[str, str] | None = None
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """Encode a safetensors header for ``tensors`` laid out back to back in the given order.
 
     Returns:
@@ -323,12 +343,18 @@ def plan_shards(
         offsets = {n: (b + len(header), e + len(header)) for n, (b, e) in rel.items()}
         filename = weights_name if len(groups) == 1 else f"{stem}-{i + 1:05d}-of-{len(groups):05d}.{ext}"
         layouts.append(
-            ShardLayout(filename, header, offsets, len(header) + sum(t.nbytes for t in group), {t.name: t.dtype for t in group})
+            ShardLayout(
+                filename, header, offsets, len(header) + sum(t.nbytes for t in group), {t.name: t.dtype for t in group}
+            )
         )
     return layouts
 
 
-def write_index(folder: str | os.PathLike, layouts: Sequence[ShardLayout], weights_name: str = "diffusion_pytorch_model.safetensors") -> Path | None:
+def write_index(
+    folder: str | os.PathLike,
+    layouts: Sequence[ShardLayout],
+    weights_name: str = "diffusion_pytorch_model.safetensors",
+) -> Path | None:
     """Write ``<weights_name>.index.json`` for a sharded layout; its path, or ``None`` for one file (no index)."""
     if len(layouts) == 1 and layouts[0].filename == weights_name:
         return None
@@ -357,7 +383,7 @@ class ShardWriter:
         for i, lay in enumerate(self.layouts):
             for name, (b, e) in lay.offsets.items():
                 self._where[name] = (i, b, e)
-        self._written: dict[str, int] = {name: 0 for name in self._where}
+        self._written: dict[str, int] = dict.fromkeys(self._where, 0)
         self._dtypes: dict[str, str] = {name: lay.dtypes[name] for lay in self.layouts for name in lay.offsets}
         self._fds: list[int] = []
         self._kernel_copy = hasattr(os, "copy_file_range")
@@ -433,7 +459,13 @@ class ShardWriter:
         self._written[name] = pos - begin
 
     def cast_bytes(
-        self, name: str, src_fd: int, src_offset: int, nbytes: int, src_dtype: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+        self,
+        name: str,
+        src_fd: int,
+        src_offset: int,
+        nbytes: int,
+        src_dtype: str,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         """Append a source tensor's bytes to tensor ``name``, cast to its planned dtype ``chunk_bytes`` at a time.
 
@@ -451,7 +483,9 @@ class ShardWriter:
         count = nbytes // in_item
         pos = begin + self._written[name]
         if pos + count * out_item > end:
-            raise ValueError(f"tensor {name!r}: {self._written[name] + count * out_item} bytes written, planned {end - begin}")
+            raise ValueError(
+                f"tensor {name!r}: {self._written[name] + count * out_item} bytes written, planned {end - begin}"
+            )
         step = max(1, min(count, chunk_bytes // in_item))
         inbuf = bytearray(step * in_item)
         src_view = torch.frombuffer(inbuf, dtype=DTYPE_TO_TORCH[src_dtype]) if count else None
@@ -483,7 +517,9 @@ class ShardWriter:
         """
         self._close_fds()
         short = [
-            f"{n}: {self._written[n]} of {e - b} bytes" for n, (_, b, e) in self._where.items() if self._written[n] != e - b
+            f"{n}: {self._written[n]} of {e - b} bytes"
+            for n, (_, b, e) in self._where.items()
+            if self._written[n] != e - b
         ]
         if short:
             raise ValueError("incomplete output tensors: " + "; ".join(short))

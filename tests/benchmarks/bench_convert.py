@@ -41,6 +41,7 @@ import threading
 import time
 from pathlib import Path
 
+
 _CHILD = "--_child"
 
 
@@ -54,16 +55,31 @@ def _bench_config(total_mb: int, experts: int | None = None) -> dict:
     def config(e: int) -> dict:
         return {
             "arch_config": {
-                "num_layers": 4, "hidden_size": hidden, "head_dim": 128, "num_query_groups": 12,
-                "video_in_channels": 48, "audio_in_channels": 64, "text_in_channels": 512,
-                "params_dtype": "bfloat16", "intermediate_factor": 4, "mm_layers": [0, 3],
-                "activation_type": "swiglu7", "attn_softcap": -1.0, "attn_gating": {"enable": True},
+                "num_layers": 4,
+                "hidden_size": hidden,
+                "head_dim": 128,
+                "num_query_groups": 12,
+                "video_in_channels": 48,
+                "audio_in_channels": 64,
+                "text_in_channels": 512,
+                "params_dtype": "bfloat16",
+                "intermediate_factor": 4,
+                "mm_layers": [0, 3],
+                "activation_type": "swiglu7",
+                "attn_softcap": -1.0,
+                "attn_gating": {"enable": True},
                 "attn_sinks": {"enable": True, "sink_token_num": 1},
                 "mhc_config": {"enable": True, "num_stream": 4, "alpha_init": 0.01},
                 "moe_config": {
-                    "num_experts": e, "top_k": 6, "score_func": "sigmoid", "route_norm": True,
-                    "route_scale": 4.9, "moe_layers": [1, 2], "expert_intermediate_size": d_expert,
-                    "shared_expert_intermediate_size": 1280, "modality_specific_expert_intermediate_size": 1280,
+                    "num_experts": e,
+                    "top_k": 6,
+                    "score_func": "sigmoid",
+                    "route_norm": True,
+                    "route_scale": 4.9,
+                    "moe_layers": [1, 2],
+                    "expert_intermediate_size": d_expert,
+                    "shared_expert_intermediate_size": 1280,
+                    "modality_specific_expert_intermediate_size": 1280,
                     "num_heads": heads,
                 },
             },
@@ -78,7 +94,11 @@ def _bench_config(total_mb: int, experts: int | None = None) -> dict:
 
 def _specs(cfg: dict):
     from diffusers_magi2 import Magi2Transformer3DModel
-    from diffusers_magi2.loaders.original_checkpoint import build_meta_model, expected_specs_from_model, original_format
+    from diffusers_magi2.loaders.original_checkpoint import (
+        build_meta_model,
+        expected_specs_from_model,
+        original_format,
+    )
 
     kwargs = original_format(Magi2Transformer3DModel).model_kwargs(cfg)
     return expected_specs_from_model(build_meta_model(Magi2Transformer3DModel, kwargs), "BF16")
@@ -179,18 +199,23 @@ def _status_kb(field: str) -> int:
 
 def _child(args: list[str]) -> None:
     """In a fresh process: convert and report RSS figures (kB) and wall time as one JSON line."""
-    from diffusers_magi2.conversion.repo import ConversionRequest, convert_checkpoint
-    from diffusers_magi2.utils.safetensors_io import parse_size
-
     import accelerate  # noqa: F401  - everything the conversion imports, so RSS "before" excludes imports
     import diffusers  # noqa: F401
     import safetensors.torch  # noqa: F401
 
     import diffusers_magi2.models.transformer_magi2  # noqa: F401
+    from diffusers_magi2.conversion.repo import ConversionRequest, convert_checkpoint
+    from diffusers_magi2.utils.safetensors_io import parse_size
 
     ckpt, out, dtype, shard = Path(args[0]), Path(args[1]), args[2], args[3]
-    req = ConversionRequest(output_path=out, components=["transformer"], inputs={"transformer": ckpt},
-                            config=ckpt / "magi2_preview.json", dtype=dtype, max_shard_size=parse_size(shard))
+    req = ConversionRequest(
+        output_path=out,
+        components=["transformer"],
+        inputs={"transformer": ckpt},
+        config=ckpt / "magi2_preview.json",
+        dtype=dtype,
+        max_shard_size=parse_size(shard),
+    )
     peak = {"kb": 0}
     stop = threading.Event()
 
@@ -205,8 +230,9 @@ def _child(args: list[str]) -> None:
     from diffusers_magi2.conversion.convert_transformer import prepare_transformer_conversion
 
     start = time.perf_counter()  # the header-only planning alone (what every run pays before moving data)
-    prepare_transformer_conversion("transformer", ckpt, ckpt / "magi2_preview.json", dtype=dtype,
-                                   max_shard_size=parse_size(shard))
+    prepare_transformer_conversion(
+        "transformer", ckpt, ckpt / "magi2_preview.json", dtype=dtype, max_shard_size=parse_size(shard)
+    )
     plan_seconds = time.perf_counter() - start
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM
@@ -222,8 +248,18 @@ def _child(args: list[str]) -> None:
     stop.set()
     thread.join()
     hwm = _status_kb("VmHWM") if hwm_reset else 0
-    print(json.dumps({"rss_before_kb": before, "peak_sampled_kb": peak["kb"], "vmhwm_kb": hwm,
-                      "hwm_reset": hwm_reset, "seconds": seconds, "plan_seconds": plan_seconds}))
+    print(
+        json.dumps(
+            {
+                "rss_before_kb": before,
+                "peak_sampled_kb": peak["kb"],
+                "vmhwm_kb": hwm,
+                "hwm_reset": hwm_reset,
+                "seconds": seconds,
+                "plan_seconds": plan_seconds,
+            }
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -251,7 +287,10 @@ def main(argv: list[str] | None = None) -> dict:
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             res = subprocess.run(
                 [sys.executable, __file__, _CHILD, str(work / "ckpt"), str(out), args.dtype, args.max_shard_size],
-                capture_output=True, text=True, env=env, check=False,
+                capture_output=True,
+                text=True,
+                env=env,
+                check=False,
             )
             if res.returncode != 0:
                 raise RuntimeError(f"conversion failed:\n{res.stderr[-4000:]}")

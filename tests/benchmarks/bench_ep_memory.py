@@ -31,12 +31,27 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-CONFIG = dict(
-    num_layers=6, num_attention_heads=4, attention_head_dim=64, num_key_value_heads=4, in_channels=16,
-    audio_in_channels=16, text_in_channels=32, intermediate_factor=2, multimodal_layers=[0, 5], moe_layers=[1, 2, 3, 4], num_streams=2,
-    moe_num_heads=8, moe_num_experts=256, moe_top_k=2, moe_expert_intermediate_size=512,
-    shared_expert_intermediate_size=64, modality_specific_expert_intermediate_size=64, time_embed_dim=64,
-)
+
+CONFIG = {
+    "num_layers": 6,
+    "num_attention_heads": 4,
+    "attention_head_dim": 64,
+    "num_key_value_heads": 4,
+    "in_channels": 16,
+    "audio_in_channels": 16,
+    "text_in_channels": 32,
+    "intermediate_factor": 2,
+    "multimodal_layers": [0, 5],
+    "moe_layers": [1, 2, 3, 4],
+    "num_streams": 2,
+    "moe_num_heads": 8,
+    "moe_num_experts": 256,
+    "moe_top_k": 2,
+    "moe_expert_intermediate_size": 512,
+    "shared_expert_intermediate_size": 64,
+    "modality_specific_expert_intermediate_size": 64,
+    "time_embed_dim": 64,
+}
 EXPERT_SUFFIXES = ("moe_mlp.W_gate", "moe_mlp.W_up", "moe_mlp.W_down")
 
 
@@ -93,7 +108,7 @@ def write_checkpoint(folder: Path) -> dict:
             else:
                 other_bytes += nbytes
         save_file(tensors, str(folder / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in keys})
+        weight_map.update(dict.fromkeys(keys, name))
         del tensors
     (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": expert_bytes + other_bytes}, "weight_map": weight_map})
@@ -148,7 +163,10 @@ def _worker(rank: int, world: int, port: int, folder: str, out_dir: str) -> None
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
     try:

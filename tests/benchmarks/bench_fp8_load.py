@@ -32,6 +32,7 @@ import torch
 
 from tests.benchmarks.bench_ep_memory import CONFIG, _peak_rss_bytes, _reset_peak_rss, _rss_bytes, write_checkpoint
 
+
 TARGET = 1.3
 
 
@@ -51,10 +52,19 @@ def _measure(folder: str, expert_dtype, out: str) -> None:
     peak = _peak_rss_bytes()
     model_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     fp8 = sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
-    Path(out).write_text(json.dumps({
-        "expert_dtype": expert_dtype, "rss_before_mb": before / 2**20, "peak_rss_mb": peak / 2**20,
-        "growth_bytes": peak - before, "model_bytes": model_bytes, "fp8_params": fp8, "peak_reset_before_load": peak_reset,
-    }))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "expert_dtype": expert_dtype,
+                "rss_before_mb": before / 2**20,
+                "peak_rss_mb": peak / 2**20,
+                "growth_bytes": peak - before,
+                "model_bytes": model_bytes,
+                "fp8_params": fp8,
+                "peak_reset_before_load": peak_reset,
+            }
+        )
+    )
 
 
 def run() -> dict:

@@ -31,12 +31,23 @@ import torch
 
 from diffusers_magi2 import Magi2Transformer3DModel
 
-RELEASED = dict(num_attention_heads=24, attention_head_dim=128, num_key_value_heads=24)
-SMALL = dict(
-    num_attention_heads=4, attention_head_dim=32, num_key_value_heads=4, in_channels=12, audio_in_channels=16,
-    text_in_channels=48, moe_num_heads=4, moe_num_experts=8, moe_top_k=2, moe_expert_intermediate_size=64,
-    shared_expert_intermediate_size=64, modality_specific_expert_intermediate_size=64, intermediate_factor=2,
-)
+
+RELEASED = {"num_attention_heads": 24, "attention_head_dim": 128, "num_key_value_heads": 24}
+SMALL = {
+    "num_attention_heads": 4,
+    "attention_head_dim": 32,
+    "num_key_value_heads": 4,
+    "in_channels": 12,
+    "audio_in_channels": 16,
+    "text_in_channels": 48,
+    "moe_num_heads": 4,
+    "moe_num_experts": 8,
+    "moe_top_k": 2,
+    "moe_expert_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "modality_specific_expert_intermediate_size": 64,
+    "intermediate_factor": 2,
+}
 FP8 = "float8_e4m3fn"
 
 
@@ -65,14 +76,14 @@ def build(layers: dict, small: bool, device, expert_dtype=None) -> Magi2Transfor
 def inputs(small: bool, device):
     """One sample: video ``[1, Cv, T, H, W]``, audio, text and a timestep (8,192 tokens at released width)."""
     g = torch.Generator(device=device).manual_seed(2)
-    cfg = SMALL if small else dict(in_channels=48, audio_in_channels=64, text_in_channels=5120)
+    cfg = SMALL if small else {"in_channels": 48, "audio_in_channels": 64, "text_in_channels": 5120}
     t, h, w, la, lt = (2, 4, 4, 8, 8) if small else (8, 30, 32, 256, 256)
-    return dict(
-        hidden_states=torch.randn(1, cfg["in_channels"], t, h, w, generator=g, device=device),
-        timestep=torch.tensor([613.5], device=device),
-        encoder_hidden_states=torch.randn(1, lt, cfg["text_in_channels"], generator=g, device=device),
-        audio_hidden_states=torch.randn(1, la, cfg["audio_in_channels"], generator=g, device=device),
-    )
+    return {
+        "hidden_states": torch.randn(1, cfg["in_channels"], t, h, w, generator=g, device=device),
+        "timestep": torch.tensor([613.5], device=device),
+        "encoder_hidden_states": torch.randn(1, lt, cfg["text_in_channels"], generator=g, device=device),
+        "audio_hidden_states": torch.randn(1, la, cfg["audio_in_channels"], generator=g, device=device),
+    }
 
 
 def rel_l2(a, b) -> float:
@@ -102,7 +113,7 @@ def forward(model, batch):
 
 def block_check(device, small: bool) -> dict:
     batch = inputs(small, device)
-    layers = dict(num_layers=1, multimodal_layers=[], moe_layers=[0])
+    layers = {"num_layers": 1, "multimodal_layers": [], "moe_layers": [0]}
     candidates = ["_native_flash", "_native_cudnn"] if device.type == "cuda" else ["native"]
     report = {}
     for variant in ("bf16", "fp8_experts"):
@@ -110,14 +121,18 @@ def block_check(device, small: bool) -> dict:
         entry = {}
         model.set_attention_backend("_native_math")
         model.set_moe_backend("torch")
-        reference, entry["torch_path_s"] = timed(lambda: forward(model, batch), device)
+        reference, entry["torch_path_s"] = timed(lambda model=model: forward(model, batch), device)
         entry["tokens"] = model.pack_inputs(**batch).hidden_states.shape[0]
         model.set_moe_backend("triton" if device.type == "cuda" else "torch")
         for backend in candidates:
             try:
                 model.set_attention_backend(backend)
-                out, seconds = timed(lambda: forward(model, batch), device)
-                entry[backend] = dict(seconds=seconds, rel_l2_vs_torch_path=rel_l2(out, reference), finite=bool(torch.isfinite(out).all()))
+                out, seconds = timed(lambda model=model: forward(model, batch), device)
+                entry[backend] = {
+                    "seconds": seconds,
+                    "rel_l2_vs_torch_path": rel_l2(out, reference),
+                    "finite": bool(torch.isfinite(out).all()),
+                }
             except Exception as error:  # reported, not hidden: the run goes on to the next backend
                 entry[backend] = f"failed: {type(error).__name__}: {error}"
         report[variant] = entry
@@ -133,7 +148,7 @@ def _dtypes(model):
 
 def group_offload_check(device, small: bool) -> dict:
     batch = inputs(small, device)
-    model = build(dict(num_layers=2, multimodal_layers=[0], moe_layers=[1]), small, device)
+    model = build({"num_layers": 2, "multimodal_layers": [0], "moe_layers": [1]}, small, device)
     before = _dtypes(model)
     cuda = device.type == "cuda"
     if cuda:

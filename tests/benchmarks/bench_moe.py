@@ -65,7 +65,9 @@ def _module(num_tokens, heads, experts, top_k, head_dim, expert_dim, dtype, devi
     return module, hidden
 
 
-def bench_cpu(num_tokens=4096, heads=12, experts=32, top_k=6, head_dim=64, expert_dim=128, repeats=3, fp8=False) -> dict:
+def bench_cpu(
+    num_tokens=4096, heads=12, experts=32, top_k=6, head_dim=64, expert_dim=128, repeats=3, fp8=False
+) -> dict:
     """Full torch-path forward vs the same GEMMs as dense matmuls over pre-gathered rows (1 thread, fp32); with
     ``fp8`` also the full forward with FP8 experts (same shape and inputs)."""
     torch.set_num_threads(1)
@@ -103,14 +105,31 @@ def bench_cpu(num_tokens=4096, heads=12, experts=32, top_k=6, head_dim=64, exper
         wall_full_s = _best_of(lambda: module(hidden), 1)
         fp8_s = None
         if fp8:
-            fp8_module, _ = _module(num_tokens, heads, experts, top_k, head_dim, expert_dim, torch.float32, "cpu",
-                                    expert_dtype="float8_e4m3fn")
+            fp8_module, _ = _module(
+                num_tokens,
+                heads,
+                experts,
+                top_k,
+                head_dim,
+                expert_dim,
+                torch.float32,
+                "cpu",
+                expert_dtype="float8_e4m3fn",
+            )
             fp8_module.set_backend("torch")
             fp8_s = min(_best_of(lambda: fp8_module(hidden), 1, clock=clock) for _ in range(repeats))
     routes = num_tokens * heads * top_k
     flops = 6.0 * routes * head_dim * expert_dim
     return {
-        "shape": dict(S=num_tokens, H=heads, E=experts, k=top_k, Dh=head_dim, De=expert_dim, dtype="float32"),
+        "shape": {
+            "S": num_tokens,
+            "H": heads,
+            "E": experts,
+            "k": top_k,
+            "Dh": head_dim,
+            "De": expert_dim,
+            "dtype": "float32",
+        },
         "threads": torch.get_num_threads(),
         "clock": "process CPU time (best of interleaved rounds)",
         "full_forward_s": full_s,
@@ -123,7 +142,11 @@ def bench_cpu(num_tokens=4096, heads=12, experts=32, top_k=6, head_dim=64, exper
         "meets_target_full_forward": gemm_s / full_s >= 0.6,
         "meets_target_experts_only": gemm_s / experts_s >= 0.6,
         "full_forward_gflops": flops / full_s / 1e9,
-        **({} if fp8_s is None else {"fp8_experts_full_forward_s": fp8_s, "fp8_over_fp32_full_forward": fp8_s / full_s}),
+        **(
+            {}
+            if fp8_s is None
+            else {"fp8_experts_full_forward_s": fp8_s, "fp8_over_fp32_full_forward": fp8_s / full_s}
+        ),
     }
 
 
@@ -139,10 +162,27 @@ def bench_cuda(token_counts=(4096, 29184), repeats=5, expert_dtype: str = "bf16"
     sync = torch.cuda.synchronize
     results = {
         "device": torch.cuda.get_device_name(device),
-        "shape": dict(H=heads, E=experts, k=top_k, Dh=head_dim, De=expert_dim, dtype="bfloat16", experts=expert_dtype),
+        "shape": {
+            "H": heads,
+            "E": experts,
+            "k": top_k,
+            "Dh": head_dim,
+            "De": expert_dim,
+            "dtype": "bfloat16",
+            "experts": expert_dtype,
+        },
     }
-    module, _ = _module(8, heads, experts, top_k, head_dim, expert_dim, torch.bfloat16, device,
-                        expert_dtype=EXPERT_DTYPES[expert_dtype])
+    module, _ = _module(
+        8,
+        heads,
+        experts,
+        top_k,
+        head_dim,
+        expert_dim,
+        torch.bfloat16,
+        device,
+        expert_dtype=EXPERT_DTYPES[expert_dtype],
+    )
     scales = tuple(getattr(module, f"{n}_scale") for n in ("W_gate", "W_up", "W_down")) if module.fp8_experts else None
     with torch.no_grad():
         for num_tokens in token_counts:
@@ -158,7 +198,9 @@ def bench_cuda(token_counts=(4096, 29184), repeats=5, expert_dtype: str = "bf16"
             entry["triton_deterministic_s"] = _best_of(
                 lambda: triton_mh_moe_forward(x, *routing, *weights, deterministic=True, scales=scales), repeats, sync
             )
-            entry["torch_path_s"] = _best_of(lambda: torch_mh_moe_forward(x, *routing, *weights, scales=scales), 1, sync)
+            entry["torch_path_s"] = _best_of(
+                lambda: torch_mh_moe_forward(x, *routing, *weights, scales=scales), 1, sync
+            )
             m = num_tokens * heads * top_k
             a = torch.randn(m, head_dim, device=device, dtype=torch.bfloat16)
             w13 = torch.randn(head_dim, 2 * expert_dim, device=device, dtype=torch.bfloat16)
@@ -182,8 +224,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--tokens", type=int, default=4096, help="CPU token count (default 4096)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--expert_dtype", nargs="+", choices=tuple(EXPERT_DTYPES), default=["bf16"],
-                        help="routed-expert storage(s) to benchmark: bf16, fp8_e4m3 (default: bf16)")
+    parser.add_argument(
+        "--expert_dtype",
+        nargs="+",
+        choices=tuple(EXPERT_DTYPES),
+        default=["bf16"],
+        help="routed-expert storage(s) to benchmark: bf16, fp8_e4m3 (default: bf16)",
+    )
     args = parser.parse_args(argv)
     report = {
         "benchmark": "diffusers_magi2.moe",

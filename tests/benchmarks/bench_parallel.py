@@ -38,6 +38,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+
 BYTES = 2  # bf16 on the wire
 
 
@@ -105,7 +106,9 @@ def step_costs(cfg: Released, video_tokens: int, text_tokens: int, ranks: int, l
     routed_token_head = routed_macs_per_token_head(cfg)
     moe_dh = cfg.hidden // cfg.moe_heads
     if layout == "single":
-        macs = dense_per_token * total + adapters + attn_core_all + moe_layers * total * cfg.moe_heads * routed_token_head
+        macs = (
+            dense_per_token * total + adapters + attn_core_all + moe_layers * total * cfg.moe_heads * routed_token_head
+        )
         return {"flops": 2 * macs, "bytes": 0}
     n = ranks
     if layout == "ep":
@@ -182,7 +185,10 @@ def _tiny_forward(model, d):
 
     with torch.no_grad():
         return model.forward_packed(
-            d["model.x"], d["model.coords_mapping"], d["model.modality_mapping"], d["model.cu_seqlens_q"],
+            d["model.x"],
+            d["model.coords_mapping"],
+            d["model.modality_mapping"],
+            d["model.cu_seqlens_q"],
             d["model.time_token_sequence"],
         )
 
@@ -196,8 +202,13 @@ def _measure_rank(rank: int, world: int, ep: int, port: int, out_dir: str) -> No
     from diffusers_magi2.utils.flop_counter import count_flops
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     model, d = _load_tiny()
     model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=ep))
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))

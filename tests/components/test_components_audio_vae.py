@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from diffusers_magi2.conversion.components import convert_stable_audio_vae, oobleck_config_from_sao
 from diffusers_magi2.pipelines.decoding_magi2 import resample_audio
 
+
 RATIO = 441 / 512  # MAGI-2's audio resample (SandAI ``decode_audio``), exact in binary
 
 ATOL = 1e-4
@@ -53,9 +54,13 @@ def test_decoder_weights_exact_and_decoys_skipped(sao_root, audio_vae):
     assert len(decoys) == 2
     state = audio_vae.state_dict()
     assert torch.equal(state["decoder.conv1.weight_v"], src["pretransform.model.decoder.layers.0.weight_v"])
-    assert torch.equal(state["decoder.block.0.conv_t1.weight_g"], src["pretransform.model.decoder.layers.1.layers.1.weight_g"])
-    assert torch.equal(state["decoder.block.4.res_unit3.snake2.beta"].flatten(),
-                       src["pretransform.model.decoder.layers.5.layers.4.layers.2.beta"])
+    assert torch.equal(
+        state["decoder.block.0.conv_t1.weight_g"], src["pretransform.model.decoder.layers.1.layers.1.weight_g"]
+    )
+    assert torch.equal(
+        state["decoder.block.4.res_unit3.snake2.beta"].flatten(),
+        src["pretransform.model.decoder.layers.5.layers.4.layers.2.beta"],
+    )
     assert audio_vae.config.sampling_rate == 44100 and audio_vae.config.decoder_input_channels == 64
     # every parameter was written (nothing left on meta); the unrepresentable encoder is zeroed
     assert all(p.device.type == "cpu" for p in audio_vae.parameters())
@@ -111,8 +116,15 @@ def test_representable_checkpoint_round_trips_exactly(tmp_path):
     from diffusers import AutoencoderOobleck
 
     torch.manual_seed(0)
-    cfg = dict(encoder_hidden_size=4, downsampling_ratios=[2, 2], channel_multiples=[1, 2], decoder_channels=3,
-               decoder_input_channels=2, audio_channels=2, sampling_rate=44100)
+    cfg = {
+        "encoder_hidden_size": 4,
+        "downsampling_ratios": [2, 2],
+        "channel_multiples": [1, 2],
+        "decoder_channels": 3,
+        "decoder_input_channels": 2,
+        "audio_channels": 2,
+        "sampling_rate": 44100,
+    }
     ref = AutoencoderOobleck(**cfg).eval()
     for p in ref.parameters():
         p.copy_(torch.randn_like(p) * 0.3)
@@ -124,12 +136,38 @@ def test_representable_checkpoint_round_trips_exactly(tmp_path):
     }
     tensors["conditioner.decoy.weight"] = torch.zeros(3)
     save_file(tensors, str(src / "model.safetensors"))
-    oobleck = {"in_channels": 2, "channels": 4, "c_mults": [1, 2], "strides": [2, 2], "latent_dim": 4, "use_snake": True}
-    dec = {"out_channels": 2, "channels": 3, "c_mults": [1, 2], "strides": [2, 2], "latent_dim": 2, "use_snake": True,
-           "final_tanh": False}
-    model_config = {"sample_rate": 44100, "model": {"pretransform": {"type": "autoencoder", "config": {
-        "encoder": {"type": "oobleck", "config": oobleck}, "decoder": {"type": "oobleck", "config": dec},
-        "bottleneck": {"type": "vae"}, "latent_dim": 2, "io_channels": 2}}}}
+    oobleck = {
+        "in_channels": 2,
+        "channels": 4,
+        "c_mults": [1, 2],
+        "strides": [2, 2],
+        "latent_dim": 4,
+        "use_snake": True,
+    }
+    dec = {
+        "out_channels": 2,
+        "channels": 3,
+        "c_mults": [1, 2],
+        "strides": [2, 2],
+        "latent_dim": 2,
+        "use_snake": True,
+        "final_tanh": False,
+    }
+    model_config = {
+        "sample_rate": 44100,
+        "model": {
+            "pretransform": {
+                "type": "autoencoder",
+                "config": {
+                    "encoder": {"type": "oobleck", "config": oobleck},
+                    "decoder": {"type": "oobleck", "config": dec},
+                    "bottleneck": {"type": "vae"},
+                    "latent_dim": 2,
+                    "io_channels": 2,
+                },
+            }
+        },
+    }
     (src / "model_config.json").write_text(json.dumps(model_config))
     config, representable = oobleck_config_from_sao(model_config)
     assert representable and config == cfg

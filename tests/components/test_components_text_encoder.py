@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from diffusers_magi2.conversion.components import convert_text_encoder
 from diffusers_magi2.conversion.components_text import text_encoder_layout
 
+
 ATOL = 1e-4
 
 
@@ -44,9 +45,15 @@ def _multimodal_folder(te_root, path):
     path.mkdir()
     text_cfg = json.loads((src / "config.json").read_text())
     text_cfg.pop("architectures")
-    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "dtype": "bfloat16",
-              "text_config": text_cfg, "vision_config": {"model_type": "qwen3_5", "depth": 1, "hidden_size": 8},
-              "image_token_id": 5, "tie_word_embeddings": False}
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "dtype": "bfloat16",
+        "text_config": text_cfg,
+        "vision_config": {"model_type": "qwen3_5", "depth": 1, "hidden_size": 8},
+        "image_token_id": 5,
+        "tie_word_embeddings": False,
+    }
     (path / "config.json").write_text(json.dumps(config))
     weights = load_file(src / "model.safetensors")
     keys = sorted(weights)
@@ -60,7 +67,7 @@ def _multimodal_folder(te_root, path):
     weight_map = {}
     for name, shard in zip(names, (shard1, shard2)):
         save_file(shard, str(path / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
+        weight_map.update(dict.fromkeys(shard, name))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (path / name).write_bytes((src / name).read_bytes())
@@ -150,8 +157,16 @@ def test_transformers_saved_multimodal_checkpoint_converts(te_root, tmp_path):
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextModel
 
     text_cfg = json.loads((te_root / "qwen35_tiny" / "config.json").read_text())
-    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64, patch_size=2,
-                  temporal_patch_size=2, spatial_merge_size=1)
+    vision = {
+        "depth": 1,
+        "hidden_size": 16,
+        "num_heads": 2,
+        "intermediate_size": 32,
+        "out_hidden_size": 64,
+        "patch_size": 2,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 1,
+    }
     torch.manual_seed(0)
     full = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text_cfg, vision_config=vision)).eval()
     src = tmp_path / "saved"

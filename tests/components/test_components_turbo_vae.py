@@ -19,6 +19,7 @@ from diffusers_magi2.conversion.components import (
 )
 from diffusers_magi2.models.turbo_vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, Magi2TurboVAEDecoder
 
+
 ATOL = 1e-4  # fp32 max abs for the main-config cases
 
 
@@ -92,7 +93,9 @@ def test_fp32_decode_matches_reference(decoder, cases, name):
 def test_decoy_weights_would_not_match(turbo_root, decoder, cases):
     ckpt = torch.load(turbo_root / "checkpoint.ckpt", weights_only=True, mmap=True)
     decoy = Magi2TurboVAEDecoder.from_config(decoder.config)
-    decoy.load_state_dict({k[len("module."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("module.decoder.")})
+    decoy.load_state_dict(
+        {k[len("module.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("module.decoder.")}
+    )
     err = (decoy.decode(cases["latent.A"]).sample - cases["fp32.A.decoded"]).abs().max()
     assert err > 100 * ATOL
 

@@ -7,7 +7,6 @@ Golden data: ``magi2_tiny_components/wan22_vae/`` (SandAI reference encode, upst
 from __future__ import annotations
 
 import json
-import pickle
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from diffusers_magi2.conversion.components import (
     wan22_to_diffusers_key_map,
 )
 from diffusers_magi2.models.turbo_vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
+
 
 ATOL = 1e-4  # fp32 max abs
 
@@ -72,8 +72,13 @@ def test_key_map_is_total_and_one_to_one(wan_dir):
     mapping, unknown = wan22_to_diffusers_key_map(state)
     assert unknown == [] and len(mapping) == len(state) == 196
     assert len(set(mapping.values())) == 196
-    assert mapping["encoder.downsamples.1.downsamples.0.shortcut.weight"] == "encoder.down_blocks.1.resnets.0.conv_shortcut.weight"
-    assert mapping["decoder.upsamples.0.upsamples.3.time_conv.weight"] == "decoder.up_blocks.0.upsampler.time_conv.weight"
+    assert (
+        mapping["encoder.downsamples.1.downsamples.0.shortcut.weight"]
+        == "encoder.down_blocks.1.resnets.0.conv_shortcut.weight"
+    )
+    assert (
+        mapping["decoder.upsamples.0.upsamples.3.time_conv.weight"] == "decoder.up_blocks.0.upsampler.time_conv.weight"
+    )
     assert mapping["encoder.middle.1.to_qkv.weight"] == "encoder.mid_block.attentions.0.to_qkv.weight"
 
 
@@ -162,8 +167,11 @@ def test_wan21_layout_and_unknown_keys_rejected(wan_dir, tmp_path):
     state = torch.load(wan_dir / "Wan2.2_VAE.pth", weights_only=True)
     flat = {k.replace("encoder.downsamples.0.downsamples.", "encoder.downsamples."): v for k, v in state.items()}
     bad = tmp_path / "wan21.pth"
-    torch.save({k: v for k, v in flat.items() if not k.startswith("encoder.downsamples.0.")} | {
-        "encoder.downsamples.0.residual.0.gamma": torch.ones(4, 1, 1, 1)}, bad)
+    torch.save(
+        {k: v for k, v in flat.items() if not k.startswith("encoder.downsamples.0.")}
+        | {"encoder.downsamples.0.residual.0.gamma": torch.ones(4, 1, 1, 1)},
+        bad,
+    )
     with pytest.raises(ValueError, match="Wan2.1"):
         convert_wan22_vae(bad, tmp_path / "o1")
     extra = tmp_path / "extra.pth"

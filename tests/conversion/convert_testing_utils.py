@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from conftest import FIXTURES
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURES
 
 TINY = FIXTURES / "magi2_tiny"
 FULL = FIXTURES / "full_size"
@@ -54,7 +54,9 @@ def shard_of(ckpt: Path, key: str) -> str:
     return read_index(ckpt)["weight_map"][key]
 
 
-def rewrite_shard(ckpt: Path, fname: str, mutate: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+def rewrite_shard(
+    ckpt: Path, fname: str, mutate: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+) -> None:
     """Load one shard, apply ``mutate`` to its tensor dict and save it back (``{"format": "pt"}``)."""
     tensors = load_file(str(ckpt / fname))
     save_file(mutate(dict(tensors)), str(ckpt / fname), metadata={"format": "pt"})

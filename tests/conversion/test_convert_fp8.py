@@ -13,6 +13,7 @@ from diffusers_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.conversion.cli import main
 from diffusers_magi2.utils.safetensors_io import read_safetensors_header
 
+
 BANKS = ("W_gate", "W_up", "W_down")
 
 
@@ -23,9 +24,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert_fp8")
-    common = ["--preview_dir", checkpoint_dir("preview_h4"), "--config", config_path("preview_h4"), "--components",
-              "transformer", "--dtype", "bf16",
-              "--max_shard_size", "300KB"]
+    common = [
+        "--preview_dir",
+        checkpoint_dir("preview_h4"),
+        "--config",
+        config_path("preview_h4"),
+        "--components",
+        "transformer",
+        "--dtype",
+        "bf16",
+        "--max_shard_size",
+        "300KB",
+    ]
     rc, _, err = run_cli([*common, "--output_path", root / "bf16"])
     assert rc == 0, err
     rc, _, err = run_cli([*common, "--output_path", root / "fp8", "--expert_dtype", "fp8_e4m3"])
@@ -61,36 +71,83 @@ def test_converter_fp8_expert_weights_take_at_most_055_of_bf16_on_disk(converted
     bf16_repo, fp8_repo = converted
     (bf16_banks, bf16_scales), (fp8_banks, fp8_scales) = _expert_bytes(bf16_repo), _expert_bytes(fp8_repo)
     ratio = fp8_banks / bf16_banks
-    print(f"\nrouted-expert weights on disk: FP8 {fp8_banks} B / bf16 {bf16_banks} B = {ratio:.3f} "
-          f"(+ {fp8_scales} B of fp32 scales, not counted)")
+    print(
+        f"\nrouted-expert weights on disk: FP8 {fp8_banks} B / bf16 {bf16_banks} B = {ratio:.3f} "
+        f"(+ {fp8_scales} B of fp32 scales, not counted)"
+    )
     assert bf16_scales == 0 and fp8_scales > 0
     assert ratio <= 0.55
 
 
 def test_converter_expert_dtype_bad_choices_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:  # argparse: bad usage
-        main(["--preview_dir", str(checkpoint_dir("preview_h4")), "--components", "transformer",
-              "--output_path", str(tmp_path / "x"), "--expert_dtype", "int8"])
+        main(
+            [
+                "--preview_dir",
+                str(checkpoint_dir("preview_h4")),
+                "--components",
+                "transformer",
+                "--output_path",
+                str(tmp_path / "x"),
+                "--expert_dtype",
+                "int8",
+            ]
+        )
     assert exit_info.value.code == 2 and "--expert_dtype: invalid choice: 'int8'" in capsys.readouterr().err
-    rc, _, err = run_cli(["--refiner_dir", checkpoint_dir("refiner"), "--components", "refiner",
-                          "--output_path", tmp_path / "y", "--expert_dtype", "fp8_e4m3"])
+    rc, _, err = run_cli(
+        [
+            "--refiner_dir",
+            checkpoint_dir("refiner"),
+            "--components",
+            "refiner",
+            "--output_path",
+            tmp_path / "y",
+            "--expert_dtype",
+            "fp8_e4m3",
+        ]
+    )
     assert rc == 1 and "--expert_dtype applies to the transformer's routed experts" in err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 def test_converter_dry_run_lays_out_fp8_banks_and_scales(tmp_path):
-    rc, out, err = run_cli(["--preview_dir", checkpoint_dir("preview_h4"), "--config", config_path("preview_h4"),
-                            "--components", "transformer", "--dry_run",
-                            "--output_path", tmp_path / "z", "--expert_dtype", "fp8_e4m3"])
+    rc, out, err = run_cli(
+        [
+            "--preview_dir",
+            checkpoint_dir("preview_h4"),
+            "--config",
+            config_path("preview_h4"),
+            "--components",
+            "transformer",
+            "--dry_run",
+            "--output_path",
+            tmp_path / "z",
+            "--expert_dtype",
+            "fp8_e4m3",
+        ]
+    )
     assert rc == 0, err
     assert not (tmp_path / "z").exists()
     lines = out.splitlines()
     assert "routed experts in FP8 (float8_e4m3fn): 6 banks, each with an fp32 _scale" in out
     assert ": 137 tensors," in out  # 131 + 6 scales
     fp8_total = int(next(line for line in lines if line.startswith("output transformer/")).split(", ")[1].split()[0])
-    rc, out, err = run_cli(["--preview_dir", checkpoint_dir("preview_h4"), "--config", config_path("preview_h4"),
-                            "--components", "transformer", "--dry_run", "--output_path", tmp_path / "z"])
-    bf16_total = int(next(line for line in out.splitlines() if line.startswith("output transformer/")).split(", ")[1].split()[0])
+    rc, out, err = run_cli(
+        [
+            "--preview_dir",
+            checkpoint_dir("preview_h4"),
+            "--config",
+            config_path("preview_h4"),
+            "--components",
+            "transformer",
+            "--dry_run",
+            "--output_path",
+            tmp_path / "z",
+        ]
+    )
+    bf16_total = int(
+        next(line for line in out.splitlines() if line.startswith("output transformer/")).split(", ")[1].split()[0]
+    )
     banks = 2 * 3 * 4 * 8 * 32 * 64  # 2 MoE layers x 3 banks x H*E rows x Dh*De, 1 byte instead of 2
     scales = 2 * 4 * 8 * (64 + 64 + 32) * 4
     assert bf16_total - fp8_total == banks - scales

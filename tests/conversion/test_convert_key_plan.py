@@ -34,6 +34,7 @@ from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from diffusers_magi2.utils.fp32_islands import is_fp32_island
 
+
 BIAS = "block.layers.1.mlp.moe_mlp.router.expert_bias"
 
 
@@ -47,7 +48,10 @@ def _expected_from(ckpt):
 
 
 def test_rename_rule_only_touches_the_block_prefix():
-    assert source_to_target_key("block.layers.12.attention.linear_qkv.weight") == "transformer_blocks.12.attention.linear_qkv.weight"
+    assert (
+        source_to_target_key("block.layers.12.attention.linear_qkv.weight")
+        == "transformer_blocks.12.attention.linear_qkv.weight"
+    )
     assert source_to_target_key("pre_adapter.rope.bands") == "pre_adapter.rope.bands"
     assert source_to_target_key("post_adapter.block.layers.1.x") == "post_adapter.block.layers.1.x"
     for key in read_tsv("sandai_preview_state_dict.tsv"):
@@ -72,7 +76,9 @@ def test_fp32_island_rule_matches_the_released_dtypes(table, model_cls):
     assert wrong == []
     if "preview" in table:  # 118,754,352 fp32 *parameters* at FULL size (SandAI's released config) ...
         buffers = ("router.expert_bias", "rope.bands")  # ... plus the fp32 buffers (36*2*3072 + 16)
-        fp32 = sum(torch.Size(s).numel() for k, (s, dt) in rows.items() if dt == "F32" and not any(b in k for b in buffers))
+        fp32 = sum(
+            torch.Size(s).numel() for k, (s, dt) in rows.items() if dt == "F32" and not any(b in k for b in buffers)
+        )
         assert fp32 == 118_754_352
         assert sum(torch.Size(s).numel() for k, (s, _) in rows.items() if any(b in k for b in buffers)) == 221_200
 

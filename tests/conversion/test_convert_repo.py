@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from conftest import FIXTURES, REPO_ROOT
 from convert_testing_utils import (
     checkpoint_dir,
     config_path,
@@ -23,10 +24,9 @@ from convert_testing_utils import (
     write_index,
 )
 
-from conftest import FIXTURES, REPO_ROOT
-from diffusers_magi2.conversion import repo as repo_mod
 from diffusers_magi2.conversion.model_card import format_parameter_count
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
+
 
 COMPONENTS = FIXTURES / "magi2_tiny_components"
 H4_CONFIG = config_path("preview_h4")
@@ -93,7 +93,15 @@ def _config_disagrees(ckpt):
 
 @pytest.mark.parametrize(
     "breaker",
-    [_drop_second_shard, _truncate_first_shard, _key_missing_from_index, _unexpected_key, _wrong_shape, _wrong_dtype, _config_disagrees],
+    [
+        _drop_second_shard,
+        _truncate_first_shard,
+        _key_missing_from_index,
+        _unexpected_key,
+        _wrong_shape,
+        _wrong_dtype,
+        _config_disagrees,
+    ],
     ids=lambda f: f.__name__.strip("_"),
 )
 def test_bad_checkpoint_exits_nonzero_and_writes_nothing(tmp_path, breaker):
@@ -168,7 +176,9 @@ def test_existing_output_needs_overwrite_and_survives_failures(tmp_path):
 
 def test_dry_run_writes_nothing(tmp_path):
     out = tmp_path / "out"
-    rc, stdout, err = run_cli(_transformer_args(checkpoint_dir("preview_h4"), out, "--dry_run", "--max_shard_size", "1MB"))
+    rc, stdout, err = run_cli(
+        _transformer_args(checkpoint_dir("preview_h4"), out, "--dry_run", "--max_shard_size", "1MB")
+    )
     assert rc == 0, err
     assert "131 output tensors from 2 source shard(s)" in stdout
     assert "diffusion_pytorch_model-00004-of-00004.safetensors" in stdout
@@ -222,9 +232,22 @@ def release_root(tmp_path_factory):
 def full_repo(release_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("full") / "MAGI-2-tiny-diffusers"
     rc, stdout, err = run_cli(
-        ["--checkpoint_root", release_root, "--config", release_root / "configs" / "magi2_refiner.json",
-         "--output_path", out, "--dtype", "bf16", "--max_shard_size", "1MB", "--repo_id", "org/magi2-tiny",
-         "--audio_vae_encoder", "zeros"]  # the tiny Stable Audio encoder has latent_dim != channels
+        [
+            "--checkpoint_root",
+            release_root,
+            "--config",
+            release_root / "configs" / "magi2_refiner.json",
+            "--output_path",
+            out,
+            "--dtype",
+            "bf16",
+            "--max_shard_size",
+            "1MB",
+            "--repo_id",
+            "org/magi2-tiny",
+            "--audio_vae_encoder",
+            "zeros",
+        ]  # the tiny Stable Audio encoder has latent_dim != channels
     )
     assert rc == 0, err + stdout
     return out
@@ -235,8 +258,16 @@ def test_unrepresentable_audio_encoder_is_refused_before_anything_is_written(rel
     written, and the message names the CLI flag (and, for Python callers, the keyword) that allows it."""
     out = tmp_path / "out"
     rc, stdout, err = run_cli(
-        ["--checkpoint_root", release_root, "--config", release_root / "configs" / "magi2_refiner.json",
-         "--output_path", out, "--components", "transformer,vae,audio_vae"]
+        [
+            "--checkpoint_root",
+            release_root,
+            "--config",
+            release_root / "configs" / "magi2_refiner.json",
+            "--output_path",
+            out,
+            "--components",
+            "transformer,vae,audio_vae",
+        ]
     )
     assert "writing" not in stdout and "converting" not in stdout
     _assert_failed_cleanly(tmp_path, rc, err, "[audio_vae]", out)
@@ -286,8 +317,13 @@ def test_model_card_is_rendered_from_the_single_source(full_repo):
     assert load_model_card_template() == top  # the packaged resource is the top-level file
     card = (full_repo / "README.md").read_text()
     front = card.split("---\n")[1]
-    for line in ("library_name: diffusers", "pipeline_tag: text-to-video", "license: apache-2.0",
-                 "base_model: sand-ai/MAGI-2-preview", "- mixture-of-experts"):
+    for line in (
+        "library_name: diffusers",
+        "pipeline_tag: text-to-video",
+        "license: apache-2.0",
+        "base_model: sand-ai/MAGI-2-preview",
+        "- mixture-of-experts",
+    ):
         assert line in front
     first_code = card.split("```bash\n", 1)[1].split("```", 1)[0]
     assert "pip install diffusers-magi2" in first_code  # the distribution name (pyproject)
@@ -309,7 +345,13 @@ def test_parameter_count_of_the_released_transformer_renders_as_114b():
     fmt = original_format(Magi2Transformer3DModel)
     model = build_meta_model(Magi2Transformer3DModel, fmt.model_kwargs(fmt.resolve_config(None)[0]))
     assert format_parameter_count(sum(p.numel() for p in model.parameters())) == "114B"
-    assert [format_parameter_count(n) for n in (1_234_567, 45_600, 999_999, 999, 0)] == ["1.23M", "45.6K", "1M", "999", "0"]
+    assert [format_parameter_count(n) for n in (1_234_567, 45_600, 999_999, 999, 0)] == [
+        "1.23M",
+        "45.6K",
+        "1M",
+        "999",
+        "0",
+    ]
 
 
 def test_model_index_entries_resolve_in_a_fresh_interpreter(full_repo, tmp_path):
@@ -331,8 +373,14 @@ for name, (lib, cls) in sorted((k, v) for k, v in index.items() if not k.startsw
     assert type(sub).__name__ == cls, (name, type(sub))
 print("ok")
 """
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+    )
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
@@ -348,18 +396,24 @@ def test_push_to_hub_uses_huggingface_hub(tmp_path, monkeypatch):
 
         def upload_folder(self, **kwargs):
             calls.append(("upload_folder", kwargs["repo_id"], kwargs))
-            assert (kwargs["folder_path"] and os.path.isfile(os.path.join(kwargs["folder_path"], "model_index.json")))
+            assert kwargs["folder_path"] and os.path.isfile(os.path.join(kwargs["folder_path"], "model_index.json"))
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     out = tmp_path / "out"
-    rc, stdout, err = run_cli(_transformer_args(checkpoint_dir("preview_h4"), out, "--push_to_hub", "--repo_id", "org/tiny", "--private"))
+    rc, stdout, err = run_cli(
+        _transformer_args(checkpoint_dir("preview_h4"), out, "--push_to_hub", "--repo_id", "org/tiny", "--private")
+    )
     assert rc == 0, err
     assert [c[0] for c in calls] == ["create_repo", "upload_folder"]
     assert calls[0][2]["private"] is True and calls[0][2]["exist_ok"] is True and calls[0][2]["repo_type"] == "model"
     assert calls[1][1] == "org/tiny" and calls[1][2]["folder_path"] == str(out.absolute())
     # a dry run uploads nothing
     calls.clear()
-    rc, stdout, _ = run_cli(_transformer_args(checkpoint_dir("preview_h4"), tmp_path / "o2", "--dry_run", "--push_to_hub", "--repo_id", "org/tiny"))
+    rc, stdout, _ = run_cli(
+        _transformer_args(
+            checkpoint_dir("preview_h4"), tmp_path / "o2", "--dry_run", "--push_to_hub", "--repo_id", "org/tiny"
+        )
+    )
     assert rc == 0 and calls == [] and "nothing uploaded" in stdout
 
 
@@ -381,7 +435,9 @@ assert m.transformer_blocks[1].mlp.moe_mlp.router.expert_bias.dtype == torch.flo
 print("ok", len(m.state_dict()))
 """
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")}
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+    )
     assert res.returncode == 0 and "ok 131" in res.stdout, res.stderr[-3000:]
     assert len(list((repo_dir / "snapshots" / commit / "transformer").glob("*.safetensors"))) >= 2
 
@@ -409,8 +465,14 @@ assert names["transformer"] == "Magi2Transformer3DModel" and names["video_decode
 assert names["refiner"] == "Magi2RefinerTransformer3DModel", names
 print("ok")
 """
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+    )
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
@@ -424,10 +486,18 @@ def test_thin_cli_script_and_console_entry_point(tmp_path):
     script = REPO_ROOT / "conversion" / "convert_magi2_to_diffusers.py"
     res = subprocess.run(
         [sys.executable, str(script), *map(str, _transformer_args(checkpoint_dir("preview_h4"), out, "--dry_run"))],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "131 output tensors from 2 source shard(s)" in res.stdout and not out.exists()
-    res = subprocess.run([sys.executable, str(script), "--output_path", str(out), "--preview_dir", str(tmp_path / "nope")],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    res = subprocess.run(
+        [sys.executable, str(script), "--output_path", str(out), "--preview_dir", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 1 and "does not exist" in res.stderr and not out.exists()

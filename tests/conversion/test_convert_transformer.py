@@ -32,16 +32,17 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffusers_magi2.conversion.convert_transformer import TRANSFORMER_TARGETS
+from diffusers_magi2.loaders.key_plan import source_to_target_key
 from diffusers_magi2.loaders.original_checkpoint import (
     build_meta_model,
     expected_specs_from_model,
     load_original_checkpoint,
     original_format,
 )
-from diffusers_magi2.loaders.key_plan import source_to_target_key
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.utils.fp32_islands import is_fp32_island
 from diffusers_magi2.utils.safetensors_io import TORCH_TO_DTYPE
+
 
 ATOL = 1e-4  # fixture README, "Suggested tolerance, fp32/"
 ISLANDS = Magi2Transformer3DModel._keep_in_fp32_modules
@@ -107,7 +108,9 @@ def test_converted_tensors_equal_source_after_documented_transform(converted_h4)
 
 
 def test_load_reports_nothing_missing_and_nothing_on_meta(converted_h4):
-    model, info = Magi2Transformer3DModel.from_pretrained(converted_h4, subfolder="transformer", output_loading_info=True)
+    model, info = Magi2Transformer3DModel.from_pretrained(
+        converted_h4, subfolder="transformer", output_loading_info=True
+    )
     assert info["missing_keys"] == [] and info["unexpected_keys"] == []
     on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert on_meta == []
@@ -116,7 +119,9 @@ def test_load_reports_nothing_missing_and_nothing_on_meta(converted_h4):
 @pytest.mark.parametrize("variant", ["preview_h4", "preview_h3"])
 def test_from_original_checkpoint_uses_the_same_plan(variant):
     case = load_case(variant)
-    model = Magi2Transformer3DModel.from_original_checkpoint(checkpoint_dir(variant), config_path(variant), dtype=torch.float32)
+    model = Magi2Transformer3DModel.from_original_checkpoint(
+        checkpoint_dir(variant), config_path(variant), dtype=torch.float32
+    )
     assert (preview_forward(model, case) - case["model.out"]).abs().max().item() <= ATOL
     direct = load_original_checkpoint(
         Magi2Transformer3DModel, checkpoint_dir(variant), config_path(variant), dtype=torch.float32
@@ -182,7 +187,18 @@ def test_unknown_or_missing_router_key_fails_by_name(tmp_path, case, needle):
         rewrite_shard(ckpt, fname, lambda t: {k: v for k, v in t.items() if k != key})
     write_index(ckpt, index)
     out = tmp_path / "out"
-    rc, _, err = run_cli(["--preview_dir", ckpt, "--config", config_path("preview_h4"), "--output_path", out, "--components", "transformer"])
+    rc, _, err = run_cli(
+        [
+            "--preview_dir",
+            ckpt,
+            "--config",
+            config_path("preview_h4"),
+            "--output_path",
+            out,
+            "--components",
+            "transformer",
+        ]
+    )
     assert rc != 0 and needle in err
     assert not out.exists() and list(tmp_path.glob(".out.tmp-*")) == []
 
@@ -254,7 +270,10 @@ def test_full_size_model_matches_released_key_table(component, table, num_shards
 
 @pytest.mark.parametrize(
     "flag, table, num_shards, count",
-    [("--preview_dir", "sandai_preview_state_dict.tsv", 56, 1371), ("--refiner_dir", "sandai_refiner_state_dict.tsv", 3, 281)],
+    [
+        ("--preview_dir", "sandai_preview_state_dict.tsv", 56, 1371),
+        ("--refiner_dir", "sandai_refiner_state_dict.tsv", 3, 281),
+    ],
 )
 def test_dry_run_on_header_only_full_size_stubs(tmp_path, flag, table, num_shards, count):
     rows = read_tsv(table)
@@ -307,8 +326,18 @@ def test_refiner_round_trip(tmp_path):
 
     out = tmp_path / "repo"
     rc, _, err = run_cli(
-        ["--refiner_dir", checkpoint_dir("refiner"), "--config", config_path("refiner"), "--output_path", out,
-         "--components", "refiner", "--max_shard_size", "500KB"]
+        [
+            "--refiner_dir",
+            checkpoint_dir("refiner"),
+            "--config",
+            config_path("refiner"),
+            "--output_path",
+            out,
+            "--components",
+            "refiner",
+            "--max_shard_size",
+            "500KB",
+        ]
     )
     assert rc == 0, err
     assert len(list((out / "refiner").glob("*.safetensors"))) >= 2
@@ -316,7 +345,10 @@ def test_refiner_round_trip(tmp_path):
     case = load_case("refiner")
     with torch.no_grad():
         got = model.forward_packed(
-            case["model.x"], case["model.coords_mapping"], case["model.modality_mapping"],
-            q_ranges=case["model.local_attn.q_ranges"], k_ranges=case["model.local_attn.k_ranges"],
+            case["model.x"],
+            case["model.coords_mapping"],
+            case["model.modality_mapping"],
+            q_ranges=case["model.local_attn.q_ranges"],
+            k_ranges=case["model.local_attn.k_ranges"],
         )
     assert (got - case["model.out"]).abs().max().item() <= ATOL

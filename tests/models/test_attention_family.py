@@ -40,14 +40,17 @@ def refiner_case(refiner_root):
 def _refine(model, d):
     with torch.no_grad():
         return model(
-            hidden_states=d["pipeline.latent"], encoder_hidden_states=d["pipeline.txt_feat"],
+            hidden_states=d["pipeline.latent"],
+            encoder_hidden_states=d["pipeline.txt_feat"],
             audio_hidden_states=d["pipeline.audio_latent"],
         )
 
 
 def test_refiner_module_defines_no_attention_or_feedforward_of_its_own():
     own = [
-        obj for _, obj in inspect.getmembers(refiner_module, inspect.isclass) if obj.__module__ == refiner_module.__name__
+        obj
+        for _, obj in inspect.getmembers(refiner_module, inspect.isclass)
+        if obj.__module__ == refiner_module.__name__
     ]
     assert own, "the refiner module defines its model classes"
     for cls in own:
@@ -127,8 +130,13 @@ def test_preview_upcast_is_a_processor_option(fixtures_dir):
         fixtures_dir / "magi2_tiny/preview_h4/sandai_checkpoint", dtype=torch.bfloat16
     )
     d = load_file(str(fixtures_dir / "magi2_tiny/preview_h4/bf16/transformer_case.safetensors"))
-    args = (d["model.x"], d["model.coords_mapping"], d["model.modality_mapping"], d["model.cu_seqlens_q"],
-            d["model.time_token_sequence"])
+    args = (
+        d["model.x"],
+        d["model.coords_mapping"],
+        d["model.modality_mapping"],
+        d["model.cu_seqlens_q"],
+        d["model.time_token_sequence"],
+    )
     with torch.no_grad():
         upcast = model.forward_packed(*args)
         model.set_attn_processor(Magi2AttnProcessor(upcast_off_cuda=False))

@@ -10,10 +10,19 @@ from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.models.window_attention import Magi2WindowGeometry, block_window_attention
 from diffusers_magi2.utils.backends import BACKEND_CHOICES
 
-TINY = dict(
-    num_layers=1, num_attention_heads=4, attention_head_dim=16, num_key_value_heads=2, in_channels=4,
-    audio_in_channels=4, text_in_channels=4, multimodal_layers=(), moe_layers=(), num_streams=2,
-)
+
+TINY = {
+    "num_layers": 1,
+    "num_attention_heads": 4,
+    "attention_head_dim": 16,
+    "num_key_value_heads": 2,
+    "in_channels": 4,
+    "audio_in_channels": 4,
+    "text_in_channels": 4,
+    "multimodal_layers": (),
+    "moe_layers": (),
+    "num_streams": 2,
+}
 
 
 def test_mhc_switch_resolves_through_the_policy_table():
@@ -41,5 +50,6 @@ def test_window_switch_names_come_from_the_policy_table():
         block_window_attention(q, q, q, geometry, backend="dense")
     # "auto" on CPU with a small mask is sdpa, a concrete "gather" runs the gather kernel: both the same attention
     torch.testing.assert_close(
-        block_window_attention(q, q, q, geometry, backend="auto"), block_window_attention(q, q, q, geometry, backend="gather")
+        block_window_attention(q, q, q, geometry, backend="auto"),
+        block_window_attention(q, q, q, geometry, backend="gather"),
     )

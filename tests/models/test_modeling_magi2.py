@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 from test_transformer_diffusers import tiny_inputs, tiny_model
 
 from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
-from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
+from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+
 
 REFINER = "magi2_tiny/refiner"
 
@@ -47,7 +48,9 @@ def model_and_call(request, refiner_fp32, refiner_case):
         inputs = tiny_inputs()
         return tiny_model(), lambda m: m(**inputs)
     case = {k: refiner_case["noaudio.pipeline." + k] for k in ("latent", "txt_feat")}
-    return copy.deepcopy(refiner_fp32), lambda m: m(hidden_states=case["latent"], encoder_hidden_states=case["txt_feat"])
+    return copy.deepcopy(refiner_fp32), lambda m: m(
+        hidden_states=case["latent"], encoder_hidden_states=case["txt_feat"]
+    )
 
 
 def _floating(model):
@@ -130,11 +133,15 @@ def test_pipeline_to_dtype_keeps_the_transformer_fp32_islands():
     islands = _island_names(pipe.transformer)
     pipe.to(torch.bfloat16)
     after = _floating(pipe.transformer)
-    assert {n: t.dtype for n, t in after.items()} == {n: torch.float32 if n in islands else torch.bfloat16 for n in after}
+    assert {n: t.dtype for n, t in after.items()} == {
+        n: torch.float32 if n in islands else torch.bfloat16 for n in after
+    }
     assert all(torch.equal(after[n], before[n]) for n in islands)
     # the tiny default's own bf16 build is the same move
     built = build_tiny_default_pipeline(dtype=torch.bfloat16).transformer.state_dict()
-    assert all(t.dtype == built[n].dtype and torch.equal(t, built[n]) for n, t in pipe.transformer.state_dict().items())
+    assert all(
+        t.dtype == built[n].dtype and torch.equal(t, built[n]) for n, t in pipe.transformer.state_dict().items()
+    )
 
 
 @pytest.mark.parametrize("model_and_call", ["preview", "refiner"], indirect=True)
@@ -159,7 +166,15 @@ def test_layerwise_casting_and_group_offload_keep_fp32_islands(model_and_call):
 
 # ------------------------------------------------------------------------------------------------ save_pretrained
 
-SAVE_ARGS = ("save_directory", "is_main_process", "save_function", "safe_serialization", "variant", "max_shard_size", "push_to_hub")
+SAVE_ARGS = (
+    "save_directory",
+    "is_main_process",
+    "save_function",
+    "safe_serialization",
+    "variant",
+    "max_shard_size",
+    "push_to_hub",
+)
 
 
 @pytest.mark.parametrize("cls", [Magi2Transformer3DModel, Magi2RefinerTransformer3DModel])
@@ -187,7 +202,10 @@ def test_saving_one_variant_keeps_the_other_variants_files(model_and_call, tmp_p
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     for variant, dtype, source in ((None, torch.float32, model), ("bf16", torch.bfloat16, bf16)):
         loaded = type(model).from_pretrained(tmp_path, variant=variant, dtype=dtype, local_files_only=True)
-        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(loaded.state_dict().values(), source.state_dict().values()))
+        assert all(
+            torch.equal(a, b) and a.dtype == b.dtype
+            for a, b in zip(loaded.state_dict().values(), source.state_dict().values())
+        )
 
 
 def test_pipeline_save_forwards_variant_shard_size_and_serialization(tmp_path):

@@ -5,40 +5,39 @@ offline from_pretrained, bad input."""
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from diffusers_magi2.models.attention_magi2 import Magi2Attention, Magi2AttnProcessor
+from diffusers_magi2.models.attention_magi2 import Magi2Attention
 from diffusers_magi2.models.transformer_magi2 import (
     Magi2MoEFeedForward,
     Magi2Transformer3DModel,
     Magi2TransformerBlock,
 )
 
-TINY = dict(
-    num_layers=2,
-    num_attention_heads=4,
-    attention_head_dim=16,
-    num_key_value_heads=2,
-    in_channels=8,
-    audio_in_channels=12,
-    text_in_channels=20,
-    intermediate_factor=2,
-    multimodal_layers=[0],
-    moe_layers=[1],
-    num_streams=4,
-    moe_num_heads=2,
-    moe_num_experts=4,
-    moe_top_k=2,
-    moe_expert_intermediate_size=32,
-    shared_expert_intermediate_size=32,
-    modality_specific_expert_intermediate_size=32,
-)
+
+TINY = {
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "attention_head_dim": 16,
+    "num_key_value_heads": 2,
+    "in_channels": 8,
+    "audio_in_channels": 12,
+    "text_in_channels": 20,
+    "intermediate_factor": 2,
+    "multimodal_layers": [0],
+    "moe_layers": [1],
+    "num_streams": 4,
+    "moe_num_heads": 2,
+    "moe_num_experts": 4,
+    "moe_top_k": 2,
+    "moe_expert_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "modality_specific_expert_intermediate_size": 32,
+}
 
 
 def tiny_model(seed: int = 0, **overrides) -> Magi2Transformer3DModel:
@@ -65,13 +64,13 @@ def tiny_inputs(batch: int = 2, dtype=torch.float32, seed: int = 0):
     text = torch.randn(batch, 3, TINY["text_in_channels"], generator=g, dtype=dtype)
     mask = torch.ones(batch, 3, dtype=torch.bool)
     mask[-1, 2:] = False
-    return dict(
-        hidden_states=torch.randn(batch, TINY["in_channels"], 2, 4, 4, generator=g, dtype=dtype),
-        timestep=torch.full((batch,), 613.5, dtype=dtype),
-        encoder_hidden_states=text,
-        audio_hidden_states=torch.randn(batch, 4, TINY["audio_in_channels"], generator=g, dtype=dtype),
-        encoder_attention_mask=mask,
-    )
+    return {
+        "hidden_states": torch.randn(batch, TINY["in_channels"], 2, 4, 4, generator=g, dtype=dtype),
+        "timestep": torch.full((batch,), 613.5, dtype=dtype),
+        "encoder_hidden_states": text,
+        "audio_hidden_states": torch.randn(batch, 4, TINY["audio_in_channels"], generator=g, dtype=dtype),
+        "encoder_attention_mask": mask,
+    }
 
 
 @functools.lru_cache(maxsize=None)
@@ -357,7 +356,10 @@ def test_dtype_policy_fp32_islands_at_construction():
         (lambda kw: kw.update(audio_hidden_states=kw["audio_hidden_states"][:1]), "audio_hidden_states"),
         (lambda kw: kw.update(timestep=torch.ones(3)), "timestep"),
         (lambda kw: kw.update(encoder_attention_mask=torch.ones(2, 4, dtype=torch.bool)), "encoder_attention_mask"),
-        (lambda kw: kw.update(encoder_attention_mask=torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=torch.bool)), "prefix"),
+        (
+            lambda kw: kw.update(encoder_attention_mask=torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=torch.bool)),
+            "prefix",
+        ),
         (lambda kw: kw.update(image_latents=torch.zeros(2, 8, 1, 2, 2)), "together"),
         (
             lambda kw: kw.update(image_latents=torch.zeros(2, 8, 2, 2, 2), image_embeds=torch.zeros(2, 20)),
@@ -408,8 +410,14 @@ def test_attention_kwargs_are_never_silently_dropped():
         model(**kwargs, attention_kwargs=[("scale", 1.0)])
     packed = model.pack_inputs(**kwargs)
     with pytest.raises(ValueError, match="does not support attention_kwargs"):
-        model.forward_packed(packed.hidden_states, packed.coords, packed.modality_mapping, packed.cu_seqlens,
-                             packed.time_embedding, attention_kwargs={"scale": 1.0})
+        model.forward_packed(
+            packed.hidden_states,
+            packed.coords,
+            packed.modality_mapping,
+            packed.cu_seqlens,
+            packed.time_embedding,
+            attention_kwargs={"scale": 1.0},
+        )
     with torch.no_grad():
         plain = model(**kwargs).sample
         empty = model(**kwargs, attention_kwargs={}).sample
@@ -434,7 +442,9 @@ def test_i2v_and_batch_rows_are_independent_segments():
     with torch.no_grad():
         kw3 = dict(kw)
         kw3["encoder_hidden_states"] = torch.cat([kw["encoder_hidden_states"], torch.randn(2, 2, 20)], dim=1)
-        kw3["encoder_attention_mask"] = torch.cat([kw["encoder_attention_mask"], torch.zeros(2, 2, dtype=torch.bool)], 1)
+        kw3["encoder_attention_mask"] = torch.cat(
+            [kw["encoder_attention_mask"], torch.zeros(2, 2, dtype=torch.bool)], 1
+        )
         padded = model(**kw3)
     torch.testing.assert_close(padded.sample, full.sample, atol=1e-6, rtol=1e-6)
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from diffusers_magi2.models.modality import Magi2ModalityDispatch
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 
+
 CASES = ["preview_h4", "preview_h3"]
 
 
@@ -63,13 +64,13 @@ def _pipeline_inputs(d, prefix=""):
     for i, feat in enumerate((cond, uncond)):
         text[i, : len(feat)] = feat
         mask[i, : len(feat)] = True
-    kwargs = dict(
-        hidden_states=latent,
-        timestep=g("timestep").expand(2),
-        encoder_hidden_states=text,
-        audio_hidden_states=audio,
-        encoder_attention_mask=mask,
-    )
+    kwargs = {
+        "hidden_states": latent,
+        "timestep": g("timestep").expand(2),
+        "encoder_hidden_states": text,
+        "audio_hidden_states": audio,
+        "encoder_attention_mask": mask,
+    }
     if prefix + "pipeline.ref_image_feat" in d:
         kwargs["image_latents"] = g("ref_image_feat")[:, 0].expand(2, -1, -1, -1, -1)
         kwargs["image_embeds"] = g("ref_image_special_token_embedding")[:, 0].expand(2, -1)
@@ -203,12 +204,21 @@ def test_moe_feed_forward_layer_cases(fixtures_dir, case, prec):
             out = mlp(x, dispatch)
         assert norm.dtype == dtype and out.dtype == dtype
         if prec == "fp32":
-            for got, key in ((norm, "moe_layer.norm_output"), (core_x, "core.x"), (shared, "moe_layer.shared_out"),
-                             (merged, "moe_layer.moe_out_merged"), (out, "moe_layer.out")):
+            for got, key in (
+                (norm, "moe_layer.norm_output"),
+                (core_x, "core.x"),
+                (shared, "moe_layer.shared_out"),
+                (merged, "moe_layer.moe_out_merged"),
+                (out, "moe_layer.out"),
+            ):
                 assert max_abs(got, d[p + key]) <= 2e-4, (layer, key, max_abs(got, d[p + key]))
         else:
-            for got, key in ((norm, "moe_layer.norm_output"), (core_x, "core.x"), (shared, "moe_layer.shared_out"),
-                             (merged, "moe_layer.moe_out_merged")):
+            for got, key in (
+                (norm, "moe_layer.norm_output"),
+                (core_x, "core.x"),
+                (shared, "moe_layer.shared_out"),
+                (merged, "moe_layer.moe_out_merged"),
+            ):
                 assert rel_l2(got, d[p + key]) <= 2e-2, (layer, key, rel_l2(got, d[p + key]))
             assert rel_l2(out, d[p + "moe_layer.out"]) <= 0.15
 

@@ -14,6 +14,7 @@ from diffusers_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 from diffusers_magi2.moe.quantize import FP8_DTYPE, quantize_fp8
 
+
 FP8 = "float8_e4m3fn"
 BANKS = ("W_gate", "W_up", "W_down")
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -57,10 +58,23 @@ def repos(fixtures_dir, tmp_path_factory):
 
 
 def test_expert_dtype_is_a_config_field_threaded_into_every_moe_layer():
-    kwargs = dict(num_layers=3, num_attention_heads=2, attention_head_dim=32, num_key_value_heads=2, in_channels=8,
-                  audio_in_channels=8, text_in_channels=16, multimodal_layers=(0,), moe_layers=(1, 2), moe_num_heads=2,
-                  moe_num_experts=4, moe_top_k=2, moe_expert_intermediate_size=32, shared_expert_intermediate_size=32,
-                  modality_specific_expert_intermediate_size=32)
+    kwargs = {
+        "num_layers": 3,
+        "num_attention_heads": 2,
+        "attention_head_dim": 32,
+        "num_key_value_heads": 2,
+        "in_channels": 8,
+        "audio_in_channels": 8,
+        "text_in_channels": 16,
+        "multimodal_layers": (0,),
+        "moe_layers": (1, 2),
+        "moe_num_heads": 2,
+        "moe_num_experts": 4,
+        "moe_top_k": 2,
+        "moe_expert_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "modality_specific_expert_intermediate_size": 32,
+    }
     for spelling in (FP8, torch.float8_e4m3fn):
         model = Magi2Transformer3DModel(**kwargs, expert_dtype=spelling)
         assert model.config.expert_dtype == FP8  # JSON-safe, whatever the spelling
@@ -91,8 +105,11 @@ def test_released_size_with_fp8_experts_builds_on_meta_within_125_gb():
             kind = "bf16" if t.dtype == torch.bfloat16 else "fp32"
         parts[kind] += t.numel() * t.element_size()
     total = sum(parts.values())
-    print("\nreleased transformer, FP8 experts, on meta: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in parts.items())
-          + f"; total {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB)")
+    print(
+        "\nreleased transformer, FP8 experts, on meta: "
+        + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in parts.items())
+        + f"; total {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB)"
+    )
     assert parts["FP8 experts"] == 36 * 3 * 12 * 256 * 256 * 1280  # 36 MoE layers, 3 banks, H*E rows of Dh*De
     assert parts["fp32 scales"] == 36 * 12 * 256 * (1280 + 1280 + 256) * 4
     assert total <= 125e9
@@ -165,7 +182,10 @@ SCALE = "transformer_blocks.2.mlp.moe_mlp.W_up_scale"
     ("mutate", "match"),
     [
         (lambda s: s.pop(SCALE), rf"W_up is FP8 but the checkpoint has no {SCALE}"),
-        (lambda s: s.update({SCALE: s[SCALE][:, :-1].contiguous()}), rf"{SCALE}: checkpoint has float32\[32, 63\], expected float32\[32, 64\]"),
+        (
+            lambda s: s.update({SCALE: s[SCALE][:, :-1].contiguous()}),
+            rf"{SCALE}: checkpoint has float32\[32, 63\], expected float32\[32, 64\]",
+        ),
         (lambda s: s.update({SCALE: s[SCALE][:-4].contiguous()}), rf"{SCALE}: checkpoint has float32\[28, 64\]"),
     ],
     ids=["missing", "narrow", "short"],

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from diffusers_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 
+
 FP8_REL_L2 = 0.15  # weight-only e4m3 experts, end to end (the fixtures README's loose bf16 bound)
 TRITON_VS_TORCH_REL_L2 = 1e-2
 CASES = [("preview_h4", ""), ("preview_h4", "i2v."), ("preview_h3", "")]
@@ -30,7 +31,9 @@ def _model(fixtures_root: str, case: str, kind: str) -> Magi2Transformer3DModel:
 
     path = f"{fixtures_root}/magi2_tiny/{case}/sandai_checkpoint"
     if kind != "fp8":
-        return Magi2Transformer3DModel.from_original_checkpoint(path, dtype=getattr(torch, {"fp32": "float32"}.get(kind, "bfloat16")))
+        return Magi2Transformer3DModel.from_original_checkpoint(
+            path, dtype=getattr(torch, {"fp32": "float32"}.get(kind, "bfloat16"))
+        )
     with tempfile.TemporaryDirectory() as folder:
         _model(fixtures_root, case, "bf16").save_pretrained(folder)
         return Magi2Transformer3DModel.from_pretrained(folder, dtype=torch.bfloat16, expert_dtype="float8_e4m3fn")
@@ -61,7 +64,9 @@ def _run(model, d: dict, prefix: str) -> tuple[torch.Tensor, list[torch.Tensor]]
     try:
         g = lambda k: d[prefix + "model." + k]  # noqa: E731
         with torch.no_grad():
-            out = model.forward_packed(g("x"), g("coords_mapping"), g("modality_mapping"), g("cu_seqlens_q"), g("time_token_sequence"))
+            out = model.forward_packed(
+                g("x"), g("coords_mapping"), g("modality_mapping"), g("cu_seqlens_q"), g("time_token_sequence")
+            )
     finally:
         for moe in moes:
             del moe.route

@@ -38,7 +38,7 @@ def test_released_preview_on_meta_matches_sandai_state_dict(fixtures_dir):
         target = source_to_target_key(name)
         assert target not in targets, f"two SandAI keys map to {target}"
         targets[target] = (shape, dtype)
-    assert set(targets) == set(state), (set(targets) ^ set(state))
+    assert set(targets) == set(state), set(targets) ^ set(state)
     for target, (shape, dtype) in targets.items():
         tensor = state[target]
         assert list(tensor.shape) == shape, (target, tuple(tensor.shape), shape)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from diffusers_magi2 import Magi2Transformer3DModel
 
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 EXPERTS = ("W_gate", "W_up", "W_down")
@@ -37,7 +38,10 @@ def _moe(model):
 def test_group_offload_keeps_fp32_islands_and_expert_dtype(fixtures_dir, tmp_path, expert_dtype):
     model = _model(fixtures_dir, tmp_path, expert_dtype)
     d = load_file(str(fixtures_dir / "magi2_tiny/preview_h4/bf16/transformer_case.safetensors"))
-    args = [d["model." + k].cuda() for k in ("x", "coords_mapping", "modality_mapping", "cu_seqlens_q", "time_token_sequence")]
+    args = [
+        d["model." + k].cuda()
+        for k in ("x", "coords_mapping", "modality_mapping", "cu_seqlens_q", "time_token_sequence")
+    ]
     before = {n: (t.dtype, t.clone()) for n, t in model.state_dict().items()}
     islands = [n for n, t in model.state_dict().items() if t.is_floating_point() and model.is_fp32_island(n)]
     assert islands

@@ -17,6 +17,7 @@ from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DMo
 from diffusers_magi2.models.modality import Magi2Linear, Magi2ModalityGroupedLinear
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 
+
 CASES = ["preview_h4", "preview_h3", "refiner"]
 
 
@@ -48,17 +49,24 @@ def _forward(model, d, prefix=""):
     with torch.no_grad():
         if isinstance(model, Magi2RefinerTransformer3DModel):
             return model.forward_packed(
-                g("x"), g("coords_mapping"), g("modality_mapping"),
-                q_ranges=g("local_attn.q_ranges"), k_ranges=g("local_attn.k_ranges"),
+                g("x"),
+                g("coords_mapping"),
+                g("modality_mapping"),
+                q_ranges=g("local_attn.q_ranges"),
+                k_ranges=g("local_attn.k_ranges"),
             )
-        return model.forward_packed(g("x"), g("coords_mapping"), g("modality_mapping"), g("cu_seqlens_q"), g("time_token_sequence"))
+        return model.forward_packed(
+            g("x"), g("coords_mapping"), g("modality_mapping"), g("cu_seqlens_q"), g("time_token_sequence")
+        )
 
 
 def _dense(model):
     """``{name: module}`` of every dense projection inside ``transformer_blocks`` (PEFT wrappers looked through)."""
     out = {}
     for name, module in model.transformer_blocks.named_modules():
-        if isinstance(module, (torch.nn.Linear, Magi2ModalityGroupedLinear)) and not isinstance(module, BaseTunerLayer):
+        if isinstance(module, (torch.nn.Linear, Magi2ModalityGroupedLinear)) and not isinstance(
+            module, BaseTunerLayer
+        ):
             if ".lora_" in name:
                 continue
             out["transformer_blocks." + name.removesuffix(".base_layer")] = module
@@ -100,7 +108,9 @@ def test_single_modality_linear_checks_its_input_width():
 @pytest.mark.parametrize("case", CASES)
 def test_layerwise_casting_stores_dense_projections_in_fp8_and_runs_in_the_compute_dtype(fixtures_dir, case):
     model = _model(fixtures_dir, case, torch.bfloat16)
-    islands = {n: t.clone() for n, t in model.state_dict().items() if t.is_floating_point() and model.is_fp32_island(n)}
+    islands = {
+        n: t.clone() for n, t in model.state_dict().items() if t.is_floating_point() and model.is_fp32_island(n)
+    }
     model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
 
     dense = _dense(model)
@@ -117,13 +127,17 @@ def test_layerwise_casting_stores_dense_projections_in_fp8_and_runs_in_the_compu
     # activations run in the compute dtype (the stored weights are FP8 outside each call)
     assert model.transformer_blocks[0].attention.compute_dtype == torch.bfloat16
     seen = []
-    hooks = [b.attention.register_forward_hook(lambda m, a, out: seen.append(out.dtype)) for b in model.transformer_blocks]
+    hooks = [
+        b.attention.register_forward_hook(lambda m, a, out: seen.append(out.dtype)) for b in model.transformer_blocks
+    ]
     d = _fp32_case(str(fixtures_dir), case)
     try:
         for prefix in [p for p in ("", "i2v.", "noaudio.") if p + "model.x" in d]:
             out = _forward(model, d, prefix)
             err = rel_l2(out, d[prefix + "model.out"])
-            print(f"{case} {prefix or 't2v.'}model.out rel-L2 vs fp32 fixture, FP8-stored dense projections: {err:.4f}")
+            print(
+                f"{case} {prefix or 't2v.'}model.out rel-L2 vs fp32 fixture, FP8-stored dense projections: {err:.4f}"
+            )
             assert torch.isfinite(out).all()
             assert err <= 0.5
     finally:
@@ -146,8 +160,15 @@ def test_layerwise_casting_matches_island_names_as_components(fixtures_dir):
 # ------------------------------------------------------------------------------------------------ LoRA
 
 SINGLE_TARGETS = [
-    "linear_g", "linear_qkv", "linear_proj", "up_gate_proj", "down_proj",
-    "split_linear", "merge_linear", "shared_expert_fc1", "shared_expert_fc2",
+    "linear_g",
+    "linear_qkv",
+    "linear_proj",
+    "up_gate_proj",
+    "down_proj",
+    "split_linear",
+    "merge_linear",
+    "shared_expert_fc1",
+    "shared_expert_fc2",
 ]
 
 

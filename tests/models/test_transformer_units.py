@@ -95,7 +95,9 @@ def test_mhc_sinkhorn_and_mixing():
     assert torch.allclose(m.sum(-2), torch.ones(6, 4), atol=2e-2)  # columns: approximately
     h = torch.randn(6, 24)
     ones = torch.ones(1)
-    pre, post, res = mhc_coefficients(h, ones, ones, ones, torch.zeros(4), torch.zeros(4), torch.zeros(4, 4), 4, 1.0, torch.float32)
+    pre, post, res = mhc_coefficients(
+        h, ones, ones, ones, torch.zeros(4), torch.zeros(4), torch.zeros(4, 4), 4, 1.0, torch.float32
+    )
     assert torch.allclose(pre, torch.sigmoid(h[:, :4])) and torch.allclose(post, 2 * torch.sigmoid(h[:, 4:8]))
     s = torch.randn(6, 4, 8)
     o = torch.randn(6, 8)
@@ -109,9 +111,20 @@ def test_mhc_sinkhorn_and_mixing():
 
 
 def test_sandai_config_extends_and_validation(tmp_path):
-    base = {"arch_config": {"hidden_size": 8, "num_layers": 1, "head_dim": 8, "video_in_channels": 1,
-                            "audio_in_channels": 1, "text_in_channels": 1, "mhc_config": {"enable": True, "num_stream": 2},
-                            "attn_gating": {"enable": True}, "attn_sinks": {"enable": True}}, "x": {"a": 1, "b": 2}}
+    base = {
+        "arch_config": {
+            "hidden_size": 8,
+            "num_layers": 1,
+            "head_dim": 8,
+            "video_in_channels": 1,
+            "audio_in_channels": 1,
+            "text_in_channels": 1,
+            "mhc_config": {"enable": True, "num_stream": 2},
+            "attn_gating": {"enable": True},
+            "attn_sinks": {"enable": True},
+        },
+        "x": {"a": 1, "b": 2},
+    }
     (tmp_path / "base.json").write_text(json.dumps(base))
     (tmp_path / "child.json").write_text(json.dumps({"extends": "base.json", "x": {"b": 3}}))
     cfg = load_sandai_config(tmp_path / "child.json")

@@ -10,6 +10,7 @@ from test_moe_fixtures import build_module, load_case, rel_l2
 
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 
+
 BF16_END_TO_END_REL_L2 = 0.15  # fixtures README: loose end-to-end bound for a bf16 run against fp32/
 
 

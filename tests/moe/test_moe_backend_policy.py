@@ -50,7 +50,9 @@ def test_concrete_backend_is_never_replaced(switch) -> None:
 
 
 def test_bad_names_raise_listing_allowed_values() -> None:
-    with pytest.raises(ValueError, match=r"moe_experts backend must be one of \('auto', 'torch', 'torch_grouped', 'triton'\)"):
+    with pytest.raises(
+        ValueError, match=r"moe_experts backend must be one of \('auto', 'torch', 'torch_grouped', 'triton'\)"
+    ):
         check_backend("moe_experts", "cuda")
     with pytest.raises(ValueError, match="unknown backend switch"):
         check_backend("attention", "auto")

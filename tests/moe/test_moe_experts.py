@@ -22,8 +22,9 @@ def swiglu7_scalar(g: float, u: float) -> float:
 
 def loop_oracle(x, top_probs, top_idx, w_gate, w_up, w_down):
     """The package's reference on the CSR layout of the given top-k routes."""
-    return reference_mh_moe_forward(x, *global_sort_routes(top_probs, top_idx, w_gate.shape[0] // x.shape[1]),
-                                    w_gate, w_up, w_down)
+    return reference_mh_moe_forward(
+        x, *global_sort_routes(top_probs, top_idx, w_gate.shape[0] // x.shape[1]), w_gate, w_up, w_down
+    )
 
 
 def random_case(num_tokens, num_heads, num_experts, top_k, head_dim, expert_dim, dtype, seed=0, scale=4.9):
@@ -124,9 +125,15 @@ def test_expert_path_applies_swiglu7_with_plus_one() -> None:
 def test_expert_bad_input(mutate, match) -> None:
     x, probs, idx, w_gate, w_up, w_down = random_case(4, 2, 3, 2, 16, 16, torch.float32)
     gather_ids, probs_sorted, offsets = global_sort_routes(probs, idx, 3)
-    args = dict(
-        x=x, gather_ids=gather_ids, probs=probs_sorted, expert_offsets=offsets, w_gate=w_gate, w_up=w_up, w_down=w_down
-    )
+    args = {
+        "x": x,
+        "gather_ids": gather_ids,
+        "probs": probs_sorted,
+        "expert_offsets": offsets,
+        "w_gate": w_gate,
+        "w_up": w_up,
+        "w_down": w_down,
+    }
     mutate(args)
     with pytest.raises(ValueError, match=match):
         torch_mh_moe_forward(**args)
@@ -181,6 +188,8 @@ def test_swiglu7_bad_input() -> None:
     with pytest.raises(ValueError, match="same shape"):
         swiglu7(torch.zeros(2, 3), torch.zeros(3, 2))
     with pytest.raises(ValueError, match="in place on fp32"):
-        swiglu7(torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(2, 3, dtype=torch.bfloat16), out=torch.empty(2, 3))
+        swiglu7(
+            torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(2, 3, dtype=torch.bfloat16), out=torch.empty(2, 3)
+        )
     with pytest.raises(ValueError, match="even last dim"):
         swiglu7_interleaved(torch.zeros(2, 3))

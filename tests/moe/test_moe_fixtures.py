@@ -19,6 +19,7 @@ from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from diffusers_magi2.moe.reference import reference_mh_moe_forward
 from diffusers_magi2.moe.routing import compute_topk_probs_and_indices, global_sort_routes
 
+
 ROUTING_LOGITS_ATOL = 1e-5  # required: logits recomputed from core.x <= 1e-5 (fp32)
 PROBS_ATOL = 1e-6  # required: probabilities <= 1e-6
 OUT_FP32_ATOL = 2e-4  # required: core.out <= 2e-4 abs in fp32 (values reach ~14)
@@ -70,7 +71,7 @@ def build_module(model: str, layer: int, params_dtype: torch.dtype) -> Magi2Mult
     """The module as a SandAI loader fills it: ``router.expert_bias`` <- ``expert_bias_ema``."""
     module = Magi2MultiHeadMoE(moe_config(model, params_dtype))
     weights = load_moe_weights(model, layer)
-    state = {k: v for k, v in weights.items()}
+    state = dict(weights.items())
     state["router.expert_bias"] = weights["router.expert_bias_ema"]
     with torch.no_grad():
         for name, tensor in state.items():
@@ -156,8 +157,13 @@ def test_bf16_teacher_forced_experts_match_core_out(model: str, layer: int) -> N
     assert out.dtype == torch.bfloat16
     with torch.no_grad():  # the in-place fast path (no autograd) computes the same bits
         fast = torch_mh_moe_forward(
-            x, case["core.gather_ids"], case["core.probs_sorted"], case["core.expert_offsets"],
-            module.W_gate, module.W_up, module.W_down,
+            x,
+            case["core.gather_ids"],
+            case["core.probs_sorted"],
+            case["core.expert_offsets"],
+            module.W_gate,
+            module.W_up,
+            module.W_down,
         )
     assert torch.equal(fast.view(torch.int16), out.view(torch.int16))
     ref = case["core.out"].view_as(out)

@@ -16,6 +16,7 @@ from diffusers_magi2.moe.quantize import EXPERT_DTYPES, FP8_DTYPE, quantize_fp8
 from diffusers_magi2.moe.reference import reference_mh_moe_forward
 from diffusers_magi2.moe.routing import global_sort_routes
 
+
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 TRITON_VS_TORCH_REL_L2 = 1e-2  # FP8 layer: Triton (interpreter) against the torch path
@@ -156,7 +157,7 @@ def test_fp8_backward_reaches_activations_not_frozen_weights() -> None:
 
 
 def test_fp8_released_size_builds_on_meta() -> None:
-    config = dict(hidden_size=3072, num_heads=12, num_experts=256, top_k=6, expert_intermediate_size=1280)
+    config = {"hidden_size": 3072, "num_heads": 12, "num_experts": 256, "top_k": 6, "expert_intermediate_size": 1280}
     with torch.device("meta"):
         fp8 = Magi2MultiHeadMoE(Magi2MultiHeadMoEConfig(**config, params_dtype=torch.bfloat16, expert_dtype=FP8_DTYPE))
         bf16 = Magi2MultiHeadMoE(Magi2MultiHeadMoEConfig(**config, params_dtype=torch.bfloat16))

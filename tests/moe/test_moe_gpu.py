@@ -11,6 +11,7 @@ from diffusers_magi2.moe.experts import torch_mh_moe_forward
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from diffusers_magi2.moe.routing import global_sort_routes
 
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

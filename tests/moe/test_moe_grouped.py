@@ -18,6 +18,7 @@ from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from diffusers_magi2.moe.quantize import quantize_fp8
 from diffusers_magi2.moe.routing import global_sort_routes
 
+
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
 
 

@@ -32,7 +32,9 @@ def tiny_config(num_heads=2, num_experts=8, top_k=2, head_dim=64, expert_dim=64,
 
 
 def test_tensors_keys_shapes_and_dtypes() -> None:
-    module = Magi2MultiHeadMoE(tiny_config(num_heads=3, num_experts=4, head_dim=16, expert_dim=32, dtype=torch.bfloat16))
+    module = Magi2MultiHeadMoE(
+        tiny_config(num_heads=3, num_experts=4, head_dim=16, expert_dim=32, dtype=torch.bfloat16)
+    )
     state = module.state_dict()
     assert set(state) == {"gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema"}
     assert {n for n, _ in module.named_parameters()} == {"gate", "W_gate", "W_up", "W_down"}
@@ -50,7 +52,7 @@ def expected_layout(num_heads: int, size: int, rank: int) -> dict:
     local = padded // size
     start = rank * local
     real = [h for h in range(start, start + local) if h < num_heads]
-    return dict(padded=padded, local=local, start=start, real=len(real), pad=padded - num_heads)
+    return {"padded": padded, "local": local, "start": start, "real": len(real), "pad": padded - num_heads}
 
 
 @pytest.mark.parametrize("num_heads", [12, 3])
@@ -134,7 +136,9 @@ def test_forward_local_heads_reassembles_single_device_result(num_heads: int, ep
 
 
 def test_idle_rank_returns_zeros_without_routing(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = Magi2MultiHeadMoE(tiny_config(num_heads=12, num_experts=2, head_dim=16, expert_dim=16), ep_rank=7, ep_size=8)
+    module = Magi2MultiHeadMoE(
+        tiny_config(num_heads=12, num_experts=2, head_dim=16, expert_dim=16), ep_rank=7, ep_size=8
+    )
     assert not module.has_real_moe_heads
     monkeypatch.setattr(module, "route", lambda *_: pytest.fail("idle rank must not route"))
     out = module.forward_local_heads(torch.randn(5, 2, 16))
@@ -198,18 +202,18 @@ def test_set_backend_bad_input() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(hidden_size=100, num_heads=3), "divisible by num_heads"),
-        (dict(top_k=9), r"top_k must be in \[1, num_experts=8\]"),
-        (dict(top_k=0), "top_k must be a positive int"),
-        (dict(num_experts=0), "num_experts must be a positive int"),
-        (dict(score_func="relu"), "score_func"),
-        (dict(params_dtype="int8"), "params_dtype"),
-        (dict(params_dtype=torch.float64), "params_dtype"),
-        (dict(route_scale=float("nan")), "route_scale"),
+        ({"hidden_size": 100, "num_heads": 3}, "divisible by num_heads"),
+        ({"top_k": 9}, r"top_k must be in \[1, num_experts=8\]"),
+        ({"top_k": 0}, "top_k must be a positive int"),
+        ({"num_experts": 0}, "num_experts must be a positive int"),
+        ({"score_func": "relu"}, "score_func"),
+        ({"params_dtype": "int8"}, "params_dtype"),
+        ({"params_dtype": torch.float64}, "params_dtype"),
+        ({"route_scale": float("nan")}, "route_scale"),
     ],
 )
 def test_config_bad_input(kwargs, match) -> None:
-    base = dict(hidden_size=128, num_heads=2, num_experts=8, top_k=2, expert_intermediate_size=64)
+    base = {"hidden_size": 128, "num_heads": 2, "num_experts": 8, "top_k": 2, "expert_intermediate_size": 64}
     base.update(kwargs)
     with pytest.raises(ValueError, match=match):
         Magi2MultiHeadMoEConfig(**base)

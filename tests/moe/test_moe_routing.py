@@ -118,12 +118,12 @@ def test_global_sort_empty_experts() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(router_logits=torch.zeros(2, 3), top_k=1), "router_logits must be a 3-D"),
-        (dict(router_logits=torch.zeros(1, 2, 3, dtype=torch.float64), top_k=1), "float32"),
-        (dict(router_logits=torch.zeros(1, 2, 3), top_k=0), r"top_k must be an int in \[1, 3\]"),
-        (dict(router_logits=torch.zeros(1, 2, 3), top_k=4), r"top_k must be an int in \[1, 3\]"),
-        (dict(router_logits=torch.zeros(1, 2, 3), top_k=1, score_func="relu"), "score_func"),
-        (dict(router_logits=torch.zeros(2, 2, 3), top_k=1, expert_bias=torch.zeros(5)), "expert_bias"),
+        ({"router_logits": torch.zeros(2, 3), "top_k": 1}, "router_logits must be a 3-D"),
+        ({"router_logits": torch.zeros(1, 2, 3, dtype=torch.float64), "top_k": 1}, "float32"),
+        ({"router_logits": torch.zeros(1, 2, 3), "top_k": 0}, r"top_k must be an int in \[1, 3\]"),
+        ({"router_logits": torch.zeros(1, 2, 3), "top_k": 4}, r"top_k must be an int in \[1, 3\]"),
+        ({"router_logits": torch.zeros(1, 2, 3), "top_k": 1, "score_func": "relu"}, "score_func"),
+        ({"router_logits": torch.zeros(2, 2, 3), "top_k": 1, "expert_bias": torch.zeros(5)}, "expert_bias"),
     ],
 )
 def test_routing_bad_input(kwargs, match) -> None:

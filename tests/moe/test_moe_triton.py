@@ -18,6 +18,7 @@ from diffusers_magi2.moe.experts import torch_mh_moe_forward
 from diffusers_magi2.moe.experts_triton import triton_mh_moe_forward
 from diffusers_magi2.moe.routing import compute_topk_probs_and_indices, global_sort_routes
 
+
 pytestmark = [
     pytest.mark.skipif(
         not experts_triton.INTERPRET and not torch.cuda.is_available(),
@@ -113,8 +114,10 @@ def test_triton_deterministic_bit_identical_over_3_runs(dtype: torch.dtype) -> N
     args = (x, *global_sort_routes(probs, idx, 4), w_gate, w_up, w_down)
     runs = [triton_mh_moe_forward(*args, deterministic=True) for _ in range(3)]
     for other in runs[1:]:
-        assert torch.equal(runs[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           other.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        assert torch.equal(
+            runs[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            other.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        )
     assert_rel_close(runs[0], torch_mh_moe_forward(*args), 1e-5 if dtype == torch.float32 else 2e-2)
 
 

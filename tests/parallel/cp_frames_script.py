@@ -14,8 +14,11 @@ from diffusers_magi2.parallel.context_parallel_runtime import context_parallel_f
 from diffusers_magi2.parallel.expert_parallel import expert_parallel_from_launch
 from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 
+
 # the example script's teardown, not a copy of it
-_spec = importlib.util.spec_from_file_location("magi2_generate", Path(__file__).parents[2] / "examples" / "generate.py")
+_spec = importlib.util.spec_from_file_location(
+    "magi2_generate", Path(__file__).parents[2] / "examples" / "generate.py"
+)
 _generate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_generate)
 end_distributed_run = _generate.end_distributed_run
@@ -46,13 +49,20 @@ pipe.text_encoder.register_forward_pre_hook(lambda *a: calls.__setitem__("text_e
 pipe.video_decoder.decode = _counting("video_decoder", pipe.video_decoder.decode)
 pipe.audio_vae.decode = _counting("audio_decoder", pipe.audio_vae.decode)
 output = pipe(
-    prompt="a cat on a piano", height=64, width=64, num_inference_steps=2,
-    generator=torch.Generator("cpu").manual_seed(42), output_type="np",
+    prompt="a cat on a piano",
+    height=64,
+    width=64,
+    num_inference_steps=2,
+    generator=torch.Generator("cpu").manual_seed(42),
+    output_type="np",
 )
 rank = int(os.environ.get("RANK", "0"))
-print(f"CP_CALLS rank={rank} " + " ".join(f"{k}={v}" for k, v in calls.items())
-      + f" frames={'none' if output.frames is None else 'array'} audio={'none' if output.audio is None else 'array'}",
-      flush=True)
+print(
+    f"CP_CALLS rank={rank} "
+    + " ".join(f"{k}={v}" for k, v in calls.items())
+    + f" frames={'none' if output.frames is None else 'array'} audio={'none' if output.audio is None else 'array'}",
+    flush=True,
+)
 if rank == 0:
     frames = np.asarray(output.frames[0])
     if frames.dtype != np.uint8:

@@ -13,13 +13,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from diffusers import ContextParallelConfig
+from ep_workers import split_tokens as uneven_with_empty_rank  # rank 1 holds no token
 from safetensors.torch import load_file
 
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig
 from diffusers_magi2.utils.flop_counter import count_flops
-from ep_workers import split_tokens as uneven_with_empty_rank  # rank 1 holds no token
+
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "magi2_tiny"
 PREVIEWS = ("preview_h4", "preview_h3")
@@ -46,8 +47,11 @@ def refiner_case() -> dict:
 def preview_forward(model, d: dict, prefix: str) -> torch.Tensor:
     with torch.no_grad():
         return model.forward_packed(
-            d[prefix + "model.x"], d[prefix + "model.coords_mapping"], d[prefix + "model.modality_mapping"],
-            d[prefix + "model.cu_seqlens_q"], d[prefix + "model.time_token_sequence"],
+            d[prefix + "model.x"],
+            d[prefix + "model.coords_mapping"],
+            d[prefix + "model.modality_mapping"],
+            d[prefix + "model.cu_seqlens_q"],
+            d[prefix + "model.time_token_sequence"],
         )
 
 
@@ -55,11 +59,15 @@ def refiner_forward(model, d: dict, prefix: str) -> torch.Tensor:
     ids = d[prefix + "model.modality_mapping"]
     geometry = model.window_geometry(5, 4, 8, int((ids > 0).sum()))
     with torch.no_grad():
-        return model.forward_packed(d[prefix + "model.x"], d[prefix + "model.coords_mapping"], ids, window_geometry=geometry)
+        return model.forward_packed(
+            d[prefix + "model.x"], d[prefix + "model.coords_mapping"], ids, window_geometry=geometry
+        )
 
 
 def load_preview(model: str) -> Magi2Transformer3DModel:
-    return Magi2Transformer3DModel.from_original_checkpoint(FIXTURES / model / "sandai_checkpoint", dtype=torch.float32)
+    return Magi2Transformer3DModel.from_original_checkpoint(
+        FIXTURES / model / "sandai_checkpoint", dtype=torch.float32
+    )
 
 
 def load_refiner() -> Magi2RefinerTransformer3DModel:
@@ -177,7 +185,9 @@ def error_checks(rank: int, world: int) -> dict:
     errors = {}
     model = load_preview("preview_h4")
     # EP groups {0, 2} and {1, 3}: not consecutive groups of the CP ranks
-    mesh = DeviceMesh("cpu", torch.arange(world).view(world // 2, 2).T.contiguous(), mesh_dim_names=("ep_replica", "ep"))
+    mesh = DeviceMesh(
+        "cpu", torch.arange(world).view(world // 2, 2).T.contiguous(), mesh_dim_names=("ep_replica", "ep")
+    )
     model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=world // 2, mesh=mesh))
     try:
         model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))

@@ -9,6 +9,7 @@ from diffusers import ContextParallelConfig
 
 from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 
+
 IMAGE = np.random.default_rng(0).integers(0, 256, (40, 64, 3), dtype=np.uint8)
 
 
@@ -30,7 +31,12 @@ def i2v_latents(rank: int, world: int) -> dict:
     pipe.text_encoder.register_forward_pre_hook(count_text)
     pipe.vae.encode = count_image
     out = pipe(
-        prompt="a cat on a piano", image=IMAGE, height=64, width=64, num_inference_steps=2,
-        generator=torch.Generator("cpu").manual_seed(7), output_type="latent",
+        prompt="a cat on a piano",
+        image=IMAGE,
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        generator=torch.Generator("cpu").manual_seed(7),
+        output_type="latent",
     )
     return {"calls": calls, "latents": out.frames, "audio_latents": out.audio}

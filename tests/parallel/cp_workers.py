@@ -20,6 +20,7 @@ from diffusers_magi2.parallel.context_parallel_attention import (
 from diffusers_magi2.parallel.context_parallel_experts import ep_replica_heads_forward, ep_replica_layout
 from diffusers_magi2.parallel.expert_parallel import ep_dispatch, ep_head_layout, ep_undispatch
 
+
 #: (query heads, kv heads) of the tiny fixtures: h4, h3 (GQA 6/3) and the refiner (GQA 6/2)
 HEAD_CONFIGS = [(4, 4), (6, 3), (6, 2)]
 HEAD_DIM = 8
@@ -113,7 +114,9 @@ def ulysses_checks(rank: int, world: int) -> dict:
         split = TOKEN_SPLITS[world][-1]
         plan = plan_sequence_shards(NUM_TOKENS, world, rank, SEGMENTS, split)
         q, k, v, sinks = attention_inputs(hq, hkv, torch.bfloat16)
-        pending = ulysses_scatter_heads(plan.shard(q), plan.shard(k), plan.shard(v), layout, plan, group, async_op=True)
+        pending = ulysses_scatter_heads(
+            plan.shard(q), plan.shard(k), plan.shard(v), layout, plan, group, async_op=True
+        )
         q_l, k_l, v_l = pending.wait()
         res[("scatter_bf16", hq, hkv)] = (q_l.clone(), k_l.clone(), v_l.clone(), layout.local_query_heads)
         back = ulysses_gather_heads(q_l.contiguous(), layout, plan, group, async_op=True).wait()

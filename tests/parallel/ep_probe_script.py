@@ -18,8 +18,11 @@ import torch.distributed as dist
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig, resolve_expert_parallel
 
+
 # the example script's teardown (barrier, destroy the group, os._exit on CPU), not a copy of it
-_spec = importlib.util.spec_from_file_location("magi2_generate", Path(__file__).parents[2] / "examples" / "generate.py")
+_spec = importlib.util.spec_from_file_location(
+    "magi2_generate", Path(__file__).parents[2] / "examples" / "generate.py"
+)
 _generate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_generate)
 
@@ -33,6 +36,7 @@ moe = Magi2MultiHeadMoE(cfg, ep.group)
 x = torch.randn(6, 128, generator=torch.Generator().manual_seed(0))
 y = moe(x)  # one real EP forward (layout a) through the group
 from accelerate import PartialState  # noqa: E402
+
 
 state = PartialState()
 _line = (

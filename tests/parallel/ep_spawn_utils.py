@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+
 PG_TIMEOUT_S = 30
 
 

@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from diffusers_magi2.loaders.expert_parallel import EP_SHARDED_SUFFIXES
 from diffusers_magi2.loaders.key_plan import read_source_checkpoint
+from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from diffusers_magi2.parallel.ep_loading import take_rows
 from diffusers_magi2.parallel.expert_parallel import (
     Magi2ExpertParallelConfig,
@@ -32,8 +32,9 @@ from diffusers_magi2.parallel.expert_parallel import (
     resolve_expert_parallel,
 )
 
+
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
-MODELS = {"preview_h4": dict(hidden_size=128, num_heads=4), "preview_h3": dict(hidden_size=96, num_heads=3)}
+MODELS = {"preview_h4": {"hidden_size": 128, "num_heads": 4}, "preview_h3": {"hidden_size": 96, "num_heads": 3}}
 MOE_LAYER = 1
 DH = 8
 # layout (b) token counts of the stand-in: uneven, one rank with zero tokens
@@ -129,7 +130,11 @@ def split_tokens(num_tokens: int, world: int) -> list[int]:
 
 def moe_config(model: str) -> Magi2MultiHeadMoEConfig:
     return Magi2MultiHeadMoEConfig(
-        **MODELS[model], num_experts=8, top_k=2, expert_intermediate_size=64, params_dtype=torch.float32,
+        **MODELS[model],
+        num_experts=8,
+        top_k=2,
+        expert_intermediate_size=64,
+        params_dtype=torch.float32,
         route_scale=4.9,
     )
 
@@ -208,7 +213,10 @@ def transformer_case(model: str) -> dict[str, torch.Tensor]:
 def packed_forward(transformer, d: dict) -> torch.Tensor:
     with torch.no_grad():
         return transformer.forward_packed(
-            d["model.x"], d["model.coords_mapping"], d["model.modality_mapping"], d["model.cu_seqlens_q"],
+            d["model.x"],
+            d["model.coords_mapping"],
+            d["model.modality_mapping"],
+            d["model.cu_seqlens_q"],
             d["model.time_token_sequence"],
         )
 
@@ -278,10 +286,18 @@ def fp8_worker(rank: int, world: int, fixtures_root: str, folders: dict) -> dict
     res = {}
     for name, kwargs in (("fp8_repo", {}), ("quantize_at_load", {"expert_dtype": "float8_e4m3fn"})):
         folder = folders["fp8"] if name == "fp8_repo" else folders["bf16"]
-        model = Magi2Transformer3DModel.from_pretrained(folder, torch_dtype=torch.float32, expert_parallel=ep_cfg, **kwargs)
+        model = Magi2Transformer3DModel.from_pretrained(
+            folder, torch_dtype=torch.float32, expert_parallel=ep_cfg, **kwargs
+        )
         res[name, "out"] = packed_forward(model, case)
         res[name, "moe"] = {
-            n: {k: v.clone() for k, v in m.state_dict().items()} for n, m in model.named_modules() if isinstance(m, Magi2MultiHeadMoE)
+            n: {k: v.clone() for k, v in m.state_dict().items()}
+            for n, m in model.named_modules()
+            if isinstance(m, Magi2MultiHeadMoE)
         }
-        res[name, "rows"] = {n: (m.local_head_start, m.local_num_heads) for n, m in model.named_modules() if isinstance(m, Magi2MultiHeadMoE)}
+        res[name, "rows"] = {
+            n: (m.local_head_start, m.local_num_heads)
+            for n, m in model.named_modules()
+            if isinstance(m, Magi2MultiHeadMoE)
+        }
     return res

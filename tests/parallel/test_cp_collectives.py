@@ -29,6 +29,7 @@ from ep_spawn_utils import run_on_ranks
 from diffusers_magi2.models.attention_magi2 import magi2_attention_with_sinks
 from diffusers_magi2.parallel.context_parallel import plan_sequence_shards
 
+
 WORLDS = [1, 2, 3, 4]
 ATOL = 1e-6
 

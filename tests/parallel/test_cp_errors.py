@@ -18,17 +18,37 @@ from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from diffusers_magi2.parallel.context_parallel_runtime import Magi2ContextParallelGroup, context_parallel_from_launch
 
-TINY_PREVIEW = dict(
-    num_layers=2, num_attention_heads=2, attention_head_dim=16, num_key_value_heads=2, in_channels=4,
-    audio_in_channels=4, text_in_channels=8, multimodal_layers=(0,), moe_layers=(1,), num_streams=2,
-    moe_num_heads=4, moe_num_experts=2, moe_top_k=1, moe_expert_intermediate_size=8,
-    shared_expert_intermediate_size=8, modality_specific_expert_intermediate_size=8, time_embed_dim=4,
-)
 
-TINY_REFINER = dict(
-    num_layers=1, num_attention_heads=2, attention_head_dim=16, num_key_value_heads=1, in_channels=4,
-    audio_in_channels=4, text_in_channels=8, multimodal_layers=(0,),
-)
+TINY_PREVIEW = {
+    "num_layers": 2,
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "num_key_value_heads": 2,
+    "in_channels": 4,
+    "audio_in_channels": 4,
+    "text_in_channels": 8,
+    "multimodal_layers": (0,),
+    "moe_layers": (1,),
+    "num_streams": 2,
+    "moe_num_heads": 4,
+    "moe_num_experts": 2,
+    "moe_top_k": 1,
+    "moe_expert_intermediate_size": 8,
+    "shared_expert_intermediate_size": 8,
+    "modality_specific_expert_intermediate_size": 8,
+    "time_embed_dim": 4,
+}
+
+TINY_REFINER = {
+    "num_layers": 1,
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "num_key_value_heads": 1,
+    "in_channels": 4,
+    "audio_in_channels": 4,
+    "text_in_channels": 8,
+    "multimodal_layers": (0,),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +74,9 @@ def test_ep_degree_that_does_not_divide_the_cp_degree_is_refused():
     model = Magi2Transformer3DModel(**TINY_PREVIEW)
     moe = model.transformer_blocks[1].mlp.moe_mlp
     moe.ep_size = 3  # as if sharded over 3 ranks
-    with pytest.raises(ValueError, match=r"expert-parallel degree \(3\) divides neither the context-parallel degree \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"expert-parallel degree \(3\) divides neither the context-parallel degree \(4\)"
+    ):
         model._check_expert_parallel_ranks(Magi2ContextParallelGroup(None, 0, 4, None))
 
 
@@ -73,8 +95,16 @@ def test_launch_rules_fail_before_loading():
 
 def test_generate_script_refuses_a_bad_ulysses_degree_before_loading(tmp_path):
     out = tmp_path / "never.mp4"
-    cmd = [sys.executable, str(REPO_ROOT / "examples" / "generate.py"), "--prompt", "x", "--ulysses_degree", "2",
-           "--output", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO_ROOT / "examples" / "generate.py"),
+        "--prompt",
+        "x",
+        "--ulysses_degree",
+        "2",
+        "--output",
+        str(out),
+    ]
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert res.returncode != 0 and not out.exists()
     assert "--ulysses_degree 2 requested but this run has 1 process(es)" in res.stderr

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from test_ep_accelerate_launch import _env, _multi_cpu
 
+
 SCRIPT = str(Path(__file__).with_name("cp_frames_script.py"))
 
 
@@ -28,15 +29,27 @@ def _calls(stdout: str) -> dict:
 
 def test_cp2_ep2_launch_frames_equal_single_process(tmp_path):
     single = tmp_path / "single.npy"
-    res = subprocess.run([sys.executable, SCRIPT, "--out", str(single)], cwd=tmp_path, env=_env(),
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, SCRIPT, "--out", str(single)],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "CP_FRAMES cp=1" in res.stdout
     single_calls = _calls(res.stdout)[0]
     assert single_calls["text_encoder"] == 2 and single_calls["video_decoder"] == single_calls["audio_decoder"] == 1
     parallel = tmp_path / "parallel.npy"
-    res = subprocess.run(_multi_cpu(SCRIPT, "--out", str(parallel)), cwd=tmp_path, env=_env(),
-                         capture_output=True, text=True, timeout=400)
+    res = subprocess.run(
+        _multi_cpu(SCRIPT, "--out", str(parallel)),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("CP_FRAMES cp=2") == 1  # rank 0 alone reports and writes
     calls = _calls(res.stdout)

@@ -73,7 +73,9 @@ def test_ep_replica_layout_leaves_no_rank_idle():
     assert all(lay.heads.num_real_local_heads == 3 for lay in layouts)
     assert [lay.replica for lay in layouts] == [0] * 4 + [1] * 4
     assert [ep_replica_layout(12, 8, 8, r).heads.num_real_local_heads for r in range(8)] == [2] * 6 + [0] * 2
-    with pytest.raises(ValueError, match=r"expert-parallel degree \(3\) must divide the context-parallel degree \(8\)"):
+    with pytest.raises(
+        ValueError, match=r"expert-parallel degree \(3\) must divide the context-parallel degree \(8\)"
+    ):
         ep_replica_layout(12, 8, 3, 0)
 
 

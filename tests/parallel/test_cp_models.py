@@ -31,6 +31,7 @@ from ep_spawn_utils import run_on_ranks
 
 from diffusers_magi2.utils.flop_counter import count_flops
 
+
 CP_ATOL = 1e-5
 FIXTURE_ATOL = 1e-4
 EP_DEGREES = {2: [None, 2], 3: [None, 3], 4: [None, 4, 2]}
@@ -79,7 +80,12 @@ def test_preview_context_parallel_equals_single_process_and_fixture(world):
             res = results[rank]["preview"]
             for ep in EP_DEGREES[world]:
                 for prefix in case_prefixes(d):
-                    _check(res[name, ep, prefix, "balanced"], ref[prefix], d[prefix + "model.out"], (name, ep, prefix, rank))
+                    _check(
+                        res[name, ep, prefix, "balanced"],
+                        ref[prefix],
+                        d[prefix + "model.out"],
+                        (name, ep, prefix, rank),
+                    )
                 _check(res[name, ep, "", "uneven"], ref[""], d["model.out"], (name, ep, "uneven", rank))
 
 
@@ -127,11 +133,21 @@ def test_collectives_per_block(world):
 def test_work_is_split_between_ranks(world):
     results = _results(world)
     cases = [
-        ("preview h4, CP x EP", _preview_reference("preview_h4")["flops"], [r["preview"]["preview_h4", world, "flops"] for r in results]),
+        (
+            "preview h4, CP x EP",
+            _preview_reference("preview_h4")["flops"],
+            [r["preview"]["preview_h4", world, "flops"] for r in results],
+        ),
         ("refiner", _refiner_reference()["flops"], [r["refiner"]["flops"] for r in results]),
     ]
     if world == 2:
-        cases.append(("preview h3, CP x EP", _preview_reference("preview_h3")["flops"], [r["preview"]["preview_h3", 2, "flops"] for r in results]))
+        cases.append(
+            (
+                "preview h3, CP x EP",
+                _preview_reference("preview_h3")["flops"],
+                [r["preview"]["preview_h3", 2, "flops"] for r in results],
+            )
+        )
     bound = 0.65 if world == 2 else 0.4
     for what, single, per_rank in cases:
         if world == 4 and what == "refiner":  # N = 4 bound is for a config with >= 4 attention and MoE heads

@@ -25,6 +25,7 @@ import pytest
 from conftest import REPO_ROOT
 from ep_spawn_utils import free_port
 
+
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 PROBE = str(Path(__file__).with_name("ep_probe_script.py"))
 GENERATE = str(REPO_ROOT / "examples" / "generate.py")
@@ -41,8 +42,18 @@ def _env() -> dict:
 
 def _multi_cpu(*script_args: str) -> list[str]:
     return ACCELERATE + [
-        "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--main_process_port", str(free_port()), *script_args,
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        *script_args,
     ]
 
 
@@ -58,8 +69,11 @@ def test_ep_accelerate_cpu_flag_starts_one_process_and_ep_errors(tmp_path):
     assert "world size 1" in res.stderr
 
     out = tmp_path / "never.mp4"
-    res = _run(ACCELERATE + ["--cpu", "--num_processes", "2", GENERATE, *SMOKE_ARGS, "--ep_degree", "2",
-                             "--output", str(out)], tmp_path)
+    res = _run(
+        ACCELERATE
+        + ["--cpu", "--num_processes", "2", GENERATE, *SMOKE_ARGS, "--ep_degree", "2", "--output", str(out)],
+        tmp_path,
+    )
     assert res.returncode != 0 and not out.exists()
     assert "--ep_degree 2 requested but this run has 1 process(es)" in res.stderr
 

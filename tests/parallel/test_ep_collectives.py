@@ -108,8 +108,11 @@ def test_ep_loading_names_a_truncated_or_missing_shard_before_building_the_model
 
     monkeypatch.setattr(Magi2Transformer3DModel, "from_config", no_model)
     config = Magi2ExpertParallelConfig(ep_degree=1)
-    for broken, message in ((data[:-100], "is not a complete safetensors file"), (data[:5], "is not a complete safetensors file"),
-                            (None, "does not exist, named by diffusion_pytorch_model.safetensors.index.json")):
+    for broken, message in (
+        (data[:-100], "is not a complete safetensors file"),
+        (data[:5], "is not a complete safetensors file"),
+        (None, "does not exist, named by diffusion_pytorch_model.safetensors.index.json"),
+    ):
         if broken is None:
             shard.unlink()
         else:

@@ -12,6 +12,7 @@ from ep_workers import fp8_worker, packed_forward, sandai_ckpt, transformer_case
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 
+
 EP_FP8_REL_L2 = 1e-6
 
 
@@ -38,7 +39,9 @@ def test_ep2_fp8_experts_match_the_single_process_fp8_model(folders):
         for rank, res in enumerate(per_rank):
             out = res[name, "out"]
             err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-            print(f"\nEP 2, rank {rank}, {name}: rel-L2 {err:.2e}, max abs {(out - ref).abs().max().item():.2e} against one process")
+            print(
+                f"\nEP 2, rank {rank}, {name}: rel-L2 {err:.2e}, max abs {(out - ref).abs().max().item():.2e} against one process"
+            )
             assert err <= EP_FP8_REL_L2
             for moe_name, local in res[name, "moe"].items():
                 start, heads = res[name, "rows"][moe_name]

@@ -32,9 +32,10 @@ from ep_workers import (
     transformer_case,
 )
 
+from diffusers_magi2.loaders.key_plan import read_source_checkpoint
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
-from diffusers_magi2.loaders.key_plan import read_source_checkpoint
+
 
 EP_ATOL = 2e-5
 FIXTURE_ATOL = 1e-4

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from diffusers import AutoencoderOobleck, UniPCMultistepScheduler
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import BaseOutput
-from dataclasses import dataclass
 
 
 @dataclass
@@ -27,18 +28,32 @@ class StandInTransformer(ModelMixin, ConfigMixin):
         self.anchor = torch.nn.Parameter(torch.zeros(1))
         self.calls = []
 
-    def forward(self, hidden_states, timestep, encoder_hidden_states, audio_hidden_states,
-                encoder_attention_mask=None, image_latents=None, image_embeds=None,
-                attention_kwargs=None, return_dict=True):
-        self.calls.append(dict(hidden_states=hidden_states.clone(), timestep=timestep.clone(),
-                               encoder_hidden_states=encoder_hidden_states.clone(),
-                               encoder_attention_mask=None if encoder_attention_mask is None else encoder_attention_mask.clone(),
-                               audio_hidden_states=audio_hidden_states.clone(),
-                               image_latents=None if image_latents is None else image_latents.clone(),
-                               image_embeds=None if image_embeds is None else image_embeds.clone()))
+    def forward(
+        self,
+        hidden_states,
+        timestep,
+        encoder_hidden_states,
+        audio_hidden_states,
+        encoder_attention_mask=None,
+        image_latents=None,
+        image_embeds=None,
+        attention_kwargs=None,
+        return_dict=True,
+    ):
+        self.calls.append(
+            {
+                "hidden_states": hidden_states.clone(),
+                "timestep": timestep.clone(),
+                "encoder_hidden_states": encoder_hidden_states.clone(),
+                "encoder_attention_mask": None if encoder_attention_mask is None else encoder_attention_mask.clone(),
+                "audio_hidden_states": audio_hidden_states.clone(),
+                "image_latents": None if image_latents is None else image_latents.clone(),
+                "image_embeds": None if image_embeds is None else image_embeds.clone(),
+            }
+        )
         x, a = hidden_states, audio_hidden_states
         half = x.shape[0] // 2 if x.shape[0] > 1 else x.shape[0]
-        tau = (timestep.float() / 1000.0)
+        tau = timestep.float() / 1000.0
         tv = tau.view(-1, 1, 1, 1, 1)
         ta = tau.view(-1, 1, 1)
         bv = torch.linspace(-0.05, 0.05, x.shape[1]).view(1, -1, 1, 1, 1)
@@ -71,10 +86,23 @@ class StandInRefiner(ModelMixin, ConfigMixin):
         self.anchor = torch.nn.Parameter(torch.zeros(1))
         self.calls = []
 
-    def forward(self, hidden_states, encoder_hidden_states, audio_hidden_states=None, encoder_attention_mask=None,
-                attention_kwargs=None, return_dict=True):
-        self.calls.append(dict(hidden_states=hidden_states.clone(), encoder_hidden_states=encoder_hidden_states.clone(),
-                               audio_hidden_states=audio_hidden_states, attention_kwargs=attention_kwargs))
+    def forward(
+        self,
+        hidden_states,
+        encoder_hidden_states,
+        audio_hidden_states=None,
+        encoder_attention_mask=None,
+        attention_kwargs=None,
+        return_dict=True,
+    ):
+        self.calls.append(
+            {
+                "hidden_states": hidden_states.clone(),
+                "encoder_hidden_states": encoder_hidden_states.clone(),
+                "audio_hidden_states": audio_hidden_states,
+                "attention_kwargs": attention_kwargs,
+            }
+        )
         text = encoder_hidden_states.float().mean(dim=(1, 2)).view(-1, 1, 1, 1, 1)
         v = 0.9 * hidden_states - 0.2 * torch.tanh(hidden_states) + 0.3 * text
         return RefinerStubOutput(sample=v) if return_dict else (v, None)
@@ -83,16 +111,28 @@ class StandInRefiner(ModelMixin, ConfigMixin):
 def preview_scheduler() -> UniPCMultistepScheduler:
     """The converter's scheduler config: flow-prediction UniPC, flow sigmas, shift 7."""
     return UniPCMultistepScheduler(
-        use_flow_sigmas=True, flow_shift=7.0, prediction_type="flow_prediction", solver_order=2,
-        solver_type="bh2", predict_x0=True, lower_order_final=True, final_sigmas_type="zero",
+        use_flow_sigmas=True,
+        flow_shift=7.0,
+        prediction_type="flow_prediction",
+        solver_order=2,
+        solver_type="bh2",
+        predict_x0=True,
+        lower_order_final=True,
+        final_sigmas_type="zero",
     )
 
 
 def tiny_oobleck() -> AutoencoderOobleck:
     torch.manual_seed(0)
-    return AutoencoderOobleck(encoder_hidden_size=4, downsampling_ratios=[2, 4, 4, 8, 8],
-                              channel_multiples=[1, 2, 2, 2, 2], decoder_channels=4,
-                              decoder_input_channels=64, audio_channels=2, sampling_rate=44100).eval()
+    return AutoencoderOobleck(
+        encoder_hidden_size=4,
+        downsampling_ratios=[2, 4, 4, 8, 8],
+        channel_multiples=[1, 2, 2, 2, 2],
+        decoder_channels=4,
+        decoder_input_channels=64,
+        audio_channels=2,
+        sampling_rate=44100,
+    ).eval()
 
 
 def tiny_wan22_vae():
@@ -102,16 +142,26 @@ def tiny_wan22_vae():
     g = torch.Generator().manual_seed(5)
     torch.manual_seed(5)
     return AutoencoderKLWan(
-        base_dim=4, decoder_base_dim=6, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
-        temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
-        patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+        base_dim=4,
+        decoder_base_dim=6,
+        z_dim=48,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
         latents_mean=(torch.rand(48, generator=g) - 0.5).tolist(),
         latents_std=(torch.rand(48, generator=g) + 0.5).tolist(),
     ).eval()
 
 
-def tiny_text_encoder(tokenizer, hidden_size: int = 48, intermediate_size: int = 64, head_dim: int = 16,
-                      linear_num_heads: int = 2):
+def tiny_text_encoder(
+    tokenizer, hidden_size: int = 48, intermediate_size: int = 64, head_dim: int = 16, linear_num_heads: int = 2
+):
     """A tiny random ``Qwen3_5TextModel`` (3 linear-attention layers + 1 full-attention layer) for
     ``tokenizer``; ``hidden_size`` is the text width the DiT sees (48 for the ``magi2_tiny`` models).
     Draws from the global torch RNG (seed it first)."""
@@ -119,10 +169,19 @@ def tiny_text_encoder(tokenizer, hidden_size: int = 48, intermediate_size: int =
 
     return Qwen3_5TextModel(
         Qwen3_5TextConfig(
-            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-            num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2,
-            num_key_value_heads=1, head_dim=head_dim, linear_num_key_heads=linear_num_heads,
-            linear_num_value_heads=linear_num_heads, linear_key_head_dim=8, linear_value_head_dim=8, pad_token_id=0,
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=head_dim,
+            linear_num_key_heads=linear_num_heads,
+            linear_num_value_heads=linear_num_heads,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            pad_token_id=0,
         )
     ).eval()
 
@@ -140,22 +199,39 @@ def tiny_real_format_components(with_vae: bool = False) -> dict:
 
     torch.manual_seed(0)
     tokenizer = build_tiny_tokenizer(vocab_size=512)
-    components = dict(tokenizer=tokenizer, text_encoder=tiny_text_encoder(tokenizer))
+    components = {"tokenizer": tokenizer, "text_encoder": tiny_text_encoder(tokenizer)}
     g = torch.Generator().manual_seed(1)
     mean = (torch.rand(12, generator=g) - 0.5).tolist()
     std = (torch.rand(12, generator=g) + 0.5).tolist()
     if with_vae:
         components["vae"] = AutoencoderKLWan(
-            base_dim=4, decoder_base_dim=4, z_dim=12, num_res_blocks=1, is_residual=True, in_channels=12,
-            out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
-            latents_mean=mean, latents_std=std,
+            base_dim=4,
+            decoder_base_dim=4,
+            z_dim=12,
+            num_res_blocks=1,
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_spatial=16,
+            scale_factor_temporal=4,
+            latents_mean=mean,
+            latents_std=std,
         ).eval()
     components["video_decoder"] = Magi2TurboVAEDecoder(
-        latent_channels=12, decoder_block_out_channels=[4, 4, 4, 4], decoder_layers_per_block=[1, 1, 1, 1, 1],
-        first_chunk_size=7, step_size=7, latents_mean=mean, latents_std=std,
+        latent_channels=12,
+        decoder_block_out_channels=[4, 4, 4, 4],
+        decoder_layers_per_block=[1, 1, 1, 1, 1],
+        first_chunk_size=7,
+        step_size=7,
+        latents_mean=mean,
+        latents_std=std,
     ).eval()
     components["audio_vae"] = AutoencoderOobleck(
-        encoder_hidden_size=2, channel_multiples=[1, 2, 2, 2, 2], decoder_channels=2, decoder_input_channels=16,
+        encoder_hidden_size=2,
+        channel_multiples=[1, 2, 2, 2, 2],
+        decoder_channels=2,
+        decoder_input_channels=16,
     ).eval()
     components["scheduler"] = preview_scheduler()
     return components
@@ -164,11 +240,12 @@ def tiny_real_format_components(with_vae: bool = False) -> dict:
 def stub_embeds(n: int = 1) -> dict:
     """Prompt and negative-prompt embeddings (width 8, 5 and 3 tokens) for the stand-in pipelines."""
     g = torch.Generator().manual_seed(3)
-    return dict(
-        prompt_embeds=torch.randn(n, 5, 8, generator=g), prompt_attention_mask=torch.ones(n, 5, dtype=torch.bool),
-        negative_prompt_embeds=torch.randn(n, 3, 8, generator=g),
-        negative_prompt_attention_mask=torch.ones(n, 3, dtype=torch.bool),
-    )
+    return {
+        "prompt_embeds": torch.randn(n, 5, 8, generator=g),
+        "prompt_attention_mask": torch.ones(n, 5, dtype=torch.bool),
+        "negative_prompt_embeds": torch.randn(n, 3, 8, generator=g),
+        "negative_prompt_attention_mask": torch.ones(n, 3, dtype=torch.bool),
+    }
 
 
 def tiny_two_stage_pipeline(fixtures_dir):

@@ -9,7 +9,6 @@ import importlib.util
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT
 
 

@@ -15,10 +15,12 @@ import torch
 from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 from diffusers.hooks import HookRegistry
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_stubs import tiny_two_stage_pipeline  # noqa: E402
 
 from diffusers_magi2 import build_tiny_default_pipeline  # noqa: E402
+
 
 STEPS = 6
 
@@ -37,19 +39,26 @@ def preview():
     pipe.set_progress_bar_config(disable=True)
     calls = count_attention_work(pipe.transformer)
     g = torch.Generator().manual_seed(1)
-    embeds = dict(
-        prompt_embeds=torch.randn(1, 5, 64, generator=g), prompt_attention_mask=torch.ones(1, 5, dtype=torch.bool),
-        negative_prompt_embeds=torch.randn(1, 3, 64, generator=g),
-        negative_prompt_attention_mask=torch.ones(1, 3, dtype=torch.bool),
-    )
+    embeds = {
+        "prompt_embeds": torch.randn(1, 5, 64, generator=g),
+        "prompt_attention_mask": torch.ones(1, 5, dtype=torch.bool),
+        "negative_prompt_embeds": torch.randn(1, 3, 64, generator=g),
+        "negative_prompt_attention_mask": torch.ones(1, 3, dtype=torch.bool),
+    }
 
     def run(cache=None):
         if cache is not None:
             pipe.transformer.enable_cache(cache)
         calls.clear()
         try:
-            out = pipe(**embeds, height=32, width=48, num_inference_steps=STEPS, output_type="latent",
-                       generator=torch.Generator().manual_seed(0))
+            out = pipe(
+                **embeds,
+                height=32,
+                width=48,
+                num_inference_steps=STEPS,
+                output_type="latent",
+                generator=torch.Generator().manual_seed(0),
+            )
         finally:
             if cache is not None:
                 pipe.transformer.disable_cache()
@@ -76,8 +85,11 @@ def test_taylorseer_default_identifiers_find_the_attention_modules(preview):
     interval 2 after 2 warm-up steps, steps 2 and 4 are first-order Taylor predictions."""
     pipe, run, reference = preview
     pipe.transformer.enable_cache(TaylorSeerCacheConfig())
-    hooked = [name for name, module in pipe.transformer.named_modules()
-              if HookRegistry.check_if_exists_or_initialize(module).get_hook("taylorseer_cache") is not None]
+    hooked = [
+        name
+        for name, module in pipe.transformer.named_modules()
+        if HookRegistry.check_if_exists_or_initialize(module).get_hook("taylorseer_cache") is not None
+    ]
     pipe.transformer.disable_cache()
     assert hooked == [f"transformer_blocks.{i}.attention" for i in range(len(pipe.transformer.transformer_blocks))]
 
@@ -86,8 +98,9 @@ def test_taylorseer_default_identifiers_find_the_attention_modules(preview):
         lambda m, a, out: outputs.append(out.detach().clone())
     )
     try:
-        cached, calls = run(TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=2,
-                                                  taylor_factors_dtype=torch.float32))
+        cached, calls = run(
+            TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=2, taylor_factors_dtype=torch.float32)
+        )
     finally:
         handle.remove()
     assert calls == [0, 1] * 2 + [0, 1] + [0, 1]  # computed at steps 0, 1, 3, 5 only
@@ -122,8 +135,15 @@ def test_refiner_stage_runs_the_caching_hooks(two_stage):
     pipe = two_stage
     layers = len(pipe.refiner.transformer_blocks)
     calls = count_attention_work(pipe.refiner)
-    kwargs = dict(prompt="A red fox trots through fresh snow", height=64, width=96, preview_height=32,
-                  preview_width=48, num_inference_steps=1, output_type="latent")
+    kwargs = {
+        "prompt": "A red fox trots through fresh snow",
+        "height": 64,
+        "width": 96,
+        "preview_height": 32,
+        "preview_width": 48,
+        "num_inference_steps": 1,
+        "output_type": "latent",
+    }
     reference = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).frames
     assert len(calls) == 5 * 2 * layers
 
@@ -141,7 +161,10 @@ def test_refiner_stage_runs_the_caching_hooks(two_stage):
         assert torch.isfinite(out).all() and not torch.equal(out, reference)
 
     pipe.refiner.enable_cache(TaylorSeerCacheConfig())
-    hooked = [name for name, module in pipe.refiner.named_modules()
-              if HookRegistry.check_if_exists_or_initialize(module).get_hook("taylorseer_cache") is not None]
+    hooked = [
+        name
+        for name, module in pipe.refiner.named_modules()
+        if HookRegistry.check_if_exists_or_initialize(module).get_hook("taylorseer_cache") is not None
+    ]
     pipe.refiner.disable_cache()
     assert hooked == [f"transformer_blocks.{i}.attention" for i in range(layers)]

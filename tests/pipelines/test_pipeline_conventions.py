@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_stubs import (  # noqa: E402
-    StandInRefiner, StandInTransformer, preview_scheduler, stub_embeds, tiny_oobleck, tiny_text_encoder,
+    StandInRefiner,
+    StandInTransformer,
+    preview_scheduler,
+    stub_embeds,
+    tiny_oobleck,
+    tiny_text_encoder,
 )
 
 import diffusers_magi2  # noqa: E402
@@ -23,8 +29,14 @@ from diffusers_magi2.pipelines.tiny_default import TINY_DEFAULT_CONFIG  # noqa: 
 
 
 def stub_pipe(refiner=False):
-    return Magi2Pipeline(tokenizer=None, text_encoder=None, transformer=StandInTransformer(), audio_vae=tiny_oobleck(),
-                         scheduler=preview_scheduler(), refiner=StandInRefiner() if refiner else None)
+    return Magi2Pipeline(
+        tokenizer=None,
+        text_encoder=None,
+        transformer=StandInTransformer(),
+        audio_vae=tiny_oobleck(),
+        scheduler=preview_scheduler(),
+        refiner=StandInRefiner() if refiner else None,
+    )
 
 
 embeds = stub_embeds
@@ -54,7 +66,7 @@ def test_num_videos_per_prompt_draws_distinct_noise_per_video():
     """Two prompts x two videos: the model sees each prompt's text twice (adjacent rows) and four
     different noise rows; video 3 equals a one-video call started from the 4th row of the same draw."""
     pipe = stub_pipe()
-    common = dict(height=32, width=48, num_inference_steps=2, output_type="latent")
+    common = {"height": 32, "width": 48, "num_inference_steps": 2, "output_type": "latent"}
     out = pipe(**embeds(2), **common, num_videos_per_prompt=2, generator=torch.Generator().manual_seed(0))
     assert out.frames.shape == (4, 48, 32, 2, 3) and out.audio.shape == (4, 250, 64)
     first = pipe.transformer.calls[0]
@@ -75,8 +87,8 @@ def test_num_videos_per_prompt_draws_distinct_noise_per_video():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(num_videos_per_prompt=0), "num_videos_per_prompt must be an integer >= 1"),
-        (dict(num_videos_per_prompt=2, latents=torch.randn(1, 48, 32, 2, 3)), "one row per video"),
+        ({"num_videos_per_prompt": 0}, "num_videos_per_prompt must be an integer >= 1"),
+        ({"num_videos_per_prompt": 2, "latents": torch.randn(1, 48, 32, 2, 3)}, "one row per video"),
     ],
 )
 def test_bad_num_videos_per_prompt_raises_before_work(kwargs, message):
@@ -94,7 +106,9 @@ def test_encode_prompt_returns_both_pairs_per_video(tiny):
     embeds_, mask, negative, negative_mask = tiny.encode_prompt(prompts, num_videos_per_prompt=2, device="cpu")
     alone, alone_mask, _ = tiny.encode_text(prompts, "cpu")
     neg_alone, neg_alone_mask, _ = tiny.encode_text([tiny.config.negative_prompt] * 2, "cpu")
-    assert torch.equal(embeds_, alone.repeat_interleave(2, 0)) and torch.equal(mask, alone_mask.repeat_interleave(2, 0))
+    assert torch.equal(embeds_, alone.repeat_interleave(2, 0)) and torch.equal(
+        mask, alone_mask.repeat_interleave(2, 0)
+    )
     assert torch.equal(negative, neg_alone.repeat_interleave(2, 0))
     assert torch.equal(negative_mask, neg_alone_mask.repeat_interleave(2, 0))
     without = tiny.encode_prompt(prompts, do_classifier_free_guidance=False, device="cpu")
@@ -109,11 +123,19 @@ def test_i2v_image_embeds_are_the_documented_figure_token(tiny):
     prompt = "A red fox trots through fresh snow"
     seen = []
     handle = tiny.transformer.register_forward_pre_hook(
-        lambda m, a, kw: seen.append((kw["encoder_hidden_states"].clone(), kw["image_embeds"].clone())), with_kwargs=True
+        lambda m, a, kw: seen.append((kw["encoder_hidden_states"].clone(), kw["image_embeds"].clone())),
+        with_kwargs=True,
     )
     try:
-        tiny(prompt, image=PIL.Image.new("RGB", (48, 32), (90, 120, 30)), height=32, width=48, num_inference_steps=1,
-             output_type="latent", generator=torch.Generator().manual_seed(0))
+        tiny(
+            prompt,
+            image=PIL.Image.new("RGB", (48, 32), (90, 120, 30)),
+            height=32,
+            width=48,
+            num_inference_steps=1,
+            output_type="latent",
+            generator=torch.Generator().manual_seed(0),
+        )
     finally:
         handle.remove()
     text, mask, figure = tiny.encode_text([add_figure_reference(prompt)], "cpu", figure_target="<Figure 1>")
@@ -124,7 +146,14 @@ def test_i2v_image_embeds_are_the_documented_figure_token(tiny):
 # ------------------------------------------------------------------------------ callbacks, interrupt
 
 
-SMALL = dict(height=64, width=96, preview_height=32, preview_width=48, num_inference_steps=2, output_type="latent")
+SMALL = {
+    "height": 64,
+    "width": 96,
+    "preview_height": 32,
+    "preview_width": 48,
+    "num_inference_steps": 2,
+    "output_type": "latent",
+}
 
 
 def test_refiner_stage_runs_the_step_callback_like_the_preview():
@@ -136,7 +165,10 @@ def test_refiner_stage_runs_the_step_callback_like_the_preview():
     def callback(p, i, t, tensors):
         seen.append((p.num_timesteps, i, int(t), tuple(tensors["latents"].shape)))
         if p.num_timesteps == 5 and i == 4:
-            return {"latents": torch.zeros_like(tensors["latents"]), "audio_latents": torch.ones_like(tensors["audio_latents"])}
+            return {
+                "latents": torch.zeros_like(tensors["latents"]),
+                "audio_latents": torch.ones_like(tensors["audio_latents"]),
+            }
         return {}
 
     out = pipe(**embeds(), **SMALL, generator=torch.Generator().manual_seed(0), callback_on_step_end=callback)
@@ -178,8 +210,16 @@ def test_every_stage_shows_progress(capsys):
     pipe.register_modules(refiner=StandInRefiner())
     pipe.refiner.register_to_config(text_in_channels=64)
     capsys.readouterr()
-    pipe("A red fox", height=32, width=32, preview_height=16, preview_width=16, num_inference_steps=1,
-         refiner_num_inference_steps=1, generator=torch.Generator().manual_seed(0))
+    pipe(
+        "A red fox",
+        height=32,
+        width=32,
+        preview_height=16,
+        preview_width=16,
+        num_inference_steps=1,
+        refiner_num_inference_steps=1,
+        generator=torch.Generator().manual_seed(0),
+    )
     err = capsys.readouterr().err
     stages = ["Encoding text", "Denoising", "Refining", "Decoding video and audio"]
     positions = [err.find(stage) for stage in stages]
@@ -196,12 +236,20 @@ def test_every_stage_shows_progress(capsys):
 def test_tiny_default_is_public_with_dtype_and_call_defaults():
     assert "build_tiny_default_pipeline" in diffusers_magi2.__all__
     pipe = diffusers_magi2.build_tiny_default_pipeline(dtype=torch.bfloat16)
-    assert pipe.tiny_call_defaults == TINY_DEFAULT_CONFIG["call"] == {"height": 128, "width": 224, "num_inference_steps": 8}
+    assert (
+        pipe.tiny_call_defaults
+        == TINY_DEFAULT_CONFIG["call"]
+        == {"height": 128, "width": 224, "num_inference_steps": 8}
+    )
     assert pipe.text_encoder.dtype == torch.bfloat16
     assert pipe.transformer.transformer_blocks[0].attention.linear_qkv.weight.dtype == torch.bfloat16
     pipe.set_progress_bar_config(disable=True)
-    out = pipe("A red fox", **dict(pipe.tiny_call_defaults, num_inference_steps=1), output_type="latent",
-               generator=torch.Generator().manual_seed(0))
+    out = pipe(
+        "A red fox",
+        **dict(pipe.tiny_call_defaults, num_inference_steps=1),
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out.frames.shape == (1, 48, 32, 128 // 16, 224 // 16) and torch.isfinite(out.frames).all()
 
 
@@ -214,8 +262,13 @@ def mismatched(name, tiny):
     if name == "vae":
         return AutoencoderKLWan(base_dim=4, z_dim=16, num_res_blocks=1)
     if name == "audio_vae":
-        return AutoencoderOobleck(encoder_hidden_size=2, channel_multiples=[1, 2], downsampling_ratios=[2, 2],
-                                  decoder_channels=2, decoder_input_channels=32)
+        return AutoencoderOobleck(
+            encoder_hidden_size=2,
+            channel_multiples=[1, 2],
+            downsampling_ratios=[2, 2],
+            decoder_channels=2,
+            decoder_input_channels=32,
+        )
     torch.manual_seed(0)
     return tiny_text_encoder(tiny.tokenizer, hidden_size=48)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_stubs import StandInTransformer, preview_scheduler  # noqa: E402
 
@@ -29,12 +30,22 @@ def components(fixtures_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("decoders")
     turbo = Magi2TurboVAEDecoder.from_pretrained(convert_turbo_vae(root / "turbo_vae", tmp / "turbo")).eval()
     audio = AutoencoderOobleck.from_pretrained(
-        convert_stable_audio_vae(root / "stable_audio_vae" / "stable-audio-open-tiny", tmp / "sao", audio_encoder="zeros")
+        convert_stable_audio_vae(
+            root / "stable_audio_vae" / "stable-audio-open-tiny", tmp / "sao", audio_encoder="zeros"
+        )
     ).eval()
-    pipe = Magi2Pipeline(tokenizer=None, text_encoder=None, transformer=StandInTransformer(), audio_vae=audio,
-                         scheduler=preview_scheduler(), video_decoder=turbo)
-    return pipe, load_file(str(root / "turbo_vae" / "decode_cases.safetensors")), load_file(
-        str(root / "stable_audio_vae" / "cases.safetensors")
+    pipe = Magi2Pipeline(
+        tokenizer=None,
+        text_encoder=None,
+        transformer=StandInTransformer(),
+        audio_vae=audio,
+        scheduler=preview_scheduler(),
+        video_decoder=turbo,
+    )
+    return (
+        pipe,
+        load_file(str(root / "turbo_vae" / "decode_cases.safetensors")),
+        load_file(str(root / "stable_audio_vae" / "cases.safetensors")),
     )
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from diffusers import UniPCMultistepScheduler  # noqa: E402
@@ -38,7 +39,9 @@ def converted_repo(fixtures_dir, tmp_path_factory):
     src = fixtures_dir / "magi2_tiny" / "preview_h4" / "sandai_checkpoint"
     convert_checkpoint(
         ConversionRequest(
-            output_path=out, components=["transformer", "scheduler"], inputs={"transformer": src},
+            output_path=out,
+            components=["transformer", "scheduler"],
+            inputs={"transformer": src},
             config=src / "magi2_preview.json",
         ),
         log=lambda *_: None,
@@ -62,7 +65,10 @@ def test_converted_scheduler_is_the_preview_schedule(pipe):
 def test_t2v_call_and_mp4_streams(pipe, tmp_path):
     out = pipe(
         "A red fox trots through fresh snow at dawn, wind howling",
-        height=32, width=48, num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+        height=32,
+        width=48,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(0),
     )
     assert out.frames.shape == (1, 125, 32, 48, 3) and out.frames.dtype == np.float32
     assert 0.0 <= out.frames.min() and out.frames.max() <= 1.0
@@ -89,7 +95,13 @@ def test_save_load_round_trip_and_latent_output(pipe, tmp_path):
     loaded = Magi2Pipeline.from_pretrained(tmp_path / "saved")
     assert loaded.config.negative_prompt == pipe.config.negative_prompt
     assert loaded.config.sigma_start == 0.999
-    kwargs = dict(prompt="a cat on a sofa", height=32, width=48, num_inference_steps=1, output_type="latent")
+    kwargs = {
+        "prompt": "a cat on a sofa",
+        "height": 32,
+        "width": 48,
+        "num_inference_steps": 1,
+        "output_type": "latent",
+    }
     a = pipe(**kwargs, generator=torch.Generator().manual_seed(7))
     b = loaded(**kwargs, generator=torch.Generator().manual_seed(7))
     assert a.frames.shape == (1, 12, 32, 2, 3) and a.audio.shape == (1, 250, 16)
@@ -109,9 +121,15 @@ def test_one_step_forward_matches_transformer_fixture(pipe, fixtures_dir, case):
         image_embeds = T[p + "ref_image_special_token_embedding"][:, 0]
     pipe._guidance_scale, pipe._audio_guidance_scale, pipe._attention_kwargs = 5.0, 7.0, None
     video, audio = pipe.predict_velocity(
-        T[p + "latent"], T[p + "audio_latent"], T[p + "timestep"],
-        txt, torch.ones(1, txt.shape[1], dtype=torch.bool), null, torch.ones(1, null.shape[1], dtype=torch.bool),
-        image_latents, image_embeds,
+        T[p + "latent"],
+        T[p + "audio_latent"],
+        T[p + "timestep"],
+        txt,
+        torch.ones(1, txt.shape[1], dtype=torch.bool),
+        null,
+        torch.ones(1, null.shape[1], dtype=torch.bool),
+        image_latents,
+        image_embeds,
     )
     ref_v, ref_a = T[p + "video_out"], T[p + "audio_out"]
     want_v = ref_v[1:] + 5.0 * (ref_v[:1] - ref_v[1:])
@@ -121,7 +139,8 @@ def test_one_step_forward_matches_transformer_fixture(pipe, fixtures_dir, case):
     # and the raw [cond, uncond] outputs themselves
     with torch.no_grad():
         raw = pipe.transformer(
-            hidden_states=T[p + "latent"].expand(2, -1, -1, -1, -1), timestep=T[p + "timestep"].expand(2),
+            hidden_states=T[p + "latent"].expand(2, -1, -1, -1, -1),
+            timestep=T[p + "timestep"].expand(2),
             encoder_hidden_states=torch.cat([txt, torch.cat([null, null.new_zeros(1, 2, 48)], 1)]),
             audio_hidden_states=T[p + "audio_latent"].expand(2, -1, -1),
             encoder_attention_mask=torch.tensor([[True] * 5, [True] * 3 + [False] * 2]),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck  # noqa: E402
 
@@ -42,8 +43,13 @@ def test_uint8_frames_are_not_scaled_twice(tmp_path, kind):
 def test_pipeline_np_output_is_float_in_unit_range_and_exports(tmp_path):
     """The default output_type="np" returns float32 frames in [0, 1]; the documented export takes them as is."""
 
-    pipe = Magi2Pipeline(tokenizer=None, text_encoder=None, transformer=StandInTransformer(),
-                         audio_vae=tiny_oobleck(), scheduler=preview_scheduler())
+    pipe = Magi2Pipeline(
+        tokenizer=None,
+        text_encoder=None,
+        transformer=StandInTransformer(),
+        audio_vae=tiny_oobleck(),
+        scheduler=preview_scheduler(),
+    )
     # stub decoder: constant pixel value 10/255 after (x + 1) / 2
     target = 10 / 255
     pipe.decode_video = lambda latents: torch.full(
@@ -53,24 +59,44 @@ def test_pipeline_np_output_is_float_in_unit_range_and_exports(tmp_path):
     from diffusers_magi2.models.turbo_vae import Magi2TurboVAEDecoder
 
     # a real (tiny) decoder object so the pipeline can decode; its output is replaced by the stub above
-    pipe.register_modules(video_decoder=Magi2TurboVAEDecoder(decoder_block_out_channels=[2, 2, 2, 2],
-                                                             decoder_layers_per_block=[1, 1, 1, 1, 1]))
-    out = pipe(prompt_embeds=torch.randn(1, 4, 8), prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool),
-               negative_prompt_embeds=torch.randn(1, 2, 8), negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
-               height=32, width=32, num_inference_steps=1, latents=torch.randn(1, 48, 3, 2, 2),
-               audio_latents=torch.randn(1, 18, 64), output_type="np")
+    pipe.register_modules(
+        video_decoder=Magi2TurboVAEDecoder(
+            decoder_block_out_channels=[2, 2, 2, 2], decoder_layers_per_block=[1, 1, 1, 1, 1]
+        )
+    )
+    out = pipe(
+        prompt_embeds=torch.randn(1, 4, 8),
+        prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool),
+        negative_prompt_embeds=torch.randn(1, 2, 8),
+        negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
+        height=32,
+        width=32,
+        num_inference_steps=1,
+        latents=torch.randn(1, 48, 3, 2, 2),
+        audio_latents=torch.randn(1, 18, 64),
+        output_type="np",
+    )
     assert out.frames.dtype == np.float32 and out.frames.shape == (1, 9, 32, 32, 3)
     assert 0.0 <= out.frames.min() and out.frames.max() <= 1.0
     np.testing.assert_allclose(out.frames, target, atol=1e-6)
     # 18 audio latents last 0.72 s, as long as the 9 frames at 12.5 fps (the export checks the durations)
     assert out.audio.shape == (1, 2, int(18 * 2048 * 441 / 512)) and out.audio.dtype == np.float32
-    path = export_to_video_with_audio(out.frames[0], tmp_path / "pipe.mp4", audio=out.audio[0], fps=out.fps,
-                                      audio_sample_rate=out.audio_sample_rate)
+    path = export_to_video_with_audio(
+        out.frames[0], tmp_path / "pipe.mp4", audio=out.audio[0], fps=out.fps, audio_sample_rate=out.audio_sample_rate
+    )
     assert abs(mean_decoded_pixel(path) - 10) <= 3
-    pt = pipe(prompt_embeds=torch.randn(1, 4, 8), prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool),
-              negative_prompt_embeds=torch.randn(1, 2, 8), negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
-              height=32, width=32, num_inference_steps=1, latents=torch.randn(1, 48, 3, 2, 2),
-              audio_latents=torch.randn(1, 18, 64), output_type="pt")
+    pt = pipe(
+        prompt_embeds=torch.randn(1, 4, 8),
+        prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool),
+        negative_prompt_embeds=torch.randn(1, 2, 8),
+        negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
+        height=32,
+        width=32,
+        num_inference_steps=1,
+        latents=torch.randn(1, 48, 3, 2, 2),
+        audio_latents=torch.randn(1, 18, 64),
+        output_type="pt",
+    )
     assert pt.frames.shape == (1, 9, 3, 32, 32) and isinstance(pt.audio, torch.Tensor)
     path = export_to_video_with_audio(pt.frames[0], tmp_path / "pipe_pt.mp4", fps=pt.fps)
     assert abs(mean_decoded_pixel(path) - 10) <= 3
@@ -89,20 +115,22 @@ def test_streams_rate_and_durations(tmp_path):
     assert abs(info["audio_duration_s"] - 10.0) <= 1 / 12.5
     # channels-first audio and mono audio are accepted too
     export_to_video_with_audio(frames[:5], tmp_path / "cf.mp4", audio=audio.T[:, :20_000], fps=12.5)
-    mono = probe_streams(export_to_video_with_audio(frames[:5], tmp_path / "mono.mp4", audio=audio[:20_000, 0], fps=12.5))
+    mono = probe_streams(
+        export_to_video_with_audio(frames[:5], tmp_path / "mono.mp4", audio=audio[:20_000, 0], fps=12.5)
+    )
     assert mono["audio_channels"] == 2
 
 
 def test_bad_inputs_raise_and_leave_nothing(tmp_path):
     good = np.zeros((3, 16, 16, 3), dtype=np.uint8)
     cases = [
-        (dict(video=np.zeros((3, 16, 16), dtype=np.uint8)), "frames, height, width, 3"),
-        (dict(video=np.zeros((3, 15, 16, 3), dtype=np.uint8)), "even"),
-        (dict(video=np.zeros((3, 16, 16, 3), dtype=np.int32)), "dtype"),
-        (dict(video=np.zeros((0, 16, 16, 3), dtype=np.uint8)), "no frames"),
-        (dict(video=good, audio=np.zeros((100, 5), dtype=np.float32)), "1 or 2 channels"),
-        (dict(video=good, audio=np.zeros((100, 2), dtype=np.int16)), "float"),
-        (dict(video=good, fps=0), "fps"),
+        ({"video": np.zeros((3, 16, 16), dtype=np.uint8)}, "frames, height, width, 3"),
+        ({"video": np.zeros((3, 15, 16, 3), dtype=np.uint8)}, "even"),
+        ({"video": np.zeros((3, 16, 16, 3), dtype=np.int32)}, "dtype"),
+        ({"video": np.zeros((0, 16, 16, 3), dtype=np.uint8)}, "no frames"),
+        ({"video": good, "audio": np.zeros((100, 5), dtype=np.float32)}, "1 or 2 channels"),
+        ({"video": good, "audio": np.zeros((100, 2), dtype=np.int16)}, "float"),
+        ({"video": good, "fps": 0}, "fps"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -138,7 +166,9 @@ def test_duration_check_is_exact_and_inclusive_at_one_frame_period(tmp_path):
     frames = np.zeros((251, 16, 16, 3), dtype=np.uint8)
     audio = np.zeros((441_001, 2), dtype=np.float32)
     for num_frames in (249, 251):  # 9.96 s and 10.04 s against 10.0 s
-        path = export_to_video_with_audio(frames[:num_frames], tmp_path / f"{num_frames}.mp4", audio=audio[:441_000], fps=25)
+        path = export_to_video_with_audio(
+            frames[:num_frames], tmp_path / f"{num_frames}.mp4", audio=audio[:441_000], fps=25
+        )
         assert probe_streams(path)["video_frames"] == num_frames
     for num_frames, samples in ((249, 441_001), (248, 441_000)):
         with pytest.raises(ValueError, match="at most one frame period"):
@@ -148,11 +178,13 @@ def test_duration_check_is_exact_and_inclusive_at_one_frame_period(tmp_path):
 
 def test_trim_or_pad_audio_fits_the_audio_to_the_video_duration(tmp_path):
     frames = np.zeros((25, 16, 16, 3), dtype=np.uint8)  # 2 s at 12.5 fps
-    long = probe_streams(export_to_video_with_audio(frames, tmp_path / "trim.mp4", audio=_tone(8.0), fps=12.5,
-                                                    trim_or_pad_audio=True))
+    long = probe_streams(
+        export_to_video_with_audio(frames, tmp_path / "trim.mp4", audio=_tone(8.0), fps=12.5, trim_or_pad_audio=True)
+    )
     assert abs(long["audio_stream_duration_s"] - 2.0) <= 1 / 12.5
-    short_path = export_to_video_with_audio(frames, tmp_path / "pad.mp4", audio=_tone(0.5), fps=12.5,
-                                            trim_or_pad_audio=True)
+    short_path = export_to_video_with_audio(
+        frames, tmp_path / "pad.mp4", audio=_tone(0.5), fps=12.5, trim_or_pad_audio=True
+    )
     assert abs(probe_streams(short_path)["audio_stream_duration_s"] - 2.0) <= 1 / 12.5
     with av.open(str(short_path)) as container:
         decoded = np.concatenate([f.to_ndarray() for f in container.decode(audio=0)], axis=1)

@@ -7,6 +7,7 @@ import torch
 
 from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
@@ -24,8 +25,9 @@ def test_schedule_and_step_on_cuda():
 def test_model_cpu_offload_runs_and_returns_components_to_cpu():
     pipe = build_tiny_default_pipeline()
     pipe.enable_model_cpu_offload()
-    out = pipe("a red fox in the snow", height=32, width=48, num_inference_steps=2,
-               generator=torch.Generator().manual_seed(0))
+    out = pipe(
+        "a red fox in the snow", height=32, width=48, num_inference_steps=2, generator=torch.Generator().manual_seed(0)
+    )
     assert out.frames.shape == (1, 125, 32, 48, 3) and out.audio.shape == (1, 2, 441_000)
     for name in ("text_encoder", "transformer", "video_decoder", "vae", "audio_vae"):
         assert getattr(pipe, name).device.type == "cpu", name

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck, tiny_wan22_vae  # noqa: E402
 
@@ -21,8 +22,14 @@ from diffusers_magi2.pipelines.pipeline_magi2 import letterbox_image  # noqa: E4
 
 
 def make_pipe(vae):
-    return Magi2Pipeline(tokenizer=None, text_encoder=None, transformer=StandInTransformer(),
-                         audio_vae=tiny_oobleck(), scheduler=preview_scheduler(), vae=vae)
+    return Magi2Pipeline(
+        tokenizer=None,
+        text_encoder=None,
+        transformer=StandInTransformer(),
+        audio_vae=tiny_oobleck(),
+        scheduler=preview_scheduler(),
+        vae=vae,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +122,19 @@ def test_i2v_call_keeps_image_in_uncond_and_special_token_in_both(wan_fixture):
     vae, _, _ = wan_fixture
     pipe = make_pipe(vae)
     token = torch.randn(1, 8)
-    pipe(prompt_embeds=torch.randn(1, 4, 8), prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool),
-         negative_prompt_embeds=torch.randn(1, 2, 8), negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
-         image=PIL.Image.new("RGB", (48, 32), (200, 10, 10)), image_embeds=token, height=32, width=48,
-         num_inference_steps=1, output_type="latent", generator=torch.Generator().manual_seed(0))
+    pipe(
+        prompt_embeds=torch.randn(1, 4, 8),
+        prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool),
+        negative_prompt_embeds=torch.randn(1, 2, 8),
+        negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
+        image=PIL.Image.new("RGB", (48, 32), (200, 10, 10)),
+        image_embeds=token,
+        height=32,
+        width=48,
+        num_inference_steps=1,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+    )
     call = pipe.transformer.calls[0]
     assert call["image_latents"].shape == (2, 48, 1, 2, 2)  # 48x32 floored to multiples of 32: 32x32
     assert torch.equal(call["image_latents"][0], call["image_latents"][1])

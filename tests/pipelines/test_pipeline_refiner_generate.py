@@ -20,8 +20,9 @@ def load_generate():
 
 def test_resolution_and_size_flags_conflict(tmp_path):
     with pytest.raises(ValueError, match="either --resolution or --height/--width"):
-        load_generate().main(["--prompt", "x", "--output", str(tmp_path / "x.mp4"), "--resolution", "1080p",
-                              "--height", "512"])
+        load_generate().main(
+            ["--prompt", "x", "--output", str(tmp_path / "x.mp4"), "--resolution", "1080p", "--height", "512"]
+        )
     assert not (tmp_path / "x.mp4").exists()
 
 
@@ -34,8 +35,24 @@ def test_1080p_without_a_refiner_raises_before_work(tmp_path):
 
 def test_output_size_flags_resize_the_written_frames(tmp_path):
     out = tmp_path / "resized.mp4"
-    rc = load_generate().main(["--prompt", "A red fox in snow", "--output", str(out), "--height", "32", "--width", "48",
-                               "--num_inference_steps", "1", "--output_height", "40", "--output_width", "70"])
+    rc = load_generate().main(
+        [
+            "--prompt",
+            "A red fox in snow",
+            "--output",
+            str(out),
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--num_inference_steps",
+            "1",
+            "--output_height",
+            "40",
+            "--output_width",
+            "70",
+        ]
+    )
     assert rc == 0
     info = probe_streams(out)
     assert info["video_frames"] == 125

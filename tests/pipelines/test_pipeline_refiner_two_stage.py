@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_stubs import tiny_two_stage_pipeline  # noqa: E402
 
@@ -25,8 +26,9 @@ from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransfo
 from diffusers_magi2.pipelines.refiner_stage import run_refiner_stage  # noqa: E402
 from diffusers_magi2.utils.export import probe_streams  # noqa: E402
 
+
 PROMPT = "A red fox trots through fresh snow at dawn, wind howling"
-TWO_STAGE = dict(height=64, width=96, preview_height=32, preview_width=48, num_inference_steps=2)
+TWO_STAGE = {"height": 64, "width": 96, "preview_height": 32, "preview_width": 48, "num_inference_steps": 2}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,11 @@ def test_two_stage_call_writes_25fps_mp4_with_audio(pipe, tmp_path):
     calls = []
     hook = pipe.refiner.register_forward_hook(
         lambda m, args, kwargs, out: calls.append(
-            (kwargs["hidden_states"].shape, kwargs["encoder_hidden_states"].shape[1], kwargs.get("audio_hidden_states"))
+            (
+                kwargs["hidden_states"].shape,
+                kwargs["encoder_hidden_states"].shape[1],
+                kwargs.get("audio_hidden_states"),
+            )
         ),
         with_kwargs=True,
     )
@@ -60,7 +66,10 @@ def test_two_stage_call_writes_25fps_mp4_with_audio(pipe, tmp_path):
     assert out.audio.shape == (1, 2, 441_000) and np.isfinite(out.audio).all()
 
     path = export_to_video_with_audio(
-        out.frames[0], tmp_path / "clip_two_stage.mp4", audio=out.audio[0], fps=out.fps,
+        out.frames[0],
+        tmp_path / "clip_two_stage.mp4",
+        audio=out.audio[0],
+        fps=out.fps,
         audio_sample_rate=out.audio_sample_rate,
     )
     info = probe_streams(path)
@@ -85,14 +94,23 @@ def test_two_stage_latents_equal_a_direct_refiner_stage_call(pipe):
     cond, cond_mask, _ = pipe.encode_text([PROMPT], "cpu")
     neg, neg_mask, _ = pipe.encode_text([pipe.config.negative_prompt], "cpu")
     direct = run_refiner_stage(
-        pipe.refiner, preview.frames, cond, neg, pipe.scheduler, height=64, width=96,
-        prompt_attention_mask=cond_mask, negative_prompt_attention_mask=neg_mask, generator=g,
+        pipe.refiner,
+        preview.frames,
+        cond,
+        neg,
+        pipe.scheduler,
+        height=64,
+        width=96,
+        prompt_attention_mask=cond_mask,
+        negative_prompt_attention_mask=neg_mask,
+        generator=g,
     )
     assert torch.isfinite(direct).all()
     assert torch.equal(direct, two.frames)
     # and the refiner really moved the latent away from its re-noised input
-    assert (direct - torch.nn.functional.interpolate(preview.frames, size=(63, 4, 6), mode="trilinear",
-                                                     align_corners=True)).abs().max() > 1e-3
+    assert (
+        direct - torch.nn.functional.interpolate(preview.frames, size=(63, 4, 6), mode="trilinear", align_corners=True)
+    ).abs().max() > 1e-3
 
 
 def test_save_load_keeps_the_refiner_and_two_stage_config(pipe, tmp_path):

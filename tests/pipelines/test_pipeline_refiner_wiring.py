@@ -17,21 +17,33 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_stubs import (  # noqa: E402
-    StandInRefiner, StandInTransformer, preview_scheduler, stub_embeds, tiny_oobleck, tiny_text_encoder, tiny_wan22_vae,
+    StandInRefiner,
+    StandInTransformer,
+    preview_scheduler,
+    stub_embeds,
+    tiny_oobleck,
+    tiny_text_encoder,
+    tiny_wan22_vae,
 )
 
 from diffusers_magi2.pipelines.pipeline_magi2 import Magi2Pipeline, resize_video_frames  # noqa: E402
 from diffusers_magi2.pipelines.refiner_stage import run_refiner_stage  # noqa: E402
+
 
 S_220 = 0.838910  # SandAI ZeroSNRDDPMDiscretization: re-noise signal scale at noise_value 220
 
 
 def make_pipe(with_vae=False, refiner=True):
     return Magi2Pipeline(
-        tokenizer=None, text_encoder=None, transformer=StandInTransformer(), audio_vae=tiny_oobleck(),
-        scheduler=preview_scheduler(), vae=tiny_wan22_vae() if with_vae else None,
+        tokenizer=None,
+        text_encoder=None,
+        transformer=StandInTransformer(),
+        audio_vae=tiny_oobleck(),
+        scheduler=preview_scheduler(),
+        vae=tiny_wan22_vae() if with_vae else None,
         refiner=StandInRefiner() if refiner else None,
     )
 
@@ -39,7 +51,7 @@ def make_pipe(with_vae=False, refiner=True):
 embeds = stub_embeds
 
 
-SMALL = dict(height=64, width=96, preview_height=32, preview_width=48, num_inference_steps=2)
+SMALL = {"height": 64, "width": 96, "preview_height": 32, "preview_width": 48, "num_inference_steps": 2}
 
 
 def test_pipeline_refiner_path_equals_direct_stage_call():
@@ -56,9 +68,16 @@ def test_pipeline_refiner_path_equals_direct_stage_call():
     preview = pipe(**e, height=32, width=48, num_inference_steps=2, generator=g, output_type="latent")
     assert torch.equal(preview.audio, two.audio)  # audio is not refined
     direct = run_refiner_stage(
-        pipe.refiner, preview.frames, e["prompt_embeds"], e["negative_prompt_embeds"], pipe.scheduler,
-        height=64, width=96, prompt_attention_mask=e["prompt_attention_mask"],
-        negative_prompt_attention_mask=e["negative_prompt_attention_mask"], generator=g,
+        pipe.refiner,
+        preview.frames,
+        e["prompt_embeds"],
+        e["negative_prompt_embeds"],
+        pipe.scheduler,
+        height=64,
+        width=96,
+        prompt_attention_mask=e["prompt_attention_mask"],
+        negative_prompt_attention_mask=e["negative_prompt_attention_mask"],
+        generator=g,
     )
     assert torch.equal(direct, two.frames)
 
@@ -81,8 +100,16 @@ def test_pipeline_refiner_path_equals_direct_stage_call():
 def test_preview_cfg_off_still_feeds_the_negative_prompt_to_the_refiner():
     pipe = make_pipe()
     e = embeds()
-    pipe(**e, **SMALL, guidance_scale=1.0, audio_guidance_scale=1.0, generator=torch.Generator().manual_seed(1),
-         output_type="latent", latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64))
+    pipe(
+        **e,
+        **SMALL,
+        guidance_scale=1.0,
+        audio_guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(1),
+        output_type="latent",
+        latents=torch.randn(1, 48, 2, 2, 3),
+        audio_latents=torch.randn(1, 6, 64),
+    )
     assert all(c["hidden_states"].shape[0] == 1 for c in pipe.transformer.calls)  # preview: no uncond half
     texts = [c["encoder_hidden_states"] for c in pipe.refiner.calls]
     assert len(texts) == 10 and all(torch.equal(t, e["negative_prompt_embeds"]) for t in texts[1::2])
@@ -91,10 +118,16 @@ def test_preview_cfg_off_still_feeds_the_negative_prompt_to_the_refiner():
 def test_refiner_settings_reach_the_stage():
     pipe = make_pipe()
     e = embeds()
-    common = dict(**e, **SMALL, latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64),
-                  output_type="latent")
-    pipe(**common, refiner_num_inference_steps=3, refiner_guidance_scale=1.0,
-         generator=torch.Generator().manual_seed(2), attention_kwargs={"window_backend": "sdpa"})
+    common = dict(
+        **e, **SMALL, latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64), output_type="latent"
+    )
+    pipe(
+        **common,
+        refiner_num_inference_steps=3,
+        refiner_guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(2),
+        attention_kwargs={"window_backend": "sdpa"},
+    )
     calls = pipe.refiner.calls
     assert len(calls) == 3 and all(torch.equal(c["encoder_hidden_states"], e["prompt_embeds"]) for c in calls)
     assert calls[0]["attention_kwargs"] == {"window_backend": "sdpa"}
@@ -122,8 +155,13 @@ def test_attention_kwargs_reach_the_model_that_declares_them():
     pipe.transformer.forward = recording_forward
     e = embeds()
     common = dict(**e, latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64), output_type="latent")
-    pipe(**common, **SMALL, refiner_num_inference_steps=1, generator=torch.Generator().manual_seed(2),
-         attention_kwargs={"refiner_only": 7})
+    pipe(
+        **common,
+        **SMALL,
+        refiner_num_inference_steps=1,
+        generator=torch.Generator().manual_seed(2),
+        attention_kwargs={"refiner_only": 7},
+    )
     assert seen and all(a is None for a in seen)  # the preview DiT takes none of them
     assert pipe.refiner.calls and all(c["attention_kwargs"] == {"refiner_only": 7} for c in pipe.refiner.calls)
 
@@ -155,8 +193,14 @@ def test_decoded_two_stage_output_is_25fps_and_resizable():
     want = F.interpolate(frames, size=(40, 70), mode="bilinear", align_corners=False).permute(1, 2, 3, 0).clamp(0, 1)
     assert np.abs(resized.frames[0] - want.numpy()).max() <= 1e-5
     # one stage keeps 12.5 fps
-    one = pipe(**e, height=32, width=48, num_inference_steps=1, latents=torch.randn(1, 48, 2, 2, 3),
-               audio_latents=torch.randn(1, 6, 64))
+    one = pipe(
+        **e,
+        height=32,
+        width=48,
+        num_inference_steps=1,
+        latents=torch.randn(1, 48, 2, 2, 3),
+        audio_latents=torch.randn(1, 6, 64),
+    )
     assert one.frames.shape == (1, 5, 32, 48, 3) and one.fps == 12.5
 
 
@@ -164,7 +208,9 @@ def test_resize_video_frames_chunks_match_one_shot():
     video = torch.randn(2, 3, 7, 8, 10)
     out = resize_video_frames(video, 5, 13, frames_per_chunk=3)
     flat = video.transpose(1, 2).reshape(14, 3, 8, 10)
-    want = F.interpolate(flat, size=(5, 13), mode="bilinear", align_corners=False).reshape(2, 7, 3, 5, 13).transpose(1, 2)
+    want = (
+        F.interpolate(flat, size=(5, 13), mode="bilinear", align_corners=False).reshape(2, 7, 3, 5, 13).transpose(1, 2)
+    )
     assert torch.allclose(out, want, atol=0, rtol=0)
 
 
@@ -180,8 +226,14 @@ def test_1080p_preset_uses_the_config_preview_size(monkeypatch):
         return latents.new_zeros(1, 48, 2 * latents.shape[2] - 1, kw["height"] // 16, kw["width"] // 16)
 
     monkeypatch.setattr("diffusers_magi2.pipelines.pipeline_magi2.run_refiner_stage", fake_stage)
-    out = pipe(**embeds(), resolution="1080p", num_inference_steps=1, output_type="latent",
-               generator=torch.Generator().manual_seed(0), audio_latents=torch.randn(1, 6, 64))
+    out = pipe(
+        **embeds(),
+        resolution="1080p",
+        num_inference_steps=1,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        audio_latents=torch.randn(1, 6, 64),
+    )
     assert seen["preview_shape"] == (1, 48, 32, 2, 3)
     assert (seen["height"], seen["width"]) == (1088, 1920)
     cfg = seen["config"]
@@ -199,9 +251,16 @@ def test_i2v_reference_image_is_prepared_at_the_preview_size():
 
     pipe = make_pipe(with_vae=True)
     image = PIL.Image.fromarray(np.full((30, 40, 3), 100, dtype=np.uint8))
-    pipe(**embeds(), **SMALL, image=image, image_embeds=torch.zeros(1, 8), output_type="latent",
-         latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64),
-         generator=torch.Generator().manual_seed(0))
+    pipe(
+        **embeds(),
+        **SMALL,
+        image=image,
+        image_embeds=torch.zeros(1, 8),
+        output_type="latent",
+        latents=torch.randn(1, 48, 2, 2, 3),
+        audio_latents=torch.randn(1, 6, 64),
+        generator=torch.Generator().manual_seed(0),
+    )
     at_preview = pipe.preprocess_reference_image(image, 32, 48).shape[-2:]
     at_output = pipe.preprocess_reference_image(image, 64, 96).shape[-2:]
     assert at_preview != at_output
@@ -220,9 +279,17 @@ def test_preview_cfg_off_encodes_the_default_negative_prompt_for_the_refiner():
     text_encoder = tiny_text_encoder(tokenizer, hidden_size=16, intermediate_size=16, head_dim=8, linear_num_heads=1)
     pipe = make_pipe()
     pipe.register_modules(tokenizer=tokenizer, text_encoder=text_encoder)
-    pipe(prompt="a fox in snow", **SMALL, guidance_scale=1.0, audio_guidance_scale=1.0, refiner_num_inference_steps=1,
-         output_type="latent", latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64),
-         generator=torch.Generator().manual_seed(0))
+    pipe(
+        prompt="a fox in snow",
+        **SMALL,
+        guidance_scale=1.0,
+        audio_guidance_scale=1.0,
+        refiner_num_inference_steps=1,
+        output_type="latent",
+        latents=torch.randn(1, 48, 2, 2, 3),
+        audio_latents=torch.randn(1, 6, 64),
+        generator=torch.Generator().manual_seed(0),
+    )
     neg, _, _ = pipe.encode_text([pipe.config.negative_prompt], "cpu")
     cond, _, _ = pipe.encode_text(["a fox in snow"], "cpu")
     assert all(c["hidden_states"].shape[0] == 1 for c in pipe.transformer.calls)

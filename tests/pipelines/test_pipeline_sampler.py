@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck, tiny_wan22_vae  # noqa: E402
 
@@ -38,12 +39,12 @@ def make_pipe(scheduler=None):
 
 def embeds():
     g = torch.Generator().manual_seed(3)
-    return dict(
-        prompt_embeds=torch.randn(1, 5, 8, generator=g),
-        prompt_attention_mask=torch.ones(1, 5, dtype=torch.bool),
-        negative_prompt_embeds=torch.randn(1, 3, 8, generator=g),
-        negative_prompt_attention_mask=torch.ones(1, 3, dtype=torch.bool),
-    )
+    return {
+        "prompt_embeds": torch.randn(1, 5, 8, generator=g),
+        "prompt_attention_mask": torch.ones(1, 5, dtype=torch.bool),
+        "negative_prompt_embeds": torch.randn(1, 3, 8, generator=g),
+        "negative_prompt_attention_mask": torch.ones(1, 3, dtype=torch.bool),
+    }
 
 
 @pytest.mark.parametrize("task", ["t2v", "i2v"])
@@ -56,8 +57,16 @@ def test_schedule_shift_applied_once_for_video_and_audio(task):
         pipe.register_modules(vae=tiny_wan22_vae())
         e = embeds()
         image = PIL.Image.fromarray(np.full((20, 30, 3), 128, dtype=np.uint8))
-        pipe(**e, image=image, image_embeds=torch.zeros(1, 8), height=32, width=48, num_inference_steps=100,
-             generator=torch.Generator().manual_seed(0), output_type="latent")
+        pipe(
+            **e,
+            image=image,
+            image_embeds=torch.zeros(1, 8),
+            height=32,
+            width=48,
+            num_inference_steps=100,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+        )
         seen = [int(c["timestep"][0]) for c in pipe.transformer.calls]
         # 30x20 -> 48x32 (long side 48) -> floored to multiples of 32: 32x32 -> latent 2x2
         assert pipe.transformer.calls[0]["image_latents"].shape == (2, 48, 1, 2, 2)
@@ -148,7 +157,9 @@ def test_sampler_closed_loop_matches_fixture(cases):
         assert torch.allclose(call["timestep"] / 1000.0, cases["preview.t_normalized"][k].expand(2))
         assert call["encoder_attention_mask"].sum(1).tolist() == [5, 3]
         assert torch.allclose(call["hidden_states"][:1], cases[f"preview.step{k}.video_latent_in"], atol=1e-5, rtol=0)
-        assert torch.allclose(call["audio_hidden_states"][:1], cases[f"preview.step{k}.audio_latent_in"], atol=1e-5, rtol=0)
+        assert torch.allclose(
+            call["audio_hidden_states"][:1], cases[f"preview.step{k}.audio_latent_in"], atol=1e-5, rtol=0
+        )
 
 
 def test_sampler_teacher_forced_steps_match(cases):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck  # noqa: E402
 
@@ -26,6 +27,7 @@ from diffusers_magi2.pipelines.text_encoding import (  # noqa: E402
     pool_target_features,
     tokenize_prompt,
 )
+
 
 PROMPTS = ["ascii", "mixed_cjk", "json_markdown", "json_passthrough"]
 
@@ -92,7 +94,9 @@ def test_regex_quirk_isolates_digits_and_capitals_a_to_u(tokenizer, cases):
     meta, _ = cases
     apply_cjk_pre_tokenizer_split(tokenizer)
     pre = tokenizer.backend_tokenizer.pre_tokenizer
-    isolated = "".join(ch for ch in map(chr, range(0x21, 0x7F)) if [p for p, _ in pre.pre_tokenize_str("x" + ch + "y")][1:2] == [ch])
+    isolated = "".join(
+        ch for ch in map(chr, range(0x21, 0x7F)) if [p for p, _ in pre.pre_tokenize_str("x" + ch + "y")][1:2] == [ch]
+    )
     assert isolated == meta["cjk_split_isolates_ascii"]
     assert [p for p, _ in pre.pre_tokenize_str("The")][:2] == ["T", "he"]
     assert [p for p, _ in pre.pre_tokenize_str("Zebra")][0] == "Zebra"
@@ -124,7 +128,10 @@ def test_figure1_special_token_pooling(tokenizer, encoders, cases):
     assert indices == meta["prompts"]["json_markdown"]["figure1_token_indices"]
     feats = encode_prompt_features(encoders["fp32"], enc["input_ids"], enc["attention_mask"])
     torch.testing.assert_close(
-        pool_target_features(feats, indices), tensors["fp32.json_markdown.figure1_special_token"][0], atol=1e-5, rtol=1e-5
+        pool_target_features(feats, indices),
+        tensors["fp32.json_markdown.figure1_special_token"][0],
+        atol=1e-5,
+        rtol=1e-5,
     )
     assert torch.count_nonzero(pool_target_features(feats, [])) == 0
     assert find_target_token_indices(text, enc["offset_mapping"][0], "<Figure 2>") == []
@@ -136,8 +143,13 @@ def test_pipeline_encode_prompt_matches_fixture(folder, tokenizer, encoders, cas
 
     meta, tensors = cases
     fresh = AutoTokenizer.from_pretrained(folder / "qwen35_tiny")
-    pipe = Magi2Pipeline(tokenizer=fresh, text_encoder=encoders["fp32"], transformer=StandInTransformer(),
-                         audio_vae=tiny_oobleck(), scheduler=preview_scheduler())
+    pipe = Magi2Pipeline(
+        tokenizer=fresh,
+        text_encoder=encoders["fp32"],
+        transformer=StandInTransformer(),
+        audio_vae=tiny_oobleck(),
+        scheduler=preview_scheduler(),
+    )
     assert has_cjk_pre_tokenizer_split(pipe.tokenizer)
     prompts = [meta["prompts"][k]["prompt"] for k in ("ascii", "json_markdown")]
     embeds, mask, pooled = pipe.encode_text(prompts, "cpu", figure_target="<Figure 1>")
@@ -159,6 +171,10 @@ def test_figure_reference_and_markdown_rules(cases):
     assert json_to_compact_markdown(source) == meta["prompts"]["json_markdown"]["normalized"]
     assert normalize_prompt("[1, 2]") == "[1, 2]" and normalize_prompt("42") == "42"
     assert json_to_compact_markdown({"a": None}) == '{"a": null}'
-    md = json_to_compact_markdown({"global_layer": {"description": "  two\n words "}, "dynamic_layer": {
-        "timeline_segments": [{"audio": {"dialogue_lines": [{"text": "hi"}]}}]}})
+    md = json_to_compact_markdown(
+        {
+            "global_layer": {"description": "  two\n words "},
+            "dynamic_layer": {"timeline_segments": [{"audio": {"dialogue_lines": [{"text": "hi"}]}}]},
+        }
+    )
     assert md == "context\ntwo words\ntimeline:\n -\n   - dialogue: hi"

@@ -8,11 +8,14 @@ from fractions import Fraction
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT
 
 from diffusers_magi2.pipelines.text_encoding import has_cjk_pre_tokenizer_split
-from diffusers_magi2.pipelines.tiny_default import TINY_DEFAULT_CONFIG, build_tiny_default_pipeline, build_tiny_tokenizer
+from diffusers_magi2.pipelines.tiny_default import (
+    TINY_DEFAULT_CONFIG,
+    build_tiny_default_pipeline,
+    build_tiny_tokenizer,
+)
 from diffusers_magi2.utils.export import probe_streams
 
 
@@ -48,8 +51,22 @@ def test_tiny_default_pipeline_structure_and_determinism():
 def test_generate_main_job_writes_a_10s_clip(tmp_path, capsys):
     generate = load_generate()
     out = tmp_path / "tiny.mp4"
-    rc = generate.main(["--prompt", "A red fox trots through fresh snow at dawn", "--output", str(out),
-                        "--height", "32", "--width", "48", "--num_inference_steps", "1", "--seed", "3"])
+    rc = generate.main(
+        [
+            "--prompt",
+            "A red fox trots through fresh snow at dawn",
+            "--output",
+            str(out),
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--num_inference_steps",
+            "1",
+            "--seed",
+            "3",
+        ]
+    )
     assert rc == 0
     info = probe_streams(out)
     assert info["video_frames"] == 125 and info["fps"] == Fraction(25, 2)
@@ -72,8 +89,20 @@ def test_generate_main_job_writes_a_5s_clip_with_audio_cut_to_the_video(tmp_path
 
     monkeypatch.setattr(generate, "load_pipeline", load_5s)
     out = tmp_path / "tiny_5s.mp4"
-    rc = generate.main(["--prompt", "A red fox", "--output", str(out), "--height", "32", "--width", "48",
-                        "--num_inference_steps", "1"])
+    rc = generate.main(
+        [
+            "--prompt",
+            "A red fox",
+            "--output",
+            str(out),
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--num_inference_steps",
+            "1",
+        ]
+    )
     assert rc == 0
     info = probe_streams(out)
     assert info["video_frames"] == 61 and info["fps"] == Fraction(25, 2)
@@ -210,8 +239,24 @@ def test_generate_tiny_default_in_bf16_writes_a_clip(tmp_path):
     """End to end in bf16 (transformer fp32 islands kept): the clip is written with both streams."""
     generate = load_generate()
     out = tmp_path / "tiny_bf16.mp4"
-    rc = generate.main(["--prompt", "A red fox", "--output", str(out), "--dtype", "bfloat16",
-                        "--height", "32", "--width", "48", "--num_inference_steps", "1", "--seed", "3"])
+    rc = generate.main(
+        [
+            "--prompt",
+            "A red fox",
+            "--output",
+            str(out),
+            "--dtype",
+            "bfloat16",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--num_inference_steps",
+            "1",
+            "--seed",
+            "3",
+        ]
+    )
     assert rc == 0
     info = probe_streams(out)
     assert info["video_frames"] == 125 and info["audio_channels"] == 2
@@ -222,8 +267,8 @@ def test_expert_parallel_loading_resolves_a_per_component_dtype(monkeypatch):
     of the dict (``"transformer"``, else ``"default"``), the pipeline loader the whole dict."""
     import diffusers_magi2.pipelines.loading_magi2 as loading
     from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
-    from diffusers_magi2.pipelines.loading_magi2 import load_pipeline_with_expert_parallel
     from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig
+    from diffusers_magi2.pipelines.loading_magi2 import load_pipeline_with_expert_parallel
 
     calls = []
 
@@ -243,7 +288,9 @@ def test_expert_parallel_loading_resolves_a_per_component_dtype(monkeypatch):
     ep = Magi2ExpertParallelConfig(2)
     out = load_pipeline_with_expert_parallel(FakePipeline, "repo", expert_parallel=ep, dtype=table)
     assert calls.pop()["dtype"] == torch.bfloat16 and out["dtype"] == table and out["transformer"] == "T"
-    load_pipeline_with_expert_parallel(FakePipeline, "repo", expert_parallel=ep, dtype={**table, "transformer": torch.float16})
+    load_pipeline_with_expert_parallel(
+        FakePipeline, "repo", expert_parallel=ep, dtype={**table, "transformer": torch.float16}
+    )
     assert calls.pop()["dtype"] == torch.float16
     load_pipeline_with_expert_parallel(FakePipeline, "repo", expert_parallel=ep, dtype=torch.bfloat16)
     assert calls.pop()["dtype"] == torch.bfloat16

@@ -10,6 +10,7 @@ import PIL.Image
 import pytest
 import torch
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck, tiny_wan22_vae  # noqa: E402
 
@@ -36,73 +37,127 @@ def pipe():
         raise AssertionError("vae.encode ran before validation")
 
     vae.encode = no_encode
-    return Magi2Pipeline(tokenizer=None, text_encoder=None, transformer=transformer,
-                         audio_vae=tiny_oobleck(), scheduler=preview_scheduler(), vae=vae)
+    return Magi2Pipeline(
+        tokenizer=None,
+        text_encoder=None,
+        transformer=transformer,
+        audio_vae=tiny_oobleck(),
+        scheduler=preview_scheduler(),
+        vae=vae,
+    )
 
 
 def embeds(n=1):
-    return dict(prompt_embeds=torch.randn(n, 4, 8), prompt_attention_mask=torch.ones(n, 4, dtype=torch.bool))
+    return {"prompt_embeds": torch.randn(n, 4, 8), "prompt_attention_mask": torch.ones(n, 4, dtype=torch.bool)}
 
 
 IMAGE = PIL.Image.new("RGB", (40, 30), (10, 20, 30))
 
 BAD = {
-    "height not multiple of 16": (dict(prompt="x", height=500), "multiple of 16"),
-    "width not multiple of 16": (dict(prompt="x", width=900), "multiple of 16"),
-    "height not int": (dict(prompt="x", height=512.0), "multiple of 16"),
-    "1080p needs the refiner": (dict(prompt="x", height=1088, width=1920), "refiner"),
-    "empty prompt": (dict(prompt=""), "empty"),
-    "whitespace prompt": (dict(prompt="   "), "empty"),
-    "empty prompt in list": (dict(prompt=["ok", ""]), "empty"),
-    "no prompt at all": (dict(), "prompt is required"),
-    "prompt wrong type": (dict(prompt=3), "string"),
+    "height not multiple of 16": ({"prompt": "x", "height": 500}, "multiple of 16"),
+    "width not multiple of 16": ({"prompt": "x", "width": 900}, "multiple of 16"),
+    "height not int": ({"prompt": "x", "height": 512.0}, "multiple of 16"),
+    "1080p needs the refiner": ({"prompt": "x", "height": 1088, "width": 1920}, "refiner"),
+    "empty prompt": ({"prompt": ""}, "empty"),
+    "whitespace prompt": ({"prompt": "   "}, "empty"),
+    "empty prompt in list": ({"prompt": ["ok", ""]}, "empty"),
+    "no prompt at all": ({}, "prompt is required"),
+    "prompt wrong type": ({"prompt": 3}, "string"),
     "prompt and embeds": (dict(prompt="x", **embeds()), "either prompt or prompt_embeds"),
-    "image wrong type (int)": (dict(prompt="x", image=5), "image must be"),
-    "image wrong type (tensor)": (dict(prompt="x", image=torch.zeros(3, 8, 8)), "image must be"),
-    "image float array": (dict(prompt="x", image=np.zeros((8, 8, 3), dtype=np.float32)), "uint8"),
-    "image missing file": (dict(prompt="x", image="/no/such/file.png"), "existing file"),
-    "steps 0": (dict(prompt="x", num_inference_steps=0), "num_inference_steps"),
-    "steps negative": (dict(prompt="x", num_inference_steps=-3), "num_inference_steps"),
-    "steps float": (dict(prompt="x", num_inference_steps=2.5), "num_inference_steps"),
-    "negative guidance": (dict(prompt="x", guidance_scale=-1.0), "guidance_scale"),
-    "negative audio guidance": (dict(prompt="x", audio_guidance_scale=-0.5), "audio_guidance_scale"),
-    "nan guidance": (dict(prompt="x", guidance_scale=float("nan")), "guidance_scale"),
-    "prompt_embeds without mask": (dict(prompt_embeds=torch.randn(1, 4, 8)), "prompt_attention_mask"),
-    "mask shape mismatch": (dict(prompt_embeds=torch.randn(1, 4, 8), prompt_attention_mask=torch.ones(1, 3, dtype=torch.bool)), "prompt_attention_mask"),
-    "negative embeds without mask": (dict(**embeds(), negative_prompt_embeds=torch.randn(1, 4, 8)), "negative_prompt_attention_mask"),
+    "image wrong type (int)": ({"prompt": "x", "image": 5}, "image must be"),
+    "image wrong type (tensor)": ({"prompt": "x", "image": torch.zeros(3, 8, 8)}, "image must be"),
+    "image float array": ({"prompt": "x", "image": np.zeros((8, 8, 3), dtype=np.float32)}, "uint8"),
+    "image missing file": ({"prompt": "x", "image": "/no/such/file.png"}, "existing file"),
+    "steps 0": ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
+    "steps negative": ({"prompt": "x", "num_inference_steps": -3}, "num_inference_steps"),
+    "steps float": ({"prompt": "x", "num_inference_steps": 2.5}, "num_inference_steps"),
+    "negative guidance": ({"prompt": "x", "guidance_scale": -1.0}, "guidance_scale"),
+    "negative audio guidance": ({"prompt": "x", "audio_guidance_scale": -0.5}, "audio_guidance_scale"),
+    "nan guidance": ({"prompt": "x", "guidance_scale": float("nan")}, "guidance_scale"),
+    "prompt_embeds without mask": ({"prompt_embeds": torch.randn(1, 4, 8)}, "prompt_attention_mask"),
+    "mask shape mismatch": (
+        {"prompt_embeds": torch.randn(1, 4, 8), "prompt_attention_mask": torch.ones(1, 3, dtype=torch.bool)},
+        "prompt_attention_mask",
+    ),
+    "negative embeds without mask": (
+        dict(**embeds(), negative_prompt_embeds=torch.randn(1, 4, 8)),
+        "negative_prompt_attention_mask",
+    ),
     "image + prompt_embeds without image_embeds": (dict(**embeds(), image=IMAGE), "image_embeds"),
-    "image_embeds without image": (dict(prompt="x", image_embeds=torch.zeros(1, 8)), "only used with image"),
-    "bad output_type": (dict(prompt="x", output_type="mp4"), "output_type"),
-    "bad callback input": (dict(prompt="x", callback_on_step_end_tensor_inputs=["noise"]), "callback_on_step_end_tensor_inputs"),
-    "latents wrong shape": (dict(prompt="x", height=32, width=48, latents=torch.randn(1, 48, 3, 2, 2)), "latents must be"),
-    "audio latents wrong channels": (dict(prompt="x", audio_latents=torch.randn(1, 10, 32)), "audio_latents must be"),
+    "image_embeds without image": ({"prompt": "x", "image_embeds": torch.zeros(1, 8)}, "only used with image"),
+    "bad output_type": ({"prompt": "x", "output_type": "mp4"}, "output_type"),
+    "bad callback input": (
+        {"prompt": "x", "callback_on_step_end_tensor_inputs": ["noise"]},
+        "callback_on_step_end_tensor_inputs",
+    ),
+    "latents wrong shape": (
+        {"prompt": "x", "height": 32, "width": 48, "latents": torch.randn(1, 48, 3, 2, 2)},
+        "latents must be",
+    ),
+    "audio latents wrong channels": (
+        {"prompt": "x", "audio_latents": torch.randn(1, 10, 32)},
+        "audio_latents must be",
+    ),
     # batch mismatches, caught before the image or the text is encoded
-    "negative_prompt list length": (dict(prompt=["a", "b"], negative_prompt=["n"]), r"negative_prompt has 1 entries for a batch of 2"),
+    "negative_prompt list length": (
+        {"prompt": ["a", "b"], "negative_prompt": ["n"]},
+        r"negative_prompt has 1 entries for a batch of 2",
+    ),
     "negative_prompt list length with image": (
-        dict(prompt="x", image=IMAGE, negative_prompt=["n", "m"]), r"negative_prompt has 2 entries for a batch of 1"),
+        {"prompt": "x", "image": IMAGE, "negative_prompt": ["n", "m"]},
+        r"negative_prompt has 2 entries for a batch of 1",
+    ),
     "negative_prompt_embeds batch vs prompt": (
-        dict(prompt=["a", "b"], negative_prompt_embeds=torch.randn(1, 4, 8),
-             negative_prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool)), r"negative_prompt_embeds has batch 1.*batch 2"),
-    "latents batch": (dict(prompt="x", height=32, width=48, latents=torch.randn(2, 48, 3, 2, 3)), r"latents has batch 2.*batch 1"),
+        {
+            "prompt": ["a", "b"],
+            "negative_prompt_embeds": torch.randn(1, 4, 8),
+            "negative_prompt_attention_mask": torch.ones(1, 4, dtype=torch.bool),
+        },
+        r"negative_prompt_embeds has batch 1.*batch 2",
+    ),
+    "latents batch": (
+        {"prompt": "x", "height": 32, "width": 48, "latents": torch.randn(2, 48, 3, 2, 3)},
+        r"latents has batch 2.*batch 1",
+    ),
     "latents batch with image": (
-        dict(prompt=["a", "b"], image=IMAGE, height=32, width=48, latents=torch.randn(1, 48, 3, 2, 3)), r"latents has batch 1.*batch 2"),
-    "audio_latents batch": (dict(prompt=["a", "b"], audio_latents=torch.randn(1, 10, 64)), r"audio_latents has batch 1.*batch 2"),
-    "image_embeds batch": (dict(**embeds(), image=IMAGE, image_embeds=torch.zeros(2, 8)), r"image_embeds has batch 2.*batch 1"),
+        {"prompt": ["a", "b"], "image": IMAGE, "height": 32, "width": 48, "latents": torch.randn(1, 48, 3, 2, 3)},
+        r"latents has batch 1.*batch 2",
+    ),
+    "audio_latents batch": (
+        {"prompt": ["a", "b"], "audio_latents": torch.randn(1, 10, 64)},
+        r"audio_latents has batch 1.*batch 2",
+    ),
+    "image_embeds batch": (
+        dict(**embeds(), image=IMAGE, image_embeds=torch.zeros(2, 8)),
+        r"image_embeds has batch 2.*batch 1",
+    ),
     # attention_kwargs: every key must reach a model that uses it
-    "unknown attention_kwargs": (dict(prompt="x", attention_kwargs={"scale": 1.0}), r"does not support attention_kwargs \['scale'\]"),
-    "a moved kernel key in attention_kwargs": (dict(prompt="x", attention_kwargs={"window_backend": "sdpa"}), "set_attn_processor"),
-    "attention_kwargs not a dict": (dict(prompt="x", attention_kwargs=["scale"]), "attention_kwargs must be a dict"),
+    "unknown attention_kwargs": (
+        {"prompt": "x", "attention_kwargs": {"scale": 1.0}},
+        r"does not support attention_kwargs \['scale'\]",
+    ),
+    "a moved kernel key in attention_kwargs": (
+        {"prompt": "x", "attention_kwargs": {"window_backend": "sdpa"}},
+        "set_attn_processor",
+    ),
+    "attention_kwargs not a dict": ({"prompt": "x", "attention_kwargs": ["scale"]}, "attention_kwargs must be a dict"),
     # text width vs transformer.config.text_in_channels (8 here)
     "prompt_embeds width": (
-        dict(prompt_embeds=torch.randn(1, 4, 6), prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool)),
-        r"prompt_embeds has 6 channels; transformer.config.text_in_channels allows only 8"),
+        {"prompt_embeds": torch.randn(1, 4, 6), "prompt_attention_mask": torch.ones(1, 4, dtype=torch.bool)},
+        r"prompt_embeds has 6 channels; transformer.config.text_in_channels allows only 8",
+    ),
     "negative_prompt_embeds width": (
-        dict(**embeds(), negative_prompt_embeds=torch.randn(1, 4, 5),
-             negative_prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool)),
-        r"negative_prompt_embeds has 5 channels; transformer.config.text_in_channels allows only 8"),
+        dict(
+            **embeds(),
+            negative_prompt_embeds=torch.randn(1, 4, 5),
+            negative_prompt_attention_mask=torch.ones(1, 4, dtype=torch.bool),
+        ),
+        r"negative_prompt_embeds has 5 channels; transformer.config.text_in_channels allows only 8",
+    ),
     "image_embeds width": (
         dict(**embeds(), image=IMAGE, image_embeds=torch.zeros(1, 7)),
-        r"image_embeds has 7 channels; transformer.config.text_in_channels allows only 8"),
+        r"image_embeds has 7 channels; transformer.config.text_in_channels allows only 8",
+    ),
 }
 
 
@@ -135,10 +190,17 @@ def test_untrained_resolution_warns_but_runs(pipe, caplog):
     dlogging.enable_propagation()
     try:
         with caplog.at_level(logging.WARNING):
-            out = pipe(**embeds(), negative_prompt_embeds=torch.randn(1, 2, 8),
-                       negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
-                       height=32, width=48, num_inference_steps=1, output_type="latent",
-                       latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 5, 64))
+            out = pipe(
+                **embeds(),
+                negative_prompt_embeds=torch.randn(1, 2, 8),
+                negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
+                height=32,
+                width=48,
+                num_inference_steps=1,
+                output_type="latent",
+                latents=torch.randn(1, 48, 2, 2, 3),
+                audio_latents=torch.randn(1, 5, 64),
+            )
     finally:
         dlogging.disable_propagation()
     assert "outside the trained resolutions" in caplog.text

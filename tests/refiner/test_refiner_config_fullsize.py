@@ -45,8 +45,12 @@ def test_released_config_maps_to_model_defaults(released_cfg):
         assert (list(dv) if isinstance(dv, tuple) else dv) == v, k
     assert kw["window_block_size"] == [8, 4, 4] and kw["window_radius"] == [2, 2, 2]
     assert refiner_sampling_from_sandai(released_cfg) == {
-        "num_inference_steps": 5, "shift": 5.0, "guidance_scale": 2.0, "noise_value": 220,
-        "audio_noise_scale": -1.0, "vae_stride": [4, 16, 16],
+        "num_inference_steps": 5,
+        "shift": 5.0,
+        "guidance_scale": 2.0,
+        "noise_value": 220,
+        "audio_noise_scale": -1.0,
+        "vae_stride": [4, 16, 16],
     }
 
 
@@ -54,9 +58,17 @@ def test_tiny_config_mapping(fixtures_dir):
     cfg = json.loads((fixtures_dir / "magi2_tiny/refiner/sandai_checkpoint/magi2_refiner.json").read_text())
     kw = refiner_config_from_sandai(cfg)
     assert kw == {
-        "num_layers": 4, "num_attention_heads": 6, "attention_head_dim": 16, "num_key_value_heads": 2,
-        "in_channels": 12, "audio_in_channels": 16, "text_in_channels": 48, "multimodal_layers": [0, 3],
-        "window_attention_layers": None, "window_block_size": [2, 2, 2], "window_radius": [1, 1, 1],
+        "num_layers": 4,
+        "num_attention_heads": 6,
+        "attention_head_dim": 16,
+        "num_key_value_heads": 2,
+        "in_channels": 12,
+        "audio_in_channels": 16,
+        "text_in_channels": 48,
+        "multimodal_layers": [0, 3],
+        "window_attention_layers": None,
+        "window_block_size": [2, 2, 2],
+        "window_radius": [1, 1, 1],
         "attention_gating": True,
     }
     # geometry is configuration: a different radius in the SandAI JSON changes the model config
@@ -83,7 +95,10 @@ def test_config_errors(released_cfg, fixtures_dir):
 def test_key_rename_is_only_the_layer_prefix():
     assert source_to_target_key("block.layers.12.mlp.down_proj.weight") == "transformer_blocks.12.mlp.down_proj.weight"
     assert source_to_target_key("pre_adapter.rope.bands") == "pre_adapter.rope.bands"
-    assert target_to_source_key("transformer_blocks.3.attention.linear_g.weight") == "block.layers.3.attention.linear_g.weight"
+    assert (
+        target_to_source_key("transformer_blocks.3.attention.linear_g.weight")
+        == "block.layers.3.attention.linear_g.weight"
+    )
 
 
 def test_full_size_meta_build_matches_released_key_table(fixtures_dir, released_cfg):

@@ -12,6 +12,7 @@ from diffusers_magi2.models.transformer_magi2_refiner import (
     refiner_mlp_intermediate_size,
 )
 
+
 CASES = ["", "noaudio."]
 
 
@@ -26,7 +27,9 @@ def refiner_root(fixtures_dir):
 
 @pytest.fixture(scope="module")
 def model_fp32(refiner_root):
-    return Magi2RefinerTransformer3DModel.from_original_checkpoint(refiner_root / "sandai_checkpoint", torch_dtype=torch.float32)
+    return Magi2RefinerTransformer3DModel.from_original_checkpoint(
+        refiner_root / "sandai_checkpoint", torch_dtype=torch.float32
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +76,11 @@ def test_fp32_packed_entry_with_reference_ranges(model_fp32, fp32_case, prefix):
     d = fp32_case
     with torch.no_grad():
         out = model_fp32.forward_packed(
-            d[prefix + "model.x"], d[prefix + "model.coords_mapping"], d[prefix + "model.modality_mapping"],
-            q_ranges=d[prefix + "model.local_attn.q_ranges"], k_ranges=d[prefix + "model.local_attn.k_ranges"],
+            d[prefix + "model.x"],
+            d[prefix + "model.coords_mapping"],
+            d[prefix + "model.modality_mapping"],
+            q_ranges=d[prefix + "model.local_attn.q_ranges"],
+            k_ranges=d[prefix + "model.local_attn.k_ranges"],
         )
     ref = d[prefix + "model.out"]
     assert (out - ref).abs().max().item() <= 1e-4
@@ -125,7 +131,8 @@ def test_fp32_diffusers_forward(model_fp32, fp32_case, prefix):
         # zero-length audio tensor is the same as no audio
         with torch.no_grad():
             out0 = model_fp32(
-                hidden_states=d[prefix + "pipeline.latent"], encoder_hidden_states=d[prefix + "pipeline.txt_feat"],
+                hidden_states=d[prefix + "pipeline.latent"],
+                encoder_hidden_states=d[prefix + "pipeline.txt_feat"],
                 audio_hidden_states=d[prefix + "pipeline.audio_latent"],
             )
         assert out0.audio_sample.shape == (1, 0, 16)
@@ -137,8 +144,11 @@ def test_bf16_against_bf16_fixture(model_bf16, bf16_case, prefix):
     d = bf16_case
     with torch.no_grad():
         out = model_bf16.forward_packed(
-            d[prefix + "model.x"], d[prefix + "model.coords_mapping"], d[prefix + "model.modality_mapping"],
-            q_ranges=d[prefix + "model.local_attn.q_ranges"], k_ranges=d[prefix + "model.local_attn.k_ranges"],
+            d[prefix + "model.x"],
+            d[prefix + "model.coords_mapping"],
+            d[prefix + "model.modality_mapping"],
+            q_ranges=d[prefix + "model.local_attn.q_ranges"],
+            k_ranges=d[prefix + "model.local_attn.k_ranges"],
         )
     assert _rel(out, d[prefix + "model.out"]) <= 2e-2
     res = _diffusers_call(model_bf16, d, prefix)
@@ -174,8 +184,10 @@ def test_text_padding_mask_and_batching(model_fp32, fp32_case):
     mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
     with torch.no_grad():
         out = model_fp32(
-            hidden_states=torch.cat([lat, lat2]), encoder_hidden_states=torch.cat([txt, pad]),
-            audio_hidden_states=torch.cat([aud, aud]), encoder_attention_mask=mask,
+            hidden_states=torch.cat([lat, lat2]),
+            encoder_hidden_states=torch.cat([txt, pad]),
+            audio_hidden_states=torch.cat([aud, aud]),
+            encoder_attention_mask=mask,
         )
     assert torch.allclose(out.sample[:1], ref.sample, atol=1e-6)
     assert torch.allclose(out.sample[1:], single2.sample, atol=1e-6)
@@ -194,7 +206,9 @@ def test_bad_inputs_raise(model_fp32, fp32_case):
     with pytest.raises(ValueError, match="audio_hidden_states"):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, audio_hidden_states=torch.zeros(2, 3, 16))
     with pytest.raises(ValueError, match="encoder_attention_mask"):
-        model_fp32(hidden_states=lat, encoder_hidden_states=txt, encoder_attention_mask=torch.ones(1, 3, dtype=torch.bool))
+        model_fp32(
+            hidden_states=lat, encoder_hidden_states=txt, encoder_attention_mask=torch.ones(1, 3, dtype=torch.bool)
+        )
     with pytest.raises(ValueError, match=r"does not support attention_kwargs \['scale'\]; allowed keys: \[\]"):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs={"scale": 1.0})
     with pytest.raises(ValueError, match="attention_kwargs must be a dict"):
@@ -205,16 +219,23 @@ def test_bad_inputs_raise(model_fp32, fp32_case):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs={"window_backend": "sdpa"})
     with pytest.raises(ValueError, match=r"for mlp_chunk_size use enable_forward_chunking"):
         model_fp32.forward_packed(
-            d["model.x"], d["model.coords_mapping"], d["model.modality_mapping"], attention_kwargs={"mlp_chunk_size": 7}
+            d["model.x"],
+            d["model.coords_mapping"],
+            d["model.modality_mapping"],
+            attention_kwargs={"mlp_chunk_size": 7},
         )
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        Magi2RefinerTransformer3DModel(num_layers=1, num_attention_heads=6, attention_head_dim=16, num_key_value_heads=4)
+        Magi2RefinerTransformer3DModel(
+            num_layers=1, num_attention_heads=6, attention_head_dim=16, num_key_value_heads=4
+        )
 
 
 def test_save_load_roundtrip_keeps_fp32_islands(model_bf16, bf16_case, tmp_path):
     model_bf16.save_pretrained(tmp_path, max_shard_size="200KB")
     assert len(list(tmp_path.glob("*.safetensors"))) >= 2
-    loaded = Magi2RefinerTransformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16, local_files_only=True)
+    loaded = Magi2RefinerTransformer3DModel.from_pretrained(
+        tmp_path, torch_dtype=torch.bfloat16, local_files_only=True
+    )
     for name, p in loaded.state_dict().items():
         assert p.dtype == model_bf16.state_dict()[name].dtype, name
     a = _diffusers_call(model_bf16, bf16_case, "noaudio.")

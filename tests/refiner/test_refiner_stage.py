@@ -20,6 +20,7 @@ from diffusers_magi2.pipelines.refiner_stage import (
 )
 from diffusers_magi2.pipelines.sampling_magi2 import unshifted_sigmas
 
+
 B48 = torch.linspace(-0.05, 0.05, 48).view(1, 48, 1, 1, 1)
 COND = torch.ones(1, 2, 8)
 UNCOND = torch.zeros(1, 3, 8)
@@ -47,8 +48,14 @@ class StandIn:
 
 def _base_scheduler():
     return UniPCMultistepScheduler(
-        use_flow_sigmas=True, flow_shift=7.0, prediction_type="flow_prediction", solver_order=2, solver_type="bh2",
-        predict_x0=True, lower_order_final=True, final_sigmas_type="zero",
+        use_flow_sigmas=True,
+        flow_shift=7.0,
+        prediction_type="flow_prediction",
+        solver_order=2,
+        solver_type="bh2",
+        predict_x0=True,
+        lower_order_final=True,
+        final_sigmas_type="zero",
     )
 
 
@@ -96,8 +103,15 @@ def test_refiner_stage_closed_loop(case):
     model = StandIn()
     steps = []
     out = run_refiner_stage(
-        model, case["refiner.input_latent"], COND, UNCOND, _base_scheduler(), height=48, width=80,
-        noise=case["refiner.noise_eps"], callback_on_step_end=lambda i, t, x: steps.append((int(t), x.clone())),
+        model,
+        case["refiner.input_latent"],
+        COND,
+        UNCOND,
+        _base_scheduler(),
+        height=48,
+        width=80,
+        noise=case["refiner.noise_eps"],
+        callback_on_step_end=lambda i, t, x: steps.append((int(t), x.clone())),
     )
     assert [t for t, _ in steps] == [999, 952, 882, 768, 555]
     # two batch-1 forwards per step, cond then uncond
@@ -124,15 +138,24 @@ def test_refiner_stage_teacher_forced_guidance(case):
 def test_refiner_stage_with_generator_and_errors(case):
     model = StandIn()
     gen = torch.Generator().manual_seed(4243)
-    out = run_refiner_stage(model, case["refiner.input_latent"], COND, UNCOND, _base_scheduler(), height=48, width=80, generator=gen)
+    out = run_refiner_stage(
+        model, case["refiner.input_latent"], COND, UNCOND, _base_scheduler(), height=48, width=80, generator=gen
+    )
     # the fixture drew eps with torch.manual_seed(4243); randn_like on the default CPU generator
     assert (out - case["refiner.final.video"]).abs().max().item() <= 1e-6
     with pytest.raises(ValueError, match="negative_prompt_embeds"):
         run_refiner_stage(model, case["refiner.input_latent"], COND, None, _base_scheduler(), height=48, width=80)
     no_cfg = StandIn()
     run_refiner_stage(
-        no_cfg, case["refiner.input_latent"], COND, None, _base_scheduler(), height=48, width=80,
-        config=Magi2RefinerStageConfig(guidance_scale=1.0), generator=torch.Generator().manual_seed(0),
+        no_cfg,
+        case["refiner.input_latent"],
+        COND,
+        None,
+        _base_scheduler(),
+        height=48,
+        width=80,
+        config=Magi2RefinerStageConfig(guidance_scale=1.0),
+        generator=torch.Generator().manual_seed(0),
     )
     assert [c[0] for c in no_cfg.calls] == ["cond"] * 5
 

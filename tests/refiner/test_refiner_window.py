@@ -14,6 +14,7 @@ from diffusers_magi2.models.window_attention import (
     ranges_to_dense_mask,
 )
 
+
 CASES = [("", 16), ("noaudio.", 6)]  # (prefix, audio + text tokens)
 
 
@@ -60,7 +61,9 @@ def test_block_order_matches_fixture(case, prefix, n_ctx):
     assert torch.equal(geom.video_restore_order(), restore[:nv])
     assert torch.equal(restore[nv:], torch.arange(nv, geom.num_tokens))
     T, H, W = geom.grid
-    raster = torch.stack(torch.meshgrid(torch.arange(T), torch.arange(H), torch.arange(W), indexing="ij"), -1).reshape(-1, 3)
+    raster = torch.stack(torch.meshgrid(torch.arange(T), torch.arange(H), torch.arange(W), indexing="ij"), -1).reshape(
+        -1, 3
+    )
     coords = case[prefix + "model.coords_mapping"][:nv, :3].long()
     assert torch.equal(raster[geom.video_token_order()], coords)
     # order and restore are inverse permutations
