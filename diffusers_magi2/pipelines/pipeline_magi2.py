@@ -73,6 +73,14 @@ __all__ = [
 ]
 
 
+def _per_video(embeds: torch.Tensor, mask: torch.Tensor | None, num_videos_per_prompt: int, device, dtype):
+    """``(embeds, bool mask)`` on ``device``/``dtype`` with each row repeated ``num_videos_per_prompt`` times, adjacent."""
+    embeds = embeds.to(device=device, dtype=dtype or embeds.dtype)
+    mask = torch.ones(embeds.shape[:2], dtype=torch.bool) if mask is None else mask
+    mask = mask.to(device=device, dtype=torch.bool)
+    return embeds.repeat_interleave(num_videos_per_prompt, 0), mask.repeat_interleave(num_videos_per_prompt, 0)
+
+
 class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
     r"""MAGI-2 Preview: a 10 s video with a stereo soundtrack from a prompt, optionally conditioned on an image.
 
@@ -407,17 +415,14 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             negatives = [negative] * prompt_embeds.shape[0] if isinstance(negative, str) else list(negative)
             negative_prompt_embeds, negative_prompt_attention_mask, _ = self.encode_text(negatives, device)
 
-        def per_video(embeds, mask):
-            if embeds is None:
-                return None, None
-            embeds = embeds.to(device=device, dtype=dtype or embeds.dtype)
-            mask = mask.to(device=device, dtype=torch.bool)
-            return embeds.repeat_interleave(num_videos_per_prompt, 0), mask.repeat_interleave(num_videos_per_prompt, 0)
-
-        return (
-            *per_video(prompt_embeds, prompt_attention_mask),
-            *per_video(negative_prompt_embeds, negative_prompt_attention_mask),
+        prompt_embeds, prompt_attention_mask = _per_video(
+            prompt_embeds, prompt_attention_mask, num_videos_per_prompt, device, dtype
         )
+        if negative_prompt_embeds is not None:
+            negative_prompt_embeds, negative_prompt_attention_mask = _per_video(
+                negative_prompt_embeds, negative_prompt_attention_mask, num_videos_per_prompt, device, dtype
+            )
+        return prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask
 
     def _encode_conditioning(
         self,
@@ -633,6 +638,7 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             refiner_guidance_scale=refiner_guidance_scale,
             attention_kwargs=attention_kwargs,
             num_videos_per_prompt=num_videos_per_prompt,
+            generator=generator,
         )
         check_scheduler(self.scheduler)
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)

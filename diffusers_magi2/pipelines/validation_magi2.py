@@ -126,9 +126,10 @@ def check_batch_sizes(
     latents,
     audio_latents,
     num_videos_per_prompt=1,
+    generator=None,
 ):
-    """Every batched input matches the prompt batch, and given noise has one row per video (checked
-    before anything is encoded)."""
+    """Every batched input matches the prompt batch; given noise and a list of generators have one entry per video
+    (checked before anything is encoded)."""
     batch_size = len([prompt] if isinstance(prompt, str) else prompt) if prompt is not None else prompt_embeds.shape[0]
     if negative_prompt is not None and not isinstance(negative_prompt, str) and len(negative_prompt) != batch_size:
         raise ValueError(
@@ -147,6 +148,12 @@ def check_batch_sizes(
                 f"{name} has batch {tensor.shape[0]}; it must be one row per video: the prompt batch {batch_size} "
                 f"({source}) x num_videos_per_prompt {num_videos_per_prompt} = {batch_size * num_videos_per_prompt}"
             )
+    if isinstance(generator, list) and len(generator) != batch_size * num_videos_per_prompt:
+        raise ValueError(
+            f"generator is a list of {len(generator)} generators for {batch_size * num_videos_per_prompt} videos (the "
+            f"prompt batch {batch_size} x num_videos_per_prompt {num_videos_per_prompt}): pass one torch.Generator "
+            f"or a list of exactly {batch_size * num_videos_per_prompt}, one per video"
+        )
 
 
 def _config_value(component, field: str):
@@ -200,6 +207,7 @@ class Magi2PipelineChecksMixin:
         refiner_guidance_scale=None,
         attention_kwargs=None,
         num_videos_per_prompt=1,
+        generator=None,
     ) -> None:
         """Reject bad ``__call__`` arguments (same names and defaults) with a ``ValueError`` before any work
         starts; the rules are listed under ``Raises`` in ``Magi2Pipeline.__call__``."""
@@ -237,6 +245,7 @@ class Magi2PipelineChecksMixin:
             latents,
             audio_latents,
             num_videos_per_prompt,
+            generator,
         )
         self._check_text_widths(prompt_embeds, negative_prompt_embeds, image_embeds)
         self._check_latents_and_decoder(output_type, latents, audio_latents, refine, denoise_height, denoise_width)
@@ -393,6 +402,8 @@ class Magi2PipelineChecksMixin:
             raise ValueError("decoding needs `video_decoder` or `vae`; neither is loaded (use output_type='latent')")
 
         h, w = denoise_height // self.vae_scale_factor_spatial, denoise_width // self.vae_scale_factor_spatial
+        frames, audio_frames = self.num_latent_frames(), self.num_audio_latents()
+        clip = f"a config.duration_s={self.config.duration_s} s clip"
         if latents is not None:
             if (
                 latents.ndim != 5
@@ -404,10 +415,23 @@ class Magi2PipelineChecksMixin:
                     f"latents must be [batch, {self.num_channels_latents}, T, {h}, {w}] for "
                     f"{denoise_height}x{denoise_width}{stage}; got {tuple(latents.shape)}"
                 )
+            if latents.shape[2] != frames:
+                raise ValueError(
+                    f"latents have {latents.shape[2]} latent frames; {clip} has {frames} "
+                    f"(config.fps={self.config.fps}): pass latents of shape [batch, {self.num_channels_latents}, "
+                    f"{frames}, {h}, {w}], or set the pipeline's duration_s to the clip the latents describe"
+                )
         if audio_latents is not None:
             if audio_latents.ndim != 3 or audio_latents.shape[2] != self.num_channels_audio_latents:
                 raise ValueError(
-                    f"audio_latents must be [batch, L, {self.num_channels_audio_latents}]; got {tuple(audio_latents.shape)}"
+                    f"audio_latents must be [batch, {audio_frames}, {self.num_channels_audio_latents}]; got "
+                    f"{tuple(audio_latents.shape)}"
+                )
+            if audio_latents.shape[1] != audio_frames:
+                raise ValueError(
+                    f"audio_latents have {audio_latents.shape[1]} latent frames; {clip} has {audio_frames} "
+                    f"(config.audio_latent_fps={self.config.audio_latent_fps}): pass audio_latents of shape "
+                    f"[batch, {audio_frames}, {self.num_channels_audio_latents}], or set the pipeline's duration_s"
                 )
         if latents is not None and audio_latents is not None and latents.shape[0] != audio_latents.shape[0]:
             raise ValueError(f"latents batch {latents.shape[0]} != audio_latents batch {audio_latents.shape[0]}")

@@ -261,3 +261,10 @@ def tiny_two_stage_pipeline(fixtures_dir):
         tiny / "refiner" / "sandai_checkpoint", torch_dtype=torch.float32
     )
     return Magi2Pipeline(transformer=transformer, refiner=refiner, **tiny_real_format_components())
+
+
+def short_clip_noise(pipe) -> dict:
+    """Initial noise of a 0.4 s clip (2 video latent frames at 2x3, 10 audio latents), with ``pipe``'s
+    ``duration_s`` set to that clip (the pipeline refuses noise of another length)."""
+    pipe.register_to_config(duration_s=0.4)
+    return {"latents": torch.randn(1, 48, 2, 2, 3), "audio_latents": torch.randn(1, 10, 64)}

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+from diffusers import (
+    FasterCacheConfig,
+    FirstBlockCacheConfig,
+    MagCacheConfig,
+    PyramidAttentionBroadcastConfig,
+    TaylorSeerCacheConfig,
+)
 from diffusers.hooks import HookRegistry
 
 
@@ -108,6 +114,74 @@ def test_taylorseer_default_identifiers_find_the_attention_modules(preview):
     torch.testing.assert_close(p2, f1 + (f1 - f0), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(p4, f3 + (f3 - f1) / 2, rtol=1e-6, atol=1e-6)
     assert not torch.equal(cached, reference)
+
+
+def hooked_by_taylorseer(model) -> list:
+    return sorted(
+        name
+        for name, module in model.named_modules()
+        if HookRegistry.check_if_exists_or_initialize(module).get_hook("taylorseer_cache") is not None
+    )
+
+
+def test_taylorseer_lite_mode_predicts_the_output_head(preview):
+    """Lite mode skips every block and Taylor-predicts ``post_adapter`` (diffusers' lite patterns name ``proj_out``,
+    which MAGI-2 does not have): on the predicted steps 2 and 4 no block computes, no transformer output is all zero,
+    and the result is closer to the uncached one than FirstBlockCache's when it skips steps 1-5."""
+    pipe, run, reference = preview
+    config = TaylorSeerCacheConfig(
+        use_lite_mode=True, cache_interval=2, disable_cache_before_step=2, taylor_factors_dtype=torch.float32
+    )
+    outputs = []
+    handle = pipe.transformer.register_forward_hook(lambda m, a, out: outputs.append(out.sample.clone()))
+    try:
+        lite, calls = run(config)
+    finally:
+        handle.remove()
+    assert len(outputs) == STEPS and all(torch.count_nonzero(v) > 0 for v in outputs)
+    assert calls == [0, 1] * 4  # attention computed at steps 0, 1, 3, 5 only
+    first_block, _ = run(FirstBlockCacheConfig(threshold=1e9))
+    assert (lite - reference).abs().max() < (first_block - reference).abs().max()
+
+    pipe.transformer.enable_cache(config)
+    hooked = hooked_by_taylorseer(pipe.transformer)
+    pipe.transformer.disable_cache()
+    blocks = [f"transformer_blocks.{i}" for i in range(len(pipe.transformer.transformer_blocks))]
+    assert hooked == ["post_adapter"] + blocks
+
+
+def test_cache_patterns_that_match_nothing_are_refused_by_name(preview):
+    pipe, run, reference = preview
+    for config, message in (
+        (TaylorSeerCacheConfig(cache_identifiers=["^blocks.*attn"]), r"cache_identifiers pattern\(s\) \['\^blocks"),
+        (TaylorSeerCacheConfig(skip_predict_identifiers=["proj_out"]), r"skip_predict_identifiers .*\['proj_out'\]"),
+        (
+            PyramidAttentionBroadcastConfig(
+                spatial_attention_block_skip_range=2,
+                spatial_attention_block_identifiers=("attn1",),
+                current_timestep_callback=lambda: pipe.current_timestep,
+            ),
+            r"spatial_attention_block_identifiers pattern\(s\) \['attn1'\]",
+        ),
+        (TaylorSeerCacheConfig(use_lite_mode=True, cache_identifiers=["post_adapter"]), "use_lite_mode"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            pipe.transformer.enable_cache(config)
+        assert not pipe.transformer.is_cache_enabled
+
+
+def test_faster_cache_is_refused_naming_what_is_missing(preview):
+    """FasterCache's attention patterns match none of the MAGI-2 attention modules and its hooks need a
+    ``[uncond; cond]`` batch with one output; enabling it raises, installs nothing, and ``pipe(...)`` runs uncached."""
+    pipe, run, reference = preview
+    config = FasterCacheConfig(current_timestep_callback=lambda: pipe.current_timestep)
+    with pytest.raises(
+        ValueError, match=r"FasterCache cannot run on Magi2Transformer3DModel.*\^transformer_blocks\.\*attn"
+    ):
+        pipe.transformer.enable_cache(config)
+    assert not pipe.transformer.is_cache_enabled
+    out, calls = run()
+    assert torch.equal(out, reference) and calls == [0, 1] * STEPS
 
 
 def test_mag_cache_through_the_pipeline(preview):

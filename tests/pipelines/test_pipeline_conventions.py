@@ -115,6 +115,38 @@ def test_encode_prompt_returns_both_pairs_per_video(tiny):
     assert without[2] is None and without[3] is None and torch.equal(without[0], alone)
 
 
+def test_encode_prompt_works_in_isolation(tiny):
+    """As diffusers' ``PipelineTesterMixin.test_encode_prompt_works_in_isolation``: the names of ``encode_prompt``'s
+    return, read from its source with diffusers' ``ReturnNameVisitor``, are ``__call__`` arguments, and a pipeline
+    without tokenizer and text encoder given the outputs under those names generates what the full one does."""
+    import ast
+    import inspect
+    import textwrap
+
+    from diffusers.utils.source_code_parsing_utils import ReturnNameVisitor
+
+    visitor = ReturnNameVisitor()
+    visitor.visit(ast.parse(textwrap.dedent(inspect.getsource(Magi2Pipeline.encode_prompt))))
+    names = visitor.return_names
+    assert names == [
+        "prompt_embeds",
+        "prompt_attention_mask",
+        "negative_prompt_embeds",
+        "negative_prompt_attention_mask",
+    ]
+    assert set(names) <= set(inspect.signature(Magi2Pipeline.__call__).parameters)
+
+    kwargs = dict(zip(names, tiny.encode_prompt("A red fox trots through fresh snow", device="cpu")))
+    common = {"height": 32, "width": 48, "num_inference_steps": 2, "output_type": "latent"}
+    full = tiny("A red fox trots through fresh snow", **common, generator=torch.Generator().manual_seed(0))
+    components = {**tiny.components, "tokenizer": None, "text_encoder": None}
+    settings = {k: v for k, v in tiny.config.items() if not k.startswith("_") and k not in components}
+    without_text = Magi2Pipeline(**components, **settings)
+    without_text.set_progress_bar_config(disable=True)
+    alone = without_text(**kwargs, **common, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(alone.frames, full.frames) and torch.equal(alone.audio, full.audio)
+
+
 def test_i2v_image_embeds_are_the_documented_figure_token(tiny):
     """``__call__`` passes the transformer the ``<Figure 1>`` token that ``encode_prompt``'s docstring
     describes: ``encode_text(add_figure_reference(prompt), figure_target="<Figure 1>")``."""

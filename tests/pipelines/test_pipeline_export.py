@@ -49,6 +49,7 @@ def test_pipeline_np_output_is_float_in_unit_range_and_exports(tmp_path):
         transformer=StandInTransformer(),
         audio_vae=tiny_oobleck(),
         scheduler=preview_scheduler(),
+        duration_s=0.72,  # the clip of the latents below: 3 video and 18 audio latent frames
     )
     # stub decoder: constant pixel value 10/255 after (x + 1) / 2
     target = 10 / 255

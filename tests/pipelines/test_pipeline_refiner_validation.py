@@ -12,7 +12,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diffusers.configuration_utils import ConfigMixin, register_to_config  # noqa: E402
 from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
-from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck, tiny_wan22_vae  # noqa: E402
+from pipeline_stubs import (  # noqa: E402
+    StandInTransformer,
+    preview_scheduler,
+    short_clip_noise,
+    tiny_oobleck,
+    tiny_wan22_vae,
+)
 
 from diffusers_magi2 import Magi2Pipeline  # noqa: E402
 
@@ -144,8 +150,7 @@ def test_refiner_guidance_one_needs_no_negative_prompt():
         refiner_guidance_scale=1.0,
         num_inference_steps=1,
         output_type="latent",
-        latents=torch.randn(1, 48, 2, 2, 3),
-        audio_latents=torch.randn(1, 6, 64),
+        **short_clip_noise(pipe),
         generator=torch.Generator().manual_seed(0),
     )
     assert out.frames.shape == (1, 48, 3, 4, 6)

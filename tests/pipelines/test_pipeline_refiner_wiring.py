@@ -23,6 +23,7 @@ from pipeline_stubs import (  # noqa: E402
     StandInRefiner,
     StandInTransformer,
     preview_scheduler,
+    short_clip_noise,
     stub_embeds,
     tiny_oobleck,
     tiny_text_encoder,
@@ -107,8 +108,7 @@ def test_preview_cfg_off_still_feeds_the_negative_prompt_to_the_refiner():
         audio_guidance_scale=1.0,
         generator=torch.Generator().manual_seed(1),
         output_type="latent",
-        latents=torch.randn(1, 48, 2, 2, 3),
-        audio_latents=torch.randn(1, 6, 64),
+        **short_clip_noise(pipe),
     )
     assert all(c["hidden_states"].shape[0] == 1 for c in pipe.transformer.calls)  # preview: no uncond half
     texts = [c["encoder_hidden_states"] for c in pipe.refiner.calls]
@@ -118,9 +118,7 @@ def test_preview_cfg_off_still_feeds_the_negative_prompt_to_the_refiner():
 def test_refiner_settings_reach_the_stage():
     pipe = make_pipe()
     e = embeds()
-    common = dict(
-        **e, **SMALL, latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64), output_type="latent"
-    )
+    common = dict(**e, **SMALL, **short_clip_noise(pipe), output_type="latent")
     pipe(
         **common,
         refiner_num_inference_steps=3,
@@ -154,7 +152,7 @@ def test_attention_kwargs_reach_the_model_that_declares_them():
 
     pipe.transformer.forward = recording_forward
     e = embeds()
-    common = dict(**e, latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64), output_type="latent")
+    common = dict(**e, **short_clip_noise(pipe), output_type="latent")
     pipe(
         **common,
         **SMALL,
@@ -183,10 +181,10 @@ def test_decoded_two_stage_output_is_25fps_and_resizable():
     resize each decoded frame bilinearly (checked against the reference's formula on [0, 1] frames)."""
     pipe = make_pipe(with_vae=True)
     e = embeds()
-    kwargs = dict(**e, **SMALL, latents=torch.randn(1, 48, 2, 2, 3), audio_latents=torch.randn(1, 6, 64))
+    kwargs = dict(**e, **SMALL, **short_clip_noise(pipe))
     plain = pipe(**kwargs, generator=torch.Generator().manual_seed(4))
     assert plain.frames.shape == (1, 9, 64, 96, 3) and plain.fps == 25.0 and plain.audio_sample_rate == 44_100
-    assert plain.audio.shape == (1, 2, int(6 * 2048 * 441 / 512))
+    assert plain.audio.shape == (1, 2, int(10 * 2048 * 441 / 512))
     resized = pipe(**kwargs, generator=torch.Generator().manual_seed(4), output_height=40, output_width=70)
     assert resized.frames.shape == (1, 9, 40, 70, 3) and resized.fps == 25.0
     frames = torch.from_numpy(plain.frames[0]).permute(3, 0, 1, 2)  # reference: [C, F, H, W] per-frame 2-D
@@ -198,8 +196,7 @@ def test_decoded_two_stage_output_is_25fps_and_resizable():
         height=32,
         width=48,
         num_inference_steps=1,
-        latents=torch.randn(1, 48, 2, 2, 3),
-        audio_latents=torch.randn(1, 6, 64),
+        **short_clip_noise(pipe),
     )
     assert one.frames.shape == (1, 5, 32, 48, 3) and one.fps == 12.5
 
@@ -232,7 +229,7 @@ def test_1080p_preset_uses_the_config_preview_size(monkeypatch):
         num_inference_steps=1,
         output_type="latent",
         generator=torch.Generator().manual_seed(0),
-        audio_latents=torch.randn(1, 6, 64),
+        audio_latents=torch.randn(1, 250, 64),
     )
     assert seen["preview_shape"] == (1, 48, 32, 2, 3)
     assert (seen["height"], seen["width"]) == (1088, 1920)
@@ -257,8 +254,7 @@ def test_i2v_reference_image_is_prepared_at_the_preview_size():
         image=image,
         image_embeds=torch.zeros(1, 8),
         output_type="latent",
-        latents=torch.randn(1, 48, 2, 2, 3),
-        audio_latents=torch.randn(1, 6, 64),
+        **short_clip_noise(pipe),
         generator=torch.Generator().manual_seed(0),
     )
     at_preview = pipe.preprocess_reference_image(image, 32, 48).shape[-2:]
@@ -286,8 +282,7 @@ def test_preview_cfg_off_encodes_the_default_negative_prompt_for_the_refiner():
         audio_guidance_scale=1.0,
         refiner_num_inference_steps=1,
         output_type="latent",
-        latents=torch.randn(1, 48, 2, 2, 3),
-        audio_latents=torch.randn(1, 6, 64),
+        **short_clip_noise(pipe),
         generator=torch.Generator().manual_seed(0),
     )
     neg, _, _ = pipe.encode_text([pipe.config.negative_prompt], "cpu")

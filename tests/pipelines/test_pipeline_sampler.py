@@ -27,6 +27,10 @@ def cases(fixtures_dir):
     return load_file(str(fixtures_dir / "magi2_tiny_components" / "sampler" / "sampler_cases.safetensors"))
 
 
+#: The fixture's clip, 3 video and 10 audio latent frames (the pipeline refuses noise of another length).
+FIXTURE_CLIP = {"duration_s": 0.72, "audio_latent_fps": 10 / 0.72}
+
+
 def make_pipe(scheduler=None):
     return Magi2Pipeline(
         tokenizer=None,
@@ -118,6 +122,7 @@ def test_noise_draw_order_video_then_audio(cases):
 def test_sampler_closed_loop_matches_fixture(cases):
     """6 steps with the documented stand-in velocity, CFG 5.0 / 7.0, through ``__call__``."""
     pipe = make_pipe()
+    pipe.register_to_config(**FIXTURE_CLIP)
     seen = []
 
     def record(p, i, t, tensors):
@@ -181,6 +186,7 @@ def test_sampler_teacher_forced_steps_match(cases):
 
 def test_guidance_one_skips_uncond_and_callback_can_replace_latents(cases):
     pipe = make_pipe()
+    pipe.register_to_config(**FIXTURE_CLIP)
     e = embeds()
     replaced = {}
 
@@ -209,6 +215,7 @@ def test_guidance_one_skips_uncond_and_callback_can_replace_latents(cases):
 def test_callback_receives_every_allowed_tensor_by_name(cases):
     """Each name in ``_callback_tensor_inputs`` reaches the callback with the loop's current tensor."""
     pipe = make_pipe()
+    pipe.register_to_config(**FIXTURE_CLIP)
     e = embeds()
     seen = []
 

@@ -98,6 +98,24 @@ BAD = {
         {"prompt": "x", "audio_latents": torch.randn(1, 10, 32)},
         "audio_latents must be",
     ),
+    # the given noise must describe the config's clip (10 s: 32 video and 250 audio latent frames)
+    "latents shorter than the clip": (
+        {"prompt": "x", "height": 32, "width": 48, "latents": torch.randn(1, 48, 3, 2, 3)},
+        r"latents have 3 latent frames; a config.duration_s=10.0 s clip has 32",
+    ),
+    "audio_latents shorter than the clip": (
+        {"prompt": "x", "audio_latents": torch.randn(1, 10, 64)},
+        r"audio_latents have 10 latent frames; a config.duration_s=10.0 s clip has 250",
+    ),
+    # a list of generators needs one per video
+    "fewer generators than videos": (
+        {"prompt": ["a", "b"], "generator": [torch.Generator()]},
+        r"generator is a list of 1 generators for 2 videos",
+    ),
+    "more generators than videos": (
+        {"prompt": "x", "num_videos_per_prompt": 2, "generator": [torch.Generator()] * 3},
+        r"generator is a list of 3 generators for 2 videos",
+    ),
     # batch mismatches, caught before the image or the text is encoded
     "negative_prompt list length": (
         {"prompt": ["a", "b"], "negative_prompt": ["n"]},
@@ -198,10 +216,10 @@ def test_untrained_resolution_warns_but_runs(pipe, caplog):
                 width=48,
                 num_inference_steps=1,
                 output_type="latent",
-                latents=torch.randn(1, 48, 2, 2, 3),
-                audio_latents=torch.randn(1, 5, 64),
+                latents=torch.randn(1, 48, 32, 2, 3),
+                audio_latents=torch.randn(1, 250, 64),
             )
     finally:
         dlogging.disable_propagation()
     assert "outside the trained resolutions" in caplog.text
-    assert out.frames.shape == (1, 48, 2, 2, 3)
+    assert out.frames.shape == (1, 48, 32, 2, 3)
