@@ -1,13 +1,21 @@
 """Fused Triton kernel for MAGI-2's multi-head routed experts (same signature as ``experts.torch_mh_moe_forward``).
 
-One program per (flat expert, tile of ``BLOCK_T`` routes): gather the tile's token rows of its head, gate and up
-GEMMs with fp32 accumulation, swiglu7 in fp32, round to the ``W_down`` dtype, down GEMM with fp32 accumulation,
-multiply by the route weight, round to the activation dtype and scatter-add into ``[S, H, Dh]``. The rounding
-points follow SandAI's ``_mh_moe_fwd_kernel``; the math is ours.
+One program per (flat expert ``g``, tile of ``BLOCK_T`` routes): the tile's token rows of its head are gathered
+once (``x_t [BLOCK_T, Dh]``), then one loop over ``De`` in chunks ``c`` of ``BLOCK_DE``::
+
+    h_c  = round_w(swiglu7(x_t @ W_gate[g][:, c], x_t @ W_up[g][:, c]))     (fp32 accumulation, fp32 swiglu7)
+    acc += h_c @ W_down[g][c, :]                                            (fp32 [BLOCK_T, Dh])
+
+and ``round_act(p * acc)`` is scatter-added into ``[S, H, Dh]``. The three weight tiles of a chunk are the loop's
+only loads, so Triton's software pipeliner prefetches all of them ``num_stages`` deep (cp.async); the GPU builds are
+checked on CPU by :mod:`.kernel_build`. The rounding points follow SandAI's ``_mh_moe_fwd_kernel``; the math is
+ours.
 
 Modes:
 
-* atomic (default): contributions are ``atomic_add``-ed into the output (bf16 output on GPU, as the reference);
+* atomic (default): contributions are ``atomic_add``-ed into the output, in the activation dtype on sm_90 and
+  newer (bf16 atomic adds, as the reference); below sm_90, where bf16 atomic adds are compare-and-swap loops, bf16
+  contributions are rounded to bf16, summed in an fp32 buffer and cast once;
 * ``deterministic=True``: each route writes its own row (no atomics); rows are reduced per (token, head) in
   ascending global expert id order, in the activation dtype: bit-identical across runs.
 
@@ -16,15 +24,18 @@ CPU interpreter (``TRITON_INTERPRET=1``, read once at import as Triton does): th
 loaded tile is upcast to fp32, roundings are emulated bit-exactly (round to nearest even), and atomic mode
 accumulates bf16-rounded contributions in fp32 and casts once. fp16 runs natively in the interpreter (the same code
 path as on the GPU). Mixed activation/weight dtypes are upcast to fp32 tiles on every device.
+
+Tile configs come from ``launch_configs/mh_moe_fwd.json`` per device and problem shape (:func:`tile_candidates`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -38,7 +49,19 @@ from .quantize import FP8_DTYPE
 from .reference import hidden_dtype
 
 
-__all__ = ["triton_mh_moe_forward", "check_fp8_device", "check_triton_dims", "TileConfig"]
+__all__ = [
+    "LaunchSpec",
+    "TileConfig",
+    "check_fp8_capability",
+    "check_fp8_device",
+    "check_triton_dims",
+    "device_key",
+    "launch_spec",
+    "resolve_device_entry",
+    "shape_key",
+    "tile_candidates",
+    "triton_mh_moe_forward",
+]
 
 #: Whether kernels run in Triton's CPU interpreter (fixed at import, as ``@triton.jit`` reads it then).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -52,10 +75,9 @@ _KEEP, _NATIVE, _EMU_BF16, _EMU_FP16 = 0, 1, 2, 3
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One launch candidate: tokens per tile, Dh chunk of the gate/up GEMMs, De chunk, warps, stages."""
+    """One launch candidate: routes per tile, De chunk per pipelined step, warps, software-pipeline stages."""
 
     block_t: int
-    block_dh: int
     block_de: int
     num_warps: int
     num_stages: int
@@ -65,12 +87,8 @@ def check_fp8_device(device: torch.device) -> None:
     """Raise ``ValueError`` if the kernel cannot run FP8 experts on ``device`` (CUDA below compute capability 8.9;
     the interpreter handles FP8)."""
     device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        raise ValueError(
-            f"FP8 (float8_e4m3fn) experts need a GPU with compute capability >= 8.9 for the Triton kernel; {name} "
-            "has less. Load the experts in bf16 (expert_dtype=None) on this GPU."
-        )
+    if device.type == "cuda":
+        check_fp8_capability(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
 
 
 def check_triton_dims(head_dim: int, expert_dim: int) -> None:
@@ -146,9 +164,9 @@ def _mh_moe_fwd_kernel(
     LOG2_FLAT: tl.constexpr,
     # meta-parameters
     BLOCK_T: tl.constexpr,
-    BLOCK_DH: tl.constexpr,
     BLOCK_DE: tl.constexpr,
     DH_PAD: tl.constexpr,
+    EVEN: tl.constexpr,
     UPCAST: tl.constexpr,
     W_FP8: tl.constexpr,
     HID_ROUND: tl.constexpr,
@@ -178,94 +196,132 @@ def _mh_moe_fwd_kernel(
     rows = row_start + tl.arange(0, BLOCK_T).to(tl.int64)
     rmask = rows < row_end
     tok = tl.load(gather_ids_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    prob = tl.load(probs_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    x_rows = x_ptr + tok * stride_xs + head * stride_xh  # [BLOCK_T] row pointers
 
-    cols_out = tl.arange(0, DH_PAD)
-    out_mask = cols_out < HEAD_DIM
+    # The tile's token rows of its head, gathered once: [BLOCK_T, DH_PAD].
+    cols_k = tl.arange(0, DH_PAD)
+    kmask = cols_k < HEAD_DIM
+    x_ptrs = x_ptr + tok[:, None] * stride_xs + head * stride_xh + cols_k[None, :]
+    if EVEN:
+        xt = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
+    else:
+        xt = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+    if UPCAST:
+        xt = xt.to(tl.float32)
+
+    # One loop over De chunks; its three weight tiles are the loop's only loads, so the software pipeliner
+    # prefetches all of them (num_stages deep).
+    cols_c = tl.arange(0, BLOCK_DE)
+    wg_ptrs = w_gate_ptr + g * stride_wg_e + cols_k[:, None] * stride_wg_k + cols_c[None, :] * stride_wg_n
+    wu_ptrs = w_up_ptr + g * stride_wu_e + cols_k[:, None] * stride_wu_k + cols_c[None, :] * stride_wu_n
+    wd_ptrs = w_down_ptr + g * stride_wd_e + cols_c[:, None] * stride_wd_n + cols_k[None, :] * stride_wd_k
     acc = tl.zeros((BLOCK_T, DH_PAD), dtype=tl.float32)
-    wg_base = w_gate_ptr + g * stride_wg_e
-    wu_base = w_up_ptr + g * stride_wu_e
-    wd_base = w_down_ptr + g * stride_wd_e
     for n0 in range(0, EXPERT_DIM, BLOCK_DE):
-        cols_n = n0 + tl.arange(0, BLOCK_DE)
+        cols_n = n0 + cols_c
         nmask = cols_n < EXPERT_DIM
-        gate = tl.zeros((BLOCK_T, BLOCK_DE), dtype=tl.float32)
-        up = tl.zeros((BLOCK_T, BLOCK_DE), dtype=tl.float32)
-        for k0 in range(0, HEAD_DIM, BLOCK_DH):
-            cols_k = k0 + tl.arange(0, BLOCK_DH)
-            kmask = cols_k < HEAD_DIM
-            xt = tl.load(x_rows[:, None] + cols_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            wmask = kmask[:, None] & nmask[None, :]
-            wg = tl.load(
-                wg_base + cols_k[:, None] * stride_wg_k + cols_n[None, :] * stride_wg_n, mask=wmask, other=0.0
-            )
-            wu = tl.load(
-                wu_base + cols_k[:, None] * stride_wu_k + cols_n[None, :] * stride_wu_n, mask=wmask, other=0.0
-            )
-            if UPCAST:
-                xt = xt.to(tl.float32)
-                wg = wg.to(tl.float32)
-                wu = wu.to(tl.float32)
-            if W_FP8:  # e4m3 -> activation dtype is exact; the scale is applied to the accumulator below
-                wg = wg.to(xt.dtype)
-                wu = wu.to(xt.dtype)
-            gate = tl.dot(xt, wg, gate, input_precision="ieee")
-            up = tl.dot(xt, wu, up, input_precision="ieee")
+        if EVEN:
+            wg = tl.load(wg_ptrs)
+            wu = tl.load(wu_ptrs)
+            wd = tl.load(wd_ptrs)
+        else:
+            wg = tl.load(wg_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            wd = tl.load(wd_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        wg_ptrs += BLOCK_DE * stride_wg_n
+        wu_ptrs += BLOCK_DE * stride_wu_n
+        wd_ptrs += BLOCK_DE * stride_wd_n
+        if UPCAST:
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+            wd = wd.to(tl.float32)
+        if W_FP8:  # e4m3 -> activation dtype is exact; the scale is applied to the accumulator below
+            wg = wg.to(xt.dtype)
+            wu = wu.to(xt.dtype)
+        gate = tl.dot(xt, wg, input_precision="ieee")
+        up = tl.dot(xt, wu, input_precision="ieee")
         if W_FP8:  # per output channel: x @ (q * s) == (x @ q) * s
             gate = gate * tl.load(sg_ptr + g * EXPERT_DIM + cols_n, mask=nmask, other=0.0)[None, :]
             up = up * tl.load(su_ptr + g * EXPERT_DIM + cols_n, mask=nmask, other=0.0)[None, :]
             hid = _round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), x_ptr, HID_ROUND)
+            wd = wd.to(hid.dtype)
         else:
             hid = _round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), w_down_ptr, HID_ROUND)
-        wd = tl.load(
-            wd_base + cols_n[:, None] * stride_wd_n + cols_out[None, :] * stride_wd_k,
-            mask=nmask[:, None] & out_mask[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            wd = wd.to(tl.float32)
-        if W_FP8:
-            wd = wd.to(hid.dtype)
         acc = tl.dot(hid, wd, acc, input_precision="ieee")
     if W_FP8:
-        acc = acc * tl.load(sd_ptr + g * HEAD_DIM + cols_out, mask=out_mask, other=0.0)[None, :]
+        acc = acc * tl.load(sd_ptr + g * HEAD_DIM + cols_k, mask=kmask, other=0.0)[None, :]
 
+    # Route weights and destinations are (re)loaded here, not kept live across the loop (register pressure).
+    rows = row_start + tl.arange(0, BLOCK_T).to(tl.int64)
+    rmask = rows < row_end
+    prob = tl.load(probs_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     contrib = _round_to(acc * prob[:, None], out_ptr, OUT_ROUND)
-    store_mask = rmask[:, None] & out_mask[None, :]
+    store_mask = rmask[:, None] & kmask[None, :]
     if DETERMINISTIC:
         dest = tl.load(dest_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        tl.store(out_ptr + dest[:, None] * HEAD_DIM + cols_out[None, :], contrib, mask=store_mask)
+        tl.store(out_ptr + dest[:, None] * HEAD_DIM + cols_k[None, :], contrib, mask=store_mask)
     else:
-        dst = out_ptr + tok[:, None] * stride_os + head * stride_oh + cols_out[None, :]
+        tok = tl.load(gather_ids_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        dst = out_ptr + tok[:, None] * stride_os + head * stride_oh + cols_k[None, :]
         tl.atomic_add(dst, contrib, mask=store_mask, sem="relaxed")
 
 
 # ------------------------------------------------------------------------------------- tile-config selection
 
-_CANDIDATES_CACHE: dict[str, list[TileConfig]] = {}
 _CHOSEN: dict[tuple, TileConfig] = {}
 
 
-def _device_key(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "interpreter"
+def device_key(device: torch.device) -> tuple[str, ...]:
+    """Lookup keys of ``device`` in the launch table: ``("interpreter",)`` in Triton's CPU interpreter, else the
+    CUDA device name and its architecture, e.g. ``("NVIDIA H200", "sm_90")``."""
+    device = torch.device(device)
+    if INTERPRET or device.type != "cuda":
+        return ("interpreter",)
+    major, minor = torch.cuda.get_device_capability(device)
+    return (torch.cuda.get_device_name(device), f"sm_{major}{minor}")
 
 
-def tile_candidates(device_key: str) -> list[TileConfig]:
-    """Tile candidates for ``device_key`` from ``launch_configs/mh_moe_fwd.json`` (longest substring match)."""
-    if device_key not in _CANDIDATES_CACHE:
-        table = json.loads(_CONFIG_FILE.read_text())
-        matches = [k for k in table if not k.startswith("_") and k != "default" and k in device_key]
-        key = max(matches, key=len) if matches else "default"
-        _CANDIDATES_CACHE[device_key] = [TileConfig(*row) for row in table[key]]
-    return _CANDIDATES_CACHE[device_key]
+def shape_key(head_dim: int, expert_dim: int, act_dtype: torch.dtype, weight_dtype: torch.dtype) -> str:
+    """The launch table's key of one problem shape, e.g. ``"256x1280 bfloat16/float8_e4m3fn"`` (``Dh x De act/weight``)."""
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    return f"{head_dim}x{expert_dim} {name(act_dtype)}/{name(weight_dtype)}"
 
 
-def _tile_configs_to_try(device_key: str, cache_key: tuple) -> list[TileConfig]:
-    """The device's candidates in order, starting at the one that last launched for ``cache_key``."""
-    candidates = tile_candidates(device_key)
+@functools.lru_cache(maxsize=None)
+def _launch_table() -> dict:
+    return json.loads(_CONFIG_FILE.read_text())
+
+
+def resolve_device_entry(keys: tuple[str, ...]) -> str:
+    """The launch-table entry for a device's ``keys`` (see :func:`device_key`): the longest table key that is a
+    substring of the device name, else its ``sm_XY`` key, else ``"default"``; string entries are aliases."""
+    table = _launch_table()
+    names = [k for k in table if not k.startswith(("_", "sm_")) and k not in ("default", "interpreter")]
+    matches = [k for k in names if any(k in key for key in keys[:1])]
+    if matches:
+        entry = max(matches, key=len)
+    else:
+        entry = next((key for key in keys if key in table), "default")
+    seen = {entry}
+    while isinstance(table[entry], str):
+        entry = table[entry]
+        if entry in seen:
+            raise ValueError(f"alias loop at {entry!r} in {_CONFIG_FILE}")
+        seen.add(entry)
+    return entry
+
+
+@functools.lru_cache(maxsize=None)
+def tile_candidates(
+    keys: tuple[str, ...], head_dim: int, expert_dim: int, act_dtype: torch.dtype, weight_dtype: torch.dtype
+) -> tuple[TileConfig, ...]:
+    """Tile candidates, in launch order, for a device (:func:`device_key`) and problem shape (:func:`shape_key`;
+    the entry's ``"*"`` list for shapes it does not name), from ``launch_configs/mh_moe_fwd.json``."""
+    shapes = _launch_table()[resolve_device_entry(keys)]
+    rows = shapes.get(shape_key(head_dim, expert_dim, act_dtype, weight_dtype), shapes["*"])
+    return tuple(TileConfig(*row) for row in rows)
+
+
+def _tile_configs_to_try(candidates: tuple[TileConfig, ...], cache_key: tuple) -> tuple[TileConfig, ...]:
+    """``candidates`` in order, starting at the one that last launched for ``cache_key``."""
     chosen = _CHOSEN.get(cache_key)
     return candidates[candidates.index(chosen) :] if chosen in candidates else candidates
 
@@ -285,44 +341,54 @@ def _rounding_mode(dtype: torch.dtype, native_ok: bool) -> int:
     return _EMU_BF16 if dtype == torch.bfloat16 else _EMU_FP16
 
 
+def kernel_meta(config: TileConfig, constants: dict) -> dict:
+    """The keyword arguments of one launch with ``config``: the constexprs (tile sizes clamped to the problem)
+    and ``num_warps``/``num_stages``."""
+    block_de = min(config.block_de, _next_pow2(constants["EXPERT_DIM"]))
+    even = constants["HEAD_DIM"] == constants["DH_PAD"] and constants["EXPERT_DIM"] % block_de == 0
+    return {
+        "BLOCK_T": config.block_t,
+        "BLOCK_DE": block_de,
+        "EVEN": even,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        **constants,
+    }
+
+
 def _launch(config: TileConfig, grid: int, args: tuple, constants: dict) -> None:
     """Launch one kernel with ``config`` (separate so tests can observe or fail launches)."""
-    _mh_moe_fwd_kernel[(grid,)](
-        *args,
-        BLOCK_T=config.block_t,
-        BLOCK_DH=min(config.block_dh, constants["DH_PAD"]),
-        BLOCK_DE=min(config.block_de, _next_pow2(constants["EXPERT_DIM"])),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **constants,
-    )
+    _mh_moe_fwd_kernel[(grid,)](*args, **kernel_meta(config, constants))
+
+
+def tile_offsets_for(offsets: Tensor, block_t: int) -> Tensor:
+    """``[H*E+1]`` int32 cumulative per-expert tile counts for tiles of ``block_t`` routes."""
+    counts = offsets[1:] - offsets[:-1]
+    tiles = torch.div(counts + (block_t - 1), block_t, rounding_mode="floor")
+    return torch.cat([tiles.new_zeros(1), torch.cumsum(tiles, 0)]).to(torch.int32)
 
 
 def _launch_tiles(
-    configs: list[TileConfig], offsets: torch.Tensor, num_routes: int, make_args, constants: dict
+    configs: tuple[TileConfig, ...], offsets: torch.Tensor, num_routes: int, make_args, constants: dict
 ) -> TileConfig:
     """Launch with the first config that fits the device and return it.
 
-    ``make_args(tile_offsets)`` builds the kernel's positional arguments; ``tile_offsets [H*E+1]`` are the
-    cumulative per-expert tile counts for the config's ``block_t``. The grid is the host-known upper bound
-    ``⌊T/B⌋ + min(H·E, T)`` of ``Σ_g ⌈n_g/B⌉`` (programs past ``tile_offsets[-1]`` exit at once), so no count is
-    read back: no host synchronisation, on the GPU and in the interpreter alike. A config that raises
-    ``OutOfResources`` (at compile/launch time, before anything is enqueued) is skipped; any other error
-    propagates.
+    ``make_args(tile_offsets)`` builds the kernel's positional arguments (:func:`tile_offsets_for`). The grid is the
+    host-known upper bound ``⌊T/B⌋ + min(H·E, T)`` of ``Σ_g ⌈n_g/B⌉`` (programs past ``tile_offsets[-1]`` exit at
+    once), so no count is read back: no host synchronisation, on the GPU and in the interpreter alike. A config
+    that raises ``OutOfResources`` (at compile/launch time, before anything is enqueued) is skipped; any other
+    error propagates.
 
     Raises:
         ValueError: ``configs`` is empty.
         triton.runtime.errors.OutOfResources: no config fits.
     """
-    counts = offsets[1:] - offsets[:-1]
-    num_flat = counts.numel()
+    num_flat = offsets.numel() - 1
     last_error: OutOfResources | None = None
     for config in configs:
-        tiles = torch.div(counts + (config.block_t - 1), config.block_t, rounding_mode="floor")
-        tile_offsets = torch.cat([tiles.new_zeros(1), torch.cumsum(tiles, 0)]).to(torch.int32)
         grid = num_routes // config.block_t + min(num_flat, num_routes)
         try:
-            _launch(config, max(grid, 1), make_args(tile_offsets), constants)
+            _launch(config, max(grid, 1), make_args(tile_offsets_for(offsets, config.block_t)), constants)
         except OutOfResources as err:
             last_error = err
             continue
@@ -361,7 +427,28 @@ def _deterministic_reduce(rows: torch.Tensor, num_heads: int, num_tokens: int, a
 # ------------------------------------------------------------------------------------------------- forward
 
 
-def triton_mh_moe_forward(
+@dataclass
+class LaunchSpec:
+    """Everything one kernel launch needs but the tile config (built without reading tensor values, so meta
+    tensors work: the GPU-target compile check builds from it)."""
+
+    make_args: Callable[[Tensor], tuple]
+    constants: dict
+    out: Tensor
+    offsets: Tensor
+    num_routes: int
+
+
+def check_fp8_capability(capability: Optional[tuple[int, int]], name: str = "this GPU") -> None:
+    """Raise ``ValueError`` for FP8 experts on a CUDA ``capability`` below 8.9 (``None``: the interpreter, fine)."""
+    if capability is not None and tuple(capability) < (8, 9):
+        raise ValueError(
+            f"FP8 (float8_e4m3fn) experts need a GPU with compute capability >= 8.9 for the Triton kernel; {name} "
+            f"has {capability[0]}.{capability[1]}. Load the experts in bf16 (expert_dtype=None) on this GPU."
+        )
+
+
+def launch_spec(
     x: Tensor,
     gather_ids: Tensor,
     probs: Tensor,
@@ -370,62 +457,37 @@ def triton_mh_moe_forward(
     w_up: Tensor,
     w_down: Tensor,
     *,
-    scales: Optional[tuple[Tensor, Tensor, Tensor]] = None,
-    deterministic: bool = False,
-) -> Tensor:
-    """Fused routed-expert compute; same contract as :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward`.
-
-    FP8 experts (``float8_e4m3fn`` weights with ``scales``) are loaded as FP8 tiles and converted in registers to
-    the activation dtype (exact); each GEMM's fp32 accumulator is multiplied by its per-output-channel scale.
-
-    Args:
-        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales: as for the torch path (``x``'s last dim
-            contiguous, weights of any strides).
-        deterministic: per-route rows without atomics, summed per (token, head) in ascending expert id (top-k
-            routes): bit-identical across runs.
+    scales: Optional[tuple[Tensor, Tensor, Tensor]],
+    deterministic: bool,
+    capability: Optional[tuple[int, int]],
+) -> LaunchSpec:
+    """Arguments and constexprs of the kernel for validated inputs, built for ``capability`` (the CUDA compute
+    capability; ``None`` for the interpreter).
 
     Raises:
-        ValueError: bad shapes/dtypes/devices, ``Dh``/``De`` not multiples of 16, CPU tensors without
-            ``TRITON_INTERPRET=1``, FP8 experts on a GPU without FP8 support (compute capability < 8.9), or
-            (deterministic) ``T`` not a multiple of ``S*H``.
-        triton.runtime.errors.OutOfResources: no tile candidate fits the device.
-        RuntimeError: any launch failure other than ``OutOfResources`` (never swallowed).
+        ValueError: FP8 experts for a capability below 8.9.
     """
-    num_tokens, num_heads, head_dim, num_experts, expert_dim = check_expert_inputs(
-        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales
-    )
-    check_triton_dims(head_dim, expert_dim)
     fp8 = w_gate.dtype == FP8_DTYPE
     if fp8:
-        check_fp8_device(x.device)
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
-    if not x.is_cuda and not INTERPRET:
-        raise ValueError(
-            f"triton_mh_moe_forward needs CUDA tensors (got {x.device}); CPU tensors run only in Triton's "
-            "interpreter, enabled by TRITON_INTERPRET=1 before diffusers_magi2.moe.experts_triton is imported"
-        )
-    if x.stride(2) != 1:
-        raise ValueError("x must have a contiguous last dimension (stride 1)")
+        check_fp8_capability(capability)
+    interpret = capability is None
+    num_tokens, num_heads, head_dim = x.shape
+    num_flat, _, expert_dim = w_gate.shape
+    num_experts = num_flat // num_heads
     num_routes = gather_ids.numel()
-    num_flat = num_heads * num_experts
-    if deterministic and num_tokens * num_heads > 0 and num_routes % (num_tokens * num_heads) != 0:
-        raise ValueError(
-            f"deterministic mode needs the same number of routes per (token, head): T={num_routes} is not a "
-            f"multiple of S*H={num_tokens * num_heads}"
-        )
-    if num_routes == 0 or num_tokens == 0:
-        return torch.zeros_like(x, memory_format=torch.contiguous_format)
-
     device, act_dtype = x.device, x.dtype
     # The interpreter mishandles bf16 (dot on raw bits, truncating casts, no atomics): upcast its tiles and emulate
     # the roundings. Mixed activation/weight dtypes are upcast too (tl.dot needs equal operand dtypes).
-    interp_bf16 = INTERPRET and torch.bfloat16 in (act_dtype, w_gate.dtype)
+    interp_bf16 = interpret and torch.bfloat16 in (act_dtype, w_gate.dtype)
     upcast = interp_bf16 or (act_dtype != w_gate.dtype and not fp8)  # FP8 tiles convert to the activation dtype
-    native = not (INTERPRET and act_dtype == torch.bfloat16)  # output rounding/atomics in the activation dtype
+    native = not (interpret and act_dtype == torch.bfloat16)  # native casts round to nearest even
+    # bf16 atomic adds: none in the interpreter, compare-and-swap loops below sm_90. There contributions are
+    # rounded to bf16, then summed in an fp32 buffer (native fp32 atomics) and cast once.
+    fp32_sum = not deterministic and act_dtype == torch.bfloat16 and (interpret or tuple(capability) < (9, 0))
+    store_native = native and not fp32_sum
     offsets = expert_offsets.to(torch.int64)
-    # Rows are rounded in-kernel; interpreted bf16 keeps them in fp32 storage (the later cast is exact).
-    out_dtype = act_dtype if native else torch.float32
+    # Rows are rounded in-kernel; where stored in fp32 the later cast is exact.
+    out_dtype = act_dtype if store_native else torch.float32
     if deterministic:
         dest = _route_destinations(offsets, gather_ids, num_experts, num_tokens)
         out = torch.empty(num_routes, head_dim, device=device, dtype=out_dtype)
@@ -444,7 +506,7 @@ def triton_mh_moe_forward(
         "UPCAST": upcast,
         "W_FP8": fp8,
         "HID_ROUND": _rounding_mode(hidden_dtype(w_down.dtype, act_dtype), native_ok=not upcast),
-        "OUT_ROUND": _rounding_mode(act_dtype, native_ok=native),
+        "OUT_ROUND": _rounding_mode(act_dtype, native_ok=store_native),
         "DETERMINISTIC": deterministic,
         "SWIGLU_LIMIT": SWIGLU7_LIMIT,
         "SWIGLU_ALPHA": SWIGLU7_ALPHA,
@@ -456,10 +518,88 @@ def triton_mh_moe_forward(
     def make_args(tile_offsets: torch.Tensor) -> tuple:
         return (x, w_gate, w_up, w_down, gather_ids, probs32, offsets, tile_offsets, dest, out, *scale_args, *strides)
 
-    device_key = _device_key(device)
-    cache_key = (device_key, head_dim, expert_dim, act_dtype, w_gate.dtype, deterministic)
-    configs = _tile_configs_to_try(device_key, cache_key)
-    _CHOSEN[cache_key] = _launch_tiles(configs, offsets, num_routes, make_args, constants)
+    return LaunchSpec(make_args, constants, out, offsets, num_routes)
+
+
+def triton_mh_moe_forward(
+    x: Tensor,
+    gather_ids: Tensor,
+    probs: Tensor,
+    expert_offsets: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    *,
+    scales: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+    deterministic: bool = False,
+    tile_config: Optional[TileConfig] = None,
+) -> Tensor:
+    """Fused routed-expert compute; same contract as :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward`.
+
+    FP8 experts (``float8_e4m3fn`` weights with ``scales``) are loaded as FP8 tiles and converted in registers to
+    the activation dtype (exact); each GEMM's fp32 accumulator is multiplied by its per-output-channel scale.
+
+    Args:
+        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales: as for the torch path (``x``'s last dim
+            contiguous, weights of any strides).
+        deterministic: per-route rows without atomics, summed per (token, head) in ascending expert id (top-k
+            routes): bit-identical across runs.
+        tile_config: launch with this tile only instead of the launch table's candidates (benchmarks).
+
+    Raises:
+        ValueError: bad shapes/dtypes/devices, ``Dh``/``De`` not multiples of 16, CPU tensors without
+            ``TRITON_INTERPRET=1``, FP8 experts on a GPU without FP8 support (compute capability < 8.9), or
+            (deterministic) ``T`` not a multiple of ``S*H``.
+        triton.runtime.errors.OutOfResources: no tile candidate fits the device.
+        RuntimeError: any launch failure other than ``OutOfResources`` (never swallowed).
+    """
+    num_tokens, num_heads, head_dim, num_experts, expert_dim = check_expert_inputs(
+        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales
+    )
+    check_triton_dims(head_dim, expert_dim)
+    if w_gate.dtype == FP8_DTYPE:
+        check_fp8_device(x.device)
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
+    if tile_config is not None and not isinstance(tile_config, TileConfig):
+        raise ValueError(f"tile_config must be a TileConfig or None; got {tile_config!r}")
+    if not x.is_cuda and not INTERPRET:
+        raise ValueError(
+            f"triton_mh_moe_forward needs CUDA tensors (got {x.device}); CPU tensors run only in Triton's "
+            "interpreter, enabled by TRITON_INTERPRET=1 before diffusers_magi2.moe.experts_triton is imported"
+        )
+    if x.stride(2) != 1:
+        raise ValueError("x must have a contiguous last dimension (stride 1)")
+    num_routes = gather_ids.numel()
+    if deterministic and num_tokens * num_heads > 0 and num_routes % (num_tokens * num_heads) != 0:
+        raise ValueError(
+            f"deterministic mode needs the same number of routes per (token, head): T={num_routes} is not a "
+            f"multiple of S*H={num_tokens * num_heads}"
+        )
+    if num_routes == 0 or num_tokens == 0:
+        return torch.zeros_like(x, memory_format=torch.contiguous_format)
+
+    keys = device_key(x.device)
+    capability = None if keys == ("interpreter",) else torch.cuda.get_device_capability(x.device)
+    spec = launch_spec(
+        x,
+        gather_ids,
+        probs,
+        expert_offsets,
+        w_gate,
+        w_up,
+        w_down,
+        scales=scales,
+        deterministic=deterministic,
+        capability=capability,
+    )
+    if tile_config is not None:
+        _launch_tiles((tile_config,), spec.offsets, spec.num_routes, spec.make_args, spec.constants)
+    else:
+        candidates = tile_candidates(keys, head_dim, expert_dim, x.dtype, w_gate.dtype)
+        cache_key = (keys, head_dim, expert_dim, x.dtype, w_gate.dtype, deterministic)
+        configs = _tile_configs_to_try(candidates, cache_key)
+        _CHOSEN[cache_key] = _launch_tiles(configs, spec.offsets, spec.num_routes, spec.make_args, spec.constants)
     if deterministic:
-        return _deterministic_reduce(out, num_heads, num_tokens, act_dtype)
-    return out.to(act_dtype)
+        return _deterministic_reduce(spec.out, num_heads, num_tokens, x.dtype)
+    return spec.out.to(x.dtype)

@@ -10,8 +10,12 @@ plain dense matmuls over pre-gathered rows, measured in the same run. Target: ``
 
 CUDA (only when a GPU is present; otherwise the JSON says so): the released shape (H=12, E=256, k=6, Dh=256,
 De=1280, bf16 activations) at 4,096 and 29,184 tokens, once per ``--expert_dtype`` (``bf16`` experts, ``fp8_e4m3``:
-FP8 experts with fp32 scales): TFLOP/s of the Triton kernel (atomic and deterministic), of the torch path, and of
-one dense bf16 GEMM with the same FLOPs. With ``fp8_e4m3`` the CPU part also times the torch-path forward with FP8
+FP8 experts with fp32 scales): TFLOP/s of the Triton kernel (atomic and deterministic), of the torch path, of the
+same layer as bf16 ``torch._grouped_mm`` calls, and of one dense bf16 GEMM with the same FLOPs; ``--per_config``
+adds every launch-table tile candidate of the device. What gpu_check.sh runs::
+
+    python -m tests.benchmarks.bench_moe --cuda_only --per_config --no_torch_path --repeats 3 \
+        --expert_dtype bf16 fp8_e4m3 --out "$RESULTS/bench_moe.json" With ``fp8_e4m3`` the CPU part also times the torch-path forward with FP8
 experts against the fp32 one.
 """
 
@@ -150,11 +154,37 @@ def bench_cpu(
     }
 
 
-def bench_cuda(token_counts=(4096, 29184), repeats=5, expert_dtype: str = "bf16") -> dict:
-    """Released shape on the GPU: Triton kernel vs torch path vs one dense bf16 GEMM of equal FLOPs.
+def _grouped_mm_experts(x, gather_ids, probs, offsets, w_gate, w_up, w_down):
+    """The same layer as ``torch._grouped_mm`` calls over all H·E experts at once (gather, gate, up, swiglu7 rounded
+    to x's dtype, down, weighted fp32 scatter-add): the library baseline. Raises where the build has no grouped GEMM
+    for x's dtype."""
+    num_tokens, num_heads, head_dim = x.shape
+    num_experts = w_gate.shape[0] // num_heads
+    offs = offsets[1:].to(torch.int32)
+    route = torch.arange(gather_ids.numel(), device=x.device)
+    head = torch.div(torch.searchsorted(offsets, route, right=True) - 1, num_experts, rounding_mode="floor")
+    rows = x[gather_ids.long(), head]
+    hidden = swiglu7(
+        torch._grouped_mm(rows, w_gate, offs=offs), torch._grouped_mm(rows, w_up, offs=offs), out_dtype=x.dtype
+    )
+    down = torch._grouped_mm(hidden, w_down, offs=offs) * probs.unsqueeze(1).to(x.dtype)
+    out = torch.zeros(num_tokens * num_heads, head_dim, device=x.device, dtype=torch.float32)
+    out.index_add_(0, gather_ids.long() * num_heads + head, down.float())
+    return out.view(num_tokens, num_heads, head_dim).to(x.dtype)
 
-    ``expert_dtype``: ``"bf16"`` or ``"fp8_e4m3"`` (FP8 banks with their scales; activations stay bf16).
+
+def bench_cuda(
+    token_counts=(4096, 29184), repeats=5, expert_dtype: str = "bf16", per_config: bool = False, torch_path=True
+) -> dict:
+    """Released shape on the GPU: Triton kernel vs torch path vs ``torch._grouped_mm`` vs one dense bf16 GEMM of
+    equal FLOPs.
+
+    ``expert_dtype``: ``"bf16"`` or ``"fp8_e4m3"`` (FP8 banks with their scales; activations stay bf16; the
+    ``torch._grouped_mm`` baseline then runs on the bf16-dequantized banks). ``per_config``: also time every tile
+    candidate of the launch table for this device and shape (atomic and deterministic; a candidate that does not
+    fit records its error). ``torch_path``: time the loop-over-experts torch path too (slow).
     """
+    from diffusers_magi2.moe import experts_triton
     from diffusers_magi2.moe.experts_triton import triton_mh_moe_forward
 
     heads, experts, top_k, head_dim, expert_dim = 12, 256, 6, 256, 1280
@@ -162,6 +192,7 @@ def bench_cuda(token_counts=(4096, 29184), repeats=5, expert_dtype: str = "bf16"
     sync = torch.cuda.synchronize
     results = {
         "device": torch.cuda.get_device_name(device),
+        "capability": list(torch.cuda.get_device_capability(device)),
         "shape": {
             "H": heads,
             "E": experts,
@@ -184,12 +215,20 @@ def bench_cuda(token_counts=(4096, 29184), repeats=5, expert_dtype: str = "bf16"
         expert_dtype=EXPERT_DTYPES[expert_dtype],
     )
     scales = tuple(getattr(module, f"{n}_scale") for n in ("W_gate", "W_up", "W_down")) if module.fp8_experts else None
+    weights = (module.W_gate, module.W_up, module.W_down)
+    keys = experts_triton.device_key(device)
+    candidates = experts_triton.tile_candidates(keys, head_dim, expert_dim, torch.bfloat16, module.W_gate.dtype)
+    results["table_entry"] = experts_triton.resolve_device_entry(keys)
+    results["candidates"] = [list(c.__dict__.values()) for c in candidates]
     with torch.no_grad():
+        if scales is None:
+            bf16_banks = weights
+        else:
+            bf16_banks = tuple((w.float() * s.unsqueeze(1)).to(torch.bfloat16) for w, s in zip(weights, scales))
         for num_tokens in token_counts:
             x = torch.randn(num_tokens, heads, head_dim, device=device, dtype=torch.bfloat16)
             probs, idx = module.route(x)
             routing = global_sort_routes(probs, idx, experts)
-            weights = (module.W_gate, module.W_up, module.W_down)
             flops = 6.0 * num_tokens * heads * top_k * head_dim * expert_dim
             entry = {}
             entry["triton_atomic_s"] = _best_of(
@@ -198,9 +237,16 @@ def bench_cuda(token_counts=(4096, 29184), repeats=5, expert_dtype: str = "bf16"
             entry["triton_deterministic_s"] = _best_of(
                 lambda: triton_mh_moe_forward(x, *routing, *weights, deterministic=True, scales=scales), repeats, sync
             )
-            entry["torch_path_s"] = _best_of(
-                lambda: torch_mh_moe_forward(x, *routing, *weights, scales=scales), 1, sync
-            )
+            if torch_path:
+                entry["torch_path_s"] = _best_of(
+                    lambda: torch_mh_moe_forward(x, *routing, *weights, scales=scales), 1, sync
+                )
+            try:
+                entry["grouped_mm_bf16_s"] = _best_of(
+                    lambda: _grouped_mm_experts(x, *routing, *bf16_banks), repeats, sync
+                )
+            except (RuntimeError, NotImplementedError) as err:
+                entry["grouped_mm_bf16_error"] = f"{type(err).__name__}: {str(err)[:200]}"
             m = num_tokens * heads * top_k
             a = torch.randn(m, head_dim, device=device, dtype=torch.bfloat16)
             w13 = torch.randn(head_dim, 2 * expert_dim, device=device, dtype=torch.bfloat16)
@@ -211,10 +257,34 @@ def bench_cuda(token_counts=(4096, 29184), repeats=5, expert_dtype: str = "bf16"
                 swiglu7(h[:, :expert_dim], h[:, expert_dim:], out_dtype=torch.bfloat16) @ w2
 
             entry["dense_bf16_gemm_s"] = _best_of(dense, repeats, sync)
-            for key in ("triton_atomic", "triton_deterministic", "torch_path", "dense_bf16_gemm"):
-                entry[f"{key}_tflops"] = flops / entry[f"{key}_s"] / 1e12
+            for key in ("triton_atomic", "triton_deterministic", "torch_path", "grouped_mm_bf16", "dense_bf16_gemm"):
+                if f"{key}_s" in entry:
+                    entry[f"{key}_tflops"] = flops / entry[f"{key}_s"] / 1e12
             entry["triton_atomic_over_dense"] = entry["dense_bf16_gemm_s"] / entry["triton_atomic_s"]
-            entry["triton_atomic_speedup_vs_torch"] = entry["torch_path_s"] / entry["triton_atomic_s"]
+            if "grouped_mm_bf16_s" in entry:
+                entry["triton_atomic_speedup_vs_grouped_mm"] = entry["grouped_mm_bf16_s"] / entry["triton_atomic_s"]
+            if "torch_path_s" in entry:
+                entry["triton_atomic_speedup_vs_torch"] = entry["torch_path_s"] / entry["triton_atomic_s"]
+            if per_config:
+                entry["per_config"] = []
+                for config in candidates:
+                    row = {"config": list(config.__dict__.values())}
+                    for mode, det in (("atomic", False), ("deterministic", True)):
+                        try:
+                            seconds = _best_of(
+                                lambda: triton_mh_moe_forward(
+                                    x, *routing, *weights, scales=scales, deterministic=det, tile_config=config
+                                ),
+                                repeats,
+                                sync,
+                            )
+                        except Exception as err:  # a candidate that does not fit this GPU: recorded, not fatal
+                            row[f"{mode}_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                            continue
+                        row[f"{mode}_s"] = seconds
+                        row[f"{mode}_tflops"] = flops / seconds / 1e12
+                        row[f"{mode}_over_dense"] = entry["dense_bf16_gemm_s"] / seconds
+                    entry["per_config"].append(row)
             results[f"S={num_tokens}"] = entry
     return results
 
@@ -231,15 +301,35 @@ def main(argv: list[str] | None = None) -> dict:
         default=["bf16"],
         help="routed-expert storage(s) to benchmark: bf16, fp8_e4m3 (default: bf16)",
     )
+    parser.add_argument(
+        "--per_config",
+        action="store_true",
+        help="CUDA: also time every launch-table tile candidate for the device (atomic and deterministic)",
+    )
+    parser.add_argument("--cuda_only", action="store_true", help="skip the CPU part")
+    parser.add_argument(
+        "--cuda_tokens", type=int, nargs="+", default=[4096, 29184], help="CUDA token counts (default 4096 29184)"
+    )
+    parser.add_argument("--no_torch_path", action="store_true", help="CUDA: skip the slow loop-over-experts path")
     args = parser.parse_args(argv)
     report = {
         "benchmark": "diffusers_magi2.moe",
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "cpu": bench_cpu(num_tokens=args.tokens, repeats=args.repeats, fp8="fp8_e4m3" in args.expert_dtype),
     }
+    if not args.cuda_only:
+        report["cpu"] = bench_cpu(num_tokens=args.tokens, repeats=args.repeats, fp8="fp8_e4m3" in args.expert_dtype)
     if torch.cuda.is_available():
-        report["cuda"] = {dtype: bench_cuda(expert_dtype=dtype) for dtype in args.expert_dtype}
+        report["cuda"] = {
+            dtype: bench_cuda(
+                token_counts=tuple(args.cuda_tokens),
+                repeats=args.repeats,
+                expert_dtype=dtype,
+                per_config=args.per_config,
+                torch_path=not args.no_torch_path,
+            )
+            for dtype in args.expert_dtype
+        }
     else:
         report["cuda"] = "skipped: no CUDA device on this machine (the Triton/GPU part needs one)"
     text = json.dumps(report, indent=2)

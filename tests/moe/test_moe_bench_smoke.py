@@ -28,3 +28,16 @@ def test_bench_moe_cpu_section_runs_and_reports_ratios() -> None:
     for key in ("full_forward_s", "experts_only_s", "dense_gemms_s"):
         assert result[key] > 0
     assert abs(result["ratio_gemms_over_full_forward"] - result["dense_gemms_s"] / result["full_forward_s"]) < 1e-12
+
+
+def test_bench_moe_grouped_mm_baseline_computes_the_layer() -> None:
+    """The ``torch._grouped_mm`` baseline the CUDA part times is the same layer as the torch path (fp32, CPU)."""
+    from test_moe_experts import random_case
+
+    from diffusers_magi2.moe.experts import torch_mh_moe_forward
+    from diffusers_magi2.moe.routing import global_sort_routes
+
+    bench = load_bench()
+    x, probs, idx, w_gate, w_up, w_down = random_case(10, 2, 4, 2, 16, 32, torch.float32, seed=4)
+    args = (x, *global_sort_routes(probs, idx, 4), w_gate, w_up, w_down)
+    torch.testing.assert_close(bench._grouped_mm_experts(*args), torch_mh_moe_forward(*args), atol=1e-5, rtol=1e-5)

@@ -157,29 +157,29 @@ def test_bf16_in_interpreter_is_finite_and_matches_torch() -> None:
 
 
 def test_tile_out_of_resources_fallback_is_cached(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 128-token tile that does not fit falls back (tried once, cached); other errors propagate."""
+    """A first tile that does not fit falls back (tried once, cached); other errors propagate."""
     monkeypatch.setattr(experts_triton, "_CHOSEN", {})
     real_launch = experts_triton._launch
-    attempts: list[int] = []
+    attempts: list = []
     fail_next_with_runtime_error = [False]
+    args = bf16_integer_case()
+    first = experts_triton.tile_candidates(("interpreter",), 64, 64, torch.bfloat16, torch.bfloat16)[0]
 
     def fake_launch(config, grid, args, constants):
-        attempts.append(config.block_t)
+        attempts.append(config)
         if fail_next_with_runtime_error[0]:
             fail_next_with_runtime_error[0] = False
             raise RuntimeError("illegal memory access")
-        if config.block_t == 128:
+        if config == first:
             raise OutOfResources(131072, 101376, "shared memory")
         return real_launch(config, grid, args, constants)
 
     monkeypatch.setattr(experts_triton, "_launch", fake_launch)
-    assert experts_triton.tile_candidates("interpreter")[0].block_t == 128  # the scenario's premise
-    args = bf16_integer_case()
     ref = torch_mh_moe_forward(*args)
     for _ in range(2):
         assert_rel_close(triton_mh_moe_forward(*args), ref, BF16_INTERPRETER_REL)
-    assert attempts.count(128) == 1
-    assert attempts[-1] < 128
+    assert attempts.count(first) == 1
+    assert attempts[-1] != first
 
     fail_next_with_runtime_error[0] = True
     with pytest.raises(RuntimeError, match="illegal memory access"):
@@ -226,14 +226,43 @@ def test_triton_low_precision_and_mixed_dtypes(act_dtype: torch.dtype, weight_dt
     assert_rel_close(triton_mh_moe_forward(*args), ref, 1e-5 if act_dtype == torch.float32 else 1e-2)
 
 
-def test_tile_candidates_per_device_longest_match() -> None:
-    """Per-device tile tables: the longest device-name key wins ("NVIDIA H200" is not "NVIDIA H20")."""
-    experts_triton._CANDIDATES_CACHE.clear()
-    h200 = experts_triton.tile_candidates("NVIDIA H200")
-    l40 = experts_triton.tile_candidates("NVIDIA L40S")
-    other = experts_triton.tile_candidates("Some Future GPU")
-    assert h200[0].block_t == 128 and l40[0].block_t == 64
-    assert other == experts_triton.tile_candidates("interpreter")  # the "default" table
-    for table in (h200, l40, other):
-        assert all(c.block_t >= 16 and c.block_dh >= 16 and c.block_de >= 16 for c in table)  # tl.dot minimum
-        assert table[-1].block_t == 16  # the smallest tile is always the last resort
+def test_launch_table_entries_resolve_and_end_with_the_smallest_tile() -> None:
+    """Every device entry (after aliases) has a ``"*"`` list; every list ends with the 16-route tile (last resort)
+    and has tiles no smaller than ``tl.dot``'s minimum."""
+    table = experts_triton._launch_table()
+    for key in (k for k in table if not k.startswith("_")):
+        shapes = table[experts_triton.resolve_device_entry((key,))]
+        assert "*" in shapes, key
+        for rows in shapes.values():
+            configs = [experts_triton.TileConfig(*row) for row in rows]
+            assert all(c.block_t >= 16 and c.block_de >= 16 and c.num_stages >= 1 for c in configs)
+            assert configs[-1].block_t == 16
+
+
+def test_tile_candidates_by_device_name_then_arch_then_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device-name keys win over the architecture (longest match: "NVIDIA H200" is not "NVIDIA H20"), then
+    ``sm_XY``, then ``default``; shapes the entry does not name take its ``"*"`` list; lookups are cached."""
+    table = {
+        "NVIDIA H20": {"*": [[32, 16, 4, 3], [16, 16, 4, 1]]},
+        "NVIDIA H200": "sm_90",
+        "sm_90": {"256x1280 bfloat16/float8_e4m3fn": [[64, 16, 8, 3]], "*": [[64, 32, 8, 3], [16, 16, 4, 1]]},
+        "default": {"*": [[16, 16, 4, 1]]},
+    }
+    monkeypatch.setattr(experts_triton, "_launch_table", lambda: table)
+    experts_triton.tile_candidates.cache_clear()
+    try:
+        cands = experts_triton.tile_candidates
+        fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+        assert cands(("NVIDIA H200", "sm_90"), 256, 1280, bf16, fp8)[0] == experts_triton.TileConfig(64, 16, 8, 3)
+        assert cands(("NVIDIA H200", "sm_90"), 256, 1280, bf16, bf16)[0].block_de == 32  # "*"
+        assert cands(("NVIDIA H20", "sm_90"), 256, 1280, bf16, fp8)[0].block_t == 32  # name before arch
+        assert cands(("NVIDIA H100 80GB HBM3", "sm_90"), 64, 64, bf16, bf16)[0].block_t == 64
+        assert cands(("Some Future GPU", "sm_120"), 64, 64, bf16, bf16)[0].block_t == 16
+        assert cands.cache_info().hits == 0
+        cands(("Some Future GPU", "sm_120"), 64, 64, bf16, bf16)
+        assert cands.cache_info().hits == 1
+    finally:
+        experts_triton.tile_candidates.cache_clear()
+    assert (
+        experts_triton.shape_key(256, 1280, torch.bfloat16, torch.float8_e4m3fn) == "256x1280 bfloat16/float8_e4m3fn"
+    )
