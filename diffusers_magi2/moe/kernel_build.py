@@ -98,12 +98,17 @@ class BuildResult:
 
 
 def missing_tools() -> Optional[str]:
-    """``None`` when Triton's bundled ``ptxas`` and ``cuobjdump`` are present, else a sentence saying which is not."""
+    """``None`` when Triton's bundled ``ptxas`` and ``cuobjdump`` and the JIT internals the builds use are present,
+    else a sentence saying what is not."""
     try:
         from triton import knobs
-    except ImportError as err:  # pragma: no cover - Triton is a dependency on Linux
-        return f"Triton cannot be imported ({err})"
-    for name in ("ptxas", "ptxas_blackwell", "cuobjdump"):
+        from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: F401
+    except ImportError as err:
+        return f"Triton's compiler internals cannot be imported ({err})"
+    if not hasattr(JITFunction, "_pack_args"):
+        return "this Triton's JIT has no _pack_args (the builds mirror Triton 3.9's launch specialisation)"
+    names = ["ptxas", "cuobjdump"] + (["ptxas_blackwell"] if hasattr(knobs.nvidia, "ptxas_blackwell") else [])
+    for name in names:
         try:
             path = getattr(knobs.nvidia, name).path
         except Exception as err:  # the knob raises when the binary cannot be found
@@ -191,8 +196,9 @@ def _compile(kernel, args: tuple, kwargs: dict, arch: int):
     backend = make_backend(target)
     kwargs = dict(kwargs)
     kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # as JITFunction.run sets them (3.9)
+        if hasattr(knobs.compilation, name):
+            kwargs[name] = getattr(knobs.compilation, name)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
