@@ -16,6 +16,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0.dev0"
 
+from .loaders.lora_pipeline_magi2 import Magi2LoraLoaderMixin
 from .models.transformer_magi2 import Magi2Transformer3DModel, Magi2TransformerOutput
 from .models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel, Magi2RefinerTransformerOutput
 from .models.turbo_vae import Magi2TurboVAEDecoder
@@ -32,6 +33,7 @@ from .utils.export import export_to_video_with_audio
 
 __all__ = [
     "Magi2ExpertParallelConfig",
+    "Magi2LoraLoaderMixin",
     "Magi2MultiHeadMoE",
     "Magi2MultiHeadMoEConfig",
     "Magi2Pipeline",

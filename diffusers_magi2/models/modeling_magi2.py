@@ -6,7 +6,8 @@
 * ``save_pretrained`` keeps other variants' shards, which diffusers 0.42's save deletes;
 * ``enable_layerwise_casting`` matches islands as name components (diffusers matches substrings, so ``"gate"``
   would skip ``up_gate_proj``) and casts the modality-grouped linears too;
-* LoRA (``PeftAdapterMixin``) on the single-modality ``nn.Linear`` s; targeting a grouped one raises.
+* LoRA (``PeftAdapterMixin``) on every projection and router gate (:mod:`.lora_magi2`): PEFT's layers, ours for
+  the modality-grouped projections; ``fuse_lora`` / ``unfuse_lora`` restore the weights bit for bit.
 """
 
 from __future__ import annotations
@@ -207,50 +208,88 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
                 apply_layerwise_casting_hook(module, storage_dtype, compute_dtype, non_blocking)
 
     def modality_grouped_linear_names(self) -> list[str]:
-        """Names of the modality-grouped projections (they take no LoRA)."""
+        """Names of the modality-grouped projections (LoRA wraps them with ``Magi2GroupedLoraLinear``)."""
         return [name for name, module in self.named_modules() if isinstance(module, Magi2ModalityGroupedLinear)]
 
-    @staticmethod
-    def _grouped_lora_error(names: list[str] | None) -> ValueError:
-        what = "the modality-grouped projection(s) " + (
-            ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
-            if names
-            else "of the multimodal layers"
-        )
-        return ValueError(
-            f"LoRA cannot target {what}: they hold one weight block per modality (video, audio, text) and are not "
-            "nn.Linear. Target the single-modality projections only, e.g. add "
-            "exclude_modules=model.modality_grouped_linear_names() to the LoraConfig."
-        )
-
     def add_adapter(self, adapter_config, adapter_name: str = "default") -> None:
-        """``PeftAdapterMixin.add_adapter``.
+        """``PeftAdapterMixin.add_adapter``; the grouped projections take :mod:`.lora_magi2`'s LoRA layer and the
+        router gates PEFT's ``target_parameters`` (``"mlp.moe_mlp.gate"``)."""
+        from .lora_magi2 import register_magi2_lora_layers
 
-        Raises:
-            ValueError: ``adapter_config`` targets a modality-grouped projection (all are listed).
-        """
-        from peft.tuners.tuners_utils import check_target_module_exists
-
-        targeted = [
-            name for name in self.modality_grouped_linear_names() if check_target_module_exists(adapter_config, name)
-        ]
-        if targeted:
-            raise self._grouped_lora_error(targeted)
-        return super().add_adapter(adapter_config, adapter_name)
+        return super().add_adapter(register_magi2_lora_layers(adapter_config), adapter_name)
 
     def load_lora_adapter(
         self, pretrained_model_name_or_path_or_dict, prefix="transformer", hotswap: bool = False, **kwargs
     ):
-        """``PeftAdapterMixin.load_lora_adapter`` (files from ``save_lora_adapter`` need ``prefix=None``).
+        """Load a LoRA adapter into this model (any layout of :mod:`~diffusers_magi2.loaders.lora_conversion_magi2`).
+
+        Args:
+            pretrained_model_name_or_path_or_dict: a state dict, a LoRA file, or a folder/repo (``weight_name``).
+            prefix: component prefix of diffusers-layout keys to keep (``None``: the keys are the model's own).
+            hotswap: not supported (raises).
+            adapter_name: name of the new adapter (default ``default_{n}``).
+            metadata: the adapter's ``LoraConfig`` fields (read from a saved file when not given).
+            mirai_scale: scale of a mirai layout's ``B @ A`` (default 1.0; ``None``: the file's ``alpha / rank``).
+            Other keyword arguments: diffusers' file lookup (``weight_name``, ``subfolder``, ...).
 
         Raises:
-            ValueError: the adapter targets a modality-grouped projection (nothing is loaded).
+            ValueError: unknown keys, shapes or ranks that do not fit, non-tensor values, a used adapter name, or
+                ``hotswap=True``; nothing is loaded then.
         """
-        try:
-            return super().load_lora_adapter(
-                pretrained_model_name_or_path_or_dict, prefix=prefix, hotswap=hotswap, **kwargs
-            )
-        except ValueError as error:
-            if Magi2ModalityGroupedLinear.__name__ in str(error):
-                raise self._grouped_lora_error(None) from error
-            raise
+        from ..loaders.lora_conversion_magi2 import (
+            MIRAI_SCALE,
+            convert_lora_state_dict,
+            detect_lora_layout,
+            read_lora_state_dict,
+        )
+        from .lora_magi2 import load_magi2_lora_adapter
+
+        if hotswap:
+            raise ValueError("hotswap is not supported for MAGI-2 LoRA adapters; unload and load instead")
+        adapter_name = kwargs.pop("adapter_name", None)
+        metadata = kwargs.pop("metadata", None)
+        mirai_scale = kwargs.pop("mirai_scale", MIRAI_SCALE)
+        layout = kwargs.pop("layout", None)
+        for unused in ("network_alphas", "_pipeline", "low_cpu_mem_usage"):
+            kwargs.pop(unused, None)
+        state_dict, file_metadata = read_lora_state_dict(pretrained_model_name_or_path_or_dict, **kwargs)
+        metadata = metadata if metadata is not None else file_metadata
+        layout = layout or detect_lora_layout(state_dict)
+        component = prefix or "transformer"
+        if layout != "diffusers":
+            state_dict = convert_lora_state_dict(state_dict, layout, component, mirai_scale)
+        head = f"{component}."
+        state_dict = {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}
+        if metadata and any(k.startswith(head) for k in metadata):
+            metadata = {k[len(head) :]: v for k, v in metadata.items() if k.startswith(head)}
+        if not state_dict:
+            raise ValueError(f"the LoRA ({layout} layout) has no keys for the component {component!r}")
+        if adapter_name is None:
+            from diffusers.utils.peft_utils import get_adapter_name
+
+            adapter_name = get_adapter_name(self)
+        load_magi2_lora_adapter(self, state_dict, adapter_name, metadata=metadata, layout=layout)
+
+    def check_lora_adapter(self, state_dict: dict, adapter_name: str, metadata=None, layout: str = "peft") -> None:
+        """Check a LoRA in model keys (``<module>.lora_A.weight`` ...) against this model without loading it.
+
+        Raises:
+            ValueError: what :meth:`load_lora_adapter` would raise for it.
+        """
+        from .lora_magi2 import check_magi2_lora_adapter
+
+        check_magi2_lora_adapter(self, state_dict, adapter_name, metadata, layout)
+
+    def fuse_lora(self, lora_scale=1.0, safe_fusing=False, adapter_names=None):
+        """``PeftAdapterMixin.fuse_lora``, keeping each adapted weight's unfused copy for an exact
+        :meth:`unfuse_lora` (one extra copy of the adapted weights until then)."""
+        from .lora_magi2 import keep_unfused_weights
+
+        keep_unfused_weights(self)
+        return super().fuse_lora(lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)
+
+    def unfuse_lora(self):
+        """Undo :meth:`fuse_lora`: every fused weight gets its kept copy back, bit for bit."""
+        from .lora_magi2 import unfuse_magi2_lora
+
+        unfuse_magi2_lora(self)

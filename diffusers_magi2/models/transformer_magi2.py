@@ -25,6 +25,7 @@ from diffusers.utils import BaseOutput
 
 from ..loaders.expert_parallel import ExpertParallelLoaderMixin
 from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
+from ..moe.layer import Magi2MultiHeadMoE
 from ..moe.quantize import EXPERT_DTYPES, parse_expert_dtype
 from ..moe.quantize import FP8_SCALE_NAMES as _FP8_SCALE_NAMES
 from ..utils.backends import check_backend, resolve_backend
@@ -40,6 +41,7 @@ from .attention_magi2 import (
 from .cache_magi2 import Magi2CacheMixin
 from .context_parallel_magi2 import Magi2ContextParallelMixin
 from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward
+from .lora_magi2 import lora_scale_from_attention_kwargs
 from .mhc import mhc_coefficients, mhc_hyper_connect, mhc_matmul_scale, mhc_reduce_streams
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, Modality
 from .modeling_magi2 import Magi2ModelMixin
@@ -219,8 +221,8 @@ class Magi2Transformer3DModel(
         *_MHC_PARAM_NAMES,
     ]
     ignore_for_config = ["params_dtype"]
-    #: ``attention_kwargs`` keys :meth:`forward` takes: none (any key raises).
-    supported_attention_kwargs: tuple = ()
+    #: ``attention_kwargs`` keys :meth:`forward` takes: ``"scale"``, the LoRA scale (diffusers' ``apply_lora_scale``).
+    supported_attention_kwargs: tuple = ("scale",)
 
     @register_to_config
     def __init__(
@@ -334,9 +336,9 @@ class Magi2Transformer3DModel(
 
     def set_moe_backend(self, backend: str = "auto", **kwargs) -> None:
         """Apply ``Magi2MultiHeadMoE.set_backend(backend, **kwargs)`` to every MoE layer."""
-        for block in self.transformer_blocks:
-            if isinstance(block.mlp, Magi2MoEFeedForward):
-                block.mlp.moe_mlp.set_backend(backend, **kwargs)
+        for module in self.modules():  # a router LoRA wraps ``mlp.moe_mlp``; the MoE itself is inside
+            if isinstance(module, Magi2MultiHeadMoE):
+                module.set_backend(backend, **kwargs)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
@@ -359,6 +361,7 @@ class Magi2Transformer3DModel(
             kwargs["local_files_only"] = offline
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
+    @lora_scale_from_attention_kwargs
     def forward_packed(
         self,
         hidden_states: torch.Tensor,
@@ -377,14 +380,14 @@ class Magi2Transformer3DModel(
             modality_mapping: ``[N]`` :class:`Modality` ids.
             cu_seqlens: ``[S+1]`` segment boundaries; segments attend separately.
             time_embedding: ``[N, time_embed_dim]``, written over channels ``[0:dim]`` after the adapters.
-            attention_kwargs: must be ``None`` or empty.
+            attention_kwargs: ``{"scale": s}`` scales the loaded LoRA adapters by ``s`` for this call (or ``None``).
             return_layer_outputs: also return the residual after each layer, ``[N, n*C]`` fp32.
 
         Returns:
             ``[N, max(Cv, Ca)]`` fp32 (and the list of layer outputs if requested).
 
         Raises:
-            ValueError: on inconsistent shapes, or any ``attention_kwargs`` key.
+            ValueError: on inconsistent shapes, or an ``attention_kwargs`` key other than ``"scale"``.
         """
         self.check_attention_kwargs(attention_kwargs)
         n_tok = hidden_states.shape[0]
@@ -453,6 +456,7 @@ class Magi2Transformer3DModel(
         """:func:`unpack_magi2_outputs` with this model's config."""
         return unpack_magi2_outputs(self.config, packed_out, packed)
 
+    @lora_scale_from_attention_kwargs
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -474,14 +478,14 @@ class Magi2Transformer3DModel(
             audio_hidden_states: ``[B, La, Ca]`` noisy audio latent.
             encoder_attention_mask: ``[B, Lt]`` bool prefix mask of real text tokens; ``None`` = all real.
             image_latents: ``[B, Cv, 1, h, w]`` I2V reference latent, with ``image_embeds`` ``[B, Ct]``.
-            attention_kwargs: must be ``None`` or empty.
+            attention_kwargs: ``{"scale": s}`` scales the loaded LoRA adapters by ``s`` for this call (or ``None``).
             return_dict: return :class:`Magi2TransformerOutput` (else a tuple).
 
         Returns:
             ``Magi2TransformerOutput(sample [B, Cv, T, H, W] fp32, audio_sample [B, La, Ca] fp32)``.
 
         Raises:
-            ValueError: bad shapes (see :meth:`pack_inputs`), or any ``attention_kwargs`` key.
+            ValueError: bad shapes (see :meth:`pack_inputs`), or an ``attention_kwargs`` key other than ``"scale"``.
         """
         self.check_attention_kwargs(attention_kwargs)
         packed = self.pack_inputs(

@@ -33,6 +33,7 @@ from .attention_magi2 import (
 from .cache_magi2 import Magi2CacheMixin
 from .context_parallel_magi2 import Magi2ContextParallelMixin
 from .feedforward_magi2 import Magi2FeedForward
+from .lora_magi2 import lora_scale_from_attention_kwargs
 from .modality import Magi2ModalityDispatch, Modality
 from .modeling_magi2 import Magi2ModelMixin
 from .packing_magi2 import pack_refiner_sample, unpack_refiner_sample
@@ -149,8 +150,9 @@ class Magi2RefinerTransformer3DModel(
     _repeated_blocks = ["Magi2RefinerTransformerBlock"]
     _keep_in_fp32_modules = ["pre_adapter", "post_adapter", "pre_norm", "q_norm", "k_norm"]
     _skip_layerwise_casting_patterns = ["pre_adapter", "post_adapter", "norm"]
-    #: ``attention_kwargs`` keys :meth:`forward` / :meth:`forward_packed` take: none (kernels are processors).
-    supported_attention_kwargs: tuple = ()
+    #: ``attention_kwargs`` keys :meth:`forward` / :meth:`forward_packed` take: ``"scale"``, the LoRA scale
+    #: (diffusers' ``apply_lora_scale``); kernels are chosen with processors.
+    supported_attention_kwargs: tuple = ("scale",)
 
     @register_to_config
     def __init__(
@@ -248,6 +250,7 @@ class Magi2RefinerTransformer3DModel(
                 h = block(h, rotary_emb, dispatch, mask)
         return self.post_adapter(dispatch.unsort(h).float(), dispatch.modality_ids)
 
+    @lora_scale_from_attention_kwargs
     def forward_packed(
         self,
         x: torch.Tensor,
@@ -268,10 +271,10 @@ class Magi2RefinerTransformer3DModel(
             window_geometry: the block-window geometry; or
             q_ranges, k_ranges: the reference's ``[P, 2]`` ranges, as a dense mask (small inputs only).
                 With neither, attention is dense.
-            attention_kwargs: must be ``None`` or empty (see :func:`~.attention_magi2.check_attention_kwargs`).
+            attention_kwargs: ``{"scale": s}`` scales the loaded LoRA adapters by ``s`` for this call (or ``None``).
 
         Returns ``[N, max(Cv, Ca)]`` fp32; ValueError for inconsistent shapes, unknown modality ids, both a geometry
-        and ranges, or any ``attention_kwargs`` key.
+        and ranges, or an ``attention_kwargs`` key other than ``"scale"``.
         """
         check_attention_kwargs(type(self).__name__, attention_kwargs, self.supported_attention_kwargs)
         if x.dim() != 2 or coords_mapping.shape != (x.shape[0], 9) or modality_mapping.shape != (x.shape[0],):
@@ -313,6 +316,7 @@ class Magi2RefinerTransformer3DModel(
         out = self._run(emb, rope, dispatch, mask)
         return out if cp is None else cp.gather(out)
 
+    @lora_scale_from_attention_kwargs
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -329,14 +333,14 @@ class Magi2RefinerTransformer3DModel(
             encoder_hidden_states: ``[B, Lt, Ct]`` text features.
             audio_hidden_states: ``[B, La, Ca]`` audio latent, or ``None``.
             encoder_attention_mask: ``[B, Lt]`` bool, True = real text token; ``None`` = all valid.
-            attention_kwargs: must be ``None`` or empty.
+            attention_kwargs: ``{"scale": s}`` scales the loaded LoRA adapters by ``s`` for this call (or ``None``).
             return_dict: return :class:`Magi2RefinerTransformerOutput` (else a tuple).
 
         Returns:
             ``sample`` ``[B, Cv, T, H, W]`` fp32 and ``audio_sample`` ``[B, La, Ca]`` fp32 or ``None``.
 
         Raises:
-            ValueError: wrong ranks, channel counts, batch sizes or mask shape; any ``attention_kwargs`` key.
+            ValueError: wrong ranks, channel counts, batch sizes or mask shape; an ``attention_kwargs`` key other than ``"scale"``.
         """
         check_attention_kwargs(type(self).__name__, attention_kwargs, self.supported_attention_kwargs)
         cfg = self.config

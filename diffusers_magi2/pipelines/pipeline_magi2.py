@@ -25,6 +25,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
 # imported by name: diffusers resolves model_index.json's ``diffusers_magi2.models.*`` through sys.modules
+from ..loaders.lora_pipeline_magi2 import Magi2LoraLoaderMixin
 from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..models.turbo_vae import Magi2TurboVAEDecoder
@@ -81,7 +82,7 @@ def _per_video(embeds: torch.Tensor, mask: torch.Tensor | None, num_videos_per_p
     return embeds.repeat_interleave(num_videos_per_prompt, 0), mask.repeat_interleave(num_videos_per_prompt, 0)
 
 
-class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
+class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoaderMixin):
     r"""MAGI-2 Preview: a 10 s video with a stereo soundtrack from a prompt, optionally conditioned on an image.
 
     Components:
@@ -584,7 +585,8 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline):
             image_embeds: ``[B, C]`` special-token embedding; required with ``image`` + ``prompt_embeds``.
             output_type: ``"np"`` (default), ``"pil"``, ``"pt"`` or ``"latent"``.
             return_dict: return :class:`Magi2PipelineOutput` (else a tuple ``(frames, audio)``).
-            attention_kwargs: keys for the models that declare them (the MAGI-2 models declare none).
+            attention_kwargs: keys for the models that declare them; both MAGI-2 models take ``"scale"``, the scale
+                of the loaded LoRA adapters for this call (``load_lora_weights``).
             callback_on_step_end: ``fn(pipe, step, timestep, tensors)`` after each step of either stage (``step``
                 counts within the stage); a returned dict may replace any of the tensor inputs.
             callback_on_step_end_tensor_inputs: names from ``_callback_tensor_inputs``.

@@ -398,13 +398,13 @@ def test_bad_packed_input_raises_value_error():
 
 
 def test_attention_kwargs_are_never_silently_dropped():
-    """The transformer takes no attention kwargs: any key raises ``ValueError`` (forward and
-    forward_packed) instead of being ignored; ``None`` and ``{}`` run and give the same output."""
+    """The transformer takes only the LoRA ``scale``: any other key raises ``ValueError`` (forward and
+    forward_packed) instead of being ignored; ``None``, ``{}`` and a scale without LoRA give the same output."""
     model = tiny_model()
     kwargs = tiny_inputs()
-    assert model.supported_attention_kwargs == ()
-    for bad in ({"scale": 1.0}, {"window_backend": "sdpa"}):
-        with pytest.raises(ValueError, match=r"does not support attention_kwargs .*allowed keys: \[\]"):
+    assert model.supported_attention_kwargs == ("scale",)
+    for bad in ({"lora_rank": 1}, {"window_backend": "sdpa"}):
+        with pytest.raises(ValueError, match=r"does not support attention_kwargs .*allowed keys: \['scale'\]"):
             model(**kwargs, attention_kwargs=bad)
     with pytest.raises(ValueError, match="attention_kwargs must be a dict"):
         model(**kwargs, attention_kwargs=[("scale", 1.0)])
@@ -416,12 +416,13 @@ def test_attention_kwargs_are_never_silently_dropped():
             packed.modality_mapping,
             packed.cu_seqlens,
             packed.time_embedding,
-            attention_kwargs={"scale": 1.0},
+            attention_kwargs={"lora_rank": 1},
         )
     with torch.no_grad():
         plain = model(**kwargs).sample
         empty = model(**kwargs, attention_kwargs={}).sample
-    assert torch.equal(plain, empty)
+        scaled = model(**kwargs, attention_kwargs={"scale": 0.5}).sample
+    assert torch.equal(plain, empty) and torch.equal(plain, scaled)
 
 
 def test_i2v_and_batch_rows_are_independent_segments():

@@ -232,17 +232,20 @@ def test_lora_adapter_equals_its_weights_merged_and_survives_save_and_load(fixtu
     assert rel_l2(_forward(model, d, prefix), merged) <= 1e-5
 
 
-def test_lora_on_a_modality_grouped_projection_is_refused(fixtures_dir):
-    model = _model(fixtures_dir, "preview_h4", torch.float32)
-    with pytest.raises(ValueError, match=r"modality-grouped projection.*transformer_blocks\.0\.attention\.linear_qkv"):
-        model.add_adapter(LoraConfig(r=2, target_modules=["linear_qkv"]))
-    assert not any(isinstance(m, BaseTunerLayer) for m in model.modules())
-    assert not getattr(model, "peft_config", None)
-
-    sd = {
-        "transformer_blocks.0.attention.linear_qkv.lora_A.weight": torch.zeros(2, 128),
-        "transformer_blocks.0.attention.linear_qkv.lora_B.weight": torch.zeros(3 * 384, 2),
-    }
-    with pytest.raises(ValueError, match="modality-grouped projection"):
-        model.load_lora_adapter(sd, prefix=None)
-    assert not any(isinstance(m, BaseTunerLayer) for m in model.modules())
+def test_lora_on_modality_grouped_projections_equals_its_weights_merged(fixtures_dir):
+    """The grouped projections take a LoRA too (one ``A`` for the three modalities, ``B`` stacking their row
+    blocks): the adapted model equals ``W + s * B @ A`` merged by hand."""
+    base = _model(fixtures_dir, "preview_h4", torch.float32)
+    model = copy.deepcopy(base)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["linear_qkv"])
+    model.add_adapter(config)
+    _fill_lora(model, seed=1)
+    grouped = model.transformer_blocks[0].attention.linear_qkv
+    assert type(grouped).__name__ == "Magi2GroupedLoraLinear"
+    assert isinstance(grouped.get_base_layer(), Magi2ModalityGroupedLinear)
+    assert grouped.lora_A["default"].weight.shape == (2, 128) and grouped.lora_B["default"].weight.shape == (1152, 2)
+    d = _fp32_case(str(fixtures_dir), "preview_h4")
+    out = _forward(model, d)
+    merged = _forward(_merged_by_hand(base, model, config.lora_alpha / config.r), d)
+    assert rel_l2(out, _forward(base, d)) > 1e-3
+    assert rel_l2(out, merged) <= 1e-5

@@ -133,13 +133,13 @@ def test_refiner_settings_reach_the_stage():
 
 def test_attention_kwargs_reach_the_model_that_declares_them():
     """Each key goes to the model listing it in ``supported_attention_kwargs``; a key no model of the
-    call takes raises before any model runs. Both real MAGI-2 models declare none, and an old refiner
+    call takes raises before any model runs. Both real MAGI-2 models declare only the LoRA ``scale``, and an old refiner
     kernel key names the processor that chooses the kernel now."""
     from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
     from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 
-    assert Magi2Transformer3DModel.supported_attention_kwargs == ()
-    assert Magi2RefinerTransformer3DModel.supported_attention_kwargs == ()
+    assert Magi2Transformer3DModel.supported_attention_kwargs == ("scale",)
+    assert Magi2RefinerTransformer3DModel.supported_attention_kwargs == ("scale",)
     pipe = make_pipe()
     pipe.transformer.supported_attention_kwargs = ()
     pipe.refiner.supported_attention_kwargs = ("refiner_only",)
@@ -165,8 +165,8 @@ def test_attention_kwargs_reach_the_model_that_declares_them():
 
     seen.clear()
     pipe.refiner.calls.clear()
-    with pytest.raises(ValueError, match=r"does not support attention_kwargs \['scale'\]; allowed keys"):
-        pipe(**common, **SMALL, attention_kwargs={"scale": 1.0})
+    with pytest.raises(ValueError, match=r"does not support attention_kwargs \['lora_rank'\]; allowed keys"):
+        pipe(**common, **SMALL, attention_kwargs={"lora_rank": 1})
     with pytest.raises(ValueError, match=r"allowed keys: \[\]"):  # the refiner's key on a single-stage call
         pipe(**common, height=32, width=48, num_inference_steps=1, attention_kwargs={"refiner_only": 7})
     with pytest.raises(ValueError, match=r"for window_backend use set_attn_processor"):

@@ -28,7 +28,7 @@ class NoTextEncoder(torch.nn.Module):
 def pipe():
     transformer = StandInTransformer()
     transformer.register_to_config(text_in_channels=8)  # the width of embeds() below
-    transformer.supported_attention_kwargs = ()  # as Magi2Transformer3DModel: takes none
+    transformer.supported_attention_kwargs = ()  # takes none
     vae = tiny_wan22_vae()
     vae.encode_calls = []
 
@@ -151,8 +151,8 @@ BAD = {
     ),
     # attention_kwargs: every key must reach a model that uses it
     "unknown attention_kwargs": (
-        {"prompt": "x", "attention_kwargs": {"scale": 1.0}},
-        r"does not support attention_kwargs \['scale'\]",
+        {"prompt": "x", "attention_kwargs": {"lora_rank": 1}},
+        r"does not support attention_kwargs \['lora_rank'\]",
     ),
     "a moved kernel key in attention_kwargs": (
         {"prompt": "x", "attention_kwargs": {"window_backend": "sdpa"}},

@@ -209,11 +209,13 @@ def test_bad_inputs_raise(model_fp32, fp32_case):
         model_fp32(
             hidden_states=lat, encoder_hidden_states=txt, encoder_attention_mask=torch.ones(1, 3, dtype=torch.bool)
         )
-    with pytest.raises(ValueError, match=r"does not support attention_kwargs \['scale'\]; allowed keys: \[\]"):
-        model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs={"scale": 1.0})
+    with pytest.raises(
+        ValueError, match=r"does not support attention_kwargs \['lora_rank'\]; allowed keys: \['scale'\]"
+    ):
+        model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs={"lora_rank": 1})
     with pytest.raises(ValueError, match="attention_kwargs must be a dict"):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs=[("window_backend", "sdpa")])
-    assert Magi2RefinerTransformer3DModel.supported_attention_kwargs == ()
+    assert Magi2RefinerTransformer3DModel.supported_attention_kwargs == ("scale",)
     # kernel keys are processor options now: the error names the diffusers-style call
     with pytest.raises(ValueError, match=r"for window_backend use set_attn_processor\(Magi2WindowAttnProcessor"):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs={"window_backend": "sdpa"})
