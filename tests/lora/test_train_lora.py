@@ -1,0 +1,171 @@
+"""``examples/train_lora.py`` on the tiny default pipeline (CPU): it overfits one synthetic clip, its LoRA loads
+into a fresh pipeline, gradients reach exactly the LoRA parameters, it resumes, CP2 x EP2 over two gloo processes
+trains like one process, and bad datasets stop it before training."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "parallel"))
+from ep_spawn_utils import run_on_ranks  # noqa: E402
+from train_workers import load_train_script, train_on_rank  # noqa: E402
+
+from diffusers_magi2 import build_tiny_default_pipeline  # noqa: E402
+
+
+script = load_train_script()
+
+
+def synthetic_clip(folder: Path, seed: int = 0, frames: int = 2) -> Path:
+    """One cached clip for the tiny default: latents ``[48, T, 2, 2]``, 5 text states of width 64."""
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    save_file(
+        {"latents": torch.randn(48, frames, 2, 2, generator=g), "text_states": torch.randn(5, 64, generator=g)},
+        str(folder / "clip.magi2.safetensors"),
+    )
+    return folder
+
+
+def argv(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["--data_dir", str(data), "--output_dir", str(out), "--rank", "4", "--seed", "3", *extra]
+
+
+def write_video(path: Path, size: tuple[int, int], frames: int = 5) -> None:
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=12)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for i in range(frames):
+            img = np.full((size[1], size[0], 3), 40 * i, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def test_overfits_one_clip_and_its_lora_changes_a_fresh_pipeline(tmp_path):
+    data = synthetic_clip(tmp_path / "data")
+    out = tmp_path / "out"
+    losses = script.train(
+        script.parse_args(argv(data, out, "--max_steps", "30", "--learning_rate", "1e-2", "--fixed_noise"))
+    )
+    print(f"\nloss step 1 {losses[0]:.4f}, step 30 {losses[-1]:.4f} ({losses[-1] / losses[0]:.2f} x)")
+    assert len(losses) == 30 and losses[-1] <= 0.5 * losses[0]
+    assert (out / "checkpoint-30" / "pytorch_lora_weights.safetensors").is_file()
+
+    pipe = build_tiny_default_pipeline()
+    clip = load_file(str(data / "clip.magi2.safetensors"))
+    inputs = {
+        "hidden_states": clip["latents"][None],
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": clip["text_states"][None],
+        "audio_hidden_states": torch.zeros(1, 4, 64),
+    }
+    with torch.no_grad():
+        before = pipe.transformer(**inputs).sample
+        pipe.load_lora_weights(out, adapter_name="trained")
+        after = pipe.transformer(**inputs).sample
+    assert ((after - before).norm() / before.norm()).item() > 1e-3
+    saved = load_file(str(out / "pytorch_lora_weights.safetensors"))
+    trained = train_state(script.train.pipe.transformer)
+    assert sorted(k.removeprefix("transformer.") for k in saved) == sorted(trained)
+    assert all(torch.equal(saved["transformer." + k], v) for k, v in trained.items())
+
+
+def train_state(transformer) -> dict:
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(transformer, adapter_name="default")
+
+
+def test_gradients_reach_every_lora_parameter_and_no_frozen_weight(tmp_path):
+    """All target kinds (single-modality and grouped projections, router gates, shared experts) get gradients;
+    nothing else does."""
+    args = script.parse_args(
+        argv(tmp_path, tmp_path / "o", "--targets", "linear_qkv,linear_proj,router,shared_experts")
+    )
+    pipe = build_tiny_default_pipeline()
+    trainable = script.add_lora(pipe.transformer, args)
+    kinds = {type(m).__name__ for m in pipe.transformer.modules() if hasattr(m, "lora_A")}
+    assert kinds == {"Linear", "Magi2GroupedLoraLinear", "ParamWrapper"}
+    with torch.no_grad():  # B starts at zero, which would leave A without gradient
+        for name, p in trainable.items():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    sample = script.load_cache(synthetic_clip(tmp_path / "d") / "clip.magi2.safetensors", pipe.transformer)
+    loss = script.training_loss(pipe.transformer, sample, torch.Generator().manual_seed(0), torch.device("cpu"))
+    loss.backward()
+    missing = [n for n, p in trainable.items() if p.grad is None or not bool(p.grad.abs().sum() > 0)]
+    assert not missing
+    frozen = [n for n, p in pipe.transformer.named_parameters() if n not in trainable]
+    assert frozen and all(
+        not p.requires_grad and p.grad is None for n, p in pipe.transformer.named_parameters() if n in frozen
+    )
+
+
+def test_resume_continues_the_run_exactly(tmp_path):
+    data = synthetic_clip(tmp_path / "data")
+    full = script.train(script.parse_args(argv(data, tmp_path / "a", "--max_steps", "4", "--checkpoint_every", "2")))
+    first = script.train(script.parse_args(argv(data, tmp_path / "b", "--max_steps", "2", "--checkpoint_every", "2")))
+    rest = script.train(
+        script.parse_args(
+            argv(data, tmp_path / "b", "--max_steps", "4", "--checkpoint_every", "2", "--resume", "latest")
+        )
+    )
+    assert first == full[:2] and rest == full[2:]
+
+
+def test_cp2_ep2_over_two_gloo_processes_trains_like_one_process(tmp_path):
+    data = synthetic_clip(tmp_path / "data", frames=3)
+    single = script.train(script.parse_args(argv(data, tmp_path / "one", "--max_steps", "3")))
+    ranks = run_on_ranks(
+        train_on_rank, 2, argv(data, tmp_path / "two", "--max_steps", "3", "--ep_degree", "2"), deadline_s=240.0
+    )
+    print(f"\nper-step loss, 1 process {single}, CP2 x EP2 rank 0 {ranks[0]['losses']}")
+    assert all(r["ulysses_degree"] == 2 and r["ep_sizes"] == [2] for r in ranks)
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(single, ranks[0]["losses"]))
+
+
+@pytest.mark.parametrize("case", ["missing caption", "unreadable video", "size the VAE cannot take"])
+def test_bad_dataset_names_the_file_and_stops_before_training(tmp_path, case):
+    data = tmp_path / "data"
+    data.mkdir()
+    if case == "missing caption":
+        write_video(data / "a.mp4", (32, 32))
+        bad, match = data / "a.mp4", "missing or empty caption a.txt"
+    elif case == "unreadable video":
+        (data / "b.mp4").write_bytes(b"not a video at all")
+        (data / "b.txt").write_text("a caption")
+        bad, match = data / "b.mp4", "unreadable video"
+    else:
+        write_video(data / "c.mp4", (40, 24))
+        (data / "c.txt").write_text("a caption")
+        bad, match = data / "c.mp4", "40x24 frames; the VAE takes heights and widths that are multiples of 16"
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=match) as error:
+        script.train(script.parse_args(argv(data, out, "--cache", "--max_steps", "1")))
+    assert str(bad) in str(error.value)
+    assert not out.exists() and not list(data.glob("*.magi2.safetensors"))
+
+
+def test_cache_encodes_videos_with_the_pipeline_vae_and_text_encoder(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_video(data / "clip.mp4", (32, 32), frames=6)  # 6 frames: cut to 4k + 1 = 5
+    (data / "clip.txt").write_text("A red fox trots through fresh snow")
+    losses = script.train(script.parse_args(argv(data, tmp_path / "out", "--cache", "--max_steps", "1")))
+    cache = load_file(str(data / "clip.magi2.safetensors"))
+    assert cache["latents"].shape == (48, 2, 2, 2) and cache["text_states"].shape[1] == 64
+    assert len(losses) == 1 and np.isfinite(losses[0])
