@@ -169,3 +169,27 @@ def test_cache_encodes_videos_with_the_pipeline_vae_and_text_encoder(tmp_path):
     cache = load_file(str(data / "clip.magi2.safetensors"))
     assert cache["latents"].shape == (48, 2, 2, 2) and cache["text_states"].shape[1] == 64
     assert len(losses) == 1 and np.isfinite(losses[0])
+
+
+def test_gradient_checkpointing_gives_the_same_lora_gradients(tmp_path):
+    sample = None
+    grads = []
+    for checkpointing in (False, True):
+        extra = ("--targets", "linear_qkv,linear_proj,router") + (
+            ("--gradient_checkpointing",) if checkpointing else ()
+        )
+        args = script.parse_args(argv(tmp_path, tmp_path / "o", *extra))
+        pipe = build_tiny_default_pipeline()
+        trainable = script.add_lora(pipe.transformer, args)
+        with torch.no_grad():
+            for name, p in trainable.items():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+        sample = sample or script.load_cache(
+            synthetic_clip(tmp_path / "d") / "clip.magi2.safetensors", pipe.transformer
+        )
+        script.training_loss(
+            pipe.transformer, sample, torch.Generator().manual_seed(0), torch.device("cpu")
+        ).backward()
+        grads.append({n: p.grad.clone() for n, p in trainable.items()})
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.allclose(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7) for n in grads[0])
