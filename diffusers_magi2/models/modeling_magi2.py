@@ -233,8 +233,8 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
             Other keyword arguments: diffusers' file lookup (``weight_name``, ``subfolder``, ...).
 
         Raises:
-            ValueError: unknown keys, shapes or ranks that do not fit, non-tensor values, a used adapter name, or
-                ``hotswap=True``; nothing is loaded then.
+            ValueError: unknown keys, shapes or ranks that do not fit, non-tensor values, a used adapter name,
+                ``network_alphas`` or ``hotswap=True``; nothing is loaded then.
         """
         from ..loaders.lora_conversion_magi2 import (
             MIRAI_SCALE,
@@ -250,7 +250,11 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         metadata = kwargs.pop("metadata", None)
         mirai_scale = kwargs.pop("mirai_scale", MIRAI_SCALE)
         layout = kwargs.pop("layout", None)
-        for unused in ("network_alphas", "_pipeline", "low_cpu_mem_usage"):
+        if kwargs.pop("network_alphas", None) is not None:
+            raise ValueError(
+                "network_alphas is not supported here; put each alpha in the state dict as <module>.alpha"
+            )
+        for unused in ("_pipeline", "low_cpu_mem_usage"):  # diffusers' loaders pass them; nothing to do here
             kwargs.pop(unused, None)
         state_dict, file_metadata = read_lora_state_dict(pretrained_model_name_or_path_or_dict, **kwargs)
         metadata = metadata if metadata is not None else file_metadata
