@@ -5,8 +5,8 @@ runtime scale (``attention_kwargs={"scale": ...}``, ``set_adapters`` weights):
 
 * single-modality projections (:class:`~.modality.Magi2Linear`, an ``nn.Linear``): PEFT's ``lora.Linear``;
 * modality-grouped projections (:class:`~.modality.Magi2ModalityGroupedLinear`, weight ``[M*out, in]`` with one
-  block per modality): :func:`grouped_lora_layer_class` (``Magi2GroupedLoraLinear``), a small PEFT LoRA layer of ours (registered through
-  ``LoraConfig._register_custom_module``). ``A`` is shared by the modalities and ``B``'s rows stack the
+  block per modality): :func:`grouped_lora_layer_class` (``Magi2GroupedLoraLinear``), a small PEFT LoRA layer of
+  ours (registered through ``LoraConfig._register_custom_module``). ``A`` is shared by the modalities and ``B``'s rows stack the
   video | audio | text blocks, as in the weight, so token ``t`` of modality ``m`` gets
   ``s * B[m*out:(m+1)*out] @ (A @ x_t)`` and the merged weight is exactly ``W + s * B @ A``;
 * the router gate of a MoE layer (``Magi2MultiHeadMoE.gate`` ``[H*E, Dh]``, one ``A [r, Dh]`` shared by the ``H``
@@ -128,7 +128,7 @@ def grouped_lora_layer_class() -> type:
 
 
 def register_magi2_lora_layers(config) -> Any:
-    """Register :class:`Magi2GroupedLoraLinear` for the grouped projections on a ``peft.LoraConfig``; returns it."""
+    """Register ``Magi2GroupedLoraLinear`` (:func:`grouped_lora_layer_class`) for the grouped projections on a ``peft.LoraConfig``; returns it."""
     config._register_custom_module({Magi2ModalityGroupedLinear: grouped_lora_layer_class()})
     return config
 
