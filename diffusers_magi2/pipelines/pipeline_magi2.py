@@ -4,7 +4,8 @@ and ``Magi2PreviewSampler`` at commit ``f68a0f9``).
 Per preview step, one forward on ``[cond; uncond]`` and CFG ``v = v_u + g (v_c - v_u)`` (``g`` = 5 video, 7
 audio). On the 1080p path the refiner stage upsamples the final video latent to ``2T - 1`` frames, re-noises
 it from the same ``generator`` and denoises it with its own CFG; audio is not refined. Both stages run one
-sampler (``_denoise``: cache context per forward, ``interrupt``, callbacks, progress bar). The refiner is a
+sampler, inline as diffusers' Wan loop (``_denoise``: the loop, a cache context per forward, ``interrupt``,
+callbacks, progress bar); ``refiner_stage`` gives it the refiner's first latent and velocity. The refiner is a
 stage, not a pipeline of its own as LTX-2's upsampler is: the 1080p preset is one call that continues the
 preview's generator stream and reuses its text embeddings, callbacks and decoding.
 """
@@ -42,11 +43,10 @@ from .presets_magi2 import (
     apply_resolution_preset,
     resolve_stage_sizes,
 )
-from .refiner_stage import Magi2RefinerStageConfig, run_refiner_stage
+from .refiner_stage import Magi2RefinerStageConfig, prepare_refiner_latents, refiner_velocity
 from .sampling_magi2 import (
+    cache_context,
     check_scheduler,
-    combine_guidance,
-    denoise_steps,
     flow_schedulers,
     pad_text_batch,
     unshifted_sigmas,
@@ -319,7 +319,7 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoader
         self, height: int, width: int, preview_height: int | None = None, preview_width: int | None = None
     ) -> tuple[bool, int, int]:
         """``(refine, denoise_height, denoise_width)`` of a call (:func:`~.presets_magi2.resolve_stage_sizes`)."""
-        default_preview = (int(self.config.get("preview_height", 512)), int(self.config.get("preview_width", 896)))
+        default_preview = (int(self.config.preview_height), int(self.config.preview_width))
         return resolve_stage_sizes(height, width, preview_height, preview_width, default_preview)
 
     def refiner_stage_config(
@@ -327,15 +327,13 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoader
     ) -> Magi2RefinerStageConfig:
         """The :class:`Magi2RefinerStageConfig` of a call (``None`` arguments take the config's values)."""
         cfg = self.config
-        if num_inference_steps is None:
-            num_inference_steps = cfg.get("refiner_num_inference_steps", 5)
-        if guidance_scale is None:
-            guidance_scale = cfg.get("refiner_guidance_scale", 2.0)
         return Magi2RefinerStageConfig(
-            num_inference_steps=int(num_inference_steps),
-            shift=float(cfg.get("refiner_shift", 5.0)),
-            guidance_scale=float(guidance_scale),
-            noise_value=int(cfg.get("refiner_noise_value", 220)),
+            num_inference_steps=int(
+                cfg.refiner_num_inference_steps if num_inference_steps is None else num_inference_steps
+            ),
+            shift=float(cfg.refiner_shift),
+            guidance_scale=float(cfg.refiner_guidance_scale if guidance_scale is None else guidance_scale),
+            noise_value=int(cfg.refiner_noise_value),
             sigma_start=float(cfg.sigma_start),
             vae_stride_spatial=self.vae_scale_factor_spatial,
         )
@@ -437,10 +435,17 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoader
         prompt_attention_mask,
         negative_prompt_attention_mask,
         image_embeds,
+        height,
+        width,
         device,
-    ):
-        """``__call__``'s text step: :meth:`encode_prompt` (I2V prompts with the ``<Figure 1>`` reference and its
-        pooled token) and ``image_embeds`` per video; returns the four text tensors and ``image_embeds``."""
+    ) -> list:
+        """``__call__``'s image and text step: the I2V image's latent (encoded first, as SandAI does), then
+        :meth:`encode_prompt` (I2V prompts with the ``<Figure 1>`` reference and its pooled token). Returns the four text
+        tensors, ``image_embeds`` per video and ``image_latents`` ``[1, 48, 1, h, w]`` (``None`` without an image)."""
+        image_latents = None
+        if image is not None:
+            pixels = self.preprocess_reference_image(image, height, width)
+            image_latents = self.encode_reference_image(pixels).to(device)
         if prompts is not None and image is not None:
             prompts = [add_figure_reference(p) for p in prompts]
             prompt_embeds, prompt_attention_mask, pooled = self.encode_text(
@@ -462,7 +467,7 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoader
         )
         if image_embeds is not None:
             image_embeds = image_embeds.to(device).repeat_interleave(num_videos_per_prompt, 0)
-        return (*embeds, image_embeds)
+        return [*embeds, image_embeds, image_latents]
 
     def _stage_progress_bar(self, total: int, description: str):
         """A diffusers progress bar labelled with the stage."""
@@ -674,55 +679,33 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoader
             batch_size = prompt_embeds.shape[0]
         num_videos = batch_size * num_videos_per_prompt
 
-        # Context parallel: CP rank 0 alone encodes the image and the text and broadcasts them; it alone decodes.
-        cp_group = getattr(self.transformer, "context_parallel_group", None)
-        first_rank = cp_group is None or cp_group.rank == 0
-
-        # 2. reference image (encoded first, like the reference engine)
-        image_latents = None
-        if image is not None and first_rank:
-            pixels = self.preprocess_reference_image(image, denoise_height, denoise_width)
-            image_latents = self.encode_reference_image(pixels).to(device)
-
-        # 3. text; I2V prompts get the <Figure 1> reference and its pooled token from the same pass
+        # 2-3. reference image and text, encoded on CP rank 0 alone and broadcast (SandAI encodes the image first);
+        # I2V prompts get the <Figure 1> reference and its pooled token from the same pass
         need_negative = self.do_classifier_free_guidance or (refine and refiner_config.guidance_scale != 1.0)
-        if first_rank:
-            (
-                prompt_embeds,
-                prompt_attention_mask,
-                negative_prompt_embeds,
-                negative_prompt_attention_mask,
-                image_embeds,
-            ) = self._encode_conditioning(
-                prompts,
-                negative_prompt,
-                image,
-                need_negative,
-                num_videos_per_prompt,
-                prompt_embeds,
-                negative_prompt_embeds,
-                prompt_attention_mask,
-                negative_prompt_attention_mask,
-                image_embeds,
-                device,
-            )
-        if cp_group is not None:
-            conditioning = [
-                prompt_embeds,
-                prompt_attention_mask,
-                negative_prompt_embeds,
-                negative_prompt_attention_mask,
-                image_embeds,
-                image_latents,
-            ]
-            (
-                prompt_embeds,
-                prompt_attention_mask,
-                negative_prompt_embeds,
-                negative_prompt_attention_mask,
-                image_embeds,
-                image_latents,
-            ) = broadcast_from_first_rank(conditioning, cp_group, device)
+        (
+            prompt_embeds,
+            prompt_attention_mask,
+            negative_prompt_embeds,
+            negative_prompt_attention_mask,
+            image_embeds,
+            image_latents,
+        ) = self._on_first_cp_rank(
+            self._encode_conditioning,
+            prompts,
+            negative_prompt,
+            image,
+            need_negative,
+            num_videos_per_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            prompt_attention_mask,
+            negative_prompt_attention_mask,
+            image_embeds,
+            denoise_height,
+            denoise_width,
+            device,
+            broadcast=True,
+        )
         if image_latents is not None:
             image_latents = image_latents.expand(num_videos, -1, -1, -1, -1)
 
@@ -739,72 +722,37 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoader
             "prompt_embeds": prompt_embeds,
             "negative_prompt_embeds": negative_prompt_embeds,
         }
-        steps = {
-            "callback_on_step_end": callback_on_step_end,
-            "callback_on_step_end_tensor_inputs": callback_on_step_end_tensor_inputs,
+        conditioning = {
+            "prompt_attention_mask": prompt_attention_mask,
+            "negative_prompt_attention_mask": negative_prompt_attention_mask,
+            "image_latents": image_latents,
+            "image_embeds": image_embeds,
         }
-        branch = "cond_uncond" if self.do_classifier_free_guidance else "cond"
-
-        def predict(i, t, tensors, context):
-            with context(branch):
-                video, audio = self.predict_velocity(
-                    tensors["latents"],
-                    tensors["audio_latents"],
-                    t,
-                    tensors["prompt_embeds"],
-                    prompt_attention_mask,
-                    tensors["negative_prompt_embeds"],
-                    negative_prompt_attention_mask,
-                    image_latents,
-                    image_embeds,
-                )
-            return {"latents": video, "audio_latents": audio}
-
+        callbacks = (callback_on_step_end, callback_on_step_end_tensor_inputs)
         schedulers = {"latents": video_scheduler, "audio_latents": audio_scheduler}
-        self._denoise(self.transformer, timesteps, tensors, schedulers, predict, "Denoising", **steps)
+        self._denoise(self.transformer, timesteps, tensors, schedulers, conditioning, "Denoising", *callbacks)
 
         # 6. refiner stage; its re-noise continues the generator after the preview draws
         fps = float(self.config.fps)
         if refine and not self.interrupt:
-
-            def refiner_denoise(model, timesteps, stage_tensors, schedulers, predict):
-                tensors.update(stage_tensors)
-                return self._denoise(model, timesteps, tensors, schedulers, predict, "Refining", **steps)
-
-            tensors["latents"] = run_refiner_stage(
-                self.refiner,
-                tensors["latents"],
-                tensors["prompt_embeds"],
-                tensors["negative_prompt_embeds"],
-                self.scheduler,
-                height=height,
-                width=width,
-                prompt_attention_mask=prompt_attention_mask,
-                negative_prompt_attention_mask=negative_prompt_attention_mask,
-                config=refiner_config,
-                generator=generator,
-                attention_kwargs=attention_kwargs_for(self.refiner, attention_kwargs),
-                denoise=refiner_denoise,
+            tensors["latents"], refiner_scheduler = prepare_refiner_latents(
+                tensors["latents"], self.scheduler, refiner_config, height, width, generator
             )
+            conditioning["guidance_scale"] = refiner_config.guidance_scale
+            schedulers = {"latents": refiner_scheduler}
+            timesteps = refiner_scheduler.timesteps
+            self._denoise(self.refiner, timesteps, tensors, schedulers, conditioning, "Refining", *callbacks)
             fps = 2.0 * fps
         latents, audio_latents = tensors["latents"], tensors["audio_latents"]
 
         # 7. decode (under context parallelism on CP rank 0 only; the other ranks return no frames and no audio)
         if output_type == "latent":
             frames, audio, sample_rate, fps = latents, audio_latents, None, None
-        elif not first_rank:
-            frames, audio, sample_rate = None, None, self.audio_sample_rate
         else:
-            with self._stage_progress_bar(2, "Decoding video and audio") as progress_bar:
-                video = self.decode_video(latents)
-                if output_height is not None:
-                    video = resize_video_frames(video, output_height, output_width)
-                frames = self.video_processor.postprocess_video(video, output_type=output_type)
-                progress_bar.update()
-                audio = self.decode_audio(audio_latents)
-                progress_bar.update()
-            if output_type == "pt":
-                audio = torch.from_numpy(audio)
+            decoded = self._on_first_cp_rank(
+                self._decode_outputs, latents, audio_latents, output_type, output_height, output_width
+            )
+            frames, audio = (None, None) if decoded is None else decoded
             sample_rate = self.audio_sample_rate
 
         self.maybe_free_model_hooks()
@@ -812,42 +760,112 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoader
             return (frames, audio)
         return Magi2PipelineOutput(frames=frames, audio=audio, audio_sample_rate=sample_rate, fps=fps)
 
+    def _on_first_cp_rank(self, fn: Callable, *args, broadcast: bool = False):
+        """``fn(*args)`` on CP rank 0 alone (on the one process without context parallelism). With ``broadcast``
+        (``fn`` returns a list of tensors or ``None``) every rank gets rank 0's list; else the other ranks get ``None``."""
+        cp = getattr(self.transformer, "context_parallel_group", None)
+        if cp is None:
+            return fn(*args)
+        result = fn(*args) if cp.rank == 0 else None
+        if broadcast:
+            return broadcast_from_first_rank(result or [], cp, self._execution_device)
+        return result
+
+    def _decode_outputs(self, latents, audio_latents, output_type: str, output_height, output_width):
+        """``__call__``'s decoding step: ``(frames in output_type, audio)``, the frames resized if asked."""
+        with self._stage_progress_bar(2, "Decoding video and audio") as progress_bar:
+            video = self.decode_video(latents)
+            if output_height is not None:
+                video = resize_video_frames(video, output_height, output_width)
+            frames = self.video_processor.postprocess_video(video, output_type=output_type)
+            progress_bar.update()
+            audio = self.decode_audio(audio_latents)
+            progress_bar.update()
+        if output_type == "pt":
+            audio = torch.from_numpy(audio)
+        return frames, audio
+
     def _denoise(
         self,
         model,
         timesteps,
-        tensors,
-        schedulers,
-        predict,
-        description,
+        tensors: dict,
+        schedulers: dict,
+        conditioning: dict,
+        description: str,
         callback_on_step_end,
         callback_on_step_end_tensor_inputs,
     ) -> dict:
-        """The sampler of both stages: ``denoise_steps`` with progress bar, interrupt and step callbacks."""
+        """The sampler of both stages (``model`` is the transformer or the refiner), as diffusers' Wan loop.
+
+        Per step ``t``: the guided velocity of each latent in ``schedulers``, each forward in its cache context (the
+        preview: one forward on ``[cond; uncond]``, :meth:`predict_velocity`; the refiner: cond then uncond, one
+        forward per sample, :func:`~.refiner_stage.refiner_velocity`), one scheduler step per latent, then the step
+        callback, which may replace any entry of ``tensors`` (the step table, updated in place and returned).
+        ``conditioning`` holds the masks and I2V tensors (and the refiner's ``guidance_scale``).
+        """
         self._num_timesteps = len(timesteps)
+        refining = model is not self.transformer
         with self._stage_progress_bar(len(timesteps), description) as progress_bar:
-
-            def predict_step(i, t, tensors, context):
+            for i, t in enumerate(timesteps):
+                if self.interrupt:
+                    continue
                 self._current_timestep = t
-                return predict(i, t, tensors, context)
-
-            def on_step_end(i, t, tensors):
-                outputs = {}
+                context = {"step_index": i, "num_inference_steps": len(timesteps), "timestep": t}
+                if not refining:
+                    branch = "cond_uncond" if self.do_classifier_free_guidance else "cond"
+                    with cache_context(model, branch, **context):
+                        video, audio = self.predict_velocity(
+                            tensors["latents"],
+                            tensors["audio_latents"],
+                            t,
+                            tensors["prompt_embeds"],
+                            conditioning["prompt_attention_mask"],
+                            tensors["negative_prompt_embeds"],
+                            conditioning["negative_prompt_attention_mask"],
+                            conditioning["image_latents"],
+                            conditioning["image_embeds"],
+                        )
+                    velocities = {"latents": video, "audio_latents": audio}
+                else:
+                    # cond then uncond text (only uncond at scale 0, only cond at 1); the refiner runs the samples of
+                    # a batch one by one through its blocks, so each sample's forward has its own cache context
+                    g = conditioning["guidance_scale"]
+                    branches = ("uncond",) if g == 0.0 else ("cond",) if g == 1.0 else ("cond", "uncond")
+                    latents = tensors["latents"]
+                    batch = latents.shape[0]
+                    attention_kwargs = attention_kwargs_for(model, self.attention_kwargs)
+                    branch_velocity = {}
+                    for branch in branches:
+                        prefix = "negative_" if branch == "uncond" else ""
+                        embeds = tensors[f"{prefix}prompt_embeds"]
+                        mask = conditioning[f"{prefix}prompt_attention_mask"]
+                        rows = []
+                        for b in range(batch):
+                            with cache_context(model, f"{branch}_{b}", **context):
+                                rows.append(
+                                    refiner_velocity(
+                                        model,
+                                        latents[b : b + 1],
+                                        embeds[b : b + 1],
+                                        None if mask is None else mask[b : b + 1],
+                                        attention_kwargs,
+                                    )
+                                )
+                        branch_velocity[branch] = torch.cat(rows, dim=0)
+                    if len(branches) == 1:
+                        velocities = {"latents": branch_velocity[branches[0]]}
+                    else:
+                        scale = torch.tensor(float(g), dtype=torch.float32, device=latents.device)
+                        v_c, v_u = branch_velocity["cond"], branch_velocity["uncond"]
+                        velocities = {"latents": v_u + scale * (v_c - v_u)}
+                for name, velocity in velocities.items():
+                    tensors[name] = schedulers[name].step(velocity, t, tensors[name], return_dict=False)[0]
                 if callback_on_step_end is not None:
                     inputs = {name: tensors[name] for name in callback_on_step_end_tensor_inputs}
                     outputs = callback_on_step_end(self, i, t, inputs) or {}
+                    tensors.update({name: value for name, value in outputs.items() if name in tensors})
                 progress_bar.update()
-                return {name: value for name, value in outputs.items() if name in tensors}
-
-            denoise_steps(
-                model,
-                timesteps,
-                tensors,
-                schedulers,
-                predict_step,
-                on_step_end=on_step_end,
-                skip_step=lambda: self.interrupt,
-            )
         self._current_timestep = None
         return tensors
 
@@ -899,5 +917,5 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoader
         audio = output.audio_sample.float()
         if not cfg:
             return video, audio
-        video = combine_guidance(video, batch, self.guidance_scale)
-        return video, combine_guidance(audio, batch, self.audio_guidance_scale)
+        video = video[batch:] + self.guidance_scale * (video[:batch] - video[batch:])
+        return video, audio[batch:] + self.audio_guidance_scale * (audio[:batch] - audio[batch:])

@@ -1,24 +1,29 @@
-"""The 1080p refiner stage of MAGI-2 (SandAI ``Magi2InferenceEngine.evaluate_magi2_refiner_with_latent``).
+"""The 1080p refiner stage of MAGI-2 (SandAI ``Magi2InferenceEngine.evaluate_magi2_refiner_with_latent``), as plain
+functions; ``Magi2Pipeline._denoise`` runs its loop.
 
-On the final preview video latent ``[B, 48, T, h, w]``:
+On the final preview video latent ``[B, 48, T, h, w]`` (:func:`prepare_refiner_latents`):
 
 1. trilinear upsample (``align_corners=True``) to ``[B, 48, 2T - 1, H/16, W/16]``;
-2. VP re-noise ``x = s x + sqrt(1 - s^2) eps``, ``s`` = entry ``noise_value`` (220) of the zero-terminal-SNR
+2. VP re-noise ``x = s x + sqrt(1 - s^2) eps``, ``s`` = entry ``noise_value`` of the zero-terminal-SNR
    DDPM table (:func:`zero_snr_refiner_sigmas`);
-3. a fresh Flow-UniPC (the pipeline's scheduler with ``flow_shift = shift``), two forwards per step (cond,
-   then uncond text; no timestep, no audio) combined as ``v = v_u + g (v_c - v_u)``.
+3. a fresh Flow-UniPC (the pipeline's scheduler with ``flow_shift = shift``) on the unshifted sigmas
+   ``linspace(sigma_start, 0, N + 1)[:-1]``.
+
+Per step, :func:`refiner_velocity` runs one forward per sample and text branch (cond, then uncond; no timestep, no
+audio), combined as ``v = v_u + g (v_c - v_u)``. The settings come from the pipeline's config only
+(:class:`Magi2RefinerStageConfig`).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from diffusers.utils.torch_utils import randn_tensor
 
-from .sampling_magi2 import denoise_steps, unshifted_sigmas
+from .sampling_magi2 import unshifted_sigmas
 
 
 __all__ = [
@@ -29,13 +34,15 @@ __all__ = [
     "upsample_preview_latents",
     "renoise_latents",
     "make_refiner_scheduler",
-    "run_refiner_stage",
+    "prepare_refiner_latents",
+    "refiner_velocity",
 ]
 
 
 @dataclass
 class Magi2RefinerStageConfig:
-    """Refiner-stage settings (defaults: SandAI ``magi2_refiner.json`` ``evaluation_config``).
+    """Refiner-stage settings of one call, from ``Magi2Pipeline.config`` (``Magi2Pipeline.refiner_stage_config``;
+    the converter writes SandAI's ``magi2_refiner.json`` ``evaluation_config`` values there).
 
     Attributes:
         num_inference_steps: Flow-UniPC steps.
@@ -46,12 +53,12 @@ class Magi2RefinerStageConfig:
         vae_stride_spatial: pixels per latent cell.
     """
 
-    num_inference_steps: int = 5
-    shift: float = 5.0
-    guidance_scale: float = 2.0
-    noise_value: int = 220
-    sigma_start: float = 0.999
-    vae_stride_spatial: int = 16
+    num_inference_steps: int
+    shift: float
+    guidance_scale: float
+    noise_value: int
+    sigma_start: float
+    vae_stride_spatial: int
 
 
 def zero_snr_refiner_sigmas(
@@ -68,7 +75,7 @@ def zero_snr_refiner_sigmas(
     return a
 
 
-def refiner_renoise_scale(noise_value: int = 220) -> torch.Tensor:
+def refiner_renoise_scale(noise_value: int) -> torch.Tensor:
     """Signal scale ``s`` of the re-noise (``[]`` fp32).
 
     Raises:
@@ -97,7 +104,7 @@ def upsample_preview_latents(latents: torch.Tensor, latent_height: int, latent_w
     )
 
 
-def renoise_latents(latents: torch.Tensor, noise: torch.Tensor, noise_value: int = 220) -> torch.Tensor:
+def renoise_latents(latents: torch.Tensor, noise: torch.Tensor, noise_value: int) -> torch.Tensor:
     """VP re-noise ``s latents + sqrt(1 - s^2) noise``; ``noise_value == 0`` returns ``latents``.
 
     Raises:
@@ -111,7 +118,7 @@ def renoise_latents(latents: torch.Tensor, noise: torch.Tensor, noise_value: int
     return latents * s + noise * (1 - s**2) ** 0.5
 
 
-def make_refiner_scheduler(scheduler: Any, shift: float = 5.0):
+def make_refiner_scheduler(scheduler: Any, shift: float):
     """A fresh scheduler of the same class as ``scheduler`` with ``flow_shift = shift``.
 
     Raises:
@@ -126,122 +133,67 @@ def make_refiner_scheduler(scheduler: Any, shift: float = 5.0):
     return type(scheduler).from_config(cfg, flow_shift=float(shift))
 
 
-def _velocity(out: Any) -> torch.Tensor:
-    if hasattr(out, "sample"):
-        return out.sample
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return out
-
-
-def run_refiner_stage(
-    refiner: Callable[..., Any],
+def prepare_refiner_latents(
     latents: torch.Tensor,
-    prompt_embeds: torch.Tensor,
-    negative_prompt_embeds: Optional[torch.Tensor],
     scheduler: Any,
-    *,
-    height: int = 1088,
-    width: int = 1920,
-    prompt_attention_mask: Optional[torch.Tensor] = None,
-    negative_prompt_attention_mask: Optional[torch.Tensor] = None,
-    config: Optional[Magi2RefinerStageConfig] = None,
-    noise: Optional[torch.Tensor] = None,
+    config: Magi2RefinerStageConfig,
+    height: int,
+    width: int,
     generator: Optional[Union[torch.Generator, list]] = None,
-    attention_kwargs: Optional[dict] = None,
-    callback_on_step_end: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None,
-    denoise: Optional[Callable[..., dict]] = None,
-) -> torch.Tensor:
-    """Run the refiner stage (module docstring) on a final preview latent.
+    noise: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Any]:
+    """The refiner stage's first latent and its scheduler (steps 1-3 of the module docstring).
 
     Args:
-        refiner: a ``Magi2RefinerTransformer3DModel`` or a callable with its keyword API.
-        latents: ``[B, C, T, h, w]`` final preview video latent (fp32).
-        prompt_embeds / negative_prompt_embeds: ``[B, Lt, Ct]`` text features; the negative ones may be
-            ``None`` only when ``guidance_scale == 1``.
+        latents: ``[B, C, T, h, w]`` final preview video latent.
         scheduler: the pipeline's scheduler (:func:`make_refiner_scheduler` derives the stage's).
+        config: the call's :class:`Magi2RefinerStageConfig`.
         height, width: output pixels.
-        prompt_attention_mask / negative_prompt_attention_mask: optional ``[B, Lt]`` valid-token masks.
-        config: :class:`Magi2RefinerStageConfig` (released defaults).
-        noise: fixed re-noise ``[B, C, 2T-1, H, W]``; else drawn with ``generator`` (fp32).
-        attention_kwargs: passed to the refiner.
-        callback_on_step_end: ``fn(step_index, timestep, latents)`` after each step.
-        denoise: the loop ``denoise(refiner, timesteps, tensors, schedulers, predict)`` (default
-            :func:`~diffusers_magi2.pipelines.sampling_magi2.denoise_steps`); not with ``callback_on_step_end``.
+        generator: draws the re-noise (fp32), continuing the preview's stream; a list draws one row each.
+        noise: fixed re-noise ``[B, C, 2T - 1, H/16, W/16]`` instead.
 
     Returns:
-        ``[B, C, 2T - 1, H, W]`` fp32 refined latent.
+        ``(latents [B, C, 2T - 1, H/16, W/16] fp32, scheduler)``; the scheduler's ``timesteps`` are the stage's.
 
     Raises:
-        ValueError: bad shapes, a missing negative prompt with CFG, a non-flow scheduler, or both
-            ``callback_on_step_end`` and ``denoise``.
+        ValueError: ``latents`` not 5-D, a size below one latent cell, a ``noise`` of another shape, a
+            ``noise_value`` outside ``[0, 999]`` or a non-flow scheduler.
     """
-    from diffusers.utils.torch_utils import randn_tensor
-
-    cfg = config or Magi2RefinerStageConfig()
-    if denoise is not None and callback_on_step_end is not None:
-        raise ValueError("pass callback_on_step_end or denoise (which runs its own callbacks), not both")
-    if latents.dim() != 5:
-        raise ValueError(f"latents must be [B, C, T, h, w], got {tuple(latents.shape)}")
-    if prompt_embeds.dim() != 3 or prompt_embeds.shape[0] != latents.shape[0]:
-        raise ValueError(f"prompt_embeds must be [{latents.shape[0]}, Lt, Ct], got {tuple(prompt_embeds.shape)}")
-    use_cfg = cfg.guidance_scale != 1.0
-    uncond_only = cfg.guidance_scale == 0.0
-    if use_cfg and negative_prompt_embeds is None:
-        raise ValueError("negative_prompt_embeds are required when the refiner guidance_scale != 1")
-    if negative_prompt_embeds is not None and (
-        negative_prompt_embeds.dim() != 3 or negative_prompt_embeds.shape[0] != latents.shape[0]
-    ):
-        raise ValueError(
-            f"negative_prompt_embeds must be [{latents.shape[0]}, Lt, Ct], got {tuple(negative_prompt_embeds.shape)}"
-        )
-    lh, lw = refiner_latent_size(height, width, cfg.vae_stride_spatial)
+    lh, lw = refiner_latent_size(height, width, config.vae_stride_spatial)
     x = upsample_preview_latents(latents.float(), lh, lw)
-    if int(cfg.noise_value) != 0:
+    if int(config.noise_value) != 0:
         if noise is None:
             noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-        x = renoise_latents(x, noise.to(x.device, torch.float32), cfg.noise_value)
+        x = renoise_latents(x, noise.to(x.device, torch.float32), config.noise_value)
+    stage_scheduler = make_refiner_scheduler(scheduler, config.shift)
+    stage_scheduler.set_timesteps(
+        sigmas=unshifted_sigmas(config.sigma_start, config.num_inference_steps), device=x.device
+    )
+    stage_scheduler.set_begin_index(0)
+    return x, stage_scheduler
 
-    sched = make_refiner_scheduler(scheduler, cfg.shift)
-    sched.set_timesteps(sigmas=unshifted_sigmas(cfg.sigma_start, cfg.num_inference_steps), device=x.device)
-    sched.set_begin_index(0)
-    g = torch.tensor(float(cfg.guidance_scale), dtype=torch.float32, device=x.device)
-    masks = {"cond": prompt_attention_mask, "uncond": negative_prompt_attention_mask}
 
-    def forward(branch, tensors, context):
-        # one forward per sample, each in its own cache context (the refiner runs the samples of a
-        # batch one after another through its blocks, so a cache hook must not mix them)
-        latents, mask = tensors["latents"], masks[branch]
-        embeds = tensors["negative_prompt_embeds" if branch == "uncond" else "prompt_embeds"]
-        batch = latents.shape[0]
-        rows = []
-        for b in range(batch):
-            pick = (lambda v: v) if batch == 1 else (lambda v: None if v is None else v[b : b + 1])
-            with context(f"{branch}_{b}"):
-                out = refiner(
-                    hidden_states=pick(latents),
-                    encoder_hidden_states=pick(embeds),
-                    encoder_attention_mask=pick(mask),
-                    attention_kwargs=attention_kwargs,
-                )
-            rows.append(_velocity(out).float())
-        return torch.cat(rows, dim=0) if batch > 1 else rows[0]
+def refiner_velocity(
+    refiner: Any,
+    latents: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_attention_mask: Optional[torch.Tensor] = None,
+    attention_kwargs: Optional[dict] = None,
+) -> torch.Tensor:
+    """One refiner forward (no timestep, no audio): the fp32 velocity ``[B, C, T, H, W]`` of ``latents`` for the text
+    ``prompt_embeds`` ``[B, Lt, Ct]`` (``prompt_attention_mask`` ``[B, Lt]``, ``None`` = all real tokens).
 
-    def predict(i, t, tensors, context):
-        if uncond_only:
-            return {"latents": forward("uncond", tensors, context)}
-        if not use_cfg:
-            return {"latents": forward("cond", tensors, context)}
-        v_c = forward("cond", tensors, context)
-        v_u = forward("uncond", tensors, context)
-        return {"latents": v_u + g * (v_c - v_u)}
-
-    if denoise is None:
-
-        def on_step_end(i, t, tensors):
-            if callback_on_step_end is not None:
-                callback_on_step_end(i, t, tensors["latents"])
-
-        denoise = functools.partial(denoise_steps, on_step_end=on_step_end)
-    tensors = {"latents": x, "prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds}
-    return denoise(refiner, sched.timesteps, tensors, {"latents": sched}, predict)["latents"]
+    ``refiner`` is a ``Magi2RefinerTransformer3DModel`` or a callable with its keyword API returning an output with
+    ``.sample``, a tuple or a tensor.
+    """
+    out = refiner(
+        hidden_states=latents,
+        encoder_hidden_states=prompt_embeds,
+        encoder_attention_mask=prompt_attention_mask,
+        attention_kwargs=attention_kwargs,
+    )
+    if hasattr(out, "sample"):
+        out = out.sample
+    elif isinstance(out, (tuple, list)):
+        out = out[0]
+    return out.float()

@@ -1,9 +1,8 @@
 """Sampler pieces of the MAGI-2 pipeline (SandAI ``Magi2PreviewSampler``): flow-matching UniPC schedules, the
-CFG batch and the one denoising loop of both stages.
+CFG batch and a forward's cache context; ``Magi2Pipeline._denoise`` runs the loop of both stages with them.
 
-Step ``i`` at timestep ``t``: ``predict`` returns a velocity per latent (forwards inside ``model.cache_context``),
-each latent steps ``x <- step(v, t, x)``, then ``on_step_end`` may replace any tensor of the step table.
-Sigmas are ``linspace(sigma_start, 0, N + 1)[:-1]``; the scheduler applies its ``flow_shift`` once.
+Sigmas are ``linspace(sigma_start, 0, N + 1)[:-1]``; the scheduler applies its ``flow_shift`` once. Per step ``t``
+each latent steps ``x <- step(v, t, x)`` with its guided velocity ``v = v_u + g (v_c - v_u)``.
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ from diffusers.models.cache_utils import CacheMixin
 __all__ = [
     "cache_context",
     "check_scheduler",
-    "denoise_steps",
-    "combine_guidance",
     "flow_schedulers",
     "pad_text_batch",
     "unshifted_sigmas",
@@ -84,46 +81,8 @@ def pad_text_batch(embeds: list[torch.Tensor], masks: list[torch.Tensor | None])
     return text, mask
 
 
-def combine_guidance(velocity: torch.Tensor, batch: int, scale: float) -> torch.Tensor:
-    """CFG on a ``[cond; uncond]`` batch (``2·batch`` rows): ``v_u + scale · (v_c − v_u)``, ``[batch, ...]``."""
-    cond, uncond = velocity[:batch], velocity[batch:]
-    return uncond + scale * (cond - uncond)
-
-
 def cache_context(model, name: str, **context):
     """``model.cache_context(name, **context)`` for a ``CacheMixin`` model, else a no-op context."""
     if isinstance(model, CacheMixin):
         return model.cache_context(name, **context)
     return contextlib.nullcontext()
-
-
-def denoise_steps(
-    model, timesteps, tensors: dict, schedulers: dict, predict, *, on_step_end=None, skip_step=None
-) -> dict:
-    """The denoising loop of both stages (module docstring).
-
-    Args:
-        model: the denoiser ``predict`` runs.
-        timesteps: the schedule, ``[N]``.
-        tensors: the step table, name -> tensor; updated in place.
-        schedulers: name -> scheduler of each latent ``predict`` returns a velocity for.
-        predict: ``fn(step_index, t, tensors, context)`` -> name -> velocity; ``context(name)`` is a forward's
-            cache context.
-        on_step_end: ``fn(step_index, t, tensors)`` -> replacements or ``None``.
-        skip_step: ``fn() -> bool``; true skips the step (interrupt).
-
-    Returns:
-        ``tensors`` after the last step.
-    """
-    for i, t in enumerate(timesteps):
-        if skip_step is not None and skip_step():
-            continue
-
-        def context(name: str, i=i, t=t):
-            return cache_context(model, name, step_index=i, num_inference_steps=len(timesteps), timestep=t)
-
-        for name, velocity in predict(i, t, tensors, context).items():
-            tensors[name] = schedulers[name].step(velocity, t, tensors[name], return_dict=False)[0]
-        if on_step_end is not None:
-            tensors.update(on_step_end(i, t, tensors) or {})
-    return tensors

@@ -263,6 +263,39 @@ def tiny_two_stage_pipeline(fixtures_dir):
     return Magi2Pipeline(transformer=transformer, refiner=refiner, **tiny_real_format_components())
 
 
+def refine_directly(
+    refiner,
+    latents,
+    prompt_embeds,
+    negative_prompt_embeds,
+    scheduler,
+    config,
+    height,
+    width,
+    prompt_attention_mask=None,
+    negative_prompt_attention_mask=None,
+    generator=None,
+    noise=None,
+    on_step=None,
+):
+    """The refiner stage of one sample composed from ``refiner_stage``'s functions by a loop of its own (the
+    independent computation the pipeline's sampler is compared with); ``on_step(i, t, latents)`` after each step."""
+    from diffusers_magi2.pipelines.refiner_stage import prepare_refiner_latents, refiner_velocity
+
+    x, stage_scheduler = prepare_refiner_latents(latents, scheduler, config, height, width, generator, noise)
+    g = float(config.guidance_scale)
+    for i, t in enumerate(stage_scheduler.timesteps):
+        v_c = None if g == 0.0 else refiner_velocity(refiner, x, prompt_embeds, prompt_attention_mask)
+        v_u = (
+            None if g == 1.0 else refiner_velocity(refiner, x, negative_prompt_embeds, negative_prompt_attention_mask)
+        )
+        v = v_c if v_u is None else v_u if v_c is None else v_u + torch.tensor(g) * (v_c - v_u)
+        x = stage_scheduler.step(v, t, x, return_dict=False)[0]
+        if on_step is not None:
+            on_step(i, t, x)
+    return x
+
+
 def short_clip_noise(pipe) -> dict:
     """Initial noise of a 0.4 s clip (2 video latent frames at 2x3, 10 audio latents), with ``pipe``'s
     ``duration_s`` set to that clip (the pipeline refuses noise of another length)."""

@@ -368,6 +368,42 @@ def test_one_sampler_serves_both_stages():
     assert len(timesteps) == 7 and all(timesteps) and pipe.current_timestep is None
 
 
+def test_the_latents_leave_the_pipeline_module_only_for_the_refiner_functions():
+    """Following the latents from noise to the final latent of a two-stage call (``output_type="latent"``), the only
+    package functions outside ``pipeline_magi2.py`` they are handed to are the refiner stage's two plain functions,
+    and no code outside ``pipeline_magi2.py`` calls back into it (the loop, callbacks and cache contexts are inline)."""
+    import diffusers_magi2.pipelines as pipelines
+
+    folder = str(Path(pipelines.__file__).parent)
+    pipeline_file = str(Path(folder) / "pipeline_magi2.py")
+    handed, called_back = set(), set()
+    pipe = stub_pipe(refiner=True)
+
+    def is_latent(value) -> bool:
+        return isinstance(value, torch.Tensor) and (value.dim() == 5 or (value.dim() == 3 and value.shape[-1] == 64))
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_back is None:
+            return
+        callee, caller = frame.f_code.co_filename, frame.f_back.f_code.co_filename
+        # the pipeline's own methods count as the pipeline (its checks mixin lives in validation_magi2.py)
+        callee_is_pipeline = callee == pipeline_file or frame.f_locals.get("self") is pipe
+        caller_is_pipeline = caller == pipeline_file or frame.f_back.f_locals.get("self") is pipe
+        if callee.startswith(folder) and not callee_is_pipeline and caller == pipeline_file:
+            if any(is_latent(v) for v in frame.f_locals.values()):
+                handed.add(f"{Path(callee).stem}.{frame.f_code.co_name}")
+        if callee == pipeline_file and caller.startswith(folder) and not caller_is_pipeline:
+            called_back.add(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        pipe(**embeds(), **SMALL, generator=torch.Generator().manual_seed(0), callback_on_step_end=lambda *a: {})
+    finally:
+        sys.setprofile(None)
+    assert handed == {"refiner_stage.prepare_refiner_latents", "refiner_stage.refiner_velocity"}
+    assert called_back == set()
+
+
 def test_check_inputs_takes_the_call_arguments_by_keyword():
     pipe = stub_pipe()
     pipe.check_inputs(prompt="a fox", output_type="latent")  # the call's defaults fill in the rest

@@ -19,11 +19,10 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_stubs import tiny_two_stage_pipeline  # noqa: E402
+from pipeline_stubs import refine_directly, tiny_two_stage_pipeline  # noqa: E402
 
 from diffusers_magi2 import Magi2Pipeline, export_to_video_with_audio  # noqa: E402
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel  # noqa: E402
-from diffusers_magi2.pipelines.refiner_stage import run_refiner_stage  # noqa: E402
 from diffusers_magi2.utils.export import probe_streams  # noqa: E402
 
 
@@ -83,7 +82,7 @@ def test_two_stage_call_writes_25fps_mp4_with_audio(pipe, tmp_path):
 
 
 def test_two_stage_latents_equal_a_direct_refiner_stage_call(pipe):
-    """Through ``__call__`` the refined latent is bit-identical to ``run_refiner_stage`` applied to the
+    """Through ``__call__`` the refined latent is bit-identical to the refiner stage run directly on the
     preview-only result with the generator state the preview leaves behind."""
     two = pipe(PROMPT, **TWO_STAGE, generator=torch.Generator().manual_seed(5), output_type="latent")
     assert two.frames.shape == (1, 12, 63, 4, 6) and two.audio.shape == (1, 250, 16)
@@ -93,12 +92,13 @@ def test_two_stage_latents_equal_a_direct_refiner_stage_call(pipe):
     assert torch.equal(preview.audio, two.audio)
     cond, cond_mask, _ = pipe.encode_text([PROMPT], "cpu")
     neg, neg_mask, _ = pipe.encode_text([pipe.config.negative_prompt], "cpu")
-    direct = run_refiner_stage(
+    direct = refine_directly(
         pipe.refiner,
         preview.frames,
         cond,
         neg,
         pipe.scheduler,
+        pipe.refiner_stage_config(),
         height=64,
         width=96,
         prompt_attention_mask=cond_mask,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from pipeline_stubs import (  # noqa: E402
     StandInRefiner,
     StandInTransformer,
     preview_scheduler,
+    refine_directly,
     short_clip_noise,
     stub_embeds,
     tiny_oobleck,
@@ -31,7 +33,6 @@ from pipeline_stubs import (  # noqa: E402
 )
 
 from diffusers_magi2.pipelines.pipeline_magi2 import Magi2Pipeline, resize_video_frames  # noqa: E402
-from diffusers_magi2.pipelines.refiner_stage import run_refiner_stage  # noqa: E402
 
 
 S_220 = 0.838910  # SandAI ZeroSNRDDPMDiscretization: re-noise signal scale at noise_value 220
@@ -56,7 +57,7 @@ SMALL = {"height": 64, "width": 96, "preview_height": 32, "preview_width": 48, "
 
 
 def test_pipeline_refiner_path_equals_direct_stage_call():
-    """The pipeline's refined latent is exactly ``run_refiner_stage`` on its preview latent with the
+    """The pipeline's refined latent is exactly the refiner stage run directly on its preview latent with the
     generator continuing from the preview draws; the preview audio is returned untouched."""
     pipe = make_pipe()
     e = embeds()
@@ -68,12 +69,13 @@ def test_pipeline_refiner_path_equals_direct_stage_call():
     g = torch.Generator().manual_seed(0)
     preview = pipe(**e, height=32, width=48, num_inference_steps=2, generator=g, output_type="latent")
     assert torch.equal(preview.audio, two.audio)  # audio is not refined
-    direct = run_refiner_stage(
+    direct = refine_directly(
         pipe.refiner,
         preview.frames,
         e["prompt_embeds"],
         e["negative_prompt_embeds"],
         pipe.scheduler,
+        pipe.refiner_stage_config(),
         height=64,
         width=96,
         prompt_attention_mask=e["prompt_attention_mask"],
@@ -213,16 +215,17 @@ def test_resize_video_frames_chunks_match_one_shot():
 
 def test_1080p_preset_uses_the_config_preview_size(monkeypatch):
     """``resolution="1080p"`` (= 1088x1920) denoises the preview at ``config.preview_height/width`` and
-    hands the refiner stage the 1088x1920 target (the stage itself is replaced here: 1080p is too big)."""
+    hands the refiner stage the 1088x1920 target (its latents are replaced here, with no steps: 1080p is too big)."""
     pipe = make_pipe()
     pipe.register_to_config(preview_height=32, preview_width=48)
     seen = {}
 
-    def fake_stage(refiner, latents, prompt_embeds, negative_prompt_embeds, scheduler, **kw):
-        seen.update(kw, preview_shape=tuple(latents.shape))
-        return latents.new_zeros(1, 48, 2 * latents.shape[2] - 1, kw["height"] // 16, kw["width"] // 16)
+    def fake_prepare(latents, scheduler, config, height, width, generator=None):
+        seen.update(config=config, height=height, width=width, preview_shape=tuple(latents.shape))
+        no_steps = SimpleNamespace(timesteps=torch.zeros(0))
+        return latents.new_zeros(1, 48, 2 * latents.shape[2] - 1, height // 16, width // 16), no_steps
 
-    monkeypatch.setattr("diffusers_magi2.pipelines.pipeline_magi2.run_refiner_stage", fake_stage)
+    monkeypatch.setattr("diffusers_magi2.pipelines.pipeline_magi2.prepare_refiner_latents", fake_prepare)
     out = pipe(
         **embeds(),
         resolution="1080p",

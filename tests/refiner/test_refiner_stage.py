@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -11,10 +13,11 @@ from safetensors.torch import load_file
 from diffusers_magi2.pipelines.refiner_stage import (
     Magi2RefinerStageConfig,
     make_refiner_scheduler,
+    prepare_refiner_latents,
     refiner_latent_size,
     refiner_renoise_scale,
+    refiner_velocity,
     renoise_latents,
-    run_refiner_stage,
     upsample_preview_latents,
     zero_snr_refiner_sigmas,
 )
@@ -44,6 +47,27 @@ class StandIn:
         if cond:
             return _Out(1.02 * x - 0.2 * torch.sin(x) + B48)
         return _Out(0.98 * x + 0.1 * torch.cos(x))
+
+
+#: SandAI ``magi2_refiner.json`` ``evaluation_config``: 5 steps, shift 5, CFG 2, re-noise at 220.
+RELEASED = Magi2RefinerStageConfig(
+    num_inference_steps=5, shift=5.0, guidance_scale=2.0, noise_value=220, sigma_start=0.999, vae_stride_spatial=16
+)
+
+
+def run_stage(model, latents, cond, uncond, scheduler, height, width, config=RELEASED, on_step=None, **noise):
+    """The stage from ``prepare_refiner_latents`` and ``refiner_velocity`` with a loop of its own (batch 1)."""
+    x, stage_scheduler = prepare_refiner_latents(latents, scheduler, config, height, width, **noise)
+    g = config.guidance_scale
+    for i, t in enumerate(stage_scheduler.timesteps):
+        v = refiner_velocity(model, x, cond)
+        if g != 1.0:
+            u = refiner_velocity(model, x, uncond)
+            v = u + torch.tensor(g) * (v - u)
+        x = stage_scheduler.step(v, t, x, return_dict=False)[0]
+        if on_step is not None:
+            on_step(i, t, x)
+    return x
 
 
 def _base_scheduler():
@@ -102,7 +126,7 @@ def test_refiner_schedule_values(case):
 def test_refiner_stage_closed_loop(case):
     model = StandIn()
     steps = []
-    out = run_refiner_stage(
+    out = run_stage(
         model,
         case["refiner.input_latent"],
         COND,
@@ -111,7 +135,7 @@ def test_refiner_stage_closed_loop(case):
         height=48,
         width=80,
         noise=case["refiner.noise_eps"],
-        callback_on_step_end=lambda i, t, x: steps.append((int(t), x.clone())),
+        on_step=lambda i, t, x: steps.append((int(t), x.clone())),
     )
     assert [t for t, _ in steps] == [999, 952, 882, 768, 555]
     # two batch-1 forwards per step, cond then uncond
@@ -138,15 +162,17 @@ def test_refiner_stage_teacher_forced_guidance(case):
 def test_refiner_stage_with_generator_and_errors(case):
     model = StandIn()
     gen = torch.Generator().manual_seed(4243)
-    out = run_refiner_stage(
+    out = run_stage(
         model, case["refiner.input_latent"], COND, UNCOND, _base_scheduler(), height=48, width=80, generator=gen
     )
     # the fixture drew eps with torch.manual_seed(4243); randn_like on the default CPU generator
     assert (out - case["refiner.final.video"]).abs().max().item() <= 1e-6
-    with pytest.raises(ValueError, match="negative_prompt_embeds"):
-        run_refiner_stage(model, case["refiner.input_latent"], COND, None, _base_scheduler(), height=48, width=80)
+    with pytest.raises(ValueError, match="noise shape"):
+        prepare_refiner_latents(
+            case["refiner.input_latent"], _base_scheduler(), RELEASED, 48, 80, noise=torch.zeros(1, 48, 5, 3, 4)
+        )
     no_cfg = StandIn()
-    run_refiner_stage(
+    run_stage(
         no_cfg,
         case["refiner.input_latent"],
         COND,
@@ -154,7 +180,7 @@ def test_refiner_stage_with_generator_and_errors(case):
         _base_scheduler(),
         height=48,
         width=80,
-        config=Magi2RefinerStageConfig(guidance_scale=1.0),
+        config=dataclasses.replace(RELEASED, guidance_scale=1.0),
         generator=torch.Generator().manual_seed(0),
     )
     assert [c[0] for c in no_cfg.calls] == ["cond"] * 5
@@ -171,6 +197,6 @@ def test_refiner_stage_with_tiny_refiner_model(fixtures_dir):
     lat = torch.randn(1, 12, 3, 2, 4, generator=g)
     cond, uncond = torch.randn(1, 5, 48, generator=g), torch.randn(1, 3, 48, generator=g)
     with torch.no_grad():
-        out = run_refiner_stage(model, lat, cond, uncond, _base_scheduler(), height=64, width=128, generator=g)
+        out = run_stage(model, lat, cond, uncond, _base_scheduler(), height=64, width=128, generator=g)
     assert out.shape == (1, 12, 5, 4, 8) and out.dtype == torch.float32 and torch.isfinite(out).all()
     assert out.std().item() > 0.1
