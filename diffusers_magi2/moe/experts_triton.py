@@ -295,7 +295,7 @@ def resolve_device_entry(keys: tuple[str, ...]) -> str:
     substring of the device name, else its ``sm_XY`` key, else ``"default"``; string entries are aliases."""
     table = _launch_table()
     names = [k for k in table if not k.startswith(("_", "sm_")) and k not in ("default", "interpreter")]
-    matches = [k for k in names if any(k in key for key in keys[:1])]
+    matches = [k for k in names if k in keys[0]]
     if matches:
         entry = max(matches, key=len)
     else:

@@ -22,6 +22,7 @@ experts against the fp32 one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -219,7 +220,7 @@ def bench_cuda(
     keys = experts_triton.device_key(device)
     candidates = experts_triton.tile_candidates(keys, head_dim, expert_dim, torch.bfloat16, module.W_gate.dtype)
     results["table_entry"] = experts_triton.resolve_device_entry(keys)
-    results["candidates"] = [list(c.__dict__.values()) for c in candidates]
+    results["candidates"] = [list(dataclasses.astuple(c)) for c in candidates]
     with torch.no_grad():
         if scales is None:
             bf16_banks = weights
@@ -268,7 +269,7 @@ def bench_cuda(
             if per_config:
                 entry["per_config"] = []
                 for config in candidates:
-                    row = {"config": list(config.__dict__.values())}
+                    row = {"config": list(dataclasses.astuple(config))}
                     for mode, det in (("atomic", False), ("deterministic", True)):
                         try:
                             seconds = _best_of(
