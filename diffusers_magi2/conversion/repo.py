@@ -129,13 +129,39 @@ def default_scheduler():
     )
 
 
-def model_index_dict(written: dict[str, tuple[str, str]]) -> dict:
-    """``model_index.json`` content: every pipeline component, ``[null, null]`` for those not converted."""
+#: ``Magi2Pipeline`` config keys of the refiner stage -> their entry in ``refiner_sampling_from_sandai``.
+REFINER_SETTINGS = {
+    "refiner_num_inference_steps": "num_inference_steps",
+    "refiner_shift": "shift",
+    "refiner_guidance_scale": "guidance_scale",
+    "refiner_noise_value": "noise_value",
+}
+
+
+def refiner_settings(config: Path | None) -> dict:
+    """The pipeline's refiner-stage settings from SandAI's refiner JSON ``evaluation_config`` (``None``: released).
+
+    Raises:
+        ValueError: the JSON does not describe the refiner.
+    """
+    from ..loaders.original_checkpoint import original_format
+    from ..loaders.sandai_config_refiner import refiner_sampling_from_sandai
+    from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
+
+    cfg, _ = original_format(Magi2RefinerTransformer3DModel).resolve_config(config)
+    sampling = refiner_sampling_from_sandai(cfg)
+    return {key: sampling[name] for key, name in REFINER_SETTINGS.items()}
+
+
+def model_index_dict(written: dict[str, tuple[str, str]], settings: dict | None = None) -> dict:
+    """``model_index.json`` content: every pipeline component, ``[null, null]`` for those not converted, then the
+    pipeline ``settings`` (e.g. :func:`refiner_settings`), which ``Magi2Pipeline.from_pretrained`` reads as config."""
     import diffusers
 
     index: dict[str, object] = {"_class_name": PIPELINE_ENTRY[1], "_diffusers_version": diffusers.__version__}
     for name in sorted(MODEL_INDEX_ENTRIES):
         index[name] = list(written[name]) if name in written else [None, None]
+    index.update(settings or {})
     return index
 
 
@@ -221,6 +247,8 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
             failures["audio_vae"] = err
     if failures:
         raise ConversionValidationError(failures)
+    # the refiner stage's sampling settings go into model_index.json, where the pipeline reads them
+    settings = refiner_settings(req.config) if "refiner" in prepared else {}
 
     # 2. Other components: each has its converter in diffusers_magi2.conversion.components.
     component_fns: dict[str, Callable] = {
@@ -268,7 +296,7 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
         if "scheduler" in req.components:
             default_scheduler().save_pretrained(tmp / "scheduler")
             written["scheduler"] = MODEL_INDEX_ENTRIES["scheduler"]
-        (tmp / "model_index.json").write_text(json.dumps(model_index_dict(written), indent=2) + "\n")
+        (tmp / "model_index.json").write_text(json.dumps(model_index_dict(written, settings), indent=2) + "\n")
         (tmp / "README.md").write_text(
             _render_card(
                 req, [c for c in ALL_COMPONENTS + ("tokenizer",) if c in written], prepared.get("transformer")

@@ -224,6 +224,10 @@ def release_root(tmp_path_factory):
     shutil.copyfile(H4_CONFIG, configs / "magi2_preview.json")
     refiner = json.loads(config_path("refiner").read_text())
     refiner["extends"] = "magi2_preview.json"
+    # refiner-stage settings other than the released ones (5 steps, CFG 2): the converted repo must carry these
+    refiner["evaluation_config"].update(
+        magi2_refiner_num_inference_steps=3, magi2_refiner_video_txt_guidance_scale=2.5
+    )
     (configs / "magi2_refiner.json").write_text(json.dumps(refiner))
     return root
 
@@ -296,6 +300,10 @@ def test_whole_release_converts_every_component(full_repo):
         assert len(list((full_repo / name).glob("diffusion_pytorch_model-*.safetensors"))) >= 2
     sched = json.loads((full_repo / "scheduler" / "scheduler_config.json").read_text())
     assert sched["prediction_type"] == "flow_prediction" and sched["use_flow_sigmas"] and sched["flow_shift"] == 7.0
+    # the refiner stage's sampling settings, from the refiner JSON's evaluation_config
+    settings = {k: index[k] for k in ("refiner_num_inference_steps", "refiner_guidance_scale", "refiner_shift")}
+    assert settings == {"refiner_num_inference_steps": 3, "refiner_guidance_scale": 2.5, "refiner_shift": 5.0}
+    assert index["refiner_noise_value"] == 220
 
 
 def test_scheduler_reproduces_the_reference_schedule(full_repo):
@@ -365,7 +373,7 @@ import diffusers_magi2
 from diffusers.pipelines.pipeline_loading_utils import ALL_IMPORTABLE_CLASSES, get_class_obj_and_candidates
 import diffusers_magi2.models.transformer_magi2, diffusers_magi2.models.transformer_magi2_refiner, diffusers_magi2.models.turbo_vae
 index = json.load(open({str(snapshot / "model_index.json")!r}))
-for name, (lib, cls) in sorted((k, v) for k, v in index.items() if not k.startswith("_")):
+for name, (lib, cls) in sorted((k, v) for k, v in index.items() if isinstance(v, list)):
     obj, cands = get_class_obj_and_candidates(lib, cls, ALL_IMPORTABLE_CLASSES, None, False)
     methods = [ALL_IMPORTABLE_CLASSES[c][1] for c, k in cands.items() if k is not None and issubclass(obj, k)]
     assert methods, (name, lib, cls)  # diffusers finds how to load it (its base class is visible)
@@ -463,6 +471,8 @@ pipe = Magi2Pipeline.from_pretrained({str(snapshot)!r})
 names = {{k: type(v).__name__ for k, v in pipe.components.items()}}
 assert names["transformer"] == "Magi2Transformer3DModel" and names["video_decoder"] == "Magi2TurboVAEDecoder", names
 assert names["refiner"] == "Magi2RefinerTransformer3DModel", names
+stage = pipe.refiner_stage_config()
+assert (stage.num_inference_steps, stage.guidance_scale) == (3, 2.5), stage  # model_index.json's, not the defaults
 print("ok")
 """
     res = subprocess.run(
