@@ -89,3 +89,56 @@ def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
 def test_the_walk_sees_module_level_lazy_and_importlib_imports(source):
     assert len(upward_imports(source, "diffusers_magi2.parallel.ep_loading", False)) == 1
     assert upward_imports(source, "diffusers_magi2.conversion.cli", False) == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Package module -> the package modules it imports (every import counts, as above; a name that is not a
+    module resolves to the module defining it)."""
+    paths = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+    graph = {}
+    for module, path in paths.items():
+        targets = set()
+        for _, target in imported_modules(path.read_text(), module, path.name == "__init__.py"):
+            while target and target not in paths:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or through a loop (strongly connected, > 1 module)."""
+    order, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph[module]:
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in graph:
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+def test_no_two_modules_import_each_other():
+    assert import_cycles(import_graph()) == []
+
+
+def test_the_cycle_walk_finds_direct_and_indirect_loops():
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
+    assert sorted(import_cycles(graph)) == [["a", "b"], ["c", "d", "e"]]

@@ -44,7 +44,7 @@ from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from .activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT
-from .experts import check_expert_inputs
+from .expert_checks import check_expert_inputs
 from .quantize import FP8_DTYPE
 from .reference import hidden_dtype
 
