@@ -193,3 +193,30 @@ def test_gradient_checkpointing_gives_the_same_lora_gradients(tmp_path):
         grads.append({n: p.grad.clone() for n, p in trainable.items()})
     assert grads[0].keys() == grads[1].keys()
     assert all(torch.allclose(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7) for n in grads[0])
+
+
+def test_bf16_training_with_frozen_fp8_experts_reaches_every_lora_parameter(tmp_path):
+    """bf16 weights with FP8 routed experts (``expert_dtype`` while reading, as ``--expert_dtype`` does): the expert
+    op's backward carries the gradient through the frozen FP8 banks to the LoRA of the layers below."""
+    from diffusers_magi2 import Magi2Transformer3DModel
+    from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
+
+    build_tiny_default_pipeline().transformer.save_pretrained(tmp_path / "bf16")
+    model = Magi2Transformer3DModel.from_pretrained(
+        tmp_path / "bf16", expert_dtype="float8_e4m3fn", torch_dtype=torch.bfloat16
+    )
+    assert {m.W_gate.dtype for m in model.modules() if isinstance(m, Magi2MultiHeadMoE)} == {torch.float8_e4m3fn}
+    args = script.parse_args(argv(tmp_path, tmp_path / "o", "--targets", "linear_qkv,linear_proj,shared_experts"))
+    trainable = script.add_lora(model, args)
+    with torch.no_grad():
+        for name, p in trainable.items():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    sample = script.load_cache(synthetic_clip(tmp_path / "d") / "clip.magi2.safetensors", model)
+    loss = script.training_loss(model, sample, torch.Generator().manual_seed(0), torch.device("cpu"))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(
+        p.dtype == torch.float32 and p.grad is not None and bool(p.grad.abs().sum() > 0) for p in trainable.values()
+    )
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
