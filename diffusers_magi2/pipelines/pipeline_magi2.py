@@ -423,50 +423,23 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoader
             )
         return prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask
 
-    def _encode_conditioning(
-        self,
-        prompts,
-        negative_prompt,
-        image,
-        need_negative,
-        num_videos_per_prompt,
-        prompt_embeds,
-        negative_prompt_embeds,
-        prompt_attention_mask,
-        negative_prompt_attention_mask,
-        image_embeds,
-        height,
-        width,
-        device,
-    ) -> list:
-        """``__call__``'s image and text step: the I2V image's latent (encoded first, as SandAI does), then
-        :meth:`encode_prompt` (I2V prompts with the ``<Figure 1>`` reference and its pooled token). Returns the four text
-        tensors, ``image_embeds`` per video and ``image_latents`` ``[1, 48, 1, h, w]`` (``None`` without an image)."""
+    def _encode_conditioning(self, text: dict, image, image_embeds, need_negative: bool, size: tuple, device) -> list:
+        """``__call__``'s image and text step: the I2V image's latent at ``size`` (encoded first, as SandAI does), then
+        :meth:`encode_prompt` on ``text`` (its keyword arguments; I2V prompts get the ``<Figure 1>`` reference and its
+        pooled token). Returns the four text tensors, ``image_embeds`` per video and ``image_latents``
+        ``[1, 48, 1, h, w]`` (``None`` without an image)."""
         image_latents = None
         if image is not None:
-            pixels = self.preprocess_reference_image(image, height, width)
-            image_latents = self.encode_reference_image(pixels).to(device)
-        if prompts is not None and image is not None:
-            prompts = [add_figure_reference(p) for p in prompts]
-            prompt_embeds, prompt_attention_mask, pooled = self.encode_text(
-                prompts, device, figure_target="<Figure 1>"
-            )
+            image_latents = self.encode_reference_image(self.preprocess_reference_image(image, *size)).to(device)
+        if text["prompt"] is not None and image is not None:
+            prompts = [add_figure_reference(p) for p in text["prompt"]]
+            embeds, mask, pooled = self.encode_text(prompts, device, figure_target="<Figure 1>")
+            text = {**text, "prompt": None, "prompt_embeds": embeds, "prompt_attention_mask": mask}
             image_embeds = pooled if image_embeds is None else image_embeds
-            prompts = None
         # The refiner's CFG needs the negative prompt even when the preview runs without CFG (need_negative).
-        embeds = self.encode_prompt(
-            prompts,
-            negative_prompt,
-            need_negative,
-            num_videos_per_prompt,
-            prompt_embeds,
-            negative_prompt_embeds,
-            prompt_attention_mask,
-            negative_prompt_attention_mask,
-            device=device,
-        )
+        embeds = self.encode_prompt(**text, do_classifier_free_guidance=need_negative, device=device)
         if image_embeds is not None:
-            image_embeds = image_embeds.to(device).repeat_interleave(num_videos_per_prompt, 0)
+            image_embeds = image_embeds.to(device).repeat_interleave(text["num_videos_per_prompt"], 0)
         return [*embeds, image_embeds, image_latents]
 
     def _stage_progress_bar(self, total: int, description: str):
@@ -682,6 +655,15 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoader
         # 2-3. reference image and text, encoded on CP rank 0 alone and broadcast (SandAI encodes the image first);
         # I2V prompts get the <Figure 1> reference and its pooled token from the same pass
         need_negative = self.do_classifier_free_guidance or (refine and refiner_config.guidance_scale != 1.0)
+        text = {
+            "prompt": prompts,
+            "negative_prompt": negative_prompt,
+            "num_videos_per_prompt": num_videos_per_prompt,
+            "prompt_embeds": prompt_embeds,
+            "negative_prompt_embeds": negative_prompt_embeds,
+            "prompt_attention_mask": prompt_attention_mask,
+            "negative_prompt_attention_mask": negative_prompt_attention_mask,
+        }
         (
             prompt_embeds,
             prompt_attention_mask,
@@ -691,18 +673,11 @@ class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoader
             image_latents,
         ) = self._on_first_cp_rank(
             self._encode_conditioning,
-            prompts,
-            negative_prompt,
+            text,
             image,
-            need_negative,
-            num_videos_per_prompt,
-            prompt_embeds,
-            negative_prompt_embeds,
-            prompt_attention_mask,
-            negative_prompt_attention_mask,
             image_embeds,
-            denoise_height,
-            denoise_width,
+            need_negative,
+            (denoise_height, denoise_width),
             device,
             broadcast=True,
         )
