@@ -184,6 +184,20 @@ def test_faster_cache_is_refused_naming_what_is_missing(preview):
     assert torch.equal(out, reference) and calls == [0, 1] * STEPS
 
 
+def test_pyramid_attention_broadcast_through_the_pipeline(preview):
+    """Its default spatial patterns find the blocks' attention modules: with skip range 2 over every timestep, the
+    attention computes at steps 0, 2 and 4 and returns its previous output at the others."""
+    pipe, run, reference = preview
+    config = PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(-1, 1001),
+        current_timestep_callback=lambda: pipe.current_timestep,
+    )
+    out, calls = run(config)
+    assert calls == [0, 1] * 3
+    assert torch.isfinite(out).all() and not torch.equal(out, reference)
+
+
 def test_mag_cache_through_the_pipeline(preview):
     """Calibration never skips (output exactly uncached); flat ratios skip up to 3 steps in a row
     after the retained first step: steps 0 and 4 compute."""
