@@ -2,7 +2,7 @@
 
 The pre adapter embeds each token with its modality's linear to the residual width and builds the rope table;
 the post adapter maps the final residual back to video and audio latent channels through a per-modality
-RMSNorm and linear.
+RMSNorm and linear. Both work in token chunks when ``chunk_size`` is set (bounding their fp32 temporaries).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Magi2PreAdapter(nn.Module):
         self.text_embedder = nn.Linear(text_in, width, bias=True, dtype=torch.float32)
         self.audio_embedder = nn.Linear(audio_in, width, bias=True, dtype=torch.float32)
         self.rope = Magi2RotaryPosEmbed(head_dim)
+        self.chunk_size = None  # tokens per embedding chunk (the model's enable_forward_chunking)
 
     def forward(self, hidden_states: torch.Tensor, coords: torch.Tensor, modality_ids: torch.Tensor):
         """Embed packed tokens per modality and build their rope table.
@@ -44,8 +45,8 @@ class Magi2PreAdapter(nn.Module):
         out = x.new_zeros(x.shape[0], self.width)
         for mod in (Modality.TEXT, Modality.AUDIO, Modality.VIDEO):
             idx = (modality_ids == int(mod)).nonzero().flatten()
-            if idx.numel() > 0:
-                out.index_copy_(0, idx, self.embed(mod, x.index_select(0, idx)))
+            for part in _chunks(idx, self.chunk_size):
+                out.index_copy_(0, part, self.embed(mod, x.index_select(0, part)))
         return out, self.rope(coords)
 
     def embed(self, modality: Modality, tokens: torch.Tensor) -> torch.Tensor:
@@ -68,6 +69,7 @@ class Magi2PostAdapter(nn.Module):
         self.final_norm_audio = Magi2MultiModalityRMSNorm(width, 1, eps=eps)
         self.final_linear_video = nn.Linear(width, video_in, bias=False, dtype=torch.float32)
         self.final_linear_audio = nn.Linear(width, audio_in, bias=False, dtype=torch.float32)
+        self.chunk_size = None  # tokens per chunk of the fp32 norm (the model's enable_forward_chunking)
 
     def forward(self, hidden_states: torch.Tensor, modality_ids: torch.Tensor) -> torch.Tensor:
         """``[N, width]`` final residual (packed order) -> ``[N, max(Cv, Ca)]`` fp32: video rows in ``[:Cv]``,
@@ -82,7 +84,16 @@ class Magi2PostAdapter(nn.Module):
             (Modality.AUDIO, self.final_norm_audio, self.final_linear_audio, self.audio_in),
         ):
             idx = (modality_ids == int(mod)).nonzero().flatten()
-            if idx.numel() > 0:
-                y = lin(norm(hidden_states.index_select(0, idx).float()).to(lin.weight.dtype)).float()
-                out[:, :cout].index_copy_(0, idx, y)
+            for part in _chunks(idx, self.chunk_size):
+                y = lin(norm(hidden_states.index_select(0, part).float()).to(lin.weight.dtype)).float()
+                out[:, :cout].index_copy_(0, part, y)
         return out
+
+
+def _chunks(idx: torch.Tensor, chunk_size):
+    """``idx`` in pieces of at most ``chunk_size`` (all of it when ``None``); nothing when empty."""
+    if idx.numel() == 0:
+        return ()
+    if chunk_size is None:
+        return (idx,)
+    return idx.split(chunk_size)

@@ -191,7 +191,9 @@ class _Magi2AttnProcessorBase:
         q = attn.q_norm(q.reshape(n, attn.heads, attn.head_dim), gs)
         k = attn.k_norm(k.reshape(n, attn.kv_heads, attn.head_dim), gs)
         v = v.reshape(n, attn.kv_heads, attn.head_dim)
-        q, k, v = dispatch.unsort(q), dispatch.unsort(k), dispatch.unsort(v)
+        q = dispatch.unsort(q)  # one at a time: each sorted copy (and then qkv) is freed at once
+        k = dispatch.unsort(k)
+        v = dispatch.unsort(v)
         q = apply_magi2_rotary_emb(q, rotary_emb).to(dtype)
         k = apply_magi2_rotary_emb(k, rotary_emb).to(dtype)
         out = dispatch.sort(self._attend_all_tokens(attn, q, k, v.to(dtype), attention_mask).to(dtype))

@@ -22,7 +22,7 @@ from .modality import (
 )
 
 
-__all__ = ["Magi2FeedForward", "Magi2MoEFeedForward"]
+__all__ = ["Magi2FeedForward", "Magi2MoEFeedForward", "check_chunk_size", "run_token_chunks"]
 
 
 class Magi2FeedForward(nn.Module):
@@ -75,23 +75,42 @@ class Magi2FeedForward(nn.Module):
             ValueError: last dim is not ``C``, or the group sizes do not sum to ``T``.
         """
         gs = dispatch.group_sizes if self.num_modality > 1 else None
-        chunk = self.chunk_size
-        n = hidden_states.shape[0]
-        if chunk is None or n <= chunk:
-            return self._forward_tokens(hidden_states, gs)
-        starts = [0]
-        for g in gs or (n,):
-            starts.append(starts[-1] + int(g))
-        out = []
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            part = (
-                None
-                if gs is None
-                else tuple(max(0, min(b, starts[m + 1]) - max(a, starts[m])) for m in range(len(gs)))
-            )
-            out.append(self._forward_tokens(hidden_states[a:b], part))
-        return torch.cat(out, dim=0)
+        return run_token_chunks(self._forward_tokens, hidden_states, gs, self.chunk_size, self.output_dtype)
+
+
+def check_chunk_size(chunk_size) -> Optional[int]:
+    """``chunk_size`` if it is ``None`` or a positive int.
+
+    Raises:
+        ValueError: any other value (a chunk size <= 0 included).
+    """
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None; got {chunk_size!r}")
+    return chunk_size
+
+
+def run_token_chunks(fn, hidden_states: torch.Tensor, group_sizes, chunk: Optional[int], out_dtype=None):
+    """``fn(tokens, group_sizes)`` over token chunks of ``hidden_states`` ``[T, C]`` (modality-sorted), written into
+    one preallocated output; each chunk gets the modality counts of its rows."""
+    n = hidden_states.shape[0]
+    if chunk is None or n <= chunk:
+        return fn(hidden_states, group_sizes)
+    starts = [0]
+    for g in group_sizes or (n,):
+        starts.append(starts[-1] + int(g))
+    out = None
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        part = (
+            None
+            if group_sizes is None
+            else tuple(max(0, min(b, starts[m + 1]) - max(a, starts[m])) for m in range(len(group_sizes)))
+        )
+        y = fn(hidden_states[a:b], part)
+        if out is None:
+            out = y.new_empty((n,) + tuple(y.shape[1:]), dtype=out_dtype or y.dtype)
+        out[a:b] = y
+    return out
 
 
 class Magi2MoEFeedForward(nn.Module):
@@ -136,6 +155,7 @@ class Magi2MoEFeedForward(nn.Module):
             expert_dtype=expert_dtype,
         )
         self.moe_mlp = Magi2MultiHeadMoE(moe_config)
+        self.chunk_size: Optional[int] = None  # tokens per chunk (enable_forward_chunking); None = all at once
         self.shared_expert_fc1 = modality_linear(hidden_size, 2 * shared_intermediate_size, 1, dtype=params_dtype)
         self.shared_expert_fc2 = modality_linear(shared_intermediate_size, hidden_size, 1, dtype=params_dtype)
         self.modality_specific_shared_expert_fc1 = modality_linear(
@@ -145,9 +165,10 @@ class Magi2MoEFeedForward(nn.Module):
             modality_specific_intermediate_size, hidden_size, num_modality, dtype=params_dtype
         )
 
-    def shared_forward(self, norm_output: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
-        """Shared + modality-specific shared experts on the normed input ``[T, C]``."""
-        gs = dispatch.group_sizes
+    def shared_forward(self, norm_output: torch.Tensor, dispatch) -> torch.Tensor:
+        """Shared + modality-specific shared experts on the normed input ``[T, C]`` (``dispatch``: anything with
+        ``group_sizes``, or the group sizes themselves)."""
+        gs = getattr(dispatch, "group_sizes", dispatch)
         x1 = self.shared_expert_fc1(norm_output)
         x2 = self.modality_specific_shared_expert_fc1(norm_output, gs)
         a = swiglu7_interleaved(x1)
@@ -170,9 +191,19 @@ class Magi2MoEFeedForward(nn.Module):
         Raises:
             ValueError: last dim is not ``C``, the group sizes do not sum to ``T``, or the expert backend fails.
         """
+        if self.chunk_size is None or self._exchanges(context_parallel):
+            return self._forward_tokens(hidden_states, dispatch.group_sizes, context_parallel)
+        return run_token_chunks(self._forward_tokens, hidden_states, dispatch.group_sizes, self.chunk_size)
+
+    def _exchanges(self, context_parallel) -> bool:
+        """Whether the routed experts exchange tokens between ranks (then every rank runs one call per layer)."""
+        cp = context_parallel is not None and getattr(context_parallel, "world_size", 1) > 1
+        return cp or self.moe_mlp.ep_size > 1
+
+    def _forward_tokens(self, hidden_states: torch.Tensor, group_sizes, context_parallel=None) -> torch.Tensor:
         dtype = hidden_states.dtype
-        norm_output = self.pre_norm(hidden_states, dispatch.group_sizes)
+        norm_output = self.pre_norm(hidden_states, group_sizes)
         routed = self.moe_mlp(self.split_linear(norm_output), context_parallel=context_parallel)
         routed = self.merge_linear(routed)
-        shared = self.shared_forward(norm_output, dispatch)
+        shared = self.shared_forward(norm_output, group_sizes)
         return (routed.to(dtype) + shared.to(dtype)).to(dtype)

@@ -40,7 +40,7 @@ from .attention_magi2 import (
 )
 from .cache_magi2 import Magi2CacheMixin
 from .context_parallel_magi2 import Magi2ContextParallelMixin
-from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward
+from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward, check_chunk_size, run_token_chunks
 from .lora_magi2 import lora_scale_from_attention_kwargs
 from .mhc import mhc_coefficients, mhc_hyper_connect, mhc_matmul_scale, mhc_reduce_streams
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, Modality
@@ -117,6 +117,7 @@ class Magi2TransformerBlock(nn.Module):
             setattr(self, f"mhc_phi_fused_{site}", nn.Parameter(torch.zeros(n * c, 2 * n + n * n, dtype=f32)))
         self.mhc_norm = Magi2MultiModalityRMSNorm(n * c, num_modality, out_dtype=f32)
         self.mhc_backend = "auto"
+        self.chunk_size: Optional[int] = None  # tokens per chunk of the per-token work (enable_forward_chunking)
 
     def _mhc_fused(self, streams: torch.Tensor) -> bool:
         """Whether this call mixes the streams fused (the ``mhc`` row of :mod:`~diffusers_magi2.utils.backends`)."""
@@ -126,7 +127,9 @@ class Magi2TransformerBlock(nn.Module):
     def _site_coefficients(self, streams: torch.Tensor, site: str, dispatch: Magi2ModalityDispatch):
         gs = dispatch.group_sizes if self.num_modality > 1 else None
         flat = streams.reshape(streams.shape[0], self.num_streams * self.hidden_size)
-        h = torch.matmul(self.mhc_norm(flat, gs), getattr(self, f"mhc_phi_fused_{site}").float())
+        phi = getattr(self, f"mhc_phi_fused_{site}").float()
+        # token chunks bound the fp32 norm of the n*C-wide state (enable_forward_chunking)
+        h = run_token_chunks(lambda x, g: torch.matmul(self.mhc_norm(x, g), phi), flat, gs, self.chunk_size)
         return mhc_coefficients(
             h,
             getattr(self, f"mhc_alpha_pre_{site}"),
@@ -159,6 +162,12 @@ class Magi2TransformerBlock(nn.Module):
         mlp_out = self.mlp(mhc_reduce_streams(h_pre, s, fused), dispatch, **cp_kwargs)
         s = mhc_hyper_connect(s, mlp_out, h_post, h_res, fused)
         return s.reshape(s.shape[0], self.num_streams * self.hidden_size)
+
+
+#: Tokens per chunk of :meth:`Magi2Transformer3DModel.enable_forward_chunking`, on by default; chosen from the
+#: memory plan (``tests/benchmarks/bench_memory.py``): at 540p with CFG (116 k tokens) it keeps the step's
+#: activations within what one 141 GB H200 leaves beside the FP8 model; below it the chunking is a no-op.
+DEFAULT_FORWARD_CHUNK_SIZE = 16384
 
 
 def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
@@ -200,7 +209,8 @@ class Magi2Transformer3DModel(
     Raises:
         ValueError: inconsistent geometry, or ``expert_dtype`` outside ``(None, "float8_e4m3fn")``.
 
-    Runtime switches: ``set_attention_backend``, :meth:`set_moe_backend`, :meth:`set_mhc_backend`.
+    Runtime switches: ``set_attention_backend``, :meth:`set_moe_backend`, :meth:`set_mhc_backend`,
+    :meth:`enable_forward_chunking` (token chunks of the per-token work; on by default).
     """
 
     _supports_gradient_checkpointing = True
@@ -313,6 +323,37 @@ class Magi2Transformer3DModel(
             )
         self.transformer_blocks = nn.ModuleList(blocks)
         self.gradient_checkpointing = False
+        self.enable_forward_chunking(DEFAULT_FORWARD_CHUNK_SIZE)
+
+    def enable_forward_chunking(self, chunk_size: Optional[int] = None, dim: int = 0) -> None:
+        """Run each block's per-token work ``chunk_size`` tokens at a time (default
+        :data:`DEFAULT_FORWARD_CHUNK_SIZE`, on from construction): the mHC site projections (an fp32 norm of the
+        ``n*C``-wide state), the dense MLPs, the MoE layers (router logits, the per-route rows, shared experts) and
+        the pre/post adapters. Tokens are independent there, so the result is the same up to GEMM rounding. Under
+        context or expert parallelism the routed experts still run once per layer (every rank must join each
+        exchange; a rank's shard is already ``1/N`` of the tokens).
+
+        Args:
+            chunk_size: tokens per chunk (``None``: the default).
+            dim: must be 0 (tokens).
+
+        Raises:
+            ValueError: ``dim`` other than 0, or ``chunk_size`` not a positive int.
+        """
+        if dim != 0:
+            raise ValueError(f"the preview chunks its per-token work over tokens (dim 0), got dim={dim}")
+        chunk_size = check_chunk_size(DEFAULT_FORWARD_CHUNK_SIZE if chunk_size is None else chunk_size)
+        self.pre_adapter.chunk_size = self.post_adapter.chunk_size = chunk_size
+        for block in self.transformer_blocks:
+            block.chunk_size = chunk_size
+            block.mlp.chunk_size = chunk_size
+
+    def disable_forward_chunking(self) -> None:
+        """Run each block's per-token work over all tokens at once."""
+        self.pre_adapter.chunk_size = self.post_adapter.chunk_size = None
+        for block in self.transformer_blocks:
+            block.chunk_size = None
+            block.mlp.chunk_size = None
 
     @property
     def residual_dtype(self) -> torch.dtype:
@@ -424,9 +465,11 @@ class Magi2Transformer3DModel(
         dispatch = Magi2ModalityDispatch.from_modality_mapping(ids)
 
         x, rope = self.pre_adapter(hidden_states, coords, ids)
+        hidden_states = None  # the packed fp32 input is freed here when the caller handed it over (forward does)
         if time_embedding is not None:
-            x = torch.cat([time_embedding.to(x.dtype), x[:, dim:]], dim=1)
-        x = dispatch.sort(x.to(self.residual_dtype))
+            x[:, :dim] = time_embedding.to(x.dtype)  # x is this call's own buffer
+        x = x.to(self.residual_dtype)  # the fp32 embedding is freed before the sort's copy
+        x = dispatch.sort(x)
         layer_outputs = []
         for block in self.transformer_blocks:
             if torch.is_grad_enabled() and self.gradient_checkpointing:
@@ -498,12 +541,23 @@ class Magi2Transformer3DModel(
             image_embeds,
         )
         out = self.forward_packed(
-            packed.hidden_states, packed.coords, packed.modality_mapping, packed.cu_seqlens, packed.time_embedding
+            _hand_over(packed, "hidden_states"),  # no reference stays here: freed once embedded
+            packed.coords,
+            packed.modality_mapping,
+            packed.cu_seqlens,
+            packed.time_embedding,
         )
         video, audio = self.unpack_outputs(out, packed)
         if not return_dict:
             return (video, audio)
         return Magi2TransformerOutput(sample=video, audio_sample=audio)
+
+
+def _hand_over(packed: Magi2PackedInputs, name: str) -> torch.Tensor:
+    """``packed.<name>``, leaving ``None`` behind (the callee then holds the only reference)."""
+    tensor = getattr(packed, name)
+    setattr(packed, name, None)
+    return tensor
 
 
 register_block_for_caching_hooks(Magi2TransformerBlock)

@@ -32,7 +32,7 @@ from .attention_magi2 import (
 )
 from .cache_magi2 import Magi2CacheMixin
 from .context_parallel_magi2 import Magi2ContextParallelMixin
-from .feedforward_magi2 import Magi2FeedForward
+from .feedforward_magi2 import Magi2FeedForward, check_chunk_size
 from .lora_magi2 import lora_scale_from_attention_kwargs
 from .modality import Magi2ModalityDispatch, Modality
 from .modeling_magi2 import Magi2ModelMixin
@@ -229,9 +229,7 @@ class Magi2RefinerTransformer3DModel(
         """
         if dim != 0:
             raise ValueError(f"the refiner chunks its MLP over tokens (dim 0), got dim={dim}")
-        chunk_size = DEFAULT_MLP_CHUNK_SIZE if chunk_size is None else chunk_size
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        chunk_size = check_chunk_size(DEFAULT_MLP_CHUNK_SIZE if chunk_size is None else chunk_size)
         for block in self.transformer_blocks:
             block.mlp.chunk_size = chunk_size
 

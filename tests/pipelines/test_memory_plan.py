@@ -1,0 +1,139 @@
+"""The memory plan against a measured CPU peak, and the token-chunking knobs it sets.
+
+The plan traces the model code under ``FakeTensorMode`` (``kernels="cpu"`` here: the CPU attention and the
+``torch_grouped`` experts); the measurement is the CPU allocator's peak during a real ``forward_packed`` of the
+same reduced-width model, read from ``torch.profiler``'s memory events (every allocation, op internals included).
+"""
+
+import pytest
+import torch
+
+from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
+from diffusers_magi2.models.modality import Modality
+from diffusers_magi2.pipelines.memory_plan_magi2 import (
+    check_plan_resolution,
+    plan_preview_step,
+    preview_token_counts,
+    trace_preview_forward,
+)
+from diffusers_magi2.utils.memory_tracking import LiveStorageTracker, cpu_allocator_peak
+
+
+REDUCED = {
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "attention_head_dim": 32,
+    "num_key_value_heads": 4,
+    "text_in_channels": 256,
+    "multimodal_layers": (0,),
+    "moe_layers": (1,),
+    "moe_num_heads": 2,
+    "moe_num_experts": 4,
+    "moe_top_k": 2,
+    "moe_expert_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "modality_specific_expert_intermediate_size": 64,
+    "intermediate_factor": 2,
+}
+HALF = {"video": 960, "audio": 32, "text": 32}  # tokens per CFG half
+CHUNK = 512
+
+
+def _packed_inputs():
+    order = (("video", Modality.VIDEO), ("audio", Modality.AUDIO), ("text", Modality.TEXT))
+    ids = torch.cat([torch.full((HALF[k],), int(m), dtype=torch.int32) for k, m in order] * 2)
+    n, seg = ids.numel(), sum(HALF.values())
+    gen = torch.Generator().manual_seed(0)
+    t = torch.arange(n, dtype=torch.float32)
+    sizes = [torch.full_like(t, s) for s in (7.0, 5.0, 3.0)]
+    coords = torch.stack([t % 7, t % 5, t % 3, *sizes, *sizes], dim=1)
+    hidden = torch.randn(n, REDUCED["text_in_channels"], generator=gen)
+    time_embedding = torch.randn(n, 64, generator=gen)
+    return hidden, coords, ids, torch.tensor([0, seg, 2 * seg], dtype=torch.int32), time_embedding
+
+
+def _reduced_model(chunk):
+    torch.manual_seed(0)
+    model = Magi2Transformer3DModel(**REDUCED, params_dtype=torch.bfloat16).eval()
+    model.set_moe_backend("torch_grouped")
+    if chunk is None:
+        model.disable_forward_chunking()
+    else:
+        model.enable_forward_chunking(chunk)
+    return model
+
+
+@torch.no_grad()
+def _measured_peak(model, inputs) -> int:
+    model.forward_packed(*inputs)  # warm up (lazy initialisation outside the measurement)
+    return cpu_allocator_peak(lambda: model.forward_packed(*inputs))[1]
+
+
+def test_plan_matches_the_measured_cpu_peak_of_a_reduced_model_within_10_percent():
+    inputs = _packed_inputs()
+    model = _reduced_model(CHUNK)
+    measured = _measured_peak(model, inputs)
+    counts = {k: 2 * v for k, v in HALF.items()}
+    seg = sum(HALF.values())
+    plan = trace_preview_forward(
+        counts, (seg, seg), REDUCED, kernels="cpu", forward_chunk_size=CHUNK, count_inputs=False
+    )
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    print(
+        f"measured {measured} B, planned {plan.activations} B (x{plan.activations / measured:.3f}); weights {weights}"
+    )
+    assert plan.weights == weights
+    assert abs(plan.activations - measured) <= 0.10 * measured
+
+
+def test_forward_chunking_lowers_the_measured_peak_and_keeps_the_output():
+    inputs = _packed_inputs()
+    chunked, whole = _reduced_model(CHUNK), _reduced_model(None)
+    assert _measured_peak(chunked, inputs) < 0.9 * _measured_peak(whole, inputs)
+    for model in (chunked, whole):
+        model.to(torch.float32)
+    with torch.no_grad():
+        a, b = chunked.forward_packed(*inputs), whole.forward_packed(*inputs)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_tracker_counts_live_storages_and_their_peak():
+    x = torch.ones(1000)
+    tracker = LiveStorageTracker()
+    with tracker:
+        y = x * 2  # 4000 B
+        z = y + 1  # 8000 B live
+        del y
+        w = z.view(10, 100)  # a view: no new storage
+    assert tracker.peak == 8000 and tracker.live == 4000 and w.numel() == 1000
+
+
+@pytest.mark.parametrize("model_cls", [Magi2Transformer3DModel, Magi2RefinerTransformer3DModel])
+@pytest.mark.parametrize("bad", [0, -4, 2.5])
+def test_forward_chunking_rejects_a_chunk_size_that_is_not_positive(model_cls, bad):
+    config = (
+        {
+            "num_layers": 1,
+            "num_attention_heads": 2,
+            "attention_head_dim": 16,
+            "num_key_value_heads": 2,
+            "multimodal_layers": (),
+        }
+        if model_cls is Magi2RefinerTransformer3DModel
+        else dict(REDUCED, num_layers=1, multimodal_layers=(0,), moe_layers=())
+    )
+    model = model_cls(**config)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        model.enable_forward_chunking(bad)
+
+
+def test_plan_rejects_an_unknown_resolution_before_any_work():
+    with pytest.raises(ValueError, match="resolutions"):
+        plan_preview_step("720p")
+    with pytest.raises(ValueError, match="resolutions"):
+        check_plan_resolution("4k")
+
+
+def test_token_counts_are_the_released_presets():
+    assert preview_token_counts("540p", text_tokens=0) == {"video": 2 * 57344, "audio": 500, "text": 0}
+    assert preview_token_counts("272p", text_tokens=10)["video"] == 2 * 14336
