@@ -1,29 +1,67 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one run on one H200, at most 8 minutes (the step limits add up to 465 s), every result
-# under one folder.
+# The prepared GPU check: one run on one H200, at most 8 minutes (the step limits add up to 475 s), every result
+# under one folder. It has never run on a GPU (none was lent while it was written); --dry-run runs its CPU parts.
 #
-#   bash tests/benchmarks/gpu_check.sh [RESULTS_DIR]       (from the repository root; default: $OUT, else ./gpu_check)
+#   bash tests/benchmarks/gpu_check.sh [--dry-run] [RESULTS_DIR]     (from anywhere; default: $OUT, else ./gpu_check)
+#
+# Interpreter: $PYTHON if set, else the repository's .venv/bin/python (the README's set-up), else it stops and
+# says what to do. On a machine with torch (CUDA) but without this package's other needs (diffusers, av, ...),
+# e.g. a bare Python 3.12 GPU box, carry cp312 wheels in a folder and name it in $WHEELS: the script installs
+# them there with `pip install --no-index --no-deps --target` and puts them on PYTHONPATH:
+#
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl diffusers==0.38.0 av==...  (etc.)
+#   WHEELS=.whl PYTHON=python3 bash tests/benchmarks/gpu_check.sh
 #
 # Steps (each has its own time limit, log and line in summary.txt; a failing step does not stop the others,
 # and the exit status is non-zero when any step failed):
 #   1. nvidia_smi.log, environment.log   the GPU, torch / CUDA / cuDNN / triton / diffusers / peft versions
-#   2. gpu_tests.log/.xml     the `gpu`-marked tests (pytest -m gpu)
-#   3. bench_moe.json/.log  the MoE benchmark: released shape, bf16 and FP8 experts (--expert_dtype), Triton
-#                        atomic and deterministic, TFLOP/s against a dense bf16 GEMM of equal FLOPs, same run
-#   4. gpu_block.json/.log  one released-width block forward in bf16 and with FP8 experts, SDPA flash and cuDNN
-#                        against the torch path; a 2-block released-width model under enable_group_offload
-# Needs no network. PYTHON selects the interpreter (default: python).
+#   2. gpu_tests.log/.xml      the `gpu`-marked tests (pytest -m gpu)
+#   3. attention_sinks.json    attention with sinks per backend: time and max error vs the padded path and an fp32
+#                              reference (one 540p CFG segment, 24 heads of 128, bf16)
+#   4. bench_moe.json          the MoE kernel per config (bf16 and FP8 experts, atomic and deterministic) against
+#                              torch._grouped_mm and a dense bf16 GEMM of equal FLOPs, released shape
+#   5. gpu_block.json          one released-width block in bf16 and with FP8 experts, SDPA flash / cuDNN
+#   6. preview_step.json       one 540p CFG preview step with FP8 experts: time and peak memory, a 4-layer model at
+#                              the released width (40-layer time estimated from per-block times), against the plan
+#   7. memory_plan.json        the memory plan's 540p rows (CPU; the README table's numbers)
+# --dry-run: steps 3-6 at CPU sizes, 1, 2 and 7 skipped, time limits x6 (a shared CPU is slow); the suite runs it
+# so the script cannot rot. GPU_CHECK_SKIP="name ..." skips steps by name.
 
 set -u -o pipefail
 
+DRY=0
+LIMIT_SCALE=1
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; LIMIT_SCALE=6; shift; fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 RESULTS="${1:-${OUT:-$ROOT/gpu_check}}"
-PYTHON="${PYTHON:-python}"
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x "$ROOT/.venv/bin/python" ]; then
+        PYTHON="$ROOT/.venv/bin/python"
+    else
+        echo "gpu_check: no interpreter: set PYTHON=/path/to/python, or create the venv as the README says" >&2
+        echo "  (python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 triton==3.9.0 &&" >&2
+        echo "   .venv/bin/pip install -c ci-constraints.txt -e '.[test]'), or carry wheels: see WHEELS above" >&2
+        exit 2
+    fi
+fi
 mkdir -p "$RESULTS"
 RESULTS="$(cd "$RESULTS" && pwd)"
 cd "$ROOT"
+if [ -n "${WHEELS:-}" ]; then
+    SITE="${WHEELS_TARGET:-/tmp/gpu_check_site}"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$WHEELS"/*.whl > "$RESULTS/wheels.log" 2>&1 || { echo "gpu_check: installing $WHEELS failed (wheels.log)" >&2; exit 2; }
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+if ! "$PYTHON" -c "import torch, diffusers, diffusers_magi2" > "$RESULTS/preflight.log" 2>&1; then
+    echo "gpu_check: $PYTHON cannot import torch, diffusers and diffusers_magi2 (preflight.log):" >&2
+    tail -n 3 "$RESULTS/preflight.log" >&2
+    echo "  install the missing packages, or carry cp312 wheels and pass WHEELS=dir (see the header)" >&2
+    exit 2
+fi
 SUMMARY="$RESULTS/summary.txt"
 : > "$SUMMARY"
 FAILED=0
@@ -31,9 +69,11 @@ START=$(date +%s)
 
 # step NAME LIMIT_SECONDS COMMAND...: run with a time limit, stdout+stderr to NAME.log, one summary line
 step() {
-    local name="$1" limit="$2"
+    local name="$1" limit=$(( $2 * LIMIT_SCALE ))
     shift 2
-    local t0=$(date +%s) rc=0
+    case " ${GPU_CHECK_SKIP:-} " in *" $name "*) skip "$name" "$*" "skipped (GPU_CHECK_SKIP)"; return;; esac
+    local t0 rc=0
+    t0=$(date +%s)
     timeout --kill-after=10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1 || rc=$?
     local secs=$(( $(date +%s) - t0 ))
     local verdict="ok"
@@ -41,26 +81,47 @@ step() {
     elif [ "$rc" -ne 0 ]; then verdict="FAILED (exit $rc)"; FAILED=1; fi
     local cmd="$*"
     cmd="${cmd%%$'\n'*}"
-    printf '%-14s %-26s %4ss  %s\n' "$name" "$verdict" "$secs" "${cmd:0:110}" | tee -a "$SUMMARY"
+    printf '%-16s %-26s %4ss  %s\n' "$name" "$verdict" "$secs" "${cmd:0:110}" | tee -a "$SUMMARY"
+}
+
+skip() {
+    local cmd="$2"
+    printf '%-16s %-26s %4ss  %s\n' "$1" "${3:-skipped (dry run)}" 0 "${cmd:0:110}" | tee -a "$SUMMARY"
 }
 
 ENV_PY='import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")
-for mod in ("triton", "diffusers", "peft"):
+for mod in ("triton", "diffusers", "peft", "diffusers_magi2"):
     try:
-        print(mod, __import__(mod).__version__)
+        print(mod, getattr(__import__(mod), "__version__", "?"))
     except ImportError as error:
         print(mod, "not installed:", error)'
 
-step nvidia_smi 15 nvidia-smi
-step environment 30 "$PYTHON" -c "$ENV_PY"
-step gpu_tests 180 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests \
-    --junitxml="$RESULTS/gpu_tests.xml" -o console_output_style=classic -rA
-# short CPU part (--tokens, --repeats); the GPU part runs the released shape in both expert dtypes
-step bench_moe 130 "$PYTHON" -m tests.benchmarks.bench_moe --out "$RESULTS/bench_moe.json" --tokens 1024 --repeats 1 \
-    --expert_dtype bf16 fp8_e4m3
-step gpu_block 110 "$PYTHON" -m tests.benchmarks.bench_gpu_block --out "$RESULTS/gpu_block.json"
+if [ "$DRY" -eq 1 ]; then
+    SMALL="--small"
+    skip nvidia_smi "nvidia-smi"
+    step environment 60 "$PYTHON" -c "$ENV_PY"
+    skip gpu_tests "pytest -m gpu"
+    MOE_ARGS=(--tokens 256 --repeats 1 --expert_dtype bf16)
+else
+    SMALL=""
+    step nvidia_smi 15 nvidia-smi
+    step environment 30 "$PYTHON" -c "$ENV_PY"
+    step gpu_tests 90 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests \
+        --junitxml="$RESULTS/gpu_tests.xml" -o console_output_style=classic -rA
+    # short CPU part (--tokens, --repeats); the GPU part runs the released shape in both expert dtypes
+    MOE_ARGS=(--tokens 1024 --repeats 1 --expert_dtype bf16 fp8_e4m3)
+fi
+step attention_sinks 50 "$PYTHON" -m tests.benchmarks.bench_attention_sinks $SMALL --out "$RESULTS/attention_sinks.json"
+step bench_moe 100 "$PYTHON" -m tests.benchmarks.bench_moe --out "$RESULTS/bench_moe.json" "${MOE_ARGS[@]}"
+step gpu_block 40 "$PYTHON" -m tests.benchmarks.bench_gpu_block $SMALL --out "$RESULTS/gpu_block.json"
+step preview_step 90 "$PYTHON" -m tests.benchmarks.bench_preview_step $SMALL --out "$RESULTS/preview_step.json"
+if [ "$DRY" -eq 1 ]; then
+    skip memory_plan "python -m tests.benchmarks.bench_memory --quick"
+else
+    step memory_plan 60 "$PYTHON" -m tests.benchmarks.bench_memory --quick --out "$RESULTS/memory_plan.json"
+fi
 
 echo "total $(( $(date +%s) - START ))s; results in $RESULTS" | tee -a "$SUMMARY"
 exit "$FAILED"
