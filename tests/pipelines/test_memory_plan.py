@@ -137,3 +137,20 @@ def test_plan_rejects_an_unknown_resolution_before_any_work():
 def test_token_counts_are_the_released_presets():
     assert preview_token_counts("540p", text_tokens=0) == {"video": 2 * 57344, "audio": 500, "text": 0}
     assert preview_token_counts("272p", text_tokens=10)["video"] == 2 * 14336
+
+
+def test_forward_chunking_through_the_model_forward_gives_the_unchunked_output():
+    torch.manual_seed(0)
+    model = Magi2Transformer3DModel(**REDUCED).eval()  # fp32
+    gen = torch.Generator().manual_seed(1)
+    video = torch.randn(2, 48, 2, 8, 16, generator=gen)
+    audio = torch.randn(2, 8, 64, generator=gen)
+    text = torch.randn(2, 12, REDUCED["text_in_channels"], generator=gen)
+    timestep = torch.tensor([900.0, 900.0])
+    with torch.no_grad():
+        model.enable_forward_chunking(96)
+        chunked = model(video, timestep, text, audio)
+        model.disable_forward_chunking()
+        whole = model(video, timestep, text, audio)
+    torch.testing.assert_close(chunked.sample, whole.sample, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked.audio_sample, whole.audio_sample, rtol=1e-5, atol=1e-5)
