@@ -198,7 +198,9 @@ class Magi2MoEFeedForward(nn.Module):
     def _exchanges(self, context_parallel) -> bool:
         """Whether the routed experts exchange tokens between ranks (then every rank runs one call per layer)."""
         cp = context_parallel is not None and getattr(context_parallel, "world_size", 1) > 1
-        return cp or self.moe_mlp.ep_size > 1
+        moe = self.moe_mlp
+        moe = moe.get_base_layer() if hasattr(moe, "get_base_layer") else moe  # a router LoRA wraps the MoE
+        return cp or moe.ep_size > 1
 
     def _forward_tokens(self, hidden_states: torch.Tensor, group_sizes, context_parallel=None) -> torch.Tensor:
         dtype = hidden_states.dtype
