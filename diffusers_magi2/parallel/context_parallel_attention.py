@@ -214,7 +214,8 @@ def ulysses_attention(
     """Scatter heads, run ``attention_fn`` on every token of this rank's heads, gather back: ``[S_r, Hq, D]``.
 
     ``attention_fn(q, k, v, query_heads)`` gets this rank's heads (k/v matched one-to-one to the query heads unless
-    they form plain GQA groups; ``query_heads`` are global ids). Both exchanges are asynchronous.
+    they form plain GQA groups; ``query_heads`` are global ids); its output is sent back in the q/k/v dtype, on
+    every rank whatever its head count. Both exchanges are asynchronous.
     """
     pending = ulysses_scatter_heads(query, key, value, layout, plan, group, async_op=True)
     heads = layout.local_query_heads
@@ -227,5 +228,7 @@ def ulysses_attention(
         if nq % nkv or index != tuple(i // (nq // nkv) for i in range(nq)):
             idx = torch.tensor(index, device=k_l.device)
             k_l, v_l = k_l.index_select(1, idx), v_l.index_select(1, idx)
-        out = attention_fn(q_l, k_l, v_l, heads)
+        # back in the exchange dtype on every rank (an upcasting attention_fn would otherwise send fp32 while
+        # a rank without query heads sends its empty bf16 shard: the receive splits would disagree)
+        out = attention_fn(q_l, k_l, v_l, heads).to(q_l.dtype)
     return ulysses_gather_heads(out, layout, plan, group, async_op=True).wait()

@@ -64,10 +64,12 @@ def refiner_forward(model, d: dict, prefix: str) -> torch.Tensor:
         )
 
 
-def load_preview(model: str) -> Magi2Transformer3DModel:
-    return Magi2Transformer3DModel.from_original_checkpoint(
-        FIXTURES / model / "sandai_checkpoint", dtype=torch.float32
-    )
+def load_preview(model: str, dtype: torch.dtype = torch.float32) -> Magi2Transformer3DModel:
+    return Magi2Transformer3DModel.from_original_checkpoint(FIXTURES / model / "sandai_checkpoint", dtype=dtype)
+
+
+def preview_bf16_case() -> dict:
+    return load_file(str(FIXTURES / "preview_h4" / "bf16" / "transformer_case.safetensors"))
 
 
 def load_refiner() -> Magi2RefinerTransformer3DModel:
@@ -205,6 +207,10 @@ def error_checks(rank: int, world: int) -> dict:
 
 def cp_model_worker(rank: int, world: int, ep_degrees) -> dict:
     res = {"preview": preview_checks(rank, world, ep_degrees), "refiner": refiner_checks(rank, world)}
+    if world == 3:  # 4 query heads over 3 ranks: rank 2 owns none
+        model = load_preview("preview_h4", torch.bfloat16).eval()
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        res["preview_bf16"] = preview_forward(model, preview_bf16_case(), "")
     if world == 4:
         res["errors"] = error_checks(rank, world)
     return res
