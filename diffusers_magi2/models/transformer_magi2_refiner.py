@@ -301,16 +301,29 @@ class Magi2RefinerTransformer3DModel(
             limit = DEFAULT_MAX_DENSE_MASK_ELEMENTS
             dense_mask = ranges_to_dense_mask(q_ranges.cpu(), k_ranges.cpu(), x.shape[0], limit).to(x.device)
         mask = Magi2AttentionMask((x.shape[0],), window_geometry, dense_mask)
-        cp = self._context_parallel_context(x.shape[0], mask.segment_lengths)
-        if cp is not None:  # this rank keeps its slice of the packed sample; attention sees all of it
+
+        def embed_rows(lo: int, hi: int):
+            rows = ids[lo:hi]
+            if rows.numel() < 2 or bool((rows[1:] >= rows[:-1]).all()):
+                local = tuple(int(c) for c in torch.bincount(rows, minlength=3).tolist())
+                dispatch = Magi2ModalityDispatch.from_sorted_group_sizes(local, x.device)
+            else:
+                dispatch = Magi2ModalityDispatch.from_modality_mapping(rows)
+            return (*self.pre_adapter(x[lo:hi], coords_mapping[lo:hi], dispatch.modality_ids), dispatch)
+
+        return self._forward_sample(x.shape[0], mask, embed_rows)
+
+    def _forward_sample(self, num_tokens: int, mask: Magi2AttentionMask, embed_rows) -> torch.Tensor:
+        """The forward of one packed sample, shared by :meth:`forward` and :meth:`forward_packed`:
+        ``embed_rows(lo, hi) -> (embedded, rope, dispatch)`` of packed rows ``[lo, hi)``. Under context parallelism
+        this rank embeds and runs its rows only (attention sees every row through Ulysses); all rows are gathered
+        at the end. Returns ``[N, max(Cv, Ca)]`` fp32."""
+        cp = self._context_parallel_context(num_tokens, mask.segment_lengths)
+        lo, hi = 0, num_tokens
+        if cp is not None:
             mask.context_parallel = cp
-            x, coords_mapping, ids = cp.shard(x), cp.shard(coords_mapping), cp.shard(ids)
-            counts = tuple(int(c) for c in torch.bincount(ids, minlength=3).tolist())
-        if ids.numel() < 2 or bool((ids[1:] >= ids[:-1]).all()):
-            dispatch = Magi2ModalityDispatch.from_sorted_group_sizes(counts, x.device)
-        else:
-            dispatch = Magi2ModalityDispatch.from_modality_mapping(ids)
-        emb, rope = self.pre_adapter(x, coords_mapping, dispatch.modality_ids)
+            lo, hi = cp.plan.start, cp.plan.start + cp.plan.num_local_tokens
+        emb, rope, dispatch = embed_rows(lo, hi)
         out = self._run(emb, rope, dispatch, mask)
         return out if cp is None else cp.gather(out)
 
@@ -324,7 +337,8 @@ class Magi2RefinerTransformer3DModel(
         attention_kwargs: Optional[dict[str, Any]] = None,
         return_dict: bool = True,
     ) -> Union[Magi2RefinerTransformerOutput, tuple]:
-        """Velocity prediction for a batch of video latents (no timestep), one packed sample at a time.
+        """Velocity prediction for a batch of video latents (no timestep), one packed sample at a time (under
+        :meth:`enable_parallelism` each sample's tokens are split over the ranks, as in :meth:`forward_packed`).
 
         Args:
             hidden_states: ``[B, Cv, T, H, W]`` video latent.
@@ -377,12 +391,21 @@ class Magi2RefinerTransformer3DModel(
             geom = self.window_geometry(T, H, W, La + text.shape[0])
             audio = None if audio_hidden_states is None else audio_hidden_states[b]
             sample = pack_refiner_sample(geom, hidden_states[b], audio, text)
-            emb = torch.cat(
-                [pa.embed(m, t) for m, t, n in zip(Modality, sample.tokens, sample.group_sizes) if n], dim=0
-            )
-            dispatch = Magi2ModalityDispatch.from_sorted_group_sizes(sample.group_sizes, hidden_states.device)
+
+            def embed_rows(lo: int, hi: int, sample=sample):
+                parts, local, start = [], [], 0
+                for m, tokens, n in zip(Modality, sample.tokens, sample.group_sizes):
+                    a, z = max(lo, start) - start, min(hi, start + n) - start
+                    local.append(max(0, z - a))
+                    if z > a:
+                        parts.append(pa.embed(m, tokens[a:z]))
+                    start += n
+                emb = torch.cat(parts) if parts else sample.coords.new_zeros(0, pa.width)
+                dispatch = Magi2ModalityDispatch.from_sorted_group_sizes(tuple(local), hidden_states.device)
+                return emb, pa.rope(sample.coords[lo:hi]), dispatch
+
             mask = Magi2AttentionMask((geom.num_tokens,), geom)
-            out = self._run(emb, pa.rope(sample.coords), dispatch, mask)
+            out = self._forward_sample(geom.num_tokens, mask, embed_rows)
             video, audio = unpack_refiner_sample(out, sample, cfg.in_channels, cfg.audio_in_channels)
             video_out.append(video)
             audio_out.append(audio)

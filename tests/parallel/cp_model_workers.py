@@ -64,6 +64,31 @@ def refiner_forward(model, d: dict, prefix: str) -> torch.Tensor:
         )
 
 
+def refiner_batch_inputs(config, audio: bool, batch: int = 2) -> dict:
+    """``forward`` inputs of the tiny refiner: ``batch`` samples (the second with 3 padded text tokens)."""
+    g = torch.Generator().manual_seed(11)
+    video = torch.randn(2, config.in_channels, 5, 4, 8, generator=g)
+    text = torch.randn(2, 7, config.text_in_channels, generator=g)
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    sound = torch.randn(2, 10, config.audio_in_channels, generator=g)
+    return {
+        "hidden_states": video[:batch],
+        "encoder_hidden_states": text[:batch],
+        "audio_hidden_states": sound[:batch] if audio else None,
+        "encoder_attention_mask": mask[:batch],
+    }
+
+
+#: the refiner ``forward`` cases: (audio, batch)
+REFINER_FORWARD_CASES = ((True, 2), (False, 1))
+
+
+def refiner_batch_forward(model, audio: bool, batch: int) -> tuple:
+    with torch.no_grad():
+        out = model(**refiner_batch_inputs(model.config, audio, batch))
+    return out.sample, out.audio_sample
+
+
 def load_preview(model: str, dtype: torch.dtype = torch.float32) -> Magi2Transformer3DModel:
     return Magi2Transformer3DModel.from_original_checkpoint(FIXTURES / model / "sandai_checkpoint", dtype=dtype)
 
@@ -177,6 +202,10 @@ def refiner_checks(rank: int, world: int) -> dict:
     model.context_parallel_token_counts = None
     res["probe"] = _probe(model, lambda: refiner_forward(model, d, ""))
     res["flops"] = count_flops(refiner_forward, model, d, "")[1]
+    for audio, batch in REFINER_FORWARD_CASES:  # the diffusers entry point shards the same way
+        res["forward", audio, batch] = refiner_batch_forward(model, audio, batch)
+    if world == 2:
+        res["forward_flops"] = count_flops(refiner_batch_forward, model, *REFINER_FORWARD_CASES[0])[1]
     return res
 
 

@@ -1,13 +1,30 @@
-"""Per-rank body of ``test_cp_pipeline.py``: the tiny default pipeline's I2V call under CP N (or alone), counting
-the text-encoder and image-encoder calls of this rank."""
+"""Per-rank bodies of ``test_cp_pipeline.py``: the tiny default pipeline's I2V call under CP N (or alone), counting
+the text-encoder and image-encoder calls of this rank; and the two-stage tiny pipeline (``magi2_tiny`` preview and
+refiner) with its 1080p-style refiner stage under CP N, counting the refiner's FLOPs on this rank."""
 
 from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 from diffusers import ContextParallelConfig
 
 from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+from diffusers_magi2.utils.flop_counter import register_cpu_sdpa_flop_formula
+
+
+FIXTURES = Path(os.environ.get("MAGI2_FIXTURES", Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"))
+TWO_STAGE = {
+    "height": 64,
+    "width": 96,
+    "preview_height": 32,
+    "preview_width": 48,
+    "num_inference_steps": 1,
+    "refiner_num_inference_steps": 1,
+}
 
 
 IMAGE = np.random.default_rng(0).integers(0, 256, (40, 64, 3), dtype=np.uint8)
@@ -40,3 +57,31 @@ def i2v_latents(rank: int, world: int) -> dict:
         output_type="latent",
     )
     return {"calls": calls, "latents": out.frames, "audio_latents": out.audio}
+
+
+def refiner_stage_latents(rank: int, world: int) -> dict:
+    """The refined latent of a two-stage text-to-video call, and the FLOPs of this rank's refiner forwards."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+    from pipeline_stubs import tiny_two_stage_pipeline
+    from torch.utils.flop_counter import FlopCounterMode
+
+    pipe = tiny_two_stage_pipeline(FIXTURES)
+    if world > 1:
+        pipe.enable_context_parallel(ContextParallelConfig(ulysses_degree=world))
+    register_cpu_sdpa_flop_formula()
+    counter = FlopCounterMode(display=False)
+    forward = pipe.refiner.forward
+
+    calls = []
+
+    def counted(**kwargs):
+        with counter:
+            out = forward(**kwargs)
+        calls.append(({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}, out.sample))
+        return out
+
+    pipe.refiner.forward = counted
+    out = pipe(
+        "a red fox in the snow", **TWO_STAGE, generator=torch.Generator("cpu").manual_seed(3), output_type="latent"
+    )
+    return {"latents": out.frames, "refiner_flops": counter.get_total_flops(), "refiner_calls": calls}

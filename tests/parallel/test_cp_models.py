@@ -17,6 +17,7 @@ import torch
 from cp_model_workers import (
     PREVIEWS,
     REFINER_CASES,
+    REFINER_FORWARD_CASES,
     SYNC_METHODS,
     case_prefixes,
     cp_model_worker,
@@ -25,6 +26,7 @@ from cp_model_workers import (
     preview_bf16_case,
     preview_case,
     preview_forward,
+    refiner_batch_forward,
     refiner_case,
     refiner_forward,
 )
@@ -113,6 +115,27 @@ def test_refiner_context_parallel_equals_single_process_and_fixture(world):
         for prefix in REFINER_CASES:
             _check(res[prefix, "balanced"], ref[prefix], d[prefix + "model.out"], (prefix, rank))
         _check(res["", "uneven"], ref[""], d["model.out"], ("uneven", rank))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_refiner_forward_under_context_parallelism_splits_and_equals_one_process(world):
+    """``forward`` (what the pipeline's refiner stage calls) shards each sample as ``forward_packed`` does: every
+    rank within 1e-5 of one process, 2 samples with audio and 1 without; at N = 2 each rank does <= 0.55 of the
+    work and the ranks together >= 0.95."""
+    model = load_refiner().eval()
+    for audio, batch in REFINER_FORWARD_CASES:
+        single = refiner_batch_forward(model, audio, batch)
+        assert (single[1] is not None) == audio
+        for rank, res in enumerate(_results(world)):
+            got = res["refiner"]["forward", audio, batch]
+            for g, s in zip(got, single):
+                if s is not None:
+                    assert g.shape == s.shape
+                    assert (g - s).abs().max().item() <= CP_ATOL, (audio, rank, (g - s).abs().max().item())
+    if world == 2:
+        full = count_flops(refiner_batch_forward, model, *REFINER_FORWARD_CASES[0])[1]
+        per_rank = [res["refiner"]["forward_flops"] / full for res in _results(world)]
+        assert max(per_rank) <= 0.55 and sum(per_rank) >= 0.95, per_rank
 
 
 @pytest.mark.parametrize("world", WORLDS)
