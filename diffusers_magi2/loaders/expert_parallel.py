@@ -6,6 +6,11 @@ It is diffusers' ``ModelMixin.from_pretrained`` with one step changed: on the me
 through :class:`~diffusers_magi2.parallel.ep_loading.RowShardedShards`, cut to this rank's rows
 (:data:`EP_SHARDED_SUFFIXES`), so no rank allocates another's experts. FP8 experts load in a step of their own
 (:mod:`diffusers_magi2.loaders.fp8_experts`) after the cut.
+
+No tensor of a full expert bank exists on a rank at any step: the model is built with its MoE tensors on meta
+(:func:`~diffusers_magi2.moe.layer.moe_tensors_on_meta`), each bank is read as this rank's rows only, quantizing
+at load sees only those rows, and :func:`apply_expert_parallel` (a model already in memory) copies each layer's
+rows and frees that layer's full tensors before the next.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
 import torch.nn as nn
 
-from ..moe.layer import Magi2MultiHeadMoE
+from ..moe.layer import Magi2MultiHeadMoE, moe_tensors_on_meta
 from ..moe.quantize import FP8_SCALE_NAMES
 from ..parallel.ep_loading import RowShard, RowShardedShards
 from ..parallel.expert_parallel import (
@@ -31,7 +37,13 @@ from ..utils.safetensors_io import check_safetensors_file, read_index
 from .fp8_experts import FP8ExpertShards, plan_fp8_expert_loading
 
 
-__all__ = ["EP_SHARDED_SUFFIXES", "ExpertParallelLoaderMixin", "apply_expert_parallel"]
+__all__ = [
+    "EP_SHARDED_SUFFIXES",
+    "ExpertParallelLoaderMixin",
+    "apply_expert_parallel",
+    "ep_row_plan",
+    "local_experts_for_loading",
+]
 
 #: names (relative to a ``Magi2MultiHeadMoE``) of the tensors split across EP ranks along dim 0.
 EP_SHARDED_SUFFIXES = Magi2MultiHeadMoE._EP_SHARDED_KEYS
@@ -46,21 +58,55 @@ def _moe_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Magi2MultiHeadMoE)]
 
 
-def _swap_in_local_moes(model: nn.Module, ep: Magi2ExpertParallelGroup) -> dict[str, nn.Module]:
-    """Replace every MoE layer by a twin holding only this rank's heads (parameters on meta); ``{path: old}``."""
-    from accelerate import init_empty_weights
+def _local_twin(moe: Magi2MultiHeadMoE, ep: Magi2ExpertParallelGroup) -> Magi2MultiHeadMoE:
+    """A MoE layer like ``moe`` holding only this rank's heads, its tensors on meta."""
+    with moe_tensors_on_meta():
+        local = type(moe)(moe.config, ep_group=ep.group, ep_rank=ep.rank, ep_size=ep.size)
+    local.train(moe.training)
+    local._backend, local._deterministic = moe._backend, moe._deterministic
+    return local
 
-    old = {}
-    for name, moe in _moe_modules(model):
-        with init_empty_weights(include_buffers=False):
-            local = type(moe)(moe.config, ep_group=ep.group, ep_rank=ep.rank, ep_size=ep.size)
-        local.train(moe.training)
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, local)
-        old[name] = moe
-    if old:
-        warn_if_idle(model.get_submodule(next(iter(old))).ep_layout)  # the first layer's head layout
-    return old
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at the dotted path ``name`` of ``model``."""
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)
+
+
+def _swap_in_local_moes(model: nn.Module, ep: Magi2ExpertParallelGroup) -> None:
+    """Replace every MoE layer of the meta model by its :func:`_local_twin`."""
+    moes = _moe_modules(model)
+    for name, moe in moes:
+        _set_submodule(model, name, _local_twin(moe, ep))
+    if moes:
+        warn_if_idle(model.get_submodule(moes[0][0]).ep_layout)  # the first layer's head layout
+
+
+def ep_row_plan(model: nn.Module) -> dict[str, RowShard]:
+    """``{state-dict name: RowShard}`` of every EP-sharded tensor of a model whose MoE layers hold this rank's heads."""
+    return {
+        f"{name}.{suffix}": RowShard(
+            m.local_head_start * m.num_experts, m.local_flatten_num_experts, m.num_heads * m.num_experts
+        )
+        for name, m in _moe_modules(model)
+        for suffix in EP_SHARDED_SUFFIXES + (FP8_SCALE_NAMES if m.fp8_experts else ())
+    }
+
+
+def local_experts_for_loading(model: nn.Module, config: Magi2ExpertParallelConfig, fingerprint: dict) -> dict:
+    """Prepare a meta model built under :func:`~diffusers_magi2.moe.layer.moe_tensors_on_meta` for an
+    expert-parallel load: check ``fingerprint`` is the same on every rank, swap in this rank's MoE layers and return
+    :func:`ep_row_plan` (``{}`` for one rank).
+
+    Raises:
+        ValueError: EP set-up errors, or ranks disagreeing on ``fingerprint``.
+    """
+    ep = resolve_expert_parallel(config)
+    check_same_on_all_ranks(fingerprint, ep, "checkpoint or config")
+    if ep.size == 1:
+        return {}
+    _swap_in_local_moes(model, ep)
+    return ep_row_plan(model)
 
 
 def _public_config(model: nn.Module) -> dict:
@@ -89,17 +135,16 @@ def apply_expert_parallel(model: nn.Module, config: Magi2ExpertParallelConfig) -
     check_same_on_all_ranks(_public_config(model), ep, "transformer config")
     if ep.size == 1:
         return model
-    for name, full in _swap_in_local_moes(model, ep).items():
-        local = model.get_submodule(name)
-        full_sd = full.state_dict()
-        new_sd = {}
-        for key, t in local.state_dict(keep_vars=True).items():
-            src = local.ep_slice(full_sd[key]) if key in EP_SHARDED_SUFFIXES + FP8_SCALE_NAMES else full_sd[key]
-            new_sd[key] = src.detach().clone().to(t.dtype)
-        local.load_state_dict(new_sd, strict=True, assign=True)
-        requires_grad = {n: p.requires_grad for n, p in full.named_parameters()}
+    for name, full in moes:  # one layer at a time: its full tensors are freed before the next layer is cut
+        local = _local_twin(full, ep)
+        with torch.no_grad():  # every MoE tensor is [H E, ...]: this rank's rows, in their own storage
+            rows = {key: local.ep_slice(t).clone() for key, t in full.state_dict().items()}
+        local.load_state_dict(rows, strict=True, assign=True)
         for n, p in local.named_parameters():
-            p.requires_grad_(requires_grad.get(n, False))
+            p.requires_grad_(full.get_parameter(n).requires_grad)
+        _set_submodule(model, name, local)
+        full.to_empty(device="meta")  # free the full bank, even where the caller still holds the old layer
+    warn_if_idle(model.get_submodule(moes[0][0]).ep_layout)
     return model
 
 
@@ -165,7 +210,8 @@ class ExpertParallelLoaderMixin:
         _check_local_shards(pretrained_model_name_or_path, kwargs)
         token = _LOADING_EP_GROUP.set(resolve_expert_parallel(expert_parallel))
         try:
-            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+            with moe_tensors_on_meta():  # the full-size MoE layers diffusers builds are never allocated
+                return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         finally:
             _LOADING_EP_GROUP.reset(token)
 
@@ -185,15 +231,13 @@ class ExpertParallelLoaderMixin:
         _, filled = plan_fp8_expert_loading(model, state_dict, resolved_model_file)  # headers only
         if ep is not None and ep.size > 1:
             _swap_in_local_moes(model, ep)
-            plan = {
-                f"{name}.{suffix}": RowShard(
-                    m.local_head_start * m.num_experts, m.local_flatten_num_experts, m.num_heads * m.num_experts
-                )
-                for name, m in _moe_modules(model)
-                for suffix in EP_SHARDED_SUFFIXES + (FP8_SCALE_NAMES if m.fp8_experts else ())
-            }
-            shards = [state_dict] if state_dict is not None else resolved_model_file
-            resolved_model_file, state_dict = RowShardedShards(shards, plan), None
+            plan = ep_row_plan(model)
+            # read from the files even where diffusers already mapped a single one (state_dict), so the banks are
+            # read as rows and never sliced out of a map that the other loaded tensors keep alive
+            files = [str(f) for f in resolved_model_file]
+            use_files = state_dict is None or all(f.endswith(".safetensors") for f in files)
+            resolved_model_file = RowShardedShards(files if use_files else [state_dict], plan)
+            state_dict = None
             kwargs["is_parallel_loading_enabled"] = False  # one shard at a time, this rank's rows only
         if any(m.fp8_experts for _, m in _moe_modules(model)):
             shards = [state_dict] if state_dict is not None else resolved_model_file

@@ -4,10 +4,14 @@ As diffusers' ``FromOriginalModelMixin``, a table keyed by class name (:data:`OR
 gives each model its SandAI config section, translator and released config. Loading runs the converter's steps
 in memory: config -> the model on the meta device (expected keys, shapes; ``F32`` for islands, ``params_dtype``
 otherwise) -> :func:`~.key_plan.build_key_plan` -> each tensor read, renamed, cast -> a strict ``assign`` load.
+With ``expert_parallel`` the MoE layers are built on meta at this rank's size and each expert tensor is read as
+this rank's rows only (:func:`~diffusers_magi2.utils.safetensors_io.read_rows`; the key plan renames, never
+reshapes, so the rows of a SandAI tensor are the rows of its diffusers name).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +20,12 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn as nn
 
+from ..moe.layer import moe_tensors_on_meta
 from ..utils.dtype_utils import parse_dtype
 from ..utils.fp32_islands import is_fp32_island
-from ..utils.safetensors_io import TORCH_TO_DTYPE
+from ..utils.safetensors_io import TORCH_TO_DTYPE, read_rows, read_safetensors_header
 from . import sandai_config
+from .expert_parallel import local_experts_for_loading
 from .key_plan import TensorSpec, build_key_plan, read_source_checkpoint
 from .sandai_config_refiner import refiner_config_from_sandai
 
@@ -149,6 +155,7 @@ def load_original_checkpoint(
     config: Union[PathLike, dict, None] = None,
     *,
     dtype: Optional[torch.dtype] = None,
+    expert_parallel: Optional[Any] = None,
 ) -> nn.Module:
     """Build ``cls`` from a SandAI checkpoint folder with the converter's validated key plan, in memory.
 
@@ -157,13 +164,16 @@ def load_original_checkpoint(
         source_dir: folder with ``model.safetensors.index.json`` and its shards (or ``model.safetensors``).
         config: SandAI config dict or JSON path; ``None``: the bundled released config.
         dtype: dtype of the non-fp32 tensors; ``None``: the config's ``params_dtype``. fp32 islands load as fp32.
+        expert_parallel: a :class:`~diffusers_magi2.Magi2ExpertParallelConfig`: read only this rank's routed
+            experts (every rank passes the same folder and config).
 
     Returns:
         the model in eval mode, every tensor on CPU with its own storage.
 
     Raises:
         CheckpointValidationError: every checkpoint problem, before any tensor is read.
-        ValueError: ``cls`` is not a MAGI-2 model class, or the config lacks its architecture section.
+        ValueError: ``cls`` is not a MAGI-2 model class, the config lacks its architecture section, or an
+            expert-parallel set-up error (ranks disagreeing on the checkpoint or config).
     """
     from safetensors import safe_open
 
@@ -171,17 +181,27 @@ def load_original_checkpoint(
     cfg, label = fmt.resolve_config(config)
     params_dtype = fmt.params_dtype(cfg)
     dtype = params_dtype if dtype is None else parse_dtype(dtype)
-    model = build_meta_model(cls, fmt.model_kwargs(cfg))
+    with moe_tensors_on_meta() if expert_parallel is not None else contextlib.nullcontext():
+        model = build_meta_model(cls, fmt.model_kwargs(cfg))
     expected = expected_specs_from_model(model, TORCH_TO_DTYPE[params_dtype])
     source = read_source_checkpoint(source_dir)
     plan = build_key_plan(
         source, expected, dtype="keep", context=f"checked against {label}", hint=config_hint(source_dir, config)
     )
+    rows = {}
+    if expert_parallel is not None:
+        fingerprint = {"config": cfg, "dtype": str(dtype), "files": sorted(plan.entries_by_file())}
+        rows = local_experts_for_loading(model, expert_parallel, fingerprint)
     state: dict[str, torch.Tensor] = {}
     for fname, entries in plan.entries_by_file().items():
-        with safe_open(str(plan.source_dir / fname), framework="pt") as handle:
+        path = plan.source_dir / fname
+        header = read_safetensors_header(path) if any(e.target_key in rows for e in entries) else None
+        with safe_open(str(path), framework="pt") as handle:
             for e in entries:
-                t = handle.get_tensor(e.source_key)
+                if e.target_key in rows:  # this rank's rows only, read into their own buffer
+                    t = read_rows(header, e.source_key, rows[e.target_key].row_start, rows[e.target_key].num_rows)
+                else:
+                    t = handle.get_tensor(e.source_key)
                 state[e.target_key] = t.to(torch.float32 if expected[e.target_key].fp32_island else dtype)
     model.load_state_dict(state, strict=True, assign=True)
     # expert_bias and expert_bias_ema come from the same file bytes; safetensors refuses to save shared storages
@@ -229,6 +249,7 @@ class FromOriginalCheckpointMixin:
         torch_dtype: Optional[torch.dtype] = None,
         dtype: Optional[torch.dtype] = None,
         device: Union[str, torch.device] = "cpu",
+        expert_parallel: Optional[Any] = None,
     ):
         """Build the model from a SandAI checkpoint folder (``preview/`` or ``refiner/``: safetensors shards + index).
 
@@ -241,6 +262,8 @@ class FromOriginalCheckpointMixin:
                 bundled released config.
             torch_dtype / dtype (aliases): dtype of the non-fp32 weights; default: the config's ``params_dtype``.
             device: where the weights are placed.
+            expert_parallel (:class:`~diffusers_magi2.Magi2ExpertParallelConfig`, *optional*): load only this rank's
+                routed experts; no rank reads or allocates another rank's (all ranks pass the same folder and config).
 
         Returns:
             the model in eval mode.
@@ -256,5 +279,5 @@ class FromOriginalCheckpointMixin:
         cfg = config if config is not None else _default_config(original_format(cls), checkpoint_dir)
         if not isinstance(cfg, dict):
             cfg = sandai_config.load_sandai_config(cfg)
-        model = load_original_checkpoint(cls, checkpoint_dir, cfg, dtype=dtype)
+        model = load_original_checkpoint(cls, checkpoint_dir, cfg, dtype=dtype, expert_parallel=expert_parallel)
         return model.to(device)

@@ -12,6 +12,8 @@ SandAI ``CoreMultiHeadMoE``: ``x [S, C]`` is viewed as ``[S, H, Dh]``; head ``h`
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from dataclasses import dataclass
@@ -29,9 +31,25 @@ from .quantize import FP8_DTYPE, parse_expert_dtype, quantize_fp8
 from .routing import compute_topk_probs_and_indices, global_sort_routes
 
 
-__all__ = ["Magi2MultiHeadMoEConfig", "Magi2MultiHeadMoE"]
+__all__ = ["Magi2MultiHeadMoEConfig", "Magi2MultiHeadMoE", "moe_tensors_on_meta"]
 
 _BANKS = ("W_gate", "W_up", "W_down")
+
+# set by moe_tensors_on_meta: Magi2MultiHeadMoE builds its tensors on the meta device
+_TENSORS_ON_META: contextvars.ContextVar[bool] = contextvars.ContextVar("magi2_moe_tensors_on_meta", default=False)
+
+
+@contextlib.contextmanager
+def moe_tensors_on_meta():
+    """Every ``Magi2MultiHeadMoE`` built inside this context holds its tensors (router, expert banks, FP8 scales)
+    on the meta device, so none is ever allocated at full size; a loader then places each one (e.g. only this
+    expert-parallel rank's rows). accelerate's ``init_empty_weights`` would still allocate each parameter before
+    moving it to meta, and keeps buffers real."""
+    token = _TENSORS_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _TENSORS_ON_META.reset(token)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -103,10 +121,10 @@ class Magi2MultiHeadMoEConfig:
 class _Magi2RouterBuffers(nn.Module):
     """Holds the persistent router biases so their keys read ``router.expert_bias(_ema)`` as in SandAI's files."""
 
-    def __init__(self, num_rows: int) -> None:
+    def __init__(self, num_rows: int, device: Optional[str] = None) -> None:
         super().__init__()
-        self.register_buffer("expert_bias", torch.zeros(num_rows, dtype=torch.float32), persistent=True)
-        self.register_buffer("expert_bias_ema", torch.zeros(num_rows, dtype=torch.float32), persistent=True)
+        for name in ("expert_bias", "expert_bias_ema"):
+            self.register_buffer(name, torch.zeros(num_rows, dtype=torch.float32, device=device), persistent=True)
 
 
 class Magi2MultiHeadMoE(nn.Module):
@@ -174,15 +192,18 @@ class Magi2MultiHeadMoE(nn.Module):
 
         # 2. Tensors, under the checkpoint names and layouts.
         rows, dh, de = self.local_flatten_num_experts, self.head_dim, self.expert_intermediate_size
-        self.gate = nn.Parameter(torch.empty(rows, dh, dtype=torch.float32))
+        device = "meta" if _TENSORS_ON_META.get() else None
+        self.gate = nn.Parameter(torch.empty(rows, dh, dtype=torch.float32, device=device))
         self.fp8_experts = config.expert_dtype == FP8_DTYPE
         bank_dtype = FP8_DTYPE if self.fp8_experts else config.params_dtype
         for name, shape in (("W_gate", (rows, dh, de)), ("W_up", (rows, dh, de)), ("W_down", (rows, de, dh))):
-            bank = nn.Parameter(torch.empty(shape, dtype=bank_dtype), requires_grad=not self.fp8_experts)
+            bank = nn.Parameter(
+                torch.empty(shape, dtype=bank_dtype, device=device), requires_grad=not self.fp8_experts
+            )
             setattr(self, name, bank)
             if self.fp8_experts:
-                self.register_buffer(f"{name}_scale", torch.empty(rows, shape[2], dtype=torch.float32))
-        self.router = _Magi2RouterBuffers(rows)
+                self.register_buffer(f"{name}_scale", torch.empty(rows, shape[2], dtype=torch.float32, device=device))
+        self.router = _Magi2RouterBuffers(rows, device)
         self.reset_parameters()
 
         # 3. Backend, chosen once (see set_backend).

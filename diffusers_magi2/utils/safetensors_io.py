@@ -36,6 +36,7 @@ __all__ = [
     "parse_size",
     "plan_shards",
     "read_index",
+    "read_rows",
     "read_safetensors_header",
     "write_index",
 ]
@@ -203,6 +204,43 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
         if cur.data_offsets[0] < prev.data_offsets[1]:
             raise ValueError(f"{path}: tensors {prev.name!r} and {cur.name!r} overlap in the data section")
     return SafetensorsHeader(path, 8 + header_len, {t.name: t for t in entries}, dict(metadata))
+
+
+def read_rows(header: SafetensorsHeader, name: str, row_start: int, num_rows: int) -> torch.Tensor:
+    """Rows ``[row_start, row_start + num_rows)`` (dim 0) of tensor ``name``, read from the file into a new CPU tensor.
+
+    Only those rows' bytes are read (``readinto`` the result; no memory map, so no page of the other rows is ever
+    resident in this process); rows past the tensor's end are zero.
+
+    Args:
+        header: the file's :func:`read_safetensors_header`.
+
+    Returns:
+        ``[num_rows, *shape[1:]]`` in the stored dtype, with its own storage.
+
+    Raises:
+        ValueError: ``name`` is not in the file or is 0-d, a negative ``row_start``/``num_rows``, or the file ends early.
+    """
+    entry = header.tensors.get(name)
+    if entry is None or not entry.shape:
+        raise ValueError(f"{header.path}: no tensor {name!r} with a row dimension to read rows of")
+    if row_start < 0 or num_rows < 0:
+        raise ValueError(f"row_start and num_rows must be >= 0, got {row_start}, {num_rows} for {name!r}")
+    out = torch.empty((num_rows, *entry.shape[1:]), dtype=DTYPE_TO_TORCH[entry.dtype])
+    row_bytes = math.prod(entry.shape[1:]) * DTYPE_ITEMSIZE[entry.dtype]
+    present = max(0, min(entry.shape[0], row_start + num_rows) - row_start)
+    out[present:] = 0
+    if present:
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())[: present * row_bytes]
+        with open(header.path, "rb") as fh:
+            fh.seek(header.data_start + entry.data_offsets[0] + row_start * row_bytes)
+            done = 0
+            while done < len(view):
+                got = fh.readinto(view[done:])
+                if not got:
+                    raise ValueError(f"{header.path}: file ends inside {name!r} (truncated shard?)")
+                done += got
+    return out
 
 
 def read_index(directory: str | os.PathLike, index_name: str, single_name: str) -> dict[str, str] | None:

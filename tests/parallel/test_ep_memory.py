@@ -1,0 +1,249 @@
+"""Expert-parallel ranks hold only their slice of the routed experts at every step of loading (2 gloo ranks).
+
+A tiny transformer whose expert banks dominate its size is loaded on each rank, by every path that can shard it:
+``from_pretrained(expert_parallel=...)`` from a sharded bf16 repo, a single-file bf16 repo, an FP8 repo, a bf16 repo
+quantized at load, ``from_original_checkpoint(expert_parallel=...)`` from a SandAI-layout checkpoint, and
+``enable_expert_parallel`` on a model in memory. Per path and rank:
+
+* a ``TorchDispatchMode`` sees every tensor an ATen op returns while loading: none is a new storage (an allocation,
+  not a view of an input) as large as one full bank ``[H E, Dh, De]`` in the checkpoint's dtype (this rank's bank
+  is half of it);
+* each routed-expert tensor of the loaded model has its own storage of exactly this rank's rows, and they equal the
+  full model's rows;
+* the pages of the checkpoint files mapped into the process and resident (``/proc/self/smaps``) stay below the
+  files' non-expert bytes plus half this rank's expert bytes: no bank was read through a memory map that the loaded
+  model keeps alive (diffusers maps a single-file checkpoint whole; that map may exist, but its expert pages must
+  stay untouched);
+* after ``enable_expert_parallel`` nothing holds the full layers' tensors any more (they are freed).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FIXTURES
+from ep_spawn_utils import run_on_ranks
+from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from diffusers_magi2.loaders.key_plan import target_to_source_key
+from diffusers_magi2.loaders.original_checkpoint import build_meta_model, expected_specs_from_model, original_format
+from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
+from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
+from diffusers_magi2.utils.safetensors_io import read_safetensors_header
+
+
+CONFIG = {
+    "num_layers": 4,
+    "num_attention_heads": 4,
+    "attention_head_dim": 32,
+    "num_key_value_heads": 4,
+    "in_channels": 8,
+    "audio_in_channels": 8,
+    "text_in_channels": 16,
+    "intermediate_factor": 1,
+    "multimodal_layers": [0, 3],
+    "moe_layers": [1, 2],
+    "num_streams": 2,
+    "moe_num_heads": 4,
+    "moe_num_experts": 64,
+    "moe_top_k": 2,
+    "moe_expert_intermediate_size": 128,
+    "shared_expert_intermediate_size": 16,
+    "modality_specific_expert_intermediate_size": 16,
+    "time_embed_dim": 32,
+}
+# the SandAI config of the same shapes (the tiny fixture's, with the MoE sizes above)
+SANDAI_MOE = {
+    "num_experts": 64,
+    "expert_intermediate_size": 128,
+    "shared_expert_intermediate_size": 16,
+    "modality_specific_expert_intermediate_size": 16,
+}
+# elements of one full bank [H E, Dh, De]; no storage on a rank may hold this many in the checkpoint's bank dtype
+FULL_BANK_NUMEL = 4 * 64 * 32 * 128
+EXPERT_KEYS = ("W_gate", "W_up", "W_down", "W_gate_scale", "W_up_scale", "W_down_scale")
+
+
+class _LargeAllocations(TorchDispatchMode):
+    """Records the ATen results with a new storage (not one of the op's inputs: views, detaches and the memory maps
+    safetensors wraps are left out) of ``>= limit`` bytes."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit, self.seen = limit, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            (a.untyped_storage() if isinstance(a, torch.Tensor) else a).data_ptr()
+            for a in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(a, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage))
+            and not getattr(a, "is_meta", False)
+        }
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storage = t.untyped_storage()
+                if storage.nbytes() >= self.limit and storage.data_ptr() not in inputs:
+                    self.seen.append(f"{func}: {t.dtype}{list(t.shape)}, a new storage of {storage.nbytes()} bytes")
+        return out
+
+
+def _mapped_resident_bytes(folder: str) -> int:
+    """Resident bytes of this process's memory maps of files under ``folder``."""
+    total, in_folder = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
+                in_folder = len(head) >= 6 and head[5].startswith(folder)
+            elif in_folder and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+def _expert_tensors(model) -> dict[str, torch.Tensor]:
+    return {
+        f"{n}.{k}": t
+        for n, m in model.named_modules()
+        if isinstance(m, Magi2MultiHeadMoE)
+        for k, t in m.state_dict(keep_vars=True).items()
+        if k in EXPERT_KEYS
+    }
+
+
+def _report(model, seen: list, folder: str) -> dict:
+    tensors = _expert_tensors(model)
+    return {
+        "seen": seen,
+        "storage_bytes": {k: t.untyped_storage().nbytes() for k, t in tensors.items()},
+        "local_bytes": {k: t.numel() * t.element_size() for k, t in tensors.items()},
+        "rows": {k: t.detach().clone() for k, t in tensors.items() if k.endswith("W_down")},
+        "mapped_resident": _mapped_resident_bytes(folder) if folder else 0,
+        "head_start": {n: m.local_head_start for n, m in model.named_modules() if isinstance(m, Magi2MultiHeadMoE)},
+    }
+
+
+def _ep_memory_worker(rank: int, world: int, folders: dict) -> dict:
+    from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig
+
+    cfg = Magi2ExpertParallelConfig(ep_degree=world)
+    res = {}
+    loads = {  # name: (folder, loader, bytes per element of the folder's banks)
+        "bf16_sharded": ("bf16_sharded", {}, 2),
+        "bf16_single_file": ("bf16_single", {}, 2),
+        "fp8_repo": ("fp8", {}, 1),
+        "quantize_at_load": ("bf16_sharded", {"expert_dtype": "float8_e4m3fn"}, 2),
+        "original_checkpoint": ("sandai", None, 2),
+    }
+    for name, (folder, kwargs, itemsize) in loads.items():
+        with _LargeAllocations(FULL_BANK_NUMEL * itemsize) as mode:
+            if kwargs is None:
+                model = Magi2Transformer3DModel.from_original_checkpoint(folders[folder], expert_parallel=cfg)
+            else:
+                model = Magi2Transformer3DModel.from_pretrained(
+                    folders[folder], torch_dtype=torch.bfloat16, expert_parallel=cfg, **kwargs
+                )
+        res[name] = _report(model, mode.seen, folders[folder])
+        del model
+        gc.collect()
+    torch.manual_seed(0)
+    model = Magi2Transformer3DModel(**CONFIG).to(torch.bfloat16)
+    full_banks = [weakref.ref(t) for t in _expert_tensors(model).values()]
+    with _LargeAllocations(FULL_BANK_NUMEL * 2) as mode:
+        model.enable_expert_parallel(cfg)
+    gc.collect()
+    res["enable_expert_parallel"] = _report(model, mode.seen, "")
+    res["enable_expert_parallel"]["full_freed"] = all(ref() is None for ref in full_banks)
+    return res
+
+
+def _non_expert_file_bytes(folder: Path) -> int:
+    return sum(
+        t.nbytes
+        for f in folder.glob("*.safetensors")
+        for name, t in read_safetensors_header(f).tensors.items()
+        if not name.endswith(EXPERT_KEYS)
+    )
+
+
+def _write_sandai_checkpoint(folder: Path) -> None:
+    """A random SandAI-layout checkpoint (``model.safetensors`` + its ``magi2_preview.json``) of the test's shapes."""
+    folder.mkdir()
+    sandai = json.loads((FIXTURES / "magi2_tiny/preview_h4/sandai_checkpoint/magi2_preview.json").read_text())
+    sandai["arch_config"]["moe_config"].update(SANDAI_MOE)
+    sandai["arch_config"]["intermediate_factor"] = 1
+    (folder / "magi2_preview.json").write_text(json.dumps(sandai))
+    fmt = original_format(Magi2Transformer3DModel)
+    meta = build_meta_model(Magi2Transformer3DModel, fmt.model_kwargs(fmt.resolve_config(sandai)[0]))
+    g = torch.Generator().manual_seed(1)
+    state = {
+        target_to_source_key(k): (torch.randn(spec.shape, generator=g) * 0.02).to(
+            torch.float32 if spec.fp32_island else torch.bfloat16
+        )
+        for k, spec in expected_specs_from_model(meta).items()
+    }
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def repos(tmp_path_factory):
+    """``(folders, {folder: the full model's expert tensors}, {folder: its non-expert bytes})``."""
+    root = tmp_path_factory.mktemp("ep_memory")
+    torch.manual_seed(0)
+    model = Magi2Transformer3DModel(**CONFIG).to(torch.bfloat16)
+    experts = sum(t.numel() * t.element_size() for t in _expert_tensors(model).values())
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert experts > 0.8 * total, "the test model's expert banks must dominate its size"
+    model.save_pretrained(root / "bf16_sharded", max_shard_size="5MB")  # shards mix banks and other tensors
+    model.save_pretrained(root / "bf16_single")
+    assert len(list((root / "bf16_sharded").glob("*.safetensors"))) > 1
+    assert not list((root / "bf16_single").glob("*.index.json"))
+    fp8 = Magi2Transformer3DModel.from_pretrained(root / "bf16_sharded", expert_dtype="float8_e4m3fn")
+    fp8.save_pretrained(root / "fp8", max_shard_size="5MB")
+    _write_sandai_checkpoint(root / "sandai")
+    sandai = Magi2Transformer3DModel.from_original_checkpoint(root / "sandai")
+    assert sandai.transformer_blocks[1].mlp.moe_mlp.W_up.numel() == FULL_BANK_NUMEL
+    names = ("bf16_sharded", "bf16_single", "fp8", "sandai")
+    full = {"bf16_sharded": model, "bf16_single": model, "fp8": fp8, "sandai": sandai}
+    return (
+        {k: str(root / k) for k in names},
+        {k: _expert_tensors(m) for k, m in full.items()},
+        {k: _non_expert_file_bytes(root / k) for k in names},
+    )
+
+
+FOLDER = {
+    "bf16_sharded": "bf16_sharded",
+    "bf16_single_file": "bf16_single",
+    "fp8_repo": "fp8",
+    "quantize_at_load": "fp8",  # its rows equal the FP8 repo's (quantized by the same rule)
+    "original_checkpoint": "sandai",
+    "enable_expert_parallel": "bf16_sharded",  # the same seed, in memory
+}
+
+
+def test_ep2_ranks_never_hold_a_full_expert_bank_and_keep_only_their_rows(repos):
+    folders, full, non_expert_bytes = repos
+    per_rank = run_on_ranks(_ep_memory_worker, 2, folders, deadline_s=300)
+    for rank, res in enumerate(per_rank):
+        for name, r in res.items():
+            where = f"rank {rank}, {name}"
+            assert r["seen"] == [], f"{where}: a tensor of a full expert bank's size was made: {r['seen'][:3]}"
+            assert r["storage_bytes"] == r["local_bytes"], f"{where}: expert storages are not this rank's slice"
+            local = sum(r["local_bytes"].values())
+            print(f"\n{where}: expert bytes {local}, checkpoint pages mapped and resident {r['mapped_resident']}")
+            if name != "enable_expert_parallel":
+                assert r["mapped_resident"] <= non_expert_bytes[FOLDER[name]] + 0.5 * local, where
+            for key, rows in r["rows"].items():
+                start = r["head_start"][key.rsplit(".", 1)[0]] * CONFIG["moe_num_experts"]
+                want = full[FOLDER[name]][key][start : start + rows.shape[0]]
+                if rows.dtype == torch.float8_e4m3fn:
+                    rows, want = rows.view(torch.uint8), want.view(torch.uint8)
+                assert torch.equal(rows, want), f"{where}: {key} is not this rank's rows of the full bank"
+        assert res["enable_expert_parallel"]["full_freed"], f"rank {rank}: the full banks were not freed"
