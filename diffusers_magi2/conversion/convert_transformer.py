@@ -194,6 +194,7 @@ def write_transformer(
     out_folder = Path(out_folder)
     out_folder.mkdir(parents=True, exist_ok=False)
     plan = prepared.plan
+    experts = expert_bank_names(prepared.model)
     with ShardWriter(out_folder, prepared.layouts) as writer:
         groups = plan.entries_by_file()
         for i, (fname, entries) in enumerate(groups.items()):
@@ -218,7 +219,7 @@ def write_transformer(
                         raise ValueError(f"{path}: {e.source_key} changed since it was validated")
                     start = header.data_start + info.data_offsets[0]
                     if e.target_key in prepared.fp8_banks:
-                        _write_fp8_bank(writer, e, fd, start, chunk_bytes)
+                        _write_fp8_bank(writer, e, fd, start, chunk_bytes, experts[e.target_key][0].num_experts)
                     elif e.source_dtype == e.target_dtype:  # stored bytes are the output bytes
                         writer.copy_bytes(e.target_key, fd, start, info.nbytes)
                     else:
@@ -230,8 +231,9 @@ def write_transformer(
     return out_folder
 
 
-def _write_fp8_bank(writer: ShardWriter, entry, fd: int, start: int, chunk_bytes: int) -> None:
-    """Quantize one expert bank ``[R, K, N]`` chunk of rows by chunk of rows: FP8 rows, then their fp32 scales."""
+def _write_fp8_bank(writer: ShardWriter, entry, fd: int, start: int, chunk_bytes: int, num_experts: int) -> None:
+    """Quantize one expert bank ``[R, K, N]`` chunk of rows by chunk of rows: FP8 rows, then their fp32 scales
+    (``ValueError`` naming the source tensor, expert and column of a non-finite weight)."""
     rows, row_elems = entry.shape[0], entry.shape[1] * entry.shape[2]
     row_bytes = row_elems * DTYPE_ITEMSIZE[entry.source_dtype]
     step = max(1, min(rows, chunk_bytes // row_bytes))
@@ -245,6 +247,11 @@ def _write_fp8_bank(writer: ShardWriter, entry, fd: int, start: int, chunk_bytes
             if read == 0:
                 raise ValueError(f"{entry.source_key}: source ended early")
             got += read
-        q, scale = quantize_fp8(source[:n].to(DTYPE_TO_TORCH[entry.target_dtype]))
+        q, scale = quantize_fp8(
+            source[:n].to(DTYPE_TO_TORCH[entry.target_dtype]),
+            name=f"{entry.source_file}: {entry.source_key}",
+            first_row=first,
+            num_experts=num_experts,
+        )
         writer.write_chunk(entry.target_key, q)
         writer.write_chunk(f"{entry.target_key}_scale", scale)

@@ -157,7 +157,9 @@ class FP8ExpertShards(Sequence):
         for name in taken:
             value = state.pop(name)
             if name in self.banks and value.dtype != FP8_DTYPE:
-                q, scale = quantize_fp8(value)
+                module = self.banks[name][0]  # under expert parallelism: this rank's rows, from its first head's
+                first_row = module.local_head_start * module.num_experts
+                q, scale = quantize_fp8(value, name=name, first_row=first_row, num_experts=module.num_experts)
                 del value
                 self._place(f"{name}_scale", scale)
                 value = q

@@ -46,13 +46,26 @@ def parse_expert_dtype(expert_dtype: Union[None, str, torch.dtype]) -> Optional[
 
 
 @torch.no_grad()
-def quantize_fp8(weight: torch.Tensor, chunk_rows: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(
+    weight: torch.Tensor,
+    chunk_rows: int = 64,
+    *,
+    name: str = "expert bank",
+    first_row: int = 0,
+    num_experts: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize an expert bank ``[R, K, N]`` to ``(q [R, K, N] float8_e4m3fn, scale [R, N] float32)``.
 
     ``chunk_rows`` experts at a time (small fp32 temporaries).
 
+    Args:
+        name: the tensor's name, for the error message.
+        first_row: the bank row of ``weight[0]`` (e.g. an expert-parallel rank's first row), for the message.
+        num_experts: experts per head ``E``; the message then names row ``g`` as head ``g // E``, expert ``g % E``.
+
     Raises:
-        ValueError: ``weight`` is not a 3-D floating-point tensor.
+        ValueError: ``weight`` is not a 3-D floating-point tensor, or holds a NaN or inf (naming the tensor, the
+            expert and the output column: its scale, and so the whole column, would be NaN/inf).
     """
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or not weight.is_floating_point():
         shape = getattr(weight, "shape", weight)
@@ -62,10 +75,25 @@ def quantize_fp8(weight: torch.Tensor, chunk_rows: int = 64) -> tuple[torch.Tens
     for start in range(0, weight.shape[0], chunk_rows):
         w = weight[start : start + chunk_rows].to(torch.float32)
         s = w.abs().amax(dim=1) / FP8_MAX
+        if not torch.isfinite(s).all():
+            _raise_non_finite(w, name, first_row + start, num_experts)
         divisor = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(1)
         q[start : start + chunk_rows] = (w / divisor).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         scale[start : start + chunk_rows] = s
     return q, scale
+
+
+def _raise_non_finite(w: torch.Tensor, name: str, first_row: int, num_experts: Optional[int]) -> None:
+    """ValueError naming the first non-finite element of the chunk ``w [r, K, N]`` (bank row ``first_row``)."""
+    r, k, n = (int(i) for i in (~torch.isfinite(w)).nonzero()[0])
+    row = first_row + r
+    value = w[r, k, n].item()
+    where = f"expert row {row}" if not num_experts else f"expert {row % num_experts} of head {row // num_experts}"
+    raise ValueError(
+        f"{name} holds a non-finite weight ({value}) in {where} (row {row} of [H*E, K, N]), input row {k}, "
+        f"column {n}: its FP8 scale, and so that whole output column, would be {value}; repair or re-export "
+        "the checkpoint (only finite weights can be quantized)"
+    )
 
 
 def dequantize_expert(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:

@@ -4,6 +4,11 @@ Per head: ``scores = sigmoid(logits)`` (or softmax), top-k of ``scores + expert_
 only), weights the unbiased scores, L1-normalised with ``route_norm``. Routes are then sorted expert-major (CSR)
 over global ids ``g = h*E + e``. SandAI ``flash_mh_moe`` (``compute_topk_probs_and_indices``,
 ``flash_mh_moe_global_sort``); no host sync, so both run in a CUDA graph or ``torch.compile``.
+
+Non-finite logits (a NaN or inf in the MoE input or the gate) are refused, not routed: a NaN row would give NaN
+weights and silently poison every expert output it reaches. The check is a device assert
+(``torch._assert_async``), so it adds no host sync: on CPU it raises at once (a ``ValueError`` naming the head and
+token), on a GPU the device assert stops the run with the message.
 """
 
 from __future__ import annotations
@@ -11,9 +16,32 @@ from __future__ import annotations
 import torch
 
 
-__all__ = ["compute_topk_probs_and_indices", "global_sort_routes"]
+__all__ = ["check_finite_router_logits", "compute_topk_probs_and_indices", "global_sort_routes"]
 
 _SCORE_FUNCS = ("sigmoid", "softmax")
+_NON_FINITE = "MoE router logits are not finite (NaN/inf in the MoE layer's input or gate weights); refusing to route"
+
+
+def check_finite_router_logits(router_logits: torch.Tensor) -> None:
+    """Refuse non-finite router logits ``[H, S, E]`` without a host read (module docstring).
+
+    Raises:
+        ValueError: on CPU, naming the first (head, token) whose logits are not finite.
+        RuntimeError: on other devices, from the device assert (asynchronously, at the next synchronisation).
+    """
+    finite = torch.isfinite(router_logits).all()
+    if router_logits.device.type != "cpu" or torch.compiler.is_compiling():
+        torch._assert_async(finite, _NON_FINITE)
+        return
+    try:
+        torch._assert_async(finite, _NON_FINITE)
+    except RuntimeError:
+        head, token, _ = (int(i) for i in (~torch.isfinite(router_logits)).nonzero()[0])
+        row = router_logits[head, token]
+        raise ValueError(
+            f"{_NON_FINITE}: head {head}, token {token} has logits {row[:4].tolist()}"
+            f"{' ...' if row.numel() > 4 else ''}; check the input hidden states (and the gate) for NaN/inf"
+        ) from None
 
 
 def compute_topk_probs_and_indices(
@@ -40,7 +68,8 @@ def compute_topk_probs_and_indices(
 
     Raises:
         ValueError: ``router_logits`` is not a 3-D float32 tensor, ``top_k`` is outside ``[1, E]``,
-            ``score_func`` is unknown, or ``expert_bias`` does not hold ``H*E`` values.
+            ``score_func`` is unknown, ``expert_bias`` does not hold ``H*E`` values, or (on CPU) a logit is not
+            finite (:func:`check_finite_router_logits`; a device assert on other devices).
     """
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 3:
         raise ValueError(
@@ -62,6 +91,7 @@ def compute_topk_probs_and_indices(
                 f"expert_bias must have shape [{num_heads}, {num_experts}] or [{num_heads * num_experts}] "
                 f"(H, E from router_logits); got {tuple(expert_bias.shape)}"
             )
+    check_finite_router_logits(router_logits)
 
     if score_func == "sigmoid":
         scores = torch.sigmoid(router_logits)

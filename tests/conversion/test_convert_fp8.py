@@ -151,3 +151,26 @@ def test_converter_dry_run_lays_out_fp8_banks_and_scales(tmp_path):
     banks = 2 * 3 * 4 * 8 * 32 * 64  # 2 MoE layers x 3 banks x H*E rows x Dh*De, 1 byte instead of 2
     scales = 2 * 4 * 8 * (64 + 64 + 32) * 4
     assert bf16_total - fp8_total == banks - scales
+
+
+def test_converter_fp8_refuses_a_non_finite_expert_weight_naming_it_and_writes_nothing(tmp_path):
+    from convert_testing_utils import copy_checkpoint, mutate_tensor
+
+    from diffusers_magi2.loaders.key_plan import target_to_source_key
+
+    ckpt = copy_checkpoint("preview_h4", tmp_path / "ckpt")
+    key = target_to_source_key("transformer_blocks.1.mlp.moe_mlp.W_down")
+    experts = Magi2Transformer3DModel.from_original_checkpoint(ckpt).transformer_blocks[1].mlp.moe_mlp.num_experts
+
+    def poison(w):
+        w = w.clone()
+        w[2 * experts + 1, 4, 9] = float("nan")  # head 2, expert 1, input row 4, output column 9
+        return w
+
+    mutate_tensor(ckpt, key, poison)
+    out = tmp_path / "out"
+    args = ["--preview_dir", ckpt, "--config", config_path("preview_h4"), "--components", "transformer"]
+    rc, _, err = run_cli([*args, "--output_path", out, "--expert_dtype", "fp8_e4m3"])
+    assert rc != 0
+    assert key in err and "non-finite weight (nan) in expert 1 of head 2" in err and "column 9" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out*")), "a half-written repo was left behind"

@@ -223,3 +223,12 @@ def test_pipeline_save_forwards_variant_shard_size_and_serialization(tmp_path):
     pipe.save_pretrained(tmp_path / "pickled", safe_serialization=False)
     names = {p.name for p in (tmp_path / "pickled" / "transformer").iterdir()}
     assert "diffusion_pytorch_model.bin" in names and not any(n.endswith(".safetensors") for n in names)
+
+
+def test_forward_with_a_nan_input_is_refused_by_the_router_not_propagated():
+    model, inputs = tiny_model(), tiny_inputs()
+    with torch.no_grad():
+        model(**inputs)  # finite inputs route
+        inputs["hidden_states"][0, :, 1, 2, 3] = float("nan")
+        with pytest.raises(ValueError, match=r"MoE router logits are not finite .*head \d+, token \d+"):
+            model(**inputs)

@@ -201,3 +201,23 @@ def test_fp8_repo_with_missing_or_misshaped_scale_is_refused_naming_it(repos, tm
 def test_fp8_repo_into_a_model_without_fp8_experts_is_refused(repos):
     with pytest.raises(ValueError, match=r"W_gate is stored in FP8 .* load it with expert_dtype='float8_e4m3fn'"):
         Magi2Transformer3DModel.from_pretrained(repos["fp8"], expert_dtype=None, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_quantize_at_load_refuses_a_non_finite_expert_weight_naming_tensor_expert_and_column(
+    fixtures_dir, tmp_path, bad
+):
+    model = _bf16_model(str(fixtures_dir))
+    experts = model.transformer_blocks[2].mlp.moe_mlp.num_experts
+    model.save_pretrained(tmp_path / "bad")  # one file
+    key = "transformer_blocks.2.mlp.moe_mlp.W_up"
+
+    def poison(state):
+        w = state[key].clone()
+        w[experts + 3, 5, 7] = bad  # head 1, expert 3, input row 5, output column 7
+        state[key] = w
+
+    _rewrite(tmp_path / "bad", poison)
+    match = rf"{key} holds a non-finite weight \({bad}\) in expert 3 of head 1 .*input row 5, column 7"
+    with pytest.raises(ValueError, match=match):
+        Magi2Transformer3DModel.from_pretrained(tmp_path / "bad", dtype=torch.bfloat16, expert_dtype=FP8)

@@ -141,3 +141,11 @@ def test_global_sort_bad_input() -> None:
         global_sort_routes(torch.zeros(1, 2, 1), idx, 0)
     with pytest.raises(ValueError, match="3-D"):
         global_sort_routes(torch.zeros(2, 1), idx.view(2, 1), 4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_router_logits_are_refused_naming_head_and_token(bad) -> None:
+    logits = torch.randn(3, 5, 4)
+    logits[2, 1] = bad
+    with pytest.raises(ValueError, match=r"router logits are not finite.*head 2, token 1"):
+        compute_topk_probs_and_indices(logits, 2)
