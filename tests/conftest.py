@@ -14,10 +14,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers.fixtures import fixtures_root  # noqa: E402
 
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("MAGI2_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures"))
 
 # The golden fixtures were produced with one thread; fp32 bit-level agreement assumes it.
 torch.set_num_threads(1)
@@ -25,7 +23,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
-    """Root of the read-only golden fixtures (``../shared/fixtures`` beside the checkout)."""
-    if not FIXTURES.is_dir():
-        pytest.fail(f"golden fixtures not found at {FIXTURES}; set MAGI2_FIXTURES")
-    return FIXTURES
+    """Root of the read-only golden fixtures (``$MAGI2_FIXTURES`` or ``../shared/fixtures`` beside the checkout)."""
+    root = fixtures_root()
+    if not root.is_dir():
+        pytest.fail(f"golden fixtures not found at {root}; set MAGI2_FIXTURES")
+    return root

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tomllib
-from conftest import REPO_ROOT
+from helpers.fixtures import REPO_ROOT
 
 import diffusers_magi2
 

@@ -167,7 +167,12 @@ def analytic_table(ranks: int, text_tokens: int) -> list[str]:
     return lines
 
 
-FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "magi2_tiny" / "preview_h4"
+# the tests' fixture root rule (tests/helpers/fixtures.py): $MAGI2_FIXTURES, else ../shared/fixtures beside the repo
+FIXTURE = (
+    Path(os.environ.get("MAGI2_FIXTURES", Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"))
+    / "magi2_tiny"
+    / "preview_h4"
+)
 
 
 def _load_tiny():

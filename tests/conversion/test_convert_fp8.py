@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from convert_testing_utils import checkpoint_dir, config_path, run_cli
+from helpers.convert_testing_utils import checkpoint_dir, config_path, run_cli
 
 from diffusers_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.conversion.cli import main

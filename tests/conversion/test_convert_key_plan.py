@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from convert_testing_utils import (
+from helpers.convert_testing_utils import (
     checkpoint_dir,
     copy_checkpoint,
     mutate_tensor,

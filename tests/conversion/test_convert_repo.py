@@ -12,8 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FIXTURES, REPO_ROOT
-from convert_testing_utils import (
+from helpers.convert_testing_utils import (
     checkpoint_dir,
     config_path,
     copy_checkpoint,
@@ -23,12 +22,13 @@ from convert_testing_utils import (
     run_cli,
     write_index,
 )
+from helpers.fixtures import REPO_ROOT, fixtures_root
 
 from diffusers_magi2.conversion.model_card import format_parameter_count
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 
 
-COMPONENTS = FIXTURES / "magi2_tiny_components"
+COMPONENTS = fixtures_root() / "magi2_tiny_components"
 H4_CONFIG = config_path("preview_h4")
 
 

@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from convert_testing_utils import (
+from helpers.convert_testing_utils import (
     checkpoint_dir,
     config_path,
     copy_checkpoint,

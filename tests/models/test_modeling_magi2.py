@@ -8,8 +8,8 @@ import logging
 
 import pytest
 import torch
+from helpers.tiny_transformer import tiny_inputs, tiny_model
 from safetensors.torch import load_file
-from test_transformer_diffusers import tiny_inputs, tiny_model
 
 from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE

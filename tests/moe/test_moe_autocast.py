@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FIXTURES
+from helpers.fixtures import golden_path
+from helpers.moe_cases import build_module, load_case, rel_l2
 from safetensors.torch import load_file
-from test_moe_fixtures import build_module, load_case, rel_l2
 
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 
@@ -34,7 +34,7 @@ def test_routing_under_cpu_autocast_equals_fp32_router(params_dtype, autocast_dt
 
 
 def test_tiny_model_forward_under_cpu_bf16_autocast() -> None:
-    root = FIXTURES / "magi2_tiny" / "preview_h4"
+    root = golden_path("magi2_tiny/preview_h4")
     model = Magi2Transformer3DModel.from_original_checkpoint(str(root / "sandai_checkpoint"), dtype=torch.float32)
     case = load_file(str(root / "fp32" / "transformer_case.safetensors"))
     names = ("x", "coords_mapping", "modality_mapping", "cu_seqlens_q", "time_token_sequence")

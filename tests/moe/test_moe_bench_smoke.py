@@ -6,7 +6,7 @@ import importlib.util
 import json
 
 import torch
-from conftest import REPO_ROOT
+from helpers.fixtures import REPO_ROOT
 
 
 def load_bench():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_experts import random_case
+from helpers.moe_cases import random_case
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from diffusers_magi2.models.feedforward_magi2 import Magi2MoEFeedForward

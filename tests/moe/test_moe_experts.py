@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
+from helpers.moe_cases import random_case, unit_swiglu_layer
 
 from diffusers_magi2.moe.activation import swiglu7, swiglu7_backward, swiglu7_interleaved
 from diffusers_magi2.moe.experts import torch_mh_moe_forward
 from diffusers_magi2.moe.reference import reference_mh_moe_forward
-from diffusers_magi2.moe.routing import compute_topk_probs_and_indices, global_sort_routes
+from diffusers_magi2.moe.routing import global_sort_routes
 
 
 def swiglu7_scalar(g: float, u: float) -> float:
@@ -25,17 +26,6 @@ def loop_oracle(x, top_probs, top_idx, w_gate, w_up, w_down):
     return reference_mh_moe_forward(
         x, *global_sort_routes(top_probs, top_idx, w_gate.shape[0] // x.shape[1]), w_gate, w_up, w_down
     )
-
-
-def random_case(num_tokens, num_heads, num_experts, top_k, head_dim, expert_dim, dtype, seed=0, scale=4.9):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
-    w_gate = (torch.randn(num_heads * num_experts, head_dim, expert_dim, generator=gen) * head_dim**-0.5).to(dtype)
-    w_up = (torch.randn(num_heads * num_experts, head_dim, expert_dim, generator=gen) * 2 * head_dim**-0.5).to(dtype)
-    w_down = (torch.randn(num_heads * num_experts, expert_dim, head_dim, generator=gen) * expert_dim**-0.5).to(dtype)
-    logits = torch.randn(num_heads, num_tokens, num_experts, generator=gen)
-    probs, idx = compute_topk_probs_and_indices(logits, top_k)
-    return x, probs * scale, idx, w_gate, w_up, w_down
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -79,22 +69,6 @@ def test_swiglu7_known_values() -> None:
     # dtype rules: input dtype by default, fp32 math, one rounding.
     assert swiglu7(gate.bfloat16(), up.bfloat16()).dtype == torch.bfloat16
     assert swiglu7(gate, up, out_dtype=torch.bfloat16).equal(out.bfloat16())
-
-
-def unit_swiglu_layer(gate_vals, up_vals, dtype=torch.float32):
-    """A 1-head, 1-expert bank whose single route outputs swiglu7(gate_vals, up_vals) (x = e0, W_down = I)."""
-    width = 16
-    x = torch.zeros(1, 1, width, dtype=dtype)
-    x[0, 0, 0] = 1.0
-    w_gate = torch.zeros(1, width, width, dtype=dtype)
-    w_up = torch.zeros(1, width, width, dtype=dtype)
-    w_gate[0, 0, : len(gate_vals)] = torch.tensor(gate_vals, dtype=dtype)
-    w_up[0, 0, : len(up_vals)] = torch.tensor(up_vals, dtype=dtype)
-    w_down = torch.eye(width, dtype=dtype).unsqueeze(0)
-    gather_ids = torch.zeros(1, dtype=torch.int32)
-    probs = torch.ones(1)
-    offsets = torch.tensor([0, 1])
-    return x, gather_ids, probs, offsets, w_gate, w_up, w_down
 
 
 def test_expert_path_applies_swiglu7_with_plus_one() -> None:

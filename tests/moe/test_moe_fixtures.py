@@ -7,15 +7,11 @@ Expected values: ``moe_layer_cases.safetensors`` (captured inside SandAI's ``Cor
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import FIXTURES
-from safetensors import safe_open
+from helpers.moe_cases import LAYERS, MODELS, build_module, load_case, rel_l2
 
 from diffusers_magi2.moe.experts import mh_moe_experts, torch_mh_moe_forward
-from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from diffusers_magi2.moe.reference import reference_mh_moe_forward
 from diffusers_magi2.moe.routing import compute_topk_probs_and_indices, global_sort_routes
 
@@ -27,62 +23,6 @@ OUT_BF16_REL_L2 = 2e-2  # required: bf16 teacher-forced bound <= 2e-2 rel-L2
 # Measured on torch 2.13 CPU: the torch path reproduces bf16 core.out bit for bit (rel-L2 0.0, all 4 cases).
 # The regression guard leaves room only for a different fp32 GEMM summation order in another BLAS.
 OUT_BF16_MEASURED_REL_L2 = 2e-3
-MODELS = ("preview_h4", "preview_h3")
-LAYERS = (1, 2)
-
-
-def load_case(model: str, variant: str, layer: int) -> dict[str, torch.Tensor]:
-    path = FIXTURES / "magi2_tiny" / model / variant / "moe_layer_cases.safetensors"
-    prefix = f"layer{layer}."
-    with safe_open(str(path), "pt") as f:
-        return {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
-
-
-def load_moe_weights(model: str, layer: int) -> dict[str, torch.Tensor]:
-    ckpt = FIXTURES / "magi2_tiny" / model / "sandai_checkpoint"
-    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    prefix = f"block.layers.{layer}.mlp.moe_mlp."
-    out = {}
-    for key, shard in index.items():
-        if key.startswith(prefix):
-            with safe_open(str(ckpt / shard), "pt") as f:
-                out[key[len(prefix) :]] = f.get_tensor(key)
-    return out
-
-
-def moe_config(model: str, params_dtype: torch.dtype) -> Magi2MultiHeadMoEConfig:
-    cfg = json.loads((FIXTURES / "magi2_tiny" / model / "sandai_checkpoint" / "magi2_preview.json").read_text())
-    arch = cfg["arch_config"]
-    moe = arch["moe_config"]
-    return Magi2MultiHeadMoEConfig(
-        hidden_size=arch["hidden_size"],
-        num_heads=moe["num_heads"],
-        num_experts=moe["num_experts"],
-        top_k=moe["top_k"],
-        expert_intermediate_size=moe["expert_intermediate_size"],
-        params_dtype=params_dtype,
-        score_func=moe["score_func"],
-        route_norm=moe["route_norm"],
-        route_scale=moe["route_scale"],
-    )
-
-
-def build_module(model: str, layer: int, params_dtype: torch.dtype) -> Magi2MultiHeadMoE:
-    """The module as a SandAI loader fills it: ``router.expert_bias`` <- ``expert_bias_ema``."""
-    module = Magi2MultiHeadMoE(moe_config(model, params_dtype))
-    weights = load_moe_weights(model, layer)
-    state = dict(weights.items())
-    state["router.expert_bias"] = weights["router.expert_bias_ema"]
-    with torch.no_grad():
-        for name, tensor in state.items():
-            target = module.get_parameter(name) if "." not in name else module.get_buffer(name)
-            target.copy_(tensor.to(target.dtype))
-    return module
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("variant", ["fp32", "bf16"])

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_fixtures import build_module, load_case, rel_l2
-from test_moe_layer import _AllocationRecorder, tiny_config
+from helpers.moe_cases import AllocationRecorder, build_module, load_case, rel_l2, tiny_config
 
 from diffusers_magi2.moe import experts, experts_triton
 from diffusers_magi2.moe.experts import torch_mh_moe_forward
@@ -114,7 +113,7 @@ def test_fp8_torch_path_dequantizes_per_expert_never_the_whole_bank() -> None:
         routes = global_sort_routes(*module.route(x), module.num_experts)
         weights = [module.get_parameter(n) for n in BANKS]
         scales = [module.get_buffer(f"{n}_scale") for n in BANKS]
-        recorder = _AllocationRecorder()
+        recorder = AllocationRecorder()
         with recorder:
             experts._torch_experts(x, *routes, *weights, scales)
     assert recorder.allocations

@@ -11,7 +11,7 @@ import contextlib
 
 import pytest
 import torch
-from test_moe_experts import random_case
+from helpers.moe_cases import random_case
 
 from diffusers_magi2.moe.experts import mh_moe_experts
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig

@@ -7,28 +7,12 @@ import math
 
 import pytest
 import torch
-from test_moe_fixtures import build_module, load_case
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from helpers.moe_cases import AllocationRecorder, build_module, load_case, tiny_config
 
 from diffusers_magi2.moe import experts, experts_triton
 from diffusers_magi2.moe.experts import torch_mh_moe_forward
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from diffusers_magi2.moe.routing import global_sort_routes
-
-
-def tiny_config(num_heads=2, num_experts=8, top_k=2, head_dim=64, expert_dim=64, dtype=torch.float32, **kw):
-    """known_failure_classes TINY MoE: 2 heads (Dh 64) x 8 experts, top-2, De 64; route_scale as released."""
-    return Magi2MultiHeadMoEConfig(
-        hidden_size=num_heads * head_dim,
-        num_heads=num_heads,
-        num_experts=num_experts,
-        top_k=top_k,
-        expert_intermediate_size=expert_dim,
-        params_dtype=dtype,
-        route_scale=kw.pop("route_scale", 4.9),
-        **kw,
-    )
 
 
 def test_tensors_keys_shapes_and_dtypes() -> None:
@@ -245,22 +229,6 @@ def test_module_bad_input() -> None:
         module.ep_slice(torch.randn(8, 64))
 
 
-class _AllocationRecorder(TorchDispatchMode):
-    """Records the numel of every op output that does not share storage with an input (i.e. allocations)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.allocations: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.allocations.append((str(func), t.numel()))
-        return out
-
-
 @pytest.mark.parametrize(
     ("backend", "dtype"), [("torch", torch.float32), ("torch", torch.bfloat16), ("triton", torch.float32)]
 )
@@ -276,7 +244,7 @@ def test_no_expert_bank_repack_per_forward(backend: str, dtype: torch.dtype) -> 
         module(hidden)
         routes = global_sort_routes(*module.route(x), module.num_experts)
         body = experts._torch_experts if backend == "torch" else experts_triton.triton_mh_moe_forward
-        recorders = [_AllocationRecorder(), _AllocationRecorder()]
+        recorders = [AllocationRecorder(), AllocationRecorder()]
         with recorders[0]:
             module(hidden)
         with recorders[1]:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.moe_cases import LAYERS, MODELS, build_module, load_case, random_case, rel_l2, unit_swiglu_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_moe_experts import random_case, unit_swiglu_layer
-from test_moe_fixtures import LAYERS, MODELS, build_module, load_case, rel_l2
 from triton.runtime.errors import OutOfResources
 
 from diffusers_magi2.moe import experts_triton

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cp_workers import (
+from helpers.cp_workers import (
     EP_DEGREES,
     HEAD_CONFIGS,
     NUM_TOKENS,
@@ -24,10 +24,13 @@ from cp_workers import (
     standin_reference,
     standin_weights,
 )
-from ep_spawn_utils import run_on_ranks
+from helpers.ep_spawn_utils import run_on_ranks
 
 from diffusers_magi2.models.attention_magi2 import magi2_attention_with_sinks
 from diffusers_magi2.parallel.context_parallel import plan_sequence_shards
+
+
+pytestmark = pytest.mark.distributed
 
 
 WORLDS = [1, 2, 3, 4]

@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT
 from diffusers import ContextParallelConfig, ParallelConfig
+from helpers.fixtures import REPO_ROOT
 
 from diffusers_magi2 import Magi2Pipeline
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
@@ -110,13 +110,16 @@ def test_generate_script_refuses_a_bad_ulysses_degree_before_loading(tmp_path):
     assert "--ulysses_degree 2 requested but this run has 1 process(es)" in res.stderr
 
 
+@pytest.mark.distributed
 def test_generate_under_a_launcher_refuses_a_bad_ulysses_degree_on_every_rank(tmp_path):
     """Two launched processes, --ulysses_degree 3: both stop with the error before any weight loads, destroying
     their process group (the run ends well inside the timeout: nothing waits on a dead group)."""
-    from test_ep_accelerate_launch import GENERATE, _multi_cpu, _run
+    from helpers.launch import GENERATE, multi_cpu_launch, run_launched
 
     out = tmp_path / "never.mp4"
-    res = _run(_multi_cpu(GENERATE, "--prompt", "x", "--ulysses_degree", "3", "--output", str(out)), tmp_path, 180)
+    res = run_launched(
+        multi_cpu_launch(GENERATE, "--prompt", "x", "--ulysses_degree", "3", "--output", str(out)), tmp_path, 180
+    )
     assert res.returncode != 0 and not out.exists()
     assert res.stderr.count("--ulysses_degree 3 requested but this run has 2 process(es)") == 2
     assert "wrote " not in res.stdout

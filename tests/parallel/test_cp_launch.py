@@ -10,7 +10,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from test_ep_accelerate_launch import _env, _multi_cpu
+import pytest
+from helpers.launch import launch_env, multi_cpu_launch
+
+
+pytestmark = pytest.mark.distributed
 
 
 SCRIPT = str(Path(__file__).with_name("cp_frames_script.py"))
@@ -32,7 +36,7 @@ def test_cp2_ep2_launch_frames_equal_single_process(tmp_path):
     res = subprocess.run(
         [sys.executable, SCRIPT, "--out", str(single)],
         cwd=tmp_path,
-        env=_env(),
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -43,9 +47,9 @@ def test_cp2_ep2_launch_frames_equal_single_process(tmp_path):
     assert single_calls["text_encoder"] == 2 and single_calls["video_decoder"] == single_calls["audio_decoder"] == 1
     parallel = tmp_path / "parallel.npy"
     res = subprocess.run(
-        _multi_cpu(SCRIPT, "--out", str(parallel)),
+        multi_cpu_launch(SCRIPT, "--out", str(parallel)),
         cwd=tmp_path,
-        env=_env(),
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=400,

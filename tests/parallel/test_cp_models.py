@@ -14,7 +14,7 @@ import functools
 
 import pytest
 import torch
-from cp_model_workers import (
+from helpers.cp_model_workers import (
     PREVIEWS,
     REFINER_CASES,
     REFINER_FORWARD_CASES,
@@ -30,9 +30,12 @@ from cp_model_workers import (
     refiner_case,
     refiner_forward,
 )
-from ep_spawn_utils import run_on_ranks
+from helpers.ep_spawn_utils import run_on_ranks
 
 from diffusers_magi2.utils.flop_counter import count_flops
+
+
+pytestmark = pytest.mark.distributed
 
 
 CP_ATOL = 1e-5

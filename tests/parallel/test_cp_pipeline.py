@@ -4,9 +4,13 @@ ranks' ``frames=None``, are checked by the launch test, ``test_cp_launch.py``.)"
 
 from __future__ import annotations
 
+import pytest
 import torch
-from cp_pipeline_workers import i2v_latents, refiner_stage_latents
-from ep_spawn_utils import run_on_ranks
+from helpers.cp_pipeline_workers import i2v_latents, refiner_stage_latents
+from helpers.ep_spawn_utils import run_on_ranks
+
+
+pytestmark = pytest.mark.distributed
 
 
 def test_i2v_conditioning_encoded_once_and_broadcast():

@@ -15,61 +15,26 @@ expert parallelism, and the README's CPU smoke run.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT
-from ep_spawn_utils import free_port
+from helpers.launch import ACCELERATE, GENERATE, PROBE, SMOKE_ARGS, multi_cpu_launch, run_launched
 
 
-ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
-PROBE = str(Path(__file__).with_name("ep_probe_script.py"))
-GENERATE = str(REPO_ROOT / "examples" / "generate.py")
-SMOKE_ARGS = ["--prompt", "a cat on a piano", "--num_inference_steps", "1", "--height", "64", "--width", "64"]
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    return env
-
-
-def _multi_cpu(*script_args: str) -> list[str]:
-    return ACCELERATE + [
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-        *script_args,
-    ]
-
-
-def _run(cmd: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+pytestmark = pytest.mark.distributed
 
 
 def test_ep_accelerate_cpu_flag_starts_one_process_and_ep_errors(tmp_path):
-    res = _run(ACCELERATE + ["--cpu", "--num_processes", "2", PROBE, "--ep_degree", "2"], tmp_path)
+    res = run_launched(ACCELERATE + ["--cpu", "--num_processes", "2", PROBE, "--ep_degree", "2"], tmp_path)
     assert res.returncode != 0
     assert "EP_PROBE" not in res.stdout  # nothing ran with ep = 1 while claiming EP
     assert "ep_degree=2 needs an initialised torch.distributed process group" in res.stderr
     assert "world size 1" in res.stderr
 
     out = tmp_path / "never.mp4"
-    res = _run(
+    res = run_launched(
         ACCELERATE
         + ["--cpu", "--num_processes", "2", GENERATE, *SMOKE_ARGS, "--ep_degree", "2", "--output", str(out)],
         tmp_path,
@@ -79,7 +44,7 @@ def test_ep_accelerate_cpu_flag_starts_one_process_and_ep_errors(tmp_path):
 
 
 def test_ep_accelerate_multi_gpu_on_cpu_gives_two_gloo_ranks(tmp_path):
-    res = _run(_multi_cpu(PROBE, "--ep_degree", "2"), tmp_path)
+    res = run_launched(multi_cpu_launch(PROBE, "--ep_degree", "2"), tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     probes = [json.loads(line.split(" ", 1)[1]) for line in res.stdout.splitlines() if line.startswith("EP_PROBE ")]
     assert sorted(p["rank"] for p in probes) == [0, 1]
@@ -110,13 +75,13 @@ def _assert_same_video(a: np.ndarray, b: np.ndarray) -> None:
 @pytest.fixture(scope="module")
 def single_process_video(tmp_path_factory) -> np.ndarray:
     out_dir = tmp_path_factory.mktemp("ep_single")
-    res = _run([sys.executable, GENERATE, *SMOKE_ARGS, "--output", str(out_dir / "out.mp4")], out_dir)
+    res = run_launched([sys.executable, GENERATE, *SMOKE_ARGS, "--output", str(out_dir / "out.mp4")], out_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     return _frames(out_dir / "out.mp4")
 
 
 def _ep_generate(out_dir: Path, *extra: str) -> np.ndarray:
-    res = _run(_multi_cpu(GENERATE, *SMOKE_ARGS, *extra, "--output", str(out_dir / "out.mp4")), out_dir)
+    res = run_launched(multi_cpu_launch(GENERATE, *SMOKE_ARGS, *extra, "--output", str(out_dir / "out.mp4")), out_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "expert parallel: routed experts split over 2 ranks" in res.stdout
     assert "context parallel: packed sequence split over 2 ranks (Ulysses)" in res.stdout  # CP2 x EP2 by default

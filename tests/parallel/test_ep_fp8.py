@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FIXTURES
-from ep_spawn_utils import run_on_ranks
-from ep_workers import fp8_worker, packed_forward, sandai_ckpt, transformer_case
+from helpers.ep_spawn_utils import run_on_ranks
+from helpers.ep_workers import fp8_worker, packed_forward, sandai_ckpt, transformer_case
 
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
+
+
+pytestmark = pytest.mark.distributed
 
 
 EP_FP8_REL_L2 = 1e-6
@@ -34,7 +36,7 @@ def test_ep2_fp8_experts_match_the_single_process_fp8_model(folders):
     single = Magi2Transformer3DModel.from_pretrained(folders["fp8"], torch_dtype=torch.float32)
     ref = packed_forward(single, transformer_case("preview_h4"))
     full = {n: m.state_dict() for n, m in single.named_modules() if isinstance(m, Magi2MultiHeadMoE)}
-    per_rank = run_on_ranks(fp8_worker, 2, str(FIXTURES), folders, deadline_s=150)
+    per_rank = run_on_ranks(fp8_worker, 2, folders, deadline_s=150)
     for name in ("fp8_repo", "quantize_at_load"):
         for rank, res in enumerate(per_rank):
             out = res[name, "out"]

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES
-from ep_spawn_utils import run_on_ranks
-from ep_workers import (
+from helpers.ep_spawn_utils import run_on_ranks
+from helpers.ep_workers import (
     DH,
     MODELS,
     MOE_LAYER,
@@ -35,6 +34,9 @@ from ep_workers import (
 from diffusers_magi2.loaders.key_plan import read_source_checkpoint
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
+
+
+pytestmark = pytest.mark.distributed
 
 
 EP_ATOL = 2e-5
@@ -62,7 +64,7 @@ _RESULTS: dict = {}
 
 def _results(world: int, folders: dict) -> list:
     if world not in _RESULTS:
-        _RESULTS[world] = run_on_ranks(ep_worker, world, str(FIXTURES), folders, deadline_s=150)
+        _RESULTS[world] = run_on_ranks(ep_worker, world, folders, deadline_s=150)
     return _RESULTS[world]
 
 

@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from helpers.fixtures import REPO_ROOT
 
 
 def load_generate():

@@ -7,9 +7,6 @@ counted with a pre-hook on the first child of each block's attention module.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from diffusers import (
@@ -20,10 +17,7 @@ from diffusers import (
     TaylorSeerCacheConfig,
 )
 from diffusers.hooks import HookRegistry
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_stubs import tiny_two_stage_pipeline  # noqa: E402
+from helpers.pipeline_stubs import tiny_two_stage_pipeline
 
 from diffusers_magi2 import build_tiny_default_pipeline  # noqa: E402
 

@@ -5,15 +5,10 @@ component fit check at construction and the prompt-truncation warning."""
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_stubs import (  # noqa: E402
+from helpers.pipeline_stubs import (
     StandInRefiner,
     StandInTransformer,
     preview_scheduler,

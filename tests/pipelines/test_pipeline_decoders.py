@@ -3,17 +3,11 @@ windows, de-normalisation, final uint8 frames) and Stable Audio decode + the 441
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from helpers.pipeline_stubs import StandInTransformer, preview_scheduler
 from safetensors.torch import load_file
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_stubs import StandInTransformer, preview_scheduler  # noqa: E402
 
 from diffusers_magi2 import Magi2Pipeline  # noqa: E402
 from diffusers_magi2.utils.export import frames_to_uint8  # noqa: E402

@@ -8,20 +8,14 @@ pipeline's batching reproduces the transformer-level fixture (t2v and i2v).
 
 from __future__ import annotations
 
-import sys
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from diffusers import UniPCMultistepScheduler  # noqa: E402
-from pipeline_stubs import tiny_real_format_components  # noqa: E402
+from helpers.pipeline_stubs import tiny_real_format_components
+from safetensors.torch import load_file
 
 from diffusers_magi2 import Magi2Pipeline, Magi2Transformer3DModel, export_to_video_with_audio  # noqa: E402
 from diffusers_magi2.utils.export import probe_streams  # noqa: E402

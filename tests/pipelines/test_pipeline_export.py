@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from fractions import Fraction
-from pathlib import Path
 
 import av
 import numpy as np
 import pytest
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck  # noqa: E402
+from helpers.pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck
 
 from diffusers_magi2 import Magi2Pipeline, export_to_video_with_audio  # noqa: E402
 from diffusers_magi2.utils.export import frames_to_uint8, probe_streams  # noqa: E402

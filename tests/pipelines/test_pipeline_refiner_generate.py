@@ -6,7 +6,7 @@ import importlib.util
 
 import av
 import pytest
-from conftest import REPO_ROOT
+from helpers.fixtures import REPO_ROOT
 
 from diffusers_magi2.utils.export import probe_streams
 

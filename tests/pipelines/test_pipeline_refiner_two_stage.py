@@ -9,17 +9,12 @@ preview's 10 s soundtrack.
 
 from __future__ import annotations
 
-import sys
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_stubs import refine_directly, tiny_two_stage_pipeline  # noqa: E402
+from helpers.pipeline_stubs import refine_directly, tiny_two_stage_pipeline
 
 from diffusers_magi2 import Magi2Pipeline, export_to_video_with_audio  # noqa: E402
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel  # noqa: E402

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diffusers.configuration_utils import ConfigMixin, register_to_config  # noqa: E402
 from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
-from pipeline_stubs import (  # noqa: E402
+from helpers.pipeline_stubs import (
     StandInTransformer,
     preview_scheduler,
     short_clip_noise,

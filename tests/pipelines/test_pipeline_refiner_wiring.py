@@ -9,18 +9,13 @@ independent computations in a few seconds. The real tiny models run in
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_stubs import (  # noqa: E402
+from helpers.pipeline_stubs import (
     StandInRefiner,
     StandInTransformer,
     preview_scheduler,

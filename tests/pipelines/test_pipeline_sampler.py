@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import PIL.Image
 import pytest
 import torch
+from helpers.pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck, tiny_wan22_vae
 from safetensors.torch import load_file
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck, tiny_wan22_vae  # noqa: E402
 
 from diffusers_magi2.pipelines.pipeline_magi2 import Magi2Pipeline  # noqa: E402
 

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck
 from safetensors.torch import load_file
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck  # noqa: E402
 
 from diffusers_magi2.pipelines.pipeline_magi2 import Magi2Pipeline  # noqa: E402
 from diffusers_magi2.pipelines.text_encoding import (  # noqa: E402

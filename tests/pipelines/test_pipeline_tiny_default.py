@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from helpers.fixtures import REPO_ROOT
 
 from diffusers_magi2.pipelines.text_encoding import has_cjk_pre_tokenizer_split
 from diffusers_magi2.pipelines.tiny_default import (

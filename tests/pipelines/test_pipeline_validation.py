@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import PIL.Image
 import pytest
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck, tiny_wan22_vae  # noqa: E402
+from helpers.pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck, tiny_wan22_vae
 
 from diffusers_magi2 import Magi2Pipeline  # noqa: E402
 

@@ -15,12 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from conftest import FIXTURES
 from safetensors.torch import load_file, save_file
 
+from .fixtures import fixtures_root
 
-TINY = FIXTURES / "magi2_tiny"
-FULL = FIXTURES / "full_size"
+
+TINY = fixtures_root() / "magi2_tiny"
+FULL = fixtures_root() / "full_size"
 INDEX = "model.safetensors.index.json"
 
 

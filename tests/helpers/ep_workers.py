@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from diffusers_magi2.loaders.expert_parallel import EP_SHARDED_SUFFIXES
 from diffusers_magi2.loaders.key_plan import read_source_checkpoint
@@ -32,18 +31,14 @@ from diffusers_magi2.parallel.expert_parallel import (
     resolve_expert_parallel,
 )
 
+from .fixtures import golden, golden_path
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
+
 MODELS = {"preview_h4": {"hidden_size": 128, "num_heads": 4}, "preview_h3": {"hidden_size": 96, "num_heads": 3}}
 MOE_LAYER = 1
 DH = 8
 # layout (b) token counts of the stand-in: uneven, one rank with zero tokens
 TOKEN_COUNTS = {2: [5, 0], 3: [4, 0, 7], 4: [3, 6, 0, 1]}
-
-
-def set_fixtures_root(root: str) -> None:
-    global FIXTURES
-    FIXTURES = Path(root)
 
 
 # ------------------------------------------------------------------------------------------------ stand-in heads
@@ -140,11 +135,11 @@ def moe_config(model: str) -> Magi2MultiHeadMoEConfig:
 
 
 def sandai_ckpt(model: str) -> Path:
-    return FIXTURES / "magi2_tiny" / model / "sandai_checkpoint"
+    return golden_path(f"magi2_tiny/{model}/sandai_checkpoint")
 
 
 def moe_case(model: str) -> dict[str, torch.Tensor]:
-    path = FIXTURES / "magi2_tiny" / model / "fp32" / "moe_layer_cases.safetensors"
+    path = golden_path(f"magi2_tiny/{model}/fp32/moe_layer_cases.safetensors")
     with safe_open(str(path), "pt") as f:
         return {k.split(".", 1)[1]: f.get_tensor(k) for k in f.keys() if k.startswith(f"layer{MOE_LAYER}.")}
 
@@ -207,7 +202,7 @@ def moe_checks(rank: int, world: int, ep) -> dict:
 
 
 def transformer_case(model: str) -> dict[str, torch.Tensor]:
-    return load_file(str(FIXTURES / "magi2_tiny" / model / "fp32" / "transformer_case.safetensors"))
+    return golden(f"magi2_tiny/{model}/fp32/transformer_case.safetensors")
 
 
 def packed_forward(transformer, d: dict) -> torch.Tensor:
@@ -264,8 +259,7 @@ def transformer_checks(rank: int, world: int, ep_cfg, folders: dict) -> dict:
     return res
 
 
-def ep_worker(rank: int, world: int, fixtures_root: str, folders: dict) -> dict:
-    set_fixtures_root(fixtures_root)
+def ep_worker(rank: int, world: int, folders: dict) -> dict:
     ep_cfg = Magi2ExpertParallelConfig(ep_degree=world)
     ep = resolve_expert_parallel(ep_cfg)
     assert (ep.size, ep.rank) == (world, rank)
@@ -276,11 +270,10 @@ def ep_worker(rank: int, world: int, fixtures_root: str, folders: dict) -> dict:
     }
 
 
-def fp8_worker(rank: int, world: int, fixtures_root: str, folders: dict) -> dict:
+def fp8_worker(rank: int, world: int, folders: dict) -> dict:
     """FP8 experts under EP: an FP8 repo and a bf16 repo quantized at load, each rank reading its rows and scales."""
     from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 
-    set_fixtures_root(fixtures_root)
     ep_cfg = Magi2ExpertParallelConfig(ep_degree=world)
     case = transformer_case("preview_h4")
     res = {}

@@ -8,21 +8,20 @@ the full outputs, the collectives and host syncs seen inside each transformer bl
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from diffusers import ContextParallelConfig
-from ep_workers import split_tokens as uneven_with_empty_rank  # rank 1 holds no token
-from safetensors.torch import load_file
 
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig
 from diffusers_magi2.utils.flop_counter import count_flops
 
+from .ep_workers import split_tokens as uneven_with_empty_rank  # rank 1 holds no token
+from .fixtures import golden, golden_path
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "magi2_tiny"
+
 PREVIEWS = ("preview_h4", "preview_h3")
 REFINER_CASES = ("", "noaudio.")
 #: collectives whose calls are counted inside each transformer block
@@ -32,7 +31,7 @@ SYNC_METHODS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
 
 
 def preview_case(model: str) -> dict:
-    return load_file(str(FIXTURES / model / "fp32" / "transformer_case.safetensors"))
+    return golden(f"magi2_tiny/{model}/fp32/transformer_case.safetensors")
 
 
 def case_prefixes(d: dict) -> list[str]:
@@ -41,7 +40,7 @@ def case_prefixes(d: dict) -> list[str]:
 
 
 def refiner_case() -> dict:
-    return load_file(str(FIXTURES / "refiner" / "fp32" / "transformer_case.safetensors"))
+    return golden("magi2_tiny/refiner/fp32/transformer_case.safetensors")
 
 
 def preview_forward(model, d: dict, prefix: str) -> torch.Tensor:
@@ -90,16 +89,18 @@ def refiner_batch_forward(model, audio: bool, batch: int) -> tuple:
 
 
 def load_preview(model: str, dtype: torch.dtype = torch.float32) -> Magi2Transformer3DModel:
-    return Magi2Transformer3DModel.from_original_checkpoint(FIXTURES / model / "sandai_checkpoint", dtype=dtype)
+    return Magi2Transformer3DModel.from_original_checkpoint(
+        golden_path(f"magi2_tiny/{model}/sandai_checkpoint"), dtype=dtype
+    )
 
 
 def preview_bf16_case() -> dict:
-    return load_file(str(FIXTURES / "preview_h4" / "bf16" / "transformer_case.safetensors"))
+    return golden("magi2_tiny/preview_h4/bf16/transformer_case.safetensors")
 
 
 def load_refiner() -> Magi2RefinerTransformer3DModel:
     return Magi2RefinerTransformer3DModel.from_original_checkpoint(
-        FIXTURES / "refiner" / "sandai_checkpoint", torch_dtype=torch.float32
+        golden_path("magi2_tiny/refiner/sandai_checkpoint"), torch_dtype=torch.float32
     )
 
 
@@ -243,3 +244,10 @@ def cp_model_worker(rank: int, world: int, ep_degrees) -> dict:
     if world == 4:
         res["errors"] = error_checks(rank, world)
     return res
+
+
+def cp_preview_h4_worker(rank: int, world: int) -> dict:
+    """preview_h4 (t2v) under ``ulysses_degree=world``, loaded from wherever ``MAGI2_FIXTURES`` points."""
+    model = load_preview("preview_h4").eval()
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    return {"out": preview_forward(model, preview_case("preview_h4"), "")}

@@ -1,0 +1,48 @@
+"""Starting scripts under ``accelerate launch`` on CPU for the tests: a clean launcher environment (no inherited
+rank variables, one thread, offline, Triton interpreted, no CUDA; ``MAGI2_FIXTURES`` passes through) and the
+two-process ``--multi_gpu`` command that gives gloo ranks on a CPU machine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .ep_spawn_utils import free_port
+from .fixtures import REPO_ROOT
+
+
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+PROBE = str(REPO_ROOT / "tests" / "parallel" / "ep_probe_script.py")
+GENERATE = str(REPO_ROOT / "examples" / "generate.py")
+SMOKE_ARGS = ["--prompt", "a cat on a piano", "--num_inference_steps", "1", "--height", "64", "--width", "64"]
+
+
+def launch_env() -> dict:
+    env = dict(os.environ)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+def multi_cpu_launch(*script_args: str) -> list[str]:
+    return ACCELERATE + [
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        *script_args,
+    ]
+
+
+def run_launched(cmd: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout)
