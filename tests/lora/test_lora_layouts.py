@@ -6,16 +6,10 @@ from __future__ import annotations
 
 import copy
 import functools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lora_testing_utils import (  # noqa: E402
+from helpers.lora_testing_utils import (
     clone_state,
     has_tuner_layers,
     merged_by_hand,
@@ -25,6 +19,7 @@ from lora_testing_utils import (  # noqa: E402
     same_state,
     write_mirai_file,
 )
+from safetensors.torch import load_file
 
 from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel  # noqa: E402
 from diffusers_magi2.loaders.lora_conversion_magi2 import detect_lora_layout  # noqa: E402

@@ -9,19 +9,10 @@ fixture inputs; one test runs ``pipe(...)`` end to end with ``attention_kwargs={
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model_state_dict
-from safetensors.torch import load_file
-
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "pipelines"))
-from lora_testing_utils import (  # noqa: E402
+from helpers.lora_testing_utils import (
     clone_state,
     has_tuner_layers,
     merged_by_hand,
@@ -30,7 +21,9 @@ from lora_testing_utils import (  # noqa: E402
     rel_l2,
     same_state,
 )
-from pipeline_stubs import tiny_two_stage_pipeline  # noqa: E402
+from helpers.pipeline_stubs import tiny_two_stage_pipeline
+from peft import LoraConfig, get_peft_model_state_dict
+from safetensors.torch import load_file
 
 
 TOL = 1e-6

@@ -4,20 +4,14 @@ trains like one process, and bad datasets stop it before training."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers.ep_spawn_utils import run_on_ranks
+from helpers.train_workers import load_train_script, train_on_rank
 from safetensors.torch import load_file, save_file
-
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "parallel"))
-from ep_spawn_utils import run_on_ranks  # noqa: E402
-from train_workers import load_train_script, train_on_rank  # noqa: E402
 
 from diffusers_magi2 import build_tiny_default_pipeline  # noqa: E402
 
@@ -126,6 +120,7 @@ def test_resume_continues_the_run_exactly(tmp_path):
     assert first == full[:2] and rest == full[2:]
 
 
+@pytest.mark.distributed
 def test_cp2_ep2_over_two_gloo_processes_trains_like_one_process(tmp_path):
     data = synthetic_clip(tmp_path / "data", frames=3)
     single = script.train(script.parse_args(argv(data, tmp_path / "one", "--max_steps", "3")))

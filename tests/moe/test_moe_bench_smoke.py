@@ -32,7 +32,7 @@ def test_bench_moe_cpu_section_runs_and_reports_ratios() -> None:
 
 def test_bench_moe_grouped_mm_baseline_computes_the_layer() -> None:
     """The ``torch._grouped_mm`` baseline the CUDA part times is the same layer as the torch path (fp32, CPU)."""
-    from test_moe_experts import random_case
+    from helpers.moe_cases import random_case
 
     from diffusers_magi2.moe.experts import torch_mh_moe_forward
     from diffusers_magi2.moe.routing import global_sort_routes

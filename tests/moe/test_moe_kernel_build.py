@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT
+from helpers.fixtures import REPO_ROOT
 
 from diffusers_magi2.moe import kernel_build
 from diffusers_magi2.moe.kernel_build import BuildResult, KernelBuild, build_problems

@@ -4,9 +4,13 @@ the remaining blocks' all-to-alls on rank 1, a hang)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from cp_cache_workers import first_block_cache_forwards
-from ep_spawn_utils import run_on_ranks
+from helpers.cp_cache_workers import first_block_cache_forwards
+from helpers.ep_spawn_utils import run_on_ranks
+
+
+pytestmark = pytest.mark.distributed
 
 
 def test_first_block_cache_decides_once_for_all_ranks():

@@ -5,6 +5,8 @@ component fit check at construction and the prompt-truncation warning."""
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
