@@ -33,18 +33,74 @@ def _seconds_since_process_start() -> float:
 
 import argparse  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 
 
+class _OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one ``error: ...`` line on stderr (rank 0 only) and exit status 2."""
+
+    def error(self, message: str):
+        report_error(f"{message} (see --help)")
+        sys.exit(2)
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _multiple_of_16(text: str) -> int:
+    """argparse type: a positive multiple of 16 (the VAE's 16x spatial stride)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1 or value % 16:
+        raise argparse.ArgumentTypeError(f"must be a positive multiple of 16 (e.g. 256, 448, 512, 896), got {text!r}")
+    return value
+
+
+def _finite_nonnegative(text: str) -> float:
+    """argparse type: a finite float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not (0.0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (1 disables guidance), got {text!r}")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Parse and check the arguments; every check here needs neither torch nor a model.
+
+    Raises:
+        SystemExit(2): after one ``error: ...`` line, for a value argparse's types refuse.
+        ValueError: for a combination, path or output that cannot work (:func:`check_args`).
+    """
+    parser = _OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt", required=True, help="text prompt, or a JSON prompt with a global_layer")
     parser.add_argument("--negative_prompt", default=None, help="default: the model's built-in negative prompt")
-    parser.add_argument("--image", default=None, help="reference image file for image-to-video")
-    parser.add_argument("--model", default=None, help="converted diffusers repo (folder or Hub id); default: tiny")
-    parser.add_argument("--num_inference_steps", type=int, default=None, help="default: 100, or the tiny default's")
-    parser.add_argument("--height", type=int, default=None, help="pixels, multiple of 16 (default 512, tiny: its own)")
-    parser.add_argument("--width", type=int, default=None, help="pixels, multiple of 16 (default 896, tiny: its own)")
+    parser.add_argument("--image", default=None, help="reference image file (or http(s) URL) for image-to-video")
+    parser.add_argument(
+        "--model", default=None, help="converted diffusers repo (folder or Hub id org/name); default: tiny"
+    )
+    parser.add_argument(
+        "--num_inference_steps", type=_positive_int, default=None, help="default: 100, or the tiny default's"
+    )
+    parser.add_argument(
+        "--height", type=_multiple_of_16, default=None, help="pixels, multiple of 16 (default 512, tiny: its own)"
+    )
+    parser.add_argument(
+        "--width", type=_multiple_of_16, default=None, help="pixels, multiple of 16 (default 896, tiny: its own)"
+    )
     parser.add_argument(
         "--resolution",
         choices=["272p", "540p", "1080p"],
@@ -54,13 +110,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--output_height",
-        type=int,
+        type=_positive_int,
         default=None,
         help="optional bilinear resize of the decoded frames (with --output_width, e.g. 1080)",
     )
-    parser.add_argument("--output_width", type=int, default=None, help="see --output_height (e.g. 1920)")
-    parser.add_argument("--guidance_scale", type=float, default=5.0, help="video CFG scale (default 5.0)")
-    parser.add_argument("--audio_guidance_scale", type=float, default=7.0, help="audio CFG scale (default 7.0)")
+    parser.add_argument("--output_width", type=_positive_int, default=None, help="see --output_height (e.g. 1920)")
+    parser.add_argument(
+        "--guidance_scale", type=_finite_nonnegative, default=5.0, help="video CFG scale (default 5.0)"
+    )
+    parser.add_argument(
+        "--audio_guidance_scale", type=_finite_nonnegative, default=7.0, help="audio CFG scale (default 7.0)"
+    )
     parser.add_argument("--seed", type=int, default=42, help="seed of the noise generator (default 42)")
     parser.add_argument(
         "--dtype",
@@ -74,23 +134,132 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", required=True, help="output .mp4 path")
     parser.add_argument(
         "--ep_degree",
-        type=int,
+        type=_positive_int,
         default=None,
         help="expert-parallel ranks (default: the world size under accelerate launch/torchrun, "
         "else 1); must divide the number of launched processes (replicas of EP groups)",
     )
     parser.add_argument(
         "--ulysses_degree",
-        type=int,
+        type=_positive_int,
         default=None,
         help="context-parallel (Ulysses) ranks of both transformers (default: the world size under "
         "accelerate launch/torchrun, else 1); must equal the number of launched processes",
     )
     args = parser.parse_args(argv)
-    check_output_path(args.output)
-    if args.device is not None:
-        check_device(args.device)
+    check_args(args)
     return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject argument combinations and paths that cannot work, before torch is imported.
+
+    Allowed: ``--resolution`` or ``--height``/``--width``, not both; ``--output_height`` with ``--output_width``;
+    ``--model`` an existing folder holding ``model_index.json`` (a ``magi2-convert`` output) or a Hub id
+    ``org/name``; ``--image`` an existing image file or an http(s) URL; ``--output`` see :func:`check_output_path`.
+
+    Raises:
+        ValueError: naming the argument, what was wrong and what is allowed.
+    """
+    if args.resolution is not None and (args.height is not None or args.width is not None):
+        raise ValueError("pass either --resolution or --height/--width, not both")
+    if (args.output_height is None) != (args.output_width is None):
+        raise ValueError("--output_height and --output_width go together (a bilinear resize of the decoded frames)")
+    if args.model is not None:
+        check_model_path(args.model)
+    if args.image is not None:
+        check_image_path(args.image)
+    check_output_path(args.output)
+    check_launch_degrees(args.ep_degree, args.ulysses_degree)
+
+
+def check_launch_degrees(ep_degree, ulysses_degree) -> None:
+    """The launch rules of ``expert_parallel_from_launch`` / ``context_parallel_from_launch`` applied to the
+    launcher's ``WORLD_SIZE`` before torch is imported, so a wrong launch fails in well under a second; those
+    library functions still run (and stay the authority) once the pipeline is built.
+
+    Raises:
+        ValueError: ``ep_degree`` does not divide the world size or the CP degree; ``ulysses_degree`` differs
+            from the world size.
+    """
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        world = 1
+    launch = (
+        "`accelerate launch --multi_gpu --num_processes {n} examples/generate.py ...` (`--cpu` starts one process)"
+    )
+    if ep_degree is not None and world % ep_degree:
+        raise ValueError(
+            f"--ep_degree {ep_degree} requested but this run has {world} process(es), which it does not divide; "
+            f"launch one process per rank: {launch.format(n=ep_degree)}"
+        )
+    degree = world if ulysses_degree is None else ulysses_degree
+    if degree != world:
+        raise ValueError(
+            f"--ulysses_degree {degree} requested but this run has {world} process(es); the context-parallel degree "
+            f"must equal the number of processes: {launch.format(n=degree)}"
+        )
+    if ep_degree is not None and degree % ep_degree:
+        raise ValueError(
+            f"--ep_degree {ep_degree} must divide the context-parallel degree {degree} (EP groups tile the CP ranks)"
+        )
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model_path(model: str) -> None:
+    """``--model``: an existing converted repo folder, or something shaped like a Hub id (``org/name``).
+
+    Raises:
+        ValueError: a folder without ``model_index.json``, a file, or a path that does not exist and is no Hub id.
+    """
+    from pathlib import Path
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "model_index.json").is_file():
+            raise ValueError(
+                f"--model {model!r} is a folder without model_index.json, not a converted diffusers repo; "
+                "convert a SandAI release first: magi2-convert --checkpoint_root RELEASE --output_path OUT"
+            )
+        return
+    if path.exists():
+        raise ValueError(f"--model {model!r} is a file; pass the converted repo's folder (it holds model_index.json)")
+    if model.startswith((".", "/", "~")) or not _HUB_ID.match(model):
+        raise ValueError(
+            f"--model {model!r}: no such folder, and not a Hub id (org/name); pass a magi2-convert output folder"
+        )
+
+
+def check_image_path(image: str) -> None:
+    """``--image``: an http(s) URL (fetched later) or an existing file that PIL can open as an image.
+
+    Raises:
+        ValueError: the file does not exist, is a folder, or is not an image.
+    """
+    if image.startswith(("http://", "https://")):
+        return
+    from pathlib import Path
+
+    path = Path(image).expanduser()
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ValueError(f"--image {image!r} {what}; pass an image file (png, jpg, ...) or an http(s) URL")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    except (UnidentifiedImageError, OSError) as err:
+        raise ValueError(f"--image {image!r} is not an image file PIL can read ({err})") from None
+
+
+def report_error(message) -> None:
+    """Print ``error: <message>`` as one line on stderr, from rank 0 only (``RANK`` unset counts as rank 0)."""
+    if os.environ.get("RANK", "0") == "0":
+        print("error: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
 
 
 def check_device(device: str) -> None:
@@ -230,8 +399,8 @@ def main(argv=None) -> int:
     from diffusers_magi2 import export_to_video_with_audio
     from diffusers_magi2.utils.export import probe_streams
 
-    if args.resolution is not None and (args.height is not None or args.width is not None):
-        raise ValueError("pass either --resolution or --height/--width, not both")
+    if args.device is not None:
+        check_device(args.device)
     pipe, defaults = load_pipeline(args)
     if args.resolution is not None:
         from diffusers_magi2.pipelines.pipeline_magi2 import RESOLUTION_PRESETS
@@ -293,17 +462,29 @@ def main(argv=None) -> int:
 
 def abort_distributed_run() -> None:
     """After an error: destroy the process group without a barrier (the other ranks may never reach one)."""
+    if "torch.distributed" not in sys.modules:  # failed before torch was imported: nothing to tear down
+        return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def run(argv=None) -> int:
+    """``main`` as a command: bad input (``ValueError``, or an ``OSError`` such as a missing file or Hub repo) is one
+    ``error: ...`` line on stderr from rank 0 and exit status 2; any other exception keeps its traceback."""
     try:
-        _rc = main()
+        rc = main(argv)
+    except (ValueError, OSError) as err:
+        abort_distributed_run()
+        report_error(err)
+        return 2
     except BaseException:
         abort_distributed_run()
         raise
-    end_distributed_run(_rc)  # distributed: barrier, destroy the group, os._exit on CPU (gloo teardown abort)
-    sys.exit(_rc)
+    end_distributed_run(rc)  # distributed: barrier, destroy the group, os._exit on CPU (gloo teardown abort)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(run())

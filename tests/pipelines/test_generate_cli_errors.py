@@ -1,0 +1,154 @@
+"""``examples/generate.py`` refuses bad input as ``magi2-convert`` does: one ``error: ...`` line on stderr (rank 0
+only), exit status 2, and (where the check needs no model) before torch or diffusers is imported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers.fixtures import REPO_ROOT
+
+
+GENERATE = REPO_ROOT / "examples" / "generate.py"
+
+# Calls generate.run(argv) for each case in one interpreter and reports (exit status, stderr, torch imported?).
+DRIVER = """
+import contextlib, importlib.util, io, json, sys
+spec = importlib.util.spec_from_file_location("magi2_generate_cli", sys.argv[1])
+generate = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(generate)
+results = []
+for argv in json.loads(sys.argv[2]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = generate.run(argv)
+        except SystemExit as exc:
+            rc = exc.code
+    results.append({"rc": rc, "stderr": err.getvalue(), "torch": "torch" in sys.modules})
+print(json.dumps(results))
+"""
+
+
+def _cases(tmp_path):
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_text("not a png")
+    no_index = tmp_path / "raw_release"
+    no_index.mkdir()
+    out = str(tmp_path / "out" / "clip.mp4")
+    base = ["--prompt", "a cat", "--output", out]
+    return {
+        "height not a multiple of 16": (base + ["--height", "100"], "--height: must be a positive multiple of 16"),
+        "width 0": (base + ["--width", "0"], "--width: must be a positive multiple of 16"),
+        "0 steps": (base + ["--num_inference_steps", "0"], "--num_inference_steps: must be an integer >= 1"),
+        "missing model folder": (base + ["--model", str(tmp_path / "missing")], "no such folder"),
+        "model folder not converted": (base + ["--model", str(no_index)], "without model_index.json"),
+        "missing image": (base + ["--image", str(tmp_path / "missing.png")], "does not exist"),
+        "image not an image": (base + ["--image", str(not_an_image)], "is not an image file"),
+        "ep_degree 0": (base + ["--ep_degree", "0"], "--ep_degree: must be an integer >= 1"),
+        "ep_degree without the processes": (base + ["--ep_degree", "2"], "--ep_degree 2 requested but this run has 1"),
+        "ulysses_degree without the processes": (
+            base + ["--ulysses_degree", "2"],
+            "--ulysses_degree 2 requested but this run has 1",
+        ),
+        "resolution and height": (base + ["--resolution", "540p", "--height", "512"], "either --resolution or"),
+        "output_height alone": (base + ["--output_height", "1080"], "--output_height and --output_width go together"),
+        "output not mp4": (["--prompt", "a cat", "--output", str(tmp_path / "x.gif")], "must be an .mp4"),
+        "no prompt": (["--output", out], "the following arguments are required: --prompt"),
+    }
+
+
+def _clean_env(**extra) -> dict:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(extra)
+    return env
+
+
+def test_each_bad_input_is_one_error_line_and_exit_2_before_torch_is_imported(tmp_path):
+    cases = _cases(tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(GENERATE), json.dumps([argv for argv, _ in cases.values()])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_clean_env(),
+    )
+    assert res.returncode == 0, res.stderr
+    for (name, (_, expected)), got in zip(cases.items(), json.loads(res.stdout)):
+        lines = got["stderr"].splitlines()
+        assert got["rc"] == 2, (name, got)
+        assert len(lines) == 1 and lines[0].startswith("error: "), (name, got["stderr"])
+        assert expected in lines[0], (name, lines[0])
+        assert not got["torch"], f"{name}: torch was imported before the check"
+    assert not (tmp_path / "out").exists()
+
+
+def test_other_ranks_stay_silent(tmp_path):
+    argv = ["--prompt", "a cat", "--output", str(tmp_path / "x.mp4"), "--height", "100"]
+    res = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(GENERATE), json.dumps([argv])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_clean_env(RANK="1", WORLD_SIZE="2"),
+    )
+    [got] = json.loads(res.stdout)
+    assert got["rc"] == 2 and got["stderr"] == ""
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--height", "100"], "must be a positive multiple of 16"),
+        (["--ep_degree", "2"], "--ep_degree 2 requested but this run has 1 process(es)"),
+    ],
+)
+def test_the_script_itself_exits_2_with_one_line(tmp_path, args, expected):
+    out = tmp_path / "never.mp4"
+    res = subprocess.run(
+        [sys.executable, str(GENERATE), "--prompt", "x", "--output", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_clean_env(),
+    )
+    assert res.returncode == 2 and not out.exists()
+    assert res.stderr.splitlines() == [res.stderr.strip()] and res.stderr.startswith("error: ")
+    assert expected in res.stderr
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("ep", [None, 1, 2, 3])
+@pytest.mark.parametrize("ulysses", [None, 1, 2, 4])
+def test_early_launch_check_agrees_with_the_library_rules(monkeypatch, world, ep, ulysses):
+    """The torch-free check in the script refuses exactly what the library's launch rules refuse."""
+    import importlib.util
+
+    from diffusers_magi2.parallel import context_parallel_runtime, expert_parallel
+
+    spec = importlib.util.spec_from_file_location("magi2_generate_rules", GENERATE)
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    # the library's rules resolve a real group when they accept a degree > 1; only their verdict matters here
+    monkeypatch.setattr(expert_parallel, "resolve_expert_parallel", lambda config: None)
+    monkeypatch.setattr(context_parallel_runtime, "resolve_context_parallel", lambda config: None)
+
+    def verdict(fn):
+        try:
+            fn()
+        except ValueError:
+            return False
+        return True
+
+    library = verdict(
+        lambda: (
+            expert_parallel.expert_parallel_from_launch(ep),
+            context_parallel_runtime.context_parallel_from_launch(ulysses, ep),
+        )
+    )
+    assert verdict(lambda: generate.check_launch_degrees(ep, ulysses)) == library
