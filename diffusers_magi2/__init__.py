@@ -16,6 +16,12 @@ from __future__ import annotations
 
 __version__ = "0.1.0.dev0"
 
+from .utils.third_party_messages import install_third_party_message_filters
+
+
+# transformers' CUDA-kernel advice where there is no CUDA, torch's weight_norm deprecation inside diffusers' Oobleck
+install_third_party_message_filters()
+
 from .loaders.lora_pipeline_magi2 import Magi2LoraLoaderMixin
 from .models.transformer_magi2 import Magi2Transformer3DModel, Magi2TransformerOutput
 from .models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel, Magi2RefinerTransformerOutput
