@@ -1,0 +1,88 @@
+"""The README's CPU walk-through, run verbatim: write the tiny SandAI-layout release, convert it with
+``magi2-convert``, generate a clip from the converted repo with ``examples/generate.py``; and what the release
+writer guarantees (the SandAI layout, names that convert back, nothing left behind on bad input)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from helpers.fixtures import REPO_ROOT
+
+from diffusers_magi2.conversion.repo import RELEASE_LAYOUT
+from diffusers_magi2.utils.export import probe_streams
+
+
+def readme_block(marker: str) -> str:
+    readme = (REPO_ROOT / "README.md").read_text()
+    return readme.split(f"<!-- {marker} -->", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
+
+
+@pytest.fixture(scope="module")
+def walkthrough(tmp_path_factory):
+    """Run the README block in a fresh folder that has the repository's ``examples/`` and this venv as ``.venv``."""
+    work = tmp_path_factory.mktemp("walkthrough")
+    (work / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
+    (work / "examples").symlink_to(REPO_ROOT / "examples", target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    res = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", readme_block("cpu-walkthrough")],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return work, res
+
+
+def test_readme_walkthrough_converts_and_generates_a_clip(walkthrough):
+    work, res = walkthrough
+    release = work / "magi2-tiny-release"
+    for part in RELEASE_LAYOUT.values():
+        assert (release / part).exists(), part
+    index = json.loads((work / "magi2-tiny-diffusers" / "model_index.json").read_text())
+    assert index["transformer"] == ["diffusers_magi2.models.transformer_magi2", "Magi2Transformer3DModel"]
+    assert index["refiner"][1] == "Magi2RefinerTransformer3DModel"
+    info = probe_streams(work / "tiny.mp4")
+    assert info["video_frames"] == 125 and info["fps"] == Fraction(25, 2)
+    assert info["audio_sample_rate"] == 44_100 and info["audio_channels"] == 2
+    assert "model magi2-tiny-diffusers" in res.stdout
+
+
+def test_release_holds_sandai_names_and_the_release_dtypes(walkthrough):
+    from safetensors import safe_open
+
+    release = walkthrough[0] / "magi2-tiny-release"
+    with safe_open(str(next((release / "preview").glob("*.safetensors"))), "pt") as f:
+        keys = set(f.keys())
+        dtypes = {f.get_slice(k).get_dtype() for k in keys}
+    assert any(k.startswith("block.layers.0.") for k in keys)
+    assert any(k.startswith("block.layers.1.") and k.endswith("router.expert_bias_ema") for k in keys)
+    assert not any(k.startswith("transformer_blocks.") for k in keys)
+    assert dtypes == {"BF16", "F32"}
+    sao = json.loads((release / "stable-audio-open-1.0" / "model_config.json").read_text())
+    enc = sao["model"]["pretransform"]["config"]["encoder"]["config"]
+    assert enc["channels"] == enc["latent_dim"]  # representable: the converter needs no zero-encoder option
+
+
+def test_release_writer_refuses_a_non_empty_folder_and_leaves_nothing(tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    res = subprocess.run(
+        [sys.executable, "-m", "diffusers_magi2.conversion.tiny_release", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 2 and res.stderr.startswith("error: ") and "not an empty folder" in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
