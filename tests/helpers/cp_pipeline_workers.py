@@ -4,10 +4,6 @@ refiner) with its 1080p-style refiner stage under CP N, counting the refiner's F
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
 from diffusers import ContextParallelConfig
@@ -15,8 +11,9 @@ from diffusers import ContextParallelConfig
 from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 from diffusers_magi2.utils.flop_counter import register_cpu_sdpa_flop_formula
 
+from .fixtures import fixtures_root
 
-FIXTURES = Path(os.environ.get("MAGI2_FIXTURES", Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"))
+
 TWO_STAGE = {
     "height": 64,
     "width": 96,
@@ -61,11 +58,11 @@ def i2v_latents(rank: int, world: int) -> dict:
 
 def refiner_stage_latents(rank: int, world: int) -> dict:
     """The refined latent of a two-stage text-to-video call, and the FLOPs of this rank's refiner forwards."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
-    from pipeline_stubs import tiny_two_stage_pipeline
     from torch.utils.flop_counter import FlopCounterMode
 
-    pipe = tiny_two_stage_pipeline(FIXTURES)
+    from .pipeline_stubs import tiny_two_stage_pipeline
+
+    pipe = tiny_two_stage_pipeline(fixtures_root())
     if world > 1:
         pipe.enable_context_parallel(ContextParallelConfig(ulysses_degree=world))
     register_cpu_sdpa_flop_formula()
