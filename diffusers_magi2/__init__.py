@@ -26,6 +26,7 @@ from .loaders.lora_pipeline_magi2 import Magi2LoraLoaderMixin
 from .models.transformer_magi2 import Magi2Transformer3DModel, Magi2TransformerOutput
 from .models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel, Magi2RefinerTransformerOutput
 from .models.turbo_vae import Magi2TurboVAEDecoder
+from .modular_pipelines import Magi2AutoBlocks, Magi2ModularPipeline
 from .moe.activation import swiglu7
 from .moe.experts import torch_mh_moe_forward
 from .moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
@@ -38,8 +39,10 @@ from .utils.export import export_to_video_with_audio
 
 
 __all__ = [
+    "Magi2AutoBlocks",
     "Magi2ExpertParallelConfig",
     "Magi2LoraLoaderMixin",
+    "Magi2ModularPipeline",
     "Magi2MultiHeadMoE",
     "Magi2MultiHeadMoEConfig",
     "Magi2Pipeline",

@@ -1,6 +1,7 @@
 """The package's layers read bottom-up: no module imports from a layer above its own.
 
-Order: ``utils`` -> ``parallel`` -> ``moe`` -> ``loaders`` -> ``models`` -> ``pipelines`` -> ``conversion``.
+Order: ``utils`` -> ``parallel`` -> ``moe`` -> ``loaders`` -> ``models`` -> ``pipelines`` -> ``modular_pipelines``
+-> ``conversion``.
 Every import counts: module-level, inside a function (lazy), and ``importlib.import_module`` with a literal
 name. The top-level ``diffusers_magi2/__init__.py`` is the public facade and may import any layer.
 """
@@ -14,7 +15,7 @@ import pytest
 
 
 PACKAGE = Path(__file__).resolve().parents[1] / "diffusers_magi2"
-LAYERS = ("utils", "parallel", "moe", "loaders", "models", "pipelines", "conversion")
+LAYERS = ("utils", "parallel", "moe", "loaders", "models", "pipelines", "modular_pipelines", "conversion")
 
 
 def _module_name(path: Path) -> str:

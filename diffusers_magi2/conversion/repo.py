@@ -3,7 +3,8 @@
 :func:`convert_checkpoint` checks the request, validates every component from headers (all problems raised
 together, nothing written), then writes into a sibling temporary folder renamed to ``OUT`` at the end (removed
 on failure; an existing ``OUT`` is replaced only with ``overwrite``). The result is a diffusers pipeline repo:
-``model_index.json``, one folder per component, ``README.md`` from ``model_card.md``.
+``model_index.json``, one folder per component, ``README.md`` from ``model_card.md``, and the Modular Diffusers
+files (:mod:`~diffusers_magi2.pipelines.modular_files`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..loaders.key_plan import CheckpointValidationError
+from ..pipelines.modular_files import write_modular_files
 from ..utils.dtype_utils import DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
 from . import components
 from .convert_transformer import PreparedTransformer, prepare_transformer_conversion, write_transformer
@@ -297,6 +299,8 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
             default_scheduler().save_pretrained(tmp / "scheduler")
             written["scheduler"] = MODEL_INDEX_ENTRIES["scheduler"]
         (tmp / "model_index.json").write_text(json.dumps(model_index_dict(written, settings), indent=2) + "\n")
+        # the Modular Diffusers files: components load from the Hub id if given, else from OUT
+        write_modular_files(tmp, repo=req.repo_id or str(out))
         (tmp / "README.md").write_text(
             _render_card(
                 req, [c for c in ALL_COMPONENTS + ("tokenizer",) if c in written], prepared.get("transformer")

@@ -34,6 +34,7 @@ from ..parallel.context_parallel_runtime import broadcast_from_first_rank
 from ..utils.dtype_utils import parse_dtype
 from .decoding_magi2 import decode_audio_latents, decode_video_latents, resize_video_frames, wan_latent_stats
 from .image_processing_magi2 import letterbox_image, preprocess_reference_image
+from .modular_files import Magi2ModularFilesMixin
 from .pipeline_output import Magi2PipelineOutput
 from .presets_magi2 import (
     DEFAULT_NEGATIVE_PROMPT,
@@ -82,7 +83,7 @@ def _per_video(embeds: torch.Tensor, mask: torch.Tensor | None, num_videos_per_p
     return embeds.repeat_interleave(num_videos_per_prompt, 0), mask.repeat_interleave(num_videos_per_prompt, 0)
 
 
-class Magi2Pipeline(Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoaderMixin):
+class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoaderMixin):
     r"""MAGI-2 Preview: a 10 s video with a stereo soundtrack from a prompt, optionally conditioned on an image.
 
     Components:

@@ -486,6 +486,44 @@ print("ok")
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
+def test_converted_repo_loads_as_a_modular_pipeline_in_a_fresh_interpreter(full_repo, tmp_path):
+    """The converter writes the modular files (components pointing at ``--repo_id``, agreeing with
+    ``model_index.json``); a copy loads offline through ``ModularPipeline.from_pretrained(copy,
+    trust_remote_code=True)`` with the classes ``model_index.json`` names."""
+    from diffusers_magi2.pipelines.modular_files import check_modular_files
+
+    index = json.loads((full_repo / "model_index.json").read_text())
+    modular = json.loads((full_repo / "modular_model_index.json").read_text())
+    config = json.loads((full_repo / "modular_config.json").read_text())
+    check_modular_files(index, modular, config)
+    assert {modular[n][2]["pretrained_model_name_or_path"] for n in ("transformer", "vae", "tokenizer")} == {
+        "org/magi2-tiny"
+    }
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(full_repo, snapshot)
+    script = f"""
+import json
+from diffusers.modular_pipelines import ModularPipeline
+pipe = ModularPipeline.from_pretrained({str(snapshot)!r}, trust_remote_code=True)
+assert type(pipe.blocks).__name__ == "Magi2AutoBlocks", type(pipe.blocks)
+pipe.load_components()
+index = json.load(open({str(snapshot / "model_index.json")!r}))
+names = {{n: type(getattr(pipe, n)).__name__ for n, v in index.items() if not n.startswith("_") and v[0]}}
+want = {{n: v[1] for n, v in index.items() if not n.startswith("_") and v[0]}}
+assert names == want, (names, want)
+print("ok")
+"""
+    res = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home")},
+        timeout=300,
+    )
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
 def test_thin_cli_script_and_console_entry_point(tmp_path):
     """``conversion/convert_magi2_to_diffusers.py`` runs the same ``main`` as the ``magi2-convert`` script."""
     from importlib.metadata import entry_points

@@ -1,0 +1,318 @@
+"""Blocks before the MAGI-2 denoising loop: the call's checks and plan, the conditioning broadcast under context
+parallelism, the schedules and the initial noise (SandAI ``Magi2InferenceEngine.evaluate`` up to the sampler).
+
+Each block runs the ``Magi2Pipeline`` step of the same name (:func:`~.modular_pipeline.classic_steps`): the
+``check_inputs`` of ``__call__``, ``stage_sizes`` / ``refiner_stage_config``, ``prepare_timesteps`` (sigmas
+``linspace(sigma_start, 0, N + 1)[:-1]``, shifted once by the scheduler) and ``prepare_latents`` (video noise
+drawn first, then audio, from one ``generator``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from diffusers import UniPCMultistepScheduler
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.modular_pipelines import ModularPipelineBlocks, PipelineState
+from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, ConfigSpec, InputParam, OutputParam
+from diffusers.utils import logging
+
+from ..parallel.context_parallel_runtime import broadcast_from_first_rank
+from ..pipelines.pipeline_magi2 import Magi2Pipeline
+from ..pipelines.presets_magi2 import REFINER_RESOLUTION, TRAINED_RESOLUTIONS
+from ..pipelines.sampling_magi2 import check_scheduler
+from .modular_pipeline import (
+    CALL_STATE,
+    CLASSIC_COMPONENTS,
+    Magi2BlockChecks,
+    check_component_types,
+    check_repo_files,
+    classic_config_defaults,
+    classic_steps,
+    component_spec,
+)
+
+
+logger = logging.get_logger(__name__)
+
+__all__ = [
+    "CALL_DEFAULTS",
+    "Magi2BroadcastConditioningStep",
+    "Magi2InputStep",
+    "Magi2PrepareLatentsStep",
+    "Magi2SetTimestepsStep",
+    "call_input",
+    "first_rank",
+]
+
+#: ``Magi2Pipeline.__call__``'s arguments and defaults (the blocks' input defaults are these, not copies).
+CALL_DEFAULTS = {
+    name: param.default
+    for name, param in inspect.signature(Magi2Pipeline.__call__).parameters.items()
+    if name not in ("self", "return_dict")
+}
+
+_DESCRIPTIONS = {
+    "prompt": "text, or a JSON object string; a list gives a batch",
+    "negative_prompt": "the unconditional text (default config.negative_prompt)",
+    "image": "I2V reference (PIL, a file path or uint8 [H, W, 3])",
+    "height": "output pixels, a multiple of 16 (1088 runs the refiner stage)",
+    "width": "output pixels, a multiple of 16 (1920 runs the refiner stage)",
+    "num_inference_steps": "preview denoising steps",
+    "guidance_scale": "video CFG scale",
+    "audio_guidance_scale": "audio CFG scale",
+    "generator": "RNG of the noise (video drawn first, then audio) and of the refiner's re-noise",
+    "latents": "initial video noise [B, 48, T, H/16, W/16] fp32",
+    "audio_latents": "initial audio noise [B, L, 64] fp32",
+    "prompt_embeds": "[B, Lt, C] text features instead of prompt",
+    "prompt_attention_mask": "[B, Lt] bool mask of prompt_embeds",
+    "negative_prompt_embeds": "[B, Lt, C] negative text features",
+    "negative_prompt_attention_mask": "[B, Lt] bool mask of negative_prompt_embeds",
+    "image_embeds": "[B, C] <Figure 1> token embedding (with image and prompt_embeds)",
+    "output_type": "'np', 'pil', 'pt' or 'latent'",
+    "attention_kwargs": "keys for the models that declare them",
+    "callback_on_step_end": "fn(pipe, step, timestep, tensors) after each step of either stage",
+    "callback_on_step_end_tensor_inputs": "names from _callback_tensor_inputs passed to the callback",
+    "resolution": "'272p', '540p' or '1080p' (two-stage); replaces height/width",
+    "preview_height": "preview pixels of the two-stage path",
+    "preview_width": "preview pixels of the two-stage path",
+    "refiner_num_inference_steps": "refiner steps (default config)",
+    "refiner_guidance_scale": "refiner CFG scale (default config)",
+    "output_height": "bilinear resize of the decoded frames",
+    "output_width": "bilinear resize of the decoded frames",
+    "num_videos_per_prompt": "videos per prompt, each from its own noise",
+}
+
+
+def call_input(name: str, required: bool = False, **kwargs) -> InputParam:
+    """An ``InputParam`` for one of ``Magi2Pipeline.__call__``'s arguments, with its default and description."""
+    default = kwargs.pop("default", None if required else CALL_DEFAULTS.get(name))
+    return InputParam(
+        name,
+        default=default,
+        required=required,
+        description=_DESCRIPTIONS.get(name, kwargs.pop("description", "")),
+        **kwargs,
+    )
+
+
+def first_rank(components) -> bool:
+    """True outside context parallelism and on CP rank 0 (the rank that encodes and decodes)."""
+    group = getattr(getattr(components, "transformer", None), "context_parallel_group", None)
+    return group is None or group.rank == 0
+
+
+class Magi2InputStep(Magi2BlockChecks, ModularPipelineBlocks):
+    """The call's checks and plan: resolution preset, ``Magi2Pipeline.check_inputs`` (every bad argument raises
+    before any work), the stage sizes and the refiner settings; resets the call state (``interrupt`` ...)."""
+
+    model_name = "magi2"
+
+    @property
+    def description(self) -> str:
+        return (
+            "Input step: applies `resolution`, checks every argument as Magi2Pipeline.check_inputs, and plans the "
+            "call (preview size, whether the 1080p refiner stage runs, batch sizes)"
+        )
+
+    @property
+    def expected_components(self) -> list[ComponentSpec]:
+        # every component: the checks read their configs (widths, decoders present, the refiner for 1088x1920)
+        return [component_spec(name) for name in CLASSIC_COMPONENTS]
+
+    @property
+    def expected_configs(self) -> list[ConfigSpec]:
+        return [ConfigSpec(name, default) for name, default in classic_config_defaults().items()]
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [call_input(n) for n in CALL_DEFAULTS]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return [
+            OutputParam("refine", type_hint=bool, description="whether the refiner stage runs"),
+            OutputParam("denoise_height", type_hint=int, description="preview height in pixels"),
+            OutputParam("denoise_width", type_hint=int, description="preview width in pixels"),
+            OutputParam("refiner_config", description="Magi2RefinerStageConfig of the call, None without refiner"),
+            OutputParam("batch_size", type_hint=int, description="number of prompts"),
+            OutputParam("num_videos", type_hint=int, description="batch_size * num_videos_per_prompt"),
+        ]
+
+    @torch.no_grad()
+    def __call__(self, components, state: PipelineState):
+        block_state = self.get_block_state(state)
+        check_repo_files(components)
+        check_component_types(components, block=self.__class__.__name__)
+        steps = classic_steps(components)
+        bs = block_state
+        if isinstance(bs.callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            bs.callback_on_step_end_tensor_inputs = bs.callback_on_step_end.tensor_inputs
+        if bs.resolution is not None:
+            bs.height, bs.width = steps.apply_resolution_preset(bs.resolution, bs.height, bs.width)
+        steps.check_inputs(**{n: getattr(bs, n) for n in inspect.signature(steps.check_inputs).parameters})
+        check_scheduler(components.scheduler)
+        bs.refine, bs.denoise_height, bs.denoise_width = steps.stage_sizes(
+            bs.height, bs.width, bs.preview_height, bs.preview_width
+        )
+        bs.refiner_config = None
+        if bs.refine:
+            bs.refiner_config = steps.refiner_stage_config(bs.refiner_num_inference_steps, bs.refiner_guidance_scale)
+        if (bs.denoise_height, bs.denoise_width) not in TRAINED_RESOLUTIONS:
+            logger.warning(
+                f"{bs.denoise_height}x{bs.denoise_width} is outside the trained resolutions {TRAINED_RESOLUTIONS}; "
+                "expect lower quality."
+            )
+        if bs.refine and (bs.height, bs.width) != REFINER_RESOLUTION:
+            logger.warning(
+                f"refiner output {bs.height}x{bs.width} differs from the trained "
+                f"{REFINER_RESOLUTION[0]}x{REFINER_RESOLUTION[1]}; expect lower quality."
+            )
+        for name in CALL_STATE:
+            setattr(components, name, None)
+        components._guidance_scale = float(bs.guidance_scale)
+        components._audio_guidance_scale = float(bs.audio_guidance_scale)
+        components._attention_kwargs = bs.attention_kwargs
+        components._interrupt = False
+        if bs.prompt is not None:
+            bs.batch_size = 1 if isinstance(bs.prompt, str) else len(bs.prompt)
+        else:
+            bs.batch_size = bs.prompt_embeds.shape[0]
+        bs.num_videos = bs.batch_size * bs.num_videos_per_prompt
+        self.set_block_state(state, block_state)
+        return components, state
+
+
+class Magi2BroadcastConditioningStep(Magi2BlockChecks, ModularPipelineBlocks):
+    """Under context parallelism CP rank 0's text and image conditioning goes to every rank (the others encode
+    nothing); then the I2V latent is expanded to one row per video."""
+
+    model_name = "magi2"
+
+    @property
+    def description(self) -> str:
+        return (
+            "Broadcasts CP rank 0's conditioning (text embeddings, masks, image embedding and latent) to every "
+            "context-parallel rank and expands the image latent to one row per video"
+        )
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            InputParam("prompt_embeds", type_hint=torch.Tensor, description="[B, Lt, C] text features"),
+            InputParam("prompt_attention_mask", type_hint=torch.Tensor),
+            InputParam("negative_prompt_embeds", type_hint=torch.Tensor),
+            InputParam("negative_prompt_attention_mask", type_hint=torch.Tensor),
+            InputParam("image_embeds", type_hint=torch.Tensor),
+            InputParam("image_latents", type_hint=torch.Tensor, description="[1, 48, 1, h, w] I2V latent"),
+            InputParam("num_videos", required=True, type_hint=int, description="from the input step"),
+        ]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return [
+            OutputParam("prompt_embeds", type_hint=torch.Tensor),
+            OutputParam("prompt_attention_mask", type_hint=torch.Tensor),
+            OutputParam("negative_prompt_embeds", type_hint=torch.Tensor),
+            OutputParam("negative_prompt_attention_mask", type_hint=torch.Tensor),
+            OutputParam("image_embeds", type_hint=torch.Tensor),
+            OutputParam("image_latents", type_hint=torch.Tensor, description="[num_videos, 48, 1, h, w]"),
+        ]
+
+    @torch.no_grad()
+    def __call__(self, components, state: PipelineState):
+        bs = self.get_block_state(state)
+        names = [p.name for p in self.intermediate_outputs]
+        group = getattr(getattr(components, "transformer", None), "context_parallel_group", None)
+        if group is not None:
+            values = broadcast_from_first_rank(
+                [getattr(bs, n) for n in names], group, classic_steps(components)._execution_device
+            )
+            for name, value in zip(names, values):
+                setattr(bs, name, value)
+        if bs.image_latents is not None:
+            bs.image_latents = bs.image_latents.expand(bs.num_videos, -1, -1, -1, -1)
+        self.set_block_state(state, bs)
+        return components, state
+
+
+class Magi2SetTimestepsStep(Magi2BlockChecks, ModularPipelineBlocks):
+    """``Magi2Pipeline.prepare_timesteps``: the video scheduler and a fresh audio one on one flow schedule."""
+
+    model_name = "magi2"
+
+    @property
+    def description(self) -> str:
+        return "Sets the preview schedule: the video scheduler and an audio scheduler from its config, same sigmas"
+
+    @property
+    def expected_components(self) -> list[ComponentSpec]:
+        return [component_spec("scheduler")]
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [call_input("num_inference_steps")]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return [
+            OutputParam("timesteps", type_hint=torch.Tensor, description="[N] int64 preview timesteps"),
+            OutputParam("video_scheduler", type_hint=UniPCMultistepScheduler),
+            OutputParam("audio_scheduler", type_hint=UniPCMultistepScheduler),
+        ]
+
+    @torch.no_grad()
+    def __call__(self, components, state: PipelineState):
+        bs = self.get_block_state(state)
+        self.check_components(components)
+        steps = classic_steps(components)
+        bs.video_scheduler, bs.audio_scheduler, bs.timesteps = steps.prepare_timesteps(
+            bs.num_inference_steps, steps._execution_device
+        )
+        self.set_block_state(state, bs)
+        return components, state
+
+
+class Magi2PrepareLatentsStep(Magi2BlockChecks, ModularPipelineBlocks):
+    """``Magi2Pipeline.prepare_latents``: fp32 video noise drawn first, then audio (SandAI's draw order)."""
+
+    model_name = "magi2"
+
+    @property
+    def description(self) -> str:
+        return "Prepares the initial noise: video [B, 48, T, H/16, W/16] first, then audio [B, L, 64], fp32"
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            InputParam("num_videos", required=True, type_hint=int, description="from the input step"),
+            InputParam("denoise_height", required=True, type_hint=int, description="from the input step"),
+            InputParam("denoise_width", required=True, type_hint=int, description="from the input step"),
+            call_input("generator"),
+            call_input("latents", type_hint=torch.Tensor),
+            call_input("audio_latents", type_hint=torch.Tensor),
+        ]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return [
+            OutputParam("latents", type_hint=torch.Tensor, description="[B, 48, T, h, w] fp32 video noise"),
+            OutputParam("audio_latents", type_hint=torch.Tensor, description="[B, L, 64] fp32 audio noise"),
+        ]
+
+    @torch.no_grad()
+    def __call__(self, components, state: PipelineState):
+        bs = self.get_block_state(state)
+        steps = classic_steps(components)
+        bs.latents, bs.audio_latents = steps.prepare_latents(
+            bs.num_videos,
+            bs.denoise_height,
+            bs.denoise_width,
+            steps._execution_device,
+            bs.generator,
+            bs.latents,
+            bs.audio_latents,
+        )
+        self.set_block_state(state, bs)
+        return components, state

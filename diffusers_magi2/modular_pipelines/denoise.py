@@ -1,0 +1,320 @@
+"""The MAGI-2 denoising loops as ``LoopSequentialPipelineBlocks`` (SandAI ``Magi2PreviewSampler`` and the
+refiner stage of ``evaluate_magi2_refiner_with_latent``).
+
+Step ``i`` at timestep ``t``, the same sampler as ``Magi2Pipeline``: the before-denoiser sets the current
+timestep and the forward's cache context (``model.cache_context(name, step_index=i, ...)``); the denoiser
+predicts each latent's velocity (preview: ``Magi2Pipeline.predict_velocity``, one forward on ``[cond; uncond]``
+and ``v = v_u + g (v_c - v_u)`` with ``g`` 5 video / 7 audio; refiner: the stage's own predict from
+``run_refiner_stage``, cond then uncond, ``g`` 2); the after-denoiser steps each latent with its scheduler,
+``x <- step(v, t, x)``, then runs ``callback_on_step_end(pipe, i, t, tensors)``, whose returned dict may replace
+any of the step's tensors. A step is skipped once a callback set ``pipe._interrupt = True``.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.modular_pipelines import LoopSequentialPipelineBlocks, ModularPipelineBlocks, PipelineState
+from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam, OutputParam
+
+from ..pipelines.refiner_stage import run_refiner_stage
+from ..pipelines.sampling_magi2 import cache_context
+from ..pipelines.validation_magi2 import attention_kwargs_for
+from .before_denoise import call_input
+from .modular_pipeline import Magi2BlockChecks, classic_steps, component_spec
+
+
+__all__ = [
+    "Magi2DenoiseLoopWrapper",
+    "Magi2DenoiseStep",
+    "Magi2LoopAfterDenoiser",
+    "Magi2LoopBeforeDenoiser",
+    "Magi2LoopDenoiser",
+    "Magi2RefinerDenoiseStep",
+    "Magi2RefinerLoopDenoiser",
+]
+
+_STEP_TENSORS = ("latents", "audio_latents", "prompt_embeds", "negative_prompt_embeds")
+
+
+def _tensor_inputs(required_latents: bool = True) -> list[InputParam]:
+    return [
+        InputParam("latents", required=required_latents, type_hint=torch.Tensor, description="[B, 48, T, h, w]"),
+        InputParam("audio_latents", required=True, type_hint=torch.Tensor, description="[B, L, 64]"),
+        InputParam("prompt_embeds", required=True, type_hint=torch.Tensor, description="[B, Lt, C]"),
+        InputParam("negative_prompt_embeds", type_hint=torch.Tensor, description="[B, Lt, C] (with CFG)"),
+    ]
+
+
+class Magi2LoopBeforeDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
+    """Loop step: the current timestep and the cache context of this step's forwards."""
+
+    model_name = "magi2"
+
+    @property
+    def description(self) -> str:
+        return (
+            "Step within the denoising loop that sets the current timestep and the cache context of the step's "
+            "forwards (`model.cache_context`, for diffusers' cache hooks)"
+        )
+
+    @torch.no_grad()
+    def __call__(self, components, block_state, i: int, t: torch.Tensor):
+        components._current_timestep = t
+        model, count = block_state.step_model, len(block_state.step_timesteps)
+
+        def context(name: str):
+            return cache_context(model, name, step_index=i, num_inference_steps=count, timestep=t)
+
+        block_state.step_context = context
+        return components, block_state
+
+
+class Magi2LoopDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
+    """Loop step of the preview: ``Magi2Pipeline.predict_velocity`` (one forward on ``[cond; uncond]``, CFG)."""
+
+    model_name = "magi2"
+
+    @property
+    def description(self) -> str:
+        return (
+            "Step within the preview loop that predicts the guided video and audio velocities: one transformer "
+            "forward on [cond; uncond] and v = v_u + g (v_c - v_u) (Magi2Pipeline.predict_velocity)"
+        )
+
+    @property
+    def expected_components(self) -> list[ComponentSpec]:
+        return [component_spec("transformer")]
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            InputParam("prompt_attention_mask", type_hint=torch.Tensor, description="[B, Lt] bool"),
+            InputParam("negative_prompt_attention_mask", type_hint=torch.Tensor, description="[B, Lt] bool"),
+            InputParam("image_latents", type_hint=torch.Tensor, description="[B, 48, 1, h, w] I2V latent"),
+            InputParam("image_embeds", type_hint=torch.Tensor, description="[B, C] I2V token embedding"),
+        ]
+
+    @torch.no_grad()
+    def __call__(self, components, block_state, i: int, t: torch.Tensor):
+        steps = classic_steps(components)
+        tensors = block_state.step_tensors
+        branch = "cond_uncond" if steps.do_classifier_free_guidance else "cond"
+        with block_state.step_context(branch):
+            video, audio = steps.predict_velocity(
+                tensors["latents"],
+                tensors["audio_latents"],
+                t,
+                tensors["prompt_embeds"],
+                block_state.prompt_attention_mask,
+                tensors["negative_prompt_embeds"],
+                block_state.negative_prompt_attention_mask,
+                block_state.image_latents,
+                block_state.image_embeds,
+            )
+        block_state.velocities = {"latents": video, "audio_latents": audio}
+        return components, block_state
+
+
+class Magi2RefinerLoopDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
+    """Loop step of the refiner: the stage's predict (``run_refiner_stage``: cond, then uncond, CFG)."""
+
+    model_name = "magi2"
+
+    @property
+    def description(self) -> str:
+        return (
+            "Step within the refiner loop that predicts the guided video velocity: one refiner forward per sample "
+            "and branch (cond, then uncond; no audio, no timestep) and v = v_u + g (v_c - v_u)"
+        )
+
+    @property
+    def expected_components(self) -> list[ComponentSpec]:
+        return [component_spec("refiner")]
+
+    @torch.no_grad()
+    def __call__(self, components, block_state, i: int, t: torch.Tensor):
+        block_state.velocities = block_state.stage_predict(i, t, block_state.step_tensors, block_state.step_context)
+        return components, block_state
+
+
+class Magi2LoopAfterDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
+    """Loop step: each latent's scheduler step, then ``callback_on_step_end``."""
+
+    model_name = "magi2"
+
+    @property
+    def description(self) -> str:
+        return (
+            "Step within the denoising loop that steps each latent with its scheduler, x <- step(v, t, x), then "
+            "runs callback_on_step_end(pipe, i, t, tensors) (a returned dict may replace any step tensor)"
+        )
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [call_input("callback_on_step_end"), call_input("callback_on_step_end_tensor_inputs")]
+
+    @torch.no_grad()
+    def __call__(self, components, block_state, i: int, t: torch.Tensor):
+        tensors, schedulers = block_state.step_tensors, block_state.step_schedulers
+        for name, velocity in block_state.velocities.items():
+            tensors[name] = schedulers[name].step(velocity, t, tensors[name], return_dict=False)[0]
+        outputs = {}
+        callback = block_state.callback_on_step_end
+        if callback is not None:
+            inputs = {name: tensors[name] for name in block_state.callback_on_step_end_tensor_inputs}
+            outputs = callback(components, i, t, inputs) or {}
+        block_state.step_progress.update()
+        tensors.update({name: value for name, value in outputs.items() if name in tensors})
+        return components, block_state
+
+
+class Magi2DenoiseLoopWrapper(Magi2BlockChecks, LoopSequentialPipelineBlocks):
+    """The loop over ``timesteps`` (skipping steps once interrupted); the sub-blocks run each step."""
+
+    model_name = "magi2"
+
+    @property
+    def description(self) -> str:
+        return "Pipeline block that iteratively denoises the latents; each step runs the sub-blocks in order"
+
+    def run_loop(self, components, block_state, model, timesteps, tensors: dict, schedulers: dict) -> dict:
+        """Run the sub-blocks for each step on the step table ``tensors`` (updated in place, returned)."""
+        components._num_timesteps = len(timesteps)
+        block_state.step_model, block_state.step_timesteps = model, timesteps
+        block_state.step_tensors, block_state.step_schedulers = tensors, schedulers
+        with self.progress_bar(total=len(timesteps)) as progress_bar:
+            block_state.step_progress = progress_bar
+            for i, t in enumerate(timesteps):
+                if getattr(components, "_interrupt", False):
+                    continue
+                components, block_state = self.loop_step(components, block_state, i=i, t=t)
+        components._current_timestep = None
+        return tensors
+
+
+class Magi2DenoiseStep(Magi2DenoiseLoopWrapper):
+    """The preview denoising loop (``num_inference_steps`` Flow-UniPC steps on video and audio)."""
+
+    block_classes = [Magi2LoopBeforeDenoiser, Magi2LoopDenoiser, Magi2LoopAfterDenoiser]
+    block_names = ["before_denoiser", "denoiser", "after_denoiser"]
+
+    @property
+    def description(self) -> str:
+        return (
+            "Preview denoise step: iterates over `timesteps`, each step running `before_denoiser` "
+            "(Magi2LoopBeforeDenoiser), `denoiser` (Magi2LoopDenoiser) and `after_denoiser` (Magi2LoopAfterDenoiser)"
+        )
+
+    @property
+    def loop_expected_components(self) -> list[ComponentSpec]:
+        return [component_spec("scheduler")]
+
+    @property
+    def loop_inputs(self) -> list[InputParam]:
+        return [
+            InputParam("timesteps", required=True, type_hint=torch.Tensor, description="[N], from set_timesteps"),
+            InputParam("video_scheduler", required=True, description="from set_timesteps"),
+            InputParam("audio_scheduler", required=True, description="from set_timesteps"),
+            *_tensor_inputs(),
+        ]
+
+    @property
+    def loop_intermediate_outputs(self) -> list[OutputParam]:
+        return [
+            OutputParam("latents", type_hint=torch.Tensor, description="denoised preview video latent"),
+            OutputParam("audio_latents", type_hint=torch.Tensor, description="denoised audio latent"),
+        ]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return self.loop_intermediate_outputs
+
+    @torch.no_grad()
+    def __call__(self, components, state: PipelineState):
+        bs = self.get_block_state(state)
+        self.check_components(components)
+        tensors = {name: getattr(bs, name) for name in _STEP_TENSORS}
+        schedulers = {"latents": bs.video_scheduler, "audio_latents": bs.audio_scheduler}
+        self.run_loop(components, bs, components.transformer, bs.timesteps, tensors, schedulers)
+        for name in _STEP_TENSORS:
+            setattr(bs, name, tensors[name])
+        self.set_block_state(state, bs)
+        return components, state
+
+
+class Magi2RefinerDenoiseStep(Magi2DenoiseLoopWrapper):
+    """The 1080p refiner stage (``run_refiner_stage``): upsample to ``2T - 1`` frames, VP re-noise from the same
+    ``generator``, and a Flow-UniPC loop of its own (``refiner_num_inference_steps``, shift 5, CFG 2)."""
+
+    block_classes = [Magi2LoopBeforeDenoiser, Magi2RefinerLoopDenoiser, Magi2LoopAfterDenoiser]
+    block_names = ["before_denoiser", "denoiser", "after_denoiser"]
+
+    @property
+    def description(self) -> str:
+        return (
+            "Refiner step (1080p stage): upsamples the preview latent to 2T - 1 frames at the output size, "
+            "re-noises it from the same generator, then iterates `before_denoiser`, `denoiser` "
+            "(Magi2RefinerLoopDenoiser) and `after_denoiser`; audio is not refined"
+        )
+
+    @property
+    def loop_expected_components(self) -> list[ComponentSpec]:
+        return [component_spec("scheduler")]
+
+    @property
+    def loop_inputs(self) -> list[InputParam]:
+        return [
+            InputParam("refiner_config", required=True, description="Magi2RefinerStageConfig, from the input step"),
+            call_input("height"),
+            call_input("width"),
+            call_input("generator"),
+            call_input("attention_kwargs"),
+            InputParam("prompt_attention_mask", type_hint=torch.Tensor, description="[B, Lt] bool"),
+            InputParam("negative_prompt_attention_mask", type_hint=torch.Tensor, description="[B, Lt] bool"),
+            *_tensor_inputs(),
+        ]
+
+    @property
+    def loop_intermediate_outputs(self) -> list[OutputParam]:
+        return [
+            OutputParam("latents", type_hint=torch.Tensor, description="refined video latent [B, 48, 2T-1, H, W]"),
+            OutputParam("fps", type_hint=float, description="frame rate of the refined video (2 config.fps)"),
+        ]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return self.loop_intermediate_outputs
+
+    @torch.no_grad()
+    def __call__(self, components, state: PipelineState):
+        bs = self.get_block_state(state)
+        self.check_components(components)
+        bs.fps = None
+        if not getattr(components, "_interrupt", False):
+            tensors = {name: getattr(bs, name) for name in _STEP_TENSORS}
+
+            def denoise(model, timesteps, stage_tensors, schedulers, predict):
+                tensors.update(stage_tensors)
+                bs.stage_predict = predict
+                return self.run_loop(components, bs, model, timesteps, tensors, schedulers)
+
+            tensors["latents"] = run_refiner_stage(
+                components.refiner,
+                tensors["latents"],
+                tensors["prompt_embeds"],
+                tensors["negative_prompt_embeds"],
+                components.scheduler,
+                height=bs.height,
+                width=bs.width,
+                prompt_attention_mask=bs.prompt_attention_mask,
+                negative_prompt_attention_mask=bs.negative_prompt_attention_mask,
+                config=bs.refiner_config,
+                generator=bs.generator,
+                attention_kwargs=attention_kwargs_for(components.refiner, bs.attention_kwargs),
+                denoise=denoise,
+            )
+            for name in _STEP_TENSORS:
+                setattr(bs, name, tensors[name])
+            bs.fps = 2.0 * float(classic_steps(components).config.fps)
+        self.set_block_state(state, bs)
+        return components, state

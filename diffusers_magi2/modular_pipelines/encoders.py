@@ -1,0 +1,139 @@
+"""Encoder blocks of MAGI-2: the text (prompt and negative prompt; SandAI ``Qwen35TextEncoder.encode`` with
+the reference's templates, ``hidden_states[-3]``) and the I2V reference image (the Wan2.2 VAE mean latent,
+normalised ``(mu - mean) / std``).
+
+They run ``Magi2Pipeline``'s ``_encode_conditioning`` (which adds ``<Figure 1>`` to I2V prompts and pools its
+tokens into ``image_embeds``), ``preprocess_reference_image`` and ``encode_reference_image``. Under context
+parallelism only CP rank 0 encodes; :class:`~.before_denoise.Magi2BroadcastConditioningStep` shares the result.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.modular_pipelines import ModularPipelineBlocks, PipelineState
+from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam, OutputParam
+
+from .before_denoise import call_input, first_rank
+from .modular_pipeline import Magi2BlockChecks, classic_steps, component_spec
+
+
+__all__ = ["Magi2ImageEncoderStep", "Magi2TextEncoderStep"]
+
+_TEXT_OUTPUTS = (
+    ("prompt_embeds", "[B n, Lt, C] text features"),
+    ("prompt_attention_mask", "[B n, Lt] bool"),
+    ("negative_prompt_embeds", "[B n, Lt, C] negative text features (None without any CFG)"),
+    ("negative_prompt_attention_mask", "[B n, Lt] bool"),
+    ("image_embeds", "[B n, C] <Figure 1> token embedding (I2V)"),
+)
+
+
+class Magi2TextEncoderStep(Magi2BlockChecks, ModularPipelineBlocks):
+    """Prompt and negative prompt features (``Magi2Pipeline._encode_conditioning``); I2V prompts get the
+    ``<Figure 1>`` reference and its pooled token. Given embeddings pass through (repeated per video)."""
+
+    model_name = "magi2"
+
+    @property
+    def description(self) -> str:
+        return (
+            "Text encoder step: Qwen3.5 features of the prompt and of the negative prompt (SandAI's templates; "
+            "I2V prompts with the <Figure 1> reference and its pooled token embedding)"
+        )
+
+    @property
+    def expected_components(self) -> list[ComponentSpec]:
+        return [
+            component_spec("tokenizer"),
+            component_spec("text_encoder"),
+        ]
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            call_input("prompt"),
+            call_input("negative_prompt"),
+            call_input("image"),
+            call_input("num_videos_per_prompt"),
+            call_input("guidance_scale"),
+            call_input("audio_guidance_scale"),
+            InputParam("refiner_config", description="from the input step: the refiner's CFG needs the negative"),
+            *(InputParam(name, type_hint=torch.Tensor) for name, _ in _TEXT_OUTPUTS),
+        ]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return [OutputParam(name, type_hint=torch.Tensor, description=text) for name, text in _TEXT_OUTPUTS]
+
+    @torch.no_grad()
+    def __call__(self, components, state: PipelineState):
+        bs = self.get_block_state(state)
+        self.check_components(components)
+        if first_rank(components):
+            steps = classic_steps(components)
+            prompts = None
+            if bs.prompt is not None:
+                prompts = [bs.prompt] if isinstance(bs.prompt, str) else list(bs.prompt)
+            need_negative = (float(bs.guidance_scale) != 1.0 or float(bs.audio_guidance_scale) != 1.0) or (
+                bs.refiner_config is not None and bs.refiner_config.guidance_scale != 1.0
+            )
+            (
+                bs.prompt_embeds,
+                bs.prompt_attention_mask,
+                bs.negative_prompt_embeds,
+                bs.negative_prompt_attention_mask,
+                bs.image_embeds,
+            ) = steps._encode_conditioning(
+                prompts,
+                bs.negative_prompt,
+                bs.image,
+                need_negative,
+                bs.num_videos_per_prompt,
+                bs.prompt_embeds,
+                bs.negative_prompt_embeds,
+                bs.prompt_attention_mask,
+                bs.negative_prompt_attention_mask,
+                bs.image_embeds,
+                steps._execution_device,
+            )
+        self.set_block_state(state, bs)
+        return components, state
+
+
+class Magi2ImageEncoderStep(Magi2BlockChecks, ModularPipelineBlocks):
+    """The I2V image latent: ``Magi2Pipeline.preprocess_reference_image`` (letterbox to the preview size, the
+    reference's dtype rounding) and ``encode_reference_image`` (normalised fp32 VAE mean)."""
+
+    model_name = "magi2"
+
+    @property
+    def description(self) -> str:
+        return "Image encoder step: the I2V reference letterboxed to the preview size and encoded by the Wan2.2 VAE"
+
+    @property
+    def expected_components(self) -> list[ComponentSpec]:
+        return [component_spec("vae")]
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            call_input("image", required=True),
+            InputParam("denoise_height", required=True, type_hint=int, description="from the input step"),
+            InputParam("denoise_width", required=True, type_hint=int, description="from the input step"),
+        ]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return [OutputParam("image_latents", type_hint=torch.Tensor, description="[1, 48, 1, h, w] fp32")]
+
+    @torch.no_grad()
+    def __call__(self, components, state: PipelineState):
+        bs = self.get_block_state(state)
+        self.check_components(components)
+        bs.image_latents = None
+        if first_rank(components):
+            steps = classic_steps(components)
+            pixels = steps.preprocess_reference_image(bs.image, bs.denoise_height, bs.denoise_width)
+            bs.image_latents = steps.encode_reference_image(pixels).to(steps._execution_device)
+        self.set_block_state(state, bs)
+        return components, state

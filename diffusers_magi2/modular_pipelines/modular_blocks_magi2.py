@@ -1,0 +1,114 @@
+"""MAGI-2's block compositions: :class:`Magi2AutoBlocks` picks text-to-video, image-to-video (``image``) and the
+two-stage 1080p path (``height x width`` 1088 x 1920, ``resolution="1080p"`` or a ``preview_height``) from the
+call's inputs, in ``Magi2Pipeline.__call__``'s order: checks, image, text, (CP broadcast), schedule, noise,
+preview loop, refiner stage, decoding.
+"""
+
+from __future__ import annotations
+
+from diffusers.modular_pipelines import AutoPipelineBlocks, SequentialPipelineBlocks
+from diffusers.modular_pipelines.modular_pipeline_utils import OutputParam
+
+from .before_denoise import (
+    Magi2BroadcastConditioningStep,
+    Magi2InputStep,
+    Magi2PrepareLatentsStep,
+    Magi2SetTimestepsStep,
+)
+from .decoders import Magi2AudioDecoderStep, Magi2VideoDecoderStep
+from .denoise import Magi2DenoiseStep, Magi2RefinerDenoiseStep
+from .encoders import Magi2ImageEncoderStep, Magi2TextEncoderStep
+
+
+__all__ = [
+    "Magi2AutoBlocks",
+    "Magi2AutoImageEncoderStep",
+    "Magi2AutoRefinerStep",
+    "Magi2CoreDenoiseStep",
+    "Magi2DecodeStep",
+]
+
+
+class Magi2AutoImageEncoderStep(AutoPipelineBlocks):
+    """The I2V image encoder when ``image`` is given; skipped for text-to-video."""
+
+    model_name = "magi2"
+    block_classes = [Magi2ImageEncoderStep]
+    block_names = ["image_encoder"]
+    block_trigger_inputs = ["image"]
+
+    @property
+    def description(self) -> str:
+        return "Image encoder step for image-to-video, run when `image` is given (skipped for text-to-video)"
+
+
+class Magi2CoreDenoiseStep(SequentialPipelineBlocks):
+    """From encoded conditioning to the denoised preview latents: broadcast, schedule, noise, loop."""
+
+    model_name = "magi2"
+    block_classes = [Magi2BroadcastConditioningStep, Magi2SetTimestepsStep, Magi2PrepareLatentsStep, Magi2DenoiseStep]
+    block_names = ["broadcast", "set_timesteps", "prepare_latents", "denoise"]
+
+    @property
+    def description(self) -> str:
+        return "Denoise block: shares the conditioning across CP ranks, sets the schedule, draws the noise, denoises"
+
+
+class Magi2AutoRefinerStep(AutoPipelineBlocks):
+    """The 1080p refiner stage when the input step planned one (``refiner_config``); else skipped."""
+
+    model_name = "magi2"
+    block_classes = [Magi2RefinerDenoiseStep]
+    block_names = ["refiner"]
+    block_trigger_inputs = ["refiner_config"]
+
+    @property
+    def description(self) -> str:
+        return "Refiner step of the two-stage 1080p path, run when the input step planned it (`refiner_config`)"
+
+
+class Magi2DecodeStep(SequentialPipelineBlocks):
+    """Video frames, then audio."""
+
+    model_name = "magi2"
+    block_classes = [Magi2VideoDecoderStep, Magi2AudioDecoderStep]
+    block_names = ["video_decoder", "audio_decoder"]
+
+    @property
+    def description(self) -> str:
+        return "Decode block: video frames (TurboVAED or the Wan2.2 VAE), then the stereo soundtrack"
+
+
+class Magi2AutoBlocks(SequentialPipelineBlocks):
+    """MAGI-2 Preview text/image-to-video with audio, one or two stages, as modular blocks.
+
+    Outputs ``videos`` (frames), ``audio``, ``audio_sample_rate`` and ``fps`` as ``Magi2PipelineOutput``'s
+    ``frames``, ``audio``, ``audio_sample_rate`` and ``fps``; ``latents``/``audio_latents`` stay in the state.
+    """
+
+    model_name = "magi2"
+    block_classes = [
+        Magi2InputStep,
+        Magi2AutoImageEncoderStep,
+        Magi2TextEncoderStep,
+        Magi2CoreDenoiseStep,
+        Magi2AutoRefinerStep,
+        Magi2DecodeStep,
+    ]
+    block_names = ["input", "image_encoder", "text_encoder", "denoise", "refiner", "decode"]
+
+    @property
+    def description(self) -> str:
+        return (
+            "MAGI-2 Preview: a video with a stereo soundtrack from a prompt (text-to-video), conditioned on an "
+            "`image` (image-to-video), at 1088x1920 through the refiner stage (two-stage)"
+        )
+
+    @property
+    def outputs(self):
+        return [
+            OutputParam("videos", description="the frames (Magi2PipelineOutput.frames)"),
+            OutputParam("audio", description="[B, 2, S] stereo audio"),
+            OutputParam("audio_sample_rate", type_hint=int),
+            OutputParam("fps", type_hint=float),
+        ]

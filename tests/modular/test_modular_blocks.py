@@ -1,0 +1,129 @@
+"""The block structure of ``Magi2AutoBlocks``: ``sub_blocks`` and the printed docs name every block with its
+inputs and outputs; the auto blocks pick text-to-video, image-to-video and the two-stage path from the inputs;
+bad input names the block, the input or the violated ``ComponentSpec``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from modular_testing_utils import PROMPT, T2V, tiny_pipelines  # noqa: E402
+
+from diffusers_magi2.modular_pipelines import Magi2AutoBlocks, Magi2DecodeStep  # noqa: E402
+
+
+#: every block of Magi2AutoBlocks by path (loop sub-blocks included) and its class
+EXPECTED_BLOCKS = {
+    "input": "Magi2InputStep",
+    "image_encoder": "Magi2AutoImageEncoderStep",
+    "image_encoder.image_encoder": "Magi2ImageEncoderStep",
+    "text_encoder": "Magi2TextEncoderStep",
+    "denoise": "Magi2CoreDenoiseStep",
+    "denoise.broadcast": "Magi2BroadcastConditioningStep",
+    "denoise.set_timesteps": "Magi2SetTimestepsStep",
+    "denoise.prepare_latents": "Magi2PrepareLatentsStep",
+    "denoise.denoise": "Magi2DenoiseStep",
+    "denoise.denoise.before_denoiser": "Magi2LoopBeforeDenoiser",
+    "denoise.denoise.denoiser": "Magi2LoopDenoiser",
+    "denoise.denoise.after_denoiser": "Magi2LoopAfterDenoiser",
+    "refiner": "Magi2AutoRefinerStep",
+    "refiner.refiner": "Magi2RefinerDenoiseStep",
+    "refiner.refiner.before_denoiser": "Magi2LoopBeforeDenoiser",
+    "refiner.refiner.denoiser": "Magi2RefinerLoopDenoiser",
+    "refiner.refiner.after_denoiser": "Magi2LoopAfterDenoiser",
+    "decode": "Magi2DecodeStep",
+    "decode.video_decoder": "Magi2VideoDecoderStep",
+    "decode.audio_decoder": "Magi2AudioDecoderStep",
+}
+
+
+def _walk(block, prefix=""):
+    for name, sub in block.sub_blocks.items():
+        path = f"{prefix}{name}"
+        yield path, sub
+        yield from _walk(sub, path + ".")
+
+
+def test_sub_blocks_list_every_block():
+    blocks = Magi2AutoBlocks()
+    assert list(blocks.sub_blocks) == ["input", "image_encoder", "text_encoder", "denoise", "refiner", "decode"]
+    assert {path: type(b).__name__ for path, b in _walk(blocks)} == EXPECTED_BLOCKS
+
+
+def test_printed_docs_name_every_block_input_and_output():
+    blocks = Magi2AutoBlocks()
+    printed = repr(blocks)
+    for name in blocks.sub_blocks:
+        assert f"{name} ({type(blocks.sub_blocks[name]).__name__})" in printed
+    for path, block in _walk(blocks):
+        doc = block.doc
+        assert type(block).__name__ in doc and block.description.split(":")[0] in doc, path
+        for param in block.inputs:
+            assert f"{param.name} (" in doc, (path, param.name)
+        for param in block.outputs:
+            assert f"{param.name} (" in doc, (path, param.name)
+    top = blocks.doc
+    for name in ("prompt", "image", "generator", "num_inference_steps", "prompt_embeds", "callback_on_step_end"):
+        assert f"{name} (" in top, name
+    for name in ("videos", "audio", "audio_sample_rate", "fps"):
+        assert f"{name} (" in top.split("Outputs:")[1], name
+    # intermediate values produced inside are not top-level inputs
+    assert "timesteps (" not in top.split("Outputs:")[0]
+
+
+def test_auto_blocks_select_the_path_from_the_inputs():
+    blocks = Magi2AutoBlocks()
+    t2v = blocks.get_execution_blocks(prompt=PROMPT)
+    i2v = blocks.get_execution_blocks(prompt=PROMPT, image=object())
+    assert "image_encoder" not in dict(_walk(t2v)) and "image_encoder" in dict(_walk(i2v))
+    # the refiner runs when the input step plans it (refiner_config, set for 1088x1920 or a preview size)
+    image_step = blocks.sub_blocks["image_encoder"]
+    refiner_step = blocks.sub_blocks["refiner"]
+    assert image_step.select_block(image=None) is None and image_step.select_block(image=object()) == "image_encoder"
+    assert refiner_step.select_block(refiner_config=None) is None
+    assert refiner_step.select_block(refiner_config=object()) == "refiner"
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    return tiny_pipelines()
+
+
+def test_missing_required_input_names_the_block_and_the_input(pipes):
+    decode = Magi2DecodeStep().init_pipeline()
+    decode.update_components(video_decoder=pipes[0].video_decoder, audio_vae=pipes[0].audio_vae)
+    with pytest.raises(ValueError, match=r"Magi2VideoDecoderStep: required input 'latents' is missing"):
+        decode(output_type="np")
+    with pytest.raises(ValueError, match=r"Magi2AudioDecoderStep: required input 'audio_latents' is missing"):
+        decode(latents=torch.zeros(1, 48, 1, 1, 1), output_type="latent")
+
+
+def test_component_of_the_wrong_type_names_the_spec_before_any_work(pipes):
+    pipe, modular = pipes
+    wrong = Magi2AutoBlocks().init_pipeline()
+    wrong.update_components(**{**pipe.components, "video_decoder": pipe.audio_vae})
+    calls = []
+    hook = pipe.text_encoder.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError) as error:
+            wrong(prompt=PROMPT, **T2V)
+    finally:
+        hook.remove()
+    message = str(error.value)
+    assert "Magi2InputStep: component 'video_decoder' is a diffusers.models" in message
+    assert (
+        "ComponentSpec(name='video_decoder', type_hint=diffusers_magi2.models.turbo_vae.Magi2TurboVAEDecoder)"
+        in message
+    )
+    assert calls == []  # nothing was encoded
+
+
+def test_bad_call_argument_raises_before_any_work(pipes):
+    _, modular = pipes
+    with pytest.raises(ValueError, match="height must be a positive multiple of 16"):
+        modular(prompt=PROMPT, height=30, width=32)

@@ -1,0 +1,34 @@
+"""``Magi2ModularPipeline`` under context parallelism x expert parallelism (CP2 x EP2, two gloo processes, the
+routed experts sharded at load): CP rank 0 alone encodes the text and decodes (the other rank gets
+``videos=None``), both ranks' latents equal ``Magi2Pipeline``'s under the same layout bit for bit and one
+process's within 1e-5 (one step, no CFG: see the worker)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from ep_spawn_utils import run_on_ranks  # noqa: E402
+from modular_parallel_workers import modular_and_classic  # noqa: E402
+from modular_testing_utils import tiny_pipelines  # noqa: E402
+
+
+def test_cp2_ep2_modular_equals_one_process(tmp_path):
+    folder = str(tmp_path / "magi2-tiny")
+    tiny_pipelines()[0].save_pretrained(folder)
+    single = modular_and_classic(0, 1, folder)
+    assert single["calls"] == {"text_encoder": 1, "video_decoder": 1, "audio_decoder": 1}
+    ranks = run_on_ranks(modular_and_classic, 2, folder, deadline_s=400.0)
+    assert ranks[0]["calls"] == single["calls"]
+    assert ranks[1]["calls"] == {"text_encoder": 0, "video_decoder": 0, "audio_decoder": 0}
+    assert not ranks[0]["videos_is_none"] and ranks[1]["videos_is_none"] and ranks[1]["audio_is_none"]
+    assert [r["local_heads"] for r in ranks] == [single["local_heads"] // 2] * 2  # each rank loaded half the heads
+    for rank in ranks:
+        for key in ("latents", "audio_latents"):
+            assert torch.equal(rank[key], rank["classic_" + key])  # the modular pipeline is the classic one
+            torch.testing.assert_close(rank[key], single[key], atol=1e-5, rtol=0)

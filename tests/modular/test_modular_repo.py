@@ -1,0 +1,144 @@
+"""The modular files of a saved MAGI-2 repo: ``Magi2Pipeline.save_pretrained`` writes ``modular_model_index.json``,
+``modular_config.json`` (``auto_map`` + ``requirements``) and the remote-code blocks file; the folder, and the same
+repo in the HF cache layout loaded by id, load in a fresh offline process through
+``ModularPipeline.from_pretrained(..., trust_remote_code=True)`` and ``Magi2ModularPipeline.from_pretrained`` and
+generate what ``Magi2Pipeline`` does; a repo whose modular files disagree with ``model_index.json`` is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from modular_testing_utils import PROMPT, T2V, tiny_pipelines  # noqa: E402
+
+from diffusers_magi2.modular_pipelines import Magi2ModularPipeline  # noqa: E402
+from diffusers_magi2.pipelines.modular_files import write_modular_files  # noqa: E402
+
+
+REPO_ID = "org/magi2-tiny-modular"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+LOAD_SCRIPT = """
+import sys, numpy as np, torch
+from diffusers.modular_pipelines import ModularPipeline
+from huggingface_hub import snapshot_download
+from diffusers_magi2.modular_pipelines import Magi2ModularPipeline
+folder, repo_id, out = sys.argv[1:4]
+loaders = {
+    "remote_code_folder": lambda: ModularPipeline.from_pretrained(folder, trust_remote_code=True),
+    "magi2_hub_id": lambda: Magi2ModularPipeline.from_pretrained(repo_id),
+    # diffusers' remote-code loader asks the Hub API for a commit when given an id, so offline it takes the snapshot
+    "remote_code_hub": lambda: ModularPipeline.from_pretrained(snapshot_download(repo_id), trust_remote_code=True),
+}
+results = {}
+for name, load in loaders.items():
+    pipe = load()
+    pipe.load_components()
+    missing = [n for n in ("tokenizer", "text_encoder", "transformer", "audio_vae", "scheduler", "vae", "video_decoder")
+               if getattr(pipe, n, None) is None]
+    assert not missing, (name, missing)
+    pipe.set_progress_bar_config(disable=True)
+    state = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(9), **CALL)
+    results[name + "_frames"] = state.get("videos")
+    results[name + "_audio"] = state.get("audio")
+    results[name + "_class"] = np.array(type(pipe).__name__ + "/" + type(pipe.blocks).__name__)
+np.savez(out, **results)
+print("ok")
+"""
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    pipe, _ = tiny_pipelines()
+    folder = tmp_path_factory.mktemp("saved") / "magi2-tiny"
+    pipe.save_pretrained(folder)
+    reference = pipe(PROMPT, generator=torch.Generator().manual_seed(9), **T2V)
+    return folder, reference
+
+
+def test_save_pretrained_writes_the_modular_files(saved):
+    folder, _ = saved
+    index = json.loads((folder / "model_index.json").read_text())
+    modular = json.loads((folder / "modular_model_index.json").read_text())
+    config = json.loads((folder / "modular_config.json").read_text())
+    assert modular["_class_name"] == "ModularPipeline" and modular["_blocks_class_name"] == "Magi2AutoBlocks"
+    for name, entry in index.items():
+        if name.startswith("_"):
+            continue
+        if isinstance(entry, list) and entry[0] is not None:
+            library, cls, spec = modular[name]
+            assert [library, cls] == entry and spec["type_hint"] == entry and spec["subfolder"] == name
+            assert spec["pretrained_model_name_or_path"] == str(folder.absolute())
+        elif not isinstance(entry, list):
+            assert modular[name] == entry, name  # config values, e.g. duration_s
+    assert "refiner" not in modular  # [null, null] in model_index.json
+    assert config["auto_map"] == {"ModularPipelineBlocks": "magi2_modular_blocks.Magi2AutoBlocks"}
+    assert list(config["requirements"]) == ["diffusers-magi2"]
+    assert (
+        "from diffusers_magi2.modular_pipelines import Magi2AutoBlocks"
+        in (folder / "magi2_modular_blocks.py").read_text()
+    )
+
+
+def test_saved_repo_loads_offline_in_a_fresh_process_and_generates_the_same(saved, tmp_path):
+    """A copy of the folder (its index still points at the original) and the repo in the HF cache layout (index
+    rewritten for the Hub id, as ``push_to_hub`` writes it), loaded with ``HF_HUB_OFFLINE=1``."""
+    folder, reference = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    cache = tmp_path / "hub"
+    snapshot = cache / f"models--{REPO_ID.replace('/', '--')}" / "snapshots" / COMMIT
+    shutil.copytree(folder, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
+    write_modular_files(snapshot, repo=REPO_ID)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home"), "HF_HUB_CACHE": str(cache)}
+    script = f"PROMPT = {PROMPT!r}\nCALL = {T2V!r}\n" + LOAD_SCRIPT
+    out = tmp_path / "out.npz"
+    res = subprocess.run(
+        [sys.executable, "-c", script, str(copy), REPO_ID, str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-4000:]
+    results = np.load(out)
+    assert str(results["remote_code_folder_class"]) == "ModularPipeline/Magi2AutoBlocks"
+    assert str(results["remote_code_hub_class"]) == "ModularPipeline/Magi2AutoBlocks"
+    assert str(results["magi2_hub_id_class"]) == "Magi2ModularPipeline/Magi2AutoBlocks"
+    for name in ("remote_code_folder", "magi2_hub_id", "remote_code_hub"):
+        assert np.array_equal(results[name + "_frames"], reference.frames), name
+        assert np.array_equal(results[name + "_audio"], reference.audio), name
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda m: m["vae"].__setitem__(1, "AutoencoderKL"), "component 'vae': model_index.json has"),
+        (lambda m: m.__setitem__("duration_s", 4.0), "'duration_s': model_index.json has 2.0"),
+        (lambda m: m.pop("transformer"), "component 'transformer': model_index.json has"),
+    ],
+)
+def test_modular_files_that_disagree_with_model_index_are_refused(saved, tmp_path, edit, needle):
+    folder, _ = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    path = copy / "modular_model_index.json"
+    modular = json.loads(path.read_text())
+    edit(modular)
+    path.write_text(json.dumps(modular))
+    with pytest.raises(ValueError, match="modular files disagree with its model_index.json") as error:
+        Magi2ModularPipeline.from_pretrained(copy)
+    assert needle in str(error.value) and "modular_model_index.json" in str(error.value)
