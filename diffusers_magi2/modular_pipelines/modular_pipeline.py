@@ -11,6 +11,7 @@ trust_remote_code=True)``), so nothing here relies on the ``Magi2ModularPipeline
 from __future__ import annotations
 
 import inspect
+import os
 import weakref
 from typing import Any
 
@@ -295,7 +296,7 @@ class Magi2ModularPipeline(ModularPipeline):
                 modular_config = None
                 logger.warning(f"{pretrained_model_name_or_path} has no {MODULAR_CONFIG_FILE}: no remote-code entry")
             check_modular_files(model_index, modular_index, modular_config)
-        return cls(
+        pipe = cls(
             blocks=blocks,
             pretrained_model_name_or_path=pretrained_model_name_or_path,
             components_manager=components_manager,
@@ -304,6 +305,13 @@ class Magi2ModularPipeline(ModularPipeline):
             config_dict=None if modular_index is not None else model_index,
             **kwargs,
         )
+        if not os.path.isdir(str(pretrained_model_name_or_path)):
+            # a repo saved without repo_id and uploaded records its writer's folder: load from the Hub id instead
+            for spec in pipe._component_specs.values():
+                path = spec.pretrained_model_name_or_path
+                if isinstance(path, str) and os.path.isabs(path) and not os.path.isdir(path):
+                    spec.pretrained_model_name_or_path = str(pretrained_model_name_or_path)
+        return pipe
 
     @classmethod
     def from_classic(cls, pipe: Magi2Pipeline, blocks=None, **kwargs) -> "Magi2ModularPipeline":

@@ -123,6 +123,22 @@ def test_saved_repo_loads_offline_in_a_fresh_process_and_generates_the_same(save
         assert np.array_equal(results[name + "_audio"], reference.audio), name
 
 
+def test_hub_repo_saved_without_repo_id_loads_its_components_from_the_hub_id(saved, tmp_path):
+    """The index of a folder uploaded as is names the writer's folder; by Hub id the components come from the id."""
+    folder, _ = saved
+    cache = tmp_path / "hub"
+    snapshot = cache / f"models--{REPO_ID.replace('/', '--')}" / "snapshots" / COMMIT
+    shutil.copytree(folder, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
+    shutil.rmtree(folder.parent / "elsewhere", ignore_errors=True)
+    write_modular_files(snapshot, repo=str(folder.parent / "elsewhere"))  # a folder that is not here
+    pipe = Magi2ModularPipeline.from_pretrained(REPO_ID, cache_dir=cache, local_files_only=True)
+    assert pipe._component_specs["scheduler"].pretrained_model_name_or_path == REPO_ID
+    pipe.load_components(["scheduler"], cache_dir=cache, local_files_only=True)
+    assert type(pipe.scheduler).__name__ == "UniPCMultistepScheduler"
+
+
 @pytest.mark.parametrize(
     "edit, needle",
     [
