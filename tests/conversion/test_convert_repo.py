@@ -170,7 +170,14 @@ def test_existing_output_needs_overwrite_and_survives_failures(tmp_path):
     # --overwrite that succeeds replaces the whole folder
     rc, _, err = run_cli(_transformer_args(checkpoint_dir("preview_h4"), out, "--overwrite"))
     assert rc == 0, err
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "model_index.json", "transformer"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "magi2_modular_blocks.py",
+        "model_index.json",
+        "modular_config.json",
+        "modular_model_index.json",
+        "transformer",
+    ]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
