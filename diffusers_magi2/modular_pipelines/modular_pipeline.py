@@ -19,6 +19,7 @@ from diffusers.modular_pipelines import ComponentsManager, ModularPipeline
 from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec
 from diffusers.utils import logging
 
+from ..loaders.lora_pipeline_magi2 import Magi2LoraLoaderMixin
 from ..pipelines.modular_files import MODULAR_CONFIG_FILE, check_modular_files
 from ..pipelines.pipeline_magi2 import Magi2Pipeline
 
@@ -199,7 +200,7 @@ class Magi2BlockChecks:
         check_component_types(components, names, self.__class__.__name__)
 
 
-class Magi2ModularPipeline(ModularPipeline):
+class Magi2ModularPipeline(ModularPipeline, Magi2LoraLoaderMixin):
     r"""MAGI-2 Preview as a Modular Diffusers pipeline (default blocks :class:`~.Magi2AutoBlocks`).
 
     Same components, config and outputs as :class:`~diffusers_magi2.Magi2Pipeline`, bit for bit with the same
@@ -211,7 +212,8 @@ class Magi2ModularPipeline(ModularPipeline):
         out = pipe(prompt="A red fox trots through fresh snow", output=["videos", "audio"])
 
     Without ``blocks`` the pipeline builds :class:`~.Magi2AutoBlocks` (diffusers' own lookup of
-    ``default_blocks_name`` only searches the ``diffusers`` namespace).
+    ``default_blocks_name`` only searches the ``diffusers`` namespace). LoRA: ``Magi2LoraLoaderMixin``'s API, as on
+    ``Magi2Pipeline`` (``load_lora_weights``, ``set_adapters``, ``fuse_lora``, ``attention_kwargs={"scale": s}``).
     """
 
     default_blocks_name = "Magi2AutoBlocks"
