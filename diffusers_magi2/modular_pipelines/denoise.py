@@ -1,11 +1,11 @@
 """The MAGI-2 denoising loops as ``LoopSequentialPipelineBlocks`` (SandAI ``Magi2PreviewSampler`` and the
 refiner stage of ``evaluate_magi2_refiner_with_latent``).
 
-Step ``i`` at timestep ``t``, the same sampler as ``Magi2Pipeline``: the before-denoiser sets the current
-timestep and the forward's cache context (``model.cache_context(name, step_index=i, ...)``); the denoiser
-predicts each latent's velocity (preview: ``Magi2Pipeline.predict_velocity``, one forward on ``[cond; uncond]``
-and ``v = v_u + g (v_c - v_u)`` with ``g`` 5 video / 7 audio; refiner: the stage's own predict from
-``run_refiner_stage``, cond then uncond, ``g`` 2); the after-denoiser steps each latent with its scheduler,
+Step ``i`` at timestep ``t``, the same sampler as ``Magi2Pipeline._denoise``: the before-denoiser sets the current
+timestep and the step's cache-context keys (``step_index``, ``num_inference_steps``, ``timestep``); the denoiser
+runs ``Magi2Pipeline._step_velocities`` (preview: one forward on ``[cond; uncond]`` and ``v = v_u + g (v_c -
+v_u)`` with ``g`` 5 video / 7 audio; refiner: cond then uncond forwards per sample, ``g`` 2, on the latent of
+``prepare_refiner_latents``), each forward in its cache context; the after-denoiser steps each latent with its scheduler,
 ``x <- step(v, t, x)``, then runs ``callback_on_step_end(pipe, i, t, tensors)``, whose returned dict may replace
 any of the step's tensors. A step is skipped once a callback set ``pipe._interrupt = True``.
 """
@@ -16,9 +16,7 @@ import torch
 from diffusers.modular_pipelines import LoopSequentialPipelineBlocks, ModularPipelineBlocks, PipelineState
 from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam, OutputParam
 
-from ..pipelines.refiner_stage import run_refiner_stage
-from ..pipelines.sampling_magi2 import cache_context
-from ..pipelines.validation_magi2 import attention_kwargs_for
+from ..pipelines.refiner_stage import prepare_refiner_latents
 from .before_denoise import call_input
 from .modular_pipeline import Magi2BlockChecks, classic_steps, component_spec
 
@@ -34,6 +32,7 @@ __all__ = [
 ]
 
 _STEP_TENSORS = ("latents", "audio_latents", "prompt_embeds", "negative_prompt_embeds")
+_CONDITIONING = ("prompt_attention_mask", "negative_prompt_attention_mask", "image_latents", "image_embeds")
 
 
 def _tensor_inputs(required_latents: bool = True) -> list[InputParam]:
@@ -60,12 +59,11 @@ class Magi2LoopBeforeDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
     @torch.no_grad()
     def __call__(self, components, block_state, i: int, t: torch.Tensor):
         components._current_timestep = t
-        model, count = block_state.step_model, len(block_state.step_timesteps)
-
-        def context(name: str):
-            return cache_context(model, name, step_index=i, num_inference_steps=count, timestep=t)
-
-        block_state.step_context = context
+        block_state.step_context = {
+            "step_index": i,
+            "num_inference_steps": len(block_state.step_timesteps),
+            "timestep": t,
+        }
         return components, block_state
 
 
@@ -96,29 +94,18 @@ class Magi2LoopDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
 
     @torch.no_grad()
     def __call__(self, components, block_state, i: int, t: torch.Tensor):
-        steps = classic_steps(components)
-        tensors = block_state.step_tensors
-        branch = "cond_uncond" if steps.do_classifier_free_guidance else "cond"
-        with block_state.step_context(branch):
-            video, audio = steps.predict_velocity(
-                tensors["latents"],
-                tensors["audio_latents"],
-                t,
-                tensors["prompt_embeds"],
-                block_state.prompt_attention_mask,
-                tensors["negative_prompt_embeds"],
-                block_state.negative_prompt_attention_mask,
-                block_state.image_latents,
-                block_state.image_embeds,
-            )
-        block_state.velocities = {"latents": video, "audio_latents": audio}
+        block_state.velocities = classic_steps(components)._step_velocities(
+            block_state.step_model,
+            t,
+            block_state.step_tensors,
+            block_state.step_conditioning,
+            block_state.step_context,
+        )
         return components, block_state
 
 
-class Magi2RefinerLoopDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
-    """Loop step of the refiner: the stage's predict (``run_refiner_stage``: cond, then uncond, CFG)."""
-
-    model_name = "magi2"
+class Magi2RefinerLoopDenoiser(Magi2LoopDenoiser):
+    """Loop step of the refiner: cond, then uncond forwards per sample and CFG (``Magi2Pipeline._step_velocities``)."""
 
     @property
     def description(self) -> str:
@@ -131,10 +118,9 @@ class Magi2RefinerLoopDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
     def expected_components(self) -> list[ComponentSpec]:
         return [component_spec("refiner")]
 
-    @torch.no_grad()
-    def __call__(self, components, block_state, i: int, t: torch.Tensor):
-        block_state.velocities = block_state.stage_predict(i, t, block_state.step_tensors, block_state.step_context)
-        return components, block_state
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [p for p in super().inputs if not p.name.startswith("image_")]
 
 
 class Magi2LoopAfterDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
@@ -177,11 +163,15 @@ class Magi2DenoiseLoopWrapper(Magi2BlockChecks, LoopSequentialPipelineBlocks):
     def description(self) -> str:
         return "Pipeline block that iteratively denoises the latents; each step runs the sub-blocks in order"
 
-    def run_loop(self, components, block_state, model, timesteps, tensors: dict, schedulers: dict) -> dict:
-        """Run the sub-blocks for each step on the step table ``tensors`` (updated in place, returned)."""
+    def run_loop(
+        self, components, block_state, model, timesteps, tensors: dict, schedulers: dict, conditioning: dict
+    ) -> dict:
+        """Run the sub-blocks for each step on the step table ``tensors`` (updated in place, returned);
+        ``conditioning`` holds the masks and I2V tensors (and the refiner's ``guidance_scale``)."""
         components._num_timesteps = len(timesteps)
         block_state.step_model, block_state.step_timesteps = model, timesteps
         block_state.step_tensors, block_state.step_schedulers = tensors, schedulers
+        block_state.step_conditioning = conditioning
         with self.progress_bar(total=len(timesteps)) as progress_bar:
             block_state.step_progress = progress_bar
             for i, t in enumerate(timesteps):
@@ -235,7 +225,8 @@ class Magi2DenoiseStep(Magi2DenoiseLoopWrapper):
         self.check_components(components)
         tensors = {name: getattr(bs, name) for name in _STEP_TENSORS}
         schedulers = {"latents": bs.video_scheduler, "audio_latents": bs.audio_scheduler}
-        self.run_loop(components, bs, components.transformer, bs.timesteps, tensors, schedulers)
+        conditioning = {name: getattr(bs, name) for name in _CONDITIONING}
+        self.run_loop(components, bs, components.transformer, bs.timesteps, tensors, schedulers, conditioning)
         for name in _STEP_TENSORS:
             setattr(bs, name, tensors[name])
         self.set_block_state(state, bs)
@@ -243,8 +234,8 @@ class Magi2DenoiseStep(Magi2DenoiseLoopWrapper):
 
 
 class Magi2RefinerDenoiseStep(Magi2DenoiseLoopWrapper):
-    """The 1080p refiner stage (``run_refiner_stage``): upsample to ``2T - 1`` frames, VP re-noise from the same
-    ``generator``, and a Flow-UniPC loop of its own (``refiner_num_inference_steps``, shift 5, CFG 2)."""
+    """The 1080p refiner stage: ``prepare_refiner_latents`` (upsample to ``2T - 1`` frames, VP re-noise from the
+    same ``generator``, the stage's Flow-UniPC, shift 5), then its loop (``refiner_num_inference_steps``, CFG 2)."""
 
     block_classes = [Magi2LoopBeforeDenoiser, Magi2RefinerLoopDenoiser, Magi2LoopAfterDenoiser]
     block_names = ["before_denoiser", "denoiser", "after_denoiser"]
@@ -268,7 +259,6 @@ class Magi2RefinerDenoiseStep(Magi2DenoiseLoopWrapper):
             call_input("height"),
             call_input("width"),
             call_input("generator"),
-            call_input("attention_kwargs"),
             InputParam("prompt_attention_mask", type_hint=torch.Tensor, description="[B, Lt] bool"),
             InputParam("negative_prompt_attention_mask", type_hint=torch.Tensor, description="[B, Lt] bool"),
             *_tensor_inputs(),
@@ -292,27 +282,13 @@ class Magi2RefinerDenoiseStep(Magi2DenoiseLoopWrapper):
         bs.fps = None
         if not getattr(components, "_interrupt", False):
             tensors = {name: getattr(bs, name) for name in _STEP_TENSORS}
-
-            def denoise(model, timesteps, stage_tensors, schedulers, predict):
-                tensors.update(stage_tensors)
-                bs.stage_predict = predict
-                return self.run_loop(components, bs, model, timesteps, tensors, schedulers)
-
-            tensors["latents"] = run_refiner_stage(
-                components.refiner,
-                tensors["latents"],
-                tensors["prompt_embeds"],
-                tensors["negative_prompt_embeds"],
-                components.scheduler,
-                height=bs.height,
-                width=bs.width,
-                prompt_attention_mask=bs.prompt_attention_mask,
-                negative_prompt_attention_mask=bs.negative_prompt_attention_mask,
-                config=bs.refiner_config,
-                generator=bs.generator,
-                attention_kwargs=attention_kwargs_for(components.refiner, bs.attention_kwargs),
-                denoise=denoise,
+            tensors["latents"], scheduler = prepare_refiner_latents(
+                tensors["latents"], components.scheduler, bs.refiner_config, bs.height, bs.width, bs.generator
             )
+            conditioning = {name: getattr(bs, name, None) for name in _CONDITIONING}
+            conditioning["guidance_scale"] = bs.refiner_config.guidance_scale
+            schedulers = {"latents": scheduler}
+            self.run_loop(components, bs, components.refiner, scheduler.timesteps, tensors, schedulers, conditioning)
             for name in _STEP_TENSORS:
                 setattr(bs, name, tensors[name])
             bs.fps = 2.0 * float(classic_steps(components).config.fps)

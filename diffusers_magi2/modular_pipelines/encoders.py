@@ -2,7 +2,7 @@
 the reference's templates, ``hidden_states[-3]``) and the I2V reference image (the Wan2.2 VAE mean latent,
 normalised ``(mu - mean) / std``).
 
-They run ``Magi2Pipeline``'s ``_encode_conditioning`` (which adds ``<Figure 1>`` to I2V prompts and pools its
+They run ``Magi2Pipeline``'s ``_encode_text_conditioning`` (which adds ``<Figure 1>`` to I2V prompts and pools its
 tokens into ``image_embeds``), ``preprocess_reference_image`` and ``encode_reference_image``. Under context
 parallelism only CP rank 0 encodes; :class:`~.before_denoise.Magi2BroadcastConditioningStep` shares the result.
 """
@@ -29,7 +29,7 @@ _TEXT_OUTPUTS = (
 
 
 class Magi2TextEncoderStep(Magi2BlockChecks, ModularPipelineBlocks):
-    """Prompt and negative prompt features (``Magi2Pipeline._encode_conditioning``); I2V prompts get the
+    """Prompt and negative prompt features (``Magi2Pipeline._encode_text_conditioning``); I2V prompts get the
     ``<Figure 1>`` reference and its pooled token. Given embeddings pass through (repeated per video)."""
 
     model_name = "magi2"
@@ -83,17 +83,19 @@ class Magi2TextEncoderStep(Magi2BlockChecks, ModularPipelineBlocks):
                 bs.negative_prompt_embeds,
                 bs.negative_prompt_attention_mask,
                 bs.image_embeds,
-            ) = steps._encode_conditioning(
-                prompts,
-                bs.negative_prompt,
+            ) = steps._encode_text_conditioning(
+                {
+                    "prompt": prompts,
+                    "negative_prompt": bs.negative_prompt,
+                    "num_videos_per_prompt": bs.num_videos_per_prompt,
+                    "prompt_embeds": bs.prompt_embeds,
+                    "negative_prompt_embeds": bs.negative_prompt_embeds,
+                    "prompt_attention_mask": bs.prompt_attention_mask,
+                    "negative_prompt_attention_mask": bs.negative_prompt_attention_mask,
+                },
                 bs.image,
-                need_negative,
-                bs.num_videos_per_prompt,
-                bs.prompt_embeds,
-                bs.negative_prompt_embeds,
-                bs.prompt_attention_mask,
-                bs.negative_prompt_attention_mask,
                 bs.image_embeds,
+                need_negative,
                 steps._execution_device,
             )
         self.set_block_state(state, bs)

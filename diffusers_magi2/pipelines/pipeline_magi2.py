@@ -432,6 +432,12 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         image_latents = None
         if image is not None:
             image_latents = self.encode_reference_image(self.preprocess_reference_image(image, *size)).to(device)
+        return [*self._encode_text_conditioning(text, image, image_embeds, need_negative, device), image_latents]
+
+    def _encode_text_conditioning(self, text: dict, image, image_embeds, need_negative: bool, device) -> list:
+        """The text half of :meth:`_encode_conditioning` (also the modular text-encoder block's step):
+        :meth:`encode_prompt` on ``text``, I2V prompts (``image`` given) with the ``<Figure 1>`` reference and its
+        pooled token. Returns the four text tensors and ``image_embeds`` per video."""
         if text["prompt"] is not None and image is not None:
             prompts = [add_figure_reference(p) for p in text["prompt"]]
             embeds, mask, pooled = self.encode_text(prompts, device, figure_target="<Figure 1>")
@@ -441,7 +447,7 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         embeds = self.encode_prompt(**text, do_classifier_free_guidance=need_negative, device=device)
         if image_embeds is not None:
             image_embeds = image_embeds.to(device).repeat_interleave(text["num_videos_per_prompt"], 0)
-        return [*embeds, image_embeds, image_latents]
+        return [*embeds, image_embeds]
 
     def _stage_progress_bar(self, total: int, description: str):
         """A diffusers progress bar labelled with the stage."""
@@ -781,60 +787,13 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         ``conditioning`` holds the masks and I2V tensors (and the refiner's ``guidance_scale``).
         """
         self._num_timesteps = len(timesteps)
-        refining = model is not self.transformer
         with self._stage_progress_bar(len(timesteps), description) as progress_bar:
             for i, t in enumerate(timesteps):
                 if self.interrupt:
                     continue
                 self._current_timestep = t
                 context = {"step_index": i, "num_inference_steps": len(timesteps), "timestep": t}
-                if not refining:
-                    branch = "cond_uncond" if self.do_classifier_free_guidance else "cond"
-                    with cache_context(model, branch, **context):
-                        video, audio = self.predict_velocity(
-                            tensors["latents"],
-                            tensors["audio_latents"],
-                            t,
-                            tensors["prompt_embeds"],
-                            conditioning["prompt_attention_mask"],
-                            tensors["negative_prompt_embeds"],
-                            conditioning["negative_prompt_attention_mask"],
-                            conditioning["image_latents"],
-                            conditioning["image_embeds"],
-                        )
-                    velocities = {"latents": video, "audio_latents": audio}
-                else:
-                    # cond then uncond text (only uncond at scale 0, only cond at 1); the refiner runs the samples of
-                    # a batch one by one through its blocks, so each sample's forward has its own cache context
-                    g = conditioning["guidance_scale"]
-                    branches = ("uncond",) if g == 0.0 else ("cond",) if g == 1.0 else ("cond", "uncond")
-                    latents = tensors["latents"]
-                    batch = latents.shape[0]
-                    attention_kwargs = attention_kwargs_for(model, self.attention_kwargs)
-                    branch_velocity = {}
-                    for branch in branches:
-                        prefix = "negative_" if branch == "uncond" else ""
-                        embeds = tensors[f"{prefix}prompt_embeds"]
-                        mask = conditioning[f"{prefix}prompt_attention_mask"]
-                        rows = []
-                        for b in range(batch):
-                            with cache_context(model, f"{branch}_{b}", **context):
-                                rows.append(
-                                    refiner_velocity(
-                                        model,
-                                        latents[b : b + 1],
-                                        embeds[b : b + 1],
-                                        None if mask is None else mask[b : b + 1],
-                                        attention_kwargs,
-                                    )
-                                )
-                        branch_velocity[branch] = torch.cat(rows, dim=0)
-                    if len(branches) == 1:
-                        velocities = {"latents": branch_velocity[branches[0]]}
-                    else:
-                        scale = torch.tensor(float(g), dtype=torch.float32, device=latents.device)
-                        v_c, v_u = branch_velocity["cond"], branch_velocity["uncond"]
-                        velocities = {"latents": v_u + scale * (v_c - v_u)}
+                velocities = self._step_velocities(model, t, tensors, conditioning, context)
                 for name, velocity in velocities.items():
                     tensors[name] = schedulers[name].step(velocity, t, tensors[name], return_dict=False)[0]
                 if callback_on_step_end is not None:
@@ -844,6 +803,61 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
                 progress_bar.update()
         self._current_timestep = None
         return tensors
+
+    def _step_velocities(self, model, t, tensors: dict, conditioning: dict, context: dict) -> dict:
+        """One step's guided velocity of each latent (the body of :meth:`_denoise`'s loop, also the modular
+        denoiser blocks' step): the preview's :meth:`predict_velocity` for ``self.transformer``, else the refiner's
+        cond/uncond forwards per sample and CFG; every forward in its cache context (``context``: step_index,
+        num_inference_steps, timestep)."""
+        refining = model is not self.transformer
+        if not refining:
+            branch = "cond_uncond" if self.do_classifier_free_guidance else "cond"
+            with cache_context(model, branch, **context):
+                video, audio = self.predict_velocity(
+                    tensors["latents"],
+                    tensors["audio_latents"],
+                    t,
+                    tensors["prompt_embeds"],
+                    conditioning["prompt_attention_mask"],
+                    tensors["negative_prompt_embeds"],
+                    conditioning["negative_prompt_attention_mask"],
+                    conditioning["image_latents"],
+                    conditioning["image_embeds"],
+                )
+            velocities = {"latents": video, "audio_latents": audio}
+        else:
+            # cond then uncond text (only uncond at scale 0, only cond at 1); the refiner runs the samples of
+            # a batch one by one through its blocks, so each sample's forward has its own cache context
+            g = conditioning["guidance_scale"]
+            branches = ("uncond",) if g == 0.0 else ("cond",) if g == 1.0 else ("cond", "uncond")
+            latents = tensors["latents"]
+            batch = latents.shape[0]
+            attention_kwargs = attention_kwargs_for(model, self.attention_kwargs)
+            branch_velocity = {}
+            for branch in branches:
+                prefix = "negative_" if branch == "uncond" else ""
+                embeds = tensors[f"{prefix}prompt_embeds"]
+                mask = conditioning[f"{prefix}prompt_attention_mask"]
+                rows = []
+                for b in range(batch):
+                    with cache_context(model, f"{branch}_{b}", **context):
+                        rows.append(
+                            refiner_velocity(
+                                model,
+                                latents[b : b + 1],
+                                embeds[b : b + 1],
+                                None if mask is None else mask[b : b + 1],
+                                attention_kwargs,
+                            )
+                        )
+                branch_velocity[branch] = torch.cat(rows, dim=0)
+            if len(branches) == 1:
+                velocities = {"latents": branch_velocity[branches[0]]}
+            else:
+                scale = torch.tensor(float(g), dtype=torch.float32, device=latents.device)
+                v_c, v_u = branch_velocity["cond"], branch_velocity["uncond"]
+                velocities = {"latents": v_u + scale * (v_c - v_u)}
+        return velocities
 
     @torch.no_grad()
     def predict_velocity(
