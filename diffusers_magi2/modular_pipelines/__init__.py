@@ -25,7 +25,8 @@ from .modular_blocks_magi2 import (
     Magi2CoreDenoiseStep,
     Magi2DecodeStep,
 )
-from .modular_pipeline import Magi2ModularPipeline, classic_steps
+from .modular_pipeline import Magi2ModularPipeline
+from .utils import classic_steps
 
 
 __all__ = [

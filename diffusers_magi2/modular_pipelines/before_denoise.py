@@ -1,7 +1,7 @@
 """Blocks before the MAGI-2 denoising loop: the call's checks and plan, the conditioning broadcast under context
 parallelism, the schedules and the initial noise (SandAI ``Magi2InferenceEngine.evaluate`` up to the sampler).
 
-Each block runs the ``Magi2Pipeline`` step of the same name (:func:`~.modular_pipeline.classic_steps`): the
+Each block runs the ``Magi2Pipeline`` step of the same name (:func:`~.utils.classic_steps`): the
 ``check_inputs`` of ``__call__``, ``stage_sizes`` / ``refiner_stage_config``, ``prepare_timesteps`` (sigmas
 ``linspace(sigma_start, 0, N + 1)[:-1]``, shifted once by the scheduler) and ``prepare_latents`` (video noise
 drawn first, then audio, from one ``generator``).
@@ -22,7 +22,7 @@ from ..parallel.context_parallel_runtime import broadcast_from_first_rank
 from ..pipelines.pipeline_magi2 import Magi2Pipeline
 from ..pipelines.presets_magi2 import REFINER_RESOLUTION, TRAINED_RESOLUTIONS
 from ..pipelines.sampling_magi2 import check_scheduler
-from .modular_pipeline import (
+from .utils import (
     CALL_STATE,
     CLASSIC_COMPONENTS,
     Magi2BlockChecks,

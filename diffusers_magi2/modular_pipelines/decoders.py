@@ -12,7 +12,7 @@ from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, In
 
 from ..pipelines.decoding_magi2 import resize_video_frames
 from .before_denoise import call_input, first_rank
-from .modular_pipeline import Magi2BlockChecks, classic_steps, component_spec
+from .utils import Magi2BlockChecks, classic_steps, component_spec
 
 
 __all__ = ["Magi2AudioDecoderStep", "Magi2VideoDecoderStep"]

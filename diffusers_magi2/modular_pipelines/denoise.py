@@ -18,7 +18,7 @@ from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, In
 
 from ..pipelines.refiner_stage import prepare_refiner_latents
 from .before_denoise import call_input
-from .modular_pipeline import Magi2BlockChecks, classic_steps, component_spec
+from .utils import Magi2BlockChecks, classic_steps, component_spec
 
 
 __all__ = [

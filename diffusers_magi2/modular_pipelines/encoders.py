@@ -14,7 +14,7 @@ from diffusers.modular_pipelines import ModularPipelineBlocks, PipelineState
 from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam, OutputParam
 
 from .before_denoise import call_input, first_rank
-from .modular_pipeline import Magi2BlockChecks, classic_steps, component_spec
+from .utils import Magi2BlockChecks, classic_steps, component_spec
 
 
 __all__ = ["Magi2ImageEncoderStep", "Magi2TextEncoderStep"]

@@ -91,15 +91,15 @@ def modular_index_dict(model_index: dict, repo: str | None) -> dict:
 
 def modular_config_dict() -> dict:
     """``modular_config.json``: the ``auto_map`` of the remote-code blocks and the package requirement."""
-    import diffusers
+    from importlib.metadata import version
 
-    from .. import __version__
+    import diffusers
 
     return {
         "_class_name": MODULAR_BLOCKS_CLASS,
         "_diffusers_version": diffusers.__version__,
         "auto_map": {"ModularPipelineBlocks": f"{Path(MODULAR_BLOCKS_FILE).stem}.{MODULAR_BLOCKS_CLASS}"},
-        "requirements": {"diffusers-magi2": f">={__version__}"},
+        "requirements": {"diffusers-magi2": f">={version('diffusers-magi2')}"},
     }
 
 
