@@ -515,8 +515,9 @@ pipe = ModularPipeline.from_pretrained({str(snapshot)!r}, trust_remote_code=True
 assert type(pipe.blocks).__name__ == "Magi2AutoBlocks", type(pipe.blocks)
 pipe.load_components()
 index = json.load(open({str(snapshot / "model_index.json")!r}))
-names = {{n: type(getattr(pipe, n)).__name__ for n, v in index.items() if not n.startswith("_") and v[0]}}
-want = {{n: v[1] for n, v in index.items() if not n.startswith("_") and v[0]}}
+parts = {{n: v for n, v in index.items() if not n.startswith("_") and isinstance(v, list) and v[0]}}
+names = {{n: type(getattr(pipe, n)).__name__ for n in parts}}
+want = {{n: v[1] for n, v in parts.items()}}
 assert names == want, (names, want)
 print("ok")
 """
