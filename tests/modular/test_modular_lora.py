@@ -12,8 +12,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "lora"))
-from lora_testing_utils import mirai_state_dict, random_factors  # noqa: E402
+from helpers.lora_testing_utils import mirai_state_dict, random_factors  # noqa: E402
 from modular_testing_utils import PROMPT, T2V, tiny_pipelines  # noqa: E402
 
 

@@ -12,8 +12,7 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from ep_spawn_utils import run_on_ranks  # noqa: E402
+from helpers.ep_spawn_utils import run_on_ranks  # noqa: E402
 from modular_parallel_workers import modular_and_classic  # noqa: E402
 from modular_testing_utils import tiny_pipelines  # noqa: E402
 
