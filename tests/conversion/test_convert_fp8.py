@@ -154,7 +154,7 @@ def test_converter_dry_run_lays_out_fp8_banks_and_scales(tmp_path):
 
 
 def test_converter_fp8_refuses_a_non_finite_expert_weight_naming_it_and_writes_nothing(tmp_path):
-    from convert_testing_utils import copy_checkpoint, mutate_tensor
+    from helpers.convert_testing_utils import copy_checkpoint, mutate_tensor
 
     from diffusers_magi2.loaders.key_plan import target_to_source_key
 
