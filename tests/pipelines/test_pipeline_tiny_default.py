@@ -109,10 +109,12 @@ def test_generate_main_job_writes_a_5s_clip_with_audio_cut_to_the_video(tmp_path
     assert abs(info["audio_stream_duration_s"] - 61 / 12.5) <= 0.08  # AAC frames pad by < 1024 samples
 
 
-def test_generate_rejects_bad_size_before_work(tmp_path):
+def test_generate_rejects_bad_size_before_work(tmp_path, capsys):
     generate = load_generate()
-    with pytest.raises(ValueError, match="multiple of 16"):
+    with pytest.raises(SystemExit) as exit_info:  # argparse's one-line usage error, exit status 2
         generate.main(["--prompt", "x", "--output", str(tmp_path / "x.mp4"), "--height", "30"])
+    assert exit_info.value.code == 2
+    assert "multiple of 16" in capsys.readouterr().err
     assert not (tmp_path / "x.mp4").exists()
 
 
@@ -224,6 +226,7 @@ def test_generate_loads_a_repo_with_dtype_not_torch_dtype(tmp_path, monkeypatch)
 
     monkeypatch.setattr(Magi2Pipeline, "from_pretrained", fake_from_pretrained)
     generate = load_generate()
+    (tmp_path / "model_index.json").write_text("{}")  # generate.py checks --model is a converted repo folder
     base = ["--prompt", "x", "--output", str(tmp_path / "x.mp4"), "--model", str(tmp_path), "--device", "cpu"]
     with pytest.raises(_Stop):
         generate.main(base + ["--dtype", "bfloat16"])
