@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 
 __all__ = [
@@ -72,10 +73,11 @@ def quantize_fp8(
         raise ValueError(f"quantize_fp8 expects a 3-D float expert bank [R, K, N]; got {shape}")
     q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
     scale = torch.empty(weight.shape[0], weight.shape[2], dtype=torch.float32, device=weight.device)
+    has_values = not is_fake(weight)  # a fake tensor (memory planning) holds no values to check
     for start in range(0, weight.shape[0], chunk_rows):
         w = weight[start : start + chunk_rows].to(torch.float32)
         s = w.abs().amax(dim=1) / FP8_MAX
-        if not torch.isfinite(s).all():
+        if has_values and not torch.isfinite(s).all():
             _raise_non_finite(w, name, first_row + start, num_experts)
         divisor = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(1)
         q[start : start + chunk_rows] = (w / divisor).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
