@@ -28,3 +28,18 @@ def fixtures_dir() -> Path:
     if not root.is_dir():
         pytest.fail(f"golden fixtures not found at {root}; set MAGI2_FIXTURES")
     return root
+
+
+@pytest.fixture(autouse=True)
+def _restore_active_attention_backend():
+    """Undo diffusers' process-wide attention backend after each test.
+
+    ``ModelMixin.set_attention_backend`` also sets the registry's *active* backend, which every processor without
+    its own backend dispatches to; a test that picks ``_native_math`` would otherwise change the attention (its
+    numerics and its memory) of every later test in the process.
+    """
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    saved = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry.set_active_backend(saved)

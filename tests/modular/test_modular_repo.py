@@ -90,10 +90,6 @@ def test_save_pretrained_writes_the_modular_files(saved):
     )
 
 
-@pytest.mark.xfail(
-    reason="passes alone; in the full suite an earlier test leaves process state that changes this in-process reference (order dependence, open)",
-    strict=False,
-)
 def test_saved_repo_loads_offline_in_a_fresh_process_and_generates_the_same(saved, tmp_path):
     """A copy of the folder (its index still points at the original) and the repo in the HF cache layout (index
     rewritten for the Hub id, as ``push_to_hub`` writes it), loaded with ``HF_HUB_OFFLINE=1``."""

@@ -86,10 +86,6 @@ def test_plan_matches_the_measured_cpu_peak_of_a_reduced_model_within_10_percent
     assert abs(plan.activations - measured) <= 0.10 * measured
 
 
-@pytest.mark.xfail(
-    reason="passes alone; in the full suite an earlier test leaves process state that changes this in-process reference (order dependence, open)",
-    strict=False,
-)
 def test_forward_chunking_lowers_the_measured_peak_and_keeps_the_output():
     inputs = _packed_inputs()
     chunked, whole = _reduced_model(CHUNK), _reduced_model(None)
