@@ -88,7 +88,7 @@ def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
     ],
 )
 def test_the_walk_sees_module_level_lazy_and_importlib_imports(source):
-    assert len(upward_imports(source, "diffusers_magi2.parallel.ep_loading", False)) == 1
+    assert len(upward_imports(source, "diffusers_magi2.parallel.expert_parallel", False)) == 1
     assert upward_imports(source, "diffusers_magi2.conversion.cli", False) == []
 
 

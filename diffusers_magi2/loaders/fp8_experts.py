@@ -124,7 +124,7 @@ class FP8ExpertShards(Sequence):
     other tensors are handed on as copies, so the shard's memory map is released.
 
     Args:
-        shards: shard paths or state dicts (possibly a :class:`~diffusers_magi2.parallel.ep_loading.RowShardedShards`).
+        shards: shard paths or state dicts (possibly a :class:`~diffusers_magi2.loaders.expert_parallel_loading.RowShardedShards`).
         model: the model being loaded.
         device_map: the ``device_map`` diffusers loads with (``None``: CPU).
     """

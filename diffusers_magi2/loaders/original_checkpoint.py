@@ -25,7 +25,7 @@ from ..utils.dtype_utils import parse_dtype
 from ..utils.fp32_islands import is_fp32_island
 from ..utils.safetensors_io import TORCH_TO_DTYPE, read_rows, read_safetensors_header
 from . import sandai_config
-from .expert_parallel import local_experts_for_loading
+from .expert_parallel_loading import local_experts_for_loading
 from .key_plan import TensorSpec, build_key_plan, read_source_checkpoint
 from .sandai_config_refiner import refiner_config_from_sandai
 

@@ -23,7 +23,7 @@ from diffusers.models.attention import AttentionMixin
 from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers' pipeline loader looks it up here)
 from diffusers.utils import BaseOutput
 
-from ..loaders.expert_parallel import ExpertParallelLoaderMixin
+from ..loaders.expert_parallel_loading import ExpertParallelLoaderMixin
 from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
 from ..moe.layer import Magi2MultiHeadMoE
 from ..moe.quantize import EXPERT_DTYPES, parse_expert_dtype

@@ -22,10 +22,10 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..parallel.ep_loading import take_rows
 from ..parallel.expert_parallel import ep_head_layout, expert_parallel_heads_forward
 from ..utils.backends import check_backend, resolve_backend
 from ..utils.dtype_utils import parse_dtype
+from ..utils.safetensors_io import take_rows
 from .experts import mh_moe_experts
 from .quantize import FP8_DTYPE, parse_expert_dtype, quantize_fp8
 from .routing import compute_topk_probs_and_indices, global_sort_routes

@@ -1,4 +1,5 @@
-"""Safetensors I/O without MAGI-2 knowledge: a header parser, the checkpoint index reader and a streaming writer.
+"""Safetensors I/O without MAGI-2 knowledge: a header parser, row readers, the checkpoint index reader and a
+streaming writer.
 
 Format: ``u64`` little-endian header length ``N``, ``N`` bytes of JSON ``{name: {dtype, shape, data_offsets}, "__metadata__"}``,
 then the data (offsets relative to it, C order). The parser reads headers only, so ``--dry_run`` works on stub
@@ -17,11 +18,13 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
 __all__ = [
+    "take_rows",
     "DTYPE_ITEMSIZE",
     "DTYPE_TO_TORCH",
     "TORCH_TO_DTYPE",
@@ -240,6 +243,35 @@ def read_rows(header: SafetensorsHeader, name: str, row_start: int, num_rows: in
                 if not got:
                     raise ValueError(f"{header.path}: file ends inside {name!r} (truncated shard?)")
                 done += got
+    return out
+
+
+def take_rows(source: Any, row_start: int, num_rows: int, name: str = "tensor") -> torch.Tensor:
+    """Rows ``[row_start, row_start + num_rows)`` of ``source`` along dim 0; rows past its end are zero.
+
+    Args:
+        source: a ``torch.Tensor`` or a ``safe_open(...).get_slice(key)`` slice (safetensors may map the whole tensor
+            for a slice; to read only the rows from a file use :func:`read_rows`).
+        name: the tensor's name, for the error message.
+
+    Returns:
+        ``[num_rows, *shape[1:]]``: a view when every row exists (of the memory map for a slice), else a new tensor.
+
+    Raises:
+        ValueError: negative ``row_start`` or ``num_rows``.
+    """
+    if row_start < 0 or num_rows < 0:
+        raise ValueError(f"row_start and num_rows must be >= 0, got {row_start}, {num_rows} for {name!r}")
+    is_tensor = isinstance(source, torch.Tensor)
+    shape = tuple(source.shape) if is_tensor else tuple(source.get_shape())
+    stop = min(shape[0], row_start + num_rows)
+    if stop - row_start == num_rows:
+        return source[row_start:stop]
+    dtype = source.dtype if is_tensor else DTYPE_TO_TORCH[source.get_dtype()]
+    device = source.device if is_tensor else "cpu"
+    out = torch.zeros((num_rows, *shape[1:]), dtype=dtype, device=device)
+    if stop > row_start:
+        out[: stop - row_start] = source[row_start:stop]
     return out
 
 

@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from diffusers_magi2.loaders.expert_parallel import EP_SHARDED_SUFFIXES
+from diffusers_magi2.loaders.expert_parallel_loading import EP_SHARDED_SUFFIXES
 from diffusers_magi2.loaders.key_plan import read_source_checkpoint
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
-from diffusers_magi2.parallel.ep_loading import take_rows
 from diffusers_magi2.parallel.expert_parallel import (
     Magi2ExpertParallelConfig,
     check_same_on_all_ranks,
@@ -30,6 +29,7 @@ from diffusers_magi2.parallel.expert_parallel import (
     expert_parallel_heads_forward,
     resolve_expert_parallel,
 )
+from diffusers_magi2.utils.safetensors_io import take_rows
 
 from .fixtures import golden, golden_path
 

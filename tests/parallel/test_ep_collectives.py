@@ -11,13 +11,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from diffusers_magi2.parallel.ep_loading import RowShard, RowShardedShards, take_rows
+from diffusers_magi2.loaders.expert_parallel_loading import RowShard, RowShardedShards
 from diffusers_magi2.parallel.expert_parallel import (
     Magi2ExpertParallelConfig,
     ep_head_layout,
     resolve_expert_parallel,
     warn_if_idle,
 )
+from diffusers_magi2.utils.safetensors_io import take_rows
 
 
 def test_ep_head_layout_padding_and_idle_rank():

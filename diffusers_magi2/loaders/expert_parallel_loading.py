@@ -1,11 +1,16 @@
-"""Expert parallelism as a hook on diffusers' loading: ``from_pretrained(expert_parallel=...)`` and
-``enable_expert_parallel``.
+"""Expert-parallel loading: ``from_pretrained(expert_parallel=...)`` and ``enable_expert_parallel`` load or cut
+only this rank's routed experts.
 
 It is diffusers' ``ModelMixin.from_pretrained`` with one step changed: on the meta model every
 ``Magi2MultiHeadMoE`` becomes its local-size twin (this rank's heads), and the shards reach diffusers' loader
-through :class:`~diffusers_magi2.parallel.ep_loading.RowShardedShards`, cut to this rank's rows
-(:data:`EP_SHARDED_SUFFIXES`), so no rank allocates another's experts. FP8 experts load in a step of their own
-(:mod:`diffusers_magi2.loaders.fp8_experts`) after the cut.
+through :class:`RowShardedShards`, cut to this rank's rows (:data:`EP_SHARDED_SUFFIXES`), so no rank allocates
+another's experts. FP8 experts load in a step of their own (:mod:`diffusers_magi2.loaders.fp8_experts`) after the cut.
+
+Rows: an EP-sharded tensor is ``[H E, ...]`` (row ``h E + e``); rank ``r`` keeps rows ``[local_head_start E,
++local_num_heads E)``, zero past ``H E`` (SandAI's per-rank loading rule). From a safetensors file the rows are read
+into their own buffer (:func:`~diffusers_magi2.utils.safetensors_io.read_rows`), never through a memory map of the
+whole tensor: safetensors' ``get_slice`` and ``load_file`` map (and the former materialises) the full tensor, and a
+map that other loaded tensors keep alive keeps every page the slicing read resident, the full bank's share of them.
 
 No tensor of a full expert bank exists on a rank at any step: the model is built with its MoE tensors on meta
 (:func:`~diffusers_magi2.moe.layer.moe_tensors_on_meta`), each bank is read as this rank's rows only, quantizing
@@ -17,15 +22,15 @@ from __future__ import annotations
 
 import contextvars
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
 
 from ..moe.layer import Magi2MultiHeadMoE, moe_tensors_on_meta
 from ..moe.quantize import FP8_SCALE_NAMES
-from ..parallel.ep_loading import RowShard, RowShardedShards
 from ..parallel.expert_parallel import (
     Magi2ExpertParallelConfig,
     Magi2ExpertParallelGroup,
@@ -33,12 +38,20 @@ from ..parallel.expert_parallel import (
     resolve_expert_parallel,
     warn_if_idle,
 )
-from ..utils.safetensors_io import check_safetensors_file, read_index
+from ..utils.safetensors_io import (
+    check_safetensors_file,
+    read_index,
+    read_rows,
+    read_safetensors_header,
+    take_rows,
+)
 from .fp8_experts import FP8ExpertShards, plan_fp8_expert_loading
 
 
 __all__ = [
     "EP_SHARDED_SUFFIXES",
+    "RowShard",
+    "RowShardedShards",
     "ExpertParallelLoaderMixin",
     "apply_expert_parallel",
     "ep_row_plan",
@@ -52,6 +65,74 @@ EP_SHARDED_SUFFIXES = Magi2MultiHeadMoE._EP_SHARDED_KEYS
 _LOADING_EP_GROUP: contextvars.ContextVar[Optional[Magi2ExpertParallelGroup]] = contextvars.ContextVar(
     "magi2_loading_ep_group", default=None
 )
+
+
+class RowShard(NamedTuple):
+    """This rank's rows of one row-sharded tensor: ``[row_start, row_start + num_rows)`` of ``full_rows``."""
+
+    row_start: int
+    num_rows: int
+    full_rows: int
+
+
+class RowShardedShards(Sequence):
+    """Checkpoint shards as state dicts, each row-sharded tensor cut to this rank's rows (:func:`take_rows`).
+
+    Stands in for the shard list of diffusers' ``_load_pretrained_model`` (``load_state_dict`` passes a dict through).
+
+    A safetensors shard is read key by key: the planned tensors' rows with ``read_rows`` (no full-size tensor, no
+    map), the others as diffusers reads them (memory-mapped). A state dict or another file format is read whole and cut.
+
+    Args:
+        shards: shard file paths, or already loaded (memory-mapped) state dicts.
+        plan: tensor name -> its :class:`RowShard`.
+
+    Raises (when a shard is read):
+        ValueError: a planned tensor's dim 0 is not its ``full_rows`` (e.g. an already sharded checkpoint).
+    """
+
+    def __init__(self, shards: Sequence[Union[str, Mapping[str, torch.Tensor]]], plan: Mapping[str, RowShard]):
+        self.shards = list(shards)
+        self.plan = dict(plan)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        shard = self.shards[index]
+        if not isinstance(shard, Mapping) and str(shard).endswith(".safetensors"):
+            return self._read_safetensors(str(shard))
+        from diffusers.models.model_loading_utils import load_state_dict
+
+        state = dict(load_state_dict(shard))
+        for key in self.plan.keys() & state.keys():
+            self._check_rows(key, state[key].shape[0])
+            row_start, num_rows, _ = self.plan[key]
+            state[key] = take_rows(state[key], row_start, num_rows, key).clone()
+        return state
+
+    def _check_rows(self, key: str, rows: int) -> None:
+        """ValueError unless tensor ``key`` of the checkpoint has the planned full row count."""
+        if rows != self.plan[key].full_rows:
+            raise ValueError(
+                f"{key}: checkpoint has {rows} rows, expected num_heads·num_experts = {self.plan[key].full_rows} "
+                "(expert-parallel loading needs the unsharded checkpoint)"
+            )
+
+    def _read_safetensors(self, path: str) -> dict[str, torch.Tensor]:
+        """One safetensors shard: planned tensors as this rank's rows (``read_rows``), the rest memory-mapped."""
+        from safetensors import safe_open
+
+        header = read_safetensors_header(path)
+        planned = self.plan.keys() & header.tensors.keys()
+        for key in planned:
+            self._check_rows(key, header.tensors[key].shape[0] if header.tensors[key].shape else 0)
+        with safe_open(path, framework="pt") as handle:
+            state = {key: handle.get_tensor(key) for key in handle.keys() if key not in planned}
+        for key in sorted(planned):
+            row_start, num_rows, _ = self.plan[key]
+            state[key] = read_rows(header, key, row_start, num_rows)
+        return state
 
 
 def _moe_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
