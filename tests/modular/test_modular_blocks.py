@@ -4,17 +4,11 @@ bad input names the block, the input or the violated ``ComponentSpec``."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from helpers.modular_testing_utils import PROMPT, T2V, tiny_pipelines
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from modular_testing_utils import PROMPT, T2V, tiny_pipelines  # noqa: E402
-
-from diffusers_magi2.modular_pipelines import Magi2AutoBlocks, Magi2DecodeStep  # noqa: E402
+from diffusers_magi2.modular_pipelines import Magi2AutoBlocks, Magi2DecodeStep
 
 
 #: every block of Magi2AutoBlocks by path (loop sub-blocks included) and its class

@@ -4,16 +4,9 @@ bit, and unloading it restores the base output."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
-
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from helpers.lora_testing_utils import mirai_state_dict, random_factors  # noqa: E402
-from modular_testing_utils import PROMPT, T2V, tiny_pipelines  # noqa: E402
+from helpers.lora_testing_utils import mirai_state_dict, random_factors
+from helpers.modular_testing_utils import PROMPT, T2V, tiny_pipelines
 
 
 def test_lora_through_the_modular_pipeline_equals_the_classic_call():

@@ -5,16 +5,10 @@ process's within 1e-5 (one step, no CFG: see the worker)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers.ep_spawn_utils import run_on_ranks  # noqa: E402
-from modular_parallel_workers import modular_and_classic  # noqa: E402
-from modular_testing_utils import tiny_pipelines  # noqa: E402
+from helpers.ep_spawn_utils import run_on_ranks
+from helpers.modular_parallel_workers import modular_and_classic
+from helpers.modular_testing_utils import tiny_pipelines
 
 
 def test_cp2_ep2_modular_equals_one_process(tmp_path):

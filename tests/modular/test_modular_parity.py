@@ -5,18 +5,12 @@ behave the same."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from helpers.modular_testing_utils import IMAGE, PROMPT, T2V, TWO_STAGE, tiny_pipelines
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from modular_testing_utils import IMAGE, PROMPT, T2V, TWO_STAGE, tiny_pipelines  # noqa: E402
-
-from diffusers_magi2.modular_pipelines import Magi2ModularPipeline  # noqa: E402
+from diffusers_magi2.modular_pipelines import Magi2ModularPipeline
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,14 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers.modular_testing_utils import PROMPT, T2V, tiny_pipelines
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from modular_testing_utils import PROMPT, T2V, tiny_pipelines  # noqa: E402
-
-from diffusers_magi2.modular_pipelines import Magi2ModularPipeline  # noqa: E402
-from diffusers_magi2.pipelines.modular_files import write_modular_files  # noqa: E402
+from diffusers_magi2.modular_pipelines import Magi2ModularPipeline
+from diffusers_magi2.pipelines.modular_files import write_modular_files
 
 
 REPO_ID = "org/magi2-tiny-modular"

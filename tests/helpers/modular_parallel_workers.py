@@ -5,18 +5,12 @@ decoder calls of the modular pipeline on this rank."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 from diffusers import ContextParallelConfig
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from modular_testing_utils import PROMPT, T2V  # noqa: E402
-
-from diffusers_magi2 import Magi2ExpertParallelConfig, Magi2Pipeline  # noqa: E402
-from diffusers_magi2.modular_pipelines import Magi2ModularPipeline  # noqa: E402
+from diffusers_magi2 import Magi2ExpertParallelConfig, Magi2Pipeline
+from diffusers_magi2.modular_pipelines import Magi2ModularPipeline
+from helpers.modular_testing_utils import PROMPT, T2V
 
 
 #: one step without CFG: the layouts differ in float summation order only (~1e-6 per forward), which CFG's
