@@ -86,3 +86,58 @@ def test_release_writer_refuses_a_non_empty_folder_and_leaves_nothing(tmp_path):
     assert res.returncode == 2 and res.stderr.startswith("error: ") and "not an empty folder" in res.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+#: run in a fresh process with HF_HUB_OFFLINE=1: the converted repo as remote code, one call per path
+REMOTE_CODE_SCRIPT = """
+import sys, json, numpy as np, torch
+from diffusers.modular_pipelines import ModularPipeline
+folder, calls, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+pipe = ModularPipeline.from_pretrained(folder, trust_remote_code=True)
+pipe.load_components()
+pipe.set_progress_bar_config(disable=True)
+results = {"class": np.array(type(pipe).__name__ + "/" + type(pipe.blocks).__name__)}
+for name, call in calls.items():
+    state = pipe(prompt="A red fox trots through fresh snow", generator=torch.Generator().manual_seed(3), **call)
+    results[name + "_frames"], results[name + "_audio"] = state.get("videos"), state.get("audio")
+np.savez(out, **results)
+print("ok")
+"""
+
+
+def test_converted_release_loads_as_remote_code_offline_and_equals_magi2_pipeline(walkthrough, tmp_path):
+    """The walk-through's converted repo, loaded with plain diffusers' ``ModularPipeline.from_pretrained(...,
+    trust_remote_code=True)`` in a fresh ``HF_HUB_OFFLINE=1`` process, gives ``Magi2Pipeline.from_pretrained``'s
+    frames and audio bit for bit (same seed), on the one-stage path and through the converted refiner."""
+    import numpy as np
+    import torch
+
+    from diffusers_magi2 import Magi2Pipeline
+
+    repo = walkthrough[0] / "magi2-tiny-diffusers"
+    calls = {
+        "t2v": {"height": 32, "width": 32, "num_inference_steps": 1},
+        "two_stage": {"height": 64, "width": 64, "preview_height": 32, "preview_width": 32,
+                      "num_inference_steps": 1, "refiner_num_inference_steps": 1},
+    }  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "home"))
+    out = tmp_path / "out.npz"
+    res = subprocess.run(
+        [sys.executable, "-c", REMOTE_CODE_SCRIPT, str(repo), json.dumps(calls), str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-4000:]
+    results = np.load(out)
+    assert str(results["class"]) == "ModularPipeline/Magi2AutoBlocks"
+    pipe = Magi2Pipeline.from_pretrained(repo)
+    pipe.set_progress_bar_config(disable=True)
+    for name, call in calls.items():
+        ref = pipe("A red fox trots through fresh snow", generator=torch.Generator().manual_seed(3), **call)
+        assert results[name + "_frames"].shape == ref.frames.shape and ref.frames.std() > 0, name
+        assert np.array_equal(results[name + "_frames"], ref.frames), name
+        assert np.array_equal(results[name + "_audio"], ref.audio), name
