@@ -205,8 +205,14 @@ def apply_expert_parallel(model: nn.Module, config: Magi2ExpertParallelConfig) -
     call it with the same config (one ``all_gather_object`` checks).
 
     Raises:
-        ValueError: EP set-up errors, ranks disagreeing on the config, no MoE layer, or already sharded.
+        ValueError: EP set-up errors, ranks disagreeing on the config, no MoE layer, already sharded, or context
+            parallelism already enabled (enable EP first).
     """
+    if getattr(model, "context_parallel_degree", 1) > 1:
+        raise ValueError(
+            "enable expert parallelism before enable_parallelism: the context-parallel exchanges are installed on "
+            "the MoE layers that expert parallelism replaces"
+        )
     ep = resolve_expert_parallel(config)
     moes = _moe_modules(model)
     if not moes:

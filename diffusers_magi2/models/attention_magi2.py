@@ -30,6 +30,7 @@ import torch.nn as nn
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+from ..parallel.context_parallel_attention import Magi2LocalAttention
 from ..utils.backends import check_backend, resolve_backend
 from .embeddings_magi2 import apply_magi2_rotary_emb
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, linear_compute_dtype, modality_linear
@@ -44,6 +45,7 @@ from .window_attention import (
 __all__ = [
     "Magi2Attention",
     "Magi2AttentionMask",
+    "Magi2ForwardContext",
     "Magi2AttnProcessor",
     "Magi2WindowAttnProcessor",
     "check_attention_kwargs",
@@ -65,14 +67,13 @@ class Magi2AttentionMask:
         segment_lengths: tokens per packed sample; samples never attend to each other.
         window: block-window geometry of a single-sample sequence (window processors).
         dense_mask: explicit ``[N, N]`` bool mask (True = attend), evaluated with SDPA.
-        context_parallel: the forward's ``Magi2ContextParallelContext`` or ``None``; the mask always describes
-            the whole sequence, the layers hold this rank's tokens.
+
+    The mask always describes the whole packed sequence, also where a context-parallel rank holds a shard of it.
     """
 
     segment_lengths: tuple
     window: Optional[Magi2WindowGeometry] = None
     dense_mask: Optional[torch.Tensor] = None
-    context_parallel: Optional[Any] = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -87,6 +88,27 @@ class Magi2AttentionMask:
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
+
+
+@dataclass
+class Magi2ForwardContext:
+    """What every block of one forward reads beside its hidden states; built once by the model.
+
+    Attributes:
+        rotary_emb: ``[N, 6D/8]`` fp32 rope bands, packed order (this rank's tokens under context parallelism).
+        dispatch: the modality sort of those tokens.
+        attention_mask: a :class:`Magi2AttentionMask` (segment lengths are wrapped into one) of the whole sequence.
+        shard_plan: the forward's ``Magi2SequenceShardPlan`` under context parallelism, else ``None``; read only by
+            the exchanges ``enable_parallelism`` installs on the attention and MoE layers.
+    """
+
+    rotary_emb: torch.Tensor
+    dispatch: Magi2ModalityDispatch
+    attention_mask: Union[Magi2AttentionMask, Sequence[int]]
+    shard_plan: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        self.attention_mask = Magi2AttentionMask.wrap(self.attention_mask)
 
 
 #: How each diffusers backend serves sinks (README "Attention sinks"): ``"cpu_flash"`` / ``"aten_flash"`` /
@@ -353,26 +375,12 @@ class _Magi2AttnProcessorBase:
     _parallel_config = None
 
     def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask, heads=None) -> torch.Tensor:
-        """``[N, Hq, D]``, ``[N, Hkv, D]`` x2 -> ``[N, Hq, D]``; ``heads``: the query heads held under CP."""
+        """``[N, Hq, D]``, ``[N, Hkv, D]`` x2 -> ``[N, Hq, D]``; ``heads``: the query heads this rank computes
+        under context parallelism (``None``: all)."""
         raise NotImplementedError
 
-    def _attend_all_tokens(self, attn, query, key, value, attention_mask: Magi2AttentionMask) -> torch.Tensor:
-        """:meth:`attend`, as Ulysses attention under context parallelism."""
-        cp = attention_mask.context_parallel
-        if cp is None or cp.world_size == 1:
-            return self.attend(attn, query, key, value, attention_mask)
-        return cp.attention(
-            query, key, value, lambda q, k, v, heads: self.attend(attn, q, k, v, attention_mask, heads)
-        )
-
-    def __call__(
-        self,
-        attn: "Magi2Attention",
-        hidden_states: torch.Tensor,
-        rotary_emb: torch.Tensor,
-        dispatch: Magi2ModalityDispatch,
-        attention_mask: Magi2AttentionMask,
-    ) -> torch.Tensor:
+    def __call__(self, attn: "Magi2Attention", hidden_states: torch.Tensor, context: Magi2ForwardContext):
+        dispatch, mask = context.dispatch, context.attention_mask
         gs = dispatch.group_sizes if attn.num_modality > 1 else None
         n = hidden_states.shape[0]
         dtype = attn.compute_dtype
@@ -384,9 +392,17 @@ class _Magi2AttnProcessorBase:
         q = dispatch.unsort(q)  # one at a time: each sorted copy (and then qkv) is freed at once
         k = dispatch.unsort(k)
         v = dispatch.unsort(v)
-        q = apply_magi2_rotary_emb(q, rotary_emb).to(dtype)
-        k = apply_magi2_rotary_emb(k, rotary_emb).to(dtype)
-        out = dispatch.sort(self._attend_all_tokens(attn, q, k, v.to(dtype), attention_mask).to(dtype))
+        q = apply_magi2_rotary_emb(q, context.rotary_emb).to(dtype)
+        k = apply_magi2_rotary_emb(k, context.rotary_emb).to(dtype)
+        # the installed exchange brings the tokens this rank attends over (one process: all of them, here)
+        out = attn.exchange(
+            q,
+            k,
+            v.to(dtype),
+            lambda q_, k_, v_, heads: self.attend(attn, q_, k_, v_, mask, heads),
+            context.shard_plan,
+        )
+        out = dispatch.sort(out.to(dtype))
         if attn.linear_g is not None:
             g = attn.linear_g(u, gs)
             g = g.float() if attn.gate_in_fp32 else g.to(out.dtype)
@@ -538,22 +554,19 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
         self.q_norm = Magi2MultiModalityRMSNorm(dim_head, num_modality, eps=eps, out_dtype=torch.float32)
         self.k_norm = Magi2MultiModalityRMSNorm(dim_head, num_modality, eps=eps, out_dtype=torch.float32)
         self.set_processor(processor if processor is not None else self._default_processor_cls())
+        #: how the attention meets its tokens: all here (one process), or the Ulysses exchange that
+        #: ``enable_parallelism`` installs (:mod:`diffusers_magi2.parallel.context_parallel_attention`)
+        self.exchange = Magi2LocalAttention()
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """Dtype the attention runs in (``linear_qkv``'s compute dtype)."""
         return linear_compute_dtype(self.linear_qkv)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        rotary_emb: torch.Tensor,
-        dispatch: Magi2ModalityDispatch,
-        attention_mask: Union[Magi2AttentionMask, Sequence[int]],
-    ) -> torch.Tensor:
-        """``hidden_states`` ``[N, C]`` modality-sorted, ``rotary_emb`` ``[N, 6D/8]`` fp32 packed order,
-        ``attention_mask`` a :class:`Magi2AttentionMask` or segment lengths -> ``[N, C]`` compute dtype."""
-        return self.processor(self, hidden_states, rotary_emb, dispatch, Magi2AttentionMask.wrap(attention_mask))
+    def forward(self, hidden_states: torch.Tensor, context: Magi2ForwardContext) -> torch.Tensor:
+        """``hidden_states`` ``[N, C]`` modality-sorted, ``context`` the forward's :class:`Magi2ForwardContext` ->
+        ``[N, C]`` compute dtype."""
+        return self.processor(self, hidden_states, context)
 
 
 def check_transformer_geometry(

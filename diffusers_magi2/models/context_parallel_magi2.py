@@ -1,9 +1,11 @@
 """``Magi2ContextParallelMixin``: diffusers' ``enable_parallelism`` for both MAGI-2 transformers, on CUDA and CPU.
 
 With ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))`` every rank passes the full inputs and
-gets the full outputs, but runs the per-token work on its slice of the packed sequence, attention as Ulysses
-attention and the routed experts on its sharded tokens; only the final gather is added. The models pack their
-inputs first, so they shard the packed sequence themselves and refuse diffusers' ``cp_plan``.
+gets the full outputs, but runs the per-token work on its slice of the packed sequence; only the final gather is
+added. As diffusers installs its parallel processors once, ``enable_parallelism`` installs the exchanges once: the
+Ulysses attention on every attention module and, on every MoE layer, the routed experts on sharded tokens; the
+blocks then run unchanged, handing the forward's shard plan to those exchanges. The models pack their inputs first,
+so they shard the packed sequence themselves and refuse diffusers' ``cp_plan``.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from ..parallel.context_parallel_runtime import (
-    Magi2ContextParallelContext,
-    Magi2ContextParallelGroup,
-    resolve_context_parallel,
-)
+from ..parallel.context_parallel import Magi2SequenceShardPlan, gather_sequence_shards, plan_sequence_shards
+from ..parallel.context_parallel_attention import Magi2UlyssesAttention
+from ..parallel.context_parallel_experts import Magi2ShardedTokenExperts
+from ..parallel.context_parallel_runtime import Magi2ContextParallelGroup, resolve_context_parallel
+from ..parallel.expert_parallel import Magi2LocalExperts
 
 
 __all__ = ["Magi2ContextParallelMixin"]
@@ -66,9 +68,28 @@ class Magi2ContextParallelMixin:
             )
         cp = resolve_context_parallel(cp_config)
         self._check_expert_parallel_ranks(cp)
+        if cp.size > 1:
+            self._install_context_parallel_exchanges(cp)
         self._magi2_context_parallel = cp
         self._parallel_config = ParallelConfig(context_parallel_config=cp_config)
         return self
+
+    def _install_context_parallel_exchanges(self, cp: Magi2ContextParallelGroup) -> None:
+        """Ulysses attention on every ``Magi2Attention``; the sharded-token routed experts (or, without EP, the
+        local experts without host synchronisation) on every ``Magi2MultiHeadMoE``."""
+        from ..moe.layer import Magi2MultiHeadMoE
+        from .attention_magi2 import Magi2Attention
+
+        attention = Magi2UlyssesAttention(cp.group, cp.rank, cp.size)
+        for module in self.modules():
+            if isinstance(module, Magi2Attention):
+                module.exchange = attention
+            elif isinstance(module, Magi2MultiHeadMoE):
+                module.exchange = (
+                    Magi2LocalExperts(sync_free=True)
+                    if module.ep_size == 1
+                    else Magi2ShardedTokenExperts(module.num_heads, module.ep_size, cp.group, cp.rank, cp.size)
+                )
 
     def _check_expert_parallel_ranks(self, cp: Magi2ContextParallelGroup) -> None:
         """Expert parallelism, if any, must tile the CP ranks: EP groups of consecutive CP ranks, EP | CP."""
@@ -107,10 +128,10 @@ class Magi2ContextParallelMixin:
         cp = self._magi2_context_parallel
         return None if cp is None or cp.size == 1 else cp
 
-    def _context_parallel_context(
+    def _context_parallel_plan(
         self, num_tokens: int, segment_lengths: Sequence[int]
-    ) -> Optional[Magi2ContextParallelContext]:
-        """The context of one forward over ``num_tokens`` packed tokens, or ``None`` without CP (or ``N = 1``)."""
+    ) -> Optional[Magi2SequenceShardPlan]:
+        """The sequence split of one forward over ``num_tokens`` packed tokens, or ``None`` without CP (or ``N = 1``)."""
         cp = self._magi2_context_parallel
         if cp is None or cp.size == 1:
             return None
@@ -119,4 +140,8 @@ class Magi2ContextParallelMixin:
             if self.context_parallel_token_counts is None
             else self.context_parallel_token_counts(num_tokens, cp.size)
         )
-        return Magi2ContextParallelContext.for_sequence(cp, num_tokens, segment_lengths, counts)
+        return plan_sequence_shards(num_tokens, cp.size, cp.rank, segment_lengths, counts)
+
+    def _gather_sequence_shards(self, local, plan: Magi2SequenceShardPlan):
+        """Every rank's rows of a forward's output assembled into ``[T, ...]`` (the final gather)."""
+        return gather_sequence_shards(local, plan, self._magi2_context_parallel.group)

@@ -9,6 +9,7 @@ with the three MoE terms each rounded to the residual dtype before the sum, as S
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -61,12 +62,13 @@ class Magi2FeedForward(nn.Module):
         x = swiglu7_interleaved(x)
         return self.down_proj(x, group_sizes).to(self.output_dtype or hidden_states.dtype)
 
-    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch, shard_plan=None) -> torch.Tensor:
         """Dense MLP on modality-sorted tokens.
 
         Args:
             hidden_states: ``[T, C]`` tokens, sorted by modality as ``dispatch`` describes.
             dispatch: the batch's modality order.
+            shard_plan: not read (per-token work); taken so every block MLP has one signature.
 
         Returns:
             ``[T, C]`` in :attr:`output_dtype` (default ``hidden_states.dtype``).
@@ -175,15 +177,14 @@ class Magi2MoEFeedForward(nn.Module):
         b = swiglu7_interleaved(x2)
         return self.shared_expert_fc2(a) + self.modality_specific_shared_expert_fc2(b, gs)
 
-    def forward(
-        self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch, context_parallel=None
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch, shard_plan=None) -> torch.Tensor:
         """Routed + shared experts on modality-sorted tokens.
 
         Args:
             hidden_states: ``[T, C]`` tokens in the residual dtype, sorted as ``dispatch`` describes.
             dispatch: the batch's modality order.
-            context_parallel: the forward's ``Magi2ContextParallelContext`` (tokens are this rank's shard).
+            shard_plan: the forward's ``Magi2SequenceShardPlan`` under context parallelism (tokens are this rank's
+                shard), else ``None``; handed to the routed experts' exchange.
 
         Returns:
             ``[T, C]`` in ``hidden_states.dtype``.
@@ -191,21 +192,20 @@ class Magi2MoEFeedForward(nn.Module):
         Raises:
             ValueError: last dim is not ``C``, the group sizes do not sum to ``T``, or the expert backend fails.
         """
-        if self.chunk_size is None or self._exchanges(context_parallel):
-            return self._forward_tokens(hidden_states, dispatch.group_sizes, context_parallel)
-        return run_token_chunks(self._forward_tokens, hidden_states, dispatch.group_sizes, self.chunk_size)
+        # the routed experts' exchange says whether the layer may run in token chunks (not when it exchanges tokens)
+        chunk = _moe_core(self.moe_mlp).exchange.token_chunk(self.chunk_size)
+        tokens = functools.partial(self._forward_tokens, shard_plan=shard_plan)
+        return run_token_chunks(tokens, hidden_states, dispatch.group_sizes, chunk)
 
-    def _exchanges(self, context_parallel) -> bool:
-        """Whether the routed experts exchange tokens between ranks (then every rank runs one call per layer)."""
-        cp = context_parallel is not None and getattr(context_parallel, "world_size", 1) > 1
-        moe = self.moe_mlp
-        moe = moe.get_base_layer() if hasattr(moe, "get_base_layer") else moe  # a router LoRA wraps the MoE
-        return cp or moe.ep_size > 1
-
-    def _forward_tokens(self, hidden_states: torch.Tensor, group_sizes, context_parallel=None) -> torch.Tensor:
+    def _forward_tokens(self, hidden_states: torch.Tensor, group_sizes, shard_plan=None) -> torch.Tensor:
         dtype = hidden_states.dtype
         norm_output = self.pre_norm(hidden_states, group_sizes)
-        routed = self.moe_mlp(self.split_linear(norm_output), context_parallel=context_parallel)
+        routed = self.moe_mlp(self.split_linear(norm_output), shard_plan=shard_plan)
         routed = self.merge_linear(routed)
         shared = self.shared_forward(norm_output, group_sizes)
         return (routed.to(dtype) + shared.to(dtype)).to(dtype)
+
+
+def _moe_core(moe: nn.Module) -> nn.Module:
+    """The ``Magi2MultiHeadMoE`` itself, also where a router LoRA wraps it."""
+    return moe.get_base_layer() if hasattr(moe, "get_base_layer") else moe

@@ -34,6 +34,7 @@ from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
 from .attention_magi2 import (
     Magi2Attention,
     Magi2AttentionMask,
+    Magi2ForwardContext,
     check_attention_kwargs,
     check_transformer_geometry,
     register_block_for_caching_hooks,
@@ -143,23 +144,16 @@ class Magi2TransformerBlock(nn.Module):
             streams.dtype,
         )
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        rotary_emb: torch.Tensor,
-        dispatch: Magi2ModalityDispatch,
-        attention_mask: Union[Magi2AttentionMask, Sequence[int]],
-    ) -> torch.Tensor:
-        """``hidden_states`` ``[T, n*C]`` modality-sorted, in the residual dtype -> the same shape."""
+    def forward(self, hidden_states: torch.Tensor, context: Magi2ForwardContext) -> torch.Tensor:
+        """``hidden_states`` ``[T, n*C]`` modality-sorted, in the residual dtype -> the same shape; ``context`` is
+        the forward's :class:`~.attention_magi2.Magi2ForwardContext`."""
         s = hidden_states.reshape(hidden_states.shape[0], self.num_streams, self.hidden_size)
         fused = self._mhc_fused(s)
-        h_pre, h_post, h_res = self._site_coefficients(s, "attn", dispatch)
-        attn_out = self.attention(mhc_reduce_streams(h_pre, s, fused), rotary_emb, dispatch, attention_mask)
+        h_pre, h_post, h_res = self._site_coefficients(s, "attn", context.dispatch)
+        attn_out = self.attention(mhc_reduce_streams(h_pre, s, fused), context)
         s = mhc_hyper_connect(s, attn_out, h_post, h_res, fused)
-        h_pre, h_post, h_res = self._site_coefficients(s, "mlp", dispatch)
-        cp = getattr(attention_mask, "context_parallel", None)
-        cp_kwargs = {"context_parallel": cp} if cp is not None and isinstance(self.mlp, Magi2MoEFeedForward) else {}
-        mlp_out = self.mlp(mhc_reduce_streams(h_pre, s, fused), dispatch, **cp_kwargs)
+        h_pre, h_post, h_res = self._site_coefficients(s, "mlp", context.dispatch)
+        mlp_out = self.mlp(mhc_reduce_streams(h_pre, s, fused), context.dispatch, context.shard_plan)
         s = mhc_hyper_connect(s, mlp_out, h_post, h_res, fused)
         return s.reshape(s.shape[0], self.num_streams * self.hidden_size)
 
@@ -456,11 +450,10 @@ class Magi2Transformer3DModel(
             raise ValueError(
                 f"hidden_states has {hidden_states.shape[1]} channels; the modalities present need {widest}"
             )
-        cp = self._context_parallel_context(n_tok, mask.segment_lengths)
-        if cp is not None:  # this rank keeps its slice of the packed sequence; attention sees all of it
-            mask.context_parallel = cp
+        plan = self._context_parallel_plan(n_tok, mask.segment_lengths)
+        if plan is not None:  # this rank keeps its slice of the packed sequence; attention sees all of it
             hidden_states, coords, ids, time_embedding = (
-                cp.shard(t) for t in (hidden_states, coords, ids, time_embedding)
+                None if t is None else plan.shard(t) for t in (hidden_states, coords, ids, time_embedding)
             )
         dispatch = Magi2ModalityDispatch.from_modality_mapping(ids)
 
@@ -470,19 +463,20 @@ class Magi2Transformer3DModel(
             x[:, :dim] = time_embedding.to(x.dtype)  # x is this call's own buffer
         x = x.to(self.residual_dtype)  # the fp32 embedding is freed before the sort's copy
         x = dispatch.sort(x)
+        context = Magi2ForwardContext(rope, dispatch, mask, plan)
         layer_outputs = []
         for block in self.transformer_blocks:
             if torch.is_grad_enabled() and self.gradient_checkpointing:
-                x = self._gradient_checkpointing_func(block, x, rope, dispatch, mask)
+                x = self._gradient_checkpointing_func(block, x, context)
             else:
-                x = block(x, rope, dispatch, mask)
+                x = block(x, context)
             if return_layer_outputs:
                 layer_outputs.append(dispatch.unsort(x).float())
         x = dispatch.unsort(x)
         out = self.post_adapter(x, ids)
-        if cp is not None:
-            out = cp.gather(out)
-            layer_outputs = [cp.gather(t) for t in layer_outputs]
+        if plan is not None:
+            out = self._gather_sequence_shards(out, plan)
+            layer_outputs = [self._gather_sequence_shards(t, plan) for t in layer_outputs]
         if return_layer_outputs:
             return out, layer_outputs
         return out

@@ -25,6 +25,7 @@ from .attention_magi2 import (
     Magi2Attention,
     Magi2AttentionMask,
     Magi2AttnProcessor,
+    Magi2ForwardContext,
     Magi2WindowAttnProcessor,
     check_attention_kwargs,
     check_transformer_geometry,
@@ -102,16 +103,11 @@ class Magi2RefinerTransformerBlock(nn.Module):
             chunk_size=DEFAULT_MLP_CHUNK_SIZE,
         )
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        rotary_emb: torch.Tensor,
-        dispatch: Magi2ModalityDispatch,
-        attention_mask: Magi2AttentionMask,
-    ) -> torch.Tensor:
-        """``hidden_states`` ``[N, C]`` modality-sorted -> ``[N, C]`` (fp32 after layer 0's MLP)."""
-        hidden_states = hidden_states + self.attention(hidden_states, rotary_emb, dispatch, attention_mask)
-        return hidden_states + self.mlp(hidden_states, dispatch)
+    def forward(self, hidden_states: torch.Tensor, context: Magi2ForwardContext) -> torch.Tensor:
+        """``hidden_states`` ``[N, C]`` modality-sorted -> ``[N, C]`` (fp32 after layer 0's MLP); ``context`` is the
+        forward's :class:`~.attention_magi2.Magi2ForwardContext`."""
+        hidden_states = hidden_states + self.attention(hidden_states, context)
+        return hidden_states + self.mlp(hidden_states, context.dispatch, context.shard_plan)
 
 
 class Magi2RefinerTransformer3DModel(
@@ -238,14 +234,15 @@ class Magi2RefinerTransformer3DModel(
         for block in self.transformer_blocks:
             block.mlp.chunk_size = None
 
-    def _run(self, embedded, rotary_emb, dispatch: Magi2ModalityDispatch, mask: Magi2AttentionMask):
+    def _run(self, embedded, context: Magi2ForwardContext):
         """Blocks + post adapter on one packed sample, ``[N, C]`` -> ``[N, max(Cv, Ca)]`` fp32."""
+        dispatch = context.dispatch
         h = dispatch.sort(embedded).to(self.compute_dtype)
         for block in self.transformer_blocks:
             if torch.is_grad_enabled() and self.gradient_checkpointing:
-                h = self._gradient_checkpointing_func(block, h, rotary_emb, dispatch, mask)
+                h = self._gradient_checkpointing_func(block, h, context)
             else:
-                h = block(h, rotary_emb, dispatch, mask)
+                h = block(h, context)
         return self.post_adapter(dispatch.unsort(h).float(), dispatch.modality_ids)
 
     @lora_scale_from_attention_kwargs
@@ -318,14 +315,11 @@ class Magi2RefinerTransformer3DModel(
         ``embed_rows(lo, hi) -> (embedded, rope, dispatch)`` of packed rows ``[lo, hi)``. Under context parallelism
         this rank embeds and runs its rows only (attention sees every row through Ulysses); all rows are gathered
         at the end. Returns ``[N, max(Cv, Ca)]`` fp32."""
-        cp = self._context_parallel_context(num_tokens, mask.segment_lengths)
-        lo, hi = 0, num_tokens
-        if cp is not None:
-            mask.context_parallel = cp
-            lo, hi = cp.plan.start, cp.plan.start + cp.plan.num_local_tokens
+        plan = self._context_parallel_plan(num_tokens, mask.segment_lengths)
+        lo, hi = (0, num_tokens) if plan is None else (plan.start, plan.start + plan.num_local_tokens)
         emb, rope, dispatch = embed_rows(lo, hi)
-        out = self._run(emb, rope, dispatch, mask)
-        return out if cp is None else cp.gather(out)
+        out = self._run(emb, Magi2ForwardContext(rope, dispatch, mask, plan))
+        return out if plan is None else self._gather_sequence_shards(out, plan)
 
     @lora_scale_from_attention_kwargs
     def forward(

@@ -5,16 +5,15 @@ SandAI ``CoreMultiHeadMoE``: ``x [S, C]`` is viewed as ``[S, H, Dh]``; head ``h`
 
     y[s, h] = route_scale * sum_k p[s, h, k] * W_down[g] swiglu7(x[s, h] W_gate[g], x[s, h] W_up[g]),  g = h E + e_k
 
-``forward`` = split heads -> (EP dispatch) -> :meth:`~Magi2MultiHeadMoE.forward_local_heads` -> (EP undispatch)
--> merge heads. Tensors (``L`` local heads): ``gate [L E, Dh]`` fp32, ``W_gate``/``W_up [L E, Dh, De]``, ``W_down
-[L E, De, Dh]`` (``params_dtype``, or FP8 with fp32 ``W_*_scale``), ``router.expert_bias(_ema) [L E]`` fp32.
+``forward`` = split heads -> the installed exchange around :meth:`~Magi2MultiHeadMoE.forward_local_heads` (none
+in one process; the EP or CP dispatch and undispatch otherwise) -> merge heads. Tensors (``L`` local heads):
+``gate [L E, Dh]`` fp32, ``W_gate``/``W_up [L E, Dh, De]``, ``W_down [L E, De, Dh]`` (``params_dtype``, or FP8 with fp32 ``W_*_scale``), ``router.expert_bias(_ema) [L E]`` fp32.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -22,7 +21,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..parallel.expert_parallel import ep_head_layout, expert_parallel_heads_forward
+from ..parallel.expert_parallel import ep_head_layout, expert_exchange
 from ..utils.backends import check_backend, resolve_backend
 from ..utils.dtype_utils import parse_dtype
 from ..utils.safetensors_io import take_rows
@@ -189,6 +188,9 @@ class Magi2MultiHeadMoE(nn.Module):
         self.local_real_num_heads = layout.num_real_local_heads
         self.has_real_moe_heads = layout.has_real_heads
         self.local_flatten_num_experts = self.local_num_heads * self.num_experts
+        #: how the heads meet their tokens (:mod:`diffusers_magi2.parallel.expert_parallel`); ``enable_parallelism``
+        #: installs the context-parallel one
+        self.exchange = expert_exchange(layout, ep_group)
 
         # 2. Tensors, under the checkpoint names and layouts.
         rows, dh, de = self.local_flatten_num_experts, self.head_dim, self.expert_intermediate_size
@@ -319,14 +321,18 @@ class Magi2MultiHeadMoE(nn.Module):
         hidden_states: torch.Tensor,
         *,
         ep_token_counts: list[int] | None = None,
-        context_parallel: object | None = None,
+        shard_plan: object | None = None,
     ) -> torch.Tensor:
         """Routed MoE on ``hidden_states [S, hidden]`` (the ``split_linear`` output); returns ``[S, hidden]``.
+
+        The heads go through the installed :attr:`exchange` (one process: none; expert parallel: the EP collectives;
+        context parallel: the exchange ``enable_parallelism`` installed) around :meth:`forward_local_heads`.
 
         Args:
             ep_token_counts: with EP, ``None`` (tokens replicated) or the per-rank token counts (tokens sharded;
                 :mod:`diffusers_magi2.parallel.expert_parallel` layouts a and b).
-            context_parallel: the forward's ``Magi2ContextParallelContext`` (the tokens are this rank's shard).
+            shard_plan: the forward's ``Magi2SequenceShardPlan`` under context parallelism (tokens are this rank's
+                shard), else ``None``.
 
         Raises:
             ValueError: ``hidden_states`` is not ``[S, hidden_size]`` floating point; ``ep_token_counts`` is not
@@ -345,25 +351,8 @@ class Magi2MultiHeadMoE(nn.Module):
             raise ValueError(f"hidden_states must be float32/bfloat16/float16; got {hidden_states.dtype}")
         num_tokens = hidden_states.shape[0]
         x = hidden_states.reshape(num_tokens, self.num_heads, self.head_dim)
-        if context_parallel is not None and context_parallel.world_size > 1:
-            local_heads = functools.partial(self.forward_local_heads, sync_free=True)
-            if self.ep_size == 1:
-                out = local_heads(x)
-            else:
-                out = context_parallel.routed_experts(x, local_heads, self.num_heads, self.ep_size)
-        elif self.ep_size != 1 or ep_token_counts is not None:
-            out = self._forward_expert_parallel(x, ep_token_counts)
-        else:
-            out = self.forward_local_heads(x)
+        out = self.exchange(x, self.forward_local_heads, ep_token_counts, shard_plan)
         return out.reshape(num_tokens, self.hidden_size)
-
-    def _forward_expert_parallel(self, x: torch.Tensor, ep_token_counts: list[int] | None) -> torch.Tensor:
-        """EP exchange around :meth:`forward_local_heads` (``diffusers_magi2.parallel.expert_parallel``)."""
-        if self.ep_size > 1 and self.ep_group is None:
-            raise ValueError("Magi2MultiHeadMoE with ep_size > 1 needs ep_group (a torch.distributed process group)")
-        return expert_parallel_heads_forward(
-            x, self.forward_local_heads, self.ep_layout, self.ep_group, token_counts=ep_token_counts
-        )
 
     def compute_router_logits(self, x_local: torch.Tensor) -> torch.Tensor:
         """Router logits of the real local heads: ``[S', Hr, Dh] -> [Hr, S', E]`` in fp32 (x upcast).

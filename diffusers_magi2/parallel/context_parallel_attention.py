@@ -24,6 +24,8 @@ __all__ = [
     "ulysses_scatter_heads",
     "ulysses_gather_heads",
     "ulysses_attention",
+    "Magi2LocalAttention",
+    "Magi2UlyssesAttention",
 ]
 
 
@@ -232,3 +234,33 @@ def ulysses_attention(
         # a rank without query heads sends its empty bf16 shard: the receive splits would disagree)
         out = attention_fn(q_l, k_l, v_l, heads).to(q_l.dtype)
     return ulysses_gather_heads(out, layout, plan, group, async_op=True).wait()
+
+
+class Magi2LocalAttention:
+    """The attention exchange of one process: every token is here, ``attention_fn`` sees all query heads."""
+
+    def __call__(self, query, key, value, attention_fn, shard_plan=None) -> torch.Tensor:
+        """``attention_fn(query, key, value, None)``; ``shard_plan`` is not read."""
+        return attention_fn(query, key, value, None)
+
+
+class Magi2UlyssesAttention:
+    """The attention exchange of a context-parallel rank: :func:`ulysses_attention` over ``group``.
+
+    Installed on every attention module by ``enable_parallelism``; the head layouts are host arithmetic, built once
+    per ``(Hq, Hkv)``.
+
+    Args:
+        group: the CP process group. rank: this rank in it. world_size: its size ``N``.
+    """
+
+    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self._layouts: dict = {}
+
+    def __call__(self, query, key, value, attention_fn, shard_plan: Magi2SequenceShardPlan) -> torch.Tensor:
+        """This rank's ``[S_r, H, D]`` q/k/v attended over every token of ``shard_plan`` -> ``[S_r, Hq, D]``."""
+        heads = (query.shape[1], key.shape[1])
+        if heads not in self._layouts:
+            self._layouts[heads] = ulysses_head_layout(*heads, self.world_size, self.rank)
+        return ulysses_attention(query, key, value, attention_fn, self._layouts[heads], shard_plan, self.group)

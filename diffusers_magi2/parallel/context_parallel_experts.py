@@ -10,6 +10,7 @@ back, ``S_r Hp Dh`` elements each way; ``E = N`` is :func:`~.expert_parallel.ep_
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "ep_replica_dispatch",
     "ep_replica_undispatch",
     "ep_replica_heads_forward",
+    "Magi2ShardedTokenExperts",
 ]
 
 
@@ -186,3 +188,27 @@ def ep_replica_heads_forward(
     if needs_autograd(x) and not out.requires_grad:
         out = out + local_in * 0  # keep an idle owner in the graph so its backward joins the collectives
     return ep_replica_undispatch(out, token_counts, layout, group, async_op=True).wait()
+
+
+class Magi2ShardedTokenExperts:
+    """The routed-expert exchange of a context-parallel rank whose tokens are its sequence shard, EP degree ``E``
+    dividing the CP degree (:func:`ep_replica_heads_forward`; ``E = N`` is layout (b)). Installed on every MoE layer
+    by ``enable_parallelism`` when the model is expert-parallel.
+
+    Args:
+        num_heads: MoE heads ``H``. ep_size: ``E``. group / rank / world_size: the CP group, this rank, ``N``.
+    """
+
+    def __init__(self, num_heads: int, ep_size: int, group: Any, rank: int, world_size: int) -> None:
+        self.layout = ep_replica_layout(num_heads, world_size, ep_size, rank)
+        self.group = group
+
+    def __call__(self, x, compute_local_heads, ep_token_counts=None, shard_plan=None) -> torch.Tensor:
+        """``[S_r, H, Dh]`` -> ``[S_r, H, Dh]``, the token counts read from ``shard_plan`` (``ep_token_counts`` is
+        not read)."""
+        local_heads = functools.partial(compute_local_heads, sync_free=True)
+        return ep_replica_heads_forward(x, local_heads, self.layout, self.group, shard_plan.token_counts)
+
+    def token_chunk(self, chunk_size):
+        """``None``: every rank joins each exchange once per layer, so the layer runs unchunked."""
+        return None

@@ -1,29 +1,23 @@
-"""Context parallelism at run time: the process group behind a ``ContextParallelConfig`` and the per-forward context.
+"""Context parallelism at run time: the process group behind a ``ContextParallelConfig``.
 
 :func:`resolve_context_parallel` builds the group on CUDA and CPU alike (diffusers 0.42's own resolution divides
-by the accelerator count); the CP degree is the world size, no ring attention. :class:`Magi2ContextParallelContext`
-is built once per forward from sizes every rank knows and gives the layers the Ulysses attention and the routed
-experts on sharded tokens.
+by the accelerator count); the CP degree is the world size, no ring attention.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .context_parallel import Magi2SequenceShardPlan, gather_sequence_shards, plan_sequence_shards
-from .context_parallel_attention import ulysses_attention, ulysses_head_layout
-from .context_parallel_experts import ep_replica_heads_forward, ep_replica_layout
 from .expert_parallel import _check_launch_degree, _launched_world_size, _run_world_size
 
 
 __all__ = [
     "Magi2ContextParallelGroup",
-    "Magi2ContextParallelContext",
     "broadcast_from_first_rank",
     "context_parallel_from_launch",
     "resolve_context_parallel",
@@ -157,68 +151,3 @@ def context_parallel_from_launch(ulysses_degree: Optional[int] = None, ep_degree
     config = ContextParallelConfig(ulysses_degree=degree)
     resolve_context_parallel(config)
     return config
-
-
-class Magi2ContextParallelContext:
-    """What every layer of one CP forward shares: plan, group, and the head layouts (built on first use).
-
-    Args:
-        plan: the sequence split of this forward. group: the CP process group (``None`` when ``N = 1``).
-    """
-
-    def __init__(self, plan: Magi2SequenceShardPlan, group: Any) -> None:
-        self.plan = plan
-        self.group = group
-        self._layouts: dict = {}
-
-    @classmethod
-    def for_sequence(
-        cls,
-        cp: Magi2ContextParallelGroup,
-        num_tokens: int,
-        segment_lengths: Sequence[int],
-        token_counts: Optional[Sequence[int]] = None,
-    ) -> "Magi2ContextParallelContext":
-        """The contiguous split of ``num_tokens`` packed tokens over ``cp`` (balanced unless ``token_counts``)."""
-        return cls(plan_sequence_shards(num_tokens, cp.size, cp.rank, segment_lengths, token_counts), cp.group)
-
-    @property
-    def world_size(self) -> int:
-        return self.plan.world_size
-
-    def shard(self, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """This rank's rows of a full ``[T, ...]`` tensor (``None`` passes through)."""
-        return None if tensor is None else self.plan.shard(tensor)
-
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """Every rank's rows assembled into ``[T, ...]`` (the final gather)."""
-        return gather_sequence_shards(local, self.plan, self.group)
-
-    def attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, range], torch.Tensor],
-    ) -> torch.Tensor:
-        """Ulysses attention of this rank's ``[S_r, H, D]`` q/k/v (:func:`~.context_parallel_attention.ulysses_attention`)."""
-        key_ = ("attn", query.shape[1], key.shape[1])
-        if key_ not in self._layouts:
-            self._layouts[key_] = ulysses_head_layout(query.shape[1], key.shape[1], self.world_size, self.plan.rank)
-        return ulysses_attention(query, key, value, attention_fn, self._layouts[key_], self.plan, self.group)
-
-    def routed_experts(
-        self,
-        x: torch.Tensor,
-        compute_local_heads: Callable[[torch.Tensor], torch.Tensor],
-        num_heads: int,
-        ep_size: int,
-    ) -> torch.Tensor:
-        """Routed experts of this rank's ``[S_r, H, Dh]`` with EP degree ``ep_size`` (dividing ``N``) over the CP
-        group (:func:`~.context_parallel_experts.ep_replica_heads_forward`)."""
-        key_ = ("moe", num_heads, ep_size)
-        if key_ not in self._layouts:
-            self._layouts[key_] = ep_replica_layout(num_heads, self.world_size, ep_size, self.plan.rank)
-        return ep_replica_heads_forward(
-            x, compute_local_heads, self._layouts[key_], self.group, self.plan.token_counts
-        )

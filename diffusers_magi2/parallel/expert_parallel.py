@@ -29,6 +29,9 @@ __all__ = [
     "ep_gather_heads",
     "ep_head_layout",
     "ep_undispatch",
+    "expert_exchange",
+    "Magi2ExpertParallelExchange",
+    "Magi2LocalExperts",
     "expert_parallel_from_launch",
     "expert_parallel_heads_forward",
     "resolve_expert_parallel",
@@ -397,3 +400,55 @@ def ep_device(config: Optional[Magi2ExpertParallelConfig]) -> torch.device:
     if ep.device_type == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")
+
+
+class Magi2LocalExperts:
+    """The routed-expert exchange of a layer holding every head for its own tokens: no collective.
+
+    Args:
+        sync_free: ask the expert backend for a path without host synchronisation (context parallelism: a host
+            read would stall the other ranks' asynchronous exchanges).
+    """
+
+    def __init__(self, sync_free: bool = False) -> None:
+        self.sync_free = sync_free
+
+    def __call__(self, x, compute_local_heads, ep_token_counts=None, shard_plan=None) -> torch.Tensor:
+        """``compute_local_heads(x)``; the token counts are not read."""
+        return compute_local_heads(x, sync_free=self.sync_free)
+
+    def token_chunk(self, chunk_size):
+        """``chunk_size``: tokens are independent here, the layer may run in chunks."""
+        return chunk_size
+
+
+class Magi2ExpertParallelExchange:
+    """The routed-expert exchange of an expert-parallel layer (:func:`expert_parallel_heads_forward`): tokens
+    replicated over the EP group (layout (a)), or sharded with ``ep_token_counts`` (layout (b)).
+
+    Args:
+        layout: this rank's :class:`Magi2EPHeadLayout`. group: the EP process group.
+    """
+
+    def __init__(self, layout: Magi2EPHeadLayout, group: Any) -> None:
+        self.layout, self.group = layout, group
+
+    def __call__(self, x, compute_local_heads, ep_token_counts=None, shard_plan=None) -> torch.Tensor:
+        """``[S, H, Dh]`` -> ``[S, H, Dh]`` (``shard_plan`` is not read).
+
+        Raises:
+            ValueError: no process group; ``ep_token_counts`` not ``N`` ints with this rank's entry ``S``.
+        """
+        if self.group is None:
+            raise ValueError("Magi2MultiHeadMoE with ep_size > 1 needs ep_group (a torch.distributed process group)")
+        return expert_parallel_heads_forward(x, compute_local_heads, self.layout, self.group, ep_token_counts)
+
+    def token_chunk(self, chunk_size):
+        """``None``: every rank joins each exchange once per layer, so the layer runs unchunked."""
+        return None
+
+
+def expert_exchange(layout: Magi2EPHeadLayout, group: Any):
+    """The exchange a MoE layer of ``layout`` starts with: :class:`Magi2LocalExperts` for one rank, else
+    :class:`Magi2ExpertParallelExchange`."""
+    return Magi2LocalExperts() if layout.ep_size == 1 else Magi2ExpertParallelExchange(layout, group)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from diffusers_magi2.models.attention_magi2 import Magi2ForwardContext
 from diffusers_magi2.models.modality import Magi2ModalityDispatch
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 
@@ -159,7 +160,7 @@ def test_bf16_teacher_forced_layers(fixtures_dir):
     with torch.no_grad():
         for i, block in enumerate(model.transformer_blocks):
             x = dispatch.sort(inputs[i].to(torch.bfloat16))
-            y = dispatch.unsort(block(x, rope, dispatch, segments))
+            y = dispatch.unsort(block(x, Magi2ForwardContext(rope, dispatch, segments)))
             assert y.dtype == torch.bfloat16  # the residual stays bf16 (as in SandAI's TransformerLayer)
             errors.append(rel_l2(y, dbg[f"debug.layer{i}.out"]))
     assert max(errors) <= 2e-2, errors
