@@ -156,17 +156,7 @@ def _preview_sandai_config(model) -> dict:
     c = model.config
     cfg = load_sandai_config(released_config_path("magi2_preview.json"))
     arch = cfg["arch_config"]
-    arch.update(
-        num_layers=c.num_layers,
-        hidden_size=c.num_attention_heads * c.attention_head_dim,
-        head_dim=c.attention_head_dim,
-        num_query_groups=c.num_key_value_heads,
-        video_in_channels=c.in_channels,
-        audio_in_channels=c.audio_in_channels,
-        text_in_channels=c.text_in_channels,
-        intermediate_factor=c.intermediate_factor,
-        mm_layers=list(c.multimodal_layers),
-    )
+    arch.update(_shared_arch(c), intermediate_factor=c.intermediate_factor)
     arch["mhc_config"]["num_stream"] = c.num_streams
     arch["attn_sinks"]["sink_token_num"] = c.num_sink_tokens
     arch["moe_config"].update(
@@ -183,10 +173,7 @@ def _preview_sandai_config(model) -> dict:
         split_merge_intermediate_size=c.split_merge_intermediate_size,
     )
     cfg["evaluation_config"]["data_proxy_config"]["time_channel_dim"] = c.time_embed_dim
-    mapped = preview_config_from_sandai(cfg)
-    differ = {k: (v, c[k]) for k, v in mapped.items() if k in c and _plain(c[k]) != _plain(v)}
-    if differ:
-        raise RuntimeError(f"tiny preview config does not map back: {differ}")
+    _check_maps_back(preview_config_from_sandai(cfg), c, "preview")
     return cfg
 
 
@@ -198,27 +185,35 @@ def _refiner_sandai_config(model) -> dict:
     path = Path(__file__).resolve().parents[1] / "loaders" / "released_configs" / "magi2_refiner.json"
     cfg = json.loads(path.read_text())
     arch = cfg["magi2_refiner_arch_config"]
-    arch.update(
-        num_layers=c.num_layers,
-        hidden_size=c.num_attention_heads * c.attention_head_dim,
-        head_dim=c.attention_head_dim,
-        num_query_groups=c.num_key_value_heads,
-        video_in_channels=c.in_channels,
-        audio_in_channels=c.audio_in_channels,
-        text_in_channels=c.text_in_channels,
-        mm_layers=list(c.multimodal_layers),
-        local_attn_layers=list(range(c.num_layers)),
-    )
+    arch.update(_shared_arch(c), local_attn_layers=list(range(c.num_layers)))
     merged = {k: v for k, v in cfg.items() if k != "extends"}
-    mapped = refiner_config_from_sandai(merged)
-    differ = {k: (v, c[k]) for k, v in mapped.items() if k in c and _plain(c[k]) != _plain(v)}
-    if differ:
-        raise RuntimeError(f"tiny refiner config does not map back: {differ}")
+    _check_maps_back(refiner_config_from_sandai(merged), c, "refiner")
     return cfg
+
+
+def _shared_arch(c) -> dict:
+    """The SandAI ``arch_config`` entries both transformers share, from our config ``c``."""
+    return {
+        "num_layers": c.num_layers,
+        "hidden_size": c.num_attention_heads * c.attention_head_dim,
+        "head_dim": c.attention_head_dim,
+        "num_query_groups": c.num_key_value_heads,
+        "video_in_channels": c.in_channels,
+        "audio_in_channels": c.audio_in_channels,
+        "text_in_channels": c.text_in_channels,
+        "mm_layers": list(c.multimodal_layers),
+    }
 
 
 def _plain(value):
     return list(value) if isinstance(value, (tuple, list)) else value
+
+
+def _check_maps_back(mapped: dict, c, what: str) -> None:
+    """The converter's mapping of the written SandAI config must give back ``c`` (the tiny model's config)."""
+    differ = {k: (v, c[k]) for k, v in mapped.items() if k in c and _plain(c[k]) != _plain(v)}
+    if differ:
+        raise RuntimeError(f"tiny {what} config does not map back: {differ}")
 
 
 def _stable_audio_model_config(vae) -> dict:

@@ -553,9 +553,8 @@ def triton_mh_moe_forward(
         triton.runtime.errors.OutOfResources: no tile candidate fits the device.
         RuntimeError: any launch failure other than ``OutOfResources`` (never swallowed).
     """
-    num_tokens, num_heads, head_dim, num_experts, expert_dim = check_expert_inputs(
-        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales
-    )
+    inputs = (x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down)
+    num_tokens, num_heads, head_dim, num_experts, expert_dim = check_expert_inputs(*inputs, scales)
     check_triton_dims(head_dim, expert_dim)
     if w_gate.dtype == FP8_DTYPE:
         check_fp8_device(x.device)
@@ -581,18 +580,7 @@ def triton_mh_moe_forward(
 
     keys = device_key(x.device)
     capability = None if keys == ("interpreter",) else torch.cuda.get_device_capability(x.device)
-    spec = launch_spec(
-        x,
-        gather_ids,
-        probs,
-        expert_offsets,
-        w_gate,
-        w_up,
-        w_down,
-        scales=scales,
-        deterministic=deterministic,
-        capability=capability,
-    )
+    spec = launch_spec(*inputs, scales=scales, deterministic=deterministic, capability=capability)
     if tile_config is not None:
         _launch_tiles((tile_config,), spec.offsets, spec.num_routes, spec.make_args, spec.constants)
     else:

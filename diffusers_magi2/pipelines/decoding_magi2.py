@@ -14,12 +14,31 @@ import torch
 
 
 __all__ = [
+    "WAN22_VAE_CONFIG",
     "decode_audio_latents",
     "decode_video_latents",
     "resample_audio",
     "resize_video_frames",
     "wan_latent_stats",
 ]
+
+
+#: ``AutoencoderKLWan`` in SandAI's Wan2.2 form (``magi2_reference_spec`` §5.5: z 48, base 160, [1, 2, 4, 4]).
+WAN22_VAE_CONFIG = {
+    "base_dim": 160,
+    "decoder_base_dim": 256,
+    "z_dim": 48,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "is_residual": True,
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "scale_factor_temporal": 4,
+}
 
 
 def resize_video_frames(video: torch.Tensor, height: int, width: int, frames_per_chunk: int = 16) -> torch.Tensor:

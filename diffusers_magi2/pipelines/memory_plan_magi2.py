@@ -44,6 +44,7 @@ from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..moe.quantize import FP8_SCALE_NAMES
 from ..parallel.expert_parallel import ep_head_layout
 from ..utils.memory_tracking import LiveStorageTracker
+from .decoding_magi2 import WAN22_VAE_CONFIG
 
 
 __all__ = [
@@ -581,22 +582,6 @@ def plan_refiner_step(
 
 # --------------------------------------------------------------------------------------- encoders, decoders
 
-#: ``AutoencoderKLWan`` in SandAI's Wan2.2 form (``magi2_reference_spec`` §5.5: z 48, base 160, [1, 2, 4, 4]).
-WAN22_VAE_CONFIG = {
-    "base_dim": 160,
-    "decoder_base_dim": 256,
-    "z_dim": 48,
-    "dim_mult": [1, 2, 4, 4],
-    "num_res_blocks": 2,
-    "attn_scales": [],
-    "temperal_downsample": [False, True, True],
-    "is_residual": True,
-    "in_channels": 12,
-    "out_channels": 12,
-    "patch_size": 2,
-    "scale_factor_spatial": 16,
-    "scale_factor_temporal": 4,
-}
 #: Qwen3.5-27B: its parameter count (the full config is not in this repository), hidden size and depth.
 TEXT_ENCODER_PARAMETERS = 27 * 10**9
 TEXT_ENCODER_HIDDEN, TEXT_ENCODER_LAYERS = 5120, 64

@@ -44,7 +44,7 @@ from .presets_magi2 import (
     apply_resolution_preset,
     resolve_stage_sizes,
 )
-from .refiner_stage import Magi2RefinerStageConfig, prepare_refiner_latents, refiner_velocity
+from .refiner_stage import Magi2RefinerStageConfig, prepare_refiner_latents
 from .sampling_magi2 import (
     cache_context,
     check_scheduler,
@@ -782,7 +782,7 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
 
         Per step ``t``: the guided velocity of each latent in ``schedulers``, each forward in its cache context (the
         preview: one forward on ``[cond; uncond]``, :meth:`predict_velocity`; the refiner: cond then uncond, one
-        forward per sample, :func:`~.refiner_stage.refiner_velocity`), one scheduler step per latent, then the step
+        forward per sample, no timestep and no audio), one scheduler step per latent, then the step
         callback, which may replace any entry of ``tensors`` (the step table, updated in place and returned).
         ``conditioning`` holds the masks and I2V tensors (and the refiner's ``guidance_scale``).
         """
@@ -841,15 +841,14 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
                 rows = []
                 for b in range(batch):
                     with cache_context(model, f"{branch}_{b}", **context):
-                        rows.append(
-                            refiner_velocity(
-                                model,
-                                latents[b : b + 1],
-                                embeds[b : b + 1],
-                                None if mask is None else mask[b : b + 1],
-                                attention_kwargs,
-                            )
+                        output = model(
+                            hidden_states=latents[b : b + 1],
+                            encoder_hidden_states=embeds[b : b + 1],
+                            encoder_attention_mask=None if mask is None else mask[b : b + 1],
+                            attention_kwargs=attention_kwargs,
+                            return_dict=True,
                         )
+                    rows.append(output.sample.float())
                 branch_velocity[branch] = torch.cat(rows, dim=0)
             if len(branches) == 1:
                 velocities = {"latents": branch_velocity[branches[0]]}

@@ -9,8 +9,8 @@ On the final preview video latent ``[B, 48, T, h, w]`` (:func:`prepare_refiner_l
 3. a fresh Flow-UniPC (the pipeline's scheduler with ``flow_shift = shift``) on the unshifted sigmas
    ``linspace(sigma_start, 0, N + 1)[:-1]``.
 
-Per step, :func:`refiner_velocity` runs one forward per sample and text branch (cond, then uncond; no timestep, no
-audio), combined as ``v = v_u + g (v_c - v_u)``. The settings come from the pipeline's config only
+Per step the refiner runs one forward per sample and text branch (cond, then uncond; no timestep, no audio),
+combined as ``v = v_u + g (v_c - v_u)``. The settings come from the pipeline's config only
 (:class:`Magi2RefinerStageConfig`).
 """
 
@@ -35,7 +35,6 @@ __all__ = [
     "renoise_latents",
     "make_refiner_scheduler",
     "prepare_refiner_latents",
-    "refiner_velocity",
 ]
 
 
@@ -171,29 +170,3 @@ def prepare_refiner_latents(
     )
     stage_scheduler.set_begin_index(0)
     return x, stage_scheduler
-
-
-def refiner_velocity(
-    refiner: Any,
-    latents: torch.Tensor,
-    prompt_embeds: torch.Tensor,
-    prompt_attention_mask: Optional[torch.Tensor] = None,
-    attention_kwargs: Optional[dict] = None,
-) -> torch.Tensor:
-    """One refiner forward (no timestep, no audio): the fp32 velocity ``[B, C, T, H, W]`` of ``latents`` for the text
-    ``prompt_embeds`` ``[B, Lt, Ct]`` (``prompt_attention_mask`` ``[B, Lt]``, ``None`` = all real tokens).
-
-    ``refiner`` is a ``Magi2RefinerTransformer3DModel`` or a callable with its keyword API returning an output with
-    ``.sample``, a tuple or a tensor.
-    """
-    out = refiner(
-        hidden_states=latents,
-        encoder_hidden_states=prompt_embeds,
-        encoder_attention_mask=prompt_attention_mask,
-        attention_kwargs=attention_kwargs,
-    )
-    if hasattr(out, "sample"):
-        out = out.sample
-    elif isinstance(out, (tuple, list)):
-        out = out[0]
-    return out.float()

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .decoding_magi2 import WAN22_VAE_CONFIG
+
 
 __all__ = [
     "TINY_DEFAULT_CONFIG",
@@ -69,20 +71,7 @@ TINY_DEFAULT_CONFIG: dict[str, Any] = {
         "shared_expert_intermediate_size": 64,
         "modality_specific_expert_intermediate_size": 64,
     },
-    "vae": {
-        "base_dim": 4,
-        "decoder_base_dim": 6,
-        "z_dim": 48,
-        "dim_mult": [1, 2, 4, 4],
-        "num_res_blocks": 1,
-        "temperal_downsample": [False, True, True],
-        "is_residual": True,
-        "in_channels": 12,
-        "out_channels": 12,
-        "patch_size": 2,
-        "scale_factor_spatial": 16,
-        "scale_factor_temporal": 4,
-    },
+    "vae": {**WAN22_VAE_CONFIG, "base_dim": 4, "decoder_base_dim": 6, "num_res_blocks": 1},
     "video_decoder": {
         "latent_channels": 48,
         "decoder_block_out_channels": [8, 8, 12, 16],
@@ -238,42 +227,34 @@ def build_tiny_default_pipeline(config: dict[str, Any] | None = None, dtype: tor
             cfg[key] = value
     generator = torch.Generator().manual_seed(int(cfg["seed"]))
 
-    tokenizer = build_tiny_tokenizer(**cfg["tokenizer"])
+    components = {}
+    tokenizer = components["tokenizer"] = build_tiny_tokenizer(**cfg["tokenizer"])
     text_config = Qwen3_5TextConfig(
         vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **cfg["text_encoder"]
     )
     torch.manual_seed(int(cfg["seed"]))
-    text_encoder = Qwen3_5TextModel(text_config).eval()
+    components["text_encoder"] = Qwen3_5TextModel(text_config).eval()
 
-    transformer = Magi2Transformer3DModel(**cfg["transformer"])
-    init_tiny_weights(transformer, generator)
+    components["transformer"] = init_tiny_weights(Magi2Transformer3DModel(**cfg["transformer"]), generator)
 
     vae_cfg = dict(cfg["vae"])
     z_dim = vae_cfg["z_dim"]
     vae_cfg.setdefault("latents_mean", (torch.rand(z_dim, generator=generator) * 0.4 - 0.2).tolist())
     vae_cfg.setdefault("latents_std", (torch.rand(z_dim, generator=generator) * 0.5 + 0.75).tolist())
     torch.manual_seed(int(cfg["seed"]) + 1)
-    vae = AutoencoderKLWan(**vae_cfg).eval()
+    components["vae"] = AutoencoderKLWan(**vae_cfg).eval()
 
     decoder_cfg = dict(cfg["video_decoder"])
     decoder_cfg.setdefault("latents_mean", vae_cfg["latents_mean"])
     decoder_cfg.setdefault("latents_std", vae_cfg["latents_std"])
     torch.manual_seed(int(cfg["seed"]) + 3)
-    video_decoder = Magi2TurboVAEDecoder(**decoder_cfg).eval()  # PyTorch default conv init
+    components["video_decoder"] = Magi2TurboVAEDecoder(**decoder_cfg).eval()  # PyTorch default conv init
 
     torch.manual_seed(int(cfg["seed"]) + 2)
-    audio_vae = AutoencoderOobleck(**cfg["audio_vae"]).eval()
-    scheduler = UniPCMultistepScheduler(**cfg["scheduler"])
+    components["audio_vae"] = AutoencoderOobleck(**cfg["audio_vae"]).eval()
+    components["scheduler"] = UniPCMultistepScheduler(**cfg["scheduler"])
 
-    pipe = Magi2Pipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        transformer=transformer,
-        audio_vae=audio_vae,
-        scheduler=scheduler,
-        vae=vae,
-        video_decoder=video_decoder,
-    )
+    pipe = Magi2Pipeline(**components)
     if dtype != torch.float32:
         cast_pipeline_to_compute_dtype(pipe, dtype)
     pipe.tiny_call_defaults = dict(cfg["call"])

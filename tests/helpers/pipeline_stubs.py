@@ -263,6 +263,14 @@ def tiny_two_stage_pipeline(fixtures_dir):
     return Magi2Pipeline(transformer=transformer, refiner=refiner, **tiny_real_format_components())
 
 
+def refiner_velocity(refiner, latents, prompt_embeds, prompt_attention_mask=None) -> torch.Tensor:
+    """One refiner forward (no timestep, no audio): the fp32 velocity (``.sample`` of a model output, or a tensor)."""
+    out = refiner(
+        hidden_states=latents, encoder_hidden_states=prompt_embeds, encoder_attention_mask=prompt_attention_mask
+    )
+    return getattr(out, "sample", out).float()
+
+
 def refine_directly(
     refiner,
     latents,
@@ -280,7 +288,7 @@ def refine_directly(
 ):
     """The refiner stage of one sample composed from ``refiner_stage``'s functions by a loop of its own (the
     independent computation the pipeline's sampler is compared with); ``on_step(i, t, latents)`` after each step."""
-    from diffusers_magi2.pipelines.refiner_stage import prepare_refiner_latents, refiner_velocity
+    from diffusers_magi2.pipelines.refiner_stage import prepare_refiner_latents
 
     x, stage_scheduler = prepare_refiner_latents(latents, scheduler, config, height, width, generator, noise)
     g = float(config.guidance_scale)

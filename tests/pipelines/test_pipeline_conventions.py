@@ -365,19 +365,23 @@ def test_one_sampler_serves_both_stages():
     assert len(timesteps) == 7 and all(timesteps) and pipe.current_timestep is None
 
 
-def test_the_latents_leave_the_pipeline_module_only_for_the_refiner_functions():
-    """Following the latents from noise to the final latent of a two-stage call (``output_type="latent"``), the only
-    package functions outside ``pipeline_magi2.py`` they are handed to are the refiner stage's two plain functions,
-    and no code outside ``pipeline_magi2.py`` calls back into it (the loop, callbacks and cache contexts are inline)."""
+def test_the_latents_leave_the_pipeline_module_only_to_start_the_refiner_and_to_be_decoded():
+    """Following the video latents from noise to frames in a two-stage call (the tiny default with a stand-in
+    refiner), the only package functions outside ``pipeline_magi2.py`` they are handed to are the refiner stage's
+    ``prepare_refiner_latents`` and the decoder's ``decode_video_latents``, and no code outside ``pipeline_magi2.py``
+    calls back into it (the loop, both stages' velocities, callbacks and cache contexts are inline)."""
     import diffusers_magi2.pipelines as pipelines
+    from diffusers_magi2 import build_tiny_default_pipeline
 
     folder = str(Path(pipelines.__file__).parent)
     pipeline_file = str(Path(folder) / "pipeline_magi2.py")
     handed, called_back = set(), set()
-    pipe = stub_pipe(refiner=True)
+    pipe = build_tiny_default_pipeline()
+    pipe.register_modules(refiner=StandInRefiner())
+    channels = pipe.num_channels_latents
 
-    def is_latent(value) -> bool:
-        return isinstance(value, torch.Tensor) and (value.dim() == 5 or (value.dim() == 3 and value.shape[-1] == 64))
+    def is_video_latent(value) -> bool:
+        return isinstance(value, torch.Tensor) and value.dim() == 5 and value.shape[1] == channels
 
     def profile(frame, event, arg):
         if event != "call" or frame.f_back is None:
@@ -387,17 +391,19 @@ def test_the_latents_leave_the_pipeline_module_only_for_the_refiner_functions():
         callee_is_pipeline = callee == pipeline_file or frame.f_locals.get("self") is pipe
         caller_is_pipeline = caller == pipeline_file or frame.f_back.f_locals.get("self") is pipe
         if callee.startswith(folder) and not callee_is_pipeline and caller == pipeline_file:
-            if any(is_latent(v) for v in frame.f_locals.values()):
+            if any(is_video_latent(v) for v in frame.f_locals.values()):
                 handed.add(f"{Path(callee).stem}.{frame.f_code.co_name}")
         if callee == pipeline_file and caller.startswith(folder) and not caller_is_pipeline:
             called_back.add(frame.f_code.co_name)
 
+    call = dict(SMALL, output_type="np")
     sys.setprofile(profile)
     try:
-        pipe(**embeds(), **SMALL, generator=torch.Generator().manual_seed(0), callback_on_step_end=lambda *a: {})
+        out = pipe("a fox", **call, generator=torch.Generator().manual_seed(0), callback_on_step_end=lambda *a: {})
     finally:
         sys.setprofile(None)
-    assert handed == {"refiner_stage.prepare_refiner_latents", "refiner_stage.refiner_velocity"}
+    assert out.frames.shape[2:4] == (SMALL["height"], SMALL["width"])
+    assert handed == {"refiner_stage.prepare_refiner_latents", "decoding_magi2.decode_video_latents"}
     assert called_back == set()
 
 

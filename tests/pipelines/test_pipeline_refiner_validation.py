@@ -7,6 +7,7 @@ import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config  # noqa: E402
 from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
 from helpers.pipeline_stubs import (
+    RefinerStubOutput,
     StandInTransformer,
     preview_scheduler,
     short_clip_noise,
@@ -131,8 +132,8 @@ def test_refiner_guidance_one_needs_no_negative_prompt():
     """With refiner CFG off and preview CFG off, no negative prompt is needed (and none is encoded)."""
 
     class HalfVelocity(NeverRunRefiner):
-        def forward(self, hidden_states, encoder_hidden_states, **kwargs):
-            return (hidden_states * 0.5, None)
+        def forward(self, hidden_states, encoder_hidden_states, return_dict=True, **kwargs):
+            return RefinerStubOutput(sample=hidden_states * 0.5) if return_dict else (hidden_states * 0.5, None)
 
     pipe = make_pipe()
     pipe.register_modules(refiner=HalfVelocity())

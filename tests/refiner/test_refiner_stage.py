@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import UniPCMultistepScheduler
+from helpers.pipeline_stubs import refiner_velocity
 from safetensors.torch import load_file
 
 from diffusers_magi2.pipelines.refiner_stage import (
@@ -16,7 +17,6 @@ from diffusers_magi2.pipelines.refiner_stage import (
     prepare_refiner_latents,
     refiner_latent_size,
     refiner_renoise_scale,
-    refiner_velocity,
     renoise_latents,
     upsample_preview_latents,
     zero_snr_refiner_sigmas,
@@ -56,7 +56,7 @@ RELEASED = Magi2RefinerStageConfig(
 
 
 def run_stage(model, latents, cond, uncond, scheduler, height, width, config=RELEASED, on_step=None, **noise):
-    """The stage from ``prepare_refiner_latents`` and ``refiner_velocity`` with a loop of its own (batch 1)."""
+    """The stage from ``prepare_refiner_latents`` and refiner forwards with a loop of its own (batch 1)."""
     x, stage_scheduler = prepare_refiner_latents(latents, scheduler, config, height, width, **noise)
     g = config.guidance_scale
     for i, t in enumerate(stage_scheduler.timesteps):
