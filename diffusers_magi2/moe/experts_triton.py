@@ -35,7 +35,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import triton
@@ -449,24 +449,20 @@ def check_fp8_capability(capability: Optional[tuple[int, int]], name: str = "thi
 
 
 def launch_spec(
-    x: Tensor,
-    gather_ids: Tensor,
-    probs: Tensor,
-    expert_offsets: Tensor,
-    w_gate: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
+    inputs: Sequence[Tensor],
     *,
     scales: Optional[tuple[Tensor, Tensor, Tensor]],
     deterministic: bool,
     capability: Optional[tuple[int, int]],
 ) -> LaunchSpec:
-    """Arguments and constexprs of the kernel for validated inputs, built for ``capability`` (the CUDA compute
+    """Arguments and constexprs of the kernel for validated ``inputs`` (``x, gather_ids, probs, expert_offsets, w_gate,
+    w_up, w_down`` as :func:`triton_mh_moe_forward` takes them), built for ``capability`` (the CUDA compute
     capability; ``None`` for the interpreter).
 
     Raises:
         ValueError: FP8 experts for a capability below 8.9.
     """
+    x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down = inputs
     fp8 = w_gate.dtype == FP8_DTYPE
     if fp8:
         check_fp8_capability(capability)
@@ -580,7 +576,7 @@ def triton_mh_moe_forward(
 
     keys = device_key(x.device)
     capability = None if keys == ("interpreter",) else torch.cuda.get_device_capability(x.device)
-    spec = launch_spec(*inputs, scales=scales, deterministic=deterministic, capability=capability)
+    spec = launch_spec(inputs, scales=scales, deterministic=deterministic, capability=capability)
     if tile_config is not None:
         _launch_tiles((tile_config,), spec.offsets, spec.num_routes, spec.make_args, spec.constants)
     else:

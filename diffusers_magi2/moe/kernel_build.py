@@ -165,18 +165,9 @@ def _moe_launch(build_spec: KernelBuild):
     """
     from . import experts_triton as et
 
-    x, gather_ids, probs, offsets, w_gate, w_up, w_down, scales = _meta_moe_inputs(build_spec.weights)
+    *inputs, scales = _meta_moe_inputs(build_spec.weights)
     spec = et.launch_spec(
-        x,
-        gather_ids,
-        probs,
-        offsets,
-        w_gate,
-        w_up,
-        w_down,
-        scales=scales,
-        deterministic=build_spec.deterministic,
-        capability=divmod(build_spec.arch, 10),
+        inputs, scales=scales, deterministic=build_spec.deterministic, capability=divmod(build_spec.arch, 10)
     )
     config = et.TileConfig(*build_spec.config)
     args = spec.make_args(et.tile_offsets_for(spec.offsets, config.block_t))
