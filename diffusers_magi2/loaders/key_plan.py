@@ -1,7 +1,9 @@
 """Key plan for the MAGI-2 transformer and refiner: SandAI checkpoint keys -> diffusers keys.
 
-Rename-only and shape-preserving: ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``, other keys kept, every
-tensor whole (so expert-parallel ranks ``get_slice`` their rows from the files), and ``router.expert_bias``
+Rename-only and shape-preserving: ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``, and in a layer the flat mHC
+tensors ``mhc_{param}_{site}`` -> ``mhc_{site}.{param}`` (``param`` one of ``alpha_{pre,post,res}``,
+``bias_{pre,post,res}``, ``phi_fused``; ``site`` ``attn`` or ``mlp``: the layer's two ``Magi2HyperConnection``
+submodules), other keys kept, every tensor whole (so expert-parallel ranks ``get_slice`` their rows from the files), and ``router.expert_bias``
 written from the source ``router.expert_bias_ema`` (SandAI's ``_apply_router_bias_ema``; the raw bias must be
 present but is not used). :func:`build_key_plan` checks the checkpoint against the keys, shapes and dtypes of
 the model built on the meta device and raises every problem in one :class:`CheckpointValidationError`.
@@ -32,6 +34,7 @@ __all__ = [
     "SourceCheckpoint",
     "TensorSpec",
     "build_key_plan",
+    "check_no_flat_mhc_keys",
     "read_source_checkpoint",
     "source_to_target_key",
     "target_dtype_for",
@@ -43,16 +46,49 @@ SOURCE_SINGLE_FILE = "model.safetensors"
 _SOURCE_BLOCK = re.compile(r"^block\.layers\.(\d+)\.")
 _TARGET_BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.")
 _ROUTER_BIAS = "router.expert_bias"
+_MHC_PARAM = r"(?P<param>(?:alpha|bias)_(?:pre|post|res)|phi_fused)"
+_MHC_SITE = r"(?P<site>attn|mlp)"
+_SOURCE_MHC = re.compile(rf"^(?P<layer>block\.layers\.\d+)\.mhc_{_MHC_PARAM}_{_MHC_SITE}$")
+_TARGET_MHC = re.compile(rf"^(?P<layer>transformer_blocks\.\d+)\.mhc_{_MHC_SITE}\.{_MHC_PARAM}$")
+_FLAT_TARGET_MHC = re.compile(rf"^transformer_blocks\.\d+\.mhc_{_MHC_PARAM}_{_MHC_SITE}$")
 
 
 def source_to_target_key(key: str) -> str:
-    """Map a SandAI key to its diffusers name: only ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``."""
+    """Map a SandAI key to its diffusers name: ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``, and a layer's
+    ``mhc_{param}_{site}`` -> ``mhc_{site}.{param}``."""
+    mhc = _SOURCE_MHC.match(key)
+    if mhc is not None:
+        key = f"{mhc['layer']}.mhc_{mhc['site']}.{mhc['param']}"
     return _SOURCE_BLOCK.sub(r"transformer_blocks.\1.", key, count=1)
 
 
 def target_to_source_key(key: str) -> str:
     """Inverse of :func:`source_to_target_key`."""
+    mhc = _TARGET_MHC.match(key)
+    if mhc is not None:
+        key = f"{mhc['layer']}.mhc_{mhc['param']}_{mhc['site']}"
     return _TARGET_BLOCK.sub(r"block.layers.\1.", key, count=1)
+
+
+def check_no_flat_mhc_keys(keys, where: str) -> None:
+    """Refuse a diffusers-layout checkpoint whose mHC tensors are named flat (``transformer_blocks.{i}.mhc_{param}_
+    {site}``, as written before the ``Magi2HyperConnection`` sites): diffusers would leave those parameters unloaded.
+
+    Args:
+        keys: the checkpoint's tensor names.
+        where: the checkpoint, for the message.
+
+    Raises:
+        ValueError: naming the count, an example and the rename.
+    """
+    flat = sorted(k for k in keys if _FLAT_TARGET_MHC.match(k))
+    if flat:
+        raise ValueError(
+            f"{where} names {len(flat)} mHC tensors the flat way (e.g. {flat[0]!r}): it was written before each "
+            "block's mHC parameters moved into its mhc_attn / mhc_mlp submodules. Convert the SandAI checkpoint "
+            "again with magi2-convert, or rename every transformer_blocks.{i}.mhc_{param}_{site} to "
+            "transformer_blocks.{i}.mhc_{site}.{param} (the tensors are unchanged)"
+        )
 
 
 def target_dtype_for(source_dtype: str, dtype: str, *, fp32_island: bool) -> str:

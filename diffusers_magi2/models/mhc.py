@@ -9,16 +9,31 @@ flattened state, ``h = norm(s) @ phi`` (``phi`` ``[n*C, 2n + n^2]``), into, with
 
 Coefficients are fp32, rounded to the residual dtype before use. "fused" mixing accumulates in fp32 and rounds
 once (SandAI's Triton kernels); "torch" runs the einsums in the stream dtype (SandAI's torch path).
+
+:class:`Magi2HyperConnection` holds one site's parameters (``alpha_*``, ``bias_*``, ``phi_fused``, all fp32); a
+block owns two, ``mhc_attn`` and ``mhc_mlp``, and the ``mhc_norm`` they share. SandAI stores the same tensors flat
+on its ``TransformerLayer`` as ``mhc_{param}_{site}``; the key plan renames them to ``mhc_{site}.{param}``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable, Optional, Sequence
 
 import torch
+import torch.nn as nn
+
+from .feedforward_magi2 import run_token_chunks
 
 
-__all__ = ["sinkhorn_knopp", "mhc_coefficients", "mhc_reduce_streams", "mhc_hyper_connect", "mhc_matmul_scale"]
+__all__ = [
+    "Magi2HyperConnection",
+    "sinkhorn_knopp",
+    "mhc_coefficients",
+    "mhc_reduce_streams",
+    "mhc_hyper_connect",
+    "mhc_matmul_scale",
+]
 
 MHC_SINKHORN_ITERS = 20
 MHC_SINKHORN_EPS = 1e-12
@@ -101,3 +116,67 @@ def mhc_hyper_connect(
         mixed = mixed + h_post[sl].float().unsqueeze(-1) * site_out[sl].float().unsqueeze(1)
         out[sl] = mixed.to(streams.dtype)
     return out
+
+
+class Magi2HyperConnection(nn.Module):
+    r"""One mHC site (attention or MLP) of a Preview layer: its fp32 parameters and its coefficients (SandAI
+    ``TransformerLayer``'s ``mhc_*_{site}`` tensors with ``MHCHandler.apply_norm_and_compute_h_``).
+
+    Args:
+        num_streams: residual streams ``n``.
+        hidden_size: width ``C`` of one stream.
+        alpha_init: initial value of the three ``alpha`` scalars (SandAI ``mhc_config.alpha_init``; the checkpoint
+            overwrites it).
+
+    Parameters (all fp32): ``alpha_pre``, ``alpha_post``, ``alpha_res`` ``[1]``; ``bias_pre``, ``bias_post``
+    ``[n]``; ``bias_res`` ``[n, n]``; ``phi_fused`` ``[n*C, 2n + n^2]`` (used as ``x @ phi``).
+    """
+
+    def __init__(self, num_streams: int, hidden_size: int, alpha_init: float = 0.01) -> None:
+        super().__init__()
+        n, c = num_streams, hidden_size
+        self.num_streams = n
+        self.hidden_size = c
+        self.matmul_scale = mhc_matmul_scale(n, c)
+        f32 = torch.float32
+        self.alpha_pre = nn.Parameter(torch.full((1,), alpha_init, dtype=f32))
+        self.alpha_post = nn.Parameter(torch.full((1,), alpha_init, dtype=f32))
+        self.alpha_res = nn.Parameter(torch.full((1,), alpha_init, dtype=f32))
+        self.bias_pre = nn.Parameter(torch.zeros(n, dtype=f32))
+        self.bias_post = nn.Parameter(torch.zeros(n, dtype=f32))
+        self.bias_res = nn.Parameter(torch.zeros(n, n, dtype=f32))
+        self.phi_fused = nn.Parameter(torch.zeros(n * c, 2 * n + n * n, dtype=f32))
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        norm: Callable[[torch.Tensor, Optional[Sequence[int]]], torch.Tensor],
+        group_sizes: Optional[Sequence[int]] = None,
+        chunk_size: Optional[int] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The site's coefficients from the state before it.
+
+        Args:
+            streams: ``[T, n, C]`` residual streams, modality-sorted.
+            norm: the block's shared ``mhc_norm``, called as ``norm(x [t, n*C], group_sizes)`` -> fp32.
+            group_sizes: tokens per modality (``None``: one modality).
+            chunk_size: tokens per chunk of the norm and projection (bounds the fp32 ``[t, n*C]`` temporary).
+
+        Returns:
+            ``(h_pre [T, n], h_post [T, n], H_res [T, n, n])`` in ``streams.dtype``.
+        """
+        flat = streams.reshape(streams.shape[0], self.num_streams * self.hidden_size)
+        phi = self.phi_fused.float()
+        h = run_token_chunks(lambda x, g: torch.matmul(norm(x, g), phi), flat, group_sizes, chunk_size)
+        return mhc_coefficients(
+            h,
+            self.alpha_pre,
+            self.alpha_post,
+            self.alpha_res,
+            self.bias_pre,
+            self.bias_post,
+            self.bias_res,
+            self.num_streams,
+            self.matmul_scale,
+            streams.dtype,
+        )

@@ -5,15 +5,19 @@ Per layer, with the residual as ``n`` mHC streams (:mod:`.mhc`)::
     s = mhc(s, attention);  s = mhc(s, mlp)          mlp: dense swiglu7, or the multi-head MoE in MoE layers
 
 between the pre adapter (per-modality embedders, time embedding over channels ``[0:64]``) and the post adapter.
-Parameter names are SandAI's with ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``. fp32 islands: embedders,
-post adapter, norms, sinks, ``mhc_*``, router, rope bands, FP8 scales; the routed experts are stored in
-``expert_dtype``; the residual runs in the attention weights' dtype, coefficients, norms and routing in fp32.
+Parameter names are SandAI's with ``block.layers.{i}.`` -> ``transformer_blocks.{i}.`` and each layer's flat mHC
+tensors ``mhc_{param}_{site}`` held by its two :class:`~.mhc.Magi2HyperConnection` sites as ``mhc_{site}.{param}``
+(:mod:`~diffusers_magi2.loaders.key_plan`). fp32 islands (``_keep_in_fp32_modules``, by module name): embedders,
+post adapter, norms, sinks, ``mhc_attn`` / ``mhc_mlp`` / ``mhc_norm``, router, rope bands, FP8 scales; the routed
+experts are stored in ``expert_dtype``; the residual runs in the attention weights' dtype, coefficients, norms and
+routing in fp32.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
@@ -24,12 +28,14 @@ from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers
 from diffusers.utils import BaseOutput
 
 from ..loaders.expert_parallel_loading import ExpertParallelLoaderMixin
+from ..loaders.key_plan import check_no_flat_mhc_keys
 from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
 from ..moe.layer import Magi2MultiHeadMoE
 from ..moe.quantize import EXPERT_DTYPES, parse_expert_dtype
 from ..moe.quantize import FP8_SCALE_NAMES as _FP8_SCALE_NAMES
 from ..utils.backends import check_backend, resolve_backend
 from ..utils.dtype_utils import parse_dtype
+from ..utils.safetensors_io import read_index, read_safetensors_header
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
 from .attention_magi2 import (
     Magi2Attention,
@@ -41,9 +47,9 @@ from .attention_magi2 import (
 )
 from .cache_magi2 import Magi2CacheMixin
 from .context_parallel_magi2 import Magi2ContextParallelMixin
-from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward, check_chunk_size, run_token_chunks
+from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward, check_chunk_size
 from .lora_magi2 import lora_scale_from_attention_kwargs
-from .mhc import mhc_coefficients, mhc_hyper_connect, mhc_matmul_scale, mhc_reduce_streams
+from .mhc import Magi2HyperConnection, mhc_hyper_connect, mhc_reduce_streams
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, Modality
 from .modeling_magi2 import Magi2ModelMixin
 from .packing_magi2 import Magi2PackedInputs, pack_magi2_inputs, unpack_magi2_outputs
@@ -59,13 +65,6 @@ __all__ = [
     "Magi2PostAdapter",
     "Magi2PackedInputs",
 ]
-
-_MHC_PARAM_NAMES = [
-    f"mhc_{kind}_{part}_{site}"
-    for kind, parts in (("alpha", ("pre", "post", "res")), ("bias", ("pre", "post", "res")))
-    for part in parts
-    for site in ("attn", "mlp")
-] + ["mhc_phi_fused_attn", "mhc_phi_fused_mlp"]
 
 
 @dataclass
@@ -97,7 +96,9 @@ class Magi2TransformerBlock(nn.Module):
         self.num_streams = n
         self.hidden_size = c
         self.num_modality = num_modality
-        self.matmul_scale = mhc_matmul_scale(n, c)
+        # the sites first: the parameter order (which seeded inits walk) stays that of the former flat mhc_* tensors
+        self.mhc_attn = Magi2HyperConnection(n, c)
+        self.mhc_mlp = Magi2HyperConnection(n, c)
         self.attention = Magi2Attention(
             hidden_size,
             num_attention_heads,
@@ -108,15 +109,7 @@ class Magi2TransformerBlock(nn.Module):
             params_dtype=params_dtype,
         )
         self.mlp = mlp
-        f32 = torch.float32
-        for site in ("attn", "mlp"):
-            for part in ("pre", "post", "res"):
-                setattr(self, f"mhc_alpha_{part}_{site}", nn.Parameter(torch.full((1,), 0.01, dtype=f32)))
-            setattr(self, f"mhc_bias_pre_{site}", nn.Parameter(torch.zeros(n, dtype=f32)))
-            setattr(self, f"mhc_bias_post_{site}", nn.Parameter(torch.zeros(n, dtype=f32)))
-            setattr(self, f"mhc_bias_res_{site}", nn.Parameter(torch.zeros(n, n, dtype=f32)))
-            setattr(self, f"mhc_phi_fused_{site}", nn.Parameter(torch.zeros(n * c, 2 * n + n * n, dtype=f32)))
-        self.mhc_norm = Magi2MultiModalityRMSNorm(n * c, num_modality, out_dtype=f32)
+        self.mhc_norm = Magi2MultiModalityRMSNorm(n * c, num_modality, out_dtype=torch.float32)
         self.mhc_backend = "auto"
         self.chunk_size: Optional[int] = None  # tokens per chunk of the per-token work (enable_forward_chunking)
 
@@ -125,34 +118,20 @@ class Magi2TransformerBlock(nn.Module):
         backend = resolve_backend("mhc", self.mhc_backend, streams.device, grad_enabled=torch.is_grad_enabled())
         return backend == "fused"
 
-    def _site_coefficients(self, streams: torch.Tensor, site: str, dispatch: Magi2ModalityDispatch):
+    def _site_coefficients(self, streams: torch.Tensor, site: Magi2HyperConnection, dispatch: Magi2ModalityDispatch):
+        """``site``'s ``(h_pre, h_post, H_res)`` through the shared ``mhc_norm``, in token chunks."""
         gs = dispatch.group_sizes if self.num_modality > 1 else None
-        flat = streams.reshape(streams.shape[0], self.num_streams * self.hidden_size)
-        phi = getattr(self, f"mhc_phi_fused_{site}").float()
-        # token chunks bound the fp32 norm of the n*C-wide state (enable_forward_chunking)
-        h = run_token_chunks(lambda x, g: torch.matmul(self.mhc_norm(x, g), phi), flat, gs, self.chunk_size)
-        return mhc_coefficients(
-            h,
-            getattr(self, f"mhc_alpha_pre_{site}"),
-            getattr(self, f"mhc_alpha_post_{site}"),
-            getattr(self, f"mhc_alpha_res_{site}"),
-            getattr(self, f"mhc_bias_pre_{site}"),
-            getattr(self, f"mhc_bias_post_{site}"),
-            getattr(self, f"mhc_bias_res_{site}"),
-            self.num_streams,
-            self.matmul_scale,
-            streams.dtype,
-        )
+        return site(streams, self.mhc_norm, gs, self.chunk_size)
 
     def forward(self, hidden_states: torch.Tensor, context: Magi2ForwardContext) -> torch.Tensor:
         """``hidden_states`` ``[T, n*C]`` modality-sorted, in the residual dtype -> the same shape; ``context`` is
         the forward's :class:`~.attention_magi2.Magi2ForwardContext`."""
         s = hidden_states.reshape(hidden_states.shape[0], self.num_streams, self.hidden_size)
         fused = self._mhc_fused(s)
-        h_pre, h_post, h_res = self._site_coefficients(s, "attn", context.dispatch)
+        h_pre, h_post, h_res = self._site_coefficients(s, self.mhc_attn, context.dispatch)
         attn_out = self.attention(mhc_reduce_streams(h_pre, s, fused), context)
         s = mhc_hyper_connect(s, attn_out, h_post, h_res, fused)
-        h_pre, h_post, h_res = self._site_coefficients(s, "mlp", context.dispatch)
+        h_pre, h_post, h_res = self._site_coefficients(s, self.mhc_mlp, context.dispatch)
         mlp_out = self.mlp(mhc_reduce_streams(h_pre, s, fused), context.dispatch, context.shard_plan)
         s = mhc_hyper_connect(s, mlp_out, h_post, h_res, fused)
         return s.reshape(s.shape[0], self.num_streams * self.hidden_size)
@@ -162,6 +141,22 @@ class Magi2TransformerBlock(nn.Module):
 #: memory plan (``tests/benchmarks/bench_memory.py``): at 540p with CFG (116 k tokens) it keeps the step's
 #: activations within what one 141 GB H200 leaves beside the FP8 model; below it the chunking is a no-op.
 DEFAULT_FORWARD_CHUNK_SIZE = 16384
+
+
+def _check_local_mhc_names(pretrained_model_name_or_path, kwargs: dict) -> bool:
+    """Whether the checkpoint is a local folder; if it holds safetensors weights, refuse flat mHC names in them
+    (read from the index or the file header, before anything is loaded)."""
+    from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, _add_variant
+
+    folder = Path(pretrained_model_name_or_path) / (kwargs.get("subfolder") or "")
+    index, single = (
+        folder / _add_variant(n, kwargs.get("variant")) for n in (SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME)
+    )
+    if index.is_file():
+        check_no_flat_mhc_keys(read_index(folder, index.name, single.name), str(folder))
+    elif single.is_file():
+        check_no_flat_mhc_keys(read_safetensors_header(single).tensors, str(folder))
+    return folder.is_dir()
 
 
 def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
@@ -217,12 +212,13 @@ class Magi2Transformer3DModel(
         "pre_norm",
         "q_norm",
         "k_norm",
+        "mhc_attn",
+        "mhc_mlp",
         "mhc_norm",
         "sinks",
         "gate",
         "router",
         *_FP8_SCALE_NAMES,
-        *_MHC_PARAM_NAMES,
     ]
     ignore_for_config = ["params_dtype"]
     #: ``attention_kwargs`` keys :meth:`forward` takes: ``"scale"``, the LoRA scale (diffusers' ``apply_lora_scale``).
@@ -385,7 +381,9 @@ class Magi2Transformer3DModel(
                 loads as FP8 without it).
 
         Raises:
-            ValueError: a missing or misshaped FP8 scale, or an expert-parallel loading error.
+            ValueError: a missing or misshaped FP8 scale, an expert-parallel loading error, or a checkpoint that names
+                the mHC tensors flat (written before the ``mhc_attn`` / ``mhc_mlp`` submodules; checked before
+                loading for a local folder, from the unexpected keys otherwise).
         """
         if kwargs.get("local_files_only") is None:
             from huggingface_hub import constants as hf_constants
@@ -394,7 +392,14 @@ class Magi2Transformer3DModel(
                 "HF_HUB_OFFLINE", ""
             ).strip().upper() in ("1", "ON", "YES", "TRUE")
             kwargs["local_files_only"] = offline
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        local = _check_local_mhc_names(pretrained_model_name_or_path, kwargs)
+        if local or kwargs.get("use_flashpack"):  # (flashpack gives no loading info)
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        # a Hub id: the names are known once it is downloaded and loaded
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, output_loading_info=True, **kwargs)
+        check_no_flat_mhc_keys(info.get("unexpected_keys", ()), str(pretrained_model_name_or_path))
+        return (model, info) if want_info else model
 
     @lora_scale_from_attention_kwargs
     def forward_packed(

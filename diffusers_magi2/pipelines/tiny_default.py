@@ -166,7 +166,7 @@ def init_tiny_weights(module: torch.nn.Module, generator: torch.Generator) -> to
         leaf = name.rsplit(".", 1)[-1]
         if "alpha" in leaf:
             param.fill_(0.5)
-        elif "norm" in name or leaf in ("bias", "sinks") or "mhc_bias" in leaf:
+        elif "norm" in name or leaf in ("bias", "sinks") or leaf.startswith("bias_"):
             param.zero_()
         elif param.ndim >= 2:
             fan_in = param.shape[-1] if param.ndim == 2 else param.shape[-2]

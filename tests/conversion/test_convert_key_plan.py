@@ -47,14 +47,22 @@ def _expected_from(ckpt):
     }
 
 
-def test_rename_rule_only_touches_the_block_prefix():
+def test_rename_rule_only_touches_the_block_prefix_and_the_mhc_sites():
     assert (
         source_to_target_key("block.layers.12.attention.linear_qkv.weight")
         == "transformer_blocks.12.attention.linear_qkv.weight"
     )
     assert source_to_target_key("pre_adapter.rope.bands") == "pre_adapter.rope.bands"
     assert source_to_target_key("post_adapter.block.layers.1.x") == "post_adapter.block.layers.1.x"
-    for key in read_tsv("sandai_preview_state_dict.tsv"):
+    # a layer's flat mHC tensors belong to its two sites; the shared norm keeps its name
+    assert source_to_target_key("block.layers.3.mhc_bias_res_attn") == "transformer_blocks.3.mhc_attn.bias_res"
+    assert source_to_target_key("block.layers.3.mhc_phi_fused_mlp") == "transformer_blocks.3.mhc_mlp.phi_fused"
+    assert source_to_target_key("block.layers.3.mhc_norm.weight") == "transformer_blocks.3.mhc_norm.weight"
+    assert source_to_target_key("block.layers.3.attention.mhc_alpha_pre_attn").endswith("attention.mhc_alpha_pre_attn")
+    keys = read_tsv("sandai_preview_state_dict.tsv")
+    assert len({source_to_target_key(k) for k in keys}) == len(keys)
+    assert sum(".mhc_attn." in source_to_target_key(k) for k in keys) == 40 * 7
+    for key in keys:
         assert target_to_source_key(source_to_target_key(key)) == key
 
 
@@ -66,12 +74,10 @@ def test_rename_rule_only_touches_the_block_prefix():
     ],
 )
 def test_fp32_island_rule_matches_the_released_dtypes(table, model_cls):
-    """The class's ``_keep_in_fp32_modules`` names exactly the F32 tensors of the released checkpoint."""
+    """The class's ``_keep_in_fp32_modules`` names exactly the F32 tensors of the released checkpoint, under their
+    diffusers names (the modules it lists, ``mhc_attn`` / ``mhc_mlp`` included, exist only after the renames)."""
     rows = read_tsv(table)
     keep = model_cls._keep_in_fp32_modules
-    wrong = [k for k, (_, dt) in rows.items() if (dt == "F32") != is_fp32_island(k, keep)]
-    assert wrong == []
-    # the same holds for the diffusers names
     wrong = [k for k, (_, dt) in rows.items() if (dt == "F32") != is_fp32_island(source_to_target_key(k), keep)]
     assert wrong == []
     if "preview" in table:  # 118,754,352 fp32 *parameters* at FULL size (SandAI's released config) ...

@@ -35,9 +35,10 @@ def tiny_model(seed: int = 0, **overrides) -> Magi2Transformer3DModel:
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "mhc_phi" in name or name.endswith("sinks") or "norm" in name or "mhc_bias" in name:
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("phi_fused", "sinks") or "norm" in name or leaf.startswith("bias_"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-            elif "mhc_alpha" in name:
+            elif leaf.startswith("alpha_"):
                 p.fill_(0.5)
             elif name.endswith(("W_gate", "W_up", "W_down", "moe_mlp.gate")):
                 p.copy_(torch.randn(p.shape, generator=g) * p.shape[-2] ** -0.5)

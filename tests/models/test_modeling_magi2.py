@@ -8,10 +8,11 @@ import logging
 
 import pytest
 import torch
-from helpers.tiny_transformer import tiny_inputs, tiny_model
+from helpers.tiny_transformer import TINY, tiny_inputs, tiny_model
 from safetensors.torch import load_file
 
 from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
+from diffusers_magi2.models.mhc import Magi2HyperConnection
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 
@@ -82,9 +83,68 @@ def test_dtype_move_keeps_every_fp32_island_fp32_and_exact(model_and_call, move)
 
 def test_preview_island_families_are_covered():
     names = _island_names(tiny_model())
-    families = ("pre_adapter", "post_adapter", "sinks", "router", "gate", "mhc_norm", "q_norm", "k_norm", "pre_norm")
+    families = ("pre_adapter", "post_adapter", "sinks", "router", "gate", "q_norm", "k_norm", "pre_norm")
+    families += ("mhc_attn", "mhc_mlp", "mhc_norm")
     assert all(any(f in n.split(".") for n in names) for f in families)
-    assert any(n.rsplit(".", 1)[-1].startswith("mhc_") for n in names) and "pre_adapter.rope.bands" in names
+    assert "pre_adapter.rope.bands" in names
+
+
+@pytest.mark.parametrize("model_and_call", ["preview", "refiner"], indirect=True)
+def test_keep_in_fp32_modules_names_only_what_the_model_has(model_and_call):
+    """Every ``_keep_in_fp32_modules`` entry is a module (or, for sinks, the router gate and FP8 scales, a
+    parameter) of the model; the preview's mHC islands are its ``Magi2HyperConnection`` sites and ``mhc_norm``."""
+    model, _ = model_and_call
+    if isinstance(model, Magi2Transformer3DModel):
+        model = tiny_model(expert_dtype="float8_e4m3fn")  # the FP8 scales exist only with FP8 experts
+    modules = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    tensors = {name.rsplit(".", 1)[-1] for name, _ in [*model.named_parameters(), *model.named_buffers()]}
+    unknown = [m for m in model._keep_in_fp32_modules if m not in modules | tensors]
+    assert not unknown
+    if isinstance(model, Magi2Transformer3DModel):
+        sites = [(n, m) for n, m in model.named_modules() if isinstance(m, Magi2HyperConnection)]
+        assert len(sites) == 2 * TINY["num_layers"]
+        assert {n.rsplit(".", 1)[-1] for n, _ in sites} == {"mhc_attn", "mhc_mlp"}
+        assert {"mhc_attn", "mhc_mlp", "mhc_norm"} <= set(model._keep_in_fp32_modules)
+        # the islands are listed by module: no entry is an mHC parameter's own name
+        assert not {n for m in (s for _, s in sites) for n, _ in m.named_parameters()} & set(
+            model._keep_in_fp32_modules
+        )
+
+
+def _mhc_parameters(model) -> dict:
+    """Every mHC parameter: the two sites' and ``mhc_norm``'s, by name."""
+    names = [n for n, m in model.named_modules() if isinstance(m, Magi2HyperConnection) or n.endswith(".mhc_norm")]
+    params = {f"{n}.{p}": t for n in names for p, t in model.get_submodule(n).named_parameters()}
+    assert len(params) == TINY["num_layers"] * (2 * 7 + 1)
+    return params
+
+
+def test_every_mhc_parameter_stays_fp32_through_moves_loads_and_layerwise_casting(tmp_path):
+    model = tiny_model()
+    before = {n: t.detach().clone() for n, t in _mhc_parameters(model).items()}
+    assert all(t.dtype == torch.float32 for t in before.values())
+
+    def fp32_and_exact(m):
+        now = _mhc_parameters(m)
+        return now.keys() == before.keys() and all(
+            t.dtype == torch.float32 and torch.equal(t, before[n]) for n, t in now.items()
+        )
+
+    model.save_pretrained(tmp_path)
+    assert fp32_and_exact(model.to(torch.bfloat16))
+    assert fp32_and_exact(Magi2Transformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16))
+
+    cast = tiny_model()
+    cast.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    assert fp32_and_exact(cast)
+    seen = []  # the dtypes each site's parameters have while it runs: no cast hook touches them
+    for module in cast.modules():
+        if isinstance(module, Magi2HyperConnection):
+            module.register_forward_pre_hook(lambda m, _: seen.extend(p.dtype for p in m.parameters()))
+    with torch.no_grad():
+        cast(**tiny_inputs(dtype=torch.bfloat16))
+    assert len(seen) == 2 * TINY["num_layers"] * 7 and set(seen) == {torch.float32}
+    assert fp32_and_exact(cast)
 
 
 @pytest.mark.parametrize("model_and_call", ["preview", "refiner"], indirect=True)
@@ -232,3 +292,36 @@ def test_forward_with_a_nan_input_is_refused_by_the_router_not_propagated():
         inputs["hidden_states"][0, :, 1, 2, 3] = float("nan")
         with pytest.raises(ValueError, match=r"MoE router logits are not finite .*head \d+, token \d+"):
             model(**inputs)
+
+
+@pytest.mark.parametrize("checked", ["before loading", "before loading, sharded", "from the unexpected keys"])
+def test_a_repo_with_flat_mhc_names_is_refused_not_left_unloaded(tmp_path, monkeypatch, checked):
+    """A repo written when the mHC tensors were flat block parameters would load with those parameters unset."""
+    import json
+    import re
+
+    from safetensors.torch import save_file
+
+    from diffusers_magi2.models import transformer_magi2
+
+    def flat(key):
+        return re.sub(r"\.mhc_(attn|mlp)\.(\w+)$", r".mhc_\2_\1", key)
+
+    tiny_model().save_pretrained(tmp_path, max_shard_size="200KB" if "sharded" in checked else "10GB")
+    for path in tmp_path.glob("*.safetensors"):
+        save_file({flat(k): v for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
+    for index in tmp_path.glob("*.index.json"):
+        data = json.loads(index.read_text())
+        data["weight_map"] = {flat(k): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data))
+    assert ("sharded" in checked) == any(tmp_path.glob("*.index.json"))
+    if checked == "from the unexpected keys":  # as for a Hub id: no local file to read first
+        monkeypatch.setattr(transformer_magi2, "_check_local_mhc_names", lambda path, kwargs: False)
+    with pytest.raises(ValueError, match=r"names 28 mHC tensors the flat way .*mhc_\{site\}\.\{param\}"):
+        Magi2Transformer3DModel.from_pretrained(tmp_path)
+    for path in [*tmp_path.glob("*.safetensors"), *tmp_path.glob("*.index.json")]:
+        path.unlink()
+    tiny_model().save_pretrained(tmp_path)
+    model, info = Magi2Transformer3DModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert all(not p.is_meta for p in model.parameters())

@@ -266,7 +266,7 @@ def test_gradient_checkpointing_same_gradients():
     ckpt = grads()
     assert len(calls) == TINY["num_layers"]
     assert plain.keys() == ckpt.keys() and len(plain) > 20
-    assert any(n.endswith("moe_mlp.W_gate") for n in plain) and any(n.endswith("mhc_phi_fused_attn") for n in plain)
+    assert any(n.endswith("moe_mlp.W_gate") for n in plain) and any(n.endswith("mhc_attn.phi_fused") for n in plain)
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
 
