@@ -3,10 +3,11 @@
 Rename-only and shape-preserving: ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``, and in a layer the flat mHC
 tensors ``mhc_{param}_{site}`` -> ``mhc_{site}.{param}`` (``param`` one of ``alpha_{pre,post,res}``,
 ``bias_{pre,post,res}``, ``phi_fused``; ``site`` ``attn`` or ``mlp``: the layer's two ``Magi2HyperConnection``
-submodules), other keys kept, every tensor whole (so expert-parallel ranks ``get_slice`` their rows from the files), and ``router.expert_bias``
-written from the source ``router.expert_bias_ema`` (SandAI's ``_apply_router_bias_ema``; the raw bias must be
-present but is not used). :func:`build_key_plan` checks the checkpoint against the keys, shapes and dtypes of
-the model built on the meta device and raises every problem in one :class:`CheckpointValidationError`.
+submodules), other keys kept, every tensor whole (so expert-parallel ranks ``get_slice`` their rows from the
+files), and ``router.expert_bias`` written from the source ``router.expert_bias_ema`` (SandAI's
+``_apply_router_bias_ema``; the raw bias must be present but is not used). :func:`build_key_plan` checks the
+checkpoint against the keys, shapes and dtypes of the model built on the meta device and raises every problem
+in one :class:`CheckpointValidationError`.
 """
 
 from __future__ import annotations
