@@ -14,8 +14,7 @@ import inspect
 import torch
 from diffusers import UniPCMultistepScheduler
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
-from diffusers.modular_pipelines import ModularPipelineBlocks, PipelineState
-from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, ConfigSpec, InputParam, OutputParam
+from diffusers.modular_pipelines.modular_pipeline_utils import ConfigSpec, InputParam, OutputParam
 from diffusers.utils import logging
 
 from ..parallel.context_parallel_runtime import broadcast_from_first_rank
@@ -25,12 +24,11 @@ from ..pipelines.sampling_magi2 import check_scheduler
 from .utils import (
     CALL_STATE,
     CLASSIC_COMPONENTS,
-    Magi2BlockChecks,
-    check_component_types,
+    Magi2Block,
     check_repo_files,
     classic_config_defaults,
     classic_steps,
-    component_spec,
+    planned_input,
 )
 
 
@@ -103,23 +101,17 @@ def first_rank(components) -> bool:
     return group is None or group.rank == 0
 
 
-class Magi2InputStep(Magi2BlockChecks, ModularPipelineBlocks):
+class Magi2InputStep(Magi2Block):
     """The call's checks and plan: resolution preset, ``Magi2Pipeline.check_inputs`` (every bad argument raises
     before any work), the stage sizes and the refiner settings; resets the call state (``interrupt`` ...)."""
 
-    model_name = "magi2"
+    description = (
+        "Input step: applies `resolution`, checks every argument as Magi2Pipeline.check_inputs, and plans the "
+        "call (preview size, whether the 1080p refiner stage runs, batch sizes)"
+    )
 
-    @property
-    def description(self) -> str:
-        return (
-            "Input step: applies `resolution`, checks every argument as Magi2Pipeline.check_inputs, and plans the "
-            "call (preview size, whether the 1080p refiner stage runs, batch sizes)"
-        )
-
-    @property
-    def expected_components(self) -> list[ComponentSpec]:
-        # every component: the checks read their configs (widths, decoders present, the refiner for 1088x1920)
-        return [component_spec(name) for name in CLASSIC_COMPONENTS]
+    # every component: the checks read their configs (widths, decoders present, the refiner for 1088x1920)
+    component_names = CLASSIC_COMPONENTS
 
     @property
     def expected_configs(self) -> list[ConfigSpec]:
@@ -140,13 +132,9 @@ class Magi2InputStep(Magi2BlockChecks, ModularPipelineBlocks):
             OutputParam("num_videos", type_hint=int, description="batch_size * num_videos_per_prompt"),
         ]
 
-    @torch.no_grad()
-    def __call__(self, components, state: PipelineState):
-        block_state = self.get_block_state(state)
+    def run(self, components, bs) -> None:
         check_repo_files(components)
-        check_component_types(components, block=self.__class__.__name__)
         steps = classic_steps(components)
-        bs = block_state
         if isinstance(bs.callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             bs.callback_on_step_end_tensor_inputs = bs.callback_on_step_end.tensor_inputs
         if bs.resolution is not None:
@@ -180,22 +168,16 @@ class Magi2InputStep(Magi2BlockChecks, ModularPipelineBlocks):
         else:
             bs.batch_size = bs.prompt_embeds.shape[0]
         bs.num_videos = bs.batch_size * bs.num_videos_per_prompt
-        self.set_block_state(state, block_state)
-        return components, state
 
 
-class Magi2BroadcastConditioningStep(Magi2BlockChecks, ModularPipelineBlocks):
+class Magi2BroadcastConditioningStep(Magi2Block):
     """Under context parallelism CP rank 0's text and image conditioning goes to every rank (the others encode
     nothing); then the I2V latent is expanded to one row per video."""
 
-    model_name = "magi2"
-
-    @property
-    def description(self) -> str:
-        return (
-            "Broadcasts CP rank 0's conditioning (text embeddings, masks, image embedding and latent) to every "
-            "context-parallel rank and expands the image latent to one row per video"
-        )
+    description = (
+        "Broadcasts CP rank 0's conditioning (text embeddings, masks, image embedding and latent) to every "
+        "context-parallel rank and expands the image latent to one row per video"
+    )
 
     @property
     def inputs(self) -> list[InputParam]:
@@ -206,7 +188,7 @@ class Magi2BroadcastConditioningStep(Magi2BlockChecks, ModularPipelineBlocks):
             InputParam("negative_prompt_attention_mask", type_hint=torch.Tensor),
             InputParam("image_embeds", type_hint=torch.Tensor),
             InputParam("image_latents", type_hint=torch.Tensor, description="[1, 48, 1, h, w] I2V latent"),
-            InputParam("num_videos", required=True, type_hint=int, description="from the input step"),
+            planned_input("num_videos"),
         ]
 
     @property
@@ -220,9 +202,7 @@ class Magi2BroadcastConditioningStep(Magi2BlockChecks, ModularPipelineBlocks):
             OutputParam("image_latents", type_hint=torch.Tensor, description="[num_videos, 48, 1, h, w]"),
         ]
 
-    @torch.no_grad()
-    def __call__(self, components, state: PipelineState):
-        bs = self.get_block_state(state)
+    def run(self, components, bs) -> None:
         names = [p.name for p in self.intermediate_outputs]
         group = getattr(getattr(components, "transformer", None), "context_parallel_group", None)
         if group is not None:
@@ -233,22 +213,14 @@ class Magi2BroadcastConditioningStep(Magi2BlockChecks, ModularPipelineBlocks):
                 setattr(bs, name, value)
         if bs.image_latents is not None:
             bs.image_latents = bs.image_latents.expand(bs.num_videos, -1, -1, -1, -1)
-        self.set_block_state(state, bs)
-        return components, state
 
 
-class Magi2SetTimestepsStep(Magi2BlockChecks, ModularPipelineBlocks):
+class Magi2SetTimestepsStep(Magi2Block):
     """``Magi2Pipeline.prepare_timesteps``: the video scheduler and a fresh audio one on one flow schedule."""
 
-    model_name = "magi2"
+    description = "Sets the preview schedule: the video scheduler and an audio scheduler from its config, same sigmas"
 
-    @property
-    def description(self) -> str:
-        return "Sets the preview schedule: the video scheduler and an audio scheduler from its config, same sigmas"
-
-    @property
-    def expected_components(self) -> list[ComponentSpec]:
-        return [component_spec("scheduler")]
+    component_names = ("scheduler",)
 
     @property
     def inputs(self) -> list[InputParam]:
@@ -262,33 +234,24 @@ class Magi2SetTimestepsStep(Magi2BlockChecks, ModularPipelineBlocks):
             OutputParam("audio_scheduler", type_hint=UniPCMultistepScheduler),
         ]
 
-    @torch.no_grad()
-    def __call__(self, components, state: PipelineState):
-        bs = self.get_block_state(state)
-        self.check_components(components)
+    def run(self, components, bs) -> None:
         steps = classic_steps(components)
         bs.video_scheduler, bs.audio_scheduler, bs.timesteps = steps.prepare_timesteps(
             bs.num_inference_steps, steps._execution_device
         )
-        self.set_block_state(state, bs)
-        return components, state
 
 
-class Magi2PrepareLatentsStep(Magi2BlockChecks, ModularPipelineBlocks):
+class Magi2PrepareLatentsStep(Magi2Block):
     """``Magi2Pipeline.prepare_latents``: fp32 video noise drawn first, then audio (SandAI's draw order)."""
 
-    model_name = "magi2"
-
-    @property
-    def description(self) -> str:
-        return "Prepares the initial noise: video [B, 48, T, H/16, W/16] first, then audio [B, L, 64], fp32"
+    description = "Prepares the initial noise: video [B, 48, T, H/16, W/16] first, then audio [B, L, 64], fp32"
 
     @property
     def inputs(self) -> list[InputParam]:
         return [
-            InputParam("num_videos", required=True, type_hint=int, description="from the input step"),
-            InputParam("denoise_height", required=True, type_hint=int, description="from the input step"),
-            InputParam("denoise_width", required=True, type_hint=int, description="from the input step"),
+            planned_input("num_videos"),
+            planned_input("denoise_height"),
+            planned_input("denoise_width"),
             call_input("generator"),
             call_input("latents", type_hint=torch.Tensor),
             call_input("audio_latents", type_hint=torch.Tensor),
@@ -301,9 +264,7 @@ class Magi2PrepareLatentsStep(Magi2BlockChecks, ModularPipelineBlocks):
             OutputParam("audio_latents", type_hint=torch.Tensor, description="[B, L, 64] fp32 audio noise"),
         ]
 
-    @torch.no_grad()
-    def __call__(self, components, state: PipelineState):
-        bs = self.get_block_state(state)
+    def run(self, components, bs) -> None:
         steps = classic_steps(components)
         bs.latents, bs.audio_latents = steps.prepare_latents(
             bs.num_videos,
@@ -314,5 +275,3 @@ class Magi2PrepareLatentsStep(Magi2BlockChecks, ModularPipelineBlocks):
             bs.latents,
             bs.audio_latents,
         )
-        self.set_block_state(state, bs)
-        return components, state

@@ -7,35 +7,25 @@ stereo through the Oobleck decoder and the ``441/512`` resample. ``Magi2Pipeline
 from __future__ import annotations
 
 import torch
-from diffusers.modular_pipelines import ModularPipelineBlocks, PipelineState
-from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam, OutputParam
+from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
 
 from ..pipelines.decoding_magi2 import resize_video_frames
 from .before_denoise import call_input, first_rank
-from .utils import Magi2BlockChecks, classic_steps, component_spec
+from .utils import Magi2Block, classic_steps
 
 
 __all__ = ["Magi2AudioDecoderStep", "Magi2VideoDecoderStep"]
 
 
-class Magi2VideoDecoderStep(Magi2BlockChecks, ModularPipelineBlocks):
+class Magi2VideoDecoderStep(Magi2Block):
     """Frames from the final video latent (``output_type`` ``"latent"`` passes the latent through)."""
 
-    model_name = "magi2"
+    description = (
+        "Video decoder step: the final video latent to frames through TurboVAED (video_decoder) or the Wan2.2 "
+        "VAE, optionally resized to output_height x output_width"
+    )
 
-    @property
-    def description(self) -> str:
-        return (
-            "Video decoder step: the final video latent to frames through TurboVAED (video_decoder) or the Wan2.2 "
-            "VAE, optionally resized to output_height x output_width"
-        )
-
-    @property
-    def expected_components(self) -> list[ComponentSpec]:
-        return [
-            component_spec("video_decoder"),
-            component_spec("vae"),
-        ]
+    component_names = ("video_decoder", "vae")
 
     @property
     def inputs(self) -> list[InputParam]:
@@ -56,10 +46,7 @@ class Magi2VideoDecoderStep(Magi2BlockChecks, ModularPipelineBlocks):
             OutputParam("fps", type_hint=float, description="frame rate of the frames (None for 'latent')"),
         ]
 
-    @torch.no_grad()
-    def __call__(self, components, state: PipelineState):
-        bs = self.get_block_state(state)
-        self.check_components(components)
+    def run(self, components, bs) -> None:
         steps = classic_steps(components)
         fps = float(steps.config.fps) if bs.fps is None else bs.fps
         if bs.output_type == "latent":
@@ -72,22 +59,16 @@ class Magi2VideoDecoderStep(Magi2BlockChecks, ModularPipelineBlocks):
                 video = resize_video_frames(video, bs.output_height, bs.output_width)
             bs.videos = steps.video_processor.postprocess_video(video, output_type=bs.output_type)
             bs.fps = fps
-        self.set_block_state(state, bs)
-        return components, state
 
 
-class Magi2AudioDecoderStep(Magi2BlockChecks, ModularPipelineBlocks):
+class Magi2AudioDecoderStep(Magi2Block):
     """Stereo audio from the final audio latent (``output_type`` ``"latent"`` passes the latent through)."""
 
-    model_name = "magi2"
+    description = (
+        "Audio decoder step: the audio latent to 44.1 kHz stereo [B, 2, S] (Oobleck decoder, 441/512 resample)"
+    )
 
-    @property
-    def description(self) -> str:
-        return "Audio decoder step: the audio latent to 44.1 kHz stereo [B, 2, S] (Oobleck decoder, 441/512 resample)"
-
-    @property
-    def expected_components(self) -> list[ComponentSpec]:
-        return [component_spec("audio_vae")]
+    component_names = ("audio_vae",)
 
     @property
     def inputs(self) -> list[InputParam]:
@@ -103,10 +84,7 @@ class Magi2AudioDecoderStep(Magi2BlockChecks, ModularPipelineBlocks):
             OutputParam("audio_sample_rate", type_hint=int, description="44,100 (None for 'latent')"),
         ]
 
-    @torch.no_grad()
-    def __call__(self, components, state: PipelineState):
-        bs = self.get_block_state(state)
-        self.check_components(components)
+    def run(self, components, bs) -> None:
         steps = classic_steps(components)
         if bs.output_type == "latent":
             bs.audio, bs.audio_sample_rate = bs.audio_latents, None
@@ -116,5 +94,3 @@ class Magi2AudioDecoderStep(Magi2BlockChecks, ModularPipelineBlocks):
             audio = steps.decode_audio(bs.audio_latents)
             bs.audio = torch.from_numpy(audio) if bs.output_type == "pt" else audio
             bs.audio_sample_rate = steps.audio_sample_rate
-        self.set_block_state(state, bs)
-        return components, state

@@ -18,7 +18,7 @@ from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, In
 
 from ..pipelines.refiner_stage import prepare_refiner_latents
 from .before_denoise import call_input
-from .utils import Magi2BlockChecks, classic_steps, component_spec
+from .utils import Magi2BlockChecks, classic_steps, component_spec, planned_input
 
 
 __all__ = [
@@ -33,11 +33,17 @@ __all__ = [
 
 _STEP_TENSORS = ("latents", "audio_latents", "prompt_embeds", "negative_prompt_embeds")
 _CONDITIONING = ("prompt_attention_mask", "negative_prompt_attention_mask", "image_latents", "image_embeds")
+_CONDITIONING_HINTS = ("[B, Lt] bool", "[B, Lt] bool", "[B, 48, 1, h, w] I2V latent", "[B, C] I2V token embedding")
 
 
-def _tensor_inputs(required_latents: bool = True) -> list[InputParam]:
+def _conditioning_inputs(names=_CONDITIONING) -> list[InputParam]:
+    hints = dict(zip(_CONDITIONING, _CONDITIONING_HINTS))
+    return [InputParam(name, type_hint=torch.Tensor, description=hints[name]) for name in names]
+
+
+def _tensor_inputs() -> list[InputParam]:
     return [
-        InputParam("latents", required=required_latents, type_hint=torch.Tensor, description="[B, 48, T, h, w]"),
+        InputParam("latents", required=True, type_hint=torch.Tensor, description="[B, 48, T, h, w]"),
         InputParam("audio_latents", required=True, type_hint=torch.Tensor, description="[B, L, 64]"),
         InputParam("prompt_embeds", required=True, type_hint=torch.Tensor, description="[B, Lt, C]"),
         InputParam("negative_prompt_embeds", type_hint=torch.Tensor, description="[B, Lt, C] (with CFG)"),
@@ -48,13 +54,10 @@ class Magi2LoopBeforeDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
     """Loop step: the current timestep and the cache context of this step's forwards."""
 
     model_name = "magi2"
-
-    @property
-    def description(self) -> str:
-        return (
-            "Step within the denoising loop that sets the current timestep and the cache context of the step's "
-            "forwards (`model.cache_context`, for diffusers' cache hooks)"
-        )
+    description = (
+        "Step within the denoising loop that sets the current timestep and the cache context of the step's "
+        "forwards (`model.cache_context`, for diffusers' cache hooks)"
+    )
 
     @torch.no_grad()
     def __call__(self, components, block_state, i: int, t: torch.Tensor):
@@ -71,26 +74,21 @@ class Magi2LoopDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
     """Loop step of the preview: ``Magi2Pipeline.predict_velocity`` (one forward on ``[cond; uncond]``, CFG)."""
 
     model_name = "magi2"
-
-    @property
-    def description(self) -> str:
-        return (
-            "Step within the preview loop that predicts the guided video and audio velocities: one transformer "
-            "forward on [cond; uncond] and v = v_u + g (v_c - v_u) (Magi2Pipeline.predict_velocity)"
-        )
+    description = (
+        "Step within the preview loop that predicts the guided video and audio velocities: one transformer "
+        "forward on [cond; uncond] and v = v_u + g (v_c - v_u) (Magi2Pipeline.predict_velocity)"
+    )
+    #: the model the loop runs, and the conditioning its forward reads
+    model_component = "transformer"
+    conditioning = _CONDITIONING
 
     @property
     def expected_components(self) -> list[ComponentSpec]:
-        return [component_spec("transformer")]
+        return [component_spec(self.model_component)]
 
     @property
     def inputs(self) -> list[InputParam]:
-        return [
-            InputParam("prompt_attention_mask", type_hint=torch.Tensor, description="[B, Lt] bool"),
-            InputParam("negative_prompt_attention_mask", type_hint=torch.Tensor, description="[B, Lt] bool"),
-            InputParam("image_latents", type_hint=torch.Tensor, description="[B, 48, 1, h, w] I2V latent"),
-            InputParam("image_embeds", type_hint=torch.Tensor, description="[B, C] I2V token embedding"),
-        ]
+        return _conditioning_inputs(self.conditioning)
 
     @torch.no_grad()
     def __call__(self, components, block_state, i: int, t: torch.Tensor):
@@ -107,33 +105,22 @@ class Magi2LoopDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
 class Magi2RefinerLoopDenoiser(Magi2LoopDenoiser):
     """Loop step of the refiner: cond, then uncond forwards per sample and CFG (``Magi2Pipeline._step_velocities``)."""
 
-    @property
-    def description(self) -> str:
-        return (
-            "Step within the refiner loop that predicts the guided video velocity: one refiner forward per sample "
-            "and branch (cond, then uncond; no audio, no timestep) and v = v_u + g (v_c - v_u)"
-        )
-
-    @property
-    def expected_components(self) -> list[ComponentSpec]:
-        return [component_spec("refiner")]
-
-    @property
-    def inputs(self) -> list[InputParam]:
-        return [p for p in super().inputs if not p.name.startswith("image_")]
+    description = (
+        "Step within the refiner loop that predicts the guided video velocity: one refiner forward per sample "
+        "and branch (cond, then uncond; no audio, no timestep) and v = v_u + g (v_c - v_u)"
+    )
+    model_component = "refiner"
+    conditioning = _CONDITIONING[:2]
 
 
 class Magi2LoopAfterDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
     """Loop step: each latent's scheduler step, then ``callback_on_step_end``."""
 
     model_name = "magi2"
-
-    @property
-    def description(self) -> str:
-        return (
-            "Step within the denoising loop that steps each latent with its scheduler, x <- step(v, t, x), then "
-            "runs callback_on_step_end(pipe, i, t, tensors) (a returned dict may replace any step tensor)"
-        )
+    description = (
+        "Step within the denoising loop that steps each latent with its scheduler, x <- step(v, t, x), then "
+        "runs callback_on_step_end(pipe, i, t, tensors) (a returned dict may replace any step tensor)"
+    )
 
     @property
     def inputs(self) -> list[InputParam]:
@@ -155,13 +142,28 @@ class Magi2LoopAfterDenoiser(Magi2BlockChecks, ModularPipelineBlocks):
 
 
 class Magi2DenoiseLoopWrapper(Magi2BlockChecks, LoopSequentialPipelineBlocks):
-    """The loop over ``timesteps`` (skipping steps once interrupted); the sub-blocks run each step."""
+    """The loop over a stage's timesteps (skipping steps once interrupted); the sub-blocks run each step.
+
+    A stage gives :meth:`stage` (its model, timesteps, schedulers and conditioning); ``__call__`` runs the loop
+    on the step tensors and writes them back.
+    """
 
     model_name = "magi2"
+    description = "Pipeline block that iteratively denoises the latents; each step runs the sub-blocks in order"
+    block_names = ["before_denoiser", "denoiser", "after_denoiser"]
 
     @property
-    def description(self) -> str:
-        return "Pipeline block that iteratively denoises the latents; each step runs the sub-blocks in order"
+    def loop_expected_components(self) -> list[ComponentSpec]:
+        return [component_spec("scheduler")]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return self.loop_intermediate_outputs
+
+    def stage(self, components, block_state, tensors: dict):
+        """``(model, timesteps, schedulers, conditioning)`` of this loop, or ``None`` to skip it; may replace
+        ``tensors`` entries (the refiner's upsampled latent)."""
+        raise NotImplementedError
 
     def run_loop(
         self, components, block_state, model, timesteps, tensors: dict, schedulers: dict, conditioning: dict
@@ -181,23 +183,29 @@ class Magi2DenoiseLoopWrapper(Magi2BlockChecks, LoopSequentialPipelineBlocks):
         components._current_timestep = None
         return tensors
 
+    @torch.no_grad()
+    def __call__(self, components, state: PipelineState):
+        bs = self.get_block_state(state)
+        self.check_components(components)
+        tensors = {name: getattr(bs, name) for name in _STEP_TENSORS}
+        stage = self.stage(components, bs, tensors)
+        if stage is not None:
+            model, timesteps, schedulers, conditioning = stage
+            self.run_loop(components, bs, model, timesteps, tensors, schedulers, conditioning)
+            for name in _STEP_TENSORS:
+                setattr(bs, name, tensors[name])
+        self.set_block_state(state, bs)
+        return components, state
+
 
 class Magi2DenoiseStep(Magi2DenoiseLoopWrapper):
     """The preview denoising loop (``num_inference_steps`` Flow-UniPC steps on video and audio)."""
 
     block_classes = [Magi2LoopBeforeDenoiser, Magi2LoopDenoiser, Magi2LoopAfterDenoiser]
-    block_names = ["before_denoiser", "denoiser", "after_denoiser"]
-
-    @property
-    def description(self) -> str:
-        return (
-            "Preview denoise step: iterates over `timesteps`, each step running `before_denoiser` "
-            "(Magi2LoopBeforeDenoiser), `denoiser` (Magi2LoopDenoiser) and `after_denoiser` (Magi2LoopAfterDenoiser)"
-        )
-
-    @property
-    def loop_expected_components(self) -> list[ComponentSpec]:
-        return [component_spec("scheduler")]
+    description = (
+        "Preview denoise step: iterates over `timesteps`, each step running `before_denoiser` "
+        "(Magi2LoopBeforeDenoiser), `denoiser` (Magi2LoopDenoiser) and `after_denoiser` (Magi2LoopAfterDenoiser)"
+    )
 
     @property
     def loop_inputs(self) -> list[InputParam]:
@@ -215,22 +223,10 @@ class Magi2DenoiseStep(Magi2DenoiseLoopWrapper):
             OutputParam("audio_latents", type_hint=torch.Tensor, description="denoised audio latent"),
         ]
 
-    @property
-    def intermediate_outputs(self) -> list[OutputParam]:
-        return self.loop_intermediate_outputs
-
-    @torch.no_grad()
-    def __call__(self, components, state: PipelineState):
-        bs = self.get_block_state(state)
-        self.check_components(components)
-        tensors = {name: getattr(bs, name) for name in _STEP_TENSORS}
-        schedulers = {"latents": bs.video_scheduler, "audio_latents": bs.audio_scheduler}
-        conditioning = {name: getattr(bs, name) for name in _CONDITIONING}
-        self.run_loop(components, bs, components.transformer, bs.timesteps, tensors, schedulers, conditioning)
-        for name in _STEP_TENSORS:
-            setattr(bs, name, tensors[name])
-        self.set_block_state(state, bs)
-        return components, state
+    def stage(self, components, block_state, tensors: dict):
+        schedulers = {"latents": block_state.video_scheduler, "audio_latents": block_state.audio_scheduler}
+        conditioning = {name: getattr(block_state, name) for name in _CONDITIONING}
+        return components.transformer, block_state.timesteps, schedulers, conditioning
 
 
 class Magi2RefinerDenoiseStep(Magi2DenoiseLoopWrapper):
@@ -238,29 +234,20 @@ class Magi2RefinerDenoiseStep(Magi2DenoiseLoopWrapper):
     same ``generator``, the stage's Flow-UniPC, shift 5), then its loop (``refiner_num_inference_steps``, CFG 2)."""
 
     block_classes = [Magi2LoopBeforeDenoiser, Magi2RefinerLoopDenoiser, Magi2LoopAfterDenoiser]
-    block_names = ["before_denoiser", "denoiser", "after_denoiser"]
-
-    @property
-    def description(self) -> str:
-        return (
-            "Refiner step (1080p stage): upsamples the preview latent to 2T - 1 frames at the output size, "
-            "re-noises it from the same generator, then iterates `before_denoiser`, `denoiser` "
-            "(Magi2RefinerLoopDenoiser) and `after_denoiser`; audio is not refined"
-        )
-
-    @property
-    def loop_expected_components(self) -> list[ComponentSpec]:
-        return [component_spec("scheduler")]
+    description = (
+        "Refiner step (1080p stage): upsamples the preview latent to 2T - 1 frames at the output size, "
+        "re-noises it from the same generator, then iterates `before_denoiser`, `denoiser` "
+        "(Magi2RefinerLoopDenoiser) and `after_denoiser`; audio is not refined"
+    )
 
     @property
     def loop_inputs(self) -> list[InputParam]:
         return [
-            InputParam("refiner_config", required=True, description="Magi2RefinerStageConfig, from the input step"),
+            planned_input("refiner_config", type_hint=None),
             call_input("height"),
             call_input("width"),
             call_input("generator"),
-            InputParam("prompt_attention_mask", type_hint=torch.Tensor, description="[B, Lt] bool"),
-            InputParam("negative_prompt_attention_mask", type_hint=torch.Tensor, description="[B, Lt] bool"),
+            *_conditioning_inputs(_CONDITIONING[:2]),
             *_tensor_inputs(),
         ]
 
@@ -271,26 +258,16 @@ class Magi2RefinerDenoiseStep(Magi2DenoiseLoopWrapper):
             OutputParam("fps", type_hint=float, description="frame rate of the refined video (2 config.fps)"),
         ]
 
-    @property
-    def intermediate_outputs(self) -> list[OutputParam]:
-        return self.loop_intermediate_outputs
-
-    @torch.no_grad()
-    def __call__(self, components, state: PipelineState):
-        bs = self.get_block_state(state)
-        self.check_components(components)
-        bs.fps = None
-        if not getattr(components, "_interrupt", False):
-            tensors = {name: getattr(bs, name) for name in _STEP_TENSORS}
-            tensors["latents"], scheduler = prepare_refiner_latents(
-                tensors["latents"], components.scheduler, bs.refiner_config, bs.height, bs.width, bs.generator
-            )
-            conditioning = {name: getattr(bs, name, None) for name in _CONDITIONING}
-            conditioning["guidance_scale"] = bs.refiner_config.guidance_scale
-            schedulers = {"latents": scheduler}
-            self.run_loop(components, bs, components.refiner, scheduler.timesteps, tensors, schedulers, conditioning)
-            for name in _STEP_TENSORS:
-                setattr(bs, name, tensors[name])
-            bs.fps = 2.0 * float(classic_steps(components).config.fps)
-        self.set_block_state(state, bs)
-        return components, state
+    def stage(self, components, block_state, tensors: dict):
+        block_state.fps = None
+        if getattr(components, "_interrupt", False):
+            return None
+        config = block_state.refiner_config
+        tensors["latents"], scheduler = prepare_refiner_latents(
+            tensors["latents"], components.scheduler, config, block_state.height, block_state.width,
+            block_state.generator,
+        )  # fmt: skip
+        conditioning = {name: getattr(block_state, name, None) for name in _CONDITIONING}
+        conditioning["guidance_scale"] = config.guidance_scale
+        block_state.fps = 2.0 * float(classic_steps(components).config.fps)
+        return components.refiner, scheduler.timesteps, {"latents": scheduler}, conditioning

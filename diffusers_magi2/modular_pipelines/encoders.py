@@ -10,11 +10,10 @@ parallelism only CP rank 0 encodes; :class:`~.before_denoise.Magi2BroadcastCondi
 from __future__ import annotations
 
 import torch
-from diffusers.modular_pipelines import ModularPipelineBlocks, PipelineState
-from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam, OutputParam
+from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
 
 from .before_denoise import call_input, first_rank
-from .utils import Magi2BlockChecks, classic_steps, component_spec
+from .utils import Magi2Block, classic_steps, planned_input
 
 
 __all__ = ["Magi2ImageEncoderStep", "Magi2TextEncoderStep"]
@@ -28,25 +27,16 @@ _TEXT_OUTPUTS = (
 )
 
 
-class Magi2TextEncoderStep(Magi2BlockChecks, ModularPipelineBlocks):
+class Magi2TextEncoderStep(Magi2Block):
     """Prompt and negative prompt features (``Magi2Pipeline._encode_text_conditioning``); I2V prompts get the
     ``<Figure 1>`` reference and its pooled token. Given embeddings pass through (repeated per video)."""
 
-    model_name = "magi2"
+    description = (
+        "Text encoder step: Qwen3.5 features of the prompt and of the negative prompt (SandAI's templates; "
+        "I2V prompts with the <Figure 1> reference and its pooled token embedding)"
+    )
 
-    @property
-    def description(self) -> str:
-        return (
-            "Text encoder step: Qwen3.5 features of the prompt and of the negative prompt (SandAI's templates; "
-            "I2V prompts with the <Figure 1> reference and its pooled token embedding)"
-        )
-
-    @property
-    def expected_components(self) -> list[ComponentSpec]:
-        return [
-            component_spec("tokenizer"),
-            component_spec("text_encoder"),
-        ]
+    component_names = ("tokenizer", "text_encoder")
 
     @property
     def inputs(self) -> list[InputParam]:
@@ -65,10 +55,7 @@ class Magi2TextEncoderStep(Magi2BlockChecks, ModularPipelineBlocks):
     def intermediate_outputs(self) -> list[OutputParam]:
         return [OutputParam(name, type_hint=torch.Tensor, description=text) for name, text in _TEXT_OUTPUTS]
 
-    @torch.no_grad()
-    def __call__(self, components, state: PipelineState):
-        bs = self.get_block_state(state)
-        self.check_components(components)
+    def run(self, components, bs) -> None:
         if first_rank(components):
             steps = classic_steps(components)
             prompts = None
@@ -98,44 +85,31 @@ class Magi2TextEncoderStep(Magi2BlockChecks, ModularPipelineBlocks):
                 need_negative,
                 steps._execution_device,
             )
-        self.set_block_state(state, bs)
-        return components, state
 
 
-class Magi2ImageEncoderStep(Magi2BlockChecks, ModularPipelineBlocks):
+class Magi2ImageEncoderStep(Magi2Block):
     """The I2V image latent: ``Magi2Pipeline.preprocess_reference_image`` (letterbox to the preview size, the
     reference's dtype rounding) and ``encode_reference_image`` (normalised fp32 VAE mean)."""
 
-    model_name = "magi2"
+    description = "Image encoder step: the I2V reference letterboxed to the preview size and encoded by the Wan2.2 VAE"
 
-    @property
-    def description(self) -> str:
-        return "Image encoder step: the I2V reference letterboxed to the preview size and encoded by the Wan2.2 VAE"
-
-    @property
-    def expected_components(self) -> list[ComponentSpec]:
-        return [component_spec("vae")]
+    component_names = ("vae",)
 
     @property
     def inputs(self) -> list[InputParam]:
         return [
             call_input("image", required=True),
-            InputParam("denoise_height", required=True, type_hint=int, description="from the input step"),
-            InputParam("denoise_width", required=True, type_hint=int, description="from the input step"),
+            planned_input("denoise_height"),
+            planned_input("denoise_width"),
         ]
 
     @property
     def intermediate_outputs(self) -> list[OutputParam]:
         return [OutputParam("image_latents", type_hint=torch.Tensor, description="[1, 48, 1, h, w] fp32")]
 
-    @torch.no_grad()
-    def __call__(self, components, state: PipelineState):
-        bs = self.get_block_state(state)
-        self.check_components(components)
+    def run(self, components, bs) -> None:
         bs.image_latents = None
         if first_rank(components):
             steps = classic_steps(components)
             pixels = steps.preprocess_reference_image(bs.image, bs.denoise_height, bs.denoise_width)
             bs.image_latents = steps.encode_reference_image(pixels).to(steps._execution_device)
-        self.set_block_state(state, bs)
-        return components, state

@@ -14,8 +14,9 @@ import inspect
 import weakref
 from typing import Any
 
-from diffusers.modular_pipelines import ModularPipeline
-from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec
+import torch
+from diffusers.modular_pipelines import ModularPipeline, ModularPipelineBlocks
+from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam
 from diffusers.utils import logging
 
 from ..pipelines.modular_files import check_modular_files
@@ -26,6 +27,7 @@ logger = logging.get_logger(__name__)
 
 __all__ = [
     "CLASSIC_COMPONENTS",
+    "Magi2Block",
     "Magi2BlockChecks",
     "CALL_STATE",
     "check_component_types",
@@ -33,6 +35,7 @@ __all__ = [
     "classic_config_defaults",
     "component_spec",
     "classic_steps",
+    "planned_input",
 ]
 
 #: ``Magi2Pipeline``'s components, in its ``__init__`` order.
@@ -195,3 +198,33 @@ class Magi2BlockChecks:
         """Raise ``ValueError`` if a component this block declares is present with the wrong type."""
         names = [spec.name for spec in self.expected_components if spec.name in CLASSIC_COMPONENTS]
         check_component_types(components, names, self.__class__.__name__)
+
+
+class Magi2Block(Magi2BlockChecks, ModularPipelineBlocks):
+    """A MAGI-2 block: ``description`` and ``component_names`` (its ``ComponentSpec`` names) are class attributes;
+    ``__call__`` checks the inputs and the components, runs :meth:`run` on the block state and writes it back."""
+
+    model_name = "magi2"
+    description = ""
+    component_names: tuple[str, ...] = ()
+
+    @property
+    def expected_components(self) -> list[ComponentSpec]:
+        return [component_spec(name) for name in self.component_names]
+
+    def run(self, components, block_state) -> None:
+        """The block's work on ``block_state`` (set its outputs as attributes)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def __call__(self, components, state):
+        block_state = self.get_block_state(state)
+        self.check_components(components)
+        self.run(components, block_state)
+        self.set_block_state(state, block_state)
+        return components, state
+
+
+def planned_input(name: str, type_hint=int, required: bool = True) -> InputParam:
+    """An input that the input step plans (``num_videos``, ``denoise_height``, ``refiner_config`` ...)."""
+    return InputParam(name, required=required, type_hint=type_hint, description="from the input step")
