@@ -174,38 +174,27 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_launch_degrees(ep_degree, ulysses_degree) -> None:
-    """The launch rules of ``expert_parallel_from_launch`` / ``context_parallel_from_launch`` applied to the
-    launcher's ``WORLD_SIZE`` before torch is imported, so a wrong launch fails in well under a second; those
-    library functions still run (and stay the authority) once the pipeline is built.
+    """The launch rules (``launch_rules.launch_degrees``) applied to the launcher's ``WORLD_SIZE`` before torch is
+    imported, so a wrong launch fails in well under a second; they run again on the process group's size once it
+    exists (``expert_parallel_from_launch`` / ``context_parallel_from_launch``).
 
     Raises:
         ValueError: ``ep_degree`` does not divide the world size or the CP degree; ``ulysses_degree`` differs
             from the world size.
     """
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        world = 1
-    launch = (
-        "`accelerate launch --multi_gpu --num_processes {n} examples/generate.py ...` (`--cpu` starts one process)"
-    )
-    if ep_degree is not None and world % ep_degree:
-        raise ValueError(
-            f"--ep_degree {ep_degree} requested but this run has {world} process(es), which it does not divide; "
-            f"launch one process per rank: {launch.format(n=ep_degree)}"
-        )
-    degree = world if ulysses_degree is None else ulysses_degree
-    if degree != world:
-        raise ValueError(
-            f"--ulysses_degree {degree} requested but this run has {world} process(es); the context-parallel degree "
-            f"must equal the number of processes: {launch.format(n=degree)}"
-        )
-    if ep_degree is not None and degree % ep_degree:
-        raise ValueError(
-            f"--ep_degree {ep_degree} must divide the context-parallel degree {degree} (EP groups tile the CP ranks)"
-        )
+    launch_rules().launch_degrees(ep_degree, ulysses_degree)
 
 
+def launch_rules():
+    """``examples/launch_rules.py`` (beside this script, also when the script itself is loaded by path)."""
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import launch_rules as rules
+
+    return rules
+
+
+EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -360,15 +349,17 @@ def end_distributed_run(exit_code: int = 0) -> None:
 def load_pipeline(args):
     """The tiny default (no ``--model``) or a converted repo; returns ``(pipe, call_defaults)``."""
     from diffusers_magi2 import Magi2Pipeline
-    from diffusers_magi2.parallel.context_parallel_runtime import context_parallel_from_launch
-    from diffusers_magi2.parallel.expert_parallel import ep_device, expert_parallel_from_launch
+    from diffusers_magi2.parallel.expert_parallel import ep_device
     from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
     from diffusers_magi2.utils.dtype_utils import parse_dtype
 
+    rules = launch_rules()
+
     # EP: one process per rank (accelerate launch --multi_gpu / torchrun); an --ep_degree that does not match the
     # launched world size raises (e.g. `accelerate launch --cpu` starts one process).
-    expert_parallel = expert_parallel_from_launch(args.ep_degree)
-    context_parallel = context_parallel_from_launch(args.ulysses_degree, args.ep_degree)
+    rules.init_distributed_from_launch()
+    expert_parallel = rules.expert_parallel_from_launch(args.ep_degree)
+    context_parallel = rules.context_parallel_from_launch(args.ulysses_degree, args.ep_degree)
     args.expert_parallel = expert_parallel
     args.context_parallel = context_parallel
     device = args.device or str(ep_device(expert_parallel))

@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 
+EXAMPLES = Path(__file__).resolve().parent
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm")
 CACHE_SUFFIX = ".magi2.safetensors"
 TARGETS = {
@@ -209,11 +210,15 @@ def load_pipeline(args):
     import torch
 
     from diffusers_magi2 import Magi2Pipeline
-    from diffusers_magi2.parallel.context_parallel_runtime import context_parallel_from_launch
-    from diffusers_magi2.parallel.expert_parallel import ep_device, expert_parallel_from_launch
+    from diffusers_magi2.parallel.expert_parallel import ep_device
     from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
     from diffusers_magi2.utils.dtype_utils import parse_dtype
 
+    if str(EXAMPLES) not in sys.path:  # launch_rules.py beside this script, also when it is loaded by path
+        sys.path.insert(0, str(EXAMPLES))
+    from launch_rules import context_parallel_from_launch, expert_parallel_from_launch, init_distributed_from_launch
+
+    init_distributed_from_launch()
     expert_parallel = expert_parallel_from_launch(args.ep_degree)
     context_parallel = context_parallel_from_launch(None, args.ep_degree)
     device = torch.device(args.device) if args.device else ep_device(expert_parallel)

@@ -30,7 +30,7 @@ import torch.nn as nn
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-from ..parallel.context_parallel_attention import Magi2LocalAttention
+from ..parallel.context_parallel import Magi2LocalAttention
 from ..utils.backends import check_backend, resolve_backend
 from .embeddings_magi2 import apply_magi2_rotary_emb
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, linear_compute_dtype, modality_linear
@@ -555,7 +555,7 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
         self.k_norm = Magi2MultiModalityRMSNorm(dim_head, num_modality, eps=eps, out_dtype=torch.float32)
         self.set_processor(processor if processor is not None else self._default_processor_cls())
         #: how the attention meets its tokens: all here (one process), or the Ulysses exchange that
-        #: ``enable_parallelism`` installs (:mod:`diffusers_magi2.parallel.context_parallel_attention`)
+        #: ``enable_parallelism`` installs (:mod:`diffusers_magi2.parallel.context_parallel`)
         self.exchange = Magi2LocalAttention()
 
     @property

@@ -14,11 +14,15 @@ from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from ..parallel.context_parallel import Magi2SequenceShardPlan, gather_sequence_shards, plan_sequence_shards
-from ..parallel.context_parallel_attention import Magi2UlyssesAttention
-from ..parallel.context_parallel_experts import Magi2ShardedTokenExperts
-from ..parallel.context_parallel_runtime import Magi2ContextParallelGroup, resolve_context_parallel
-from ..parallel.expert_parallel import Magi2LocalExperts
+from ..parallel.context_parallel import (
+    Magi2ContextParallelGroup,
+    Magi2SequenceShardPlan,
+    Magi2UlyssesAttention,
+    gather_sequence_shards,
+    plan_sequence_shards,
+    resolve_context_parallel,
+)
+from ..parallel.expert_parallel import Magi2LocalExperts, Magi2ShardedTokenExperts
 
 
 __all__ = ["Magi2ContextParallelMixin"]

@@ -17,7 +17,7 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.modular_pipelines.modular_pipeline_utils import ConfigSpec, InputParam, OutputParam
 from diffusers.utils import logging
 
-from ..parallel.context_parallel_runtime import broadcast_from_first_rank
+from ..parallel.context_parallel import broadcast_from_first_rank
 from ..pipelines.pipeline_magi2 import Magi2Pipeline
 from ..pipelines.presets_magi2 import REFINER_RESOLUTION, TRAINED_RESOLUTIONS
 from ..pipelines.sampling_magi2 import check_scheduler

@@ -1,47 +1,73 @@
-"""Expert parallelism (EP) for the MAGI-2 multi-head MoE: group set-up, head layout and the collectives.
+"""Expert parallelism (EP) for the MAGI-2 multi-head MoE: the EP group, head layouts, and the exchanges that bring
+each rank's heads their tokens.
 
 With ``H`` heads padded to ``Hp`` (a multiple of the EP size ``N``), rank ``r`` owns heads ``[r Hl, (r+1) Hl)``,
-``Hl = Hp / N`` (SandAI ``CoreMultiHeadMoE``; a rank of padding heads idles but joins every collective). The group
-comes from Accelerate and a device mesh. Tokens ``[S, H, Dh]`` are (a) replicated: each rank computes its heads,
-one ``all_gather`` assembles them; or (b) sharded (context parallel): one ``all_to_all_single`` brings every
-token's slice of this rank's heads, a second sends the results back. No host sync or size exchange in the layer.
+``Hl = Hp / N`` (SandAI ``CoreMultiHeadMoE``; a rank of padding heads idles but joins every collective). Tokens
+``[S, H, Dh]`` are (a) replicated: each rank computes its heads, one ``all_gather`` assembles them; or (b) sharded:
+one ``all_to_all_single`` brings every token's slice of this rank's heads, a second sends the results back. No host
+sync or size exchange in the layer.
+
+Under context parallelism (``N_cp`` ranks, each holding its sequence shard) with the EP degree ``E`` dividing
+``N_cp``, ``R = N_cp / E`` EP groups tile the CP ranks; rank ``r = g E + p`` owns the heads of EP position ``p``, the
+``R`` ranks of a position being replicas. Each rank cuts its ``S_q`` tokens into ``R`` parts (``floor(S_q / R)``, the
+rest round-robin, so replica loads differ by at most one token) and sends part ``g`` to rank ``g E + p``: no rank
+idles. One ``all_to_all_single`` over the CP group goes in, one comes back, ``S_r Hp Dh`` elements each way; ``E =
+N_cp`` is layout (b).
+
+A MoE layer calls its installed exchange: :class:`Magi2LocalExperts` (one rank), :class:`Magi2ExpertParallelExchange`
+(layouts a and b) or, installed by ``enable_parallelism``, :class:`Magi2ShardedTokenExperts` (the replicas above).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import os
+import math
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .distributed import (
+    Magi2MeshGroup,
+    Magi2PendingExchange,
+    all_gather_rows,
+    all_to_all,
+    needs_autograd,
+    resolve_mesh_group,
+    world_size,
+)
+
 
 __all__ = [
     "Magi2EPHeadLayout",
+    "Magi2EPReplicaLayout",
     "Magi2ExpertParallelConfig",
+    "Magi2ExpertParallelExchange",
     "Magi2ExpertParallelGroup",
+    "Magi2LocalExperts",
+    "Magi2ShardedTokenExperts",
     "check_same_on_all_ranks",
     "ep_device",
     "ep_dispatch",
     "ep_gather_heads",
     "ep_head_layout",
+    "ep_replica_dispatch",
+    "ep_replica_heads_forward",
+    "ep_replica_layout",
+    "ep_replica_undispatch",
     "ep_undispatch",
     "expert_exchange",
-    "Magi2ExpertParallelExchange",
-    "Magi2LocalExperts",
-    "expert_parallel_from_launch",
     "expert_parallel_heads_forward",
+    "replica_token_parts",
     "resolve_expert_parallel",
     "warn_if_idle",
 ]
 
 EP_MESH_DIM = "ep"
 EP_REPLICA_MESH_DIM = "ep_replica"
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same signature)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclasses.dataclass
@@ -129,112 +155,49 @@ def ep_head_layout(num_heads: int, ep_size: int, ep_rank: int) -> Magi2EPHeadLay
     return Magi2EPHeadLayout(num_heads, ep_size, ep_rank, padded, local, start, real)
 
 
-def _launched_world_size() -> int:
-    """World size announced by a launcher (torchrun / accelerate) through the environment; 1 when absent."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-
-
-def _run_world_size() -> int:
-    """World size of the initialised default group, else the launcher's (:func:`_launched_world_size`)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else _launched_world_size()
-
-
-def _check_launch_degree(value: Any, flag: str) -> None:
-    """A launch-rule degree (``--ep_degree`` / ``--ulysses_degree``) must be a positive int."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{flag} must be a positive int, got {value!r}")
-
-
-def expert_parallel_from_launch(ep_degree: Optional[int] = None) -> Optional[Magi2ExpertParallelConfig]:
-    """The ``--ep_degree`` rule of ``examples/generate.py``: a resolved EP config, or ``None`` for no EP.
-
-    ``None`` means the world size when launched distributed (``WORLD_SIZE > 1``, set by ``accelerate launch
-    --multi_gpu`` / ``torchrun``), else no EP. ``accelerate launch --cpu --num_processes 2`` starts ONE process, so
-    ``--ep_degree 2`` then raises instead of running unsharded.
-
-    Raises:
-        ValueError: ``ep_degree`` is not a positive int, or does not divide the launched world size.
-    """
-    world = _run_world_size()
-    if ep_degree is None:
-        if world == 1:
-            return None
-        ep_degree = world
-    _check_launch_degree(ep_degree, "--ep_degree")
-    if world % ep_degree:
-        raise ValueError(
-            f"--ep_degree {ep_degree} requested but this run has {world} process(es), which it does not divide. "
-            "Launch one process per rank: "
-            f"`accelerate launch --multi_gpu --num_processes {ep_degree} examples/generate.py ...` (also on CPU; "
-            "`accelerate launch --cpu` starts a single process) or `torchrun --nproc_per_node "
-            f"{ep_degree} examples/generate.py ...`."
-        )
-    if ep_degree == 1:
-        return None
-    config = Magi2ExpertParallelConfig(ep_degree=ep_degree)
-    resolve_expert_parallel(config)
-    return config
+def _ep_group(resolved: Magi2MeshGroup) -> Magi2ExpertParallelGroup:
+    return Magi2ExpertParallelGroup(
+        resolved.group,
+        resolved.rank,
+        resolved.size,
+        resolved.device.type if resolved.size > 1 else "cpu",
+        resolved.mesh,
+    )
 
 
 def resolve_expert_parallel(config: Magi2ExpertParallelConfig) -> Magi2ExpertParallelGroup:
     """Turn a config into an EP group (cached on the config, so every model sharing it shares the group).
 
-    Without ``config.mesh``, Accelerate's ``PartialState`` initialises the default group if a launcher started
-    several processes, then ``init_device_mesh`` builds the mesh. Call it on every rank.
+    Without ``config.mesh`` the EP dimension of a new ``(world / E, E)`` mesh over the initialised default process
+    group (the examples initialise it from the launcher's environment). Call it on every rank.
 
     Raises:
-        ValueError: EP requested but no process group could be initialised, or ``ep_degree`` does not divide the
-            world size.
+        ValueError: EP requested without an initialised process group, or ``ep_degree`` not dividing the world size.
     """
     cached = getattr(config, "_resolved", None)
     if cached is not None:
         return cached
     if config.mesh is not None:
-        sub = config.mesh[EP_MESH_DIM]
-        resolved = Magi2ExpertParallelGroup(
-            group=sub.get_group(), rank=sub.get_local_rank(), size=sub.size(), device_type=sub.device_type, mesh=sub
-        )
+        resolved = _ep_group(resolve_mesh_group(config.ep_degree, EP_MESH_DIM, EP_REPLICA_MESH_DIM, config.mesh))
     elif config.ep_degree == 1:
         resolved = Magi2ExpertParallelGroup(group=None, rank=0, size=1)
     else:
-        if not dist.is_initialized() and _launched_world_size() > 1:
-            from accelerate import PartialState
-
-            PartialState(cpu=not torch.cuda.is_available())
-        if not dist.is_available() or not dist.is_initialized():
+        world = world_size()
+        if world == 1:
             raise ValueError(
                 f"expert parallelism with ep_degree={config.ep_degree} needs an initialised torch.distributed process "
-                f"group, but this process runs alone (world size {_launched_world_size()}). Launch one process per "
-                f"rank, e.g. `accelerate launch --multi_gpu --num_processes {config.ep_degree} ...` (on CPU too: "
-                "`accelerate launch --cpu` starts only ONE process), or `torchrun --nproc_per_node "
-                f"{config.ep_degree} ...`."
+                f"group, but this process runs alone (world size 1). Launch one process per rank, e.g. `accelerate "
+                f"launch --multi_gpu --num_processes {config.ep_degree} ...` (on CPU too: `accelerate launch --cpu` "
+                f"starts only ONE process), or `torchrun --nproc_per_node {config.ep_degree} ...`, and initialise the "
+                "group first (accelerate's `PartialState()` or `torch.distributed.init_process_group`)."
             )
-        world = dist.get_world_size()
         if world % config.ep_degree:
             raise ValueError(
                 f"ep_degree={config.ep_degree} must divide the world size ({world}) of the default process group "
                 "(EP groups of consecutive ranks tile the world, with world // ep_degree replicas); other layouts "
                 "need a mesh with an 'ep' dimension (Magi2ExpertParallelConfig(mesh=...))."
             )
-        from torch.distributed.device_mesh import init_device_mesh
-
-        backend = str(dist.get_backend())
-        device_type = "cuda" if ("nccl" in backend and torch.cuda.is_available()) else "cpu"
-        if config.ep_degree == world:
-            mesh = init_device_mesh(device_type, (world,), mesh_dim_names=(EP_MESH_DIM,))
-        else:
-            shape = (world // config.ep_degree, config.ep_degree)
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=(EP_REPLICA_MESH_DIM, EP_MESH_DIM))
-        resolved = Magi2ExpertParallelGroup(
-            group=mesh.get_group(EP_MESH_DIM),
-            rank=mesh.get_local_rank(EP_MESH_DIM),
-            size=config.ep_degree,
-            device_type=device_type,
-            mesh=mesh,
-        )
+        resolved = _ep_group(resolve_mesh_group(config.ep_degree, EP_MESH_DIM, EP_REPLICA_MESH_DIM))
     object.__setattr__(config, "_resolved", resolved)
     return resolved
 
@@ -281,20 +244,11 @@ def warn_if_idle(layout: Magi2EPHeadLayout) -> None:
         )
 
 
-def _needs_autograd(t: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and t.requires_grad
-
-
-def _all_to_all(send: torch.Tensor, out_shape: tuple, out_splits: list, in_splits: list, group: Any) -> torch.Tensor:
-    """``all_to_all_single`` along dim 0 with uneven splits; the autograd-aware functional variant under grad."""
-    if _needs_autograd(send):
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-        out = all_to_all_single_autograd(send, out_splits, in_splits, group)
-        return out.view(out_shape) if out.shape != torch.Size(out_shape) else out
-    recv = send.new_empty(out_shape)
-    dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
-    return recv
+def _all_to_all_rows(send: torch.Tensor, out_shape: tuple, out_rows: list, in_rows: list, group: Any) -> torch.Tensor:
+    """:func:`~.distributed.all_to_all` along dim 0 with row splits: ``send [sum in_rows, ...]`` -> ``out_shape``."""
+    inner = math.prod(send.shape[1:])
+    _, recv = all_to_all(send.reshape(-1), [r * inner for r in out_rows], [r * inner for r in in_rows], group)
+    return recv.view(out_shape)
 
 
 def ep_gather_heads(local_out: torch.Tensor, layout: Magi2EPHeadLayout, group: Any) -> torch.Tensor:
@@ -302,13 +256,7 @@ def ep_gather_heads(local_out: torch.Tensor, layout: Magi2EPHeadLayout, group: A
     if layout.ep_size == 1:
         return local_out[:, : layout.num_heads]
     S, Hl, Dh = local_out.shape
-    if _needs_autograd(local_out):
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
-
-        gathered = all_gather_tensor_autograd(local_out.contiguous(), 0, group)
-    else:
-        gathered = local_out.new_empty((layout.ep_size * S, Hl, Dh))
-        _all_gather_single(gathered, local_out.contiguous(), group=group)
+    gathered = all_gather_rows(local_out, group, layout.ep_size)
     out = gathered.view(layout.ep_size, S, Hl, Dh).permute(1, 0, 2, 3).reshape(S, layout.padded_num_heads, Dh)
     return out[:, : layout.num_heads]
 
@@ -339,7 +287,7 @@ def ep_dispatch(x: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPHea
     if N == 1:
         return x
     send = x.view(S, N, Hl, Dh).transpose(0, 1).reshape(N * S, Hl, Dh)
-    return _all_to_all(send, (sum(counts), Hl, Dh), counts, [S] * N, group)
+    return _all_to_all_rows(send, (sum(counts), Hl, Dh), counts, [S] * N, group)
 
 
 def ep_undispatch(y: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPHeadLayout, group: Any) -> torch.Tensor:
@@ -350,7 +298,7 @@ def ep_undispatch(y: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPH
     Dh = y.shape[-1]
     if N == 1:
         return y[:, : layout.num_heads]
-    back = _all_to_all(y.contiguous(), (N * S, Hl, Dh), [S] * N, counts, group)
+    back = _all_to_all_rows(y.contiguous(), (N * S, Hl, Dh), [S] * N, counts, group)
     out = back.view(N, S, Hl, Dh).transpose(0, 1).reshape(S, layout.padded_num_heads, Dh)
     return out[:, : layout.num_heads]
 
@@ -386,19 +334,20 @@ def expert_parallel_heads_forward(
 
 def _local(compute_local_heads: Callable, local_in: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     out = compute_local_heads(local_in)
-    if _needs_autograd(x) and not out.requires_grad:
+    if needs_autograd(x) and not out.requires_grad:
         # an idle rank's zeros must stay in the graph, or its backward skips the collectives the others wait in
         out = out + local_in * 0
     return out
 
 
 def ep_device(config: Optional[Magi2ExpertParallelConfig]) -> torch.device:
-    """The device of this EP rank: ``cuda:<LOCAL_RANK>`` when the group runs on GPUs, else CPU."""
+    """The device of this EP rank: the current CUDA device when the group runs on GPUs (the launcher or the caller
+    sets it, e.g. accelerate's ``PartialState``), else CPU."""
     if config is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ep = resolve_expert_parallel(config)
     if ep.device_type == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -452,3 +401,187 @@ def expert_exchange(layout: Magi2EPHeadLayout, group: Any):
     """The exchange a MoE layer of ``layout`` starts with: :class:`Magi2LocalExperts` for one rank, else
     :class:`Magi2ExpertParallelExchange`."""
     return Magi2LocalExperts() if layout.ep_size == 1 else Magi2ExpertParallelExchange(layout, group)
+
+
+@dataclasses.dataclass(frozen=True)
+class Magi2EPReplicaLayout:
+    """EP groups with replicas inside one CP group of ``N`` ranks.
+
+    Attributes:
+        world_size: CP degree ``N``. rank: this rank ``r``. ep_size: EP degree ``E`` (divides ``N``).
+        heads: the MoE heads this rank owns (:class:`Magi2EPHeadLayout` of position ``r mod E``).
+    """
+
+    world_size: int
+    rank: int
+    ep_size: int
+    heads: Magi2EPHeadLayout
+
+    @property
+    def num_replicas(self) -> int:
+        """``R = N/E``."""
+        return self.world_size // self.ep_size
+
+    @property
+    def replica(self) -> int:
+        """This rank's EP group ``g = r // E``."""
+        return self.rank // self.ep_size
+
+
+def ep_replica_layout(num_heads: int, world_size: int, ep_size: int, rank: int) -> Magi2EPReplicaLayout:
+    """Head ownership of ``rank`` when EP degree ``ep_size`` divides CP degree ``world_size``.
+
+    Raises:
+        TypeError: a non-int argument. ValueError: non-positive sizes, ``rank`` outside ``[0, N)``, or ``E ∤ N``.
+    """
+    for name, value in (("num_heads", num_heads), ("world_size", world_size), ("ep_size", ep_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if world_size < 1 or ep_size < 1:
+        raise ValueError(f"world_size and ep_size must be >= 1, got {world_size} and {ep_size}")
+    if world_size % ep_size:
+        raise ValueError(
+            f"the expert-parallel degree ({ep_size}) must divide the context-parallel degree ({world_size}): EP groups "
+            "tile the CP group, with world_size // ep_size replicas"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    return Magi2EPReplicaLayout(world_size, rank, ep_size, ep_head_layout(num_heads, ep_size, rank % ep_size))
+
+
+def replica_token_parts(token_counts: Sequence[int], num_replicas: int) -> tuple[tuple[int, ...], ...]:
+    """``parts[q][g]``: how many of rank ``q``'s tokens (a contiguous run, in ``g`` order) go to replica ``g``."""
+    parts, carried = [], 0
+    for s in token_counts:
+        base, rem = divmod(s, num_replicas)
+        parts.append(tuple(base + (1 if (g - carried) % num_replicas < rem else 0) for g in range(num_replicas)))
+        carried += rem
+    return tuple(parts)
+
+
+def _check_counts(token_counts: Sequence[int], layout: Magi2EPReplicaLayout, rows: int) -> tuple[int, ...]:
+    counts = tuple(token_counts)
+    if len(counts) != layout.world_size or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+        raise ValueError(
+            f"token_counts must be {layout.world_size} non-negative host ints (one per CP rank), got {token_counts!r}"
+        )
+    if counts[layout.rank] != rows:
+        raise ValueError(f"token_counts[{layout.rank}] = {counts[layout.rank]} but this rank holds {rows} tokens")
+    return counts
+
+
+def ep_replica_dispatch(
+    x: torch.Tensor,
+    token_counts: Sequence[int],
+    layout: Magi2EPReplicaLayout,
+    group: Any,
+    async_op: bool = False,
+):
+    """This rank's ``[S_r, H, Dh]`` → the tokens this rank routes for its heads, ``[Σ_q n_{q,g}, Hl, Dh]``.
+
+    Rows arrive in source-rank order (rank 0's part first). Padded heads are zeros. One ``all_to_all_single``.
+
+    Raises:
+        ValueError: ``x`` is not ``[S_r, H, Dh]`` or ``token_counts`` is not ``N`` ints with ``S_r`` at this rank.
+    """
+    heads = layout.heads
+    counts = _check_counts(token_counts, layout, x.shape[0])
+    if x.dim() != 3 or x.shape[1] != heads.num_heads:
+        raise ValueError(f"expected x of shape [S, {heads.num_heads}, Dh], got {tuple(x.shape)}")
+    s, h, dh = x.shape
+    E, Hl = layout.ep_size, heads.local_num_heads
+    if heads.padded_num_heads != h:
+        x = torch.cat([x, x.new_zeros(s, heads.padded_num_heads - h, dh)], dim=1)
+    if layout.world_size == 1:
+        return Magi2PendingExchange(None, lambda: x) if async_op else x
+    parts = replica_token_parts(counts, layout.num_replicas)
+    xp = x.view(s, E, Hl, dh)
+    pieces, start = [], 0
+    for n in parts[layout.rank]:
+        pieces.append(xp[start : start + n].transpose(0, 1).reshape(-1))  # [E, n, Hl, Dh]: destinations g·E + p
+        start += n
+    send = torch.cat(pieces)
+    in_splits = [n * Hl * dh for n in parts[layout.rank] for _ in range(E)]
+    mine = [p[layout.replica] for p in parts]
+    out_splits = [n * Hl * dh for n in mine]
+    work, recv = all_to_all(send, out_splits, in_splits, group, async_op)
+    pending = Magi2PendingExchange(work, lambda: recv.view(sum(mine), Hl, dh))
+    return pending if async_op else pending.wait()
+
+
+def ep_replica_undispatch(
+    y: torch.Tensor,
+    token_counts: Sequence[int],
+    layout: Magi2EPReplicaLayout,
+    group: Any,
+    async_op: bool = False,
+):
+    """Inverse of :func:`ep_replica_dispatch`: ``[Σ_q n_{q,g}, Hl, Dh]`` → this rank's ``[S_r, H, Dh]``."""
+    heads = layout.heads
+    counts = tuple(token_counts)
+    E, Hl, dh = layout.ep_size, heads.local_num_heads, y.shape[-1]
+    if layout.world_size == 1:
+        out = y[:, : heads.num_heads]
+        return Magi2PendingExchange(None, lambda: out) if async_op else out
+    parts = replica_token_parts(counts, layout.num_replicas)
+    mine = [p[layout.replica] for p in parts]
+    if y.shape[:2] != (sum(mine), Hl):
+        raise ValueError(f"expected expert outputs of shape [{sum(mine)}, {Hl}, Dh], got {tuple(y.shape)}")
+    send = y.contiguous().reshape(-1)
+    in_splits = [n * Hl * dh for n in mine]
+    out_splits = [n * Hl * dh for n in parts[layout.rank] for _ in range(E)]
+    work, recv = all_to_all(send, out_splits, in_splits, group, async_op)
+
+    def finish():
+        blocks, start = [], 0
+        for n in parts[layout.rank]:
+            size = E * n * Hl * dh
+            block = recv[start : start + size].view(E, n, Hl, dh).transpose(0, 1)
+            blocks.append(block.reshape(n, heads.padded_num_heads, dh))
+            start += size
+        return torch.cat(blocks)[:, : heads.num_heads]
+
+    pending = Magi2PendingExchange(work, finish)
+    return pending if async_op else pending.wait()
+
+
+def ep_replica_heads_forward(
+    x: torch.Tensor,
+    compute_local_heads: Callable[[torch.Tensor], torch.Tensor],
+    layout: Magi2EPReplicaLayout,
+    group: Any,
+    token_counts: Sequence[int],
+) -> torch.Tensor:
+    """Dispatch, ``compute_local_heads`` (``[S', Hl, Dh] → [S', Hl, Dh]``, zeros for padded heads), undispatch.
+
+    Returns ``[S_r, H, Dh]``, as on one device; both exchanges are asynchronous.
+    """
+    local_in = ep_replica_dispatch(x, token_counts, layout, group, async_op=True).wait()
+    out = compute_local_heads(local_in)
+    if needs_autograd(x) and not out.requires_grad:
+        out = out + local_in * 0  # keep an idle owner in the graph so its backward joins the collectives
+    return ep_replica_undispatch(out, token_counts, layout, group, async_op=True).wait()
+
+
+class Magi2ShardedTokenExperts:
+    """The routed-expert exchange of a context-parallel rank whose tokens are its sequence shard, EP degree ``E``
+    dividing the CP degree (:func:`ep_replica_heads_forward`; ``E = N`` is layout (b)). Installed on every MoE layer
+    by ``enable_parallelism`` when the model is expert-parallel.
+
+    Args:
+        num_heads: MoE heads ``H``. ep_size: ``E``. group / rank / world_size: the CP group, this rank, ``N``.
+    """
+
+    def __init__(self, num_heads: int, ep_size: int, group: Any, rank: int, world_size: int) -> None:
+        self.layout = ep_replica_layout(num_heads, world_size, ep_size, rank)
+        self.group = group
+
+    def __call__(self, x, compute_local_heads, ep_token_counts=None, shard_plan=None) -> torch.Tensor:
+        """``[S_r, H, Dh]`` -> ``[S_r, H, Dh]``, the token counts read from ``shard_plan`` (``ep_token_counts`` is
+        not read)."""
+        local_heads = functools.partial(compute_local_heads, sync_free=True)
+        return ep_replica_heads_forward(x, local_heads, self.layout, self.group, shard_plan.token_counts)
+
+    def token_chunk(self, chunk_size):
+        """``None``: every rank joins each exchange once per layer, so the layer runs unchunked."""
+        return None

@@ -30,7 +30,7 @@ from ..loaders.lora_pipeline_magi2 import Magi2LoraLoaderMixin
 from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..models.turbo_vae import Magi2TurboVAEDecoder
-from ..parallel.context_parallel_runtime import broadcast_from_first_rank
+from ..parallel.context_parallel import broadcast_from_first_rank
 from ..utils.dtype_utils import parse_dtype
 from .decoding_magi2 import decode_audio_latents, decode_video_latents, resize_video_frames, wan_latent_stats
 from .image_processing_magi2 import letterbox_image, preprocess_reference_image
@@ -132,7 +132,7 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         expert_parallel = kwargs.pop("expert_parallel", None)
         context_parallel = kwargs.pop("context_parallel", None)
         if context_parallel is not None:
-            from ..parallel.context_parallel_runtime import resolve_context_parallel
+            from ..parallel.context_parallel import resolve_context_parallel
 
             cp = resolve_context_parallel(context_parallel)  # a bad degree fails here, before any weight loads
             if expert_parallel is not None and cp.size % expert_parallel.ep_degree:

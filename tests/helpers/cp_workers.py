@@ -10,15 +10,21 @@ import torch
 import torch.distributed as dist
 
 from diffusers_magi2.models.attention_magi2 import magi2_attention_with_sinks
-from diffusers_magi2.parallel.context_parallel import gather_sequence_shards, plan_sequence_shards
-from diffusers_magi2.parallel.context_parallel_attention import (
+from diffusers_magi2.parallel.context_parallel import (
+    gather_sequence_shards,
+    plan_sequence_shards,
     ulysses_attention,
     ulysses_gather_heads,
     ulysses_head_layout,
     ulysses_scatter_heads,
 )
-from diffusers_magi2.parallel.context_parallel_experts import ep_replica_heads_forward, ep_replica_layout
-from diffusers_magi2.parallel.expert_parallel import ep_dispatch, ep_head_layout, ep_undispatch
+from diffusers_magi2.parallel.expert_parallel import (
+    ep_dispatch,
+    ep_head_layout,
+    ep_replica_heads_forward,
+    ep_replica_layout,
+    ep_undispatch,
+)
 
 
 #: (query heads, kv heads) of the tiny fixtures: h4, h3 (GQA 6/3) and the refiner (GQA 6/2)

@@ -16,7 +16,18 @@ from .fixtures import REPO_ROOT
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 PROBE = str(REPO_ROOT / "tests" / "parallel" / "ep_probe_script.py")
 GENERATE = str(REPO_ROOT / "examples" / "generate.py")
+LAUNCH_RULES = REPO_ROOT / "examples" / "launch_rules.py"
 SMOKE_ARGS = ["--prompt", "a cat on a piano", "--num_inference_steps", "1", "--height", "64", "--width", "64"]
+
+
+def load_launch_rules():
+    """``examples/launch_rules.py`` (the example scripts' launch rules) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("magi2_launch_rules", LAUNCH_RULES)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def launch_env() -> dict:

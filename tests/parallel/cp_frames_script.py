@@ -10,8 +10,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffusers_magi2.parallel.context_parallel_runtime import context_parallel_from_launch
-from diffusers_magi2.parallel.expert_parallel import expert_parallel_from_launch
 from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 
 
@@ -22,13 +20,18 @@ _spec = importlib.util.spec_from_file_location(
 _generate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_generate)
 end_distributed_run = _generate.end_distributed_run
+# the example scripts' launch rules, not a copy of them
+_rules_spec = importlib.util.spec_from_file_location("magi2_launch_rules", _generate.EXAMPLES + "/launch_rules.py")
+_rules = importlib.util.module_from_spec(_rules_spec)
+_rules_spec.loader.exec_module(_rules)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
-expert_parallel = expert_parallel_from_launch(None)
-context_parallel = context_parallel_from_launch(None)
+_rules.init_distributed_from_launch()
+expert_parallel = _rules.expert_parallel_from_launch(None)
+context_parallel = _rules.context_parallel_from_launch(None)
 pipe = build_tiny_default_pipeline(dtype=torch.float32)
 if expert_parallel is not None:
     pipe.transformer.enable_expert_parallel(expert_parallel)

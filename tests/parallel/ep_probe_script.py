@@ -1,8 +1,8 @@
 """Launch probe: set up expert parallelism for ``--ep_degree`` and print what each rank got (one JSON line per rank).
 
-Run under ``accelerate launch`` by ``test_ep_accelerate_launch.py``. Uses the product's EP set-up only:
-``resolve_expert_parallel`` (which creates ``PartialState(cpu=not torch.cuda.is_available())`` when launched) and a
-``Magi2MultiHeadMoE`` built on the EP group. Exits non-zero when EP cannot be honoured (e.g. one process).
+Run under ``accelerate launch`` by ``test_ep_accelerate_launch.py``. Uses the product's EP set-up only: the example
+scripts' ``init_distributed_from_launch`` (``PartialState(cpu=not torch.cuda.is_available())`` when launched), then
+``resolve_expert_parallel`` and a ``Magi2MultiHeadMoE`` built on the EP group. Exits non-zero when EP cannot be honoured (e.g. one process).
 """
 
 import argparse
@@ -25,11 +25,15 @@ _spec = importlib.util.spec_from_file_location(
 )
 _generate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_generate)
+_rules_spec = importlib.util.spec_from_file_location("magi2_launch_rules", _generate.EXAMPLES + "/launch_rules.py")
+_rules = importlib.util.module_from_spec(_rules_spec)
+_rules_spec.loader.exec_module(_rules)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--ep_degree", type=int, required=True)
 args = parser.parse_args()
 
+_rules.init_distributed_from_launch()
 ep = resolve_expert_parallel(Magi2ExpertParallelConfig(ep_degree=args.ep_degree))
 cfg = Magi2MultiHeadMoEConfig(hidden_size=128, num_heads=4, num_experts=8, top_k=2, expert_intermediate_size=64)
 moe = Magi2MultiHeadMoE(cfg, ep.group)

@@ -26,10 +26,16 @@ from diffusers_magi2.models.feedforward_magi2 import Magi2FeedForward, Magi2MoEF
 from diffusers_magi2.models.transformer_magi2 import Magi2TransformerBlock
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformerBlock
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
-from diffusers_magi2.parallel.context_parallel_attention import Magi2LocalAttention, Magi2UlyssesAttention
-from diffusers_magi2.parallel.context_parallel_experts import Magi2ShardedTokenExperts
-from diffusers_magi2.parallel.context_parallel_runtime import Magi2ContextParallelGroup
-from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelExchange, Magi2LocalExperts
+from diffusers_magi2.parallel.context_parallel import (
+    Magi2ContextParallelGroup,
+    Magi2LocalAttention,
+    Magi2UlyssesAttention,
+)
+from diffusers_magi2.parallel.expert_parallel import (
+    Magi2ExpertParallelExchange,
+    Magi2LocalExperts,
+    Magi2ShardedTokenExperts,
+)
 
 
 #: every forward a block runs, down to the routed experts

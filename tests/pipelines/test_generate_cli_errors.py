@@ -125,10 +125,14 @@ def test_the_script_itself_exits_2_with_one_line(tmp_path, args, expected):
 @pytest.mark.parametrize("ep", [None, 1, 2, 3])
 @pytest.mark.parametrize("ulysses", [None, 1, 2, 4])
 def test_early_launch_check_agrees_with_the_library_rules(monkeypatch, world, ep, ulysses):
-    """The torch-free check in the script refuses exactly what the library's launch rules refuse."""
+    """The torch-free check in the script refuses exactly what the launch rules (``examples/launch_rules.py``) refuse."""
     import importlib.util
 
-    from diffusers_magi2.parallel import context_parallel_runtime, expert_parallel
+    from helpers.launch import load_launch_rules
+
+    from diffusers_magi2.parallel import context_parallel, expert_parallel
+
+    rules = load_launch_rules()
 
     spec = importlib.util.spec_from_file_location("magi2_generate_rules", GENERATE)
     generate = importlib.util.module_from_spec(spec)
@@ -136,7 +140,7 @@ def test_early_launch_check_agrees_with_the_library_rules(monkeypatch, world, ep
     monkeypatch.setenv("WORLD_SIZE", str(world))
     # the library's rules resolve a real group when they accept a degree > 1; only their verdict matters here
     monkeypatch.setattr(expert_parallel, "resolve_expert_parallel", lambda config: None)
-    monkeypatch.setattr(context_parallel_runtime, "resolve_context_parallel", lambda config: None)
+    monkeypatch.setattr(context_parallel, "resolve_context_parallel", lambda config: None)
 
     def verdict(fn):
         try:
@@ -147,8 +151,8 @@ def test_early_launch_check_agrees_with_the_library_rules(monkeypatch, world, ep
 
     library = verdict(
         lambda: (
-            expert_parallel.expert_parallel_from_launch(ep),
-            context_parallel_runtime.context_parallel_from_launch(ulysses, ep),
+            rules.expert_parallel_from_launch(ep),
+            rules.context_parallel_from_launch(ulysses, ep),
         )
     )
     assert verdict(lambda: generate.check_launch_degrees(ep, ulysses)) == library
