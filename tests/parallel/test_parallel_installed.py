@@ -152,3 +152,24 @@ def test_expert_parallel_after_context_parallel_is_refused():
     model._magi2_context_parallel = _fake_cp(2)
     with pytest.raises(ValueError, match="enable expert parallelism before enable_parallelism"):
         model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=2))
+
+
+def test_the_package_reads_no_launcher_environment():
+    """The launch rules live in ``examples/launch_rules.py``; the package takes the initialised group or a mesh: no
+    package module names a launcher variable or creates accelerate's ``PartialState``."""
+    from helpers.fixtures import REPO_ROOT
+
+    def readers(path):
+        found = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in ("WORLD_SIZE", "LOCAL_RANK", "RANK"):
+                found.append(f"{path.name}:{node.lineno} {node.value}")
+            if isinstance(node, (ast.Name, ast.Attribute, ast.alias)):
+                name = getattr(node, "id", None) or getattr(node, "attr", None) or node.name
+                if name == "PartialState":
+                    found.append(f"{path.name}:{getattr(node, 'lineno', '?')} PartialState")
+        return found
+
+    package = [r for path in sorted((REPO_ROOT / "diffusers_magi2").rglob("*.py")) for r in readers(path)]
+    assert package == []
+    assert readers(REPO_ROOT / "examples" / "launch_rules.py")  # the check sees the examples' launch rules
