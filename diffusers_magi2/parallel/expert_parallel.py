@@ -156,6 +156,7 @@ def ep_head_layout(num_heads: int, ep_size: int, ep_rank: int) -> Magi2EPHeadLay
 
 
 def _ep_group(resolved: Magi2MeshGroup) -> Magi2ExpertParallelGroup:
+    """The EP record of a resolved mesh dimension."""
     return Magi2ExpertParallelGroup(
         resolved.group,
         resolved.rank,
