@@ -37,7 +37,12 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..models.attention_magi2 import Magi2AttentionMask, Magi2AttnProcessor, Magi2WindowAttnProcessor
+from ..models.attention_magi2 import (
+    Magi2AttentionMask,
+    Magi2AttnProcessor,
+    Magi2ForwardContext,
+    Magi2WindowAttnProcessor,
+)
 from ..models.modality import Magi2ModalityDispatch, Modality
 from ..models.transformer_magi2 import DEFAULT_FORWARD_CHUNK_SIZE, Magi2Transformer3DModel
 from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
@@ -424,7 +429,7 @@ def trace_preview_forward(
                 if cp_degree > 1:  # all-to-all buffers of the attention and MoE exchanges
                     width = block.attention.q_size
                     tracker.add_transient(_exchange_bytes(n_loc, width, x.element_size()), "all_to_all buffers")
-                x = block(x, rope, dispatch, mask)
+                x = block(x, Magi2ForwardContext(rope, dispatch, mask))
             x = dispatch.unsort(x)
             out = _post_adapter(model.post_adapter, x, local, device)
             del x
@@ -498,7 +503,7 @@ def trace_refiner_forward(
                 if cp_degree > 1:
                     width = block.attention.q_size
                     tracker.add_transient(_exchange_bytes(n_loc, width, h.element_size()), "all_to_all buffers")
-                h = block(h, rope, dispatch, mask)
+                h = block(h, Magi2ForwardContext(rope, dispatch, mask))
             h = dispatch.unsort(h).float()
             out = _post_adapter(model.post_adapter, h, local, device)
             del h
