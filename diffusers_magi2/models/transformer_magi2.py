@@ -144,8 +144,8 @@ DEFAULT_FORWARD_CHUNK_SIZE = 16384
 
 
 def _check_local_mhc_names(pretrained_model_name_or_path, kwargs: dict) -> bool:
-    """Whether the checkpoint is a local folder; if it holds safetensors weights, refuse flat mHC names in them
-    (read from the index or the file header, before anything is loaded)."""
+    """Refuse flat mHC names in a local folder's safetensors weights (read from the index or the file header, before
+    anything is loaded); whether the names were checked so (else they are checked from the loading info)."""
     from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, _add_variant
 
     folder = Path(pretrained_model_name_or_path) / (kwargs.get("subfolder") or "")
@@ -156,7 +156,7 @@ def _check_local_mhc_names(pretrained_model_name_or_path, kwargs: dict) -> bool:
         check_no_flat_mhc_keys(read_index(folder, index.name, single.name), str(folder))
     elif single.is_file():
         check_no_flat_mhc_keys(read_safetensors_header(single).tensors, str(folder))
-    return folder.is_dir()
+    return index.is_file() or single.is_file()
 
 
 def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
@@ -392,10 +392,10 @@ class Magi2Transformer3DModel(
                 "HF_HUB_OFFLINE", ""
             ).strip().upper() in ("1", "ON", "YES", "TRUE")
             kwargs["local_files_only"] = offline
-        local = _check_local_mhc_names(pretrained_model_name_or_path, kwargs)
-        if local or kwargs.get("use_flashpack"):  # (flashpack gives no loading info)
+        checked = _check_local_mhc_names(pretrained_model_name_or_path, kwargs)
+        if checked or kwargs.get("use_flashpack"):  # (flashpack gives no loading info)
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        # a Hub id: the names are known once it is downloaded and loaded
+        # a Hub id (or local weights other than safetensors): the names are known once it is loaded
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, output_loading_info=True, **kwargs)
         check_no_flat_mhc_keys(info.get("unexpected_keys", ()), str(pretrained_model_name_or_path))

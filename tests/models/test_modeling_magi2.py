@@ -325,3 +325,17 @@ def test_a_repo_with_flat_mhc_names_is_refused_not_left_unloaded(tmp_path, monke
     model, info = Magi2Transformer3DModel.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert all(not p.is_meta for p in model.parameters())
+
+
+def test_a_local_bin_repo_with_flat_mhc_names_is_refused_from_the_loading_info(tmp_path):
+    """Local weights other than safetensors have no header to read first: the loading info still names them."""
+    import re
+
+    def flat(key):
+        return re.sub(r"\.mhc_(attn|mlp)\.(\w+)$", r".mhc_\2_\1", key)
+
+    tiny_model().save_pretrained(tmp_path, safe_serialization=False)
+    (path,) = tmp_path.glob("*.bin")
+    torch.save({flat(k): v for k, v in torch.load(path, weights_only=True).items()}, path)
+    with pytest.raises(ValueError, match=r"names 28 mHC tensors the flat way"):
+        Magi2Transformer3DModel.from_pretrained(tmp_path)
