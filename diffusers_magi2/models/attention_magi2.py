@@ -32,6 +32,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from ..parallel.context_parallel import Magi2LocalAttention
 from ..utils.backends import check_backend, resolve_backend
+from ..utils.elementwise import sigmoid
 from .embeddings_magi2 import apply_magi2_rotary_emb
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, linear_compute_dtype, modality_linear
 from .window_attention import (
@@ -406,7 +407,7 @@ class _Magi2AttnProcessorBase:
         if attn.linear_g is not None:
             g = attn.linear_g(u, gs)
             g = g.float() if attn.gate_in_fp32 else g.to(out.dtype)
-            out = out * torch.sigmoid(g).unsqueeze(-1)
+            out = out * sigmoid(g).unsqueeze(-1)
         return attn.linear_proj(out.reshape(n, attn.q_size).to(dtype), gs)
 
 

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from ..utils.elementwise import sigmoid
 from .feedforward_magi2 import run_token_chunks
 
 
@@ -76,8 +77,8 @@ def mhc_coefficients(
     n = num_streams
     h = h_fused.float()
     pre, post, res = torch.split(h, [n, n, n * n], dim=-1)
-    h_pre = torch.sigmoid(alpha_pre.float() * matmul_scale * pre + bias_pre.float())
-    h_post = 2.0 * torch.sigmoid(alpha_post.float() * matmul_scale * post + bias_post.float())
+    h_pre = sigmoid(alpha_pre.float() * matmul_scale * pre + bias_pre.float())
+    h_post = 2.0 * sigmoid(alpha_post.float() * matmul_scale * post + bias_post.float())
     z = alpha_res.float() * matmul_scale * res.reshape(-1, n, n) + bias_res.float()
     h_res = sinkhorn_knopp(z)
     return h_pre.to(out_dtype), h_post.to(out_dtype), h_res.to(out_dtype)

@@ -14,6 +14,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ..utils.elementwise import sigmoid, sigmoid_
+
 
 __all__ = ["SWIGLU7_ALPHA", "SWIGLU7_LIMIT", "swiglu7", "swiglu7_backward", "swiglu7_interleaved"]
 
@@ -50,7 +52,7 @@ def swiglu7(
         if gate.dtype != torch.float32 or out.dtype != torch.float32 or out_dtype not in (None, torch.float32):
             raise ValueError("swiglu7(out=...) computes in place on fp32 gate, up and out")
         g = gate.clamp_(max=SWIGLU7_LIMIT)
-        hidden = torch.mul(g, _ALPHA_FP32, out=out).sigmoid_().mul_(g)
+        hidden = sigmoid_(torch.mul(g, _ALPHA_FP32, out=out)).mul_(g)
         up = up() if callable(up) else up
         if up.dtype != torch.float32 or up.shape != hidden.shape:
             raise ValueError("swiglu7(out=...) computes in place on fp32 gate, up and out of one shape")
@@ -65,7 +67,7 @@ def swiglu7(
         out_dtype = torch.promote_types(gate.dtype, up.dtype)
     g = gate.to(torch.float32).clamp(max=SWIGLU7_LIMIT)
     u = up.to(torch.float32).clamp(min=-SWIGLU7_LIMIT, max=SWIGLU7_LIMIT)
-    return (g * torch.sigmoid(SWIGLU7_ALPHA * g) * (u + 1.0)).to(out_dtype)
+    return (g * sigmoid(SWIGLU7_ALPHA * g) * (u + 1.0)).to(out_dtype)
 
 
 def swiglu7_interleaved(x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:

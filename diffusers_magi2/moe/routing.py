@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..utils.elementwise import sigmoid
+
 
 __all__ = ["check_finite_router_logits", "compute_topk_probs_and_indices", "global_sort_routes"]
 
@@ -94,7 +96,7 @@ def compute_topk_probs_and_indices(
     check_finite_router_logits(router_logits)
 
     if score_func == "sigmoid":
-        scores = torch.sigmoid(router_logits)
+        scores = sigmoid(router_logits)
     else:
         scores = torch.softmax(router_logits, dim=-1)
 
