@@ -124,10 +124,10 @@ def test_generate_under_a_launcher_refuses_a_bad_ulysses_degree_on_every_rank(tm
     res = run_launched(
         multi_cpu_launch(GENERATE, "--prompt", "x", "--ulysses_degree", "3", "--output", str(out)), tmp_path, 180
     )
-    assert res.returncode != 0 and not out.exists()
+    assert res.returncode != 0 and not out.exists(), res.stderr[-3000:]
     # one line from rank 0 (the first on stderr); what follows is the launcher's own failure summary
     errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and res.stderr.startswith(errors[0])
+    assert len(errors) == 1 and res.stderr.startswith(errors[0]), res.stderr[-3000:]
     assert "--ulysses_degree 3 requested but this run has 2 process(es)" in errors[0]
     assert 'generate.py", line' not in res.stderr  # no traceback from the script
     assert "wrote " not in res.stdout
