@@ -111,6 +111,7 @@ def test_converted_release_loads_as_remote_code_offline_and_equals_magi2_pipelin
     frames and audio bit for bit (same seed), on the one-stage path and through the converted refiner."""
     import numpy as np
     import torch
+    from helpers.modular_testing_utils import run_fresh_offline
 
     from diffusers_magi2 import Magi2Pipeline
 
@@ -120,19 +121,7 @@ def test_converted_release_loads_as_remote_code_offline_and_equals_magi2_pipelin
         "two_stage": {"height": 64, "width": 64, "preview_height": 32, "preview_width": 32,
                       "num_inference_steps": 1, "refiner_num_inference_steps": 1},
     }  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "home"))
-    out = tmp_path / "out.npz"
-    res = subprocess.run(
-        [sys.executable, "-c", REMOTE_CODE_SCRIPT, str(repo), json.dumps(calls), str(out)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-4000:]
-    results = np.load(out)
+    results = run_fresh_offline(REMOTE_CODE_SCRIPT, [repo, json.dumps(calls)], tmp_path)
     assert str(results["class"]) == "ModularPipeline/Magi2AutoBlocks"
     pipe = Magi2Pipeline.from_pretrained(repo)
     pipe.set_progress_bar_config(disable=True)

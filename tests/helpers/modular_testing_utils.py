@@ -3,6 +3,11 @@ and its ``Magi2ModularPipeline`` over the same components."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -53,3 +58,22 @@ def tiny_pipelines(with_refiner: bool = False, duration_s: float = 2.0):
     modular = Magi2ModularPipeline.from_classic(pipe)
     modular.set_progress_bar_config(disable=True)
     return pipe, modular
+
+
+def run_fresh_offline(script: str, args: list, tmp_path: Path, **env: str):
+    """Run ``python -c script *args OUT`` in a fresh process with ``HF_HUB_OFFLINE=1``, its own ``HF_HOME`` and one
+    thread (``env`` adds variables); the script saves its arrays to ``OUT`` (``.npz``) and prints ``ok`` last.
+    Returns the loaded arrays."""
+    out = tmp_path / "out.npz"
+    environ = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "home"), **env)
+    res = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args), str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=environ,
+        timeout=600,
+    )
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-4000:]
+    return np.load(out)

@@ -7,15 +7,12 @@ generate what ``Magi2Pipeline`` does; a repo whose modular files disagree with `
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from helpers.modular_testing_utils import PROMPT, T2V, tiny_pipelines
+from helpers.modular_testing_utils import PROMPT, T2V, run_fresh_offline, tiny_pipelines
 
 from diffusers_magi2.modular_pipelines import Magi2ModularPipeline
 from diffusers_magi2.pipelines.modular_files import write_modular_files
@@ -98,19 +95,8 @@ def test_saved_repo_loads_offline_in_a_fresh_process_and_generates_the_same(save
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
     write_modular_files(snapshot, repo=REPO_ID)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home"), "HF_HUB_CACHE": str(cache)}
     script = f"PROMPT = {PROMPT!r}\nCALL = {T2V!r}\n" + LOAD_SCRIPT
-    out = tmp_path / "out.npz"
-    res = subprocess.run(
-        [sys.executable, "-c", script, str(copy), REPO_ID, str(out)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=600,
-    )
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-4000:]
-    results = np.load(out)
+    results = run_fresh_offline(script, [copy, REPO_ID], tmp_path, HF_HUB_CACHE=str(cache))
     assert str(results["remote_code_folder_class"]) == "ModularPipeline/Magi2AutoBlocks"
     assert str(results["remote_code_hub_class"]) == "ModularPipeline/Magi2AutoBlocks"
     assert str(results["magi2_hub_id_class"]) == "Magi2ModularPipeline/Magi2AutoBlocks"
