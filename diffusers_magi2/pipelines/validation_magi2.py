@@ -22,6 +22,7 @@ __all__ = [
     "Magi2PipelineChecksMixin",
     "attention_kwargs_for",
     "check_batch_sizes",
+    "check_per_video_inputs",
     "check_output_size",
     "check_prompt_inputs",
     "check_sizes",
@@ -117,43 +118,42 @@ def check_prompt_inputs(
             )
 
 
-def check_batch_sizes(
-    prompt,
-    prompt_embeds,
-    negative_prompt,
-    negative_prompt_embeds,
-    image_embeds,
-    latents,
-    audio_latents,
-    num_videos_per_prompt=1,
-    generator=None,
-):
-    """Every batched input matches the prompt batch; given noise and a list of generators have one entry per video
-    (checked before anything is encoded)."""
+def check_batch_sizes(prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds) -> int:
+    """Every batched text input matches the prompt batch (checked before anything is encoded); returns that batch."""
     batch_size = len([prompt] if isinstance(prompt, str) else prompt) if prompt is not None else prompt_embeds.shape[0]
     if negative_prompt is not None and not isinstance(negative_prompt, str) and len(negative_prompt) != batch_size:
         raise ValueError(
             f"negative_prompt has {len(negative_prompt)} entries for a batch of {batch_size}: pass one string "
             f"or a list of {batch_size} strings"
         )
-    source = "len(prompt)" if prompt is not None else "prompt_embeds.shape[0]"
     for name, tensor in (("negative_prompt_embeds", negative_prompt_embeds), ("image_embeds", image_embeds)):
         if tensor is not None and tensor.shape[0] != batch_size:
             raise ValueError(
-                f"{name} has batch {tensor.shape[0]}; it must equal the prompt batch {batch_size} ({source})"
+                f"{name} has batch {tensor.shape[0]}; it must equal the prompt batch {batch_size} "
+                f"({_batch_source(prompt)})"
             )
+    return batch_size
+
+
+def check_per_video_inputs(prompt, batch_size, num_videos_per_prompt, latents, audio_latents, generator=None):
+    """Given noise and a list of generators have one entry per video: ``batch_size x num_videos_per_prompt``."""
+    videos, source = batch_size * num_videos_per_prompt, _batch_source(prompt)
     for name, tensor in (("latents", latents), ("audio_latents", audio_latents)):
-        if tensor is not None and tensor.shape[0] != batch_size * num_videos_per_prompt:
+        if tensor is not None and tensor.shape[0] != videos:
             raise ValueError(
                 f"{name} has batch {tensor.shape[0]}; it must be one row per video: the prompt batch {batch_size} "
-                f"({source}) x num_videos_per_prompt {num_videos_per_prompt} = {batch_size * num_videos_per_prompt}"
+                f"({source}) x num_videos_per_prompt {num_videos_per_prompt} = {videos}"
             )
-    if isinstance(generator, list) and len(generator) != batch_size * num_videos_per_prompt:
+    if isinstance(generator, list) and len(generator) != videos:
         raise ValueError(
-            f"generator is a list of {len(generator)} generators for {batch_size * num_videos_per_prompt} videos (the "
+            f"generator is a list of {len(generator)} generators for {videos} videos (the "
             f"prompt batch {batch_size} x num_videos_per_prompt {num_videos_per_prompt}): pass one torch.Generator "
-            f"or a list of exactly {batch_size * num_videos_per_prompt}, one per video"
+            f"or a list of exactly {videos}, one per video"
         )
+
+
+def _batch_source(prompt) -> str:
+    return "len(prompt)" if prompt is not None else "prompt_embeds.shape[0]"
 
 
 def _config_value(component, field: str):
@@ -236,17 +236,8 @@ class Magi2PipelineChecksMixin:
         )
         self._check_image_inputs(image, prompt_embeds, image_embeds)
         # batch size and text width, checked here so that nothing is encoded before a mismatch raises
-        check_batch_sizes(
-            prompt,
-            prompt_embeds,
-            negative_prompt,
-            negative_prompt_embeds,
-            image_embeds,
-            latents,
-            audio_latents,
-            num_videos_per_prompt,
-            generator,
-        )
+        batch = check_batch_sizes(prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds)
+        check_per_video_inputs(prompt, batch, num_videos_per_prompt, latents, audio_latents, generator)
         self._check_text_widths(prompt_embeds, negative_prompt_embeds, image_embeds)
         self._check_latents_and_decoder(output_type, latents, audio_latents, refine, denoise_height, denoise_width)
 
