@@ -364,7 +364,18 @@ class Magi2LocalExperts:
         self.sync_free = sync_free
 
     def __call__(self, x, compute_local_heads, ep_token_counts=None, shard_plan=None) -> torch.Tensor:
-        """``compute_local_heads(x)``; the token counts are not read."""
+        """``compute_local_heads(x)``.
+
+        Raises:
+            ValueError: ``ep_token_counts`` given but not ``[S]`` (the one rank holds all ``S`` tokens).
+        """
+        if ep_token_counts is not None:
+            counts = list(ep_token_counts)
+            if len(counts) != 1 or isinstance(counts[0], bool) or counts[0] != x.shape[0]:
+                raise ValueError(
+                    f"ep_token_counts must be None or [{x.shape[0]}] for a layer without expert parallelism (one rank "
+                    f"holding its {x.shape[0]} tokens), got {ep_token_counts!r}"
+                )
         return compute_local_heads(x, sync_free=self.sync_free)
 
     def token_chunk(self, chunk_size):

@@ -227,6 +227,11 @@ def test_module_bad_input() -> None:
         module.forward_local_heads(torch.randn(3, 3, 64))
     with pytest.raises(ValueError, match="first dimension H\\*E = 16"):
         module.ep_slice(torch.randn(8, 64))
+    hidden = torch.randn(4, 128)
+    assert torch.equal(module(hidden, ep_token_counts=[4]), module(hidden))  # one rank holding every token
+    for bad in ([9, 9, 9], [5], [True]):
+        with pytest.raises(ValueError, match=r"ep_token_counts must be None or \[4\]"):
+            module(hidden, ep_token_counts=bad)
 
 
 @pytest.mark.parametrize(
