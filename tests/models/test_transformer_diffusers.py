@@ -106,9 +106,9 @@ def test_from_pretrained_defaults_local_files_only_from_hf_hub_offline(monkeypat
 
     captured = {}
 
-    def fake(cls, path, **kwargs):
+    def fake(cls, path, output_loading_info=False, **kwargs):  # ModelMixin's contract, loading nothing
         captured.update(kwargs)
-        return "called"
+        return ("called", {"unexpected_keys": []}) if output_loading_info else "called"
 
     monkeypatch.setattr(ModelMixin, "from_pretrained", classmethod(fake))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
