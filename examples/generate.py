@@ -328,22 +328,8 @@ def pretrained_dtype(dtype_name: str):
 
 
 def end_distributed_run(exit_code: int = 0) -> None:
-    """End a distributed run cleanly: barrier, destroy the default process group, then on CPU ``os._exit``.
-
-    gloo runs that built a device mesh sometimes abort at interpreter exit (``terminate called without an active
-    exception``, SIGABRT) after all work is done (pytorch PR #179291); skipping interpreter finalisation with
-    ``os._exit`` on CPU avoids it. Does nothing without a process group, and returns normally on GPU.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        on_cpu = "nccl" not in str(dist.get_backend())
-        dist.barrier()
-        dist.destroy_process_group()
-        if on_cpu:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(exit_code)
+    """:func:`launch_rules.end_distributed_run` (barrier, destroy the group, ``os._exit`` on CPU)."""
+    launch_rules().end_distributed_run(exit_code)
 
 
 def load_pipeline(args):

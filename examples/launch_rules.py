@@ -14,11 +14,13 @@ unsharded. Importing this module does not import torch.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Optional
 
 
 __all__ = [
     "check_launch_degree",
+    "end_distributed_run",
     "context_parallel_from_launch",
     "expert_parallel_from_launch",
     "init_distributed_from_launch",
@@ -127,3 +129,22 @@ def context_parallel_from_launch(ulysses_degree: Optional[int] = None, ep_degree
     config = ContextParallelConfig(ulysses_degree=cp)
     context_parallel.resolve_context_parallel(config)
     return config
+
+
+def end_distributed_run(exit_code: int = 0) -> None:
+    """End a distributed run cleanly: barrier, destroy the default process group, then on CPU ``os._exit``.
+
+    gloo runs that built a device mesh sometimes abort at interpreter exit (``terminate called without an active
+    exception``, SIGABRT) after all work is done (pytorch PR #179291); skipping interpreter finalisation with
+    ``os._exit`` on CPU avoids it. Does nothing without a process group, and returns normally on GPU.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        on_cpu = "nccl" not in str(dist.get_backend())
+        dist.barrier()
+        dist.destroy_process_group()
+        if on_cpu:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_code)

@@ -507,22 +507,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def _end_distributed_run(code: int) -> None:
-    """Barrier and destroy the process group; on CPU (gloo) exit with ``os._exit``, as ``examples/generate.py``
-    does (gloo runs can abort at interpreter exit after the work is done)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        on_cpu = "nccl" not in str(dist.get_backend())
-        dist.barrier()
-        dist.destroy_process_group()
-        if on_cpu:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-
 if __name__ == "__main__":
     code = main()
-    _end_distributed_run(code)
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    from launch_rules import end_distributed_run
+
+    end_distributed_run(code)
     sys.exit(code)
