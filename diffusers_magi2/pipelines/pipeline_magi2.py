@@ -58,8 +58,9 @@ from .text_encoding import (
     add_figure_reference,
     apply_cjk_pre_tokenizer_split,
     encode_prompt_text,
+    repeat_text_per_video,
 )
-from .validation_magi2 import Magi2PipelineChecksMixin, attention_kwargs_for
+from .validation_magi2 import Magi2PipelineChecksMixin, attention_kwargs_for, warn_untrained_sizes
 
 
 logger = logging.get_logger(__name__)
@@ -73,14 +74,6 @@ __all__ = [
     "letterbox_image",
     "resize_video_frames",
 ]
-
-
-def _per_video(embeds: torch.Tensor, mask: torch.Tensor | None, num_videos_per_prompt: int, device, dtype):
-    """``(embeds, bool mask)`` on ``device``/``dtype`` with each row repeated ``num_videos_per_prompt`` times, adjacent."""
-    embeds = embeds.to(device=device, dtype=dtype or embeds.dtype)
-    mask = torch.ones(embeds.shape[:2], dtype=torch.bool) if mask is None else mask
-    mask = mask.to(device=device, dtype=torch.bool)
-    return embeds.repeat_interleave(num_videos_per_prompt, 0), mask.repeat_interleave(num_videos_per_prompt, 0)
 
 
 class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoaderMixin):
@@ -415,11 +408,11 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
             negatives = [negative] * prompt_embeds.shape[0] if isinstance(negative, str) else list(negative)
             negative_prompt_embeds, negative_prompt_attention_mask, _ = self.encode_text(negatives, device)
 
-        prompt_embeds, prompt_attention_mask = _per_video(
+        prompt_embeds, prompt_attention_mask = repeat_text_per_video(
             prompt_embeds, prompt_attention_mask, num_videos_per_prompt, device, dtype
         )
         if negative_prompt_embeds is not None:
-            negative_prompt_embeds, negative_prompt_attention_mask = _per_video(
+            negative_prompt_embeds, negative_prompt_attention_mask = repeat_text_per_video(
                 negative_prompt_embeds, negative_prompt_attention_mask, num_videos_per_prompt, device, dtype
             )
         return prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask
@@ -632,16 +625,7 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         refiner_config = None
         if refine:
             refiner_config = self.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale)
-        if (denoise_height, denoise_width) not in TRAINED_RESOLUTIONS:
-            logger.warning(
-                f"{denoise_height}x{denoise_width} is outside the trained resolutions {TRAINED_RESOLUTIONS}; "
-                "expect lower quality."
-            )
-        if refine and (height, width) != REFINER_RESOLUTION:
-            logger.warning(
-                f"refiner output {height}x{width} differs from the trained {REFINER_RESOLUTION[0]}x{REFINER_RESOLUTION[1]}; "
-                "expect lower quality."
-            )
+        warn_untrained_sizes(refine, height, width, denoise_height, denoise_width)
 
         self._guidance_scale = float(guidance_scale)
         self._audio_guidance_scale = float(audio_guidance_scale)

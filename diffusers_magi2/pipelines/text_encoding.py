@@ -18,6 +18,7 @@ from diffusers.utils import logging
 logger = logging.get_logger(__name__)
 
 __all__ = [
+    "repeat_text_per_video",
     "CJK_SPLIT_PATTERN",
     "DEFAULT_MAX_SEQUENCE_LENGTH",
     "DEFAULT_SKIP_LAYERS",
@@ -422,3 +423,11 @@ def encode_prompt_text(
         return features, None
     indices = find_target_token_indices(normalized, tokens["offset_mapping"][0], figure_target)
     return features, pool_target_features(features, indices)
+
+
+def repeat_text_per_video(embeds: torch.Tensor, mask: torch.Tensor | None, num_videos_per_prompt: int, device, dtype):
+    """Text ``(embeds [B, Lt, C], bool mask [B, Lt])`` on ``device``/``dtype`` with each row repeated ``num_videos_per_prompt`` times, adjacent."""
+    embeds = embeds.to(device=device, dtype=dtype or embeds.dtype)
+    mask = torch.ones(embeds.shape[:2], dtype=torch.bool) if mask is None else mask
+    mask = mask.to(device=device, dtype=torch.bool)
+    return embeds.repeat_interleave(num_videos_per_prompt, 0), mask.repeat_interleave(num_videos_per_prompt, 0)

@@ -11,11 +11,14 @@ import os
 
 import numpy as np
 import PIL.Image
+from diffusers.utils import logging
 
 from ..models.attention_magi2 import check_attention_kwargs
 from .image_processing_magi2 import IMAGE_TYPES
-from .presets_magi2 import OUTPUT_TYPES, REFINER_RESOLUTION
+from .presets_magi2 import OUTPUT_TYPES, REFINER_RESOLUTION, TRAINED_RESOLUTIONS
 
+
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "COMPONENT_FITS",
@@ -23,6 +26,7 @@ __all__ = [
     "attention_kwargs_for",
     "check_batch_sizes",
     "check_per_video_inputs",
+    "warn_untrained_sizes",
     "check_output_size",
     "check_prompt_inputs",
     "check_sizes",
@@ -154,6 +158,20 @@ def check_per_video_inputs(prompt, batch_size, num_videos_per_prompt, latents, a
 
 def _batch_source(prompt) -> str:
     return "len(prompt)" if prompt is not None else "prompt_embeds.shape[0]"
+
+
+def warn_untrained_sizes(refine: bool, height: int, width: int, denoise_height: int, denoise_width: int) -> None:
+    """Warn (not raise) when the denoised size is not a trained resolution, or the refiner output not 1088x1920."""
+    if (denoise_height, denoise_width) not in TRAINED_RESOLUTIONS:
+        logger.warning(
+            f"{denoise_height}x{denoise_width} is outside the trained resolutions {TRAINED_RESOLUTIONS}; "
+            "expect lower quality."
+        )
+    if refine and (height, width) != REFINER_RESOLUTION:
+        logger.warning(
+            f"refiner output {height}x{width} differs from the trained {REFINER_RESOLUTION[0]}x{REFINER_RESOLUTION[1]}; "
+            "expect lower quality."
+        )
 
 
 def _config_value(component, field: str):
