@@ -180,15 +180,12 @@ class Magi2LoraLoaderMixin(LoraBaseMixin):
         os.makedirs(save_directory, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".lora-", dir=save_directory)
         try:
-            cls._save_lora_weights(
-                save_directory=staging,
-                lora_layers=layers,
-                lora_metadata=metadata,
-                is_main_process=True,
-                weight_name=weight_name,
-                save_function=save_function,
-                safe_serialization=safe_serialization,
-            )
+            options = {
+                "weight_name": weight_name,
+                "save_function": save_function,
+                "safe_serialization": safe_serialization,
+            }
+            cls._save_lora_weights(staging, layers, metadata, **options)
             os.replace(Path(staging, weight_name), Path(save_directory, weight_name))
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -12,6 +12,7 @@ preview's generator stream and reuses its text embeddings, callbacks and decodin
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any, Callable
 
@@ -74,6 +75,11 @@ __all__ = [
     "letterbox_image",
     "resize_video_frames",
 ]
+
+
+def _call_state(name: str, doc: str) -> property:
+    """A read-only view of the call state ``self._<name>`` (diffusers' pipeline properties)."""
+    return property(operator.attrgetter(f"_{name}"), doc=doc)
 
 
 class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoaderMixin):
@@ -258,40 +264,22 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
 
     # --- Properties (diffusers conventions)
 
-    @property
-    def guidance_scale(self) -> float:
-        """Video CFG scale of the current/last call."""
-        return self._guidance_scale
-
-    @property
-    def audio_guidance_scale(self) -> float:
-        """Audio CFG scale of the current/last call."""
-        return self._audio_guidance_scale
+    guidance_scale = _call_state("guidance_scale", "Video CFG scale of the current/last call.")
+    audio_guidance_scale = _call_state("audio_guidance_scale", "Audio CFG scale of the current/last call.")
+    num_timesteps = _call_state("num_timesteps", "Steps of the stage being (or last) denoised.")
+    current_timestep = _call_state(
+        "current_timestep", "The timestep being denoised (0-d tensor, 0-1000 scale), ``None`` outside the loops."
+    )
+    interrupt = _call_state(
+        "interrupt",
+        "``True`` once a callback set ``pipe._interrupt = True``: the rest is skipped, the latents decoded.",
+    )
+    attention_kwargs = _call_state("attention_kwargs", "The ``attention_kwargs`` of the current/last call.")
 
     @property
     def do_classifier_free_guidance(self) -> bool:
         """CFG runs unless both guidance scales are exactly 1 (then the uncond half is skipped)."""
         return self._guidance_scale != 1.0 or self._audio_guidance_scale != 1.0
-
-    @property
-    def num_timesteps(self) -> int:
-        """Steps of the stage being (or last) denoised."""
-        return self._num_timesteps
-
-    @property
-    def current_timestep(self):
-        """The timestep being denoised (0-d tensor, 0-1000 scale), ``None`` outside the loops."""
-        return self._current_timestep
-
-    @property
-    def interrupt(self) -> bool:
-        """``True`` once a callback set ``pipe._interrupt = True``: the rest is skipped, the latents decoded."""
-        return self._interrupt
-
-    @property
-    def attention_kwargs(self):
-        """The ``attention_kwargs`` of the current/last call."""
-        return self._attention_kwargs
 
     # --- Scheduling
     def base_sigmas(self, num_inference_steps: int) -> np.ndarray:
