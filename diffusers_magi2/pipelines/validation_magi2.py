@@ -85,16 +85,9 @@ def _check_embeds(name: str, embeds, mask) -> None:
         raise ValueError(f"{mask_name} must be {tuple(embeds.shape[:2])} to match {name}; got {tuple(mask.shape)}")
 
 
-def check_prompt_inputs(
-    prompt,
-    negative_prompt,
-    prompt_embeds,
-    prompt_attention_mask,
-    negative_prompt_embeds,
-    negative_prompt_attention_mask,
-) -> None:
-    """Exactly one of ``prompt``/``prompt_embeds``; non-empty strings; embeddings ``[B, Lt, C]`` with matching
-    ``[B, Lt]`` masks; the negative pair likewise."""
+def check_prompt_inputs(prompt, prompt_embeds, prompt_attention_mask) -> None:
+    """Exactly one of ``prompt``/``prompt_embeds``; non-empty strings; embeddings ``[B, Lt, C]`` with a matching
+    ``[B, Lt]`` mask."""
     if prompt is not None and prompt_embeds is not None:
         raise ValueError("pass either prompt or prompt_embeds, not both")
     if prompt is None and prompt_embeds is None:
@@ -108,6 +101,13 @@ def check_prompt_inputs(
         if any(not p.strip() for p in prompts):
             raise ValueError("prompt must not be empty or whitespace only")
     _check_embeds("prompt_embeds", prompt_embeds, prompt_attention_mask)
+
+
+def check_negative_prompt_inputs(
+    negative_prompt, negative_prompt_embeds, negative_prompt_attention_mask, prompt_embeds
+) -> None:
+    """At most one of ``negative_prompt``/``negative_prompt_embeds``; strings; embeddings ``[B, Lt, C]`` with a
+    matching ``[B, Lt]`` mask and the batch of ``prompt_embeds``."""
     if negative_prompt is not None and negative_prompt_embeds is not None:
         raise ValueError("pass either negative_prompt or negative_prompt_embeds, not both")
     if negative_prompt is not None:
@@ -120,6 +120,19 @@ def check_prompt_inputs(
             raise ValueError(
                 f"negative_prompt_embeds batch {negative_prompt_embeds.shape[0]} != prompt_embeds batch {prompt_embeds.shape[0]}"
             )
+
+
+def check_sampling_inputs(num_inference_steps, num_videos_per_prompt, guidance_scale, audio_guidance_scale) -> None:
+    """Steps ≥ 1, videos per prompt ≥ 1, finite guidance scales ≥ 0."""
+    for name, value in (
+        ("num_inference_steps", num_inference_steps),
+        ("num_videos_per_prompt", num_videos_per_prompt),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+    for name, value in (("guidance_scale", guidance_scale), ("audio_guidance_scale", audio_guidance_scale)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0 (1 disables guidance); got {value!r}")
 
 
 def check_batch_sizes(prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds) -> int:
@@ -236,21 +249,11 @@ class Magi2PipelineChecksMixin:
         )
         self._check_attention_kwargs(attention_kwargs, refine)
         check_output_size(output_height, output_width, output_type)
-        self._check_sampling_inputs(
-            num_inference_steps,
-            num_videos_per_prompt,
-            guidance_scale,
-            audio_guidance_scale,
-            output_type,
-            callback_on_step_end_tensor_inputs,
-        )
-        check_prompt_inputs(
-            prompt,
-            negative_prompt,
-            prompt_embeds,
-            prompt_attention_mask,
-            negative_prompt_embeds,
-            negative_prompt_attention_mask,
+        check_sampling_inputs(num_inference_steps, num_videos_per_prompt, guidance_scale, audio_guidance_scale)
+        self._check_output_inputs(output_type, callback_on_step_end_tensor_inputs)
+        check_prompt_inputs(prompt, prompt_embeds, prompt_attention_mask)
+        check_negative_prompt_inputs(
+            negative_prompt, negative_prompt_embeds, negative_prompt_attention_mask, prompt_embeds
         )
         self._check_image_inputs(image, prompt_embeds, image_embeds)
         # batch size and text width, checked here so that nothing is encoded before a mismatch raises
@@ -326,26 +329,8 @@ class Magi2PipelineChecksMixin:
             supported = sorted({k for d in declared for k in d})
         check_attention_kwargs(type(self).__name__, attention_kwargs, supported)
 
-    def _check_sampling_inputs(
-        self,
-        num_inference_steps,
-        num_videos_per_prompt,
-        guidance_scale,
-        audio_guidance_scale,
-        output_type,
-        callback_on_step_end_tensor_inputs,
-    ) -> None:
-        """Steps ≥ 1, videos per prompt ≥ 1, finite guidance scales ≥ 0, a known ``output_type``, callback
-        tensor names from ``self._callback_tensor_inputs``."""
-        for name, value in (
-            ("num_inference_steps", num_inference_steps),
-            ("num_videos_per_prompt", num_videos_per_prompt),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-        for name, value in (("guidance_scale", guidance_scale), ("audio_guidance_scale", audio_guidance_scale)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0 (1 disables guidance); got {value!r}")
+    def _check_output_inputs(self, output_type, callback_on_step_end_tensor_inputs) -> None:
+        """A known ``output_type``; callback tensor names from ``self._callback_tensor_inputs``."""
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {OUTPUT_TYPES}; got {output_type!r}")
         if callback_on_step_end_tensor_inputs is not None:
