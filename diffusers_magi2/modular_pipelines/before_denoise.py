@@ -29,6 +29,7 @@ from .utils import (
     classic_config_defaults,
     classic_steps,
     planned_input,
+    planned_inputs,
 )
 
 
@@ -93,6 +94,11 @@ def call_input(name: str, required: bool = False, **kwargs) -> InputParam:
         description=_DESCRIPTIONS.get(name, kwargs.pop("description", "")),
         **kwargs,
     )
+
+
+def call_inputs(*names: str, **kwargs) -> list[InputParam]:
+    """:func:`call_input` for each name, with the same options."""
+    return [call_input(name, **kwargs) for name in names]
 
 
 def first_rank(components) -> bool:
@@ -249,12 +255,9 @@ class Magi2PrepareLatentsStep(Magi2Block):
     @property
     def inputs(self) -> list[InputParam]:
         return [
-            planned_input("num_videos"),
-            planned_input("denoise_height"),
-            planned_input("denoise_width"),
+            *planned_inputs("num_videos", "denoise_height", "denoise_width"),
             call_input("generator"),
-            call_input("latents", type_hint=torch.Tensor),
-            call_input("audio_latents", type_hint=torch.Tensor),
+            *call_inputs("latents", "audio_latents", type_hint=torch.Tensor),
         ]
 
     @property

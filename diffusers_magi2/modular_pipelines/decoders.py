@@ -10,7 +10,7 @@ import torch
 from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
 
 from ..pipelines.decoding_magi2 import resize_video_frames
-from .before_denoise import call_input, first_rank
+from .before_denoise import call_input, call_inputs, first_rank
 from .utils import Magi2Block, classic_steps
 
 
@@ -31,9 +31,7 @@ class Magi2VideoDecoderStep(Magi2Block):
     def inputs(self) -> list[InputParam]:
         return [
             InputParam("latents", required=True, type_hint=torch.Tensor, description="final video latent"),
-            call_input("output_type"),
-            call_input("output_height"),
-            call_input("output_width"),
+            *call_inputs("output_type", "output_height", "output_width"),
             InputParam("fps", type_hint=float, description="from the refiner step (default config.fps)"),
         ]
 

@@ -17,7 +17,7 @@ from diffusers.modular_pipelines import LoopSequentialPipelineBlocks, ModularPip
 from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam, OutputParam
 
 from ..pipelines.refiner_stage import prepare_refiner_latents
-from .before_denoise import call_input
+from .before_denoise import call_input, call_inputs
 from .utils import Magi2BlockChecks, classic_steps, component_spec, planned_input
 
 
@@ -244,9 +244,7 @@ class Magi2RefinerDenoiseStep(Magi2DenoiseLoopWrapper):
     def loop_inputs(self) -> list[InputParam]:
         return [
             planned_input("refiner_config", type_hint=None),
-            call_input("height"),
-            call_input("width"),
-            call_input("generator"),
+            *call_inputs("height", "width", "generator"),
             *_conditioning_inputs(_CONDITIONING[:2]),
             *_tensor_inputs(),
         ]

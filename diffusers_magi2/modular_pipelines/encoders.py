@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
 
-from .before_denoise import call_input, first_rank
-from .utils import Magi2Block, classic_steps, planned_input
+from .before_denoise import call_input, call_inputs, first_rank
+from .utils import Magi2Block, classic_steps, planned_inputs
 
 
 __all__ = ["Magi2ImageEncoderStep", "Magi2TextEncoderStep"]
@@ -41,12 +41,8 @@ class Magi2TextEncoderStep(Magi2Block):
     @property
     def inputs(self) -> list[InputParam]:
         return [
-            call_input("prompt"),
-            call_input("negative_prompt"),
-            call_input("image"),
-            call_input("num_videos_per_prompt"),
-            call_input("guidance_scale"),
-            call_input("audio_guidance_scale"),
+            *call_inputs("prompt", "negative_prompt", "image", "num_videos_per_prompt"),
+            *call_inputs("guidance_scale", "audio_guidance_scale"),
             InputParam("refiner_config", description="from the input step: the refiner's CFG needs the negative"),
             *(InputParam(name, type_hint=torch.Tensor) for name, _ in _TEXT_OUTPUTS),
         ]
@@ -99,8 +95,7 @@ class Magi2ImageEncoderStep(Magi2Block):
     def inputs(self) -> list[InputParam]:
         return [
             call_input("image", required=True),
-            planned_input("denoise_height"),
-            planned_input("denoise_width"),
+            *planned_inputs("denoise_height", "denoise_width"),
         ]
 
     @property

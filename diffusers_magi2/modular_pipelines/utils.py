@@ -36,6 +36,7 @@ __all__ = [
     "component_spec",
     "classic_steps",
     "planned_input",
+    "planned_inputs",
 ]
 
 #: ``Magi2Pipeline``'s components, in its ``__init__`` order.
@@ -228,3 +229,8 @@ class Magi2Block(Magi2BlockChecks, ModularPipelineBlocks):
 def planned_input(name: str, type_hint=int, required: bool = True) -> InputParam:
     """An input that the input step plans (``num_videos``, ``denoise_height``, ``refiner_config`` ...)."""
     return InputParam(name, required=required, type_hint=type_hint, description="from the input step")
+
+
+def planned_inputs(*names: str, **kwargs) -> list[InputParam]:
+    """:func:`planned_input` for each name, with the same options."""
+    return [planned_input(name, **kwargs) for name in names]
