@@ -139,7 +139,29 @@ def _check_groups(num_tokens: int, group_sizes: Optional[Sequence[int]], num_mod
         )
 
 
-class Magi2MultiModalityRMSNorm(nn.Module):
+class _Magi2PerModalityModule(nn.Module):
+    """Base of the modules holding one parameter block per modality: ``num_modality`` and the per-modality
+    application to modality-sorted tokens."""
+
+    def __init__(self, num_modality: int) -> None:
+        super().__init__()
+        self.num_modality = num_modality
+
+    def _per_modality(self, fn, x: torch.Tensor, group_sizes: Optional[Sequence[int]]) -> torch.Tensor:
+        """``fn(rows, m)`` on modality ``m``'s rows of ``x`` (sorted, ``group_sizes`` tokens each), concatenated
+        along dim 0; with one modality ``fn(x, 0)``, the counts unused.
+
+        Raises:
+            ValueError: the group sizes do not match the modalities or the token count.
+        """
+        if self.num_modality == 1:
+            return fn(x, 0)
+        _check_groups(x.shape[0], group_sizes, self.num_modality, type(self).__name__)
+        parts = torch.split(x, list(group_sizes), dim=0)
+        return torch.cat([fn(p, m) for m, p in enumerate(parts)], dim=0)
+
+
+class Magi2MultiModalityRMSNorm(_Magi2PerModalityModule):
     """Zero-centred RMSNorm, one fp32 weight block per modality (SandAI ``MultiModalityRMSNorm``):
     ``y = x * rsqrt(mean(x^2) + eps) * (1 + w_m)`` in fp32, on ``[N, ..., dim]``.
 
@@ -157,9 +179,8 @@ class Magi2MultiModalityRMSNorm(nn.Module):
         eps: float = 1e-6,
         out_dtype: Optional[torch.dtype] = None,
     ) -> None:
-        super().__init__()
+        super().__init__(num_modality)
         self.dim = dim
-        self.num_modality = num_modality
         self.eps = eps
         self.out_dtype = out_dtype
         self.weight = nn.Parameter(torch.zeros(num_modality * dim, dtype=torch.float32))
@@ -179,15 +200,10 @@ class Magi2MultiModalityRMSNorm(nn.Module):
         t = x.float()
         t = t * torch.rsqrt(t.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         gain = self.weight.float().view(self.num_modality, self.dim) + 1.0
-        if self.num_modality == 1:
-            return (t * gain[0]).to(out_dtype)
-        _check_groups(x.shape[0], group_sizes, self.num_modality, "Magi2MultiModalityRMSNorm")
-        parts = torch.split(t, list(group_sizes), dim=0)
-        out = [p * gain[m] for m, p in enumerate(parts)]
-        return torch.cat(out, dim=0).to(out_dtype)
+        return self._per_modality(lambda rows, m: rows * gain[m], t, group_sizes).to(out_dtype)
 
 
-class Magi2ModalityGroupedLinear(nn.Module):
+class Magi2ModalityGroupedLinear(_Magi2PerModalityModule):
     """One weight matrix per modality (SandAI ``CustomGroupedLinear``): ``y = x @ W_m.T`` for the tokens of
     modality ``m``, ``[N, in] -> [N, out]``, in the weight dtype (the input is cast to it).
 
@@ -206,10 +222,9 @@ class Magi2ModalityGroupedLinear(nn.Module):
         bias: bool = False,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
-        super().__init__()
+        super().__init__(num_modality)
         self.in_features = in_features
         self.out_features = out_features
-        self.num_modality = num_modality
         self.weight = nn.Parameter(torch.empty(num_modality * out_features, in_features, dtype=dtype))
         if bias:
             self.bias = nn.Parameter(torch.zeros(num_modality * out_features, dtype=dtype))
@@ -246,16 +261,10 @@ class Magi2ModalityGroupedLinear(nn.Module):
         """
         if x.shape[-1] != self.in_features:
             raise ValueError(f"grouped linear expects input width {self.in_features}, got shape {tuple(x.shape)}")
-        w = self.weight
-        x = x.to(w.dtype)
-        if self.num_modality == 1:
-            y = F.linear(x, w, self.bias)
-        else:
-            _check_groups(x.shape[0], group_sizes, self.num_modality, "Magi2ModalityGroupedLinear")
-            wb = w.view(self.num_modality, self.out_features, self.in_features)
-            bb = None if self.bias is None else self.bias.view(self.num_modality, self.out_features)
-            parts = torch.split(x, list(group_sizes), dim=0)
-            y = torch.cat([F.linear(p, wb[m], None if bb is None else bb[m]) for m, p in enumerate(parts)], dim=0)
+        m = self.num_modality
+        weights = self.weight.view(m, self.out_features, self.in_features)
+        biases = [None] * m if self.bias is None else self.bias.view(m, self.out_features)
+        y = self._per_modality(lambda rows, i: F.linear(rows, weights[i], biases[i]), x.to(weights.dtype), group_sizes)
         return y if out_dtype is None else y.to(out_dtype)
 
 
