@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from .modality import (
     Magi2ModalityDispatch,
     Magi2MultiModalityRMSNorm,
@@ -117,54 +118,40 @@ def run_token_chunks(fn, hidden_states: torch.Tensor, group_sizes, chunk: Option
 
 class Magi2MoEFeedForward(nn.Module):
     """Multi-head MoE MLP with shared experts (SandAI ``MultiHeadMoELayer``; module docstring); ``moe_mlp`` is
-    :class:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE`, its banks stored in ``expert_dtype``."""
+    :class:`diffusers_magi2.moe.layer.Magi2MultiHeadMoE`, its banks stored in ``moe.expert_dtype``.
+
+    Args:
+        hidden_size: model width ``C``.
+        moe: the routed core's settings; ``moe.hidden_size`` is the width between ``split_linear`` and
+            ``merge_linear``, ``moe.params_dtype`` the dtype of every projection here.
+        shared_intermediate_size: width of the shared expert.
+        modality_specific_intermediate_size: width of the per-modality shared expert.
+    """
 
     def __init__(
         self,
         hidden_size: int,
-        moe_hidden_size: int,
-        num_heads: int,
-        num_experts: int,
-        top_k: int,
-        expert_intermediate_size: int,
+        moe: Magi2MultiHeadMoEConfig,
         shared_intermediate_size: int,
         modality_specific_intermediate_size: int,
-        score_func: str,
-        route_norm: bool,
-        route_scale: float,
-        params_dtype=None,
-        expert_dtype=None,
     ) -> None:
         super().__init__()
-        from ..moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
-
         num_modality = 3
+        dtype = moe.params_dtype
         self.shared_intermediate_size = shared_intermediate_size
         self.modality_specific_intermediate_size = modality_specific_intermediate_size
         self.pre_norm = Magi2MultiModalityRMSNorm(hidden_size, num_modality)
-        self.split_linear = modality_linear(hidden_size, moe_hidden_size, 1, dtype=params_dtype)
-        self.merge_linear = modality_linear(moe_hidden_size, hidden_size, 1, dtype=params_dtype)
-        moe_config = Magi2MultiHeadMoEConfig(
-            hidden_size=moe_hidden_size,
-            num_heads=num_heads,
-            num_experts=num_experts,
-            top_k=top_k,
-            expert_intermediate_size=expert_intermediate_size,
-            params_dtype=params_dtype if params_dtype is not None else torch.get_default_dtype(),
-            score_func=score_func,
-            route_norm=route_norm,
-            route_scale=route_scale,
-            expert_dtype=expert_dtype,
-        )
-        self.moe_mlp = Magi2MultiHeadMoE(moe_config)
+        self.split_linear = modality_linear(hidden_size, moe.hidden_size, 1, dtype=dtype)
+        self.merge_linear = modality_linear(moe.hidden_size, hidden_size, 1, dtype=dtype)
+        self.moe_mlp = Magi2MultiHeadMoE(moe)
         self.chunk_size: Optional[int] = None  # tokens per chunk (enable_forward_chunking); None = all at once
-        self.shared_expert_fc1 = modality_linear(hidden_size, 2 * shared_intermediate_size, 1, dtype=params_dtype)
-        self.shared_expert_fc2 = modality_linear(shared_intermediate_size, hidden_size, 1, dtype=params_dtype)
+        self.shared_expert_fc1 = modality_linear(hidden_size, 2 * shared_intermediate_size, 1, dtype=dtype)
+        self.shared_expert_fc2 = modality_linear(shared_intermediate_size, hidden_size, 1, dtype=dtype)
         self.modality_specific_shared_expert_fc1 = modality_linear(
-            hidden_size, 2 * modality_specific_intermediate_size, num_modality, dtype=params_dtype
+            hidden_size, 2 * modality_specific_intermediate_size, num_modality, dtype=dtype
         )
         self.modality_specific_shared_expert_fc2 = modality_linear(
-            modality_specific_intermediate_size, hidden_size, num_modality, dtype=params_dtype
+            modality_specific_intermediate_size, hidden_size, num_modality, dtype=dtype
         )
 
     def shared_forward(self, norm_output: torch.Tensor, dispatch) -> torch.Tensor:

@@ -30,7 +30,7 @@ from diffusers.utils import BaseOutput
 from ..loaders.expert_parallel_loading import ExpertParallelLoaderMixin
 from ..loaders.key_plan import check_no_flat_mhc_keys
 from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
-from ..moe.layer import Magi2MultiHeadMoE
+from ..moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from ..moe.quantize import EXPERT_DTYPES, parse_expert_dtype
 from ..moe.quantize import FP8_SCALE_NAMES as _FP8_SCALE_NAMES
 from ..utils.backends import check_backend, resolve_backend
@@ -159,6 +159,19 @@ def _check_local_mhc_names(pretrained_model_name_or_path, kwargs: dict) -> bool:
     return index.is_file() or single.is_file()
 
 
+#: The routed core's settings (:class:`~diffusers_magi2.moe.layer.Magi2MultiHeadMoEConfig` fields) that the model
+#: config holds as ``moe_<field>``.
+_MOE_CORE_FIELDS = (
+    "num_heads",
+    "num_experts",
+    "top_k",
+    "expert_intermediate_size",
+    "score_func",
+    "route_norm",
+    "route_scale",
+)
+
+
 def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
     return int(hidden_size * factor * 2 / 3) // 128 * 128
 
@@ -275,24 +288,22 @@ class Magi2Transformer3DModel(
         self.pre_adapter = Magi2PreAdapter(width, attention_head_dim, in_channels, audio_in_channels, text_in_channels)
         self.post_adapter = Magi2PostAdapter(width, in_channels, audio_in_channels)
         mm, moe = {int(i) for i in multimodal_layers}, {int(i) for i in moe_layers}
+        if moe:  # the routed core of every MoE layer (read, never written, by each layer)
+            moe_config = Magi2MultiHeadMoEConfig(
+                hidden_size=split_merge_intermediate_size or hidden_size,
+                params_dtype=params_dtype if params_dtype is not None else torch.get_default_dtype(),
+                expert_dtype=expert_dtype,
+                **{field: self.config[f"moe_{field}"] for field in _MOE_CORE_FIELDS},
+            )
         blocks = []
         for i in range(num_layers):
             num_modality = 3 if i in mm else 1
             if i in moe:
                 mlp = Magi2MoEFeedForward(
                     hidden_size,
-                    split_merge_intermediate_size or hidden_size,
-                    moe_num_heads,
-                    moe_num_experts,
-                    moe_top_k,
-                    moe_expert_intermediate_size,
+                    moe_config,
                     shared_expert_intermediate_size,
                     modality_specific_expert_intermediate_size,
-                    moe_score_func,
-                    moe_route_norm,
-                    moe_route_scale,
-                    params_dtype=params_dtype,
-                    expert_dtype=expert_dtype,
                 )
             else:
                 mlp = Magi2FeedForward(

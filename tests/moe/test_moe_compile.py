@@ -11,6 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from diffusers_magi2.models.feedforward_magi2 import Magi2MoEFeedForward
 from diffusers_magi2.models.modality import Magi2ModalityDispatch
 from diffusers_magi2.moe.experts import mh_moe_experts
+from diffusers_magi2.moe.layer import Magi2MultiHeadMoEConfig
 from diffusers_magi2.moe.routing import global_sort_routes
 
 
@@ -25,20 +26,18 @@ def test_expert_op_passes_opcheck() -> None:
 
 def moe_block() -> tuple[Magi2MoEFeedForward, torch.Tensor, Magi2ModalityDispatch]:
     torch.manual_seed(0)
-    block = Magi2MoEFeedForward(
+    moe = Magi2MultiHeadMoEConfig(
         hidden_size=64,
-        moe_hidden_size=64,
         num_heads=2,
         num_experts=4,
         top_k=2,
         expert_intermediate_size=32,
-        shared_intermediate_size=32,
-        modality_specific_intermediate_size=16,
+        params_dtype=torch.float32,
         score_func="sigmoid",
         route_norm=True,
         route_scale=4.9,
-        params_dtype=torch.float32,
     )
+    block = Magi2MoEFeedForward(64, moe, shared_intermediate_size=32, modality_specific_intermediate_size=16)
     block.moe_mlp.set_backend("torch")
     dispatch = Magi2ModalityDispatch.from_modality_mapping(torch.tensor([0] * 6 + [1] * 3 + [2] * 3))
     return block, torch.randn(12, 64), dispatch
