@@ -29,54 +29,46 @@ __all__ = [
 ]
 
 
-class Magi2AutoImageEncoderStep(AutoPipelineBlocks):
-    """The I2V image encoder when ``image`` is given; skipped for text-to-video."""
+class _Magi2StepBlocks:
+    """A composite MAGI-2 step whose ``description`` is its class docstring (the one statement of what it does)."""
 
     model_name = "magi2"
+
+    @property
+    def description(self) -> str:
+        return " ".join(type(self).__doc__.split())
+
+
+class Magi2AutoImageEncoderStep(_Magi2StepBlocks, AutoPipelineBlocks):
+    """Image encoder step for image-to-video, run when `image` is given (skipped for text-to-video)."""
+
     block_classes = [Magi2ImageEncoderStep]
     block_names = ["image_encoder"]
     block_trigger_inputs = ["image"]
 
-    @property
-    def description(self) -> str:
-        return "Image encoder step for image-to-video, run when `image` is given (skipped for text-to-video)"
 
+class Magi2CoreDenoiseStep(_Magi2StepBlocks, SequentialPipelineBlocks):
+    """Denoise block: shares the conditioning across CP ranks, sets the schedule, draws the noise, denoises the
+    preview latents."""
 
-class Magi2CoreDenoiseStep(SequentialPipelineBlocks):
-    """From encoded conditioning to the denoised preview latents: broadcast, schedule, noise, loop."""
-
-    model_name = "magi2"
     block_classes = [Magi2BroadcastConditioningStep, Magi2SetTimestepsStep, Magi2PrepareLatentsStep, Magi2DenoiseStep]
     block_names = ["broadcast", "set_timesteps", "prepare_latents", "denoise"]
 
-    @property
-    def description(self) -> str:
-        return "Denoise block: shares the conditioning across CP ranks, sets the schedule, draws the noise, denoises"
 
+class Magi2AutoRefinerStep(_Magi2StepBlocks, AutoPipelineBlocks):
+    """Refiner step of the two-stage 1080p path, run when the input step planned it (`refiner_config`); else
+    skipped."""
 
-class Magi2AutoRefinerStep(AutoPipelineBlocks):
-    """The 1080p refiner stage when the input step planned one (``refiner_config``); else skipped."""
-
-    model_name = "magi2"
     block_classes = [Magi2RefinerDenoiseStep]
     block_names = ["refiner"]
     block_trigger_inputs = ["refiner_config"]
 
-    @property
-    def description(self) -> str:
-        return "Refiner step of the two-stage 1080p path, run when the input step planned it (`refiner_config`)"
 
+class Magi2DecodeStep(_Magi2StepBlocks, SequentialPipelineBlocks):
+    """Decode block: video frames (TurboVAED or the Wan2.2 VAE), then the stereo soundtrack."""
 
-class Magi2DecodeStep(SequentialPipelineBlocks):
-    """Video frames, then audio."""
-
-    model_name = "magi2"
     block_classes = [Magi2VideoDecoderStep, Magi2AudioDecoderStep]
     block_names = ["video_decoder", "audio_decoder"]
-
-    @property
-    def description(self) -> str:
-        return "Decode block: video frames (TurboVAED or the Wan2.2 VAE), then the stereo soundtrack"
 
 
 class Magi2AutoBlocks(SequentialPipelineBlocks):
