@@ -93,10 +93,7 @@ class Magi2ImageEncoderStep(Magi2Block):
 
     @property
     def inputs(self) -> list[InputParam]:
-        return [
-            call_input("image", required=True),
-            *planned_inputs("denoise_height", "denoise_width"),
-        ]
+        return [call_input("image", required=True), *planned_inputs("denoise_height", "denoise_width")]
 
     @property
     def intermediate_outputs(self) -> list[OutputParam]:
