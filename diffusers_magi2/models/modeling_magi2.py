@@ -1,4 +1,5 @@
-"""``Magi2ModelMixin``: what both MAGI-2 models add to diffusers' ``ModelMixin``.
+"""``Magi2ModelMixin``: what both MAGI-2 models add to diffusers' ``ModelMixin``; ``Magi2TransformerBase``: the
+mixins and forward pieces both MAGI-2 transformers are built from.
 
 * dtype moves (``to``, ``half``, a pipeline's ``to(dtype)``) keep the fp32 islands fp32 (the FP8 experts' scales
   included; FP8 banks keep their dtype in ``Magi2MultiHeadMoE._apply``): they all end in ``_apply(fn)``, which lets
@@ -21,14 +22,20 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from diffusers.configuration_utils import ConfigMixin
 from diffusers.loaders.peft import PeftAdapterMixin
+from diffusers.models.attention import AttentionMixin
 from diffusers.models.modeling_utils import ModelMixin
 
+from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
 from ..utils.fp32_islands import is_fp32_island
+from .attention_magi2 import check_attention_kwargs, check_transformer_geometry
+from .cache_magi2 import Magi2CacheMixin
+from .context_parallel_magi2 import Magi2ContextParallelMixin
 from .modality import Magi2ModalityGroupedLinear
 
 
-__all__ = ["Magi2ModelMixin", "other_variant_shards"]
+__all__ = ["Magi2ModelMixin", "Magi2TransformerBase", "other_variant_shards"]
 
 _VARIANT_SHARD = re.compile(r"^(?P<stem>[^.]+)\.(?P<variant>[^.]+)-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
 
@@ -297,3 +304,44 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         from .lora_magi2 import unfuse_magi2_lora
 
         unfuse_magi2_lora(self)
+
+
+class Magi2TransformerBase(
+    Magi2ContextParallelMixin,
+    Magi2ModelMixin,
+    ConfigMixin,
+    FromOriginalCheckpointMixin,
+    AttentionMixin,
+    Magi2CacheMixin,
+):
+    r"""Base of both MAGI-2 transformers: :class:`Magi2ModelMixin` with diffusers' config, attention-processor and
+    cache mixins, ``enable_parallelism`` (context parallelism) and ``from_original_checkpoint``, plus what both
+    forwards share (the ``attention_kwargs`` check, a block call under gradient checkpointing). A subclass builds
+    ``pre_adapter``, ``transformer_blocks`` and ``post_adapter`` and lists its fp32 islands in
+    ``_keep_in_fp32_modules``."""
+
+    _supports_gradient_checkpointing = True
+    _skip_layerwise_casting_patterns = ["pre_adapter", "post_adapter", "norm"]
+    #: ``attention_kwargs`` keys the forwards take: ``"scale"``, the LoRA scale (diffusers' ``apply_lora_scale``);
+    #: kernels are chosen with ``set_attention_backend`` / ``set_attn_processor``.
+    supported_attention_kwargs: tuple = ("scale",)
+
+    def check_attention_kwargs(self, attention_kwargs) -> None:
+        """Raise ``ValueError`` unless ``attention_kwargs`` is ``None`` or a dict of :attr:`supported_attention_kwargs`
+        keys."""
+        check_attention_kwargs(type(self).__name__, attention_kwargs, self.supported_attention_kwargs)
+
+    def _check_geometry(self, *layer_lists: str) -> None:
+        """:func:`~.attention_magi2.check_transformer_geometry` on this model's config; ``layer_lists`` name its
+        per-layer index lists (``"multimodal_layers"``, ...)."""
+        c = self.config
+        lists = {name: c[name] for name in layer_lists}
+        check_transformer_geometry(
+            c.num_layers, c.num_attention_heads, c.num_key_value_heads, c.attention_head_dim, **lists
+        )
+
+    def _run_block(self, block: torch.nn.Module, hidden_states: torch.Tensor, context) -> torch.Tensor:
+        """``block(hidden_states, context)``, recomputed in backward when gradient checkpointing is on."""
+        if torch.is_grad_enabled() and self.gradient_checkpointing:
+            return self._gradient_checkpointing_func(block, hidden_states, context)
+        return block(hidden_states, context)

@@ -22,14 +22,12 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
-from diffusers.configuration_utils import ConfigMixin, register_to_config
-from diffusers.models.attention import AttentionMixin
+from diffusers.configuration_utils import register_to_config
 from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers' pipeline loader looks it up here)
 from diffusers.utils import BaseOutput
 
 from ..loaders.expert_parallel_loading import ExpertParallelLoaderMixin
 from ..loaders.key_plan import check_no_flat_mhc_keys
-from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
 from ..moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from ..moe.quantize import EXPERT_DTYPES, parse_expert_dtype
 from ..moe.quantize import FP8_SCALE_NAMES as _FP8_SCALE_NAMES
@@ -41,17 +39,13 @@ from .attention_magi2 import (
     Magi2Attention,
     Magi2AttentionMask,
     Magi2ForwardContext,
-    check_attention_kwargs,
-    check_transformer_geometry,
     register_block_for_caching_hooks,
 )
-from .cache_magi2 import Magi2CacheMixin
-from .context_parallel_magi2 import Magi2ContextParallelMixin
 from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward, check_chunk_size
 from .lora_magi2 import lora_scale_from_attention_kwargs
 from .mhc import Magi2HyperConnection, mhc_hyper_connect, mhc_reduce_streams
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, Modality
-from .modeling_magi2 import Magi2ModelMixin
+from .modeling_magi2 import Magi2TransformerBase
 from .packing_magi2 import Magi2PackedInputs, pack_magi2_inputs, unpack_magi2_outputs
 
 
@@ -176,15 +170,7 @@ def _dense_intermediate_size(hidden_size: int, factor: float) -> int:
     return int(hidden_size * factor * 2 / 3) // 128 * 128
 
 
-class Magi2Transformer3DModel(
-    ExpertParallelLoaderMixin,
-    Magi2ContextParallelMixin,
-    Magi2ModelMixin,
-    ConfigMixin,
-    FromOriginalCheckpointMixin,
-    AttentionMixin,
-    Magi2CacheMixin,
-):
+class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
     r"""MAGI-2 Preview diffusion transformer (114B-parameter MoE, joint audio + video).
 
     Defaults are the released Preview (SandAI ``configs/magi2_preview.json``).
@@ -215,10 +201,8 @@ class Magi2Transformer3DModel(
     :meth:`enable_forward_chunking` (token chunks of the per-token work; on by default).
     """
 
-    _supports_gradient_checkpointing = True
     _no_split_modules = ["Magi2TransformerBlock"]
     _repeated_blocks = ["Magi2TransformerBlock"]
-    _skip_layerwise_casting_patterns = ["pre_adapter", "post_adapter", "norm"]
     _keep_in_fp32_modules = [
         "pre_adapter",
         "post_adapter",
@@ -234,8 +218,6 @@ class Magi2Transformer3DModel(
         *_FP8_SCALE_NAMES,
     ]
     ignore_for_config = ["params_dtype"]
-    #: ``attention_kwargs`` keys :meth:`forward` takes: ``"scale"``, the LoRA scale (diffusers' ``apply_lora_scale``).
-    supported_attention_kwargs: tuple = ("scale",)
 
     @register_to_config
     def __init__(
@@ -269,14 +251,7 @@ class Magi2Transformer3DModel(
         super().__init__()
         if parse_expert_dtype(expert_dtype) is not None and not isinstance(expert_dtype, str):
             self.register_to_config(expert_dtype=EXPERT_DTYPES[1])  # a torch dtype given: the config stores its name
-        check_transformer_geometry(
-            num_layers,
-            num_attention_heads,
-            num_key_value_heads,
-            attention_head_dim,
-            multimodal_layers=multimodal_layers,
-            moe_layers=moe_layers,
-        )
+        self._check_geometry("multimodal_layers", "moe_layers")
         if num_sink_tokens < 1:
             raise ValueError("num_sink_tokens must be >= 1 (MAGI-2 Preview requires attention sinks)")
         hidden_size = num_attention_heads * attention_head_dim
@@ -360,10 +335,6 @@ class Magi2Transformer3DModel(
     def residual_dtype(self) -> torch.dtype:
         """Dtype of the residual streams: the compute dtype (:attr:`compute_dtype`)."""
         return self.compute_dtype
-
-    def check_attention_kwargs(self, attention_kwargs: Optional[Dict[str, Any]]) -> None:
-        """Raise ``ValueError`` unless ``attention_kwargs`` is ``None`` or empty."""
-        check_attention_kwargs(type(self).__name__, attention_kwargs, self.supported_attention_kwargs)
 
     def set_mhc_backend(self, backend: str = "auto") -> None:
         """Choose how the mHC stream mixing rounds in low precision: ``"fused"``, ``"torch"`` or ``"auto"`` (the
@@ -482,10 +453,7 @@ class Magi2Transformer3DModel(
         context = Magi2ForwardContext(rope, dispatch, mask, plan)
         layer_outputs = []
         for block in self.transformer_blocks:
-            if torch.is_grad_enabled() and self.gradient_checkpointing:
-                x = self._gradient_checkpointing_func(block, x, context)
-            else:
-                x = block(x, context)
+            x = self._run_block(block, x, context)
             if return_layer_outputs:
                 layer_outputs.append(dispatch.unsort(x).float())
         x = dispatch.unsort(x)

@@ -14,12 +14,10 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
-from diffusers.configuration_utils import ConfigMixin, register_to_config
-from diffusers.models.attention import AttentionMixin
+from diffusers.configuration_utils import register_to_config
 from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers' pipeline loader looks it up here)
 from diffusers.utils import BaseOutput
 
-from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
 from .attention_magi2 import (
     Magi2Attention,
@@ -27,16 +25,12 @@ from .attention_magi2 import (
     Magi2AttnProcessor,
     Magi2ForwardContext,
     Magi2WindowAttnProcessor,
-    check_attention_kwargs,
-    check_transformer_geometry,
     register_block_for_caching_hooks,
 )
-from .cache_magi2 import Magi2CacheMixin
-from .context_parallel_magi2 import Magi2ContextParallelMixin
 from .feedforward_magi2 import Magi2FeedForward, check_chunk_size
 from .lora_magi2 import lora_scale_from_attention_kwargs
 from .modality import Magi2ModalityDispatch, Modality
-from .modeling_magi2 import Magi2ModelMixin
+from .modeling_magi2 import Magi2TransformerBase
 from .packing_magi2 import pack_refiner_sample, unpack_refiner_sample
 from .window_attention import DEFAULT_MAX_DENSE_MASK_ELEMENTS, Magi2WindowGeometry, ranges_to_dense_mask
 
@@ -110,14 +104,7 @@ class Magi2RefinerTransformerBlock(nn.Module):
         return hidden_states + self.mlp(hidden_states, context.dispatch, context.shard_plan)
 
 
-class Magi2RefinerTransformer3DModel(
-    Magi2ContextParallelMixin,
-    Magi2ModelMixin,
-    ConfigMixin,
-    FromOriginalCheckpointMixin,
-    AttentionMixin,
-    Magi2CacheMixin,
-):
+class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
     r"""MAGI-2 1080p refiner DiT (SandAI ``magi2_refiner.Transformer``) as a diffusers model.
 
     Config defaults are the released refiner (SandAI ``configs/magi2_refiner.json``).
@@ -141,14 +128,9 @@ class Magi2RefinerTransformer3DModel(
     ``set_attention_backend`` (dense layers), :meth:`enable_forward_chunking` (the MLP token chunk).
     """
 
-    _supports_gradient_checkpointing = True
     _no_split_modules = ["Magi2RefinerTransformerBlock"]
     _repeated_blocks = ["Magi2RefinerTransformerBlock"]
     _keep_in_fp32_modules = ["pre_adapter", "post_adapter", "pre_norm", "q_norm", "k_norm"]
-    _skip_layerwise_casting_patterns = ["pre_adapter", "post_adapter", "norm"]
-    #: ``attention_kwargs`` keys :meth:`forward` / :meth:`forward_packed` take: ``"scale"``, the LoRA scale
-    #: (diffusers' ``apply_lora_scale``); kernels are chosen with processors.
-    supported_attention_kwargs: tuple = ("scale",)
 
     @register_to_config
     def __init__(
@@ -169,14 +151,7 @@ class Magi2RefinerTransformer3DModel(
         norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
-        check_transformer_geometry(
-            num_layers,
-            num_attention_heads,
-            num_key_value_heads,
-            attention_head_dim,
-            multimodal_layers=multimodal_layers,
-            window_attention_layers=window_attention_layers,
-        )
+        self._check_geometry("multimodal_layers", "window_attention_layers")
         Magi2WindowGeometry((1, 1, 1), tuple(window_block_size), tuple(window_radius))
 
         hidden = num_attention_heads * attention_head_dim
@@ -239,10 +214,7 @@ class Magi2RefinerTransformer3DModel(
         dispatch = context.dispatch
         h = dispatch.sort(embedded).to(self.compute_dtype)
         for block in self.transformer_blocks:
-            if torch.is_grad_enabled() and self.gradient_checkpointing:
-                h = self._gradient_checkpointing_func(block, h, context)
-            else:
-                h = block(h, context)
+            h = self._run_block(block, h, context)
         return self.post_adapter(dispatch.unsort(h).float(), dispatch.modality_ids)
 
     @lora_scale_from_attention_kwargs
@@ -271,7 +243,7 @@ class Magi2RefinerTransformer3DModel(
         Returns ``[N, max(Cv, Ca)]`` fp32; ValueError for inconsistent shapes, unknown modality ids, both a geometry
         and ranges, or an ``attention_kwargs`` key other than ``"scale"``.
         """
-        check_attention_kwargs(type(self).__name__, attention_kwargs, self.supported_attention_kwargs)
+        self.check_attention_kwargs(attention_kwargs)
         if x.dim() != 2 or coords_mapping.shape != (x.shape[0], 9) or modality_mapping.shape != (x.shape[0],):
             raise ValueError(
                 f"expected x [N, C], coords_mapping [N, 9], modality_mapping [N]; got {tuple(x.shape)}, "
@@ -348,7 +320,7 @@ class Magi2RefinerTransformer3DModel(
         Raises:
             ValueError: wrong ranks, channel counts, batch sizes or mask shape; an ``attention_kwargs`` key other than ``"scale"``.
         """
-        check_attention_kwargs(type(self).__name__, attention_kwargs, self.supported_attention_kwargs)
+        self.check_attention_kwargs(attention_kwargs)
         cfg = self.config
         if hidden_states.dim() != 5 or hidden_states.shape[1] != cfg.in_channels:
             raise ValueError(
