@@ -30,7 +30,7 @@ from .modular_pipelines import Magi2AutoBlocks, Magi2ModularPipeline
 from .moe.activation import swiglu7
 from .moe.experts import torch_mh_moe_forward
 from .moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
-from .moe.routing import compute_topk_probs_and_indices, global_sort_routes
+from .moe.routing import ExpertRoutes, compute_topk_probs_and_indices, global_sort_routes
 from .parallel.expert_parallel import Magi2ExpertParallelConfig
 from .pipelines.pipeline_magi2 import Magi2Pipeline
 from .pipelines.pipeline_output import Magi2PipelineOutput
@@ -39,6 +39,7 @@ from .utils.export import export_to_video_with_audio
 
 
 __all__ = [
+    "ExpertRoutes",
     "Magi2AutoBlocks",
     "Magi2ExpertParallelConfig",
     "Magi2LoraLoaderMixin",

@@ -9,35 +9,51 @@ from torch import Tensor
 from .quantize import FP8_DTYPE
 
 
-__all__ = ["check_expert_inputs"]
+__all__ = ["check_expert_groups", "check_expert_inputs"]
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = _ACT_DTYPES + (FP8_DTYPE,)
+_ROUTE_NAMES = ("gather_ids", "probs", "expert_offsets")
+_WEIGHT_NAMES = ("w_gate", "w_up", "w_down")
 _SCALE_NAMES = ("w_gate_scale", "w_up_scale", "w_down_scale")
+
+
+def check_expert_groups(routes, weights, scales=None) -> None:
+    """``routes`` ``(gather_ids, probs, expert_offsets)``, ``weights`` ``(w_gate, w_up, w_down)`` and, unless
+    ``None``, ``scales`` are each a tuple or list of three tensors (the tensor lists the expert op takes).
+
+    Raises:
+        ValueError: naming the group that is not three tensors.
+    """
+    groups = (("routes", routes, _ROUTE_NAMES), ("weights", weights, _WEIGHT_NAMES), ("scales", scales, _SCALE_NAMES))
+    for argument, group, names in groups:
+        if group is None and argument == "scales":
+            continue
+        if not isinstance(group, (tuple, list)) or len(group) != 3 or not all(isinstance(t, Tensor) for t in group):
+            got = [type(t).__name__ for t in group] if isinstance(group, (tuple, list)) else type(group).__name__
+            raise ValueError(f"{argument} must be a tuple or list of three tensors ({', '.join(names)}); got {got}")
 
 
 def _check_scales(w_gate: Tensor, scales, gate_shape: tuple, down_shape: tuple) -> None:
     """FP8 weights need their three fp32 scales (``[H*E, De]``, ``[H*E, De]``, ``[H*E, Dh]``); others none."""
     if w_gate.dtype != FP8_DTYPE:
-        if scales is not None and any(s is not None for s in scales):
+        if scales is not None:
             raise ValueError(f"scales are only used with {FP8_DTYPE} experts; the weights are {w_gate.dtype}")
         return
-    if scales is None or len(scales) != 3:
+    if scales is None:
         raise ValueError(f"{FP8_DTYPE} experts need scales=(w_gate_scale, w_up_scale, w_down_scale)")
     for name, scale, shape in zip(_SCALE_NAMES, scales, (gate_shape, gate_shape, down_shape)):
-        if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != shape or scale.dtype != torch.float32:
+        if tuple(scale.shape) != shape or scale.dtype != torch.float32:
             raise ValueError(
-                f"{name} must be a float32 tensor of shape {list(shape)}; got "
-                f"{getattr(scale, 'dtype', type(scale))} {tuple(getattr(scale, 'shape', ()))}"
+                f"{name} must be a float32 tensor of shape {list(shape)}; got {scale.dtype} {tuple(scale.shape)}"
             )
         if scale.device != w_gate.device:
             raise ValueError(f"{name} is on {scale.device} but the weights are on {w_gate.device}")
 
 
-def check_expert_inputs(
-    x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales=None
-) -> tuple[int, int, int, int, int]:
-    """Validate the arguments shared by the expert paths, without host sync (``scales`` only for FP8 experts).
+def check_expert_inputs(x, routes, weights, scales=None) -> tuple[int, int, int, int, int]:
+    """Validate the arguments shared by the expert paths, without host sync: ``x``, the three ``routes`` and
+    ``weights`` (:func:`check_expert_groups`) and, for FP8 experts only (else ``None``), their three ``scales``.
 
     Returns:
         ``(S, H, Dh, E, De)``.
@@ -45,14 +61,16 @@ def check_expert_inputs(
     Raises:
         ValueError: naming the offending argument and what is allowed.
     """
+    check_expert_groups(routes, weights, scales)
+    (gather_ids, probs, expert_offsets), (w_gate, w_up, w_down) = routes, weights
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise ValueError(f"x must be a 3-D tensor [S, H, Dh]; got {tuple(getattr(x, 'shape', ()))}")
     if x.dtype not in _ACT_DTYPES:
         raise ValueError(f"x dtype must be one of {_ACT_DTYPES}; got {x.dtype}")
     num_tokens, num_heads, head_dim = x.shape
-    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if not isinstance(w, torch.Tensor) or w.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D tensor; got {tuple(getattr(w, 'shape', ()))}")
+    for name, w in zip(_WEIGHT_NAMES, (w_gate, w_up, w_down)):
+        if w.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor; got {tuple(w.shape)}")
         if w.dtype not in _WEIGHT_DTYPES:
             raise ValueError(f"{name} dtype must be one of {_WEIGHT_DTYPES}; got {w.dtype}")
         if w.device != x.device:
@@ -74,26 +92,17 @@ def check_expert_inputs(
             f"w_down must be [H*E={flat_experts}, De={expert_dim}, Dh={head_dim}] with dtype {w_gate.dtype}; "
             f"got {tuple(w_down.shape)} {w_down.dtype}"
         )
-    if (
-        not isinstance(gather_ids, torch.Tensor)
-        or gather_ids.dim() != 1
-        or gather_ids.dtype
-        not in (
-            torch.int32,
-            torch.int64,
-        )
-    ):
+    if gather_ids.dim() != 1 or gather_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError("gather_ids must be a 1-D int32/int64 tensor [T]")
-    if not isinstance(probs, torch.Tensor) or probs.shape != gather_ids.shape or not probs.is_floating_point():
+    if probs.shape != gather_ids.shape or not probs.is_floating_point():
         raise ValueError(f"probs must be a 1-D float tensor with the same length as gather_ids ({gather_ids.numel()})")
     if (
-        not isinstance(expert_offsets, torch.Tensor)
-        or expert_offsets.dim() != 1
+        expert_offsets.dim() != 1
         or expert_offsets.numel() != flat_experts + 1
         or expert_offsets.dtype not in (torch.int32, torch.int64)
     ):
         raise ValueError(f"expert_offsets must be a 1-D int32/int64 tensor of length H*E+1 = {flat_experts + 1}")
-    for name, t in (("gather_ids", gather_ids), ("probs", probs), ("expert_offsets", expert_offsets)):
+    for name, t in zip(_ROUTE_NAMES, (gather_ids, probs, expert_offsets)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     _check_scales(w_gate, scales, (flat_experts, expert_dim), (flat_experts, head_dim))

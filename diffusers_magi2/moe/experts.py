@@ -12,13 +12,13 @@ ops, so ``torch.compile(fullgraph=True)`` traces a whole MoE block).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .activation import swiglu7, swiglu7_backward
-from .expert_checks import check_expert_inputs
+from .expert_checks import check_expert_groups, check_expert_inputs
 from .quantize import FP8_DTYPE, dequantize_expert
 from .reference import expert_route_blocks, hidden_dtype
 
@@ -30,15 +30,7 @@ EXPERT_BACKENDS = ("torch", "torch_grouped", "triton")
 
 
 def torch_mh_moe_forward(
-    x: Tensor,
-    gather_ids: Tensor,
-    probs: Tensor,
-    expert_offsets: Tensor,
-    w_gate: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    *,
-    scales: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+    x: Tensor, routes: Sequence[Tensor], weights: Sequence[Tensor], *, scales: Optional[Sequence[Tensor]] = None
 ) -> Tensor:
     """Routed-expert compute of MAGI-2's multi-head MoE in plain torch (differentiable).
 
@@ -46,27 +38,29 @@ def torch_mh_moe_forward(
 
     Args:
         x: ``[S, H, Dh]`` activations, fp32/bf16/fp16.
-        gather_ids: ``[T]`` int32/int64 token index per route, CSR (expert-major) order.
-        probs: ``[T]`` float route weights in the same order (``route_scale`` already applied).
-        expert_offsets: ``[H*E + 1]`` int CSR offsets.
-        w_gate: ``[H*E, Dh, De]``; used as ``x @ W``.
-        w_up: ``[H*E, Dh, De]``.
-        w_down: ``[H*E, De, Dh]``; the three are fp32/bf16/fp16, or ``float8_e4m3fn`` with ``scales``.
+        routes: ``(gather_ids, probs, expert_offsets)`` in CSR (expert-major) order, e.g. the
+            :class:`~diffusers_magi2.moe.routing.ExpertRoutes` that
+            :func:`~diffusers_magi2.moe.routing.global_sort_routes` returns: ``gather_ids [T]`` int32/int64 token
+            index per route, ``probs [T]`` float route weights in the same order (``route_scale`` already applied),
+            ``expert_offsets [H*E + 1]`` int CSR offsets.
+        weights: ``(w_gate [H*E, Dh, De], w_up [H*E, Dh, De], w_down [H*E, De, Dh])``, used as ``x @ W``; the three
+            are fp32/bf16/fp16, or ``float8_e4m3fn`` with ``scales``.
         scales: FP8 only: fp32 ``(w_gate_scale [H*E, De], w_up_scale [H*E, De], w_down_scale [H*E, Dh])``.
 
     Returns:
         ``[S, H, Dh]`` in ``x.dtype``; heads/tokens without routes are zero.
 
     Raises:
-        ValueError: bad shapes, dtypes or devices (see ``check_expert_inputs``), or offsets that do not end at
-            ``T`` or decrease.
+        ValueError: ``routes``/``weights``/``scales`` are not three tensors each, bad shapes, dtypes or devices (see
+            ``check_expert_inputs``), or offsets that do not end at ``T`` or decrease.
     """
-    sg, su, sd = (None, None, None) if scales is None else scales
-    return mh_moe_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, sg, su, sd, "torch", False)
+    check_expert_groups(routes, weights, scales)  # a ValueError here, not the op's schema error
+    return mh_moe_experts(x, routes, weights, () if scales is None else scales, "torch", False)
 
 
-def _torch_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales=None) -> torch.Tensor:
+def _torch_experts(x, routes, weights, scales=None) -> torch.Tensor:
     """The torch backend of :func:`mh_moe_experts` (inputs already checked; no autograd)."""
+    (gather_ids, probs, expert_offsets), w_gate = routes, weights[0]
     num_tokens, num_heads = x.shape[:2]
     num_experts = w_gate.shape[0] // num_heads
     offsets = expert_offsets.tolist()  # one host sync; this is the CPU path
@@ -83,7 +77,7 @@ def _torch_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, s
     head_counts = [counts[h * num_experts : (h + 1) * num_experts] for h in range(num_heads)]
     token_ids = gather_ids.to(torch.int64)
     route_probs = probs.to(torch.float32).unsqueeze(1)
-    return _forward_inference(x, token_ids, route_probs, offsets, head_counts, (w_gate, w_up, w_down), scales)
+    return _forward_inference(x, token_ids, route_probs, offsets, head_counts, weights, scales)
 
 
 def _forward_inference(
@@ -92,8 +86,8 @@ def _forward_inference(
     route_probs: torch.Tensor,
     offsets: list[int],
     head_counts: list[list[int]],
-    weights: tuple[Tensor, Tensor, Tensor],
-    scales: Optional[tuple[Tensor, Tensor, Tensor]],
+    weights: Sequence[Tensor],
+    scales: Optional[Sequence[Tensor]],
 ) -> torch.Tensor:
     """Per head and expert: gate/up GEMMs and swiglu7 in two reused buffers, down GEMM into the head's fp32 block."""
     num_tokens, num_heads, head_dim = x.shape
@@ -177,13 +171,14 @@ def _head_bank(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Ten
     return weight.float() if scale is None else weight.float().mul_(scale.unsqueeze(1))
 
 
-def _grouped_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales=None) -> torch.Tensor:
+def _grouped_experts(x, routes, weights, scales=None) -> torch.Tensor:
     """The ``"torch_grouped"`` backend (module docstring): no offset, count or index leaves the device; one
     head's experts are upcast at a time (top-k routes put head ``h``'s ``S·k`` routes at rows ``h·S·k``).
 
     Raises:
         ValueError: ``T`` is not a multiple of ``S·H`` (not top-k routes).
     """
+    (gather_ids, probs, expert_offsets), (w_gate, _, w_down) = routes, weights
     num_tokens, num_heads, head_dim = x.shape
     num_routes = gather_ids.numel()
     if num_routes == 0 or num_tokens == 0:
@@ -201,9 +196,7 @@ def _grouped_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down,
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=x.dtype, device=x.device)
     for h in range(num_heads):
         lo, experts = h * per_head, slice(h * num_experts, (h + 1) * num_experts)
-        wg, wu, wd = (
-            _head_bank(w[experts], None if s is None else s[experts]) for w, s in zip((w_gate, w_up, w_down), scales)
-        )
+        wg, wu, wd = (_head_bank(w[experts], None if s is None else s[experts]) for w, s in zip(weights, scales))
         offs = (expert_offsets[experts.start + 1 : experts.stop + 1] - lo).to(torch.int32)
         tokens = gather_ids[lo : lo + per_head].to(torch.int64)
         rows = x[tokens, h].to(f32)  # [S·k, Dh], this head's CSR block (upcast exact)
@@ -223,79 +216,56 @@ def _grouped_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down,
 
 # --------------------------------------------------------------------------------------------- the custom op
 
+_TORCH_BACKENDS = {"torch": _torch_experts, "torch_grouped": _grouped_experts}
+
 
 @torch.library.custom_op("diffusers_magi2::mh_moe_experts", mutates_args=())
 def mh_moe_experts(
-    x: Tensor,
-    gather_ids: Tensor,
-    probs: Tensor,
-    expert_offsets: Tensor,
-    w_gate: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    w_gate_scale: Optional[Tensor],
-    w_up_scale: Optional[Tensor],
-    w_down_scale: Optional[Tensor],
-    backend: str,
-    deterministic: bool,
+    x: Tensor, routes: list[Tensor], weights: list[Tensor], scales: list[Tensor], backend: str, deterministic: bool
 ) -> Tensor:
-    """The expert call with a concrete ``backend`` (one of :data:`EXPERT_BACKENDS`); other arguments as
-    :func:`torch_mh_moe_forward` (the three scales ``None`` unless the experts are FP8), ``deterministic`` as
-    ``triton_mh_moe_forward`` (Triton only).
+    """The expert call with a concrete ``backend`` (one of :data:`EXPERT_BACKENDS`); ``x``, ``routes`` and
+    ``weights`` as :func:`torch_mh_moe_forward`, ``scales`` its three FP8 scales or empty (a custom op takes no
+    optional list), ``deterministic`` as ``triton_mh_moe_forward`` (Triton only).
 
     Raises:
         ValueError: an unknown backend, or the chosen path's input errors.
     """
-    scales = _scales(w_gate_scale, w_up_scale, w_down_scale)
-    if backend == "torch":
-        check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales)
-        return _torch_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales)
-    if backend == "torch_grouped":
-        check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales)
-        return _grouped_experts(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales)
+    fp8_scales = scales or None
+    if backend in _TORCH_BACKENDS:
+        check_expert_inputs(x, routes, weights, fp8_scales)
+        return _TORCH_BACKENDS[backend](x, routes, weights, fp8_scales)
     if backend == "triton":
         from . import experts_triton  # Triton is imported on first use
 
-        return experts_triton.triton_mh_moe_forward(
-            x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales=scales, deterministic=deterministic
-        )
+        return experts_triton.triton_mh_moe_forward(x, routes, weights, scales=fp8_scales, deterministic=deterministic)
     raise ValueError(f"mh_moe_experts backend must be one of {EXPERT_BACKENDS}; got {backend!r}")
 
 
 @mh_moe_experts.register_fake
-def _mh_moe_experts_fake(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, sg, su, sd, backend, det):
-    check_expert_inputs(x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, _scales(sg, su, sd))
+def _mh_moe_experts_fake(x, routes, weights, scales, backend, deterministic):
+    check_expert_inputs(x, routes, weights, scales or None)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @torch.library.custom_op("diffusers_magi2::mh_moe_experts_backward", mutates_args=())
 def mh_moe_experts_backward(
-    grad_out: Tensor,
-    x: Tensor,
-    gather_ids: Tensor,
-    probs: Tensor,
-    expert_offsets: Tensor,
-    w_gate: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    w_gate_scale: Optional[Tensor],
-    w_up_scale: Optional[Tensor],
-    w_down_scale: Optional[Tensor],
+    grad_out: Tensor, x: Tensor, routes: list[Tensor], weights: list[Tensor], scales: list[Tensor]
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients ``(x, probs, w_gate, w_up, w_down)`` of the expert call, per expert (fp32 ones for frozen FP8 weights)."""
-    scales = (w_gate_scale, w_up_scale, w_down_scale)
-    weights = (w_gate, w_up, w_down)
+    """Gradients ``(x, probs, w_gate, w_up, w_down)`` of :func:`mh_moe_experts` (same ``routes``, ``weights``,
+    ``scales``), per expert (fp32 ones for frozen FP8 weights)."""
+    (gather_ids, probs, expert_offsets), (w_gate, _, w_down) = routes, weights
+    scales = scales or (None, None, None)
     f32 = torch.float32
     grad_x = torch.zeros(x.shape, dtype=f32, device=x.device)
     grad_probs = torch.zeros(probs.shape, dtype=f32, device=x.device)
-    grad_w = [torch.zeros(w.shape, dtype=f32, device=x.device) for w in (w_gate, w_up, w_down)]
-    for g, head, routes, tokens, rows in expert_route_blocks(x, gather_ids, expert_offsets, w_gate.shape[0]):
+    grad_w = [torch.zeros(w.shape, dtype=f32, device=x.device) for w in weights]
+    for g, head, span, tokens, rows in expert_route_blocks(x, gather_ids, expert_offsets, w_gate.shape[0]):
         wg, wu, wd = (dequantize_expert(w[g], None if s is None else s[g]) for w, s in zip(weights, scales))
         gate, up = rows @ wg, rows @ wu
         hidden = swiglu7(gate, up).to(hidden_dtype(w_down.dtype, x.dtype)).float()
         grad_contrib = grad_out[tokens, head].float()
-        grad_probs[routes] = (grad_contrib * (hidden @ wd)).sum(1)
-        grad_down = grad_contrib * probs[routes, None].float()
+        grad_probs[span] = (grad_contrib * (hidden @ wd)).sum(1)
+        grad_down = grad_contrib * probs[span, None].float()
         grad_w[2][g] = hidden.T @ grad_down
         grad_gate, grad_up = swiglu7_backward(gate, up, grad_down @ wd.T)
         grad_w[0][g] = rows.T @ grad_gate
@@ -306,28 +276,32 @@ def mh_moe_experts_backward(
 
 
 @mh_moe_experts_backward.register_fake
-def _mh_moe_experts_backward_fake(grad_out, x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, sg, su, sd):
-    return tuple(torch.empty_like(t, dtype=_grad_dtype(t)) for t in (x, probs, w_gate, w_up, w_down))
+def _mh_moe_experts_backward_fake(grad_out, x, routes, weights, scales):
+    return tuple(torch.empty_like(t, dtype=_grad_dtype(t)) for t in (x, routes[1], *weights))
 
 
 def _grad_dtype(t: Tensor) -> torch.dtype:
     return torch.float32 if t.dtype == FP8_DTYPE else t.dtype
 
 
-def _scales(*scales: Optional[Tensor]) -> Optional[tuple[Tensor, ...]]:
-    return None if all(s is None for s in scales) else scales
-
-
 def _mh_moe_experts_setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[:10])
+    x, routes, weights, scales = inputs[:4]
+    ctx.save_for_backward(x, *routes, *weights, *scales)
 
 
 def _mh_moe_experts_backward(ctx, grad_out):
-    grads = mh_moe_experts_backward(grad_out, *ctx.saved_tensors)
-    grad_x, grad_probs, grad_wg, grad_wu, grad_wd = (
-        grad if needed else None for grad, needed in zip(grads, [ctx.needs_input_grad[i] for i in (0, 2, 4, 5, 6)])
+    x, *routes = ctx.saved_tensors[:4]
+    weights, scales = ctx.saved_tensors[4:7], ctx.saved_tensors[7:]
+    grad_x, grad_probs, *grad_w = mh_moe_experts_backward(grad_out, x, routes, weights, scales)
+    needs_x, needs_routes, needs_weights = ctx.needs_input_grad[:3]
+    return (
+        grad_x if needs_x else None,
+        [None, grad_probs if needs_routes[1] else None, None],  # the token ids and offsets are integers
+        [grad if needed else None for grad, needed in zip(grad_w, needs_weights)],
+        [None] * len(scales),  # frozen FP8 scales
+        None,
+        None,
     )
-    return grad_x, None, grad_probs, None, grad_wg, grad_wu, grad_wd, None, None, None, None, None
 
 
 mh_moe_experts.register_autograd(_mh_moe_experts_backward, setup_context=_mh_moe_experts_setup_context)

@@ -449,20 +449,22 @@ def check_fp8_capability(capability: Optional[tuple[int, int]], name: str = "thi
 
 
 def launch_spec(
-    inputs: Sequence[Tensor],
+    x: Tensor,
+    routes: Sequence[Tensor],
+    weights: Sequence[Tensor],
     *,
-    scales: Optional[tuple[Tensor, Tensor, Tensor]],
+    scales: Optional[Sequence[Tensor]],
     deterministic: bool,
     capability: Optional[tuple[int, int]],
 ) -> LaunchSpec:
-    """Arguments and constexprs of the kernel for validated ``inputs`` (``x, gather_ids, probs, expert_offsets, w_gate,
-    w_up, w_down`` as :func:`triton_mh_moe_forward` takes them), built for ``capability`` (the CUDA compute
-    capability; ``None`` for the interpreter).
+    """Arguments and constexprs of the kernel for validated ``x, routes, weights, scales`` (as
+    :func:`triton_mh_moe_forward` takes them), built for ``capability`` (the CUDA compute capability; ``None`` for
+    the interpreter).
 
     Raises:
         ValueError: FP8 experts for a capability below 8.9.
     """
-    x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down = inputs
+    (gather_ids, probs, expert_offsets), (w_gate, w_up, w_down) = routes, weights
     fp8 = w_gate.dtype == FP8_DTYPE
     if fp8:
         check_fp8_capability(capability)
@@ -519,14 +521,10 @@ def launch_spec(
 
 def triton_mh_moe_forward(
     x: Tensor,
-    gather_ids: Tensor,
-    probs: Tensor,
-    expert_offsets: Tensor,
-    w_gate: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
+    routes: Sequence[Tensor],
+    weights: Sequence[Tensor],
     *,
-    scales: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+    scales: Optional[Sequence[Tensor]] = None,
     deterministic: bool = False,
     tile_config: Optional[TileConfig] = None,
 ) -> Tensor:
@@ -536,22 +534,21 @@ def triton_mh_moe_forward(
     the activation dtype (exact); each GEMM's fp32 accumulator is multiplied by its per-output-channel scale.
 
     Args:
-        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales: as for the torch path (``x``'s last dim
-            contiguous, weights of any strides).
+        x, routes, weights, scales: as for the torch path (``x``'s last dim contiguous, weights of any strides).
         deterministic: per-route rows without atomics, summed per (token, head) in ascending expert id (top-k
             routes): bit-identical across runs.
         tile_config: launch with this tile only instead of the launch table's candidates (benchmarks).
 
     Raises:
-        ValueError: bad shapes/dtypes/devices, ``Dh``/``De`` not multiples of 16, CPU tensors without
-            ``TRITON_INTERPRET=1``, FP8 experts on a GPU without FP8 support (compute capability < 8.9), or
-            (deterministic) ``T`` not a multiple of ``S*H``.
+        ValueError: ``routes``/``weights``/``scales`` not three tensors each, bad shapes/dtypes/devices,
+            ``Dh``/``De`` not multiples of 16, CPU tensors without ``TRITON_INTERPRET=1``, FP8 experts on a GPU
+            without FP8 support (compute capability < 8.9), or (deterministic) ``T`` not a multiple of ``S*H``.
         triton.runtime.errors.OutOfResources: no tile candidate fits the device.
         RuntimeError: any launch failure other than ``OutOfResources`` (never swallowed).
     """
-    inputs = (x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down)
-    num_tokens, num_heads, head_dim, num_experts, expert_dim = check_expert_inputs(*inputs, scales)
+    num_tokens, num_heads, head_dim, num_experts, expert_dim = check_expert_inputs(x, routes, weights, scales)
     check_triton_dims(head_dim, expert_dim)
+    gather_ids, w_gate = routes[0], weights[0]
     if w_gate.dtype == FP8_DTYPE:
         check_fp8_device(x.device)
     if not isinstance(deterministic, bool):
@@ -576,7 +573,7 @@ def triton_mh_moe_forward(
 
     keys = device_key(x.device)
     capability = None if keys == ("interpreter",) else torch.cuda.get_device_capability(x.device)
-    spec = launch_spec(inputs, scales=scales, deterministic=deterministic, capability=capability)
+    spec = launch_spec(x, routes, weights, scales=scales, deterministic=deterministic, capability=capability)
     if tile_config is not None:
         _launch_tiles((tile_config,), spec.offsets, spec.num_routes, spec.make_args, spec.constants)
     else:

@@ -141,20 +141,18 @@ def _meta_moe_inputs(weights: str) -> tuple:
     """Meta tensors of the released MoE shape (no memory, no values): x, routes, banks, scales."""
     s = RELEASED_MOE
     heads, experts, dh, de = s["heads"], s["experts"], s["head_dim"], s["expert_dim"]
-    flat, routes = heads * experts, s["tokens"] * heads * s["top_k"]
+    flat, num_routes = heads * experts, s["tokens"] * heads * s["top_k"]
     meta = torch.device("meta")
     wdtype = getattr(torch, weights)
     x = torch.empty(s["tokens"], heads, dh, dtype=torch.bfloat16, device=meta)
-    gather_ids = torch.empty(routes, dtype=torch.int32, device=meta)
-    probs = torch.empty(routes, dtype=torch.float32, device=meta)
+    gather_ids = torch.empty(num_routes, dtype=torch.int32, device=meta)
+    probs = torch.empty(num_routes, dtype=torch.float32, device=meta)
     offsets = torch.empty(flat + 1, dtype=torch.int64, device=meta)
-    w_gate = torch.empty(flat, dh, de, dtype=wdtype, device=meta)
-    w_up = torch.empty(flat, dh, de, dtype=wdtype, device=meta)
-    w_down = torch.empty(flat, de, dh, dtype=wdtype, device=meta)
+    banks = tuple(torch.empty(flat, *shape, dtype=wdtype, device=meta) for shape in ((dh, de), (dh, de), (de, dh)))
     scales = None
     if wdtype == torch.float8_e4m3fn:
         scales = tuple(torch.empty(flat, n, dtype=torch.float32, device=meta) for n in (de, de, dh))
-    return x, gather_ids, probs, offsets, w_gate, w_up, w_down, scales
+    return x, (gather_ids, probs, offsets), banks, scales
 
 
 def _moe_launch(build_spec: KernelBuild):
@@ -165,9 +163,9 @@ def _moe_launch(build_spec: KernelBuild):
     """
     from . import experts_triton as et
 
-    *inputs, scales = _meta_moe_inputs(build_spec.weights)
+    x, routes, banks, scales = _meta_moe_inputs(build_spec.weights)
     spec = et.launch_spec(
-        inputs, scales=scales, deterministic=build_spec.deterministic, capability=divmod(build_spec.arch, 10)
+        x, routes, banks, scales=scales, deterministic=build_spec.deterministic, capability=divmod(build_spec.arch, 10)
     )
     config = et.TileConfig(*build_spec.config)
     args = spec.make_args(et.tile_offsets_for(spec.offsets, config.block_t))

@@ -406,29 +406,22 @@ class Magi2MultiHeadMoE(nn.Module):
             return torch.zeros_like(x_local, memory_format=torch.contiguous_format)
         x_real = x_local[:, :num_real]
         probs, indices = self.route(x_real)
-        gather_ids, probs_sorted, expert_offsets = global_sort_routes(probs, indices, self.num_experts)
+        routes = global_sort_routes(probs, indices, self.num_experts)
         rows = num_real * self.num_experts
         weights = [getattr(self, name)[:rows] for name in _BANKS]
         scales = [getattr(self, f"{name}_scale")[:rows] for name in _BANKS] if self.fp8_experts else None
-        y = self.run_experts(
-            x_real, gather_ids, probs_sorted, expert_offsets, *weights, scales=scales, sync_free=sync_free
-        )
+        y = self.run_experts(x_real, routes, weights, scales=scales, sync_free=sync_free)
         if num_real == self.local_num_heads:
             return y
         out = torch.zeros_like(x_local, memory_format=torch.contiguous_format)
         out[:, :num_real] = y
         return out
 
-    def run_experts(
-        self, x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, *, scales=None, sync_free: bool = False
-    ) -> torch.Tensor:
+    def run_experts(self, x, routes, weights, *, scales=None, sync_free: bool = False) -> torch.Tensor:
         """Expert compute with the backend chosen by :meth:`set_backend` (arguments as ``torch_mh_moe_forward``;
         ``sync_free`` as :meth:`forward_local_heads`)."""
         backend = resolve_backend("moe_experts", self._backend, x.device, sync_free=sync_free)
-        sg, su, sd = (None, None, None) if scales is None else scales
-        return mh_moe_experts(
-            x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, sg, su, sd, backend, self._deterministic
-        )
+        return mh_moe_experts(x, routes, weights, () if scales is None else scales, backend, self._deterministic)
 
     def _apply(self, fn, recurse=True):
         # FP8 banks and their fp32 scales keep their dtypes through dtype moves; they follow device moves only.

@@ -13,15 +13,33 @@ token), on a GPU the device assert stops the run with the message.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..utils.elementwise import sigmoid
 
 
-__all__ = ["check_finite_router_logits", "compute_topk_probs_and_indices", "global_sort_routes"]
+__all__ = ["ExpertRoutes", "check_finite_router_logits", "compute_topk_probs_and_indices", "global_sort_routes"]
 
 _SCORE_FUNCS = ("sigmoid", "softmax")
 _NON_FINITE = "MoE router logits are not finite (NaN/inf in the MoE layer's input or gate weights); refusing to route"
+
+
+class ExpertRoutes(NamedTuple):
+    """The routes of one MoE call in CSR (expert-major) order over global expert ids ``g = h*E + e``, as
+    :func:`global_sort_routes` returns them; the expert paths take it (or any three such tensors) as ``routes``.
+
+    Attributes:
+        gather_ids: ``[T]`` int32/int64, the token of each route.
+        probs: ``[T]`` float, the weight of each route.
+        expert_offsets: ``[H*E + 1]`` int32/int64; the routes of expert ``g`` are
+            ``expert_offsets[g]:expert_offsets[g+1]``.
+    """
+
+    gather_ids: torch.Tensor
+    probs: torch.Tensor
+    expert_offsets: torch.Tensor
 
 
 def check_finite_router_logits(router_logits: torch.Tensor) -> None:
@@ -116,7 +134,7 @@ def global_sort_routes(
     topk_probs: torch.Tensor,
     topk_indices: torch.Tensor,
     num_experts: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> ExpertRoutes:
     """Routes in (head, token, k) order, stably sorted by global expert id (offsets by ``searchsorted``).
 
     Args:
@@ -125,8 +143,8 @@ def global_sort_routes(
         num_experts: ``E``, experts per head.
 
     Returns:
-        ``gather_ids [T]`` int32 (token of each route), ``probs_sorted [T]`` float32 and ``expert_offsets [H*E + 1]``
-        int64 (routes of expert ``g`` are ``offsets[g]:offsets[g+1]``), ``T = H * S * k``.
+        :class:`ExpertRoutes` ``(gather_ids [T]`` int32, ``probs [T]`` float32, ``expert_offsets [H*E + 1]`` int64),
+        ``T = H * S * k``.
 
     Raises:
         ValueError: shapes differ or are not 3-D, ``topk_indices`` is not an integer tensor, or
@@ -159,4 +177,4 @@ def global_sort_routes(
     gather_ids = positions.div_(top_k, rounding_mode="floor").remainder_(max(num_tokens, 1)).to(torch.int32)
     boundaries = torch.arange(num_heads * num_experts + 1, device=device, dtype=sorted_ids.dtype)
     expert_offsets = torch.searchsorted(sorted_ids, boundaries, right=False).to(torch.int64)
-    return gather_ids, probs_sorted, expert_offsets
+    return ExpertRoutes(gather_ids, probs_sorted, expert_offsets)

@@ -197,14 +197,13 @@ def _grouped_mm_output(mat_a, mat_b, offs=None, **_):
     return mat_a.new_empty(mat_a.shape[0], mat_b.shape[-1])
 
 
-def _grouped_experts_traced(x, gather_ids, probs, offsets, w_gate, w_up, w_down, sg, su, sd, backend, det):
+def _grouped_experts_traced(x, routes, weights, scales, backend, deterministic):
     """The ``torch_grouped`` expert backend run op by op (the custom op hides its temporaries from a mode)."""
     from ..moe import experts
 
-    scales = None if sg is None else (sg, su, sd)
     grouped_mm, torch._grouped_mm = torch._grouped_mm, _grouped_mm_output
     try:
-        return experts._grouped_experts(x, gather_ids, probs, offsets, w_gate, w_up, w_down, scales)
+        return experts._grouped_experts(x, routes, weights, scales or None)
     finally:
         torch._grouped_mm = grouped_mm
 

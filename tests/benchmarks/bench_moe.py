@@ -81,7 +81,8 @@ def bench_cpu(
     x = hidden.view(num_tokens, heads, head_dim)
     with torch.no_grad():
         probs, idx = module.route(x)
-        gather_ids, probs_sorted, offsets = global_sort_routes(probs, idx, experts)
+        routes = global_sort_routes(probs, idx, experts)
+        gather_ids, _, offsets = routes
         bounds = offsets.tolist()
         tokens = gather_ids.long()
         gathered = []
@@ -97,7 +98,7 @@ def bench_cpu(
                 hid[g] @ module.W_down[g]
 
         def experts_only():
-            torch_mh_moe_forward(x, gather_ids, probs_sorted, offsets, module.W_gate, module.W_up, module.W_down)
+            torch_mh_moe_forward(x, routes, (module.W_gate, module.W_up, module.W_down))
 
         # Interleaved rounds, best of each, on the process CPU clock (1 thread): robust to other jobs sharing
         # the cores, which would otherwise inflate wall times unevenly.
@@ -155,10 +156,11 @@ def bench_cpu(
     }
 
 
-def _grouped_mm_experts(x, gather_ids, probs, offsets, w_gate, w_up, w_down):
+def _grouped_mm_experts(x, routes, weights):
     """The same layer as ``torch._grouped_mm`` calls over all H·E experts at once (gather, gate, up, swiglu7 rounded
     to x's dtype, down, weighted fp32 scatter-add): the library baseline. Raises where the build has no grouped GEMM
-    for x's dtype."""
+    for x's dtype; arguments as ``torch_mh_moe_forward``."""
+    (gather_ids, probs, offsets), (w_gate, w_up, w_down) = routes, weights
     num_tokens, num_heads, head_dim = x.shape
     num_experts = w_gate.shape[0] // num_heads
     offs = offsets[1:].to(torch.int32)
@@ -233,18 +235,18 @@ def bench_cuda(
             flops = 6.0 * num_tokens * heads * top_k * head_dim * expert_dim
             entry = {}
             entry["triton_atomic_s"] = _best_of(
-                lambda: triton_mh_moe_forward(x, *routing, *weights, scales=scales), repeats, sync
+                lambda: triton_mh_moe_forward(x, routing, weights, scales=scales), repeats, sync
             )
             entry["triton_deterministic_s"] = _best_of(
-                lambda: triton_mh_moe_forward(x, *routing, *weights, deterministic=True, scales=scales), repeats, sync
+                lambda: triton_mh_moe_forward(x, routing, weights, deterministic=True, scales=scales), repeats, sync
             )
             if torch_path:
                 entry["torch_path_s"] = _best_of(
-                    lambda: torch_mh_moe_forward(x, *routing, *weights, scales=scales), 1, sync
+                    lambda: torch_mh_moe_forward(x, routing, weights, scales=scales), 1, sync
                 )
             try:
                 entry["grouped_mm_bf16_s"] = _best_of(
-                    lambda: _grouped_mm_experts(x, *routing, *bf16_banks), repeats, sync
+                    lambda: _grouped_mm_experts(x, routing, bf16_banks), repeats, sync
                 )
             except (RuntimeError, NotImplementedError) as err:
                 entry["grouped_mm_bf16_error"] = f"{type(err).__name__}: {str(err)[:200]}"
@@ -274,7 +276,7 @@ def bench_cuda(
                         try:
                             seconds = _best_of(
                                 lambda: triton_mh_moe_forward(
-                                    x, *routing, *weights, scales=scales, deterministic=det, tile_config=config
+                                    x, routing, weights, scales=scales, deterministic=det, tile_config=config
                                 ),
                                 repeats,
                                 sync,

@@ -78,8 +78,8 @@ def test_fp8_torch_path_matches_oracle_and_fixture(variant: str) -> None:
     weights = [module.get_parameter(n) for n in BANKS]
     scales = tuple(module.get_buffer(f"{n}_scale") for n in BANKS)
     with torch.no_grad():
-        out = torch_mh_moe_forward(x, *routes, *weights, scales=scales)
-        ref = reference_mh_moe_forward(x, *routes, *weights, scales=scales)
+        out = torch_mh_moe_forward(x, routes, weights, scales=scales)
+        ref = reference_mh_moe_forward(x, routes, weights, scales=scales)
     assert out.dtype == x.dtype
     assert rel_l2(out, ref) <= 1e-6
     err = rel_l2(out, case["core.out"].view_as(out))
@@ -115,7 +115,7 @@ def test_fp8_torch_path_dequantizes_per_expert_never_the_whole_bank() -> None:
         scales = [module.get_buffer(f"{n}_scale") for n in BANKS]
         recorder = AllocationRecorder()
         with recorder:
-            experts._torch_experts(x, *routes, *weights, scales)
+            experts._torch_experts(x, routes, weights, scales)
     assert recorder.allocations
     assert max(n for _, n in recorder.allocations) <= 64 * 64  # one expert matrix at a time
     assert module.W_gate.numel() == 16 * 64 * 64
@@ -184,12 +184,12 @@ def test_fp8_scales_checked() -> None:
     weights = [module.get_parameter(n) for n in BANKS]
     scales = [module.get_buffer(f"{n}_scale") for n in BANKS]
     with pytest.raises(ValueError, match="need scales"):
-        torch_mh_moe_forward(x, *routes, *weights)
+        torch_mh_moe_forward(x, routes, weights)
     with pytest.raises(ValueError, match=r"w_down_scale must be a float32 tensor of shape \[4, 16\]"):
-        torch_mh_moe_forward(x, *routes, *weights, scales=(scales[0], scales[1], scales[2][:, :8]))
+        torch_mh_moe_forward(x, routes, weights, scales=(scales[0], scales[1], scales[2][:, :8]))
     with pytest.raises(ValueError, match="only used with"):
         dense = [w.float() for w in weights]
-        torch_mh_moe_forward(x, *routes, *dense, scales=tuple(scales))
+        torch_mh_moe_forward(x, routes, dense, scales=tuple(scales))
 
 
 def test_fp8_where_the_kernel_cannot_run_it_raises(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,4 +212,4 @@ def test_fp8_where_the_kernel_cannot_run_it_raises(monkeypatch: pytest.MonkeyPat
     weights = [module.get_parameter(n) for n in BANKS]
     scales = tuple(module.get_buffer(f"{n}_scale") for n in BANKS)
     with pytest.raises(ValueError, match="FP8 refused"):
-        triton_mh_moe_forward(x, *routes, *weights, scales=scales)
+        triton_mh_moe_forward(x, routes, weights, scales=scales)
