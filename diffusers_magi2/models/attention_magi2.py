@@ -45,6 +45,7 @@ from .window_attention import (
 
 __all__ = [
     "Magi2Attention",
+    "Magi2AttentionGeometry",
     "Magi2AttentionMask",
     "Magi2ForwardContext",
     "Magi2AttnProcessor",
@@ -496,6 +497,29 @@ class Magi2WindowAttnProcessor(_Magi2AttnProcessorBase):
         )
 
 
+@dataclass(frozen=True)
+class Magi2AttentionGeometry:
+    """Head layout of a model's attention layers, the same in every layer: ``num_attention_heads`` query heads
+    ``Hq`` and ``num_key_value_heads`` kv heads of ``attention_head_dim`` ``D`` (width ``C = Hq * D``), and
+    ``num_sink_tokens`` sinks per head (0: none)."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    attention_head_dim: int
+    num_sink_tokens: int = 0
+
+    @property
+    def hidden_size(self) -> int:
+        """Model width ``C = Hq * D``."""
+        return self.num_attention_heads * self.attention_head_dim
+
+    @classmethod
+    def from_config(cls, config) -> "Magi2AttentionGeometry":
+        """The geometry a model config names (``num_sink_tokens`` 0 where it names none)."""
+        heads = (config.num_attention_heads, config.num_key_value_heads, config.attention_head_dim)
+        return cls(*heads, config.get("num_sink_tokens", 0))
+
+
 class Magi2Attention(nn.Module, AttentionModuleMixin):
     """Weights of one MAGI-2 attention (checkpoint prefix ``transformer_blocks.{i}.attention.``).
 
@@ -558,6 +582,14 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
         #: how the attention meets its tokens: all here (one process), or the Ulysses exchange that
         #: ``enable_parallelism`` installs (:mod:`diffusers_magi2.parallel.context_parallel`)
         self.exchange = Magi2LocalAttention()
+
+    @classmethod
+    def from_geometry(cls, geometry: Magi2AttentionGeometry, num_modality: int = 1, **kwargs) -> "Magi2Attention":
+        """The attention of a layer with ``num_modality`` weight blocks in a model of ``geometry``; ``kwargs`` are
+        the remaining constructor arguments (``gated``, ``eps``, ``processor``, ...)."""
+        g = geometry
+        heads = (g.num_attention_heads, g.num_key_value_heads, g.attention_head_dim)
+        return cls(g.hidden_size, *heads, num_modality, g.num_sink_tokens, **kwargs)
 
     @property
     def compute_dtype(self) -> torch.dtype:

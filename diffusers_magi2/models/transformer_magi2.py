@@ -37,6 +37,7 @@ from ..utils.safetensors_io import read_index, read_safetensors_header
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
 from .attention_magi2 import (
     Magi2Attention,
+    Magi2AttentionGeometry,
     Magi2AttentionMask,
     Magi2ForwardContext,
     register_block_for_caching_hooks,
@@ -71,37 +72,33 @@ class Magi2TransformerOutput(BaseOutput):
 
 
 class Magi2TransformerBlock(nn.Module):
-    """One Preview layer with two mHC sites, attention and MLP (SandAI ``TransformerLayer``)."""
+    """One Preview layer with two mHC sites, attention and MLP (SandAI ``TransformerLayer``).
+
+    Args:
+        geometry: the model's attention heads and sinks (width ``C``).
+        num_streams: mHC streams ``n``.
+        num_modality: 3 for a multimodal layer, else 1.
+        mlp: the layer's feed-forward (dense or MoE).
+        params_dtype: dtype of the attention's projections (``None`` = torch default).
+    """
 
     def __init__(
         self,
-        hidden_size: int,
-        num_attention_heads: int,
-        num_key_value_heads: int,
-        attention_head_dim: int,
+        geometry: Magi2AttentionGeometry,
         num_streams: int,
         num_modality: int,
-        num_sink_tokens: int,
         mlp: nn.Module,
         params_dtype=None,
     ) -> None:
         super().__init__()
-        n, c = num_streams, hidden_size
+        n, c = num_streams, geometry.hidden_size
         self.num_streams = n
         self.hidden_size = c
         self.num_modality = num_modality
         # the sites first: the parameter order (which seeded inits walk) stays that of the former flat mhc_* tensors
         self.mhc_attn = Magi2HyperConnection(n, c)
         self.mhc_mlp = Magi2HyperConnection(n, c)
-        self.attention = Magi2Attention(
-            hidden_size,
-            num_attention_heads,
-            num_key_value_heads,
-            attention_head_dim,
-            num_modality,
-            num_sink_tokens,
-            params_dtype=params_dtype,
-        )
+        self.attention = Magi2Attention.from_geometry(geometry, num_modality, params_dtype=params_dtype)
         self.mlp = mlp
         self.mhc_norm = Magi2MultiModalityRMSNorm(n * c, num_modality, out_dtype=torch.float32)
         self.mhc_backend = "auto"
@@ -270,6 +267,7 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
                 expert_dtype=expert_dtype,
                 **{field: self.config[f"moe_{field}"] for field in _MOE_CORE_FIELDS},
             )
+        geometry = Magi2AttentionGeometry.from_config(self.config)
         blocks = []
         for i in range(num_layers):
             num_modality = 3 if i in mm else 1
@@ -284,19 +282,7 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
                 mlp = Magi2FeedForward(
                     hidden_size, _dense_intermediate_size(hidden_size, intermediate_factor), num_modality, params_dtype
                 )
-            blocks.append(
-                Magi2TransformerBlock(
-                    hidden_size,
-                    num_attention_heads,
-                    num_key_value_heads,
-                    attention_head_dim,
-                    num_streams,
-                    num_modality,
-                    num_sink_tokens,
-                    mlp,
-                    params_dtype,
-                )
-            )
+            blocks.append(Magi2TransformerBlock(geometry, num_streams, num_modality, mlp, params_dtype))
         self.transformer_blocks = nn.ModuleList(blocks)
         self.gradient_checkpointing = False
         self.enable_forward_chunking(DEFAULT_FORWARD_CHUNK_SIZE)

@@ -21,6 +21,7 @@ from diffusers.utils import BaseOutput
 from .adapters_magi2 import Magi2PostAdapter, Magi2PreAdapter
 from .attention_magi2 import (
     Magi2Attention,
+    Magi2AttentionGeometry,
     Magi2AttentionMask,
     Magi2AttnProcessor,
     Magi2ForwardContext,
@@ -61,14 +62,20 @@ class Magi2RefinerTransformerOutput(BaseOutput):
 
 
 class Magi2RefinerTransformerBlock(nn.Module):
-    """One refiner layer; window layers get a :class:`Magi2WindowAttnProcessor`, the others dense attention."""
+    """One refiner layer; window layers get a :class:`Magi2WindowAttnProcessor`, the others dense attention.
+
+    Args:
+        geometry: the model's attention heads (width ``C``; no sinks).
+        intermediate_size: swiglu7 width of the MLP.
+        num_modality: 3 for a multimodal layer, else 1.
+        attention_gating: per-head sigmoid output gate, applied in fp32.
+        window: block-window attention (else dense within the sample).
+        eps: RMSNorm epsilon.
+    """
 
     def __init__(
         self,
-        hidden_size: int,
-        num_attention_heads: int,
-        num_key_value_heads: int,
-        attention_head_dim: int,
+        geometry: Magi2AttentionGeometry,
         intermediate_size: int,
         num_modality: int,
         attention_gating: bool,
@@ -77,19 +84,11 @@ class Magi2RefinerTransformerBlock(nn.Module):
     ) -> None:
         super().__init__()
         processor = Magi2WindowAttnProcessor() if window else Magi2AttnProcessor(upcast_off_cuda=False)
-        self.attention = Magi2Attention(
-            hidden_size,
-            num_attention_heads,
-            num_key_value_heads,
-            attention_head_dim,
-            num_modality,
-            gated=attention_gating,
-            gate_in_fp32=True,
-            eps=eps,
-            processor=processor,
+        self.attention = Magi2Attention.from_geometry(
+            geometry, num_modality, gated=attention_gating, gate_in_fp32=True, eps=eps, processor=processor
         )
         self.mlp = Magi2FeedForward(
-            hidden_size,
+            geometry.hidden_size,
             intermediate_size,
             num_modality,
             eps=eps,
@@ -154,7 +153,8 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
         self._check_geometry("multimodal_layers", "window_attention_layers")
         Magi2WindowGeometry((1, 1, 1), tuple(window_block_size), tuple(window_radius))
 
-        hidden = num_attention_heads * attention_head_dim
+        geometry = Magi2AttentionGeometry.from_config(self.config)
+        hidden = geometry.hidden_size
         inter = mlp_intermediate_size if mlp_intermediate_size is not None else refiner_mlp_intermediate_size(hidden)
         mm = {int(i) for i in multimodal_layers}
         win = set(range(num_layers)) if window_attention_layers is None else {int(i) for i in window_attention_layers}
@@ -165,15 +165,7 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
         self.transformer_blocks = nn.ModuleList(
             [
                 Magi2RefinerTransformerBlock(
-                    hidden,
-                    num_attention_heads,
-                    num_key_value_heads,
-                    attention_head_dim,
-                    inter,
-                    3 if i in mm else 1,
-                    attention_gating,
-                    i in win,
-                    norm_eps,
+                    geometry, inter, 3 if i in mm else 1, attention_gating, i in win, norm_eps
                 )
                 for i in range(num_layers)
             ]
