@@ -290,8 +290,9 @@ def _mh_moe_experts_setup_context(ctx, inputs, output) -> None:
 
 
 def _mh_moe_experts_backward(ctx, grad_out):
-    x, *routes = ctx.saved_tensors[:4]
-    weights, scales = ctx.saved_tensors[4:7], ctx.saved_tensors[7:]
+    saved = ctx.saved_tensors  # read once: under gradient checkpointing each saved tensor unpacks only once
+    x, *routes = saved[:4]
+    weights, scales = saved[4:7], saved[7:]
     grad_x, grad_probs, *grad_w = mh_moe_experts_backward(grad_out, x, routes, weights, scales)
     needs_x, needs_routes, needs_weights = ctx.needs_input_grad[:3]
     return (
