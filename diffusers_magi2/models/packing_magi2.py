@@ -23,6 +23,7 @@ from .modality import Modality
 __all__ = [
     "Magi2PackedInputs",
     "Magi2RefinerPackedSample",
+    "check_transformer_inputs",
     "pack_magi2_inputs",
     "pack_refiner_sample",
     "unpack_magi2_outputs",
@@ -53,6 +54,33 @@ class Magi2PackedInputs:
     token_offsets: List[int]
 
 
+def check_transformer_inputs(
+    config: Any, hidden_states, encoder_hidden_states, audio_hidden_states, encoder_attention_mask
+) -> None:
+    """Check the batch inputs both models' ``forward`` take against ``config``'s widths: ``hidden_states``
+    ``[B, Cv, T, H, W]`` (``T, H, W >= 1``), ``encoder_hidden_states`` ``[B, Lt, Ct]``, ``audio_hidden_states``
+    ``[B, La, Ca]`` or ``None``, and ``encoder_attention_mask`` ``[B, Lt]`` or ``None``.
+
+    Raises:
+        ValueError: naming the first input of the wrong rank, channel count or batch size.
+    """
+    cv, ca, ct = config.in_channels, config.audio_in_channels, config.text_in_channels
+    if hidden_states.dim() != 5 or hidden_states.shape[1] != cv:
+        raise ValueError(f"hidden_states must be [B, {cv}, T, H, W], got {tuple(hidden_states.shape)}")
+    b, _, t, h, w = hidden_states.shape
+    if min(t, h, w) < 1:
+        raise ValueError(f"hidden_states needs T, H, W >= 1 (patch size 1), got {(t, h, w)}")
+    text = encoder_hidden_states
+    if text.dim() != 3 or text.shape[0] != b or text.shape[2] != ct:
+        raise ValueError(f"encoder_hidden_states must be [B={b}, L_text, {ct}], got {tuple(text.shape)}")
+    audio = audio_hidden_states
+    if audio is not None and (audio.dim() != 3 or audio.shape[0] != b or audio.shape[2] != ca):
+        raise ValueError(f"audio_hidden_states must be [B={b}, L_audio, {ca}], got {tuple(audio.shape)}")
+    mask = encoder_attention_mask
+    if mask is not None and tuple(mask.shape) != (b, text.shape[1]):
+        raise ValueError(f"encoder_attention_mask must be [B={b}, L_text={text.shape[1]}], got {tuple(mask.shape)}")
+
+
 def pack_magi2_inputs(
     config: Any,
     hidden_states: torch.Tensor,
@@ -76,18 +104,11 @@ def pack_magi2_inputs(
     Raises:
         ValueError: wrong ranks, channel counts, batch sizes, or a mask that is not a prefix of ones.
     """
+    if audio_hidden_states is None:
+        raise ValueError("audio_hidden_states is required by the Preview: [B, L_audio, Ca] (L_audio may be 0)")
+    check_transformer_inputs(config, hidden_states, encoder_hidden_states, audio_hidden_states, encoder_attention_mask)
     cv, ca, ct = config.in_channels, config.audio_in_channels, config.text_in_channels
-    if hidden_states.dim() != 5 or hidden_states.shape[1] != cv:
-        raise ValueError(f"hidden_states must be [B, {cv}, T, H, W], got {tuple(hidden_states.shape)}")
     b, _, t, h, w = hidden_states.shape
-    if min(t, h, w) < 1:
-        raise ValueError(f"hidden_states needs T, H, W >= 1 (patch size 1), got {(t, h, w)}")
-    if encoder_hidden_states.dim() != 3 or encoder_hidden_states.shape[0] != b or encoder_hidden_states.shape[2] != ct:
-        raise ValueError(
-            f"encoder_hidden_states must be [B={b}, L_text, {ct}], got {tuple(encoder_hidden_states.shape)}"
-        )
-    if audio_hidden_states.dim() != 3 or audio_hidden_states.shape[0] != b or audio_hidden_states.shape[2] != ca:
-        raise ValueError(f"audio_hidden_states must be [B={b}, L_audio, {ca}], got {tuple(audio_hidden_states.shape)}")
     timestep = torch.as_tensor(timestep, device=hidden_states.device)
     if timestep.dim() == 0:
         timestep = timestep.expand(b)
@@ -95,10 +116,6 @@ def pack_magi2_inputs(
         raise ValueError(f"timestep must be a scalar or [B={b}], got {tuple(timestep.shape)}")
     lt_max = encoder_hidden_states.shape[1]
     if encoder_attention_mask is not None:
-        if encoder_attention_mask.shape != (b, lt_max):
-            raise ValueError(
-                f"encoder_attention_mask must be [B={b}, L_text={lt_max}], got {tuple(encoder_attention_mask.shape)}"
-            )
         mask = encoder_attention_mask.bool()
         lengths = mask.sum(dim=1)
         prefix = torch.arange(lt_max, device=mask.device)[None, :] < lengths[:, None]

@@ -32,7 +32,7 @@ from .feedforward_magi2 import Magi2FeedForward, check_chunk_size
 from .lora_magi2 import lora_scale_from_attention_kwargs
 from .modality import Magi2ModalityDispatch, Modality
 from .modeling_magi2 import Magi2TransformerBase
-from .packing_magi2 import pack_refiner_sample, unpack_refiner_sample
+from .packing_magi2 import check_transformer_inputs, pack_refiner_sample, unpack_refiner_sample
 from .window_attention import DEFAULT_MAX_DENSE_MASK_ELEMENTS, Magi2WindowGeometry, ranges_to_dense_mask
 
 
@@ -314,30 +314,10 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
         """
         self.check_attention_kwargs(attention_kwargs)
         cfg = self.config
-        if hidden_states.dim() != 5 or hidden_states.shape[1] != cfg.in_channels:
-            raise ValueError(
-                f"hidden_states must be [B, {cfg.in_channels}, T, H, W], got {tuple(hidden_states.shape)}"
-            )
+        check_transformer_inputs(
+            cfg, hidden_states, encoder_hidden_states, audio_hidden_states, encoder_attention_mask
+        )
         B, _, T, H, W = hidden_states.shape
-        if (
-            encoder_hidden_states.dim() != 3
-            or encoder_hidden_states.shape[0] != B
-            or encoder_hidden_states.shape[2] != cfg.text_in_channels
-        ):
-            raise ValueError(
-                f"encoder_hidden_states must be [{B}, Lt, {cfg.text_in_channels}], got {tuple(encoder_hidden_states.shape)}"
-            )
-        if audio_hidden_states is not None and (
-            audio_hidden_states.dim() != 3
-            or audio_hidden_states.shape[0] != B
-            or audio_hidden_states.shape[2] != cfg.audio_in_channels
-        ):
-            raise ValueError(
-                f"audio_hidden_states must be [{B}, La, {cfg.audio_in_channels}], got {tuple(audio_hidden_states.shape)}"
-            )
-        Lt = encoder_hidden_states.shape[1]
-        if encoder_attention_mask is not None and tuple(encoder_attention_mask.shape) != (B, Lt):
-            raise ValueError(f"encoder_attention_mask must be [{B}, {Lt}], got {tuple(encoder_attention_mask.shape)}")
 
         pa = self.pre_adapter
         La = 0 if audio_hidden_states is None else audio_hidden_states.shape[1]
