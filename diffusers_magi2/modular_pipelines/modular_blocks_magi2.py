@@ -6,6 +6,8 @@ preview loop, refiner stage, decoding.
 
 from __future__ import annotations
 
+import inspect
+
 from diffusers.modular_pipelines import AutoPipelineBlocks, SequentialPipelineBlocks
 from diffusers.modular_pipelines.modular_pipeline_utils import OutputParam
 
@@ -36,7 +38,7 @@ class _Magi2StepBlocks:
 
     @property
     def description(self) -> str:
-        return " ".join(type(self).__doc__.split())
+        return " ".join(inspect.getdoc(type(self)).split())  # a subclass without one: its base's
 
 
 class Magi2AutoImageEncoderStep(_Magi2StepBlocks, AutoPipelineBlocks):

@@ -28,7 +28,9 @@ __all__ = [
     "check_per_video_inputs",
     "warn_untrained_sizes",
     "check_output_size",
+    "check_negative_prompt_inputs",
     "check_prompt_inputs",
+    "check_sampling_inputs",
     "check_sizes",
 ]
 

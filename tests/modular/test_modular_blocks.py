@@ -70,6 +70,17 @@ def test_printed_docs_name_every_block_input_and_output():
     assert "timesteps (" not in top.split("Outputs:")[0]
 
 
+def test_a_composite_step_states_its_description_once_and_a_subclass_inherits_it():
+    """A composite step's description is its docstring on one line; a subclass without one keeps its base's."""
+
+    class MyDecodeStep(Magi2DecodeStep):
+        pass
+
+    assert Magi2DecodeStep().description == " ".join(Magi2DecodeStep.__doc__.split())
+    assert MyDecodeStep().description == Magi2DecodeStep().description
+    assert "MyDecodeStep" in repr(MyDecodeStep())
+
+
 def test_auto_blocks_select_the_path_from_the_inputs():
     blocks = Magi2AutoBlocks()
     t2v = blocks.get_execution_blocks(prompt=PROMPT)

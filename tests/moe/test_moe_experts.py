@@ -159,6 +159,29 @@ def test_torch_path_is_differentiable() -> None:
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_torch_path_under_non_reentrant_checkpointing_gives_the_plain_gradients() -> None:
+    """The expert op recomputed by ``torch.utils.checkpoint`` (``use_reentrant=False``, as diffusers' gradient
+    checkpointing runs it) gives the gradients of a plain backward, bit for bit."""
+    x, probs, idx, w_gate, w_up, w_down = random_case(5, 2, 3, 2, 16, 16, torch.float32, seed=11)
+    routes = global_sort_routes(probs, idx, 3)
+    weight = torch.randn(5, 2, 16, generator=torch.Generator().manual_seed(12))
+    grads = []
+    for checkpointed in (False, True):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w_gate, w_up, w_down)]
+
+        def run(x, *weights):
+            return torch_mh_moe_forward(x, routes, weights)
+
+        if checkpointed:
+            out = torch.utils.checkpoint.checkpoint(run, *leaves, use_reentrant=False)
+        else:
+            out = run(*leaves)
+        (out * weight).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for got, ref in zip(*grads):
+        assert torch.equal(got, ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu7_forms_agree_bit_for_bit(dtype: torch.dtype) -> None:
     """In-place (``out=``) and interleaved forms compute the out-of-place form's bits; the backward is autograd's."""
