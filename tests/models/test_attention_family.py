@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers.models.attention import AttentionMixin, AttentionModuleMixin
 from diffusers.models.cache_utils import CacheMixin
+from helpers.tiny_transformer import TINY, tiny_inputs, tiny_model
 from safetensors.torch import load_file
 
 import diffusers_magi2.models.transformer_magi2_refiner as refiner_module
@@ -160,3 +161,33 @@ def test_identity_dispatch_equals_sorting_a_sorted_sequence():
     assert torch.equal(identity.sort(x), sorted_dispatch.sort(x))
     assert torch.equal(identity.unsort(x), sorted_dispatch.unsort(x))
     assert identity.to("cpu").permutation is None
+
+
+def test_both_forwards_refuse_a_bad_shape_with_the_same_message():
+    """The Preview and the refiner check video, text, audio and mask through one check: the same bad input gets
+    the same ``ValueError``, naming the input, from either forward (a zero-length video axis included)."""
+    preview = tiny_model()
+    widths = {k: TINY[k] for k in ("in_channels", "audio_in_channels", "text_in_channels")}
+    refiner = Magi2RefinerTransformer3DModel(
+        num_layers=1,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_key_value_heads=2,
+        multimodal_layers=[],
+        **widths,
+    )
+    good = tiny_inputs()
+    shared = ("hidden_states", "encoder_hidden_states", "audio_hidden_states", "encoder_attention_mask")
+    for name, bad in [
+        ("hidden_states", good["hidden_states"][:, :, :0]),
+        ("hidden_states", good["hidden_states"][:, :5]),
+        ("encoder_hidden_states", good["encoder_hidden_states"][..., :7]),
+        ("audio_hidden_states", good["audio_hidden_states"][:1]),
+        ("encoder_attention_mask", torch.ones(2, 1, dtype=torch.bool)),
+    ]:
+        messages = []
+        for model, inputs in ((preview, good), (refiner, {k: good[k] for k in shared})):
+            with pytest.raises(ValueError, match=name) as raised:
+                model(**{**inputs, name: bad})
+            messages.append(str(raised.value))
+        assert messages[0] == messages[1], (name, messages)
