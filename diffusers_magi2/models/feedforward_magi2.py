@@ -123,7 +123,7 @@ class Magi2MoEFeedForward(nn.Module):
     Args:
         hidden_size: model width ``C``.
         moe: the routed core's settings; ``moe.hidden_size`` is the width between ``split_linear`` and
-            ``merge_linear``, ``moe.params_dtype`` the dtype of every projection here.
+            ``merge_linear``, ``moe.params_dtype`` the dtype of every projection here (the config's default: bf16).
         shared_intermediate_size: width of the shared expert.
         modality_specific_intermediate_size: width of the per-modality shared expert.
     """

@@ -62,7 +62,8 @@ def check_transformer_inputs(
     ``[B, La, Ca]`` or ``None``, and ``encoder_attention_mask`` ``[B, Lt]`` or ``None``.
 
     Raises:
-        ValueError: naming the first input of the wrong rank, channel count or batch size.
+        ValueError: naming the first input of the wrong rank, channel count or batch size, a zero ``T``, ``H`` or
+            ``W``, or a mask that is not ``[B, Lt]``.
     """
     cv, ca, ct = config.in_channels, config.audio_in_channels, config.text_in_channels
     if hidden_states.dim() != 5 or hidden_states.shape[1] != cv:
@@ -102,7 +103,8 @@ def pack_magi2_inputs(
         :class:`Magi2PackedInputs`.
 
     Raises:
-        ValueError: wrong ranks, channel counts, batch sizes, or a mask that is not a prefix of ones.
+        ValueError: no ``audio_hidden_states``; the checks of :func:`check_transformer_inputs`; a bad
+            ``timestep``; a mask that is not a prefix of ones.
     """
     if audio_hidden_states is None:
         raise ValueError("audio_hidden_states is required by the Preview: [B, L_audio, Ca] (L_audio may be 0)")

@@ -310,7 +310,8 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
             ``sample`` ``[B, Cv, T, H, W]`` fp32 and ``audio_sample`` ``[B, La, Ca]`` fp32 or ``None``.
 
         Raises:
-            ValueError: wrong ranks, channel counts, batch sizes or mask shape; an ``attention_kwargs`` key other than ``"scale"``.
+            ValueError: the checks of :func:`~.packing_magi2.check_transformer_inputs` (ranks, channel counts, batch
+                sizes, a zero ``T``/``H``/``W``, the mask shape); an ``attention_kwargs`` key other than ``"scale"``.
         """
         self.check_attention_kwargs(attention_kwargs)
         cfg = self.config

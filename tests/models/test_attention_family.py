@@ -191,3 +191,10 @@ def test_both_forwards_refuse_a_bad_shape_with_the_same_message():
                 model(**{**inputs, name: bad})
             messages.append(str(raised.value))
         assert messages[0] == messages[1], (name, messages)
+
+
+def test_the_preview_refuses_missing_audio_with_a_clear_error():
+    """The Preview always denoises audio (``L_audio`` may be 0): ``None`` audio is refused by name."""
+    good = tiny_inputs()
+    with pytest.raises(ValueError, match="audio_hidden_states is required by the Preview"):
+        tiny_model()(**{**good, "audio_hidden_states": None})
