@@ -1,12 +1,13 @@
 """``Magi2LoraLoaderMixin``: diffusers' pipeline LoRA API (``WanLoraLoaderMixin`` / ``LTX2LoraLoaderMixin``) for
 ``Magi2Pipeline``'s two transformers, ``transformer`` (the Preview) and ``refiner``.
 
-A file's keys decide its layout (:mod:`.lora_conversion_magi2`: diffusers, PEFT, and the three layouts of
-seruva19/mirai); diffusers-layout keys name their component (``transformer.`` / ``refiner.``), the others go into
-the transformer, or the refiner with ``load_into_refiner=True``. Each model validates the whole adapter before
-injecting it (``Magi2ModelMixin.load_lora_adapter``), and every component is validated before any is loaded.
-``fuse_lora`` / ``unfuse_lora`` restore the weights bit for bit; the LoRA scale of one call is
-``pipe(..., attention_kwargs={"scale": s})``.
+One load path, diffusers': ``load_lora_weights`` reads the file once through ``lora_state_dict``, which converts
+any layout of :mod:`.lora_conversion_magi2` (diffusers, PEFT, ComfyUI, and the three layouts of seruva19/mirai) to
+plain PEFT keys with the scales folded into the factors; each component's part then goes to that model's
+``load_lora_adapter``. Diffusers-layout keys name their component (``transformer.`` / ``refiner.``), the others
+go into the transformer, or the refiner with ``load_into_refiner=True``. Every component checks its part before
+any is loaded. ``fuse_lora`` / ``unfuse_lora`` are diffusers' (``safe_fusing`` checks every target of every
+component first); the LoRA scale of one call is ``pipe(..., attention_kwargs={"scale": s})``.
 """
 
 from __future__ import annotations
@@ -17,20 +18,22 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
 from diffusers.loaders.lora_base import LoraBaseMixin
 
 from .lora_conversion_magi2 import (
     COMPONENTS,
     DEFAULT_WEIGHT_NAME,
     MIRAI_SCALE,
+    check_lora_load_options,
     convert_lora_state_dict,
-    detect_lora_layout,
     read_lora_state_dict,
+    split_component,
 )
 
 
 __all__ = ["Magi2LoraLoaderMixin"]
+
+_OWN_OPTIONS = ("adapter_name", "load_into_refiner", "mirai_scale")
 
 
 class Magi2LoraLoaderMixin(LoraBaseMixin):
@@ -54,26 +57,34 @@ class Magi2LoraLoaderMixin(LoraBaseMixin):
         return_lora_metadata: bool = False,
         **kwargs,
     ):
-        """The LoRA in diffusers keys (``transformer.`` / ``refiner.`` prefixed).
+        """The LoRA in plain PEFT keys prefixed ``transformer.`` / ``refiner.``, every scale folded into the
+        factors (no ``.alpha`` key).
 
         Args:
             pretrained_model_name_or_path_or_dict: a state dict, a ``.safetensors`` / ``.pt`` file, or a folder or
-                Hub repo (``weight_name``, ``subfolder``, ``revision``, ...).
+                Hub repo (``weight_name``, ``subfolder``, ``use_safetensors``, ``revision``, ``token``, ...).
             load_into_refiner: put the keys of a layout without component names under ``refiner.``.
             mirai_scale: scale of a mirai layout's ``B @ A`` (1.0, what mirai trains at; its ``.alpha`` of 1.0 is
                 not ``alpha / rank``); ``None`` reads the file's alpha the Kohya way.
-            return_lora_metadata: also return the saved adapter config (or ``None``).
+            return_lora_metadata: also return the saved adapter config, its fields prefixed like the keys (or
+                ``None``).
 
         Returns:
             ``state_dict`` or ``(state_dict, metadata)``.
 
         Raises:
-            ValueError: an unknown layout (the first keys are named), non-tensor values, an unreadable file.
+            ValueError: a missing or unreadable file (its path named), an unknown layout (the first keys named),
+                non-tensor values.
+            TypeError: an option diffusers' loaders do not have.
         """
-        state_dict, metadata = read_lora_state_dict(pretrained_model_name_or_path_or_dict, **kwargs)
-        layout = detect_lora_layout(state_dict)
+        lookup = check_lora_load_options(
+            False, kwargs, own=("load_into_refiner", "mirai_scale", "return_lora_metadata")
+        )
+        state_dict, metadata = read_lora_state_dict(pretrained_model_name_or_path_or_dict, **lookup)
         component = cls.refiner_name if load_into_refiner else cls.transformer_name
-        state_dict = convert_lora_state_dict(state_dict, layout, component, mirai_scale)
+        state_dict = convert_lora_state_dict(state_dict, None, component, mirai_scale)
+        if metadata and not any(k.split(".", 1)[0] in COMPONENTS for k in metadata):
+            metadata = {f"{component}.{k}": v for k, v in metadata.items()}  # a save_lora_adapter file's config
         return (state_dict, metadata) if return_lora_metadata else state_dict
 
     def load_lora_weights(
@@ -90,47 +101,44 @@ class Magi2LoraLoaderMixin(LoraBaseMixin):
         Args:
             pretrained_model_name_or_path_or_dict, load_into_refiner, mirai_scale: see :meth:`lora_state_dict`.
             adapter_name: name of the new adapter in every component it loads into (default ``default_{n}``).
-            hotswap: not supported (raises).
-            kwargs: file lookup (``weight_name``, ``subfolder``, ...); ``low_cpu_mem_usage`` is accepted and unused.
+            hotswap: only ``False`` (``True`` raises).
+            kwargs: file lookup (``weight_name``, ``subfolder``, ``use_safetensors``, ``revision``, ...);
+                ``low_cpu_mem_usage`` only ``False``.
 
         Raises:
-            ValueError: an unknown layout or keys (the layout and the first unmatched keys named), target shapes or
-                ranks that do not fit (e.g. a refiner LoRA into the preview), non-tensor values, a missing
-                refiner, a used adapter name, or ``hotswap=True``; nothing is loaded then, into any component.
+            ValueError: a missing or unreadable file (its path named); an unknown layout or keys (the first ones
+                named); NaN or inf values (the keys named); target shapes or ranks that do not fit (e.g. a refiner
+                LoRA into the preview); unknown adapter config fields; a missing refiner; a used adapter name;
+                ``hotswap=True`` or ``low_cpu_mem_usage=True``. Nothing is loaded then, into any component.
+            TypeError: an option diffusers' loaders do not have.
         """
-        if hotswap:
-            raise ValueError("hotswap is not supported for MAGI-2 LoRA adapters; unload and load instead")
-        kwargs.pop("low_cpu_mem_usage", None)
-        raw, metadata = read_lora_state_dict(pretrained_model_name_or_path_or_dict, **kwargs)
-        layout = detect_lora_layout(raw)
-        component = self.refiner_name if load_into_refiner else self.transformer_name
-        state_dict = convert_lora_state_dict(raw, layout, component, mirai_scale)
-        stray = [k for k in state_dict if k.split(".", 1)[0] not in COMPONENTS]
-        if stray:
-            raise ValueError(f"LoRA ({layout} layout): keys outside {list(COMPONENTS)}, e.g. {sorted(stray)[:5]}")
+        check_lora_load_options(hotswap, dict(kwargs), own=_OWN_OPTIONS)
+        state_dict, metadata = self.lora_state_dict(
+            pretrained_model_name_or_path_or_dict,
+            load_into_refiner=load_into_refiner,
+            mirai_scale=mirai_scale,
+            return_lora_metadata=True,
+            **kwargs,
+        )
         parts = {}
         for name in COMPONENTS:
-            head = f"{name}."
-            part = {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}
+            part, meta = split_component(state_dict, metadata, name)
             if not part:
                 continue
             model = getattr(self, name, None)
             if model is None:
                 raise ValueError(f"the LoRA has {name} keys but this pipeline has no {name}; nothing was loaded")
-            meta = None
-            if metadata:
-                meta = {k[len(head) :]: v for k, v in metadata.items() if k.startswith(head)} or None
             parts[name] = (model, part, meta)
         if adapter_name is None:
             from diffusers.utils.peft_utils import get_adapter_name
 
             adapter_name = get_adapter_name(next(iter(parts.values()))[0])
         for model, part, meta in parts.values():  # every component is checked before any is loaded
-            model.check_lora_adapter(part, adapter_name, metadata=meta, layout=layout)
+            model.check_lora_adapter(part, adapter_name, metadata=meta)
         loaded = []
         try:
             for model, part, meta in parts.values():
-                model.load_lora_adapter(part, prefix=None, adapter_name=adapter_name, metadata=meta, layout="peft")
+                model.load_lora_adapter(part, prefix=None, adapter_name=adapter_name, metadata=meta)
                 loaded.append(model)
         except Exception:
             for model in loaded:
@@ -155,12 +163,15 @@ class Magi2LoraLoaderMixin(LoraBaseMixin):
         is written under a temporary name and renamed.
 
         Args:
-            transformer_lora_layers, refiner_lora_layers: ``peft.get_peft_model_state_dict(model)`` of each.
-            transformer_lora_adapter_metadata, refiner_lora_adapter_metadata: ``model.peft_config[name].to_dict()``.
+            transformer_lora_layers, refiner_lora_layers: ``peft.get_peft_model_state_dict(model, adapter_name=name)``
+                of each.
+            transformer_lora_adapter_metadata, refiner_lora_adapter_metadata: ``model.peft_config[name].to_dict()``
+                of each component saved: the adapter's ranks and alphas, without which it would reload at scale 1.
             Others: as diffusers' ``save_lora_weights``.
 
         Raises:
-            ValueError: neither component given, or ``save_directory`` is a file.
+            ValueError: neither component given, a component's layers without its adapter metadata, or
+                ``save_directory`` is a file.
         """
         layers, metadata = {}, {}
         for name, part, meta in (
@@ -168,6 +179,12 @@ class Magi2LoraLoaderMixin(LoraBaseMixin):
             (cls.refiner_name, refiner_lora_layers, refiner_lora_adapter_metadata),
         ):
             if part:
+                if not meta:
+                    raise ValueError(
+                        f"{name}_lora_layers needs {name}_lora_adapter_metadata=pipe.{name}.peft_config[adapter_name]"
+                        ".to_dict(): without the adapter's config (lora_alpha, rank_pattern, ...) it would reload at "
+                        "scale 1; nothing was saved"
+                    )
                 layers[name] = part
                 metadata[name] = _json_ready(meta)
         if not layers:
@@ -198,8 +215,18 @@ class Magi2LoraLoaderMixin(LoraBaseMixin):
         adapter_names: Optional[list[str]] = None,
         **kwargs,
     ) -> None:
-        """Merge the adapters into the weights of ``components`` (missing ones skipped); :meth:`unfuse_lora` undoes
-        it bit for bit."""
+        """diffusers' ``fuse_lora`` over ``components`` (missing ones skipped); with ``safe_fusing`` every target of
+        every component is checked first, so a broken adapter fuses nowhere.
+
+        Raises:
+            ValueError: a component that takes no LoRA; ``safe_fusing`` and a merged weight would not be finite
+                (the module and adapter named; nothing is fused then).
+        """
+        if safe_fusing:
+            for name in components:
+                model = getattr(self, name, None) if name in self._lora_loadable_modules else None
+                if model is not None:
+                    model.check_lora_fusable(lora_scale, adapter_names)
         super().fuse_lora(
             components=components,
             lora_scale=lora_scale,
@@ -209,27 +236,9 @@ class Magi2LoraLoaderMixin(LoraBaseMixin):
         )
 
     def unfuse_lora(self, components: list[str] = list(COMPONENTS), **kwargs) -> None:
-        """Give ``components`` their unfused weights back, bit for bit (each model's ``unfuse_lora``).
-
-        Raises:
-            ValueError: a component that takes no LoRA.
-        """
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        for name in components:
-            if name not in self._lora_loadable_modules:
-                raise ValueError(f"{name} is not one of {self._lora_loadable_modules}")
-            model = getattr(self, name, None)
-            if model is not None:
-                model.unfuse_lora()
-        remaining = set()
-        for name in self._lora_loadable_modules:
-            model = getattr(self, name, None)
-            if isinstance(model, torch.nn.Module):
-                for module in model.modules():
-                    if isinstance(module, BaseTunerLayer):
-                        remaining.update(module.merged_adapters)
-        self._merged_adapters = self._merged_adapters & remaining
+        """diffusers' ``unfuse_lora`` over ``components``: PEFT subtracts each fused delta again, which restores the
+        weights up to fp32 rounding."""
+        super().unfuse_lora(components=components, **kwargs)
 
 
 def _json_ready(config: Optional[dict]) -> Optional[dict]:

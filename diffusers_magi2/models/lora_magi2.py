@@ -3,23 +3,29 @@
 Three kinds of target, all ``W' = W + s * B @ A`` with ``A [r, in]``, ``B [rows, r]`` and ``s = alpha / r`` times the
 runtime scale (``attention_kwargs={"scale": ...}``, ``set_adapters`` weights):
 
-* single-modality projections (:class:`~.modality.Magi2Linear`, an ``nn.Linear``): PEFT's ``lora.Linear``;
+* single-modality projections (:class:`~.modality.Magi2Linear`, an ``nn.Linear``): PEFT's ``lora.Linear`` (DoRA
+  too);
 * modality-grouped projections (:class:`~.modality.Magi2ModalityGroupedLinear`, weight ``[M*out, in]`` with one
   block per modality): :func:`grouped_lora_layer_class` (``Magi2GroupedLoraLinear``), a small PEFT LoRA layer of
-  ours (registered through ``LoraConfig._register_custom_module``). ``A`` is shared by the modalities and ``B``'s rows stack the
-  video | audio | text blocks, as in the weight, so token ``t`` of modality ``m`` gets
+  ours (registered through ``LoraConfig._register_custom_module``). ``A`` is shared by the modalities and ``B``'s
+  rows stack the video | audio | text blocks, as in the weight, so token ``t`` of modality ``m`` gets
   ``s * B[m*out:(m+1)*out] @ (A @ x_t)`` and the merged weight is exactly ``W + s * B @ A``;
 * the router gate of a MoE layer (``Magi2MultiHeadMoE.gate`` ``[H*E, Dh]``, one ``A [r, Dh]`` shared by the ``H``
   heads): PEFT's ``ParamWrapper`` (``target_parameters``), which wraps ``mlp.moe_mlp`` for the call. Its LoRA
   keys are ``...mlp.moe_mlp.lora_A.weight`` / ``lora_B.weight``.
 
-:func:`load_magi2_lora_adapter` validates a whole adapter (every key matched, shapes and ranks) before touching the
-model, then injects it; :func:`keep_unfused_weights` keeps a copy of each weight it merges into so that
-:func:`unfuse_magi2_lora` restores it bit for bit (PEFT's unmerge subtracts the delta, which rounds).
+:func:`load_magi2_lora_adapter` is diffusers' ``PeftAdapterMixin.load_lora_adapter`` with two differences: the
+config registers our grouped layer, and PEFT injects from the config rather than from the state dict (PEFT refuses
+``target_parameters`` with a state dict). It checks the whole adapter first (every key matched, shapes, ranks,
+finite values, the config's fields), then injects it and sets its weights with PEFT's ``inject_adapter_in_model`` /
+``set_peft_model_state_dict``; on any failure the adapter is removed again. Fusing is diffusers' and PEFT's
+(``unfuse_lora`` subtracts the delta again, exact up to fp32 rounding); :func:`check_lora_fusable` makes
+``safe_fusing`` all or nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections import Counter
@@ -42,12 +48,11 @@ __all__ = [
     "register_magi2_lora_layers",
     "check_magi2_lora_adapter",
     "load_magi2_lora_adapter",
-    "keep_unfused_weights",
-    "unfuse_magi2_lora",
+    "check_lora_fusable",
 ]
 
-_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".alpha")
-_UNFUSED_ATTR = "_magi2_unfused_weight"
+#: PEFT state-dict key suffixes of a target: the factors, DoRA's magnitude, the ``lora_bias`` bias.
+_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector", ".lora_B.bias")
 
 
 def lora_scale_from_attention_kwargs(forward):
@@ -135,10 +140,10 @@ def register_magi2_lora_layers(config) -> Any:
 
 class LoraTarget:
     """One LoRA target of a state dict: ``path`` (the module key prefix), ``kind`` (``"linear"``, ``"grouped"``,
-    ``"router"``), the factors ``A [r, in]``, ``B [rows, r]`` and an optional ``alpha``."""
+    ``"router"``), the factors ``A [r, in]``, ``B [rows, r]``, and whether it has DoRA's magnitude and a bias."""
 
-    def __init__(self, path: str, kind: str, a: torch.Tensor, b: torch.Tensor, alpha: Optional[float]):
-        self.path, self.kind, self.a, self.b, self.alpha = path, kind, a, b, alpha
+    def __init__(self, path: str, kind: str, a: torch.Tensor, b: torch.Tensor, dora: bool, bias: bool):
+        self.path, self.kind, self.a, self.b, self.dora, self.bias = path, kind, a, b, dora, bias
 
     @property
     def rank(self) -> int:
@@ -156,72 +161,85 @@ def _base(module: nn.Module) -> nn.Module:
     return module
 
 
-def plan_magi2_lora_targets(model: nn.Module, state_dict: dict, layout: str = "diffusers") -> list[LoraTarget]:
-    """Group ``state_dict`` (model keys, no component prefix: ``<path>.lora_A.weight``, ``<path>.lora_B.weight``,
-    optional ``<path>.alpha``) into targets of ``model`` and check them all.
+def _target_kind(path: str, module: Optional[nn.Module]):
+    """``(kind, rows, cols)`` of a LoRA-able module, else ``None``."""
+    base = _base(module) if module is not None else None
+    if isinstance(base, Magi2MultiHeadMoE):
+        return "router", base.gate.shape[0], base.gate.shape[1]
+    if isinstance(base, Magi2ModalityGroupedLinear):
+        return "grouped", base.num_modality * base.out_features, base.in_features
+    if isinstance(base, nn.Linear) and path.startswith("transformer_blocks."):
+        return "linear", base.out_features, base.in_features
+    return None
+
+
+def _check_target(path: str, kind: str, rows: int, cols: int, parts: dict) -> Optional[str]:
+    """What is wrong with one target's tensors (``parts``: suffix -> tensor), or ``None``."""
+    a, b = parts.get(".lora_A.weight"), parts.get(".lora_B.weight")
+    if a is None or b is None:
+        return f"{path}: has only {'lora_A' if b is None else 'lora_B'}"
+    if a.dim() != 2 or b.dim() != 2:
+        return f"{path}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} must both be 2-D"
+    if a.shape[0] != b.shape[1]:
+        return f"{path}: rank mismatch, lora_A has rank {a.shape[0]} but lora_B {b.shape[1]}"
+    if (b.shape[0], a.shape[1]) != (rows, cols):
+        return f"{path}: B @ A would be {(b.shape[0], a.shape[1])}, the {kind} target's weight is {(rows, cols)}"
+    for suffix in (".lora_magnitude_vector", ".lora_B.bias"):
+        extra = parts.get(suffix)
+        if extra is not None and tuple(extra.shape) != (rows,):
+            return f"{path}: {suffix[1:]} is {tuple(extra.shape)}, the target has {rows} rows"
+    if ".lora_magnitude_vector" in parts and kind != "linear":
+        return f"{path}: DoRA (lora_magnitude_vector) is supported on the single-modality projections, not a {kind}"
+    return None
+
+
+def plan_magi2_lora_targets(model: nn.Module, state_dict: dict, layout: Optional[str] = None) -> list[LoraTarget]:
+    """Group ``state_dict`` (PEFT keys of ``model``, no component prefix: ``<path>.lora_A.weight``,
+    ``<path>.lora_B.weight``, optional ``<path>.lora_magnitude_vector`` / ``<path>.lora_B.bias``) into targets of
+    ``model`` and check them all; ``layout``, the file's layout, is named in the messages.
 
     Raises:
-        ValueError: keys that name no LoRA-able projection of ``model`` (the first ones are listed with ``layout``),
-            a missing factor, non-tensor values, factors that are not 2-D, a rank that differs between ``A`` and
-            ``B``, or shapes that do not fit the target (all problems in one message).
+        ValueError: keys that name no LoRA-able projection of ``model`` (the first ones are listed with ``layout``);
+            NaN or inf values (the keys are named); a missing factor, factors that are not 2-D, a rank that differs
+            between ``A`` and ``B``, shapes that do not fit the target, DoRA on a grouped projection or a router
+            (all such problems in one message).
     """
-    groups: dict[str, dict[str, Any]] = {}
+    what = f"LoRA ({layout} layout)" if layout else "LoRA"
+    groups: dict[str, dict[str, torch.Tensor]] = {}
     unmatched = []
     for key, value in state_dict.items():
         suffix = next((s for s in _LORA_SUFFIXES if key.endswith(s)), None)
-        if suffix is None:
+        if suffix is None or not isinstance(value, torch.Tensor):
             unmatched.append(key)
             continue
         groups.setdefault(key[: -len(suffix)], {})[suffix] = value
     modules = dict(model.named_modules())
-    targets, problems = [], []
-    for path, parts in groups.items():
-        module = modules.get(path)
-        base = _base(module) if module is not None else None
-        if isinstance(base, Magi2MultiHeadMoE):
-            kind, rows, cols = "router", base.gate.shape[0], base.gate.shape[1]
-        elif isinstance(base, Magi2ModalityGroupedLinear):
-            kind, rows, cols = "grouped", base.num_modality * base.out_features, base.in_features
-        elif isinstance(base, nn.Linear) and path.startswith("transformer_blocks."):
-            kind, rows, cols = "linear", base.out_features, base.in_features
-        else:
-            unmatched += [path + s for s in parts]
-            continue
-        a, b, alpha = parts.get(".lora_A.weight"), parts.get(".lora_B.weight"), parts.get(".alpha")
-        if a is None or b is None:
-            problems.append(f"{path}: has only {'lora_A' if b is None else 'lora_B'}")
-            continue
-        if not all(isinstance(t, torch.Tensor) for t in (a, b)) or (
-            alpha is not None and not isinstance(alpha, (torch.Tensor, int, float))
-        ):
-            problems.append(f"{path}: LoRA values must be tensors")
-            continue
-        if a.dim() != 2 or b.dim() != 2:
-            problems.append(f"{path}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} must both be 2-D")
-            continue
-        if a.shape[0] != b.shape[1]:
-            problems.append(f"{path}: rank mismatch, lora_A has rank {a.shape[0]} but lora_B {b.shape[1]}")
-            continue
-        if (b.shape[0], a.shape[1]) != (rows, cols):
-            problems.append(
-                f"{path}: B @ A would be {(b.shape[0], a.shape[1])}, the {kind} target's weight is {(rows, cols)}"
-            )
-            continue
-        if alpha is not None:
-            alpha = float(alpha.reshape(-1)[0]) if isinstance(alpha, torch.Tensor) else float(alpha)
-        targets.append(LoraTarget(path, kind, a, b, alpha))
+    found = {path: _target_kind(path, modules.get(path)) for path in groups}
+    unmatched += [path + s for path, parts in groups.items() if found[path] is None for s in parts]
     if unmatched:
         raise ValueError(
-            f"LoRA ({layout} layout) has {len(unmatched)} keys that match no LoRA-able projection of "
+            f"{what} has {len(unmatched)} keys that match no LoRA-able projection of "
             f"{type(model).__name__}, e.g. {sorted(unmatched)[:5]}; nothing was loaded"
         )
-    if problems:
+    non_finite = sorted(k for k, v in state_dict.items() if v.is_floating_point() and not torch.isfinite(v).all())
+    if non_finite:
         raise ValueError(
-            f"LoRA ({layout} layout) does not fit {type(model).__name__}; nothing was loaded: "
-            + "; ".join(problems[:8])
+            f"{what} holds NaN or inf values in {len(non_finite)} tensors of {type(model).__name__}, "
+            f"e.g. {non_finite[:5]}; nothing was loaded"
         )
+    targets, problems = [], []
+    for path, parts in groups.items():
+        kind, rows, cols = found[path]
+        problem = _check_target(path, kind, rows, cols, parts)
+        if problem is not None:
+            problems.append(problem)
+            continue
+        a, b = parts[".lora_A.weight"], parts[".lora_B.weight"]
+        targets.append(LoraTarget(path, kind, a, b, ".lora_magnitude_vector" in parts, ".lora_B.bias" in parts))
+    if problems:
+        raise ValueError(f"{what} does not fit {type(model).__name__}; nothing was loaded: " + "; ".join(problems[:8]))
     if not targets:
-        raise ValueError(f"LoRA ({layout} layout) holds no LoRA factors")
+        raise ValueError(f"{what} holds no LoRA factors")
     return targets
 
 
@@ -229,54 +247,77 @@ def _pattern(name: str) -> str:
     return re.escape(name)
 
 
-def magi2_lora_config(targets: list[LoraTarget], metadata: Optional[dict] = None):
-    """A ``peft.LoraConfig`` injecting exactly ``targets``: their ranks, and alpha from each target's ``alpha``,
-    else from ``metadata`` (a saved adapter's ``LoraConfig`` fields), else alpha = rank (scale 1).
+def _metadata_fields(metadata: dict) -> dict:
+    """The saved adapter config as ``LoraConfig`` keyword arguments.
 
     Raises:
-        ValueError: a rank in ``metadata`` that disagrees with the tensors.
+        ValueError: fields this PEFT's ``LoraConfig`` does not have (diffusers raises on them too).
     """
+    import peft
     from peft import LoraConfig
+
+    known = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
+    unknown = sorted(set(metadata) - known)
+    if unknown:
+        raise ValueError(
+            f"the LoRA's adapter config has fields that peft {peft.__version__}'s LoraConfig does not know: "
+            f"{unknown}; nothing was loaded (save it with this PEFT version, or drop those fields)"
+        )
+    return dict(metadata)
+
+
+def _config_rank(config, name: str) -> int:
     from peft.utils.other import get_pattern_key
 
-    meta = dict(metadata or {})
-    ranks = Counter(t.rank for t in targets)
-    r = ranks.most_common(1)[0][0]
+    key = get_pattern_key(config.rank_pattern.keys(), name) if config.rank_pattern else None
+    return config.rank_pattern[key] if key is not None and key in config.rank_pattern else config.r
 
-    def meta_value(field, name, default):
-        pattern = meta.get(f"{field}_pattern") or {}
-        key = get_pattern_key(pattern.keys(), name) if pattern else None
-        if key is not None and key in pattern:
-            return pattern[key]
-        return meta.get("r" if field == "rank" else "lora_alpha", default)
 
-    rank_pattern, alpha_pattern, alphas = {}, {}, []
-    for t in targets:
-        if meta and meta_value("rank", t.peft_name, t.rank) != t.rank:
-            raise ValueError(
-                f"{t.path}: rank mismatch, the adapter config says r={meta_value('rank', t.peft_name, t.rank)} "
-                f"but lora_A/lora_B have rank {t.rank}; nothing was loaded"
-            )
-        alpha = t.alpha if t.alpha is not None else (meta_value("alpha", t.peft_name, t.rank) if meta else t.rank)
-        alphas.append(alpha)
-        if t.rank != r:
-            rank_pattern[_pattern(t.peft_name)] = t.rank
-        alpha_pattern[_pattern(t.peft_name)] = alpha
-    common_alpha = Counter(alphas).most_common(1)[0][0]
-    alpha_pattern = {k: v for k, v in alpha_pattern.items() if v != common_alpha}
+def magi2_lora_config(targets: list[LoraTarget], metadata: Optional[dict] = None):
+    """A ``peft.LoraConfig`` injecting exactly ``targets``: the saved adapter config ``metadata`` (its ranks,
+    alphas and options), else ranks from the tensors at scale 1 (``lora_alpha = r``: converted files carry their
+    scale in the factors).
+
+    Raises:
+        ValueError: unknown fields in ``metadata``, values ``LoraConfig`` refuses, or a rank in ``metadata`` that
+            disagrees with the tensors.
+    """
+    from peft import LoraConfig
+
     modules = sorted(t.path for t in targets if t.kind != "router")
     params = sorted(t.peft_name for t in targets if t.kind == "router")
-    kwargs = {k: meta[k] for k in ("use_rslora", "lora_dropout") if k in meta}
-    config = LoraConfig(
-        r=r,
-        lora_alpha=common_alpha,
-        rank_pattern=rank_pattern,
-        alpha_pattern=alpha_pattern,
-        target_modules=modules or None,
-        target_parameters=params or None,
-        init_lora_weights=False,
-        **kwargs,
-    )
+    exact = {
+        "target_modules": modules or None,
+        "target_parameters": params or None,
+        "exclude_modules": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "init_lora_weights": False,
+    }
+    if metadata:
+        kwargs = {**_metadata_fields(metadata), **exact}
+    else:
+        r = Counter(t.rank for t in targets).most_common(1)[0][0]
+        ranks = {_pattern(t.peft_name): t.rank for t in targets if t.rank != r}
+        kwargs = {
+            "r": r,
+            "lora_alpha": r,
+            "rank_pattern": ranks,
+            "alpha_pattern": dict(ranks),
+            "use_dora": any(t.dora for t in targets),
+            "lora_bias": any(t.bias for t in targets),
+            **exact,
+        }
+    try:
+        config = LoraConfig(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"the LoRA's adapter config is not a valid LoraConfig: {error}; nothing was loaded") from None
+    for t in targets:
+        if _config_rank(config, t.peft_name) != t.rank:
+            raise ValueError(
+                f"{t.path}: rank mismatch, the adapter config says r={_config_rank(config, t.peft_name)} "
+                f"but lora_A/lora_B have rank {t.rank}; nothing was loaded"
+            )
     if not modules:
         config.target_modules = []
     return register_magi2_lora_layers(config)
@@ -285,15 +326,13 @@ def magi2_lora_config(targets: list[LoraTarget], metadata: Optional[dict] = None
 def _tuner_layers(model: nn.Module):
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
 
 
 def _drop_adapter(model: nn.Module, adapter_name: str) -> None:
     """Remove a partly injected adapter: its layers, its config, and the wrappers if no adapter is left."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    for module in model.modules():
-        if isinstance(module, BaseTunerLayer) and adapter_name in module.lora_A:
+    for _, module in _tuner_layers(model):
+        if adapter_name in module.lora_A:
             module.delete_adapter(adapter_name)
     getattr(model, "peft_config", {}).pop(adapter_name, None)
     if not getattr(model, "peft_config", None):
@@ -306,13 +345,18 @@ def _drop_adapter(model: nn.Module, adapter_name: str) -> None:
 
 
 def check_magi2_lora_adapter(
-    model: nn.Module, state_dict: dict, adapter_name: str, metadata: Optional[dict] = None, layout: str = "peft"
+    model: nn.Module,
+    state_dict: dict,
+    adapter_name: str,
+    metadata: Optional[dict] = None,
+    layout: Optional[str] = None,
 ):
     """Everything :func:`load_magi2_lora_adapter` checks, without changing the model; returns ``(targets, config)``.
 
     Raises:
-        ValueError: see :func:`plan_magi2_lora_targets`; ``adapter_name`` already in use; the model is expert-parallel
-            and the adapter targets a router gate; router gates other than a loaded adapter's.
+        ValueError: see :func:`plan_magi2_lora_targets` and :func:`magi2_lora_config`; ``adapter_name`` already in
+            use; the model is expert-parallel and the adapter targets a router gate; router gates other than a
+            loaded adapter's.
     """
     if adapter_name in (getattr(model, "peft_config", None) or {}):
         raise ValueError(f"adapter name {adapter_name!r} is already in use; choose another adapter_name")
@@ -335,38 +379,35 @@ def check_magi2_lora_adapter(
 
 
 def load_magi2_lora_adapter(
-    model: nn.Module, state_dict: dict, adapter_name: str, metadata: Optional[dict] = None, layout: str = "peft"
+    model: nn.Module,
+    state_dict: dict,
+    adapter_name: str,
+    metadata: Optional[dict] = None,
+    layout: Optional[str] = None,
 ) -> None:
-    """Inject adapter ``adapter_name`` from ``state_dict`` (model keys, see :func:`plan_magi2_lora_targets`).
+    """Inject adapter ``adapter_name`` from ``state_dict`` (PEFT keys of ``model``, see
+    :func:`plan_magi2_lora_targets`) with the saved adapter config ``metadata`` (module docstring).
 
-    Everything is checked first (:func:`check_magi2_lora_adapter`); on a later failure the adapter is removed again,
-    so the model is left as it was.
+    Raises:
+        ValueError: see :func:`check_magi2_lora_adapter`; nothing is loaded then, and after any later failure the
+            adapter is removed again.
     """
-    from peft import inject_adapter_in_model
+    from peft import inject_adapter_in_model, set_peft_model_state_dict
 
-    targets, config = check_magi2_lora_adapter(model, state_dict, adapter_name, metadata, layout)
-    weights = {}
-    for t in targets:
-        weights[f"{t.path}.lora_A.weight"] = t.a
-        weights[f"{t.path}.lora_B.weight"] = t.b
+    _, config = check_magi2_lora_adapter(model, state_dict, adapter_name, metadata, layout)
     try:
         inject_adapter_in_model(config, model, adapter_name=adapter_name)
-        _copy_factors(model, weights, adapter_name)
+        result = set_peft_model_state_dict(model, state_dict, adapter_name=adapter_name)
+        missing = [k for k in result.missing_keys if ".lora_" in k and f".{adapter_name}" in k]
+        if result.unexpected_keys or missing:
+            raise ValueError(
+                f"PEFT left LoRA keys unloaded: unexpected {sorted(result.unexpected_keys)[:5]}, "
+                f"missing {sorted(missing)[:5]}; nothing was loaded"
+            )
         model._hf_peft_config_loaded = True
     except Exception:
         _drop_adapter(model, adapter_name)
         raise
-
-
-def _copy_factors(model: nn.Module, weights: dict, adapter_name: str) -> None:
-    """Copy ``<path>.lora_A.weight`` / ``lora_B.weight`` into adapter ``adapter_name`` (cast to the layer's dtype)."""
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        for key, value in weights.items():
-            path, _, rest = key.rpartition(".lora_")
-            factor = modules[path].lora_A if rest.startswith("A") else modules[path].lora_B
-            param = factor[adapter_name].weight
-            param.copy_(value.to(device=param.device, dtype=param.dtype))
 
 
 def _tuned_param(layer: nn.Module) -> nn.Parameter:
@@ -375,22 +416,27 @@ def _tuned_param(layer: nn.Module) -> nn.Parameter:
     return layer.get_base_layer().weight
 
 
-def keep_unfused_weights(model: nn.Module) -> None:
-    """Before diffusers' ``fuse_lora``: keep a copy of each adapted weight that is not merged yet (one extra copy of
-    the adapted weights, on their device, until :func:`unfuse_magi2_lora`)."""
-    for layer in _tuner_layers(model):
-        if not layer.merged and not hasattr(layer, _UNFUSED_ATTR):
-            setattr(layer, _UNFUSED_ATTR, _tuned_param(layer).detach().clone())
+def check_lora_fusable(model: nn.Module, lora_scale: float = 1.0, adapter_names: Optional[list[str]] = None) -> None:
+    """Check, before anything is fused, that fusing ``adapter_names`` (default: the active ones) at ``lora_scale``
+    leaves every weight finite, as PEFT's ``safe_merge`` checks each layer while it merges; one layer at a time,
+    so it needs one extra weight of memory.
 
-
-def unfuse_magi2_lora(model: nn.Module) -> None:
-    """Undo diffusers' ``fuse_lora`` after :func:`keep_unfused_weights`: every merged weight gets its kept copy back, bit for bit."""
-    for layer in _tuner_layers(model):
-        kept = getattr(layer, _UNFUSED_ATTR, None)
-        if kept is not None:
+    Raises:
+        ValueError: naming the first module and adapter whose merged weight (or DoRA magnitude) is not finite.
+    """
+    for name, layer in _tuner_layers(model):
+        names = adapter_names if adapter_names is not None else layer.active_adapters
+        for adapter in [a for a in names if a in layer.lora_A and a not in layer.merged_adapters]:
             with torch.no_grad():
-                _tuned_param(layer).data.copy_(kept)
-            layer.merged_adapters.clear()
-            delattr(layer, _UNFUSED_ATTR)
-        elif layer.merged:
-            layer.unmerge()
+                weight = _tuned_param(layer)
+                merged = weight + (lora_scale * layer.get_delta_weight(adapter)).to(weight.dtype)
+                magnitude = getattr(layer, "lora_magnitude_vector", None) or {}
+                ok = bool(torch.isfinite(merged).all())
+                if adapter in magnitude:
+                    ok = ok and bool(torch.isfinite(magnitude[adapter].weight).all())
+                del merged
+            if not ok:
+                raise ValueError(
+                    f"NaNs detected in the merged weights of {name}: adapter {adapter!r} holds NaN or inf values; "
+                    "nothing was fused"
+                )

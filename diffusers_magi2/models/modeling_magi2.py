@@ -8,7 +8,7 @@ mixins and forward pieces both MAGI-2 transformers are built from.
 * ``enable_layerwise_casting`` matches islands as name components (diffusers matches substrings, so ``"gate"``
   would skip ``up_gate_proj``) and casts the modality-grouped linears too;
 * LoRA (``PeftAdapterMixin``) on every projection and router gate (:mod:`.lora_magi2`): PEFT's layers, ours for
-  the modality-grouped projections; ``fuse_lora`` / ``unfuse_lora`` restore the weights bit for bit.
+  the modality-grouped projections; one load path for every file layout; ``safe_fusing`` is all or nothing.
 """
 
 from __future__ import annotations
@@ -228,82 +228,96 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
     def load_lora_adapter(
         self, pretrained_model_name_or_path_or_dict, prefix="transformer", hotswap: bool = False, **kwargs
     ):
-        """Load a LoRA adapter into this model (any layout of :mod:`~diffusers_magi2.loaders.lora_conversion_magi2`).
+        """Load a LoRA adapter into this model: diffusers' ``PeftAdapterMixin.load_lora_adapter`` for any layout of
+        :mod:`~diffusers_magi2.loaders.lora_conversion_magi2` (converted to PEFT keys, scales folded into the
+        factors), injected by PEFT (:func:`~.lora_magi2.load_magi2_lora_adapter`).
 
         Args:
             pretrained_model_name_or_path_or_dict: a state dict, a LoRA file, or a folder/repo (``weight_name``).
-            prefix: component prefix of diffusers-layout keys to keep (``None``: the keys are the model's own).
-            hotswap: not supported (raises).
+            prefix: component prefix of diffusers-layout keys to keep, and the component the other layouts load as
+                (``None``: the keys are the model's own).
+            hotswap: only ``False`` (``True`` raises).
             adapter_name: name of the new adapter (default ``default_{n}``).
             metadata: the adapter's ``LoraConfig`` fields (read from a saved file when not given).
             mirai_scale: scale of a mirai layout's ``B @ A`` (default 1.0; ``None``: the file's ``alpha / rank``).
-            Other keyword arguments: diffusers' file lookup (``weight_name``, ``subfolder``, ...).
+            weight_name, subfolder, use_safetensors, revision, token, cache_dir, force_download, proxies,
+                local_files_only: diffusers' file lookup.
 
         Raises:
-            ValueError: unknown keys, shapes or ranks that do not fit, non-tensor values, a used adapter name,
-                ``network_alphas`` or ``hotswap=True``; nothing is loaded then.
+            ValueError: a missing or unreadable file (its path named), unknown keys, shapes or ranks that do not
+                fit, NaN or inf values (the keys named), unknown adapter config fields, non-tensor values, a used
+                adapter name; ``hotswap=True``, ``low_cpu_mem_usage=True`` or ``network_alphas``. Nothing is
+                loaded then.
+            TypeError: an option diffusers' loaders do not have.
         """
         from ..loaders.lora_conversion_magi2 import (
             MIRAI_SCALE,
+            check_lora_load_options,
             convert_lora_state_dict,
             detect_lora_layout,
             read_lora_state_dict,
+            split_component,
         )
         from .lora_magi2 import load_magi2_lora_adapter
 
-        if hotswap:
-            raise ValueError("hotswap is not supported for MAGI-2 LoRA adapters; unload and load instead")
         adapter_name = kwargs.pop("adapter_name", None)
         metadata = kwargs.pop("metadata", None)
         mirai_scale = kwargs.pop("mirai_scale", MIRAI_SCALE)
-        layout = kwargs.pop("layout", None)
-        if kwargs.pop("network_alphas", None) is not None:
-            raise ValueError(
-                "network_alphas is not supported here; put each alpha in the state dict as <module>.alpha"
-            )
-        for unused in ("_pipeline", "low_cpu_mem_usage"):  # diffusers' loaders pass them; nothing to do here
-            kwargs.pop(unused, None)
-        state_dict, file_metadata = read_lora_state_dict(pretrained_model_name_or_path_or_dict, **kwargs)
-        metadata = metadata if metadata is not None else file_metadata
-        layout = layout or detect_lora_layout(state_dict)
+        lookup = check_lora_load_options(hotswap, kwargs, own=("prefix", "adapter_name", "metadata", "mirai_scale"))
+        state_dict, file_metadata = read_lora_state_dict(pretrained_model_name_or_path_or_dict, **lookup)
         component = prefix or "transformer"
-        if layout != "diffusers":
-            state_dict = convert_lora_state_dict(state_dict, layout, component, mirai_scale)
-        head = f"{component}."
-        state_dict = {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}
-        if metadata and any(k.startswith(head) for k in metadata):
-            metadata = {k[len(head) :]: v for k, v in metadata.items() if k.startswith(head)}
+        layout = detect_lora_layout(state_dict)
+        state_dict = convert_lora_state_dict(state_dict, layout, component, mirai_scale)
+        state_dict, metadata = split_component(
+            state_dict, metadata if metadata is not None else file_metadata, component
+        )
         if not state_dict:
-            raise ValueError(f"the LoRA ({layout} layout) has no keys for the component {component!r}")
+            raise ValueError(f"the LoRA has no keys for the component {component!r}")
         if adapter_name is None:
             from diffusers.utils.peft_utils import get_adapter_name
 
             adapter_name = get_adapter_name(self)
         load_magi2_lora_adapter(self, state_dict, adapter_name, metadata=metadata, layout=layout)
 
-    def check_lora_adapter(self, state_dict: dict, adapter_name: str, metadata=None, layout: str = "peft") -> None:
-        """Check a LoRA in model keys (``<module>.lora_A.weight`` ...) against this model without loading it.
+    def check_lora_adapter(self, state_dict: dict, adapter_name: str, metadata=None, layout=None) -> None:
+        """Check a LoRA in PEFT keys of this model (``<module>.lora_A.weight`` ...) without loading it.
 
         Raises:
-            ValueError: what :meth:`load_lora_adapter` would raise for it.
+            ValueError: what :meth:`load_lora_adapter` would raise for it (``layout`` is named in the message).
         """
         from .lora_magi2 import check_magi2_lora_adapter
 
         check_magi2_lora_adapter(self, state_dict, adapter_name, metadata, layout)
 
-    def fuse_lora(self, lora_scale=1.0, safe_fusing=False, adapter_names=None):
-        """``PeftAdapterMixin.fuse_lora``, keeping each adapted weight's unfused copy for an exact
-        :meth:`unfuse_lora` (one extra copy of the adapted weights until then)."""
-        from .lora_magi2 import keep_unfused_weights
+    def check_lora_fusable(self, lora_scale: float = 1.0, adapter_names=None) -> None:
+        """Raise ``ValueError`` (the module and adapter named) if fusing ``adapter_names`` at ``lora_scale`` would
+        leave a weight with NaN or inf values (:func:`~.lora_magi2.check_lora_fusable`); changes nothing."""
+        from .lora_magi2 import check_lora_fusable
 
-        keep_unfused_weights(self)
+        check_lora_fusable(self, lora_scale, adapter_names)
+
+    def fuse_lora(self, lora_scale=1.0, safe_fusing=False, adapter_names=None):
+        """``PeftAdapterMixin.fuse_lora``; with ``safe_fusing`` every target is checked first
+        (:meth:`check_lora_fusable`), so a broken adapter fuses nowhere. ``unfuse_lora`` (diffusers') restores
+        the weights up to fp32 rounding.
+
+        Raises:
+            ValueError: ``safe_fusing`` and a merged weight would not be finite; nothing is fused then.
+        """
+        if safe_fusing:
+            self.check_lora_fusable(lora_scale, adapter_names)
         return super().fuse_lora(lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)
 
-    def unfuse_lora(self):
-        """Undo :meth:`fuse_lora`: every fused weight gets its kept copy back, bit for bit."""
-        from .lora_magi2 import unfuse_magi2_lora
+    def enable_lora_hotswap(self, **kwargs) -> None:
+        """Not supported for MAGI-2 LoRA adapters.
 
-        unfuse_magi2_lora(self)
+        Raises:
+            ValueError: always (load another adapter under a new name instead).
+        """
+        raise ValueError(
+            "LoRA hotswapping is not supported for MAGI-2 adapters: load the new one under another adapter_name "
+            "(then set_adapters / delete_adapters)"
+        )
 
 
 class Magi2TransformerBase(

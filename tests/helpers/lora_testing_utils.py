@@ -4,10 +4,26 @@ seruva19/mirai key layout from random factors, and the same deltas merged by han
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import save_file
+
+
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_sandai_model(fixtures_root: str, case: str):
+    """The tiny SandAI preview (``preview_h4``, ...) or ``refiner`` of the fixtures, fp32, built once per process
+    (callers deep-copy it before changing it)."""
+    from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
+
+    path = f"{fixtures_root}/magi2_tiny/{case}/sandai_checkpoint"
+    if case == "refiner":
+        return Magi2RefinerTransformer3DModel.from_original_checkpoint(path, torch_dtype=torch.float32)
+    return Magi2Transformer3DModel.from_original_checkpoint(path, dtype=torch.float32)
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -86,6 +102,27 @@ def has_tuner_layers(model) -> bool:
 
 def clone_state(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def within_fp32_rounding(now: torch.Tensor, before: torch.Tensor, delta=None) -> bool:
+    """``now`` is ``before`` up to the two fp32 roundings of adding and subtracting a delta (fuse, then unfuse):
+    ``|now - before| <= 2 eps (|before| + |delta|)`` elementwise; an unknown ``delta`` is taken as large as
+    ``before``'s largest entry."""
+    now, before = now.double(), before.double()
+    size = delta.double().abs() if delta is not None else before.abs().max()
+    return bool(((now - before).abs() <= 2 * FP32_EPS * (before.abs() + size)).all())
+
+
+def state_within_fp32_rounding(model, state: dict, deltas: dict | None = None) -> bool:
+    """:func:`within_fp32_rounding` for every tensor of ``model.state_dict()`` against ``state`` (same names);
+    ``deltas``: the fused delta of some of them."""
+    now, deltas = model.state_dict(), deltas or {}
+    return set(now) == set(state) and all(within_fp32_rounding(now[k], state[k], deltas.get(k)) for k in state)
+
+
+def fused_deltas(factors: dict, scale: float = 1.0) -> dict:
+    """``{parameter name: scale * B @ A}`` (fp64) of :func:`random_factors`' factors."""
+    return {name: scale * (b.double() @ a.double()) for name, (_, a, b) in factors.items()}
 
 
 def same_state(model, state: dict) -> bool:

@@ -1,6 +1,7 @@
-"""LoRA files in seruva19/mirai's three layouts (native ``adapter.pt``, Kohya, its "diffusers" export), built here
-from the key formats, load into the tiny SandAI preview and refiner and act exactly like the same deltas merged by
-hand: on every ``linear_qkv``/``linear_proj`` (grouped in the multimodal layers) and every router gate."""
+"""LoRA files in seruva19/mirai's three layouts (native ``adapter.pt``, Kohya, its "diffusers" export) and
+ComfyUI's, built here from the key formats, load into the tiny SandAI preview and refiner and act exactly like the
+same deltas merged by hand: on every ``linear_qkv``/``linear_proj`` (grouped in the multimodal layers) and every
+router gate."""
 
 from __future__ import annotations
 
@@ -11,29 +12,25 @@ import pytest
 import torch
 from helpers.lora_testing_utils import (
     clone_state,
+    fused_deltas,
     has_tuner_layers,
     merged_by_hand,
     mirai_state_dict,
     random_factors,
     rel_l2,
     same_state,
+    state_within_fp32_rounding,
+    tiny_sandai_model,
     write_mirai_file,
 )
 from safetensors.torch import load_file
 
-from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel  # noqa: E402
+from diffusers_magi2 import Magi2RefinerTransformer3DModel  # noqa: E402
 from diffusers_magi2.loaders.lora_conversion_magi2 import detect_lora_layout  # noqa: E402
 
 
 LAYOUTS = ["mirai_native", "mirai_kohya", "mirai_diffusers"]
-
-
-@functools.lru_cache(maxsize=None)
-def _base(fixtures_root: str, case: str):
-    path = f"{fixtures_root}/magi2_tiny/{case}/sandai_checkpoint"
-    if case == "refiner":
-        return Magi2RefinerTransformer3DModel.from_original_checkpoint(path, torch_dtype=torch.float32)
-    return Magi2Transformer3DModel.from_original_checkpoint(path, dtype=torch.float32)
+_base = tiny_sandai_model
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,27 +90,44 @@ def test_mirai_layout_equals_its_deltas_merged_by_hand(fixtures_dir, tmp_path, c
     assert rel_l2(half, _forward(merged_by_hand(base, factors, 0.5), d)) <= 1e-6
     assert torch.equal(_forward(model, d), out)
 
-    # fuse = merged; unfuse and unload restore every weight bit for bit
+    # fuse = merged; unfuse restores every weight up to fp32 rounding, and unload leaves no layer behind
     model.fuse_lora()
     assert rel_l2(_forward(model, d), merged) <= 1e-6
     model.unfuse_lora()
-    assert torch.equal(_forward(model, d), out)
+    assert rel_l2(_forward(model, d), out) <= 1e-6
     model.unload_lora()
     assert not has_tuner_layers(model)
-    assert same_state(model, before)
+    assert state_within_fp32_rounding(model, before, fused_deltas(factors))
 
 
-def test_kohya_alpha_reading_is_opt_in(fixtures_dir, tmp_path):
+def _loaded_deltas(model, adapter: str) -> dict:
+    """``{module path: scaling * B @ A}`` (fp64) of a loaded adapter, read from its PEFT layers."""
+    out = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "lora_A") and adapter in m.lora_A:
+            a, b = m.lora_A[adapter].weight.double(), m.lora_B[adapter].weight.double()
+            out[name] = m.scaling[adapter] * (b @ a)
+    return out
+
+
+def test_kohya_alpha_reading_is_opt_in_and_folded_into_the_factors(fixtures_dir, tmp_path):
     """mirai writes alpha 1.0 but trains at scale 1.0: the default scale is 1.0, ``mirai_scale=None`` reads
-    ``alpha / rank``, and any other ``mirai_scale`` is used as given."""
+    ``alpha / rank``, and any other ``mirai_scale`` is used as given; the scale is in the factors (PEFT's
+    scaling is 1), so the delta is ``scale * B @ A`` of the file's factors."""
     factors = random_factors(_base(str(fixtures_dir), "preview_h4"), rank=4, seed=2)
     path = write_mirai_file(factors, "mirai_kohya", tmp_path)
+    expected_deltas = {
+        name.removesuffix(".weight").removesuffix(".gate"): delta for name, delta in fused_deltas(factors).items()
+    }
     for mirai_scale, expected in ((1.0, 1.0), (None, 1.0 / 4), (0.75, 0.75)):
         model = copy.deepcopy(_base(str(fixtures_dir), "preview_h4"))
         kwargs = {} if mirai_scale == 1.0 else {"mirai_scale": mirai_scale}
         model.load_lora_adapter(path, prefix=None, adapter_name="k", **kwargs)
-        scalings = {m.scaling["k"] for m in model.modules() if hasattr(m, "scaling") and "k" in m.scaling}
-        assert scalings == {expected}
+        assert {m.scaling["k"] for m in model.modules() if hasattr(m, "scaling") and "k" in m.scaling} == {1.0}
+        assert model.peft_config["k"].lora_alpha == model.peft_config["k"].r == 4
+        deltas = _loaded_deltas(model, "k")
+        assert sorted(deltas) == sorted(expected_deltas)
+        assert all(rel_l2(deltas[p], expected * expected_deltas[p]) <= 1e-6 for p in deltas), mirai_scale
 
 
 # ------------------------------------------------------------------------------------------------ bad input
