@@ -16,14 +16,24 @@ run naming the file.
 
 LoRA: ``--targets`` (default ``linear_qkv,linear_proj``; add ``router`` for the MoE router gates, ``shared_experts``
 for the shared experts) at ``--rank`` / ``--alpha``, also in the multimodal layers (our grouped LoRA layer). Frozen
-weights stay in the load dtype (``--dtype bfloat16``; ``--expert_dtype float8_e4m3fn`` quantizes the routed experts
-of a bf16 repo); LoRA parameters and the optimizer are fp32. ``--gradient_checkpointing`` recomputes each block.
+weights stay in the load dtype (``--dtype bfloat16``; ``--expert_dtype`` stores the routed experts of ``--model`` in
+any ``expert_dtype`` the model takes, e.g. ``float8_e4m3fn``); the LoRA parameters (``cast_training_params``) and the
+optimizer are fp32. ``--gradient_checkpointing`` recomputes each block.
+
+The loop is diffusers' training-script form on ``accelerate.Accelerator``: ``accelerator.accumulate`` over
+``--gradient_accumulation_steps`` micro-batches, ``accelerator.backward``, an LR schedule (``--lr_scheduler``,
+``--lr_warmup_steps``: diffusers' ``get_scheduler``), ``save_state`` / ``load_state`` checkpoints. ``--max_steps``
+and ``--checkpoint_every`` count optimizer steps.
 
 Parallelism over the launched ranks: Ulysses context parallelism over all of them and expert parallelism over
-``--ep_degree`` (default: all); the all-to-all exchanges and the expert op carry gradients, and LoRA gradients are
-averaged over the ranks. Every ``--checkpoint_every`` steps ``<output_dir>/checkpoint-<step>/`` gets
-``pytorch_lora_weights.safetensors`` (diffusers format, ``pipe.load_lora_weights`` reads it) and
-``training_state.pt``; ``--resume latest`` (or a checkpoint folder) continues from one.
+``--ep_degree`` (default: all); the all-to-all exchanges and the expert op carry gradients. Every rank trains on the
+same sample (its sequence shard), so the LoRA gradients are averaged over the ranks with ``accelerator.reduce``
+before each optimizer step; the transformer is not wrapped in DDP (``accelerator.prepare(model)``), which would
+overwrite every rank's routed experts with rank 0's when it wraps the model. Every ``--checkpoint_every`` steps
+``accelerator.save_state`` writes ``<output_dir>/checkpoint-<step>/`` (under a temporary name, renamed when every
+rank is done): the optimizer, the LR schedule, the noise generator and random states, and the LoRA as
+``pytorch_lora_weights.safetensors`` (diffusers format with its adapter config, ``pipe.load_lora_weights`` reads
+it); ``--resume latest`` (or a checkpoint folder) continues from one with ``accelerator.load_state``.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -60,13 +71,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default: the rank, i.e. scale 1)")
     p.add_argument("--targets", default="linear_qkv,linear_proj", help=f"comma list of {sorted(TARGETS)}")
-    p.add_argument("--max_steps", type=int, default=1000)
+    p.add_argument("--max_steps", type=int, default=1000, help="optimizer steps")
     p.add_argument("--learning_rate", type=float, default=1e-4)
-    p.add_argument("--checkpoint_every", type=int, default=250)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr_scheduler", default="constant", help="diffusers' get_scheduler name (constant, linear, ...)")
+    p.add_argument("--lr_warmup_steps", type=int, default=0)
+    p.add_argument("--checkpoint_every", type=int, default=250, help="optimizer steps")
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint-<step> folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="frozen weights' dtype (default bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--expert_dtype", default=None, help="'float8_e4m3fn': FP8 routed experts (a bf16 repo)")
+    p.add_argument(
+        "--expert_dtype",
+        default=None,
+        help="routed-expert storage of --model: an expert_dtype the model takes "
+        "(diffusers_magi2.moe.quantize.EXPERT_DTYPES, e.g. float8_e4m3fn)",
+    )
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--ep_degree", type=int, default=None, help="expert-parallel ranks (default: all launched)")
     p.add_argument("--fixed_noise", action="store_true", help="one sigma and noise for every step (overfit check)")
@@ -84,9 +103,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown or not targets:
         p.error(f"--targets: unknown {unknown}; choose from {sorted(TARGETS)}")
     args.targets = targets
-    for name in ("rank", "max_steps", "checkpoint_every"):
+    for name in ("rank", "max_steps", "checkpoint_every", "gradient_accumulation_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    if args.lr_warmup_steps < 0:
+        p.error("--lr_warmup_steps must be >= 0")
+    if args.lr_scheduler != "constant":  # diffusers is imported only to check another name
+        from diffusers.optimization import SchedulerType
+
+        allowed = [t.value for t in SchedulerType if t is not SchedulerType.PIECEWISE_CONSTANT]
+        if args.lr_scheduler not in allowed:
+            p.error(f"--lr_scheduler {args.lr_scheduler!r}: choose from {allowed}")
+    if args.expert_dtype is not None:
+        if args.model is None:
+            p.error("--expert_dtype applies to the routed experts of --model (the tiny default is built in --dtype)")
+        from diffusers_magi2.moe.quantize import parse_expert_dtype
+
+        try:
+            parse_expert_dtype(args.expert_dtype)
+        except ValueError as error:
+            p.error(f"--expert_dtype: {error}")
     return args
 
 
@@ -254,16 +290,17 @@ def load_pipeline(args):
 
 
 def add_lora(transformer, args):
-    """Freeze the transformer, add the LoRA (fp32 parameters); returns the trainable parameters by name."""
+    """Freeze the transformer, add the LoRA (fp32 parameters: ``cast_training_params``); returns the trainable
+    parameters by name."""
+    import torch
+    from diffusers.training_utils import cast_training_params
 
     transformer.requires_grad_(False)
     transformer.add_adapter(lora_config(args), "default")
-    trainable = {}
     for name, param in transformer.named_parameters():
-        if ".lora_A." in name or ".lora_B." in name:
-            param.data = param.data.float()
-            param.requires_grad_(True)
-            trainable[name] = param
+        param.requires_grad_(".lora_A." in name or ".lora_B." in name)
+    cast_training_params(transformer, dtype=torch.float32)
+    trainable = {name: param for name, param in transformer.named_parameters() if param.requires_grad}
     if not trainable:
         raise ValueError(f"--targets {args.targets} matched no projection of the transformer")
     if args.gradient_checkpointing:
@@ -306,79 +343,129 @@ def training_loss(transformer, sample: dict, generator, device, fixed=None):
     return F.mse_loss(out.float(), target.float())
 
 
-def average_gradients(params) -> None:
-    """Average the LoRA gradients over the launched ranks (each rank's are those of its sequence shard)."""
+def average_gradients(accelerator, params) -> None:
+    """Average the LoRA gradients over the launched ranks (``accelerator.reduce``); each rank's are those of its
+    sequence shard of the same sample."""
     import torch
-    import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if accelerator.num_processes == 1:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
+    for param, grad in zip(params, accelerator.reduce(grads, reduction="mean")):
+        param.grad = grad
+
+
+def train_step(accelerator, transformer, optimizer, lr_scheduler, params, samples, generator, device, fixed=None):
+    """One optimizer step over ``samples`` (``--gradient_accumulation_steps`` micro-batches): each loss goes
+    through ``accelerator.backward`` inside ``accelerator.accumulate``; at the last one the gradients are averaged
+    over the ranks and the optimizer and the LR schedule step. Returns the micro-batches' mean loss (fp32)."""
+    total = 0.0
+    for sample in samples:
+        with accelerator.accumulate(transformer):
+            loss = training_loss(transformer, sample, generator, device, fixed)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                average_gradients(accelerator, params)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        total += float(loss.detach())
+    return total / len(samples)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 
+LORA_FILE = "pytorch_lora_weights.safetensors"
 
-def save_checkpoint(pipe, folder: Path, optimizer, step: int, generator) -> None:
-    """``folder/pytorch_lora_weights.safetensors`` (diffusers LoRA format) and ``training_state.pt``."""
-    import torch
+
+class NoiseGenerator:
+    """The noise generator, checkpointed by ``accelerator.save_state`` (``register_for_checkpointing``); the
+    same seed on every rank, since every rank sees the same sample."""
+
+    def __init__(self, seed: int):
+        import torch
+
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict:
+        return {"state": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["state"])
+
+
+def save_lora(pipe, folder: Path) -> None:
+    """``folder/pytorch_lora_weights.safetensors``: the adapter ``default`` in diffusers' LoRA format, with its
+    adapter config (so it reloads at its scale)."""
     from peft import get_peft_model_state_dict
 
-    folder.mkdir(parents=True, exist_ok=True)
     t = pipe.transformer
     pipe.save_lora_weights(
         folder,
         transformer_lora_layers=get_peft_model_state_dict(t, adapter_name="default"),
         transformer_lora_adapter_metadata=t.peft_config["default"].to_dict(),
     )
-    state = {"step": step, "optimizer": optimizer.state_dict(), "generator": generator.get_state()}
-    tmp = folder / "training_state.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, folder / "training_state.pt")
 
 
-def find_checkpoint(output_dir: Path, resume: str) -> Path:
-    """The checkpoint folder of ``--resume``; ``ValueError`` when there is none."""
+def register_checkpoint_hooks(accelerator, pipe) -> None:
+    """``accelerator.save_state`` writes the LoRA into the checkpoint as a diffusers LoRA file, and
+    ``accelerator.load_state`` reads it back into the adapter (the transformer is not an ``accelerator.prepare``
+    d model, so accelerate saves no weights of its own)."""
+    from peft import set_peft_model_state_dict
+
+    def save_hook(models, weights, output_dir):
+        if accelerator.is_main_process:
+            save_lora(pipe, Path(output_dir))
+
+    def load_hook(models, input_dir):
+        import torch
+        from diffusers.training_utils import cast_training_params
+
+        state = pipe.lora_state_dict(Path(input_dir) / LORA_FILE)
+        state = {k.removeprefix("transformer."): v for k, v in state.items()}
+        result = set_peft_model_state_dict(pipe.transformer, state, adapter_name="default")
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"{input_dir}: LoRA keys that this model has not: {result.unexpected_keys[:5]}")
+        cast_training_params(pipe.transformer, dtype=torch.float32)
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+def save_checkpoint(accelerator, output_dir: Path, step: int) -> Path:
+    """``accelerator.save_state`` into ``output_dir/checkpoint-<step>/``: written as ``.checkpoint-<step>.partial``
+    and renamed once every rank is done, so a run cut short leaves no checkpoint that looks whole."""
+    final, staging = output_dir / f"checkpoint-{step}", output_dir / f".checkpoint-{step}.partial"
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def find_checkpoint(output_dir: Path, resume: str) -> tuple[Path, int]:
+    """``(folder, step)`` of ``--resume`` (``latest`` or a ``checkpoint-<step>`` folder); ``ValueError`` when there
+    is none."""
     if resume == "latest":
         found = sorted(
-            (p for p in output_dir.glob("checkpoint-*") if (p / "training_state.pt").is_file()),
+            (p for p in output_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
             key=lambda p: int(p.name.split("-")[-1]),
         )
         if not found:
             raise ValueError(f"--resume latest: no checkpoint-<step> folder in {output_dir}")
-        return found[-1]
-    folder = Path(resume)
-    if not (folder / "training_state.pt").is_file():
-        raise ValueError(f"--resume {resume!r}: no training_state.pt there")
-    return folder
-
-
-def resume_from(pipe, folder: Path, optimizer, generator) -> int:
-    """Load a checkpoint's LoRA weights, optimizer and noise generator; returns its step."""
-    import torch
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    weights = load_file(str(folder / "pytorch_lora_weights.safetensors"))
-    weights = {k.removeprefix("transformer."): v for k, v in weights.items()}
-    result = set_peft_model_state_dict(pipe.transformer, weights, adapter_name="default")
-    if getattr(result, "unexpected_keys", None):
-        raise ValueError(f"{folder}: LoRA keys that this model has not: {result.unexpected_keys[:5]}")
-    for p in pipe.transformer.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-    state = torch.load(folder / "training_state.pt", map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
-    generator.set_state(state["generator"])
-    return int(state["step"])
+        folder = found[-1]
+    else:
+        folder = Path(resume)
+        if not folder.name.startswith("checkpoint-") or not folder.name.split("-")[-1].isdigit():
+            raise ValueError(f"--resume {resume!r}: expected a checkpoint-<step> folder")
+    if not (folder / LORA_FILE).is_file():
+        raise ValueError(f"--resume {resume!r}: {folder} holds no {LORA_FILE}")
+    return folder, int(folder.name.split("-")[-1])
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -423,9 +510,12 @@ def estimate_memory(args) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def train(args) -> list[float]:
-    """Run the training; returns the per-step losses."""
+def train(args):
+    """Run the training; returns ``(losses, pipe)``: the loss of each optimizer step this run took (the mean over
+    its micro-batches) and the pipeline with the trained adapter ``default``."""
     import torch
+    from accelerate import Accelerator
+    from diffusers.optimization import get_scheduler
     from tqdm.auto import tqdm
 
     output_dir = Path(args.output_dir)
@@ -436,22 +526,35 @@ def train(args) -> list[float]:
         for video in videos:
             read_video(video)
     pipe, device = load_pipeline(args)
-    rank = int(os.environ.get("RANK", "0"))
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision="no",  # the dtypes are --dtype's (frozen weights) and fp32 (LoRA)
+        cpu=device.type == "cpu",
+    )
     if args.cache:
-        if rank == 0:
+        if accelerator.is_main_process:
             encode_dataset(pipe, videos, device)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+        accelerator.wait_for_everyone()
     caches = scan_dataset(data_dir, want_videos=False)
     samples = [load_cache(p, pipe.transformer) for p in caches]
 
-    trainable = add_lora(pipe.transformer, args)
-    params = list(trainable.values())
+    params = list(add_lora(pipe.transformer, args).values())
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(args.seed)  # the same on every rank: every rank sees one sample
+    # diffusers' convention: the prepared schedule steps once per process at each optimizer step
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
+        num_training_steps=args.max_steps * accelerator.num_processes,
+    )
+    optimizer, lr_scheduler = accelerator.prepare(optimizer, lr_scheduler)
+    noise = NoiseGenerator(args.seed)
+    accelerator.register_for_checkpointing(noise)
+    register_checkpoint_hooks(accelerator, pipe)
     start = 0
     if args.resume:
-        start = resume_from(pipe, find_checkpoint(output_dir, args.resume), optimizer, generator)
+        folder, start = find_checkpoint(output_dir, args.resume)
+        accelerator.load_state(str(folder))
     fixed = None
     if args.fixed_noise:
         g = torch.Generator().manual_seed(args.seed + 1)
@@ -463,30 +566,23 @@ def train(args) -> list[float]:
         }
 
     losses = []
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, disable=rank != 0, desc="train")
+    k = args.gradient_accumulation_steps
+    bar = tqdm(
+        range(start, args.max_steps), initial=start, total=args.max_steps, disable=not accelerator.is_main_process
+    )
     for step in bar:
-        sample = samples[step % len(samples)]
-        optimizer.zero_grad(set_to_none=True)
-        loss = training_loss(pipe.transformer, sample, generator, device, fixed)
-        loss.backward()
-        average_gradients(params)
-        optimizer.step()
-        losses.append(float(loss.detach()))
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.max_steps:
-            if rank == 0:
-                save_checkpoint(pipe, output_dir / f"checkpoint-{step + 1}", optimizer, step + 1, generator)
-    if rank == 0:
-        from peft import get_peft_model_state_dict
-
-        t = pipe.transformer
-        pipe.save_lora_weights(
-            output_dir,
-            transformer_lora_layers=get_peft_model_state_dict(t, adapter_name="default"),
-            transformer_lora_adapter_metadata=t.peft_config["default"].to_dict(),
+        batch = [samples[(step * k + i) % len(samples)] for i in range(k)]
+        loss = train_step(
+            accelerator, pipe.transformer, optimizer, lr_scheduler, params, batch, noise.generator, device, fixed
         )
-    train.pipe = pipe
-    return losses
+        losses.append(loss)
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.max_steps:
+            save_checkpoint(accelerator, output_dir, step + 1)
+    if accelerator.is_main_process:
+        save_lora(pipe, output_dir)
+    accelerator.wait_for_everyone()
+    return losses, pipe
 
 
 def main(argv=None) -> int:
@@ -498,7 +594,7 @@ def main(argv=None) -> int:
                 f"state {row['lora_state_GiB']:.2f} GiB ({row['lora_params_M']:.1f} M LoRA parameters) per GPU"
             )
         return 0
-    losses = train(args)
+    losses, _ = train(args)
     if int(os.environ.get("RANK", "0")) == 0 and losses:
         print(
             f"trained steps {args.max_steps - len(losses) + 1}-{args.max_steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}"

@@ -12,16 +12,7 @@ from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
 from diffusers_magi2.utils.flop_counter import register_cpu_sdpa_flop_formula
 
 from .fixtures import fixtures_root
-
-
-TWO_STAGE = {
-    "height": 64,
-    "width": 96,
-    "preview_height": 32,
-    "preview_width": 48,
-    "num_inference_steps": 1,
-    "refiner_num_inference_steps": 1,
-}
+from .pipeline_stubs import TWO_STAGE_CALL as TWO_STAGE
 
 
 IMAGE = np.random.default_rng(0).integers(0, 256, (40, 64, 3), dtype=np.uint8)

@@ -125,6 +125,13 @@ def fused_deltas(factors: dict, scale: float = 1.0) -> dict:
     return {name: scale * (b.double() @ a.double()) for name, (_, a, b) in factors.items()}
 
 
+def assert_untouched(model, state: dict) -> None:
+    """``model`` has no LoRA layer or adapter config, and every tensor equals ``state`` bit for bit."""
+    assert not has_tuner_layers(model)
+    assert not getattr(model, "peft_config", None)
+    assert same_state(model, state)
+
+
 def same_state(model, state: dict) -> bool:
     """Every tensor of ``model.state_dict()`` equals ``state`` bit for bit, under the same names."""
     now = model.state_dict()

@@ -248,6 +248,17 @@ def stub_embeds(n: int = 1) -> dict:
     }
 
 
+#: a small call of :func:`tiny_two_stage_pipeline`: preview 32x48, refined 64x96, one step each
+TWO_STAGE_CALL = {
+    "height": 64,
+    "width": 96,
+    "preview_height": 32,
+    "preview_width": 48,
+    "num_inference_steps": 1,
+    "refiner_num_inference_steps": 1,
+}
+
+
 def tiny_two_stage_pipeline(fixtures_dir):
     """``Magi2Pipeline`` with the ``magi2_tiny`` preview (``preview_h4``) and refiner DiTs, both fp32 from
     their SandAI checkpoints, and :func:`tiny_real_format_components`."""

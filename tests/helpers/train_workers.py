@@ -21,10 +21,17 @@ def train_on_rank(rank: int, world: int, argv: list[str]) -> dict:
     context-parallel degree and the MoE layers' EP sizes it ran with."""
     from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    # what torchrun sets (the group itself is already initialised by the spawn helper)
+    os.environ.update(
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+    )
     script = load_train_script()
-    losses = script.train(script.parse_args(argv))
-    transformer = script.train.pipe.transformer
+    losses, pipe = script.train(script.parse_args(argv))
+    transformer = pipe.transformer
     config = getattr(transformer, "_parallel_config", None)
     cp = config.context_parallel_config if config is not None else None
     return {

@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 from helpers.lora_testing_utils import (
+    assert_untouched,
     clone_state,
     has_tuner_layers,
     merged_by_hand,
     mirai_state_dict,
     random_factors,
     rel_l2,
-    same_state,
     tiny_sandai_model,
 )
 from peft import LoraConfig
@@ -40,12 +40,6 @@ def _forward(model, d):
 @pytest.fixture(scope="module")
 def case(fixtures_dir):
     return load_file(f"{fixtures_dir}/magi2_tiny/preview_h4/fp32/transformer_case.safetensors")
-
-
-def _assert_untouched(model, before):
-    assert not has_tuner_layers(model)
-    assert not getattr(model, "peft_config", None)
-    assert same_state(model, before)
 
 
 def test_comfyui_diffusion_model_keys_load_with_their_kohya_alpha(fixtures_dir, tmp_path, case):
@@ -101,7 +95,7 @@ def test_missing_lora_file_is_one_value_error_naming_the_path(fixtures_dir, tmp_
     # a name that could be a Hub repo: the Hub's answer comes wrapped, naming what was asked for
     with pytest.raises(ValueError, match=r"'lora_out' is no local file or folder.*pytorch_lora_weights"):
         model.load_lora_adapter("lora_out", prefix=None, local_files_only=True)
-    _assert_untouched(model, before)
+    assert_untouched(model, before)
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
@@ -114,7 +108,7 @@ def test_truncated_lora_file_is_one_value_error_naming_the_path(fixtures_dir, tm
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ValueError, match=rf"LoRA file '{path}' is truncated or not a"):
         model.load_lora_adapter(str(path), prefix=None)
-    _assert_untouched(model, before)
+    assert_untouched(model, before)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -129,7 +123,7 @@ def test_non_finite_lora_factors_are_refused_at_load_naming_the_key(fixtures_dir
     layer = last.split(".")[2]
     with pytest.raises(ValueError, match=rf"NaN or inf values .*'transformer_blocks\.{layer}\..*\.lora_B\.weight'"):
         model.load_lora_adapter(sd, prefix=None)
-    _assert_untouched(model, before)
+    assert_untouched(model, before)
 
 
 def test_adapter_config_with_unknown_fields_is_refused(fixtures_dir, tmp_path):
@@ -147,7 +141,7 @@ def test_adapter_config_with_unknown_fields_is_refused(fixtures_dir, tmp_path):
     before = clone_state(model)
     with pytest.raises(ValueError, match=r"fields that peft .* LoraConfig does not know: \['lora_zeta'\]"):
         model.load_lora_adapter(str(tmp_path), prefix=None)
-    _assert_untouched(model, before)
+    assert_untouched(model, before)
 
 
 def test_options_magi2_lora_does_not_support_raise_saying_what_is(fixtures_dir):
@@ -164,6 +158,6 @@ def test_options_magi2_lora_does_not_support_raise_saying_what_is(fixtures_dir):
             model.load_lora_adapter(sd, prefix=None, **kwargs)
     with pytest.raises(ValueError, match="hotswapping is not supported"):
         model.enable_lora_hotswap(target_rank=8)
-    _assert_untouched(model, before)
+    assert_untouched(model, before)
     model.load_lora_adapter(sd, prefix=None, low_cpu_mem_usage=False, adapter_name="ok")  # the default is fine
     assert has_tuner_layers(model)

@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 from helpers.lora_testing_utils import (
+    assert_untouched,
     clone_state,
     fused_deltas,
     has_tuner_layers,
@@ -18,7 +19,6 @@ from helpers.lora_testing_utils import (
     mirai_state_dict,
     random_factors,
     rel_l2,
-    same_state,
     state_within_fp32_rounding,
     tiny_sandai_model,
     write_mirai_file,
@@ -133,12 +133,6 @@ def test_kohya_alpha_reading_is_opt_in_and_folded_into_the_factors(fixtures_dir,
 # ------------------------------------------------------------------------------------------------ bad input
 
 
-def _assert_untouched(model, before):
-    assert not has_tuner_layers(model)
-    assert not getattr(model, "peft_config", None)
-    assert same_state(model, before)
-
-
 def test_refiner_lora_into_the_preview_is_refused_before_any_change(fixtures_dir, tmp_path):
     refiner_factors = random_factors(_base(str(fixtures_dir), "refiner"), seed=3)
     path = write_mirai_file(refiner_factors, "mirai_native", tmp_path)
@@ -146,7 +140,7 @@ def test_refiner_lora_into_the_preview_is_refused_before_any_change(fixtures_dir
     before = clone_state(model)
     with pytest.raises(ValueError, match=r"does not fit Magi2Transformer3DModel.*B @ A would be"):
         model.load_lora_adapter(path, prefix=None)
-    _assert_untouched(model, before)
+    assert_untouched(model, before)
 
 
 def test_rank_mismatch_is_refused_before_any_change(fixtures_dir):
@@ -160,7 +154,7 @@ def test_rank_mismatch_is_refused_before_any_change(fixtures_dir):
         ValueError, match=r"transformer_blocks\.1\.attention\.linear_qkv: rank mismatch, lora_A has rank 3"
     ):
         model.load_lora_adapter(sd, prefix=None)
-    _assert_untouched(model, before)
+    assert_untouched(model, before)
 
 
 class _NotATensor:
@@ -177,7 +171,7 @@ def test_pickle_with_objects_other_than_tensors_is_refused(fixtures_dir, tmp_pat
     torch.save({**sd, "step": 1200}, tmp_path / "int.pt")  # weights_only reads it; still not a tensor
     with pytest.raises(ValueError, match=r"values other than tensors \(int\) under \['step'\]"):
         model.load_lora_adapter(str(tmp_path / "int.pt"), prefix=None)
-    _assert_untouched(model, before)
+    assert_untouched(model, before)
 
 
 def test_unknown_keys_name_the_layout_and_the_first_keys(fixtures_dir):
@@ -194,4 +188,4 @@ def test_unknown_keys_name_the_layout_and_the_first_keys(fixtures_dir):
         )
     with pytest.raises(ValueError, match=r"unknown LoRA layout.*\['my_lora\.down'\]"):
         model.load_lora_adapter({"my_lora.down": torch.zeros(2, 2)}, prefix=None)
-    _assert_untouched(model, before)
+    assert_untouched(model, before)

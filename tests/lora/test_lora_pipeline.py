@@ -24,22 +24,14 @@ from helpers.lora_testing_utils import (
     state_within_fp32_rounding,
     within_fp32_rounding,
 )
-from helpers.pipeline_stubs import tiny_two_stage_pipeline
+from helpers.pipeline_stubs import TWO_STAGE_CALL, tiny_two_stage_pipeline
 from peft import LoraConfig, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 
 TOL = 1e-6
 #: a two-stage call small enough for a test
-SMALL_CALL = {
-    "height": 64,
-    "width": 96,
-    "preview_height": 32,
-    "preview_width": 48,
-    "num_inference_steps": 1,
-    "refiner_num_inference_steps": 1,
-    "output_type": "latent",
-}
+SMALL_CALL = {**TWO_STAGE_CALL, "output_type": "latent"}
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """``examples/train_lora.py`` on the tiny default pipeline (CPU): it overfits one synthetic clip, its LoRA loads
-into a fresh pipeline, gradients reach exactly the LoRA parameters, it resumes, CP2 x EP2 over two gloo processes
-trains like one process, and bad datasets stop it before training."""
+into a fresh pipeline, gradients reach exactly the LoRA parameters, gradient accumulation averages the micro-batch
+gradients, the LR schedule warms up, it resumes exactly (``accelerator.save_state`` / ``load_state``), CP2 x EP2
+over two gloo processes trains like one process, ``--expert_dtype`` takes the model's values, and bad datasets stop
+it before training."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def write_video(path: Path, size: tuple[int, int], frames: int = 5) -> None:
 def test_overfits_one_clip_and_its_lora_changes_a_fresh_pipeline(tmp_path):
     data = synthetic_clip(tmp_path / "data")
     out = tmp_path / "out"
-    losses = script.train(
+    losses, trained_pipe = script.train(
         script.parse_args(argv(data, out, "--max_steps", "30", "--learning_rate", "1e-2", "--fixed_noise"))
     )
     print(f"\nloss step 1 {losses[0]:.4f}, step 30 {losses[-1]:.4f} ({losses[-1] / losses[0]:.2f} x)")
@@ -72,7 +74,7 @@ def test_overfits_one_clip_and_its_lora_changes_a_fresh_pipeline(tmp_path):
         after = pipe.transformer(**inputs).sample
     assert ((after - before).norm() / before.norm()).item() > 1e-3
     saved = load_file(str(out / "pytorch_lora_weights.safetensors"))
-    trained = train_state(script.train.pipe.transformer)
+    trained = train_state(trained_pipe.transformer)
     assert sorted(k.removeprefix("transformer.") for k in saved) == sorted(trained)
     assert all(torch.equal(saved["transformer." + k], v) for k, v in trained.items())
 
@@ -110,9 +112,13 @@ def test_gradients_reach_every_lora_parameter_and_no_frozen_weight(tmp_path):
 
 def test_resume_continues_the_run_exactly(tmp_path):
     data = synthetic_clip(tmp_path / "data")
-    full = script.train(script.parse_args(argv(data, tmp_path / "a", "--max_steps", "4", "--checkpoint_every", "2")))
-    first = script.train(script.parse_args(argv(data, tmp_path / "b", "--max_steps", "2", "--checkpoint_every", "2")))
-    rest = script.train(
+    full, _ = script.train(
+        script.parse_args(argv(data, tmp_path / "a", "--max_steps", "4", "--checkpoint_every", "2"))
+    )
+    first, _ = script.train(
+        script.parse_args(argv(data, tmp_path / "b", "--max_steps", "2", "--checkpoint_every", "2"))
+    )
+    rest, _ = script.train(
         script.parse_args(
             argv(data, tmp_path / "b", "--max_steps", "4", "--checkpoint_every", "2", "--resume", "latest")
         )
@@ -122,11 +128,13 @@ def test_resume_continues_the_run_exactly(tmp_path):
 
 @pytest.mark.distributed
 def test_cp2_ep2_over_two_gloo_processes_trains_like_one_process(tmp_path):
+    """Same per-step losses with 2 micro-batches per step and a warming-up linear LR schedule: the gradients are
+    averaged over the ranks at each optimizer step, and the schedule advances as in one process."""
     data = synthetic_clip(tmp_path / "data", frames=3)
-    single = script.train(script.parse_args(argv(data, tmp_path / "one", "--max_steps", "3")))
-    ranks = run_on_ranks(
-        train_on_rank, 2, argv(data, tmp_path / "two", "--max_steps", "3", "--ep_degree", "2"), deadline_s=240.0
-    )
+    extra = ("--max_steps", "3", "--gradient_accumulation_steps", "2", "--lr_scheduler", "linear")
+    extra += ("--lr_warmup_steps", "1", "--learning_rate", "1e-2")
+    single, _ = script.train(script.parse_args(argv(data, tmp_path / "one", *extra)))
+    ranks = run_on_ranks(train_on_rank, 2, argv(data, tmp_path / "two", *extra, "--ep_degree", "2"), deadline_s=240.0)
     print(f"\nper-step loss, 1 process {single}, CP2 x EP2 rank 0 {ranks[0]['losses']}")
     assert all(r["ulysses_degree"] == 2 and r["ep_sizes"] == [2] for r in ranks)
     assert ranks[0]["losses"] == ranks[1]["losses"]
@@ -160,7 +168,7 @@ def test_cache_encodes_videos_with_the_pipeline_vae_and_text_encoder(tmp_path):
     data.mkdir()
     write_video(data / "clip.mp4", (32, 32), frames=6)  # 6 frames: cut to 4k + 1 = 5
     (data / "clip.txt").write_text("A red fox trots through fresh snow")
-    losses = script.train(script.parse_args(argv(data, tmp_path / "out", "--cache", "--max_steps", "1")))
+    losses, _ = script.train(script.parse_args(argv(data, tmp_path / "out", "--cache", "--max_steps", "1")))
     cache = load_file(str(data / "clip.magi2.safetensors"))
     assert cache["latents"].shape == (48, 2, 2, 2) and cache["text_states"].shape[1] == 64
     assert len(losses) == 1 and np.isfinite(losses[0])
@@ -215,3 +223,56 @@ def test_bf16_training_with_frozen_fp8_experts_reaches_every_lora_parameter(tmp_
         p.dtype == torch.float32 and p.grad is not None and bool(p.grad.abs().sum() > 0) for p in trainable.values()
     )
     assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
+
+
+def test_gradient_accumulation_averages_the_micro_batch_gradients(tmp_path):
+    """``train_step`` over two micro-batches steps the optimizer once, with the mean of the two gradients each
+    micro-batch gives on its own (same noise draws)."""
+    from accelerate import Accelerator
+
+    pipe = build_tiny_default_pipeline()
+    params = list(script.add_lora(pipe.transformer, script.parse_args(argv(tmp_path, tmp_path / "o"))).values())
+    with torch.no_grad():  # B starts at zero, which would leave A without gradient
+        for p in params:
+            p.normal_(0, 0.05)
+    clips = [synthetic_clip(tmp_path / f"d{i}", seed=i) / "clip.magi2.safetensors" for i in range(2)]
+    samples = [script.load_cache(c, pipe.transformer) for c in clips]
+    cpu, g = torch.device("cpu"), torch.Generator().manual_seed(5)
+    each = [torch.autograd.grad(script.training_loss(pipe.transformer, s, g, cpu), params) for s in samples]
+    mean = [(a + b) / 2 for a, b in zip(*each)]
+
+    accelerator = Accelerator(gradient_accumulation_steps=2, mixed_precision="no", cpu=True)
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, a, kw: seen.append([p.grad.clone() for p in params]))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    optimizer, schedule = accelerator.prepare(optimizer, schedule)
+    loss = script.train_step(
+        accelerator, pipe.transformer, optimizer, schedule, params, samples, torch.Generator().manual_seed(5), cpu
+    )
+    assert np.isfinite(loss) and len(seen) == 1
+    assert all(torch.allclose(s, m, rtol=1e-5, atol=1e-9) for s, m in zip(seen[0], mean))
+    assert not all(torch.allclose(a, b, rtol=1e-3) for a, b in zip(*each))  # the two micro-batches differ
+
+
+def test_lr_schedule_warms_up_from_zero(tmp_path):
+    """``--lr_scheduler constant_with_warmup --lr_warmup_steps 2`` (diffusers' ``get_scheduler``): the first step
+    runs at LR 0, so with fixed noise the second step's loss equals the first bit for bit; the third differs."""
+    data = synthetic_clip(tmp_path / "data")
+    extra = ("--max_steps", "3", "--fixed_noise", "--learning_rate", "1e-2", "--lr_scheduler", "constant_with_warmup")
+    losses, _ = script.train(script.parse_args(argv(data, tmp_path / "out", *extra, "--lr_warmup_steps", "2")))
+    assert losses[0] == losses[1] and losses[2] != losses[1]
+
+
+def test_expert_dtype_takes_the_values_the_model_takes():
+    """``--expert_dtype`` accepts every ``EXPERT_DTYPES`` value of ``diffusers_magi2.moe.quantize`` and refuses
+    others with the model's own message; it needs ``--model``."""
+    from diffusers_magi2.moe.quantize import EXPERT_DTYPES
+
+    base = ["--data_dir", "d", "--output_dir", "o", "--model", "repo"]
+    for value in [v for v in EXPERT_DTYPES if v is not None]:
+        assert script.parse_args([*base, "--expert_dtype", value]).expert_dtype == value
+    with pytest.raises(SystemExit):
+        script.parse_args([*base, "--expert_dtype", "float7"])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--data_dir", "d", "--output_dir", "o", "--expert_dtype", EXPERT_DTYPES[-1]])
