@@ -409,8 +409,8 @@ def save_lora(pipe, folder: Path) -> None:
 
 def register_checkpoint_hooks(accelerator, pipe) -> None:
     """``accelerator.save_state`` writes the LoRA into the checkpoint as a diffusers LoRA file, and
-    ``accelerator.load_state`` reads it back into the adapter (the transformer is not an ``accelerator.prepare``
-    d model, so accelerate saves no weights of its own)."""
+    ``accelerator.load_state`` reads it back into the adapter (accelerate saves no weights of its own: the
+    transformer does not go through ``accelerator.prepare``)."""
     from peft import set_peft_model_state_dict
 
     def save_hook(models, weights, output_dir):
@@ -520,11 +520,12 @@ def train(args):
 
     output_dir = Path(args.output_dir)
     data_dir = Path(args.data_dir)
-    # the dataset is checked before any model is built (and before any training step)
+    # the dataset and the checkpoint to resume are checked before any model is built
     videos = scan_dataset(data_dir, want_videos=args.cache)
     if args.cache:
         for video in videos:
             read_video(video)
+    resume = find_checkpoint(output_dir, args.resume) if args.resume else None
     pipe, device = load_pipeline(args)
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -552,8 +553,8 @@ def train(args):
     accelerator.register_for_checkpointing(noise)
     register_checkpoint_hooks(accelerator, pipe)
     start = 0
-    if args.resume:
-        folder, start = find_checkpoint(output_dir, args.resume)
+    if resume is not None:
+        folder, start = resume
         accelerator.load_state(str(folder))
     fixed = None
     if args.fixed_noise:

@@ -86,8 +86,12 @@ _FACTOR = {
     "lora_B.weight": "B",
 }
 #: PEFT key suffix of each part of a target.
-_PEFT_SUFFIX = {"A": "lora_A.weight", "B": "lora_B.weight", "lora_B.bias": "lora_B.bias"}
-_PEFT_SUFFIX["lora_magnitude_vector"] = "lora_magnitude_vector"
+_PEFT_SUFFIX = {
+    "A": "lora_A.weight",
+    "B": "lora_B.weight",
+    "lora_B.bias": "lora_B.bias",
+    "lora_magnitude_vector": "lora_magnitude_vector",
+}
 #: the key prefix of each layout that has one (the rest of the key follows it).
 _PREFIX = {"comfyui": "diffusion_model.", "mirai_kohya": "lora_unet.", "mirai_diffusers": "unet."}
 
