@@ -1,5 +1,6 @@
 """MAGI-2 as Modular Diffusers blocks (``diffusers.modular_pipelines``): :class:`Magi2AutoBlocks` and
-:class:`Magi2ModularPipeline`; the blocks run ``Magi2Pipeline``'s own steps (see :mod:`.modular_pipeline`)."""
+:class:`Magi2ModularPipeline`; the blocks own their steps, calling the public functions ``Magi2Pipeline`` calls,
+and guide through diffusers guiders (:mod:`.guidance`)."""
 
 from .before_denoise import (
     Magi2BroadcastConditioningStep,
@@ -26,7 +27,6 @@ from .modular_blocks_magi2 import (
     Magi2DecodeStep,
 )
 from .modular_pipeline import Magi2ModularPipeline
-from .utils import classic_steps
 
 
 __all__ = [
@@ -51,5 +51,4 @@ __all__ = [
     "Magi2SetTimestepsStep",
     "Magi2TextEncoderStep",
     "Magi2VideoDecoderStep",
-    "classic_steps",
 ]

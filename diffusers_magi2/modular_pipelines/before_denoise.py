@@ -1,10 +1,12 @@
 """Blocks before the MAGI-2 denoising loop: the call's checks and plan, the conditioning broadcast under context
 parallelism, the schedules and the initial noise (SandAI ``Magi2InferenceEngine.evaluate`` up to the sampler).
 
-Each block runs the ``Magi2Pipeline`` step of the same name (:func:`~.utils.classic_steps`): the
-``check_inputs`` of ``__call__``, ``stage_sizes`` / ``refiner_stage_config``, ``prepare_timesteps`` (sigmas
-``linspace(sigma_start, 0, N + 1)[:-1]``, shifted once by the scheduler) and ``prepare_latents`` (video noise
-drawn first, then audio, from one ``generator``).
+Each block calls the public function ``Magi2Pipeline`` calls for the same step: the input step
+:func:`~diffusers_magi2.pipelines.validation_magi2.check_call_inputs` (against the components the pipeline holds)
+and the stage plan, the schedule step :func:`~diffusers_magi2.pipelines.sampling_magi2.flow_schedulers` (sigmas
+``linspace(sigma_start, 0, N + 1)[:-1]``, shifted once by the scheduler), the noise step
+:func:`~diffusers_magi2.pipelines.sampling_magi2.prepare_latents` (video noise drawn first, then audio, from one
+``generator``).
 """
 
 from __future__ import annotations
@@ -14,20 +16,29 @@ import inspect
 import torch
 from diffusers import UniPCMultistepScheduler
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
-from diffusers.modular_pipelines.modular_pipeline_utils import ConfigSpec, InputParam, OutputParam
+from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
 from diffusers.utils import logging
 
 from ..parallel.context_parallel import broadcast_from_first_rank
 from ..pipelines.pipeline_magi2 import Magi2Pipeline
-from ..pipelines.presets_magi2 import REFINER_RESOLUTION, TRAINED_RESOLUTIONS
-from ..pipelines.sampling_magi2 import check_scheduler
+from ..pipelines.presets_magi2 import (
+    CALLBACK_TENSOR_INPUTS,
+    COMPONENT_NAMES,
+    apply_resolution_preset,
+    resolve_stage_sizes,
+)
+from ..pipelines.refiner_stage import resolve_refiner_stage_config
+from ..pipelines.sampling_magi2 import check_scheduler, flow_schedulers, prepare_latents, unshifted_sigmas
+from ..pipelines.validation_magi2 import check_call_inputs, check_component_fits, warn_untrained_sizes
+from .guidance import GUIDER_NAMES, check_guiders
 from .utils import (
     CALL_STATE,
-    CLASSIC_COMPONENTS,
     Magi2Block,
+    check_component_types,
     check_repo_files,
-    classic_config_defaults,
-    classic_steps,
+    pipeline_components,
+    pipeline_config,
+    pipeline_geometry,
     planned_input,
     planned_inputs,
 )
@@ -45,12 +56,27 @@ __all__ = [
     "first_rank",
 ]
 
-#: ``Magi2Pipeline.__call__``'s arguments and defaults (the blocks' input defaults are these, not copies).
+#: ``Magi2Pipeline.__call__``'s arguments and defaults (the blocks' input defaults are these, not copies), but the
+#: guidance scales: a modular pipeline's are its guiders' (``guider``, ``audio_guider``).
 CALL_DEFAULTS = {
     name: param.default
     for name, param in inspect.signature(Magi2Pipeline.__call__).parameters.items()
-    if name not in ("self", "return_dict")
+    if name not in ("self", "return_dict", "guidance_scale", "audio_guidance_scale")
 }
+
+#: The config values the input step's checks and plan read.
+PLAN_CONFIG = (
+    "preview_height",
+    "preview_width",
+    "refiner_num_inference_steps",
+    "refiner_guidance_scale",
+    "refiner_shift",
+    "refiner_noise_value",
+    "sigma_start",
+    "duration_s",
+    "fps",
+    "audio_latent_fps",
+)
 
 _DESCRIPTIONS = {
     "prompt": "text, or a JSON object string; a list gives a batch",
@@ -59,8 +85,6 @@ _DESCRIPTIONS = {
     "height": "output pixels, a multiple of 16 (1088 runs the refiner stage)",
     "width": "output pixels, a multiple of 16 (1920 runs the refiner stage)",
     "num_inference_steps": "preview denoising steps",
-    "guidance_scale": "video CFG scale",
-    "audio_guidance_scale": "audio CFG scale",
     "generator": "RNG of the noise (video drawn first, then audio) and of the refiner's re-noise",
     "latents": "initial video noise [B, 48, T, H/16, W/16] fp32",
     "audio_latents": "initial audio noise [B, L, 64] fp32",
@@ -77,7 +101,7 @@ _DESCRIPTIONS = {
     "preview_height": "preview pixels of the two-stage path",
     "preview_width": "preview pixels of the two-stage path",
     "refiner_num_inference_steps": "refiner steps (default config)",
-    "refiner_guidance_scale": "refiner CFG scale (default config)",
+    "refiner_guidance_scale": "refiner guidance scale (default config), with the guider's method",
     "output_height": "bilinear resize of the decoded frames",
     "output_width": "bilinear resize of the decoded frames",
     "num_videos_per_prompt": "videos per prompt, each from its own noise",
@@ -108,20 +132,16 @@ def first_rank(components) -> bool:
 
 
 class Magi2InputStep(Magi2Block):
-    """The call's checks and plan: resolution preset, ``Magi2Pipeline.check_inputs`` (every bad argument raises
-    before any work), the stage sizes and the refiner settings; resets the call state (``interrupt`` ...)."""
+    """The call's checks and plan: resolution preset, ``check_call_inputs`` against the components the pipeline
+    holds (every bad argument raises before any work), the stage sizes and the refiner settings; resets the call
+    state (``interrupt`` ...). It declares no component: it reads the ones the other blocks declare."""
 
     description = (
-        "Input step: applies `resolution`, checks every argument as Magi2Pipeline.check_inputs, and plans the "
-        "call (preview size, whether the 1080p refiner stage runs, batch sizes)"
+        "Input step: applies `resolution`, checks every argument against the pipeline's components (as "
+        "Magi2Pipeline.check_inputs), and plans the call (preview size, whether the 1080p refiner stage runs, "
+        "batch sizes)"
     )
-
-    # every component: the checks read their configs (widths, decoders present, the refiner for 1088x1920)
-    component_names = CLASSIC_COMPONENTS
-
-    @property
-    def expected_configs(self) -> list[ConfigSpec]:
-        return [ConfigSpec(name, default) for name, default in classic_config_defaults().items()]
+    config_names = PLAN_CONFIG
 
     @property
     def inputs(self) -> list[InputParam]:
@@ -140,33 +160,43 @@ class Magi2InputStep(Magi2Block):
 
     def run(self, components, bs) -> None:
         check_repo_files(components)
-        steps = classic_steps(components)
         if isinstance(bs.callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             bs.callback_on_step_end_tensor_inputs = bs.callback_on_step_end.tensor_inputs
         if bs.resolution is not None:
-            bs.height, bs.width = steps.apply_resolution_preset(bs.resolution, bs.height, bs.width)
-        steps.check_inputs(**{n: getattr(bs, n) for n in inspect.signature(steps.check_inputs).parameters})
-        check_scheduler(components.scheduler)
-        bs.refine, bs.denoise_height, bs.denoise_width = steps.stage_sizes(
-            bs.height, bs.width, bs.preview_height, bs.preview_width
+            bs.height, bs.width = apply_resolution_preset(bs.resolution, bs.height, bs.width)
+        check_component_types(components, (*COMPONENT_NAMES, *GUIDER_NAMES), type(self).__name__)
+        present = pipeline_components(components)
+        check_component_fits(present)
+        config = pipeline_config(components)
+        arguments = [name for name in inspect.signature(check_call_inputs).parameters if name in CALL_DEFAULTS]
+        check_call_inputs(
+            present,
+            config,
+            pipeline_name=type(components).__name__,
+            callback_tensor_inputs=CALLBACK_TENSOR_INPUTS,
+            **{name: getattr(bs, name) for name in arguments},
+        )
+        if present.get("scheduler") is not None:
+            check_scheduler(present["scheduler"])
+        check_guiders(components)
+        bs.refine, bs.denoise_height, bs.denoise_width = resolve_stage_sizes(
+            bs.height,
+            bs.width,
+            bs.preview_height,
+            bs.preview_width,
+            (config["preview_height"], config["preview_width"]),
         )
         bs.refiner_config = None
         if bs.refine:
-            bs.refiner_config = steps.refiner_stage_config(bs.refiner_num_inference_steps, bs.refiner_guidance_scale)
-        if (bs.denoise_height, bs.denoise_width) not in TRAINED_RESOLUTIONS:
-            logger.warning(
-                f"{bs.denoise_height}x{bs.denoise_width} is outside the trained resolutions {TRAINED_RESOLUTIONS}; "
-                "expect lower quality."
+            bs.refiner_config = resolve_refiner_stage_config(
+                config,
+                pipeline_geometry(components).spatial_scale,
+                bs.refiner_num_inference_steps,
+                bs.refiner_guidance_scale,
             )
-        if bs.refine and (bs.height, bs.width) != REFINER_RESOLUTION:
-            logger.warning(
-                f"refiner output {bs.height}x{bs.width} differs from the trained "
-                f"{REFINER_RESOLUTION[0]}x{REFINER_RESOLUTION[1]}; expect lower quality."
-            )
+        warn_untrained_sizes(bs.refine, bs.height, bs.width, bs.denoise_height, bs.denoise_width)
         for name in CALL_STATE:
             setattr(components, name, None)
-        components._guidance_scale = float(bs.guidance_scale)
-        components._audio_guidance_scale = float(bs.audio_guidance_scale)
         components._attention_kwargs = bs.attention_kwargs
         components._interrupt = False
         if bs.prompt is not None:
@@ -212,9 +242,7 @@ class Magi2BroadcastConditioningStep(Magi2Block):
         names = [p.name for p in self.intermediate_outputs]
         group = getattr(getattr(components, "transformer", None), "context_parallel_group", None)
         if group is not None:
-            values = broadcast_from_first_rank(
-                [getattr(bs, n) for n in names], group, classic_steps(components)._execution_device
-            )
+            values = broadcast_from_first_rank([getattr(bs, n) for n in names], group, components._execution_device)
             for name, value in zip(names, values):
                 setattr(bs, name, value)
         if bs.image_latents is not None:
@@ -222,11 +250,12 @@ class Magi2BroadcastConditioningStep(Magi2Block):
 
 
 class Magi2SetTimestepsStep(Magi2Block):
-    """``Magi2Pipeline.prepare_timesteps``: the video scheduler and a fresh audio one on one flow schedule."""
+    """The preview schedule (``flow_schedulers``): the video scheduler and a fresh audio one on one flow schedule."""
 
     description = "Sets the preview schedule: the video scheduler and an audio scheduler from its config, same sigmas"
 
     component_names = ("scheduler",)
+    config_names = ("sigma_start",)
 
     @property
     def inputs(self) -> list[InputParam]:
@@ -241,16 +270,19 @@ class Magi2SetTimestepsStep(Magi2Block):
         ]
 
     def run(self, components, bs) -> None:
-        steps = classic_steps(components)
-        bs.video_scheduler, bs.audio_scheduler, bs.timesteps = steps.prepare_timesteps(
-            bs.num_inference_steps, steps._execution_device
+        sigmas = unshifted_sigmas(pipeline_config(components)["sigma_start"], bs.num_inference_steps)
+        bs.video_scheduler, bs.audio_scheduler, bs.timesteps = flow_schedulers(
+            components.scheduler, sigmas, components._execution_device
         )
 
 
 class Magi2PrepareLatentsStep(Magi2Block):
-    """``Magi2Pipeline.prepare_latents``: fp32 video noise drawn first, then audio (SandAI's draw order)."""
+    """The initial noise (``prepare_latents``): fp32 video noise drawn first, then audio (SandAI's draw order), sized
+    by the components the pipeline holds and its ``duration_s`` clip."""
 
     description = "Prepares the initial noise: video [B, 48, T, H/16, W/16] first, then audio [B, L, 64], fp32"
+
+    config_names = ("duration_s", "fps", "audio_latent_fps")
 
     @property
     def inputs(self) -> list[InputParam]:
@@ -268,12 +300,12 @@ class Magi2PrepareLatentsStep(Magi2Block):
         ]
 
     def run(self, components, bs) -> None:
-        steps = classic_steps(components)
-        bs.latents, bs.audio_latents = steps.prepare_latents(
+        bs.latents, bs.audio_latents = prepare_latents(
             bs.num_videos,
             bs.denoise_height,
             bs.denoise_width,
-            steps._execution_device,
+            pipeline_geometry(components),
+            components._execution_device,
             bs.generator,
             bs.latents,
             bs.audio_latents,

@@ -1,7 +1,7 @@
 """Decoder blocks of MAGI-2 (SandAI ``Magi2InferenceEngine.decode_video`` / ``decode_audio``): normalised video
 latents to frames through TurboVAED (``video_decoder``) or, without it, the Wan2.2 VAE; audio latents to 44.1 kHz
-stereo through the Oobleck decoder and the ``441/512`` resample. ``Magi2Pipeline.decode_video`` /
-``decode_audio`` do the work; under context parallelism only CP rank 0 decodes (the others output ``None``).
+stereo through the Oobleck decoder and the ``441/512`` resample. ``decode_video_latents`` /
+``decode_audio_latents`` and their postprocessing do the work, as in ``Magi2Pipeline``; under context parallelism only CP rank 0 decodes (the others output ``None``).
 """
 
 from __future__ import annotations
@@ -9,9 +9,14 @@ from __future__ import annotations
 import torch
 from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
 
-from ..pipelines.decoding_magi2 import resize_video_frames
+from ..pipelines.decoding_magi2 import (
+    decode_audio_latents,
+    decode_video_latents,
+    postprocess_audio,
+    postprocess_video_frames,
+)
 from .before_denoise import call_input, call_inputs, first_rank
-from .utils import Magi2Block, classic_steps
+from .utils import Magi2Block, pipeline_config
 
 
 __all__ = ["Magi2AudioDecoderStep", "Magi2VideoDecoderStep"]
@@ -26,6 +31,7 @@ class Magi2VideoDecoderStep(Magi2Block):
     )
 
     component_names = ("video_decoder", "vae")
+    config_names = ("fps",)
 
     @property
     def inputs(self) -> list[InputParam]:
@@ -45,17 +51,15 @@ class Magi2VideoDecoderStep(Magi2Block):
         ]
 
     def run(self, components, bs) -> None:
-        steps = classic_steps(components)
-        fps = float(steps.config.fps) if bs.fps is None else bs.fps
+        fps = float(pipeline_config(components)["fps"]) if bs.fps is None else bs.fps
         if bs.output_type == "latent":
             bs.videos, bs.fps = bs.latents, None
         elif not first_rank(components):
             bs.videos, bs.fps = None, fps
         else:
-            video = steps.decode_video(bs.latents)
-            if bs.output_height is not None:
-                video = resize_video_frames(video, bs.output_height, bs.output_width)
-            bs.videos = steps.video_processor.postprocess_video(video, output_type=bs.output_type)
+            decoders = [getattr(components, name, None) for name in ("video_decoder", "vae")]
+            video = decode_video_latents(*decoders, bs.latents)
+            bs.videos = postprocess_video_frames(video, bs.output_type, bs.output_height, bs.output_width)
             bs.fps = fps
 
 
@@ -67,6 +71,7 @@ class Magi2AudioDecoderStep(Magi2Block):
     )
 
     component_names = ("audio_vae",)
+    config_names = ("audio_resample_ratio",)
 
     @property
     def inputs(self) -> list[InputParam]:
@@ -83,12 +88,13 @@ class Magi2AudioDecoderStep(Magi2Block):
         ]
 
     def run(self, components, bs) -> None:
-        steps = classic_steps(components)
+        sample_rate = int(components.audio_vae.config.sampling_rate)
         if bs.output_type == "latent":
             bs.audio, bs.audio_sample_rate = bs.audio_latents, None
         elif not first_rank(components):
-            bs.audio, bs.audio_sample_rate = None, steps.audio_sample_rate
+            bs.audio, bs.audio_sample_rate = None, sample_rate
         else:
-            audio = steps.decode_audio(bs.audio_latents)
-            bs.audio = torch.from_numpy(audio) if bs.output_type == "pt" else audio
-            bs.audio_sample_rate = steps.audio_sample_rate
+            ratio = float(pipeline_config(components)["audio_resample_ratio"])
+            audio = decode_audio_latents(components.audio_vae, bs.audio_latents, ratio)
+            bs.audio = postprocess_audio(audio, bs.output_type)
+            bs.audio_sample_rate = sample_rate

@@ -1,5 +1,5 @@
-"""``Magi2ModularPipeline``: MAGI-2 as a Modular Diffusers pipeline over :class:`~.Magi2AutoBlocks` (the blocks
-run ``Magi2Pipeline``'s own steps through :func:`~.utils.classic_steps`)."""
+"""``Magi2ModularPipeline``: MAGI-2 as a Modular Diffusers pipeline over :class:`~.Magi2AutoBlocks` (the blocks call
+the public functions ``Magi2Pipeline`` calls; the guidance is its ``guider`` and ``audio_guider``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ from diffusers.modular_pipelines import ComponentsManager, ModularPipeline
 from diffusers.utils import logging
 
 from ..loaders.lora_pipeline_magi2 import Magi2LoraLoaderMixin
+from ..pipelines.geometry_magi2 import Magi2LatentGeometry, Magi2LatentGeometryMixin
+from ..pipelines.loading_magi2 import enable_context_parallel
 from ..pipelines.modular_files import MODULAR_CONFIG_FILE, check_modular_files
 from ..pipelines.pipeline_magi2 import Magi2Pipeline
+from ..pipelines.presets_magi2 import CALLBACK_TENSOR_INPUTS, COMPONENT_NAMES
 from .modular_blocks_magi2 import Magi2AutoBlocks
-from .utils import CLASSIC_COMPONENTS, classic_config_defaults
+from .utils import config_defaults, pipeline_geometry
 
 
 logger = logging.get_logger(__name__)
@@ -20,12 +23,20 @@ logger = logging.get_logger(__name__)
 __all__ = ["Magi2ModularPipeline"]
 
 
-class Magi2ModularPipeline(ModularPipeline, Magi2LoraLoaderMixin):
+def _call_state(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self, f"_{name}", None), doc=doc)
+
+
+class Magi2ModularPipeline(Magi2LatentGeometryMixin, ModularPipeline, Magi2LoraLoaderMixin):
     r"""MAGI-2 Preview as a Modular Diffusers pipeline (default blocks :class:`~.Magi2AutoBlocks`).
 
     Same components, config and outputs as :class:`~diffusers_magi2.Magi2Pipeline`, bit for bit with the same
-    seed; the call returns a ``PipelineState`` (``output="videos"``, ``["videos", "audio"]``, ... picks values).
-    Callbacks get this pipeline as ``pipe`` and may set ``pipe._interrupt = True``. ::
+    seed, plus two guiders: ``guider`` guides the video latents and ``audio_guider`` the audio latents
+    (diffusers' ``ClassifierFreeGuidance`` at 5 and 7 by default; the refiner stage runs ``guider``'s method at
+    ``refiner_guidance_scale``). The call takes ``Magi2Pipeline.__call__``'s arguments but the two guidance
+    scales, which are the guiders' (``pipe.update_components(guider=pipe.guider.new(guidance_scale=4.0))``, or
+    another diffusers guider), and returns a ``PipelineState`` (``output="videos"``, ``["videos", "audio"]``, ...
+    picks values). Callbacks get this pipeline as ``pipe`` and may set ``pipe._interrupt = True``. ::
 
         pipe = Magi2ModularPipeline.from_pretrained(repo)
         pipe.load_components(dtype={"default": torch.bfloat16, "vae": torch.float32, "audio_vae": torch.float32})
@@ -37,30 +48,41 @@ class Magi2ModularPipeline(ModularPipeline, Magi2LoraLoaderMixin):
     """
 
     default_blocks_name = "Magi2AutoBlocks"
-    _callback_tensor_inputs = Magi2Pipeline._callback_tensor_inputs
+    _callback_tensor_inputs = list(CALLBACK_TENSOR_INPUTS)
 
-    guidance_scale = Magi2Pipeline.guidance_scale
-    audio_guidance_scale = Magi2Pipeline.audio_guidance_scale
-    do_classifier_free_guidance = Magi2Pipeline.do_classifier_free_guidance
-    num_timesteps = Magi2Pipeline.num_timesteps
-    current_timestep = Magi2Pipeline.current_timestep
-    interrupt = Magi2Pipeline.interrupt
-    attention_kwargs = Magi2Pipeline.attention_kwargs
-    vae_scale_factor_spatial = Magi2Pipeline.vae_scale_factor_spatial
-    vae_scale_factor_temporal = Magi2Pipeline.vae_scale_factor_temporal
-    num_channels_latents = Magi2Pipeline.num_channels_latents
-    num_channels_audio_latents = Magi2Pipeline.num_channels_audio_latents
-    audio_sample_rate = Magi2Pipeline.audio_sample_rate
-    _video_latent_geometry = Magi2Pipeline._video_latent_geometry
-    enable_context_parallel = Magi2Pipeline.enable_context_parallel
+    num_timesteps = _call_state("num_timesteps", "Steps of the stage being (or last) denoised.")
+    current_timestep = _call_state(
+        "current_timestep", "The timestep being denoised (0-d tensor, 0-1000 scale), ``None`` outside the loops."
+    )
+    interrupt = _call_state("interrupt", "``True`` once a callback set ``pipe._interrupt = True``.")
+    attention_kwargs = _call_state("attention_kwargs", "The ``attention_kwargs`` of the current/last call.")
+
+    @property
+    def guidance_scale(self) -> float | None:
+        """The video guider's scale (``guider.guidance_scale``)."""
+        return getattr(getattr(self, "guider", None), "guidance_scale", None)
+
+    @property
+    def audio_guidance_scale(self) -> float | None:
+        """The audio guider's scale (``audio_guider.guidance_scale``)."""
+        return getattr(getattr(self, "audio_guider", None), "guidance_scale", None)
 
     def __init__(self, blocks=None, *args, **kwargs):
         if blocks is None:
             blocks = Magi2AutoBlocks()
         super().__init__(blocks, *args, **kwargs)
 
+    def latent_geometry(self) -> Magi2LatentGeometry:
+        """The latent sizes of a ``config.duration_s`` clip with this pipeline's components (the config defaults
+        for keys its blocks do not declare)."""
+        return pipeline_geometry(self)
+
+    def enable_context_parallel(self, config) -> None:
+        """``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))`` on the transformer and the refiner."""
+        enable_context_parallel(self, config)
+
     def set_progress_bar_config(self, **kwargs) -> None:
-        """Progress-bar options (e.g. ``disable=True``) for every block's bars and the classic steps' bars."""
+        """Progress-bar options (e.g. ``disable=True``) for the loops of every block, nested ones included."""
         self._progress_bar_config = dict(kwargs)
 
         def visit(block):
@@ -70,9 +92,6 @@ class Magi2ModularPipeline(ModularPipeline, Magi2LoraLoaderMixin):
                 visit(sub)
 
         visit(self._blocks)
-        components_steps = self.__dict__.get("_magi2_classic_steps")
-        if components_steps is not None:
-            components_steps[1].set_progress_bar_config(**kwargs)
 
     @classmethod
     def from_pretrained(
@@ -143,8 +162,9 @@ class Magi2ModularPipeline(ModularPipeline, Magi2LoraLoaderMixin):
             kwargs: ``components_manager``, ``collection``.
         """
         modular = cls(blocks=blocks, **kwargs)
-        present = {name: getattr(pipe, name, None) for name in CLASSIC_COMPONENTS}
-        modular.update_components(**{name: module for name, module in present.items() if module is not None})
-        config = {name: pipe.config[name] for name in classic_config_defaults() if name in pipe.config}
+        present = {name: getattr(pipe, name, None) for name in COMPONENT_NAMES}
+        declared = set(modular.component_names)
+        modular.update_components(**{n: m for n, m in present.items() if m is not None and n in declared})
+        config = {name: pipe.config[name] for name in config_defaults() if name in modular.config}
         modular.update_components(**config)
         return modular

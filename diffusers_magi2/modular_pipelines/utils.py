@@ -1,69 +1,71 @@
-"""The bridge that lets the MAGI-2 blocks run ``Magi2Pipeline``'s own steps, and the checks every block runs.
+"""What the MAGI-2 blocks share: the component specs (the models and the two guiders), the pipeline config a block
+reads, the block base with its input and component checks, and the repo-file check.
 
-The blocks hold no second copy of the text templates, the schedules, the CFG forward or the decoders: each block
-calls the classic pipeline's method on :func:`classic_steps` ``(components)``, a ``Magi2Pipeline`` over the
-modular pipeline's components and config whose call state (guidance scales, ``attention_kwargs``, ``interrupt``,
-the current timestep) lives on the modular pipeline, where callbacks read and set it. The blocks run on a plain
-``diffusers.ModularPipeline`` too (the remote-code path ``ModularPipeline.from_pretrained(repo,
-trust_remote_code=True)``), so nothing here relies on the ``Magi2ModularPipeline`` subclass.
+The blocks call the same public functions as ``Magi2Pipeline`` (:mod:`~diffusers_magi2.pipelines.sampling_magi2`,
+``text_conditioning``, ``decoding_magi2``, ``refiner_stage``, ``validation_magi2``) with explicit arguments, and
+keep the call state (``_interrupt``, ``_current_timestep`` ...) on the pipeline they run on, where callbacks read
+and set it. They run on a plain ``diffusers.ModularPipeline`` too (the remote-code path
+``ModularPipeline.from_pretrained(repo, trust_remote_code=True)``), so nothing here relies on the
+``Magi2ModularPipeline`` subclass.
 """
 
 from __future__ import annotations
 
 import inspect
-import weakref
 from typing import Any
 
 import torch
+from diffusers.configuration_utils import FrozenDict
 from diffusers.modular_pipelines import ModularPipeline, ModularPipelineBlocks
-from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam
+from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, ConfigSpec, InputParam
 from diffusers.utils import logging
 
+from ..pipelines.geometry_magi2 import Magi2LatentGeometry, latent_geometry
 from ..pipelines.modular_files import check_modular_files
 from ..pipelines.pipeline_magi2 import Magi2Pipeline
+from ..pipelines.presets_magi2 import COMPONENT_NAMES
 
 
 logger = logging.get_logger(__name__)
 
 __all__ = [
-    "CLASSIC_COMPONENTS",
+    "CALL_STATE",
+    "GUIDER_SCALES",
     "Magi2Block",
     "Magi2BlockChecks",
-    "CALL_STATE",
     "check_component_types",
     "check_repo_files",
-    "classic_config_defaults",
     "component_spec",
-    "classic_steps",
+    "config_defaults",
+    "config_specs",
+    "pipeline_components",
+    "pipeline_config",
+    "pipeline_geometry",
     "planned_input",
     "planned_inputs",
 ]
 
-#: ``Magi2Pipeline``'s components, in its ``__init__`` order.
-CLASSIC_COMPONENTS = (
-    "tokenizer",
-    "text_encoder",
-    "transformer",
-    "audio_vae",
-    "scheduler",
-    "vae",
-    "video_decoder",
-    "refiner",
-)
+#: Per-call state kept on the pipeline the blocks run on (the names ``Magi2Pipeline`` uses; callbacks set
+#: ``_interrupt``).
+CALL_STATE = ("_attention_kwargs", "_interrupt", "_current_timestep", "_num_timesteps")
 
-#: Per-call state kept on the modular pipeline (the names ``Magi2Pipeline`` uses; callbacks set ``_interrupt``).
-CALL_STATE = (
-    "_guidance_scale",
-    "_audio_guidance_scale",
-    "_attention_kwargs",
-    "_interrupt",
-    "_current_timestep",
-    "_num_timesteps",
-)
+#: The guiders every MAGI-2 pipeline has, with the default guidance scale of each (SandAI's 5 video, 7 audio).
+GUIDER_SCALES = {"guider": 5.0, "audio_guider": 7.0}
 
 
 def component_spec(name: str) -> ComponentSpec:
-    """The ``ComponentSpec`` every block declares for ``name`` (one of :data:`CLASSIC_COMPONENTS`)."""
+    """The ``ComponentSpec`` every block declares for ``name`` (a :data:`COMPONENT_NAMES` model or a guider of
+    :data:`GUIDER_SCALES`: diffusers' ``ClassifierFreeGuidance``, created from its config, so nothing loads)."""
+    if name in GUIDER_SCALES:
+        from diffusers.guiders import ClassifierFreeGuidance
+
+        return ComponentSpec(
+            name,
+            ClassifierFreeGuidance,
+            config=FrozenDict({"guidance_scale": GUIDER_SCALES[name]}),
+            default_creation_method="from_config",
+            description=f"guidance of the {'audio' if name == 'audio_guider' else 'video'} latents",
+        )
     from diffusers import AutoencoderKLWan, AutoencoderOobleck, UniPCMultistepScheduler
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -85,18 +87,30 @@ def component_spec(name: str) -> ComponentSpec:
     return ComponentSpec(name, type_hint, description=description)
 
 
-def check_component_types(components, names=CLASSIC_COMPONENTS, block: str = "Magi2 blocks") -> None:
+def check_component_types(components, names=COMPONENT_NAMES, block: str = "Magi2 blocks") -> None:
     """Raise ``ValueError`` if a present component is not an instance of its :func:`component_spec` type."""
     for name in names:
         spec = component_spec(name)
         component = getattr(components, name, None)
         if component is None or isinstance(component, spec.type_hint):
             continue
+        if name in GUIDER_SCALES:
+            from diffusers.guiders import BaseGuidance
+
+            if isinstance(component, BaseGuidance):
+                continue  # any diffusers guider may stand in for ClassifierFreeGuidance
         raise ValueError(
             f"{block}: component {name!r} is a {type(component).__module__}.{type(component).__qualname__}, but its "
             f"ComponentSpec(name={name!r}, type_hint={spec.type_hint.__module__}.{spec.type_hint.__qualname__}) "
             f"requires an instance of {spec.type_hint.__qualname__} ({spec.description})"
         )
+
+
+def pipeline_components(components) -> dict[str, Any]:
+    """The MAGI-2 models the pipeline's blocks declare, by name (``None`` where not loaded): what
+    :func:`~diffusers_magi2.pipelines.validation_magi2.check_call_inputs` checks a call against."""
+    declared = set(getattr(components, "component_names", COMPONENT_NAMES))
+    return {name: getattr(components, name, None) for name in COMPONENT_NAMES if name in declared}
 
 
 def check_repo_files(components) -> None:
@@ -106,7 +120,6 @@ def check_repo_files(components) -> None:
     if path is None or components.__dict__.get("_magi2_repo_checked") == path:
         return
     from diffusers import DiffusionPipeline
-    from diffusers.modular_pipelines import ModularPipelineBlocks
 
     loaded = []
     for cls in (DiffusionPipeline, ModularPipeline, ModularPipelineBlocks):
@@ -119,67 +132,34 @@ def check_repo_files(components) -> None:
     components.__dict__["_magi2_repo_checked"] = path
 
 
-def classic_config_defaults() -> dict[str, Any]:
-    """``Magi2Pipeline``'s config keys and their defaults, read from its ``__init__`` signature."""
+def config_defaults() -> dict[str, Any]:
+    """The pipeline config keys and their defaults, read from ``Magi2Pipeline.__init__``'s signature."""
     params = inspect.signature(Magi2Pipeline.__init__).parameters
-    return {n: p.default for n, p in params.items() if n != "self" and n not in CLASSIC_COMPONENTS}
+    return {n: p.default for n, p in params.items() if n != "self" and n not in COMPONENT_NAMES}
 
 
-def _on_modular(name: str) -> property:
-    def get(self):
-        return getattr(self._modular, name, None)
-
-    def set_(self, value):
-        setattr(self._modular, name, value)
-
-    return property(get, set_, doc=f"``{name}`` of the modular pipeline's current call.")
+def config_specs(*names: str) -> list[ConfigSpec]:
+    """``ConfigSpec`` of each named config value, with its default."""
+    defaults = config_defaults()
+    return [ConfigSpec(name, defaults[name]) for name in names]
 
 
-class _Magi2ClassicSteps(Magi2Pipeline):
-    """``Magi2Pipeline`` over a modular pipeline's components; its call state is the modular pipeline's."""
-
-    _guidance_scale = _on_modular("_guidance_scale")
-    _audio_guidance_scale = _on_modular("_audio_guidance_scale")
-    _attention_kwargs = _on_modular("_attention_kwargs")
-    _interrupt = _on_modular("_interrupt")
-    _current_timestep = _on_modular("_current_timestep")
-    _num_timesteps = _on_modular("_num_timesteps")
-
-    def __init__(self, modular, **kwargs):
-        object.__setattr__(self, "_modular", weakref.proxy(modular))
-        super().__init__(**kwargs)
-
-    @property
-    def _execution_device(self):
-        return self._modular._execution_device
-
-
-def _modular_config(components) -> dict[str, Any]:
+def pipeline_config(components) -> dict[str, Any]:
+    """The pipeline's config values (the defaults for keys its blocks do not declare)."""
     config = getattr(components, "config", {}) or {}
-    return {name: config.get(name, default) for name, default in classic_config_defaults().items()}
+    return {name: config.get(name, default) for name, default in config_defaults().items()}
 
 
-def classic_steps(components) -> Magi2Pipeline:
-    """The ``Magi2Pipeline`` whose methods the blocks call, over ``components``' modules and config.
-
-    Built once per set of components and config values (cached on ``components``; rebuilt after
-    ``update_components``). Construction runs ``Magi2Pipeline``'s component fit checks.
-
-    Raises:
-        ValueError: components that do not fit each other (``Magi2Pipeline`` construction).
-    """
-    modules = {name: getattr(components, name, None) for name in CLASSIC_COMPONENTS}
-    config = _modular_config(components)
-    key = (tuple(id(m) for m in modules.values()), repr(sorted(config.items())))
-    cached = components.__dict__.get("_magi2_classic_steps")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    steps = _Magi2ClassicSteps(components, **modules, **config)
-    progress = getattr(components, "_progress_bar_config", None)
-    if progress:
-        steps.set_progress_bar_config(**progress)
-    components.__dict__["_magi2_classic_steps"] = (key, steps)
-    return steps
+def pipeline_geometry(components) -> Magi2LatentGeometry:
+    """The call's latent sizes from the components and config the pipeline holds
+    (:func:`~diffusers_magi2.pipelines.geometry_magi2.latent_geometry`)."""
+    config = pipeline_config(components)
+    return latent_geometry(
+        *(getattr(components, name, None) for name in ("vae", "video_decoder", "audio_vae")),
+        duration_s=config["duration_s"],
+        fps=config["fps"],
+        audio_latent_fps=config["audio_latent_fps"],
+    )
 
 
 class Magi2BlockChecks:
@@ -197,21 +177,28 @@ class Magi2BlockChecks:
 
     def check_components(self, components) -> None:
         """Raise ``ValueError`` if a component this block declares is present with the wrong type."""
-        names = [spec.name for spec in self.expected_components if spec.name in CLASSIC_COMPONENTS]
+        known = (*COMPONENT_NAMES, *GUIDER_SCALES)
+        names = [spec.name for spec in self.expected_components if spec.name in known]
         check_component_types(components, names, self.__class__.__name__)
 
 
 class Magi2Block(Magi2BlockChecks, ModularPipelineBlocks):
-    """A MAGI-2 block: ``description`` and ``component_names`` (its ``ComponentSpec`` names) are class attributes;
-    ``__call__`` checks the inputs and the components, runs :meth:`run` on the block state and writes it back."""
+    """A MAGI-2 block: ``description``, ``component_names`` (its ``ComponentSpec`` names) and ``config_names``
+    (the config values it reads) are class attributes; ``__call__`` checks the inputs and the components, runs
+    :meth:`run` on the block state and writes it back."""
 
     model_name = "magi2"
     description = ""
     component_names: tuple[str, ...] = ()
+    config_names: tuple[str, ...] = ()
 
     @property
     def expected_components(self) -> list[ComponentSpec]:
         return [component_spec(name) for name in self.component_names]
+
+    @property
+    def expected_configs(self) -> list[ConfigSpec]:
+        return config_specs(*self.config_names)
 
     def run(self, components, block_state) -> None:
         """The block's work on ``block_state`` (set its outputs as attributes)."""

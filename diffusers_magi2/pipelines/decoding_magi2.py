@@ -11,12 +11,15 @@ from typing import Union
 
 import numpy as np
 import torch
+from diffusers.video_processor import VideoProcessor
 
 
 __all__ = [
     "WAN22_VAE_CONFIG",
     "decode_audio_latents",
     "decode_video_latents",
+    "postprocess_audio",
+    "postprocess_video_frames",
     "resample_audio",
     "resize_video_frames",
     "wan_latent_stats",
@@ -128,3 +131,23 @@ def decode_audio_latents(audio_vae, audio_latents: torch.Tensor, ratio: float) -
     waveform = waveform.float().cpu().numpy()
     out = [resample_audio(row.T, ratio, axis=0).T for row in waveform]
     return np.stack(out, axis=0)
+
+
+def postprocess_video_frames(
+    video: torch.Tensor,
+    output_type: str = "np",
+    output_height: int | None = None,
+    output_width: int | None = None,
+    video_processor: VideoProcessor | None = None,
+):
+    """A call's frames from decoded pixels ``[B, 3, F, H, W]`` in [-1, 1] (:func:`decode_video_latents`): the optional
+    bilinear resize (:func:`resize_video_frames`), then ``video_processor.postprocess_video`` to ``output_type``
+    (``"np"``, ``"pil"`` or ``"pt"``; default processor: a plain ``VideoProcessor``)."""
+    if output_height is not None:
+        video = resize_video_frames(video, output_height, output_width)
+    return (video_processor or VideoProcessor()).postprocess_video(video, output_type=output_type)
+
+
+def postprocess_audio(audio: np.ndarray, output_type: str = "np"):
+    """A call's audio from :func:`decode_audio_latents`: the numpy array, a torch tensor for ``"pt"``."""
+    return torch.from_numpy(audio) if output_type == "pt" else audio

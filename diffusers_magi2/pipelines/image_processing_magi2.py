@@ -1,6 +1,7 @@
 """Reference-image (I2V) preprocessing (SandAI ``Magi2InferenceEngine._encode_image`` with
 ``ref_image_type="original"``, and ``resizepad``): long side scaled to ``max(height, width)``, letterboxed on
-white, floored to multiples of 32 and mapped to [-1, 1], rounded to ``reference_image_dtype``.
+white, floored to multiples of 32 and mapped to [-1, 1], rounded to ``reference_image_dtype``; the Wan2.2 VAE
+encodes it to the normalised mean latent ``(mu - mean) / std``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,17 @@ import PIL.Image
 import torch
 from diffusers.video_processor import VideoProcessor
 
+from .decoding_magi2 import wan_latent_stats
 
-__all__ = ["IMAGE_TYPES", "letterbox_image", "load_reference_image", "preprocess_reference_image"]
+
+__all__ = [
+    "IMAGE_TYPES",
+    "encode_reference_image",
+    "letterbox_image",
+    "load_reference_image",
+    "preprocess_reference_image",
+    "reference_image_processor",
+]
 
 #: What ``image=`` may be (used in error messages).
 IMAGE_TYPES = "PIL.Image.Image, a local file path (str or os.PathLike), or an RGB uint8 numpy array [H, W, 3]"
@@ -66,3 +76,17 @@ def preprocess_reference_image(
     canvas = letterbox_image(pil, target_h, target_w)
     pixels = processor.preprocess(canvas, height=target_h, width=target_w)
     return pixels.to(rounding_dtype).unsqueeze(2)[:, :3].float()
+
+
+def reference_image_processor(vae_scale_factor_spatial: int = 16) -> VideoProcessor:
+    """The ``VideoProcessor`` of :func:`preprocess_reference_image`: sizes floored to ``2 x`` the VAE's spatial factor."""
+    return VideoProcessor(vae_scale_factor=2 * vae_scale_factor_spatial)
+
+
+@torch.no_grad()
+def encode_reference_image(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Normalised fp32 mean latent ``[B, 48, 1, H/16, W/16]`` of ``pixels`` ``[B, 3, 1, H, W]`` in [-1, 1] (``vae``:
+    the Wan2.2 ``AutoencoderKLWan``)."""
+    mu = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode().float()
+    mean, inv_std = wan_latent_stats(vae, mu.device)
+    return (mu - mean) * inv_std

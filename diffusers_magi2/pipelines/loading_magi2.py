@@ -1,4 +1,5 @@
-"""``Magi2Pipeline.from_pretrained(..., expert_parallel=...)``: the transformer loaded EP-sharded, the rest as usual."""
+"""``Magi2Pipeline.from_pretrained(..., expert_parallel=..., context_parallel=...)``: the degrees checked before any
+weight loads, the transformer loaded EP-sharded, the rest as usual; context parallelism enabled on both DiTs."""
 
 from __future__ import annotations
 
@@ -8,10 +9,33 @@ from typing import Any, Union
 import torch
 
 from ..models.transformer_magi2 import Magi2Transformer3DModel
+from ..parallel.context_parallel import resolve_context_parallel
 from ..parallel.expert_parallel import Magi2ExpertParallelConfig, ep_device
 
 
-__all__ = ["load_pipeline_with_expert_parallel"]
+__all__ = ["check_parallel_degrees", "enable_context_parallel", "load_pipeline_with_expert_parallel"]
+
+
+def check_parallel_degrees(expert_parallel: Magi2ExpertParallelConfig | None, context_parallel) -> None:
+    """A context-parallel degree that fits the process group and is a multiple of ``ep_degree``.
+
+    Raises:
+        ValueError: a bad degree (:func:`~diffusers_magi2.parallel.context_parallel.resolve_context_parallel`),
+            or ``ep_degree`` not dividing it.
+    """
+    if context_parallel is None:
+        return
+    cp = resolve_context_parallel(context_parallel)
+    if expert_parallel is not None and cp.size % expert_parallel.ep_degree:
+        raise ValueError(f"ep_degree={expert_parallel.ep_degree} must divide the context-parallel degree {cp.size}")
+
+
+def enable_context_parallel(pipe, config) -> None:
+    """``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))`` on ``pipe``'s transformer and refiner
+    (either may be absent)."""
+    for model in (getattr(pipe, "transformer", None), getattr(pipe, "refiner", None)):
+        if model is not None:
+            model.enable_parallelism(config=config)
 
 
 def load_pipeline_with_expert_parallel(

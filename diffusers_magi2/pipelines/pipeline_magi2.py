@@ -4,14 +4,17 @@ and ``Magi2PreviewSampler`` at commit ``f68a0f9``).
 Per preview step, one forward on ``[cond; uncond]`` and CFG ``v = v_u + g (v_c - v_u)`` (``g`` = 5 video, 7
 audio). On the 1080p path the refiner stage upsamples the final video latent to ``2T - 1`` frames, re-noises
 it from the same ``generator`` and denoises it with its own CFG; audio is not refined. Both stages run one
-sampler, inline as diffusers' Wan loop (``_denoise``: the loop, a cache context per forward, ``interrupt``,
-callbacks, progress bar); ``refiner_stage`` gives it the refiner's first latent and velocity. The refiner is a
-stage, not a pipeline of its own as LTX-2's upsampler is: the 1080p preset is one call that continues the
-preview's generator stream and reuses its text embeddings, callbacks and decoding.
+loop, as diffusers' Wan loop (``_denoise``: the loop, a cache context per forward, ``interrupt``, callbacks,
+progress bar), with a step function per stage (``_preview_velocities``, ``_refiner_velocities``). The steps,
+text conditioning, noise and decoding are public functions the modular blocks call too
+(:mod:`~.sampling_magi2`, :mod:`~.text_conditioning`, :mod:`~.decoding_magi2`, :mod:`~.refiner_stage`). The
+refiner is a stage, not a pipeline of its own as LTX-2's upsampler is: the 1080p preset is one call that
+continues the preview's generator stream and reuses its text embeddings, callbacks and decoding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 from typing import Any, Callable
@@ -23,7 +26,6 @@ from diffusers import AutoencoderKLWan, AutoencoderOobleck, UniPCMultistepSchedu
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.utils import logging
-from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
 # imported by name: diffusers resolves model_index.json's ``diffusers_magi2.models.*`` through sys.modules
@@ -33,11 +35,25 @@ from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..models.turbo_vae import Magi2TurboVAEDecoder
 from ..parallel.context_parallel import broadcast_from_first_rank
 from ..utils.dtype_utils import parse_dtype
-from .decoding_magi2 import decode_audio_latents, decode_video_latents, resize_video_frames, wan_latent_stats
-from .image_processing_magi2 import letterbox_image, preprocess_reference_image
+from .decoding_magi2 import (
+    decode_audio_latents,
+    decode_video_latents,
+    postprocess_audio,
+    postprocess_video_frames,
+    resize_video_frames,
+)
+from .geometry_magi2 import Magi2LatentGeometryMixin
+from .image_processing_magi2 import (
+    encode_reference_image,
+    letterbox_image,
+    preprocess_reference_image,
+    reference_image_processor,
+)
+from .loading_magi2 import check_parallel_degrees, enable_context_parallel, load_pipeline_with_expert_parallel
 from .modular_files import Magi2ModularFilesMixin
 from .pipeline_output import Magi2PipelineOutput
 from .presets_magi2 import (
+    CALLBACK_TENSOR_INPUTS,
     DEFAULT_NEGATIVE_PROMPT,
     REFINER_RESOLUTION,
     RESOLUTION_PRESETS,
@@ -45,23 +61,19 @@ from .presets_magi2 import (
     apply_resolution_preset,
     resolve_stage_sizes,
 )
-from .refiner_stage import Magi2RefinerStageConfig, prepare_refiner_latents
+from .refiner_stage import Magi2RefinerStageConfig, prepare_refiner_latents, resolve_refiner_stage_config
 from .sampling_magi2 import (
     cache_context,
     check_scheduler,
     flow_schedulers,
-    pad_text_batch,
+    prepare_latents,
+    preview_forward,
+    refiner_forward,
     unshifted_sigmas,
 )
-from .text_encoding import (
-    DEFAULT_MAX_SEQUENCE_LENGTH,
-    DEFAULT_SKIP_LAYERS,
-    add_figure_reference,
-    apply_cjk_pre_tokenizer_split,
-    encode_prompt_text,
-    repeat_text_per_video,
-)
-from .validation_magi2 import Magi2PipelineChecksMixin, attention_kwargs_for, warn_untrained_sizes
+from .text_conditioning import Magi2PromptEncodingMixin, encode_text_conditioning
+from .text_encoding import DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SKIP_LAYERS, apply_cjk_pre_tokenizer_split
+from .validation_magi2 import Magi2PipelineChecksMixin, warn_untrained_sizes
 
 
 logger = logging.get_logger(__name__)
@@ -82,7 +94,14 @@ def _call_state(name: str, doc: str) -> property:
     return property(operator.attrgetter(f"_{name}"), doc=doc)
 
 
-class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionPipeline, Magi2LoraLoaderMixin):
+class Magi2Pipeline(
+    Magi2ModularFilesMixin,
+    Magi2PipelineChecksMixin,
+    Magi2PromptEncodingMixin,
+    Magi2LatentGeometryMixin,
+    DiffusionPipeline,
+    Magi2LoraLoaderMixin,
+):
     r"""MAGI-2 Preview: a 10 s video with a stereo soundtrack from a prompt, optionally conditioned on an image.
 
     Components:
@@ -114,7 +133,7 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
 
     model_cpu_offload_seq = "text_encoder->transformer->refiner->video_decoder->vae->audio_vae"
     _optional_components = ["vae", "video_decoder", "refiner"]
-    _callback_tensor_inputs = ["latents", "audio_latents", "prompt_embeds", "negative_prompt_embeds"]
+    _callback_tensor_inputs = list(CALLBACK_TENSOR_INPUTS)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
@@ -130,17 +149,8 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         """
         expert_parallel = kwargs.pop("expert_parallel", None)
         context_parallel = kwargs.pop("context_parallel", None)
-        if context_parallel is not None:
-            from ..parallel.context_parallel import resolve_context_parallel
-
-            cp = resolve_context_parallel(context_parallel)  # a bad degree fails here, before any weight loads
-            if expert_parallel is not None and cp.size % expert_parallel.ep_degree:
-                raise ValueError(
-                    f"ep_degree={expert_parallel.ep_degree} must divide the context-parallel degree {cp.size}"
-                )
+        check_parallel_degrees(expert_parallel, context_parallel)  # before any weight loads
         if expert_parallel is not None:
-            from .loading_magi2 import load_pipeline_with_expert_parallel
-
             pipe = load_pipeline_with_expert_parallel(
                 cls, pretrained_model_name_or_path, expert_parallel=expert_parallel, **kwargs
             )
@@ -152,9 +162,7 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
 
     def enable_context_parallel(self, config) -> None:
         """``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))`` on the transformer and the refiner."""
-        for model in (self.transformer, getattr(self, "refiner", None)):
-            if model is not None:
-                model.enable_parallelism(config=config)
+        enable_context_parallel(self, config)
 
     def __init__(
         self,
@@ -214,53 +222,7 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         )
         self._check_components()
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
-        self.reference_image_processor = VideoProcessor(vae_scale_factor=2 * self.vae_scale_factor_spatial)
-
-    # --- Geometry read from the component configs
-
-    def _video_latent_geometry(self, vae_key: str, decoder_key: str, default: int) -> int:
-        """``vae.config[vae_key]``, else ``video_decoder.config[decoder_key]``, else ``default``."""
-        vae = getattr(self, "vae", None)
-        if vae is not None:
-            return int(getattr(vae.config, vae_key))
-        decoder = getattr(self, "video_decoder", None)
-        if decoder is not None and decoder_key in decoder.config:
-            return int(getattr(decoder.config, decoder_key))
-        return default
-
-    @property
-    def vae_scale_factor_spatial(self) -> int:
-        """Pixels per latent cell along H and W (16 for Wan2.2 / TurboVAED)."""
-        return self._video_latent_geometry("scale_factor_spatial", "spatial_compression_ratio", 16)
-
-    @property
-    def vae_scale_factor_temporal(self) -> int:
-        """Frames per latent frame after the first (4)."""
-        return self._video_latent_geometry("scale_factor_temporal", "temporal_compression_ratio", 4)
-
-    @property
-    def num_channels_latents(self) -> int:
-        """Video latent channels (48), from the VAE / video decoder config."""
-        return self._video_latent_geometry("z_dim", "latent_channels", 48)
-
-    @property
-    def num_channels_audio_latents(self) -> int:
-        """Audio latent channels (64), from ``audio_vae.config.decoder_input_channels``."""
-        return int(self.audio_vae.config.decoder_input_channels)
-
-    @property
-    def audio_sample_rate(self) -> int:
-        """Sample rate of the returned audio (``audio_vae.config.sampling_rate``, 44,100)."""
-        return int(self.audio_vae.config.sampling_rate)
-
-    def num_latent_frames(self) -> int:
-        """Video latent length of a ``duration_s`` clip, ``(round(2 duration fps) - 1) // 8 + 1`` (SandAI ``_resolve_lengths``)."""
-        frames = int(round(float(self.config.duration_s) * float(self.config.fps) * 2))
-        return (frames - 1) // (2 * self.vae_scale_factor_temporal) + 1
-
-    def num_audio_latents(self) -> int:
-        """Audio latent length of a ``duration_s`` clip (250)."""
-        return int(round(float(self.config.duration_s) * float(self.config.audio_latent_fps)))
+        self.reference_image_processor = reference_image_processor(self.vae_scale_factor_spatial)
 
     # --- Properties (diffusers conventions)
 
@@ -308,127 +270,32 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         self, num_inference_steps: int | None = None, guidance_scale: float | None = None
     ) -> Magi2RefinerStageConfig:
         """The :class:`Magi2RefinerStageConfig` of a call (``None`` arguments take the config's values)."""
-        cfg = self.config
-        return Magi2RefinerStageConfig(
-            num_inference_steps=int(
-                cfg.refiner_num_inference_steps if num_inference_steps is None else num_inference_steps
-            ),
-            shift=float(cfg.refiner_shift),
-            guidance_scale=float(cfg.refiner_guidance_scale if guidance_scale is None else guidance_scale),
-            noise_value=int(cfg.refiner_noise_value),
-            sigma_start=float(cfg.sigma_start),
-            vae_stride_spatial=self.vae_scale_factor_spatial,
+        return resolve_refiner_stage_config(
+            self.config, self.vae_scale_factor_spatial, num_inference_steps, guidance_scale
         )
 
-    # --- Text
-
-    @torch.no_grad()
-    def encode_text(
-        self,
-        prompt: str | list[str],
-        device: torch.device | str | None = None,
-        figure_target: str | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Qwen3.5 features of each prompt (SandAI ``Qwen35TextEncoder.encode``), zero-padded to the longest.
-
-        Args:
-            prompt: one string or a list; each is normalised and tokenised alone (at most
-                ``max_sequence_length`` tokens, longer ones cut with a warning).
-            device: where to run the text encoder (default: the execution device).
-            figure_target: e.g. ``"<Figure 1>"``: also return the mean feature of its tokens (the image
-                special-token embedding).
-
-        Returns:
-            ``(embeds [B, Lt, C], mask [B, Lt] bool, target_embeds [B, C] or None)``.
-        """
-        device = device or self._execution_device
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        features, pooled = [], []
-        with self._stage_progress_bar(len(prompts), "Encoding text") as progress_bar:
-            for text in prompts:
-                f, target = encode_prompt_text(
-                    self.tokenizer,
-                    self.text_encoder,
-                    text,
-                    device,
-                    int(self.config.max_sequence_length),
-                    int(self.config.text_skip_layers),
-                    figure_target,
-                )
-                features.append(f)
-                pooled.append(target)
-                progress_bar.update()
-        embeds, mask = pad_text_batch(features, [None] * len(features))
-        return embeds, mask, (None if figure_target is None else torch.stack(pooled, 0))
-
-    @torch.no_grad()
-    def encode_prompt(
-        self,
-        prompt: str | list[str] | None,
-        negative_prompt: str | list[str] | None = None,
-        do_classifier_free_guidance: bool = True,
-        num_videos_per_prompt: int = 1,
-        prompt_embeds: torch.Tensor | None = None,
-        negative_prompt_embeds: torch.Tensor | None = None,
-        prompt_attention_mask: torch.Tensor | None = None,
-        negative_prompt_attention_mask: torch.Tensor | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        r"""Text conditioning as Wan / LTX-2 ``encode_prompt``.
-
-        Args:
-            prompt: ``B`` prompts, or ``None`` with ``prompt_embeds`` ``[B, Lt, C]`` and ``prompt_attention_mask``
-                ``[B, Lt]``; the negative pair likewise (default text ``config.negative_prompt``).
-            do_classifier_free_guidance: also return the negative pair.
-            num_videos_per_prompt: ``n``; each prompt's rows are repeated ``n`` times, adjacent.
-            device, dtype: where the text encoder runs and the results live; dtype of the embeddings.
-
-        Returns:
-            ``(prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask)``,
-            ``[B n, Lt, C]`` and ``[B n, Lt]`` bool (the negative pair ``None`` without CFG).
-        """
-        device = device or self._execution_device
-        if prompt_embeds is None:
-            prompt_embeds, prompt_attention_mask, _ = self.encode_text(prompt, device)
-        if do_classifier_free_guidance and negative_prompt_embeds is None:
-            negative = self.config.negative_prompt if negative_prompt is None else negative_prompt
-            negatives = [negative] * prompt_embeds.shape[0] if isinstance(negative, str) else list(negative)
-            negative_prompt_embeds, negative_prompt_attention_mask, _ = self.encode_text(negatives, device)
-
-        prompt_embeds, prompt_attention_mask = repeat_text_per_video(
-            prompt_embeds, prompt_attention_mask, num_videos_per_prompt, device, dtype
-        )
-        if negative_prompt_embeds is not None:
-            negative_prompt_embeds, negative_prompt_attention_mask = repeat_text_per_video(
-                negative_prompt_embeds, negative_prompt_attention_mask, num_videos_per_prompt, device, dtype
-            )
-        return prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask
+    # --- Text (encode_text, encode_prompt: Magi2PromptEncodingMixin)
 
     def _encode_conditioning(self, text: dict, image, image_embeds, need_negative: bool, size: tuple, device) -> list:
         """``__call__``'s image and text step: the I2V image's latent at ``size`` (encoded first, as SandAI does), then
-        :meth:`encode_prompt` on ``text`` (its keyword arguments; I2V prompts get the ``<Figure 1>`` reference and its
-        pooled token). Returns the four text tensors, ``image_embeds`` per video and ``image_latents``
+        :func:`~.text_conditioning.encode_text_conditioning` on ``text`` (:meth:`encode_prompt`'s keyword
+        arguments). Returns the four text tensors, ``image_embeds`` per video and ``image_latents``
         ``[1, 48, 1, h, w]`` (``None`` without an image)."""
         image_latents = None
         if image is not None:
             image_latents = self.encode_reference_image(self.preprocess_reference_image(image, *size)).to(device)
-        return [*self._encode_text_conditioning(text, image, image_embeds, need_negative, device), image_latents]
-
-    def _encode_text_conditioning(self, text: dict, image, image_embeds, need_negative: bool, device) -> list:
-        """The text half of :meth:`_encode_conditioning` (also the modular text-encoder block's step):
-        :meth:`encode_prompt` on ``text``, I2V prompts (``image`` given) with the ``<Figure 1>`` reference and its
-        pooled token. Returns the four text tensors and ``image_embeds`` per video."""
-        if text["prompt"] is not None and image is not None:
-            prompts = [add_figure_reference(p) for p in text["prompt"]]
-            embeds, mask, pooled = self.encode_text(prompts, device, figure_target="<Figure 1>")
-            text = {**text, "prompt": None, "prompt_embeds": embeds, "prompt_attention_mask": mask}
-            image_embeds = pooled if image_embeds is None else image_embeds
-        # The refiner's CFG needs the negative prompt even when the preview runs without CFG (need_negative).
-        embeds = self.encode_prompt(**text, do_classifier_free_guidance=need_negative, device=device)
-        if image_embeds is not None:
-            image_embeds = image_embeds.to(device).repeat_interleave(text["num_videos_per_prompt"], 0)
-        return [*embeds, image_embeds]
+        conditioning = encode_text_conditioning(
+            self.tokenizer,
+            self.text_encoder,
+            image_to_video=image is not None,
+            image_embeds=image_embeds,
+            default_negative_prompt=self.config.negative_prompt,
+            do_classifier_free_guidance=need_negative,
+            device=device,
+            **text,
+            **self._text_options(),
+        )
+        return [*conditioning, image_latents]
 
     def _stage_progress_bar(self, total: int, description: str):
         """A diffusers progress bar labelled with the stage."""
@@ -444,13 +311,10 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         rounding = parse_dtype(self.config.reference_image_dtype, "reference_image_dtype")
         return preprocess_reference_image(image, height, width, self.reference_image_processor, rounding)
 
-    @torch.no_grad()
     def encode_reference_image(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Normalised fp32 mean latent ``[B, 48, 1, H/16, W/16]`` of ``pixels`` ``[B, 3, 1, H, W]`` in [-1, 1]."""
-        vae = self.vae
-        mu = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode().float()
-        mean, inv_std = wan_latent_stats(vae, mu.device)
-        return (mu - mean) * inv_std
+        """Normalised fp32 mean latent ``[B, 48, 1, H/16, W/16]`` of ``pixels`` ``[B, 3, 1, H, W]`` in [-1, 1]
+        (:func:`~.image_processing_magi2.encode_reference_image`)."""
+        return encode_reference_image(self.vae, pixels)
 
     # --- Latents
 
@@ -467,21 +331,12 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         num_audio_latents: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Initial fp32 noise: video ``[B, 48, T, H/16, W/16]`` drawn first, then audio ``[B, L, 64]`` (SandAI's
-        draw order); given tensors are moved and cast. T and L default to the ``duration_s`` clip."""
-        scale = self.vae_scale_factor_spatial
-        frames = self.num_latent_frames() if num_latent_frames is None else int(num_latent_frames)
-        audio_len = self.num_audio_latents() if num_audio_latents is None else int(num_audio_latents)
-        if latents is None:
-            shape = (batch_size, self.num_channels_latents, frames, height // scale, width // scale)
-            latents = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=torch.float32)
-        else:
-            latents = latents.to(device=device, dtype=torch.float32)
-        if audio_latents is None:
-            shape = (batch_size, audio_len, self.num_channels_audio_latents)
-            audio_latents = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=torch.float32)
-        else:
-            audio_latents = audio_latents.to(device=device, dtype=torch.float32)
-        return latents, audio_latents
+        draw order; :func:`~.sampling_magi2.prepare_latents`); given tensors are moved and cast. T and L default to
+        the ``duration_s`` clip."""
+        geometry = self.latent_geometry()
+        lengths = {"num_frames": num_latent_frames, "num_audio_latents": num_audio_latents}
+        geometry = dataclasses.replace(geometry, **{k: int(v) for k, v in lengths.items() if v is not None})
+        return prepare_latents(batch_size, height, width, geometry, device, generator, latents, audio_latents)
 
     # --- Decoding
 
@@ -643,23 +498,12 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
             "prompt_attention_mask": prompt_attention_mask,
             "negative_prompt_attention_mask": negative_prompt_attention_mask,
         }
-        (
-            prompt_embeds,
-            prompt_attention_mask,
-            negative_prompt_embeds,
-            negative_prompt_attention_mask,
-            image_embeds,
-            image_latents,
-        ) = self._on_first_cp_rank(
-            self._encode_conditioning,
-            text,
-            image,
-            image_embeds,
-            need_negative,
-            (denoise_height, denoise_width),
-            device,
-            broadcast=True,
+        size = (denoise_height, denoise_width)
+        encoded = self._on_first_cp_rank(
+            self._encode_conditioning, text, image, image_embeds, need_negative, size, device, broadcast=True
         )
+        prompt_embeds, prompt_attention_mask, negative_prompt_embeds, negative_prompt_attention_mask = encoded[:4]
+        image_embeds, image_latents = encoded[4:]
         if image_latents is not None:
             image_latents = image_latents.expand(num_videos, -1, -1, -1, -1)
 
@@ -684,7 +528,10 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         }
         callbacks = (callback_on_step_end, callback_on_step_end_tensor_inputs)
         schedulers = {"latents": video_scheduler, "audio_latents": audio_scheduler}
-        self._denoise(self.transformer, timesteps, tensors, schedulers, conditioning, "Denoising", *callbacks)
+        self._denoise(
+            self.transformer, timesteps, tensors, schedulers, conditioning, "Denoising", *callbacks,
+            velocities=self._preview_velocities,
+        )  # fmt: skip
 
         # 6. refiner stage; its re-noise continues the generator after the preview draws
         fps = float(self.config.fps)
@@ -695,7 +542,10 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
             conditioning["guidance_scale"] = refiner_config.guidance_scale
             schedulers = {"latents": refiner_scheduler}
             timesteps = refiner_scheduler.timesteps
-            self._denoise(self.refiner, timesteps, tensors, schedulers, conditioning, "Refining", *callbacks)
+            self._denoise(
+                self.refiner, timesteps, tensors, schedulers, conditioning, "Refining", *callbacks,
+                velocities=self._refiner_velocities,
+            )  # fmt: skip
             fps = 2.0 * fps
         latents, audio_latents = tensors["latents"], tensors["audio_latents"]
 
@@ -729,14 +579,10 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         """``__call__``'s decoding step: ``(frames in output_type, audio)``, the frames resized if asked."""
         with self._stage_progress_bar(2, "Decoding video and audio") as progress_bar:
             video = self.decode_video(latents)
-            if output_height is not None:
-                video = resize_video_frames(video, output_height, output_width)
-            frames = self.video_processor.postprocess_video(video, output_type=output_type)
+            frames = postprocess_video_frames(video, output_type, output_height, output_width, self.video_processor)
             progress_bar.update()
-            audio = self.decode_audio(audio_latents)
+            audio = postprocess_audio(self.decode_audio(audio_latents), output_type)
             progress_bar.update()
-        if output_type == "pt":
-            audio = torch.from_numpy(audio)
         return frames, audio
 
     def _denoise(
@@ -749,14 +595,17 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         description: str,
         callback_on_step_end,
         callback_on_step_end_tensor_inputs,
+        *,
+        velocities: Callable,
     ) -> dict:
-        """The sampler of both stages (``model`` is the transformer or the refiner), as diffusers' Wan loop.
+        """The loop of both stages (``model`` is the transformer or the refiner), as diffusers' Wan loop.
 
-        Per step ``t``: the guided velocity of each latent in ``schedulers``, each forward in its cache context (the
-        preview: one forward on ``[cond; uncond]``, :meth:`predict_velocity`; the refiner: cond then uncond, one
-        forward per sample, no timestep and no audio), one scheduler step per latent, then the step
-        callback, which may replace any entry of ``tensors`` (the step table, updated in place and returned).
-        ``conditioning`` holds the masks and I2V tensors (and the refiner's ``guidance_scale``).
+        Per step ``t``: ``velocities(model, t, tensors, conditioning, context)`` gives the guided velocity of each
+        latent in ``schedulers`` (:meth:`_preview_velocities` or :meth:`_refiner_velocities`; ``context``:
+        step_index, num_inference_steps, timestep, for the forwards' cache contexts), one scheduler step per
+        latent, then the step callback, which may replace any entry of ``tensors`` (the step table, updated in
+        place and returned). ``conditioning`` holds the masks and I2V tensors (and the refiner's
+        ``guidance_scale``).
         """
         self._num_timesteps = len(timesteps)
         with self._stage_progress_bar(len(timesteps), description) as progress_bar:
@@ -765,8 +614,8 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
                     continue
                 self._current_timestep = t
                 context = {"step_index": i, "num_inference_steps": len(timesteps), "timestep": t}
-                velocities = self._step_velocities(model, t, tensors, conditioning, context)
-                for name, velocity in velocities.items():
+                step = velocities(model, t, tensors, conditioning, context)
+                for name, velocity in step.items():
                     tensors[name] = schedulers[name].step(velocity, t, tensors[name], return_dict=False)[0]
                 if callback_on_step_end is not None:
                     inputs = {name: tensors[name] for name in callback_on_step_end_tensor_inputs}
@@ -776,59 +625,34 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         self._current_timestep = None
         return tensors
 
-    def _step_velocities(self, model, t, tensors: dict, conditioning: dict, context: dict) -> dict:
-        """One step's guided velocity of each latent (the body of :meth:`_denoise`'s loop, also the modular
-        denoiser blocks' step): the preview's :meth:`predict_velocity` for ``self.transformer``, else the refiner's
-        cond/uncond forwards per sample and CFG; every forward in its cache context (``context``: step_index,
-        num_inference_steps, timestep)."""
-        refining = model is not self.transformer
-        if not refining:
-            branch = "cond_uncond" if self.do_classifier_free_guidance else "cond"
-            with cache_context(model, branch, **context):
-                video, audio = self.predict_velocity(
-                    tensors["latents"],
-                    tensors["audio_latents"],
-                    t,
-                    tensors["prompt_embeds"],
-                    conditioning["prompt_attention_mask"],
-                    tensors["negative_prompt_embeds"],
-                    conditioning["negative_prompt_attention_mask"],
-                    conditioning["image_latents"],
-                    conditioning["image_embeds"],
-                )
-            velocities = {"latents": video, "audio_latents": audio}
-        else:
-            # cond then uncond text (only uncond at scale 0, only cond at 1); the refiner runs the samples of
-            # a batch one by one through its blocks, so each sample's forward has its own cache context
-            g = conditioning["guidance_scale"]
-            branches = ("uncond",) if g == 0.0 else ("cond",) if g == 1.0 else ("cond", "uncond")
-            latents = tensors["latents"]
-            batch = latents.shape[0]
-            attention_kwargs = attention_kwargs_for(model, self.attention_kwargs)
-            branch_velocity = {}
-            for branch in branches:
-                prefix = "negative_" if branch == "uncond" else ""
-                embeds = tensors[f"{prefix}prompt_embeds"]
-                mask = conditioning[f"{prefix}prompt_attention_mask"]
-                rows = []
-                for b in range(batch):
-                    with cache_context(model, f"{branch}_{b}", **context):
-                        output = model(
-                            hidden_states=latents[b : b + 1],
-                            encoder_hidden_states=embeds[b : b + 1],
-                            encoder_attention_mask=None if mask is None else mask[b : b + 1],
-                            attention_kwargs=attention_kwargs,
-                            return_dict=True,
-                        )
-                    rows.append(output.sample.float())
-                branch_velocity[branch] = torch.cat(rows, dim=0)
-            if len(branches) == 1:
-                velocities = {"latents": branch_velocity[branches[0]]}
-            else:
-                scale = torch.tensor(float(g), dtype=torch.float32, device=latents.device)
-                v_c, v_u = branch_velocity["cond"], branch_velocity["uncond"]
-                velocities = {"latents": v_u + scale * (v_c - v_u)}
-        return velocities
+    def _preview_velocities(self, model, t, tensors: dict, conditioning: dict, context: dict) -> dict:
+        """A preview step's guided video and audio velocities: :meth:`predict_velocity` in one cache context."""
+        branch = "cond_uncond" if self.do_classifier_free_guidance else "cond"
+        with cache_context(model, branch, **context):
+            video, audio = self.predict_velocity(
+                tensors["latents"], tensors["audio_latents"], t,
+                tensors["prompt_embeds"], conditioning["prompt_attention_mask"],
+                tensors["negative_prompt_embeds"], conditioning["negative_prompt_attention_mask"],
+                conditioning["image_latents"], conditioning["image_embeds"],
+            )  # fmt: skip
+        return {"latents": video, "audio_latents": audio}
+
+    def _refiner_velocities(self, model, t, tensors: dict, conditioning: dict, context: dict) -> dict:
+        """A refiner step's guided video velocity: :func:`~.sampling_magi2.refiner_forward` for the cond, then the
+        uncond text (only uncond at scale 0, only cond at 1), combined by CFG at the stage's ``guidance_scale``."""
+        g = conditioning["guidance_scale"]
+        branches = ("uncond",) if g == 0.0 else ("cond",) if g == 1.0 else ("cond", "uncond")
+        latents = tensors["latents"]
+        predicted = {}
+        for branch in branches:
+            prefix = "negative_" if branch == "uncond" else ""
+            embeds, mask = tensors[f"{prefix}prompt_embeds"], conditioning[f"{prefix}prompt_attention_mask"]
+            predicted[branch] = refiner_forward(model, latents, embeds, mask, self.attention_kwargs, branch, context)
+        if len(branches) == 1:
+            return {"latents": predicted[branches[0]]}
+        scale = torch.tensor(float(g), dtype=torch.float32, device=latents.device)
+        v_c, v_u = predicted["cond"], predicted["uncond"]
+        return {"latents": v_u + scale * (v_c - v_u)}
 
     @torch.no_grad()
     def predict_velocity(
@@ -843,40 +667,20 @@ class Magi2Pipeline(Magi2ModularFilesMixin, Magi2PipelineChecksMixin, DiffusionP
         image_latents,
         image_embeds,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One transformer forward on ``[cond; uncond]`` and the CFG combination (SandAI
-        ``Magi2PreviewSampler.prepare_model_input``/``cfg_velocity``, ``use_ref_for_uncond``): the halves differ
-        only in the text.
+        """One transformer forward on ``[cond; uncond]`` (:func:`~.sampling_magi2.preview_forward`) and the CFG
+        combination (SandAI ``Magi2PreviewSampler.cfg_velocity``): the halves differ only in the text.
 
         Returns guided fp32 ``(video [B, 48, T, h, w], audio [B, L, 64])`` velocities; the arguments are the step's
         latents, timestep (0-1000), text pairs and I2V conditioning.
         """
-        batch = latents.shape[0]
         cfg = self.do_classifier_free_guidance
-        copies = 2 if cfg else 1
-        if cfg:
-            text, mask = pad_text_batch(
-                [prompt_embeds, negative_prompt_embeds], [prompt_attention_mask, negative_prompt_attention_mask]
-            )
-        else:
-            text, mask = prompt_embeds, prompt_attention_mask
-        timestep = t.to(device=latents.device, dtype=torch.float32).reshape(1).expand(copies * batch)
-        kwargs = {}
-        if image_latents is not None:
-            kwargs["image_latents"] = torch.cat([image_latents] * copies, dim=0)
-            kwargs["image_embeds"] = torch.cat([image_embeds] * copies, dim=0)
-        output = self.transformer(
-            hidden_states=torch.cat([latents] * copies, dim=0),
-            timestep=timestep,
-            encoder_hidden_states=text,
-            audio_hidden_states=torch.cat([audio_latents] * copies, dim=0),
-            encoder_attention_mask=mask,
-            attention_kwargs=attention_kwargs_for(self.transformer, self.attention_kwargs),
-            return_dict=True,
-            **kwargs,
-        )
-        video = output.sample.float()
-        audio = output.audio_sample.float()
+        texts = [prompt_embeds, negative_prompt_embeds] if cfg else [prompt_embeds]
+        masks = [prompt_attention_mask, negative_prompt_attention_mask] if cfg else [prompt_attention_mask]
+        video, audio = preview_forward(
+            self.transformer, latents, audio_latents, t, texts, masks, image_latents, image_embeds,
+            self.attention_kwargs,
+        )  # fmt: skip
         if not cfg:
-            return video, audio
-        video = video[batch:] + self.guidance_scale * (video[:batch] - video[batch:])
-        return video, audio[batch:] + self.audio_guidance_scale * (audio[:batch] - audio[batch:])
+            return video[0], audio[0]
+        (v_c, v_u), (a_c, a_u) = video, audio
+        return v_u + self.guidance_scale * (v_c - v_u), a_u + self.audio_guidance_scale * (a_c - a_u)

@@ -1,5 +1,5 @@
-"""MAGI-2 pipeline presets: the built-in negative prompt, the trained and ``resolution=`` sizes, and the
-allowed ``output_type`` values.
+"""MAGI-2 pipeline presets: the component names, the built-in negative prompt, the trained and ``resolution=``
+sizes, the allowed ``output_type`` values and the tensors a step callback may read.
 
 Values follow SandAI ``inference_engine.py`` / ``entry.py`` at commit ``f68a0f9``.
 """
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 
 __all__ = [
+    "CALLBACK_TENSOR_INPUTS",
+    "COMPONENT_NAMES",
     "DEFAULT_NEGATIVE_PROMPT",
     "OUTPUT_TYPES",
     "REFINER_RESOLUTION",
@@ -16,6 +18,21 @@ __all__ = [
     "apply_resolution_preset",
     "resolve_stage_sizes",
 ]
+
+#: The pipeline's components, in ``Magi2Pipeline.__init__``'s order (the last three are optional).
+COMPONENT_NAMES = (
+    "tokenizer",
+    "text_encoder",
+    "transformer",
+    "audio_vae",
+    "scheduler",
+    "vae",
+    "video_decoder",
+    "refiner",
+)
+
+#: The step tensors ``callback_on_step_end_tensor_inputs`` may name (both pipelines' ``_callback_tensor_inputs``).
+CALLBACK_TENSOR_INPUTS = ("latents", "audio_latents", "prompt_embeds", "negative_prompt_embeds")
 
 #: SandAI's built-in negative prompt (``inference_engine.py``): visual, audio and voice defects.
 DEFAULT_NEGATIVE_PROMPT = (

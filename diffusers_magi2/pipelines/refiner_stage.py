@@ -1,5 +1,5 @@
 """The 1080p refiner stage of MAGI-2 (SandAI ``Magi2InferenceEngine.evaluate_magi2_refiner_with_latent``), as plain
-functions; ``Magi2Pipeline._denoise`` runs its loop.
+functions; ``Magi2Pipeline`` and the modular refiner step run its loop (the step: :func:`~.sampling_magi2.refiner_forward`).
 
 On the final preview video latent ``[B, 48, T, h, w]`` (:func:`prepare_refiner_latents`):
 
@@ -17,7 +17,7 @@ combined as ``v = v_u + g (v_c - v_u)``. The settings come from the pipeline's c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from .sampling_magi2 import unshifted_sigmas
 
 __all__ = [
     "Magi2RefinerStageConfig",
+    "resolve_refiner_stage_config",
     "zero_snr_refiner_sigmas",
     "refiner_renoise_scale",
     "refiner_latent_size",
@@ -58,6 +59,32 @@ class Magi2RefinerStageConfig:
     noise_value: int
     sigma_start: float
     vae_stride_spatial: int
+
+
+def resolve_refiner_stage_config(
+    config: Mapping[str, Any],
+    vae_stride_spatial: int,
+    num_inference_steps: int | None = None,
+    guidance_scale: float | None = None,
+) -> Magi2RefinerStageConfig:
+    """The :class:`Magi2RefinerStageConfig` of a call.
+
+    Args:
+        config: the pipeline config (``refiner_num_inference_steps``, ``refiner_shift``, ``refiner_guidance_scale``,
+            ``refiner_noise_value``, ``sigma_start``).
+        vae_stride_spatial: pixels per latent cell.
+        num_inference_steps, guidance_scale: the call's values; ``None`` takes the config's.
+    """
+    steps = config["refiner_num_inference_steps"] if num_inference_steps is None else num_inference_steps
+    scale = config["refiner_guidance_scale"] if guidance_scale is None else guidance_scale
+    return Magi2RefinerStageConfig(
+        num_inference_steps=int(steps),
+        shift=float(config["refiner_shift"]),
+        guidance_scale=float(scale),
+        noise_value=int(config["refiner_noise_value"]),
+        sigma_start=float(config["sigma_start"]),
+        vae_stride_spatial=int(vae_stride_spatial),
+    )
 
 
 def zero_snr_refiner_sigmas(

@@ -1,21 +1,33 @@
-"""Argument and component checks of ``Magi2Pipeline``: :class:`Magi2PipelineChecksMixin` (its
-``check_inputs`` and the construction-time component fit check) and the pure checks it runs.
+"""Argument and component checks of a MAGI-2 call, shared by ``Magi2Pipeline`` (:class:`Magi2PipelineChecksMixin`)
+and the modular input step: :func:`check_call_inputs`, :func:`check_component_fits` and the pure checks they run.
 
-``check_inputs`` takes ``__call__``'s arguments by keyword and hands each concern only what it needs,
-so every bad argument raises a ``ValueError`` (``TypeError`` for none here) before any work starts.
+:func:`check_call_inputs` takes ``__call__``'s arguments by keyword, with the pipeline's components and config
+given explicitly, and hands each concern only what it needs, so every bad argument raises a ``ValueError``
+(``TypeError`` for none here) before any work starts. A component check reads only the components the pipeline
+has: ``Magi2Pipeline`` has all eight (``None`` when not loaded); a modular pipeline has those its blocks declare.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import PIL.Image
 from diffusers.utils import logging
 
 from ..models.attention_magi2 import check_attention_kwargs
+from .geometry_magi2 import latent_geometry
 from .image_processing_magi2 import IMAGE_TYPES
-from .presets_magi2 import OUTPUT_TYPES, REFINER_RESOLUTION, TRAINED_RESOLUTIONS
+from .presets_magi2 import (
+    CALLBACK_TENSOR_INPUTS,
+    COMPONENT_NAMES,
+    OUTPUT_TYPES,
+    REFINER_RESOLUTION,
+    TRAINED_RESOLUTIONS,
+    resolve_stage_sizes,
+)
+from .refiner_stage import resolve_refiner_stage_config
 
 
 logger = logging.get_logger(__name__)
@@ -23,8 +35,10 @@ logger = logging.get_logger(__name__)
 __all__ = [
     "COMPONENT_FITS",
     "Magi2PipelineChecksMixin",
-    "attention_kwargs_for",
     "check_batch_sizes",
+    "check_call_inputs",
+    "check_component_fits",
+    "check_guidance_scales",
     "check_per_video_inputs",
     "warn_untrained_sizes",
     "check_output_size",
@@ -45,16 +59,6 @@ def check_sizes(height, width, preview_height=None, preview_width=None) -> None:
             raise ValueError(
                 f"{name} must be a positive multiple of 16 (512x896 for the released model); got {value!r}"
             )
-
-
-def attention_kwargs_for(model, attention_kwargs):
-    """The keys of ``attention_kwargs`` that ``model`` declares (all for an undeclaring model), or ``None``."""
-    if not attention_kwargs:
-        return None
-    supported = getattr(model, "supported_attention_kwargs", None)
-    if supported is None:
-        return attention_kwargs
-    return {k: v for k, v in attention_kwargs.items() if k in supported} or None
 
 
 def check_output_size(output_height, output_width, output_type) -> None:
@@ -124,14 +128,18 @@ def check_negative_prompt_inputs(
             )
 
 
-def check_sampling_inputs(num_inference_steps, num_videos_per_prompt, guidance_scale, audio_guidance_scale) -> None:
-    """Steps ≥ 1, videos per prompt ≥ 1, finite guidance scales ≥ 0."""
+def check_sampling_inputs(num_inference_steps, num_videos_per_prompt) -> None:
+    """Steps ≥ 1, videos per prompt ≥ 1."""
     for name, value in (
         ("num_inference_steps", num_inference_steps),
         ("num_videos_per_prompt", num_videos_per_prompt),
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+
+
+def check_guidance_scales(guidance_scale, audio_guidance_scale) -> None:
+    """Finite guidance scales ≥ 0 (``Magi2Pipeline``'s; a modular pipeline's scales are its guiders')."""
     for name, value in (("guidance_scale", guidance_scale), ("audio_guidance_scale", audio_guidance_scale)):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0 (1 disables guidance); got {value!r}")
@@ -209,236 +217,301 @@ COMPONENT_FITS = (
 )
 
 
-class Magi2PipelineChecksMixin:
-    """The checks of ``Magi2Pipeline`` that read its components and config (mixed into the pipeline)."""
+def check_component_fits(components: Mapping[str, Any]) -> None:
+    """Each :data:`COMPONENT_FITS` pair present on both sides of ``components`` (name -> component) agrees.
 
-    def check_inputs(
-        self,
-        *,
-        prompt=None,
-        negative_prompt=None,
-        image=None,
-        height=512,
-        width=896,
-        num_inference_steps=100,
-        guidance_scale=5.0,
-        audio_guidance_scale=7.0,
-        prompt_embeds=None,
-        prompt_attention_mask=None,
-        negative_prompt_embeds=None,
-        negative_prompt_attention_mask=None,
-        image_embeds=None,
-        output_type="np",
-        callback_on_step_end_tensor_inputs=None,
-        latents=None,
-        audio_latents=None,
-        preview_height=None,
-        preview_width=None,
-        output_height=None,
-        output_width=None,
-        refiner_num_inference_steps=None,
-        refiner_guidance_scale=None,
-        attention_kwargs=None,
-        num_videos_per_prompt=1,
-        generator=None,
-    ) -> None:
-        """Reject bad ``__call__`` arguments (same names and defaults) with a ``ValueError`` before any work
-        starts; the rules are listed under ``Raises`` in ``Magi2Pipeline.__call__``."""
-        check_sizes(height, width, preview_height, preview_width)
-        refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
-        self._check_refiner_inputs(
-            refine, height, width, refiner_num_inference_steps, refiner_guidance_scale, negative_prompt_embeds
-        )
-        self._check_attention_kwargs(attention_kwargs, refine)
-        check_output_size(output_height, output_width, output_type)
-        check_sampling_inputs(num_inference_steps, num_videos_per_prompt, guidance_scale, audio_guidance_scale)
-        self._check_output_inputs(output_type, callback_on_step_end_tensor_inputs)
-        check_prompt_inputs(prompt, prompt_embeds, prompt_attention_mask)
-        check_negative_prompt_inputs(
-            negative_prompt, negative_prompt_embeds, negative_prompt_attention_mask, prompt_embeds
-        )
-        self._check_image_inputs(image, prompt_embeds, image_embeds)
-        # batch size and text width, checked here so that nothing is encoded before a mismatch raises
-        batch = check_batch_sizes(prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds)
-        check_per_video_inputs(prompt, batch, num_videos_per_prompt, latents, audio_latents, generator)
-        self._check_text_widths(prompt_embeds, negative_prompt_embeds, image_embeds)
-        self._check_latents_and_decoder(output_type, latents, audio_latents, refine, denoise_height, denoise_width)
-
-    def _check_refiner_inputs(
-        self, refine: bool, height, width, refiner_num_inference_steps, refiner_guidance_scale, negative_prompt_embeds
-    ) -> None:
-        """The two-stage path's component and settings (refused on a single-stage call)."""
-        if refine and getattr(self, "refiner", None) is None:
-            if (height, width) == REFINER_RESOLUTION:
-                what = (
-                    "1088x1920 (1080p) is produced by the MAGI-2 refiner stage (preview at 512x896, then the refiner)"
-                )
-            else:
-                what = "preview_height/preview_width select the two-stage path (preview, then the refiner stage)"
+    Raises:
+        ValueError: naming both config fields and their values.
+    """
+    for component, field, model, model_field, what in COMPONENT_FITS:
+        have = _config_value(components.get(component), field)
+        want = _config_value(components.get(model), model_field)
+        if have is not None and want is not None and have != want:
             raise ValueError(
-                f"{what}, which needs the `refiner` component (Magi2RefinerTransformer3DModel), and this pipeline has "
-                "none: load a repo converted with the refiner or pass refiner=...; or use height=512, width=896 "
-                "(or 256x448) without preview_height/preview_width"
-            )
-        if refine:
-            if refiner_num_inference_steps is not None and (
-                not isinstance(refiner_num_inference_steps, int)
-                or isinstance(refiner_num_inference_steps, bool)
-                or refiner_num_inference_steps < 1
-            ):
-                raise ValueError(
-                    f"refiner_num_inference_steps must be an integer >= 1 (released: 5); got {refiner_num_inference_steps!r}"
-                )
-            if refiner_guidance_scale is not None and (
-                not isinstance(refiner_guidance_scale, (int, float))
-                or isinstance(refiner_guidance_scale, bool)
-                or not np.isfinite(refiner_guidance_scale)
-                or refiner_guidance_scale < 0
-            ):
-                raise ValueError(
-                    f"refiner_guidance_scale must be a finite number >= 0 (released: 2.0); got {refiner_guidance_scale!r}"
-                )
-            stage_cfg = self.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale)
-            if (
-                stage_cfg.guidance_scale != 1.0
-                and negative_prompt_embeds is None
-                and (getattr(self, "tokenizer", None) is None or getattr(self, "text_encoder", None) is None)
-            ):
-                raise ValueError(
-                    f"the refiner stage runs CFG (refiner_guidance_scale={stage_cfg.guidance_scale}) and needs the negative "
-                    "prompt's embeddings even when the preview runs without CFG: pass negative_prompt_embeds and "
-                    "negative_prompt_attention_mask, or load the tokenizer and text_encoder"
-                )
-        elif refiner_num_inference_steps is not None or refiner_guidance_scale is not None:
-            raise ValueError(
-                "refiner_num_inference_steps/refiner_guidance_scale only apply to the two-stage refiner path "
-                "(height=1088, width=1920, resolution='1080p', or preview_height/preview_width)"
+                f"{component}.config.{field} is {have} but {model}.config.{model_field} is {want}: the {what} of "
+                f"the {component} must equal the {model}'s; load components converted for the same MAGI-2 model"
             )
 
-    def _attention_models(self, refine: bool) -> list:
-        """The models a call runs: the transformer, plus the refiner on the two-stage path."""
-        models = [self.transformer]
-        if refine and getattr(self, "refiner", None) is not None:
-            models.append(self.refiner)
-        return models
 
-    def _check_attention_kwargs(self, attention_kwargs, refine: bool) -> None:
-        """Every ``attention_kwargs`` key is declared by a model of this call (an undeclaring model checks its own)."""
-        declared = [getattr(m, "supported_attention_kwargs", None) for m in self._attention_models(refine)]
-        if any(d is None for d in declared):
-            supported = list(attention_kwargs) if isinstance(attention_kwargs, dict) else []
+def check_call_inputs(
+    components: Mapping[str, Any],
+    config: Mapping[str, Any],
+    *,
+    pipeline_name: str = "Magi2Pipeline",
+    callback_tensor_inputs: Sequence[str] = CALLBACK_TENSOR_INPUTS,
+    prompt=None,
+    negative_prompt=None,
+    image=None,
+    height=512,
+    width=896,
+    num_inference_steps=100,
+    prompt_embeds=None,
+    prompt_attention_mask=None,
+    negative_prompt_embeds=None,
+    negative_prompt_attention_mask=None,
+    image_embeds=None,
+    output_type="np",
+    callback_on_step_end_tensor_inputs=None,
+    latents=None,
+    audio_latents=None,
+    preview_height=None,
+    preview_width=None,
+    output_height=None,
+    output_width=None,
+    refiner_num_inference_steps=None,
+    refiner_guidance_scale=None,
+    attention_kwargs=None,
+    num_videos_per_prompt=1,
+    generator=None,
+) -> None:
+    """Reject a bad MAGI-2 call (``Magi2Pipeline.__call__``'s arguments, same names and defaults, but the guidance
+    scales: :func:`check_guidance_scales`) with a ``ValueError`` before any work starts.
+
+    Args:
+        components: the pipeline's components by name (:data:`~.presets_magi2.COMPONENT_NAMES`; ``None`` for one
+            not loaded). A name missing from the mapping is not part of this pipeline: nothing that needs it is
+            checked (a modular pipeline of the text blocks alone has no decoder to require).
+        config: the pipeline config (``preview_height``/``preview_width``, the ``refiner_*`` settings,
+            ``sigma_start``, ``duration_s``, ``fps``, ``audio_latent_fps``).
+        pipeline_name: named in the ``attention_kwargs`` errors.
+        callback_tensor_inputs: what ``callback_on_step_end_tensor_inputs`` may name.
+        The rest: the call's arguments (keyword only).
+
+    Raises:
+        ValueError: the rules listed under ``Raises`` in ``Magi2Pipeline.__call__``.
+    """
+    check_sizes(height, width, preview_height, preview_width)
+    geometry = latent_geometry(
+        components.get("vae"),
+        components.get("video_decoder"),
+        components.get("audio_vae"),
+        duration_s=config["duration_s"],
+        fps=config["fps"],
+        audio_latent_fps=config["audio_latent_fps"],
+    )
+    default_preview = (int(config["preview_height"]), int(config["preview_width"]))
+    refine, denoise_height, denoise_width = resolve_stage_sizes(
+        height, width, preview_height, preview_width, default_preview
+    )
+    _check_refiner_inputs(
+        components,
+        resolve_refiner_stage_config(config, geometry.spatial_scale, None, refiner_guidance_scale).guidance_scale,
+        refine,
+        (height, width),
+        refiner_num_inference_steps,
+        refiner_guidance_scale,
+        negative_prompt_embeds,
+    )
+    _check_attention_kwargs(components, pipeline_name, attention_kwargs, refine)
+    check_output_size(output_height, output_width, output_type)
+    check_sampling_inputs(num_inference_steps, num_videos_per_prompt)
+    _check_output_inputs(output_type, callback_on_step_end_tensor_inputs, callback_tensor_inputs)
+    check_prompt_inputs(prompt, prompt_embeds, prompt_attention_mask)
+    check_negative_prompt_inputs(
+        negative_prompt, negative_prompt_embeds, negative_prompt_attention_mask, prompt_embeds
+    )
+    _check_image_inputs(components, image, prompt_embeds, image_embeds)
+    # batch size and text width, checked here so that nothing is encoded before a mismatch raises
+    batch = check_batch_sizes(prompt, prompt_embeds, negative_prompt, negative_prompt_embeds, image_embeds)
+    check_per_video_inputs(prompt, batch, num_videos_per_prompt, latents, audio_latents, generator)
+    _check_text_widths(components, prompt_embeds, negative_prompt_embeds, image_embeds)
+    _check_latents_and_decoder(
+        components, geometry, config, output_type, latents, audio_latents, refine, denoise_height, denoise_width
+    )
+
+
+def _check_refiner_inputs(
+    components,
+    stage_guidance_scale: float,
+    refine: bool,
+    size,
+    refiner_num_inference_steps,
+    refiner_guidance_scale,
+    negative_prompt_embeds,
+) -> None:
+    """The two-stage path's component and settings (refused on a single-stage call)."""
+    if refine and "refiner" in components and components["refiner"] is None:
+        if tuple(size) == REFINER_RESOLUTION:
+            what = "1088x1920 (1080p) is produced by the MAGI-2 refiner stage (preview at 512x896, then the refiner)"
         else:
-            supported = sorted({k for d in declared for k in d})
-        check_attention_kwargs(type(self).__name__, attention_kwargs, supported)
-
-    def _check_output_inputs(self, output_type, callback_on_step_end_tensor_inputs) -> None:
-        """A known ``output_type``; callback tensor names from ``self._callback_tensor_inputs``."""
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}; got {output_type!r}")
-        if callback_on_step_end_tensor_inputs is not None:
-            bad = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
-            if bad:
-                raise ValueError(
-                    f"callback_on_step_end_tensor_inputs may only name {self._callback_tensor_inputs}; got {bad}"
-                )
-
-    def _check_image_inputs(self, image, prompt_embeds, image_embeds) -> None:
-        """``image`` type/shape/path, the ``vae`` it needs, and ``image_embeds`` (only with ``image``, ``[B, C]``,
-        required with ``prompt_embeds``)."""
-        if image is not None:
-            if not isinstance(image, (PIL.Image.Image, str, os.PathLike, np.ndarray)):
-                raise ValueError(f"image must be a {IMAGE_TYPES}; got {type(image).__name__}")
-            if isinstance(image, np.ndarray) and (image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8):
-                raise ValueError(f"a numpy image must be uint8 [H, W, 3] (RGB); got {image.dtype} {image.shape}")
-            if isinstance(image, (str, os.PathLike)) and not os.path.isfile(image):
-                raise ValueError(f"image path {os.fspath(image)!r} is not an existing file")
-            if getattr(self, "vae", None) is None:
-                raise ValueError("image-to-video needs the `vae` component (AutoencoderKLWan) to encode the image")
-            if prompt_embeds is not None and image_embeds is None:
-                raise ValueError(
-                    "image with prompt_embeds also needs image_embeds (the <Figure 1> special-token embedding, "
-                    "[batch, channels]); or pass prompt instead of prompt_embeds"
-                )
-        elif image_embeds is not None:
-            raise ValueError("image_embeds is only used with image (image-to-video); pass image too")
-        if image_embeds is not None and image_embeds.ndim != 2:
-            raise ValueError(f"image_embeds must be [batch, channels]; got shape {tuple(image_embeds.shape)}")
-
-    def _check_text_widths(self, prompt_embeds, negative_prompt_embeds, image_embeds) -> None:
-        """Given embeddings have the ``text_in_channels`` of the transformer (and of the refiner)."""
-        text_widths = {}
-        for component in ("transformer", "refiner"):
-            model = getattr(self, component, None)
-            width = getattr(getattr(model, "config", None), "text_in_channels", None)
-            if width is not None:
-                text_widths[component] = int(width)
-        for name, tensor in (
-            ("prompt_embeds", prompt_embeds),
-            ("negative_prompt_embeds", negative_prompt_embeds),
-            ("image_embeds", image_embeds),
+            what = "preview_height/preview_width select the two-stage path (preview, then the refiner stage)"
+        raise ValueError(
+            f"{what}, which needs the `refiner` component (Magi2RefinerTransformer3DModel), and this pipeline has "
+            "none: load a repo converted with the refiner or pass refiner=...; or use height=512, width=896 "
+            "(or 256x448) without preview_height/preview_width"
+        )
+    if refine:
+        if refiner_num_inference_steps is not None and (
+            not isinstance(refiner_num_inference_steps, int)
+            or isinstance(refiner_num_inference_steps, bool)
+            or refiner_num_inference_steps < 1
         ):
-            if tensor is None:
-                continue
-            for component, width in text_widths.items():
-                if tensor.shape[-1] != width:
-                    raise ValueError(
-                        f"{name} has {tensor.shape[-1]} channels; {component}.config.text_in_channels allows "
-                        f"only {width} (the text encoder's hidden size)"
-                    )
-
-    def _check_latents_and_decoder(
-        self, output_type, latents, audio_latents, refine: bool, denoise_height: int, denoise_width: int
-    ) -> None:
-        """A video decoder for decoded output; given latents fit the (preview) stage's size."""
+            raise ValueError(
+                f"refiner_num_inference_steps must be an integer >= 1 (released: 5); got {refiner_num_inference_steps!r}"
+            )
+        if refiner_guidance_scale is not None and (
+            not isinstance(refiner_guidance_scale, (int, float))
+            or isinstance(refiner_guidance_scale, bool)
+            or not np.isfinite(refiner_guidance_scale)
+            or refiner_guidance_scale < 0
+        ):
+            raise ValueError(
+                f"refiner_guidance_scale must be a finite number >= 0 (released: 2.0); got {refiner_guidance_scale!r}"
+            )
         if (
-            output_type != "latent"
-            and getattr(self, "video_decoder", None) is None
-            and getattr(self, "vae", None) is None
+            stage_guidance_scale != 1.0
+            and negative_prompt_embeds is None
+            and (components.get("tokenizer") is None or components.get("text_encoder") is None)
         ):
-            raise ValueError("decoding needs `video_decoder` or `vae`; neither is loaded (use output_type='latent')")
+            raise ValueError(
+                f"the refiner stage runs CFG (refiner_guidance_scale={stage_guidance_scale}) and needs the negative "
+                "prompt's embeddings even when the preview runs without CFG: pass negative_prompt_embeds and "
+                "negative_prompt_attention_mask, or load the tokenizer and text_encoder"
+            )
+    elif refiner_num_inference_steps is not None or refiner_guidance_scale is not None:
+        raise ValueError(
+            "refiner_num_inference_steps/refiner_guidance_scale only apply to the two-stage refiner path "
+            "(height=1088, width=1920, resolution='1080p', or preview_height/preview_width)"
+        )
 
-        h, w = denoise_height // self.vae_scale_factor_spatial, denoise_width // self.vae_scale_factor_spatial
-        frames, audio_frames = self.num_latent_frames(), self.num_audio_latents()
-        clip = f"a config.duration_s={self.config.duration_s} s clip"
-        if latents is not None:
-            if (
-                latents.ndim != 5
-                or latents.shape[1] != self.num_channels_latents
-                or tuple(latents.shape[3:]) != (h, w)
-            ):
-                stage = " (the preview stage of the refiner path)" if refine else ""
+
+def _check_attention_kwargs(components, pipeline_name: str, attention_kwargs, refine: bool) -> None:
+    """Every ``attention_kwargs`` key is declared by a model of this call (an undeclaring model checks its own)."""
+    names = ("transformer", "refiner") if refine else ("transformer",)
+    models = [components[name] for name in names if components.get(name) is not None]
+    declared = [getattr(m, "supported_attention_kwargs", None) for m in models]
+    if not models or any(d is None for d in declared):
+        supported = list(attention_kwargs) if isinstance(attention_kwargs, dict) else []
+    else:
+        supported = sorted({k for d in declared for k in d})
+    check_attention_kwargs(pipeline_name, attention_kwargs, supported)
+
+
+def _check_output_inputs(output_type, callback_on_step_end_tensor_inputs, callback_tensor_inputs) -> None:
+    """A known ``output_type``; callback tensor names from ``callback_tensor_inputs``."""
+    if output_type not in OUTPUT_TYPES:
+        raise ValueError(f"output_type must be one of {OUTPUT_TYPES}; got {output_type!r}")
+    if callback_on_step_end_tensor_inputs is not None:
+        bad = [k for k in callback_on_step_end_tensor_inputs if k not in callback_tensor_inputs]
+        if bad:
+            raise ValueError(
+                f"callback_on_step_end_tensor_inputs may only name {list(callback_tensor_inputs)}; got {bad}"
+            )
+
+
+def _check_image_inputs(components, image, prompt_embeds, image_embeds) -> None:
+    """``image`` type/shape/path, the ``vae`` it needs, and ``image_embeds`` (only with ``image``, ``[B, C]``,
+    required with ``prompt_embeds``)."""
+    if image is not None:
+        if not isinstance(image, (PIL.Image.Image, str, os.PathLike, np.ndarray)):
+            raise ValueError(f"image must be a {IMAGE_TYPES}; got {type(image).__name__}")
+        if isinstance(image, np.ndarray) and (image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8):
+            raise ValueError(f"a numpy image must be uint8 [H, W, 3] (RGB); got {image.dtype} {image.shape}")
+        if isinstance(image, (str, os.PathLike)) and not os.path.isfile(image):
+            raise ValueError(f"image path {os.fspath(image)!r} is not an existing file")
+        if "vae" in components and components["vae"] is None:
+            raise ValueError("image-to-video needs the `vae` component (AutoencoderKLWan) to encode the image")
+        if prompt_embeds is not None and image_embeds is None:
+            raise ValueError(
+                "image with prompt_embeds also needs image_embeds (the <Figure 1> special-token embedding, "
+                "[batch, channels]); or pass prompt instead of prompt_embeds"
+            )
+    elif image_embeds is not None:
+        raise ValueError("image_embeds is only used with image (image-to-video); pass image too")
+    if image_embeds is not None and image_embeds.ndim != 2:
+        raise ValueError(f"image_embeds must be [batch, channels]; got shape {tuple(image_embeds.shape)}")
+
+
+def _check_text_widths(components, prompt_embeds, negative_prompt_embeds, image_embeds) -> None:
+    """Given embeddings have the ``text_in_channels`` of the transformer (and of the refiner)."""
+    text_widths = {}
+    for component in ("transformer", "refiner"):
+        width = getattr(getattr(components.get(component), "config", None), "text_in_channels", None)
+        if width is not None:
+            text_widths[component] = int(width)
+    for name, tensor in (
+        ("prompt_embeds", prompt_embeds),
+        ("negative_prompt_embeds", negative_prompt_embeds),
+        ("image_embeds", image_embeds),
+    ):
+        if tensor is None:
+            continue
+        for component, width in text_widths.items():
+            if tensor.shape[-1] != width:
                 raise ValueError(
-                    f"latents must be [batch, {self.num_channels_latents}, T, {h}, {w}] for "
-                    f"{denoise_height}x{denoise_width}{stage}; got {tuple(latents.shape)}"
+                    f"{name} has {tensor.shape[-1]} channels; {component}.config.text_in_channels allows "
+                    f"only {width} (the text encoder's hidden size)"
                 )
-            if latents.shape[2] != frames:
-                raise ValueError(
-                    f"latents have {latents.shape[2]} latent frames; {clip} has {frames} "
-                    f"(config.fps={self.config.fps}): pass latents of shape [batch, {self.num_channels_latents}, "
-                    f"{frames}, {h}, {w}], or set the pipeline's duration_s to the clip the latents describe"
-                )
-        if audio_latents is not None:
-            if audio_latents.ndim != 3 or audio_latents.shape[2] != self.num_channels_audio_latents:
-                raise ValueError(
-                    f"audio_latents must be [batch, {audio_frames}, {self.num_channels_audio_latents}]; got "
-                    f"{tuple(audio_latents.shape)}"
-                )
-            if audio_latents.shape[1] != audio_frames:
-                raise ValueError(
-                    f"audio_latents have {audio_latents.shape[1]} latent frames; {clip} has {audio_frames} "
-                    f"(config.audio_latent_fps={self.config.audio_latent_fps}): pass audio_latents of shape "
-                    f"[batch, {audio_frames}, {self.num_channels_audio_latents}], or set the pipeline's duration_s"
-                )
-        if latents is not None and audio_latents is not None and latents.shape[0] != audio_latents.shape[0]:
-            raise ValueError(f"latents batch {latents.shape[0]} != audio_latents batch {audio_latents.shape[0]}")
+
+
+def _check_latents_and_decoder(
+    components,
+    geometry,
+    config,
+    output_type,
+    latents,
+    audio_latents,
+    refine: bool,
+    denoise_height: int,
+    denoise_width: int,
+) -> None:
+    """A video decoder for decoded output; given latents fit the (preview) stage's size."""
+    decoders = [name for name in ("video_decoder", "vae") if name in components]
+    if output_type != "latent" and decoders and all(components[name] is None for name in decoders):
+        raise ValueError("decoding needs `video_decoder` or `vae`; neither is loaded (use output_type='latent')")
+
+    h, w = denoise_height // geometry.spatial_scale, denoise_width // geometry.spatial_scale
+    channels, audio_channels = geometry.channels, geometry.audio_channels
+    frames, audio_frames = geometry.num_frames, geometry.num_audio_latents
+    clip = f"a config.duration_s={config['duration_s']} s clip"
+    if latents is not None:
+        if latents.ndim != 5 or latents.shape[1] != channels or tuple(latents.shape[3:]) != (h, w):
+            stage = " (the preview stage of the refiner path)" if refine else ""
+            raise ValueError(
+                f"latents must be [batch, {channels}, T, {h}, {w}] for "
+                f"{denoise_height}x{denoise_width}{stage}; got {tuple(latents.shape)}"
+            )
+        if latents.shape[2] != frames:
+            raise ValueError(
+                f"latents have {latents.shape[2]} latent frames; {clip} has {frames} "
+                f"(config.fps={config['fps']}): pass latents of shape [batch, {channels}, "
+                f"{frames}, {h}, {w}], or set the pipeline's duration_s to the clip the latents describe"
+            )
+    if audio_latents is not None:
+        if audio_latents.ndim != 3 or audio_latents.shape[2] != audio_channels:
+            raise ValueError(
+                f"audio_latents must be [batch, {audio_frames}, {audio_channels}]; got {tuple(audio_latents.shape)}"
+            )
+        if audio_latents.shape[1] != audio_frames:
+            raise ValueError(
+                f"audio_latents have {audio_latents.shape[1]} latent frames; {clip} has {audio_frames} "
+                f"(config.audio_latent_fps={config['audio_latent_fps']}): pass audio_latents of shape "
+                f"[batch, {audio_frames}, {audio_channels}], or set the pipeline's duration_s"
+            )
+    if latents is not None and audio_latents is not None and latents.shape[0] != audio_latents.shape[0]:
+        raise ValueError(f"latents batch {latents.shape[0]} != audio_latents batch {audio_latents.shape[0]}")
+
+
+class Magi2PipelineChecksMixin:
+    """``Magi2Pipeline``'s checks over its own components and config (mixed into the pipeline)."""
+
+    def _component_map(self) -> dict[str, Any]:
+        """Every component by name, ``None`` where not loaded."""
+        return {name: getattr(self, name, None) for name in COMPONENT_NAMES}
+
+    def check_inputs(self, *, guidance_scale=5.0, audio_guidance_scale=7.0, **call_arguments) -> None:
+        """Reject bad ``__call__`` arguments (same names and defaults, by keyword) with a ``ValueError`` before any
+        work starts: :func:`check_guidance_scales` and :func:`check_call_inputs`; the rules are listed under
+        ``Raises`` in ``Magi2Pipeline.__call__``."""
+        check_guidance_scales(guidance_scale, audio_guidance_scale)
+        check_call_inputs(
+            self._component_map(),
+            self.config,
+            pipeline_name=type(self).__name__,
+            callback_tensor_inputs=self._callback_tensor_inputs,
+            **call_arguments,
+        )
 
     def _check_components(self) -> None:
-        """Each :data:`COMPONENT_FITS` pair present on both sides agrees (a ``ValueError`` names both fields)."""
-        for component, field, model, model_field, what in COMPONENT_FITS:
-            have = _config_value(getattr(self, component, None), field)
-            want = _config_value(getattr(self, model, None), model_field)
-            if have is not None and want is not None and have != want:
-                raise ValueError(
-                    f"{component}.config.{field} is {have} but {model}.config.{model_field} is {want}: the {what} of "
-                    f"the {component} must equal the {model}'s; load components converted for the same MAGI-2 model"
-                )
+        """:func:`check_component_fits` on this pipeline's components (at construction)."""
+        check_component_fits(self._component_map())

@@ -1,13 +1,19 @@
 """The block structure of ``Magi2AutoBlocks``: ``sub_blocks`` and the printed docs name every block with its
-inputs and outputs; the auto blocks pick text-to-video, image-to-video and the two-stage path from the inputs;
-bad input names the block, the input or the violated ``ComponentSpec``."""
+inputs and outputs; each step declares only the components it uses; no block reaches into ``Magi2Pipeline`` (its
+private names, a subclass, borrowed attributes, ``weakref`` or ``object.__setattr__``); the auto blocks pick
+text-to-video, image-to-video and the two-stage path from the inputs; bad input names the block, the input or the
+violated ``ComponentSpec``."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 from helpers.modular_testing_utils import PROMPT, T2V, tiny_pipelines
 
+import diffusers_magi2.modular_pipelines as modular_pipelines
 from diffusers_magi2.modular_pipelines import Magi2AutoBlocks, Magi2DecodeStep
 
 
@@ -68,6 +74,79 @@ def test_printed_docs_name_every_block_input_and_output():
         assert f"{name} (" in top.split("Outputs:")[1], name
     # intermediate values produced inside are not top-level inputs
     assert "timesteps (" not in top.split("Outputs:")[0]
+
+
+#: the components each leaf step declares (the guiders are created from their config: nothing loads)
+DECLARED_COMPONENTS = {
+    "input": [],
+    "image_encoder.image_encoder": ["vae"],
+    "text_encoder": ["audio_guider", "guider", "text_encoder", "tokenizer"],
+    "denoise.broadcast": [],
+    "denoise.set_timesteps": ["scheduler"],
+    "denoise.prepare_latents": [],
+    "denoise.denoise.before_denoiser": [],
+    "denoise.denoise.denoiser": ["audio_guider", "guider", "transformer"],
+    "denoise.denoise.after_denoiser": [],
+    "refiner.refiner.before_denoiser": [],
+    "refiner.refiner.denoiser": ["guider", "refiner"],
+    "refiner.refiner.after_denoiser": [],
+    "decode.video_decoder": ["vae", "video_decoder"],
+    "decode.audio_decoder": ["audio_vae"],
+}
+
+
+def test_each_step_declares_only_the_components_it_uses():
+    leaves = {path: block for path, block in _walk(Magi2AutoBlocks()) if not block.sub_blocks}
+    assert {path: sorted(s.name for s in block.expected_components) for path, block in leaves.items()} == (
+        DECLARED_COMPONENTS
+    )
+    refiner = Magi2AutoBlocks().sub_blocks["refiner"].sub_blocks["refiner"]
+    assert sorted(s.name for s in refiner.expected_components) == ["guider", "refiner", "scheduler"]
+
+
+def _reaches_into_the_classic_pipeline(tree: ast.AST) -> list[str]:
+    """What in a module's syntax tree uses ``Magi2Pipeline``'s internals (its public signatures may be read)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Magi2Pipeline":
+            if node.attr not in ("__init__", "__call__"):  # the signatures the blocks read their defaults from
+                found.append(f"line {node.lineno}: Magi2Pipeline.{node.attr}")
+        elif isinstance(node, ast.ClassDef) and any(getattr(b, "id", None) == "Magi2Pipeline" for b in node.bases):
+            found.append(f"line {node.lineno}: class {node.name}(Magi2Pipeline)")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names]
+            module = getattr(node, "module", None) or ""
+            if "weakref" in names or module == "weakref":
+                found.append(f"line {node.lineno}: imports weakref")
+            if "pipelines" in module.split(".") and any(n.startswith("_") for n in names):
+                found.append(f"line {node.lineno}: imports a private name from {module}")
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "__setattr__"
+            and getattr(node.value, "id", "") == "object"
+        ):
+            found.append(f"line {node.lineno}: object.__setattr__")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name, owner = node.func.attr, getattr(node.func.value, "id", None)
+            if name.startswith("_") and not name.startswith("__") and owner not in ("self", "components"):
+                found.append(f"line {node.lineno}: calls {ast.unparse(node.func)}")  # another object's private method
+    return found
+
+
+def test_no_block_reaches_into_the_classic_pipeline():
+    """The blocks call public functions with explicit arguments: a refactor of ``Magi2Pipeline``'s private methods
+    cannot break them silently."""
+    folder = Path(modular_pipelines.__file__).parent
+    found = {}
+    for path in sorted(folder.glob("*.py")):
+        hits = _reaches_into_the_classic_pipeline(ast.parse(path.read_text()))
+        if hits:
+            found[path.name] = hits
+    assert found == {}
+    # the check sees what the blocks once did
+    old = "class S(Magi2Pipeline):\n    def __init__(self, m):\n        object.__setattr__(self, 'm', weakref.proxy(m))\n"
+    old += "import weakref\nx = Magi2Pipeline._video_latent_geometry\nv = classic_steps(c)._step_velocities(t)\n"
+    assert len(_reaches_into_the_classic_pipeline(ast.parse(old))) == 5
 
 
 def test_a_composite_step_states_its_description_once_and_a_subclass_inherits_it():

@@ -1,13 +1,14 @@
 """``Magi2ModularPipeline`` (``Magi2AutoBlocks``) against ``Magi2Pipeline`` on the tiny default's components,
 same seed: every step's latents (seen by a step callback), the frames, the audio and the frame rate are equal bit
-for bit on the text-to-video, image-to-video and two-stage paths; callbacks that replace a tensor or interrupt
-behave the same."""
+for bit on the text-to-video, image-to-video and two-stage paths, and with other CFG scales set on the guiders;
+callbacks that replace a tensor or interrupt behave the same."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from diffusers.guiders import ClassifierFreeGuidance
 from helpers.modular_testing_utils import IMAGE, PROMPT, T2V, TWO_STAGE, tiny_pipelines
 
 from diffusers_magi2.modular_pipelines import Magi2ModularPipeline
@@ -75,6 +76,37 @@ def test_modular_equals_classic_bit_for_bit(pipes, mode, call):
         assert state.get("image_latents") is not None and state.get("image_embeds") is not None
     else:
         assert state.get("image_latents") is None
+
+
+def test_cfg_scales_on_the_guiders_equal_the_classic_scales(pipes):
+    """``guider`` / ``audio_guider`` at ``(3, 4)`` give ``Magi2Pipeline(guidance_scale=3, audio_guidance_scale=4)``
+    bit for bit (same arithmetic, ``v_u + g (v_c - v_u)``). At video scale 1 the arithmetic differs: the video
+    guider returns the conditional prediction ``v_c``, where ``Magi2Pipeline`` (whose forward still has the uncond
+    half, for the audio) computes ``v_u + 1 (v_c - v_u)``; after one step the video latent is equal within fp32
+    rounding and the audio latent bit for bit."""
+    pipe, modular = pipes
+    saved = {"guider": modular.guider, "audio_guider": modular.audio_guider}
+
+    def both(video: float, audio: float, **call):
+        modular.update_components(
+            guider=ClassifierFreeGuidance(guidance_scale=video),
+            audio_guider=ClassifierFreeGuidance(guidance_scale=audio),
+        )
+        ref = pipe(PROMPT, guidance_scale=video, audio_guidance_scale=audio, generator=_seed(6), **call)
+        return ref, modular(prompt=PROMPT, generator=_seed(6), **call)
+
+    try:
+        ref, state = both(3.0, 4.0, **T2V)
+        assert np.array_equal(ref.frames, state.get("videos")) and np.array_equal(ref.audio, state.get("audio"))
+        ref, state = both(1.0, 4.0, **{**T2V, "num_inference_steps": 1, "output_type": "latent"})
+        torch.testing.assert_close(state.get("latents"), ref.frames, rtol=1.3e-6, atol=1e-5)
+        assert torch.equal(ref.audio, state.get("audio_latents"))
+    finally:
+        modular.update_components(**saved)
+
+
+def _seed(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
 def test_callbacks_replace_tensors_and_interrupt_the_same(pipes):

@@ -1,7 +1,7 @@
 """The README's composed Modular example, run on a saved tiny default: the text blocks alone give the
 embeddings, the remaining blocks run with two seeds from them, each seed's frames equal the full modular
-pipeline's with that seed, the two seeds differ, and the ``ComponentsManager`` holds
-every model once for all three pipelines."""
+pipeline's with that seed, the two seeds differ, the ``ComponentsManager`` holds every model once for all three
+pipelines, and the text pipeline holds only the text encoder, its tokenizer and the guiders."""
 
 from __future__ import annotations
 
@@ -51,5 +51,32 @@ def test_readme_composed_example_runs_and_each_seed_equals_the_full_pipeline(tmp
     # one copy of each model, shared by the three pipelines
     models = [c for c in manager.components.values() if isinstance(c, torch.nn.Module)]
     assert len(models) == len({id(m) for m in models}) >= 5
-    for name in ("transformer", "text_encoder", "video_decoder", "audio_vae"):
-        assert getattr(namespace["video"], name) is getattr(pipe, name) is getattr(namespace["text"], name)
+    for name in ("transformer", "video_decoder", "audio_vae"):
+        assert getattr(namespace["video"], name) is getattr(pipe, name)
+    # the text pipeline has only what its blocks declare, shared with pipe
+    text = namespace["text"]
+    assert sorted(text.component_names) == ["audio_guider", "guider", "text_encoder", "tokenizer"]
+    assert text.text_encoder is pipe.text_encoder and text.guider is pipe.guider
+
+
+def test_readme_guider_swap_runs_and_sets_both_guiders():
+    """The README's guider snippet on the tiny default: the video guider becomes APG, the audio guider CFG at 6,
+    and the frames differ from the default guiders' with the same seed."""
+    from diffusers.guiders import AdaptiveProjectedGuidance, ClassifierFreeGuidance
+
+    _, pipe = tiny_pipelines()
+    call = ", **CALL, generator=torch.Generator().manual_seed(2))"  # the only edit: the tiny call, a seed
+    code = readme_python("modular-guider")
+    assert code.count('output="videos")') == 1
+    default = pipe(
+        prompt="A red fox trots through fresh snow at dawn", **T2V, generator=torch.Generator().manual_seed(2)
+    )
+    namespace = {"pipe": pipe, "torch": torch, "CALL": T2V}
+    exec(
+        compile(code.replace('output="videos")', 'output="videos"' + call), "README.md:modular-guider", "exec"),
+        namespace,
+    )
+    assert isinstance(pipe.guider, AdaptiveProjectedGuidance) and pipe.guider.guidance_scale == 5.0
+    assert isinstance(pipe.audio_guider, ClassifierFreeGuidance) and pipe.audio_guider.guidance_scale == 6.0
+    assert namespace["video"].shape == default.get("videos").shape
+    assert not np.array_equal(namespace["video"], default.get("videos"))

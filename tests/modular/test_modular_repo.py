@@ -2,7 +2,8 @@
 ``modular_config.json`` (``auto_map`` + ``requirements``) and the remote-code blocks file; the folder, and the same
 repo in the HF cache layout loaded by id, load in a fresh offline process through
 ``ModularPipeline.from_pretrained(..., trust_remote_code=True)`` and ``Magi2ModularPipeline.from_pretrained`` and
-generate what ``Magi2Pipeline`` does; a repo whose modular files disagree with ``model_index.json`` is refused."""
+generate what ``Magi2Pipeline`` does; a pipeline of the text blocks alone loads only the text encoder and
+tokenizer; a repo whose modular files disagree with ``model_index.json`` is refused."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from helpers.modular_testing_utils import PROMPT, T2V, run_fresh_offline, tiny_pipelines
 
-from diffusers_magi2.modular_pipelines import Magi2ModularPipeline
+from diffusers_magi2.modular_pipelines import Magi2InputStep, Magi2ModularPipeline, Magi2TextEncoderStep
 from diffusers_magi2.pipelines.modular_files import write_modular_files
 
 
@@ -25,7 +26,7 @@ LOAD_SCRIPT = """
 import sys, numpy as np, torch
 from diffusers.modular_pipelines import ModularPipeline
 from huggingface_hub import snapshot_download
-from diffusers_magi2.modular_pipelines import Magi2ModularPipeline
+from diffusers_magi2.modular_pipelines import Magi2InputStep, Magi2ModularPipeline, Magi2TextEncoderStep
 folder, repo_id, out = sys.argv[1:4]
 loaders = {
     "remote_code_folder": lambda: ModularPipeline.from_pretrained(folder, trust_remote_code=True),
@@ -119,6 +120,25 @@ def test_hub_repo_saved_without_repo_id_loads_its_components_from_the_hub_id(sav
     assert pipe._component_specs["scheduler"].pretrained_model_name_or_path == REPO_ID
     pipe.load_components(["scheduler"], cache_dir=cache, local_files_only=True)
     assert type(pipe.scheduler).__name__ == "UniPCMultistepScheduler"
+
+
+def test_a_text_only_pipeline_loads_only_the_text_encoder_and_its_tokenizer(saved):
+    """The text blocks declare the tokenizer, the text encoder and the two guiders (created from their config):
+    ``load_components`` loads those two models and nothing else, and they encode what ``Magi2Pipeline`` does."""
+    from diffusers.modular_pipelines import SequentialPipelineBlocks
+
+    folder, _ = saved
+    blocks = SequentialPipelineBlocks.from_blocks_dict({"input": Magi2InputStep(), "text": Magi2TextEncoderStep()})
+    text = Magi2ModularPipeline.from_pretrained(folder, blocks=blocks)
+    assert sorted(text.component_names) == ["audio_guider", "guider", "text_encoder", "tokenizer"]
+    text.load_components()
+    assert {n for n in text.component_names if getattr(text, n) is not None} == set(text.component_names)
+    assert sorted(text.pretrained_component_names) == ["text_encoder", "tokenizer"]
+    names = ["prompt_embeds", "prompt_attention_mask", "negative_prompt_embeds", "negative_prompt_attention_mask"]
+    embeds = text(prompt=PROMPT, **T2V, output=names)
+    classic, _ = tiny_pipelines()
+    for name, want in zip(names, classic.encode_prompt(PROMPT, device="cpu")):
+        assert torch.equal(embeds[name], want), name
 
 
 @pytest.mark.parametrize(

@@ -367,9 +367,10 @@ def test_one_sampler_serves_both_stages():
 
 def test_the_latents_leave_the_pipeline_module_only_to_start_the_refiner_and_to_be_decoded():
     """Following the video latents from noise to frames in a two-stage call (the tiny default with a stand-in
-    refiner), the only package functions outside ``pipeline_magi2.py`` they are handed to are the refiner stage's
-    ``prepare_refiner_latents`` and the decoder's ``decode_video_latents``, and no code outside ``pipeline_magi2.py``
-    calls back into it (the loop, both stages' velocities, callbacks and cache contexts are inline)."""
+    refiner), the only package functions outside ``pipeline_magi2.py`` they are handed to are the two stages'
+    forwards (``preview_forward``, ``refiner_forward``: public, the modular denoisers call them too), the refiner
+    stage's ``prepare_refiner_latents`` and the decoder's ``decode_video_latents``, and no code outside
+    ``pipeline_magi2.py`` calls back into it (the loop, the guidance, callbacks and cache contexts are inline)."""
     import diffusers_magi2.pipelines as pipelines
     from diffusers_magi2 import build_tiny_default_pipeline
 
@@ -403,7 +404,12 @@ def test_the_latents_leave_the_pipeline_module_only_to_start_the_refiner_and_to_
     finally:
         sys.setprofile(None)
     assert out.frames.shape[2:4] == (SMALL["height"], SMALL["width"])
-    assert handed == {"refiner_stage.prepare_refiner_latents", "decoding_magi2.decode_video_latents"}
+    assert handed == {
+        "sampling_magi2.preview_forward",
+        "sampling_magi2.refiner_forward",
+        "refiner_stage.prepare_refiner_latents",
+        "decoding_magi2.decode_video_latents",
+    }
     assert called_back == set()
 
 
