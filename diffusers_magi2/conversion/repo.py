@@ -299,8 +299,8 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
             default_scheduler().save_pretrained(tmp / "scheduler")
             written["scheduler"] = MODEL_INDEX_ENTRIES["scheduler"]
         (tmp / "model_index.json").write_text(json.dumps(model_index_dict(written, settings), indent=2) + "\n")
-        # the Modular Diffusers files: components load from the Hub id if given, else from OUT
-        write_modular_files(tmp, repo=req.repo_id or str(out))
+        # the Modular Diffusers files: components named by the Hub id if given, else by subfolder
+        write_modular_files(tmp, repo=req.repo_id)
         (tmp / "README.md").write_text(
             _render_card(
                 req, [c for c in ALL_COMPONENTS + ("tokenizer",) if c in written], prepared.get("transformer")

@@ -11,7 +11,7 @@ from diffusers.utils import logging
 from ..loaders.lora_pipeline_magi2 import Magi2LoraLoaderMixin
 from ..pipelines.geometry_magi2 import Magi2LatentGeometry, Magi2LatentGeometryMixin
 from ..pipelines.loading_magi2 import enable_context_parallel
-from ..pipelines.modular_files import MODULAR_CONFIG_FILE, check_modular_files
+from ..pipelines.modular_files import MODULAR_CONFIG_FILE, check_modular_files, unsourced_components
 from ..pipelines.pipeline_magi2 import Magi2Pipeline
 from ..pipelines.presets_magi2 import CALLBACK_TENSOR_INPUTS, COMPONENT_NAMES
 from .modular_blocks_magi2 import Magi2AutoBlocks
@@ -114,7 +114,8 @@ class Magi2ModularPipeline(Magi2LatentGeometryMixin, ModularPipeline, Magi2LoraL
             kwargs: hub options (``cache_dir``, ``revision``, ``local_files_only``, ``token``, ...).
 
         Raises:
-            ValueError: the repo's modular files disagree with its ``model_index.json`` (both named).
+            ValueError: the repo's modular files disagree with its ``model_index.json`` (both named), or a Hub id
+                whose index names its components by subfolder only (saved without ``repo_id``).
         """
         from diffusers import DiffusionPipeline
         from diffusers.modular_pipelines import ModularPipelineBlocks
@@ -135,6 +136,14 @@ class Magi2ModularPipeline(Magi2LatentGeometryMixin, ModularPipeline, Magi2LoraL
                 modular_config = None
                 logger.warning(f"{pretrained_model_name_or_path} has no {MODULAR_CONFIG_FILE}: no remote-code entry")
             check_modular_files(model_index, modular_index, modular_config)
+            unsourced = unsourced_components(modular_index)
+            if unsourced and not os.path.isdir(str(pretrained_model_name_or_path)):
+                raise ValueError(
+                    f"{pretrained_model_name_or_path}'s {cls.config_name} names components {unsourced} by subfolder "
+                    "only (its writer knew no Hub id), so they load from a local copy alone: pass "
+                    "huggingface_hub.snapshot_download(repo_id), or rewrite the modular files with the id "
+                    "(write_modular_files(folder, repo=repo_id), magi2-convert --repo_id)"
+                )
         pipe = cls(
             blocks=blocks,
             pretrained_model_name_or_path=pretrained_model_name_or_path,
@@ -144,12 +153,6 @@ class Magi2ModularPipeline(Magi2LatentGeometryMixin, ModularPipeline, Magi2LoraL
             config_dict=None if modular_index is not None else model_index,
             **kwargs,
         )
-        if not os.path.isdir(str(pretrained_model_name_or_path)):
-            # a repo saved without repo_id and uploaded records its writer's folder: load from the Hub id instead
-            for spec in pipe._component_specs.values():
-                path = spec.pretrained_model_name_or_path
-                if isinstance(path, str) and os.path.isabs(path) and not os.path.isdir(path):
-                    spec.pretrained_model_name_or_path = str(pretrained_model_name_or_path)
         return pipe
 
     @classmethod

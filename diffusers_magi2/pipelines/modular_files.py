@@ -4,6 +4,10 @@
   ``_class_name`` ``"ModularPipeline"``, ``_blocks_class_name`` ``"Magi2AutoBlocks"``, each component as
   ``[library, class, {"pretrained_model_name_or_path", "subfolder", "type_hint", "variant", "revision"}]`` (the
   library and class of its ``model_index.json`` entry) and the pipeline config values of ``model_index.json``.
+  A component is named by the repo's Hub id when the writer knows it (``push_to_hub`` with ``repo_id``,
+  ``magi2-convert --repo_id``), else by its ``subfolder`` alone (``pretrained_model_name_or_path`` null): never
+  by the writer's folder. diffusers loads the components of a local copy (a folder, a Hub snapshot) from the
+  copy whatever the index names, and those of a Hub id from the id the index names.
 * ``modular_config.json``: the remote-code entry, ``auto_map: {"ModularPipelineBlocks":
   "magi2_modular_blocks.Magi2AutoBlocks"}`` and ``requirements: {"diffusers-magi2": ...}``.
 * ``magi2_modular_blocks.py``: three lines that import the blocks from the installed ``diffusers_magi2``.
@@ -29,6 +33,7 @@ __all__ = [
     "check_modular_files",
     "modular_config_dict",
     "modular_index_dict",
+    "unsourced_components",
     "write_modular_files",
 ]
 
@@ -56,8 +61,7 @@ def modular_index_dict(model_index: dict, repo: str | None) -> dict:
 
     Args:
         model_index: the ``model_index.json`` content.
-        repo: where the components load from (a Hub id, or a folder); a local copy of the repo loads its own
-            files whatever is written here (diffusers checks for the component files first).
+        repo: the repo's Hub id, or ``None`` (the components are named by subfolder only; module docstring).
 
     Returns:
         the JSON-ready dict; components that are ``[null, null]`` in ``model_index.json`` are left out.
@@ -110,7 +114,8 @@ def write_modular_files(folder: str | os.PathLike, repo: str | None = None) -> N
 
     Args:
         folder: a pipeline folder with ``model_index.json``.
-        repo: recorded as each component's ``pretrained_model_name_or_path`` (default: ``folder``, absolute).
+        repo: the repo's Hub id, recorded as each component's ``pretrained_model_name_or_path`` (default
+            ``None``: subfolders only).
 
     Raises:
         ValueError: ``folder`` has no ``model_index.json``.
@@ -120,7 +125,7 @@ def write_modular_files(folder: str | os.PathLike, repo: str | None = None) -> N
     if not index_path.is_file():
         raise ValueError(f"{folder} has no model_index.json; write the pipeline first")
     model_index = json.loads(index_path.read_text())
-    repo = str(folder.absolute()) if repo is None else str(repo)
+    repo = None if repo is None else str(repo)
     contents = {
         MODULAR_INDEX_FILE: json.dumps(modular_index_dict(model_index, repo), indent=2, sort_keys=True) + "\n",
         MODULAR_CONFIG_FILE: json.dumps(modular_config_dict(), indent=2, sort_keys=True) + "\n",
@@ -130,6 +135,17 @@ def write_modular_files(folder: str | os.PathLike, repo: str | None = None) -> N
         tmp = folder / f".{name}.tmp-{os.getpid()}"
         tmp.write_text(text)
         os.replace(tmp, folder / name)
+
+
+def unsourced_components(modular_index: dict) -> list[str]:
+    """The components ``modular_index`` names by subfolder only (no Hub id): they load from a local copy alone."""
+    return sorted(
+        name
+        for name, entry in modular_index.items()
+        if isinstance(entry, (list, tuple))
+        and len(entry) == 3
+        and not (entry[2] or {}).get("pretrained_model_name_or_path")
+    )
 
 
 def check_modular_files(model_index: dict, modular_index: dict, modular_config: dict | None = None) -> None:
@@ -175,7 +191,7 @@ def check_modular_files(model_index: dict, modular_index: dict, modular_config: 
 
 class Magi2ModularFilesMixin:
     """``save_pretrained`` that also writes the modular files (module docstring) next to ``model_index.json``,
-    before a ``push_to_hub`` upload; the components point at ``repo_id`` when pushing, else at the folder."""
+    before a ``push_to_hub`` upload; the components are named by ``repo_id`` when pushing, else by subfolder."""
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``DiffusionPipeline.save_pretrained`` plus ``modular_model_index.json``, ``modular_config.json`` and

@@ -1,9 +1,10 @@
-"""The modular files of a saved MAGI-2 repo: ``Magi2Pipeline.save_pretrained`` writes ``modular_model_index.json``,
-``modular_config.json`` (``auto_map`` + ``requirements``) and the remote-code blocks file; the folder, and the same
-repo in the HF cache layout loaded by id, load in a fresh offline process through
-``ModularPipeline.from_pretrained(..., trust_remote_code=True)`` and ``Magi2ModularPipeline.from_pretrained`` and
-generate what ``Magi2Pipeline`` does; a pipeline of the text blocks alone loads only the text encoder and
-tokenizer; a repo whose modular files disagree with ``model_index.json`` is refused."""
+"""The modular files of a saved MAGI-2 repo: ``Magi2Pipeline.save_pretrained`` writes ``modular_model_index.json``
+(components named by subfolder, never by the writer's folder), ``modular_config.json`` (``auto_map`` +
+``requirements``) and the remote-code blocks file; a copy of the folder, and the same repo in the HF cache layout
+loaded by id, load in a fresh offline process through ``ModularPipeline.from_pretrained(...,
+trust_remote_code=True)`` and ``Magi2ModularPipeline.from_pretrained`` and generate what ``Magi2Pipeline`` does,
+with no path rewritten; a pipeline of the text blocks alone loads only the text encoder and tokenizer; a repo
+whose modular files disagree with ``model_index.json`` is refused."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ LOAD_SCRIPT = """
 import sys, numpy as np, torch
 from diffusers.modular_pipelines import ModularPipeline
 from huggingface_hub import snapshot_download
-from diffusers_magi2.modular_pipelines import Magi2InputStep, Magi2ModularPipeline, Magi2TextEncoderStep
+from diffusers_magi2.modular_pipelines import Magi2ModularPipeline
 folder, repo_id, out = sys.argv[1:4]
 loaders = {
     "remote_code_folder": lambda: ModularPipeline.from_pretrained(folder, trust_remote_code=True),
@@ -72,10 +73,12 @@ def test_save_pretrained_writes_the_modular_files(saved):
         if isinstance(entry, list) and entry[0] is not None:
             library, cls, spec = modular[name]
             assert [library, cls] == entry and spec["type_hint"] == entry and spec["subfolder"] == name
-            assert spec["pretrained_model_name_or_path"] == str(folder.absolute())
+            assert spec["pretrained_model_name_or_path"] is None  # no Hub id given: the subfolder alone
         elif not isinstance(entry, list):
             assert modular[name] == entry, name  # config values, e.g. duration_s
     assert "refiner" not in modular  # [null, null] in model_index.json
+    for name in ("modular_model_index.json", "modular_config.json"):
+        assert str(folder.parent) not in (folder / name).read_text(), name  # nothing names the writer's folder
     assert config["auto_map"] == {"ModularPipelineBlocks": "magi2_modular_blocks.Magi2AutoBlocks"}
     assert list(config["requirements"]) == ["diffusers-magi2"]
     assert (
@@ -85,8 +88,8 @@ def test_save_pretrained_writes_the_modular_files(saved):
 
 
 def test_saved_repo_loads_offline_in_a_fresh_process_and_generates_the_same(saved, tmp_path):
-    """A copy of the folder (its index still points at the original) and the repo in the HF cache layout (index
-    rewritten for the Hub id, as ``push_to_hub`` writes it), loaded with ``HF_HUB_OFFLINE=1``."""
+    """A copy of the folder and the repo in the HF cache layout (its index naming the Hub id, as ``push_to_hub``
+    writes it), loaded with ``HF_HUB_OFFLINE=1``."""
     folder, reference = saved
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy)
@@ -106,19 +109,20 @@ def test_saved_repo_loads_offline_in_a_fresh_process_and_generates_the_same(save
         assert np.array_equal(results[name + "_audio"], reference.audio), name
 
 
-def test_hub_repo_saved_without_repo_id_loads_its_components_from_the_hub_id(saved, tmp_path):
-    """The index of a folder uploaded as is names the writer's folder; by Hub id the components come from the id."""
+def test_hub_repo_saved_without_repo_id_is_refused_by_id_and_loads_from_its_snapshot(saved, tmp_path):
+    """An index written without a Hub id names no source outside the repo: by id it is refused with the fix
+    named; its snapshot folder loads its own files."""
     folder, _ = saved
     cache = tmp_path / "hub"
     snapshot = cache / f"models--{REPO_ID.replace('/', '--')}" / "snapshots" / COMMIT
     shutil.copytree(folder, snapshot)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
-    shutil.rmtree(folder.parent / "elsewhere", ignore_errors=True)
-    write_modular_files(snapshot, repo=str(folder.parent / "elsewhere"))  # a folder that is not here
-    pipe = Magi2ModularPipeline.from_pretrained(REPO_ID, cache_dir=cache, local_files_only=True)
-    assert pipe._component_specs["scheduler"].pretrained_model_name_or_path == REPO_ID
-    pipe.load_components(["scheduler"], cache_dir=cache, local_files_only=True)
+    with pytest.raises(ValueError, match=r"by subfolder only .*snapshot_download"):
+        Magi2ModularPipeline.from_pretrained(REPO_ID, cache_dir=cache, local_files_only=True)
+    pipe = Magi2ModularPipeline.from_pretrained(snapshot)
+    assert pipe.get_component_spec("scheduler").pretrained_model_name_or_path == str(snapshot)
+    pipe.load_components(["scheduler"])
     assert type(pipe.scheduler).__name__ == "UniPCMultistepScheduler"
 
 
