@@ -72,6 +72,21 @@ class Magi2ModularPipeline(Magi2LatentGeometryMixin, ModularPipeline, Magi2LoraL
             blocks = Magi2AutoBlocks()
         super().__init__(blocks, *args, **kwargs)
 
+    def __call__(self, state=None, output=None, **kwargs):
+        """``ModularPipeline.__call__`` (the blocks' inputs by keyword; ``output`` picks values of the state).
+
+        Raises:
+            ValueError: ``guidance_scale`` or ``audio_guidance_scale``, which the guiders carry (diffusers would
+                ignore them with a warning), naming the update that sets them.
+        """
+        for name, guider in (("guidance_scale", "guider"), ("audio_guidance_scale", "audio_guider")):
+            if name in kwargs:
+                raise ValueError(
+                    f"{name} is not an input of {type(self).__name__}: the scale is the {guider}'s; set it with "
+                    f"pipe.update_components({guider}=pipe.{guider}.new(guidance_scale={kwargs[name]!r}))"
+                )
+        return super().__call__(state, output, **kwargs)
+
     def latent_geometry(self) -> Magi2LatentGeometry:
         """The latent sizes of a ``config.duration_s`` clip with this pipeline's components (the config defaults
         for keys its blocks do not declare)."""

@@ -2,7 +2,7 @@
 adaptive projected guidance (APG) gives, at every step, that guider's own formula applied to the transformer's
 conditional and unconditional predictions (computed here independently), while the audio keeps its CFG; a
 guider that runs only the conditional pass leaves the negative prompt unencoded; a guider that hooks the model
-for one pass is refused before any work."""
+for one pass, and a guidance scale passed to the call (it is the guider's), are refused before any work."""
 
 from __future__ import annotations
 
@@ -95,6 +95,8 @@ def test_a_guider_that_hooks_the_model_for_one_pass_is_refused_before_any_work(g
     try:
         with pytest.raises(ValueError, match="guider is a SkipLayerGuidance, which changes the model for one pass"):
             modular(prompt=PROMPT, **T2V)
+        with pytest.raises(ValueError, match=r"audio_guider=pipe.audio_guider.new\(guidance_scale=3.0\)"):
+            modular(prompt=PROMPT, audio_guidance_scale=3.0, **T2V)
     finally:
         hook.remove()
     assert calls == []
