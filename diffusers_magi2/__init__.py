@@ -27,10 +27,10 @@ from .models.transformer_magi2 import Magi2Transformer3DModel, Magi2TransformerO
 from .models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel, Magi2RefinerTransformerOutput
 from .models.turbo_vae import Magi2TurboVAEDecoder
 from .modular_pipelines import Magi2AutoBlocks, Magi2ModularPipeline
-from .moe.activation import swiglu7
+from .moe.activation import swiglu7, swiglu7_pair
 from .moe.experts import torch_mh_moe_forward
 from .moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
-from .moe.routing import ExpertRoutes, compute_topk_probs_and_indices, global_sort_routes
+from .moe.routing import ExpertRoutes, RoutingScore, compute_topk_probs_and_indices, global_sort_routes
 from .parallel.expert_parallel import Magi2ExpertParallelConfig
 from .pipelines.pipeline_magi2 import Magi2Pipeline
 from .pipelines.pipeline_output import Magi2PipelineOutput
@@ -53,11 +53,13 @@ __all__ = [
     "Magi2Transformer3DModel",
     "Magi2TransformerOutput",
     "Magi2TurboVAEDecoder",
+    "RoutingScore",
     "build_tiny_default_pipeline",
     "compute_topk_probs_and_indices",
     "export_to_video_with_audio",
     "global_sort_routes",
     "swiglu7",
+    "swiglu7_pair",
     "torch_mh_moe_forward",
     "triton_mh_moe_forward",
 ]

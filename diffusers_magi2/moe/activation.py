@@ -17,7 +17,7 @@ import torch
 from ..utils.elementwise import sigmoid, sigmoid_
 
 
-__all__ = ["SWIGLU7_ALPHA", "SWIGLU7_LIMIT", "swiglu7", "swiglu7_backward", "swiglu7_interleaved"]
+__all__ = ["SWIGLU7_ALPHA", "SWIGLU7_LIMIT", "swiglu7", "swiglu7_backward", "swiglu7_interleaved", "swiglu7_pair"]
 
 SWIGLU7_LIMIT = 7.0
 SWIGLU7_ALPHA = 1.702
@@ -68,6 +68,16 @@ def swiglu7(
     g = gate.to(torch.float32).clamp(max=SWIGLU7_LIMIT)
     u = up.to(torch.float32).clamp(min=-SWIGLU7_LIMIT, max=SWIGLU7_LIMIT)
     return (g * sigmoid(SWIGLU7_ALPHA * g) * (u + 1.0)).to(out_dtype)
+
+
+def swiglu7_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """:func:`swiglu7` of separate gate and up halves, evaluated in fp32 and returned in ``gate``'s dtype (the
+    vLLM-Omni ``mh_moe`` form).
+
+    Raises:
+        ValueError: as :func:`swiglu7`.
+    """
+    return swiglu7(gate, up, out_dtype=gate.dtype if isinstance(gate, torch.Tensor) else None)
 
 
 def swiglu7_interleaved(x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:

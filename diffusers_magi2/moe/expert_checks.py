@@ -9,7 +9,7 @@ from torch import Tensor
 from .quantize import FP8_DTYPE
 
 
-__all__ = ["check_expert_groups", "check_expert_inputs"]
+__all__ = ["check_expert_inputs", "check_expert_tensors"]
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = _ACT_DTYPES + (FP8_DTYPE,)
@@ -18,20 +18,22 @@ _WEIGHT_NAMES = ("w_gate", "w_up", "w_down")
 _SCALE_NAMES = ("w_gate_scale", "w_up_scale", "w_down_scale")
 
 
-def check_expert_groups(routes, weights, scales=None) -> None:
-    """``routes`` ``(gather_ids, probs, expert_offsets)``, ``weights`` ``(w_gate, w_up, w_down)`` and, unless
-    ``None``, ``scales`` are each a tuple or list of three tensors (the tensor lists the expert op takes).
+def check_expert_tensors(x, routes, weights, scales=None) -> None:
+    """``x``, the three ``routes`` (``gather_ids, probs, expert_offsets``), the three ``weights`` (``w_gate, w_up,
+    w_down``) and, unless ``None``, the three ``scales`` are tensors (the tensor lists the expert op takes).
 
     Raises:
-        ValueError: naming the group that is not three tensors.
+        ValueError: naming the argument that is not a tensor, or ``scales`` that are not three tensors.
     """
-    groups = (("routes", routes, _ROUTE_NAMES), ("weights", weights, _WEIGHT_NAMES), ("scales", scales, _SCALE_NAMES))
-    for argument, group, names in groups:
-        if group is None and argument == "scales":
-            continue
-        if not isinstance(group, (tuple, list)) or len(group) != 3 or not all(isinstance(t, Tensor) for t in group):
-            got = [type(t).__name__ for t in group] if isinstance(group, (tuple, list)) else type(group).__name__
-            raise ValueError(f"{argument} must be a tuple or list of three tensors ({', '.join(names)}); got {got}")
+    if not isinstance(x, Tensor):
+        raise ValueError(f"x must be a tensor [S, H, Dh]; got {type(x).__name__}")
+    if scales is not None and (not isinstance(scales, (tuple, list)) or len(scales) != 3):
+        got = f"{len(scales)} items" if isinstance(scales, (tuple, list)) else type(scales).__name__
+        raise ValueError(f"scales must be None or three tensors ({', '.join(_SCALE_NAMES)}); got {got}")
+    for names, group in ((_ROUTE_NAMES, routes), (_WEIGHT_NAMES, weights), (_SCALE_NAMES, scales or ())):
+        for name, t in zip(names, group):
+            if not isinstance(t, Tensor):
+                raise ValueError(f"{name} must be a tensor; got {type(t).__name__}")
 
 
 def _check_scales(w_gate: Tensor, scales, gate_shape: tuple, down_shape: tuple) -> None:
@@ -53,7 +55,7 @@ def _check_scales(w_gate: Tensor, scales, gate_shape: tuple, down_shape: tuple) 
 
 def check_expert_inputs(x, routes, weights, scales=None) -> tuple[int, int, int, int, int]:
     """Validate the arguments shared by the expert paths, without host sync: ``x``, the three ``routes`` and
-    ``weights`` (:func:`check_expert_groups`) and, for FP8 experts only (else ``None``), their three ``scales``.
+    ``weights`` (:func:`check_expert_tensors`) and, for FP8 experts only (else ``None``), their three ``scales``.
 
     Returns:
         ``(S, H, Dh, E, De)``.
@@ -61,10 +63,10 @@ def check_expert_inputs(x, routes, weights, scales=None) -> tuple[int, int, int,
     Raises:
         ValueError: naming the offending argument and what is allowed.
     """
-    check_expert_groups(routes, weights, scales)
+    check_expert_tensors(x, routes, weights, scales)
     (gather_ids, probs, expert_offsets), (w_gate, w_up, w_down) = routes, weights
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise ValueError(f"x must be a 3-D tensor [S, H, Dh]; got {tuple(getattr(x, 'shape', ()))}")
+    if x.dim() != 3:
+        raise ValueError(f"x must be a 3-D tensor [S, H, Dh]; got {tuple(x.shape)}")
     if x.dtype not in _ACT_DTYPES:
         raise ValueError(f"x dtype must be one of {_ACT_DTYPES}; got {x.dtype}")
     num_tokens, num_heads, head_dim = x.shape

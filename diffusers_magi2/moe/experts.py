@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .activation import swiglu7, swiglu7_backward
-from .expert_checks import check_expert_groups, check_expert_inputs
+from .expert_checks import check_expert_inputs, check_expert_tensors
 from .quantize import FP8_DTYPE, dequantize_expert
 from .reference import expert_route_blocks, hidden_dtype
 
@@ -30,32 +30,43 @@ EXPERT_BACKENDS = ("torch", "torch_grouped", "triton")
 
 
 def torch_mh_moe_forward(
-    x: Tensor, routes: Sequence[Tensor], weights: Sequence[Tensor], *, scales: Optional[Sequence[Tensor]] = None
+    x: Tensor,
+    gather_ids: Tensor,
+    probs: Tensor,
+    expert_offsets: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    *,
+    scales: Optional[Sequence[Tensor]] = None,
 ) -> Tensor:
-    """Routed-expert compute of MAGI-2's multi-head MoE in plain torch (differentiable).
+    """Routed-expert compute of MAGI-2's multi-head MoE in plain torch (differentiable): the small-shape oracle of
+    the fused kernel, with vLLM-Omni's ``mh_moe`` signature.
 
     The reference's bits; bf16 weights are upcast and FP8 ones dequantized per expert, never the whole bank.
 
     Args:
         x: ``[S, H, Dh]`` activations, fp32/bf16/fp16.
-        routes: ``(gather_ids, probs, expert_offsets)`` in CSR (expert-major) order, e.g. the
-            :class:`~diffusers_magi2.moe.routing.ExpertRoutes` that
-            :func:`~diffusers_magi2.moe.routing.global_sort_routes` returns: ``gather_ids [T]`` int32/int64 token
-            index per route, ``probs [T]`` float route weights in the same order (``route_scale`` already applied),
-            ``expert_offsets [H*E + 1]`` int CSR offsets.
-        weights: ``(w_gate [H*E, Dh, De], w_up [H*E, Dh, De], w_down [H*E, De, Dh])``, used as ``x @ W``; the three
-            are fp32/bf16/fp16, or ``float8_e4m3fn`` with ``scales``.
+        gather_ids: ``[T]`` int32/int64 token index per route, in CSR (expert-major) order, as
+            :func:`~diffusers_magi2.moe.routing.global_sort_routes` returns it.
+        probs: ``[T]`` float route weights in the same order (``route_scale`` already applied).
+        expert_offsets: ``[H*E + 1]`` int CSR offsets; the routes of expert ``g`` are
+            ``expert_offsets[g]:expert_offsets[g+1]``.
+        w_gate: ``[H*E, Dh, De]``, used as ``x @ W``.
+        w_up: ``[H*E, Dh, De]``.
+        w_down: ``[H*E, De, Dh]``; the three are fp32/bf16/fp16, or ``float8_e4m3fn`` with ``scales``.
         scales: FP8 only: fp32 ``(w_gate_scale [H*E, De], w_up_scale [H*E, De], w_down_scale [H*E, Dh])``.
 
     Returns:
         ``[S, H, Dh]`` in ``x.dtype``; heads/tokens without routes are zero.
 
     Raises:
-        ValueError: ``routes``/``weights``/``scales`` are not three tensors each, bad shapes, dtypes or devices (see
-            ``check_expert_inputs``), or offsets that do not end at ``T`` or decrease.
+        ValueError: an argument that is not a tensor, ``scales`` not three tensors, bad shapes, dtypes or devices
+            (see ``check_expert_inputs``), or offsets that do not end at ``T`` or decrease.
     """
-    check_expert_groups(routes, weights, scales)  # a ValueError here, not the op's schema error
-    return mh_moe_experts(x, routes, weights, () if scales is None else scales, "torch", False)
+    routes, weights = [gather_ids, probs, expert_offsets], [w_gate, w_up, w_down]
+    check_expert_tensors(x, routes, weights, scales)  # a ValueError here, not the op's schema error
+    return mh_moe_experts(x, routes, weights, [] if scales is None else list(scales), "torch", False)
 
 
 def _torch_experts(x, routes, weights, scales=None) -> torch.Tensor:
@@ -237,7 +248,9 @@ def mh_moe_experts(
     if backend == "triton":
         from . import experts_triton  # Triton is imported on first use
 
-        return experts_triton.triton_mh_moe_forward(x, routes, weights, scales=fp8_scales, deterministic=deterministic)
+        return experts_triton.triton_mh_moe_forward(
+            x, *routes, *weights, scales=fp8_scales, deterministic=deterministic
+        )
     raise ValueError(f"mh_moe_experts backend must be one of {EXPERT_BACKENDS}; got {backend!r}")
 
 

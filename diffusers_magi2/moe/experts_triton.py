@@ -521,34 +521,40 @@ def launch_spec(
 
 def triton_mh_moe_forward(
     x: Tensor,
-    routes: Sequence[Tensor],
-    weights: Sequence[Tensor],
+    gather_ids: Tensor,
+    probs: Tensor,
+    expert_offsets: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
     *,
-    scales: Optional[Sequence[Tensor]] = None,
     deterministic: bool = False,
+    scales: Optional[Sequence[Tensor]] = None,
     tile_config: Optional[TileConfig] = None,
 ) -> Tensor:
-    """Fused routed-expert compute; same contract as :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward`.
+    """Fused gather/expert/scatter kernel; same contract as
+    :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward` (vLLM-Omni's ``mh_moe`` signature).
 
     FP8 experts (``float8_e4m3fn`` weights with ``scales``) are loaded as FP8 tiles and converted in registers to
     the activation dtype (exact); each GEMM's fp32 accumulator is multiplied by its per-output-channel scale.
 
     Args:
-        x, routes, weights, scales: as for the torch path (``x``'s last dim contiguous, weights of any strides).
+        x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales: as for the torch path (``x``'s last dim
+            contiguous, weights of any strides).
         deterministic: per-route rows without atomics, summed per (token, head) in ascending expert id (top-k
             routes): bit-identical across runs.
         tile_config: launch with this tile only instead of the launch table's candidates (benchmarks).
 
     Raises:
-        ValueError: ``routes``/``weights``/``scales`` not three tensors each, bad shapes/dtypes/devices,
+        ValueError: an argument that is not a tensor, ``scales`` not three tensors, bad shapes/dtypes/devices,
             ``Dh``/``De`` not multiples of 16, CPU tensors without ``TRITON_INTERPRET=1``, FP8 experts on a GPU
             without FP8 support (compute capability < 8.9), or (deterministic) ``T`` not a multiple of ``S*H``.
         triton.runtime.errors.OutOfResources: no tile candidate fits the device.
         RuntimeError: any launch failure other than ``OutOfResources`` (never swallowed).
     """
+    routes, weights = (gather_ids, probs, expert_offsets), (w_gate, w_up, w_down)
     num_tokens, num_heads, head_dim, num_experts, expert_dim = check_expert_inputs(x, routes, weights, scales)
     check_triton_dims(head_dim, expert_dim)
-    gather_ids, w_gate = routes[0], weights[0]
     if w_gate.dtype == FP8_DTYPE:
         check_fp8_device(x.device)
     if not isinstance(deterministic, bool):

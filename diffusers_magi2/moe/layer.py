@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import KW_ONLY, dataclass
+from typing import Optional, Union, get_args
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from ..utils.dtype_utils import parse_dtype
 from ..utils.safetensors_io import take_rows
 from .experts import mh_moe_experts
 from .quantize import FP8_DTYPE, parse_expert_dtype, quantize_fp8
-from .routing import compute_topk_probs_and_indices, global_sort_routes
+from .routing import RoutingScore, compute_topk_probs_and_indices, global_sort_routes
 
 
 __all__ = ["Magi2MultiHeadMoEConfig", "Magi2MultiHeadMoE", "moe_tensors_on_meta"]
@@ -57,9 +57,10 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-@dataclass
+@dataclass(frozen=True)
 class Magi2MultiHeadMoEConfig:
-    """Shape and routing settings of one multi-head MoE core (SandAI ``moe_config``).
+    """Shape and routing settings of one multi-head MoE core (SandAI ``moe_config``; the fields, their order and
+    defaults of vLLM-Omni's ``mh_moe.Magi2MultiHeadMoEConfig``, plus keyword-only storage options).
 
     Attributes:
         hidden_size: width ``C``, split into ``num_heads`` heads of ``Dh = C / H``.
@@ -67,11 +68,13 @@ class Magi2MultiHeadMoEConfig:
         num_experts: experts per head ``E``.
         top_k: experts per (token, head), ``1 <= k <= E``.
         expert_intermediate_size: expert width ``De``.
-        params_dtype: dtype of the expert banks (a name is accepted); the router is fp32.
-        expert_dtype: ``None`` (``params_dtype``) or ``"float8_e4m3fn"`` (:mod:`diffusers_magi2.moe.quantize`).
-        score_func: ``"sigmoid"`` or ``"softmax"``.
+        params_dtype: dtype of the expert banks (a name is accepted; stored as the ``torch.dtype``); the router is
+            fp32.
+        score_func: ``"sigmoid"`` or ``"softmax"`` (:data:`~diffusers_magi2.moe.routing.RoutingScore`).
         route_norm: L1-normalise the chosen weights.
         route_scale: factor applied once to the normalised weights.
+        expert_dtype: keyword-only: ``None`` (``params_dtype``) or ``"float8_e4m3fn"``
+            (:mod:`diffusers_magi2.moe.quantize`).
 
     Raises:
         ValueError: a non-positive size, ``C % H != 0``, ``top_k`` out of range, an unknown ``score_func`` or dtype,
@@ -83,10 +86,11 @@ class Magi2MultiHeadMoEConfig:
     num_experts: int
     top_k: int
     expert_intermediate_size: int
-    params_dtype: torch.dtype = torch.bfloat16
-    score_func: str = "sigmoid"
+    params_dtype: torch.dtype
+    score_func: RoutingScore = "sigmoid"
     route_norm: bool = True
     route_scale: float = 1.0
+    _: KW_ONLY
     expert_dtype: Optional[Union[str, torch.dtype]] = None
 
     def __post_init__(self) -> None:
@@ -99,17 +103,18 @@ class Magi2MultiHeadMoEConfig:
             )
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}]; got {self.top_k}")
-        self.params_dtype = parse_dtype(self.params_dtype, "params_dtype")
-        if self.score_func not in ("sigmoid", "softmax"):
-            raise ValueError(f"score_func must be 'sigmoid' or 'softmax'; got {self.score_func!r}")
+        if self.score_func not in get_args(RoutingScore):
+            raise ValueError(f"score_func must be one of {get_args(RoutingScore)}; got {self.score_func!r}")
         if not isinstance(self.route_norm, bool):
             raise ValueError(f"route_norm must be a bool; got {self.route_norm!r}")
         if isinstance(self.route_scale, bool) or not isinstance(self.route_scale, (int, float)):
             raise ValueError(f"route_scale must be a finite float; got {self.route_scale!r}")
         if not math.isfinite(self.route_scale):
             raise ValueError(f"route_scale must be a finite float; got {self.route_scale!r}")
-        self.route_scale = float(self.route_scale)
-        self.expert_dtype = parse_expert_dtype(self.expert_dtype)
+        # frozen: the normalised values are set once, here
+        object.__setattr__(self, "params_dtype", parse_dtype(self.params_dtype, "params_dtype"))
+        object.__setattr__(self, "route_scale", float(self.route_scale))
+        object.__setattr__(self, "expert_dtype", parse_expert_dtype(self.expert_dtype))
 
     @property
     def head_dim(self) -> int:
@@ -174,10 +179,12 @@ class Magi2MultiHeadMoE(nn.Module):
         self.ep_size = ep_size
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_heads
-        self.head_dim = config.head_dim
         self.num_experts = config.num_experts
         self.top_k = config.top_k
-        self.expert_intermediate_size = config.expert_intermediate_size
+        #: MoE head width ``Dh`` and expert width ``De`` (vLLM-Omni's names; ``head_dim`` and
+        #: ``expert_intermediate_size`` are the same numbers under the config's names)
+        self.d_head = self.head_dim = config.head_dim
+        self.d_expert = self.expert_intermediate_size = config.expert_intermediate_size
 
         # 1. Expert-parallel bookkeeping (the head layout shared with the EP collectives).
         layout = self.ep_layout = ep_head_layout(self.num_heads, ep_size, ep_rank)
@@ -277,21 +284,29 @@ class Magi2MultiHeadMoE(nn.Module):
         """Whether the Triton backend runs in deterministic (atomic-free) mode."""
         return self._deterministic
 
-    def ep_slice(self, full_tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full (all-heads) checkpoint tensor.
+    def ep_slice(self, checkpoint_tensor: torch.Tensor) -> torch.Tensor:
+        """Slice flattened ``(head, expert)`` checkpoint rows for this rank.
 
-        Rows ``[local_head_start E, (local_head_start + L) E)`` of any ``[H E, ...]`` tensor, zeros for padded heads.
+        Rows ``[local_head_start E, (local_head_start + L) E)`` of a full (all-heads) ``[H E, ...]`` tensor, zeros
+        for padded heads; a tensor that already holds this rank's ``L E`` rows is returned as it is.
 
         Raises:
-            ValueError: ``full_tensor`` is not a tensor whose first dimension is ``H*E``.
+            ValueError: ``checkpoint_tensor`` is not a tensor whose first dimension is ``H*E`` or ``L*E``.
         """
-        full_rows = self.num_heads * self.num_experts
-        if not isinstance(full_tensor, torch.Tensor) or full_tensor.dim() < 1 or full_tensor.shape[0] != full_rows:
+        full_rows, local_rows = self.num_heads * self.num_experts, self.local_flatten_num_experts
+        rows = (
+            checkpoint_tensor.shape[0]
+            if isinstance(checkpoint_tensor, torch.Tensor) and checkpoint_tensor.dim()
+            else None
+        )
+        if rows == local_rows:
+            return checkpoint_tensor
+        if rows != full_rows:
             raise ValueError(
-                f"ep_slice expects a full tensor with first dimension H*E = {full_rows}; "
-                f"got {tuple(getattr(full_tensor, 'shape', ()))}"
+                f"ep_slice expects a full tensor with first dimension H*E = {full_rows} (or this rank's L*E = "
+                f"{local_rows}); got {tuple(getattr(checkpoint_tensor, 'shape', ()))}"
             )
-        return take_rows(full_tensor, self.local_head_start * self.num_experts, self.local_flatten_num_experts)
+        return take_rows(checkpoint_tensor, self.local_head_start * self.num_experts, local_rows)
 
     _EP_SHARDED_KEYS = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema")
     _FP8_SCALE_KEYS = ("W_gate_scale", "W_up_scale", "W_down_scale")  # EP-sharded too, with FP8 experts
@@ -318,12 +333,12 @@ class Magi2MultiHeadMoE(nn.Module):
 
     def forward(
         self,
-        hidden_states: torch.Tensor,
+        x: torch.Tensor,
         *,
         ep_token_counts: list[int] | None = None,
         shard_plan: object | None = None,
     ) -> torch.Tensor:
-        """Routed MoE on ``hidden_states [S, hidden]`` (the ``split_linear`` output); returns ``[S, hidden]``.
+        """Routed MoE on ``x [S, hidden]`` (the ``split_linear`` output); returns ``[S, hidden]``.
 
         The heads go through the installed :attr:`exchange` (one process: none; expert parallel: the EP collectives;
         context parallel: the exchange ``enable_parallelism`` installed) around :meth:`forward_local_heads`.
@@ -335,23 +350,20 @@ class Magi2MultiHeadMoE(nn.Module):
                 shard), else ``None``.
 
         Raises:
-            ValueError: ``hidden_states`` is not ``[S, hidden_size]`` floating point; ``ep_token_counts`` is not
-                ``ep_size`` non-negative ints with this rank's entry equal to ``S``; ``ep_size > 1`` without a group.
+            ValueError: ``x`` is not ``[S, hidden_size]`` floating point; ``ep_token_counts`` is not ``ep_size``
+                non-negative ints with this rank's entry equal to ``S``; ``ep_size > 1`` without a group.
         """
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError(
-                f"hidden_states must be a 2-D tensor [S, hidden_size={self.hidden_size}]; got "
-                f"{tuple(getattr(hidden_states, 'shape', ()))}"
+                f"x must be a 2-D tensor [S, hidden_size={self.hidden_size}]; got {tuple(getattr(x, 'shape', ()))}"
             )
-        if hidden_states.shape[1] != self.hidden_size:
-            raise ValueError(
-                f"hidden_states must have last dimension hidden_size={self.hidden_size}; got {hidden_states.shape[1]}"
-            )
-        if hidden_states.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"hidden_states must be float32/bfloat16/float16; got {hidden_states.dtype}")
-        num_tokens = hidden_states.shape[0]
-        x = hidden_states.reshape(num_tokens, self.num_heads, self.head_dim)
-        out = self.exchange(x, self.forward_local_heads, ep_token_counts, shard_plan)
+        if x.shape[1] != self.hidden_size:
+            raise ValueError(f"x must have last dimension hidden_size={self.hidden_size}; got {x.shape[1]}")
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"x must be float32/bfloat16/float16; got {x.dtype}")
+        num_tokens = x.shape[0]
+        heads = x.reshape(num_tokens, self.num_heads, self.head_dim)
+        out = self.exchange(heads, self.forward_local_heads, ep_token_counts, shard_plan)
         return out.reshape(num_tokens, self.hidden_size)
 
     def compute_router_logits(self, x_local: torch.Tensor) -> torch.Tensor:

@@ -41,10 +41,12 @@ def expert_route_blocks(x, gather_ids, expert_offsets, num_flat: int):
         yield g, head, routes, tokens, x[tokens, head].float()
 
 
-def reference_mh_moe_forward(x, routes, weights, *, scales=None) -> torch.Tensor:
+def reference_mh_moe_forward(
+    x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, *, scales=None
+) -> torch.Tensor:
     """The formula of the module docstring; arguments and result as
     :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward` (no input checks)."""
-    (gather_ids, probs, expert_offsets), w_down = routes, weights[2]
+    weights = (w_gate, w_up, w_down)
     out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     scales = (None, None, None) if scales is None else scales
     for g, head, span, tokens, rows in expert_route_blocks(x, gather_ids, expert_offsets, w_down.shape[0]):

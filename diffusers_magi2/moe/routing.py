@@ -13,16 +13,24 @@ token), on a GPU the device assert stops the run with the message.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 
 from ..utils.elementwise import sigmoid
 
 
-__all__ = ["ExpertRoutes", "check_finite_router_logits", "compute_topk_probs_and_indices", "global_sort_routes"]
+__all__ = [
+    "ExpertRoutes",
+    "RoutingScore",
+    "check_finite_router_logits",
+    "compute_topk_probs_and_indices",
+    "global_sort_routes",
+]
 
-_SCORE_FUNCS = ("sigmoid", "softmax")
+#: The router's score functions (``score_func``): per-expert sigmoid, or softmax over a head's experts.
+RoutingScore = Literal["softmax", "sigmoid"]
+_SCORE_FUNCS = get_args(RoutingScore)
 _NON_FINITE = "MoE router logits are not finite (NaN/inf in the MoE layer's input or gate weights); refusing to route"
 
 
@@ -68,7 +76,7 @@ def compute_topk_probs_and_indices(
     router_logits: torch.Tensor,
     top_k: int,
     *,
-    score_func: str = "sigmoid",
+    score_func: RoutingScore = "sigmoid",
     expert_bias: torch.Tensor | None = None,
     route_norm: bool = True,
     norm_eps: float = 1e-12,

@@ -98,7 +98,7 @@ def bench_cpu(
                 hid[g] @ module.W_down[g]
 
         def experts_only():
-            torch_mh_moe_forward(x, routes, (module.W_gate, module.W_up, module.W_down))
+            torch_mh_moe_forward(x, *routes, module.W_gate, module.W_up, module.W_down)
 
         # Interleaved rounds, best of each, on the process CPU clock (1 thread): robust to other jobs sharing
         # the cores, which would otherwise inflate wall times unevenly.
@@ -156,11 +156,10 @@ def bench_cpu(
     }
 
 
-def _grouped_mm_experts(x, routes, weights):
+def _grouped_mm_experts(x, gather_ids, probs, offsets, w_gate, w_up, w_down):
     """The same layer as ``torch._grouped_mm`` calls over all H·E experts at once (gather, gate, up, swiglu7 rounded
     to x's dtype, down, weighted fp32 scatter-add): the library baseline. Raises where the build has no grouped GEMM
     for x's dtype; arguments as ``torch_mh_moe_forward``."""
-    (gather_ids, probs, offsets), (w_gate, w_up, w_down) = routes, weights
     num_tokens, num_heads, head_dim = x.shape
     num_experts = w_gate.shape[0] // num_heads
     offs = offsets[1:].to(torch.int32)
@@ -235,18 +234,18 @@ def bench_cuda(
             flops = 6.0 * num_tokens * heads * top_k * head_dim * expert_dim
             entry = {}
             entry["triton_atomic_s"] = _best_of(
-                lambda: triton_mh_moe_forward(x, routing, weights, scales=scales), repeats, sync
+                lambda: triton_mh_moe_forward(x, *routing, *weights, scales=scales), repeats, sync
             )
             entry["triton_deterministic_s"] = _best_of(
-                lambda: triton_mh_moe_forward(x, routing, weights, deterministic=True, scales=scales), repeats, sync
+                lambda: triton_mh_moe_forward(x, *routing, *weights, deterministic=True, scales=scales), repeats, sync
             )
             if torch_path:
                 entry["torch_path_s"] = _best_of(
-                    lambda: torch_mh_moe_forward(x, routing, weights, scales=scales), 1, sync
+                    lambda: torch_mh_moe_forward(x, *routing, *weights, scales=scales), 1, sync
                 )
             try:
                 entry["grouped_mm_bf16_s"] = _best_of(
-                    lambda: _grouped_mm_experts(x, routing, bf16_banks), repeats, sync
+                    lambda: _grouped_mm_experts(x, *routing, *bf16_banks), repeats, sync
                 )
             except (RuntimeError, NotImplementedError) as err:
                 entry["grouped_mm_bf16_error"] = f"{type(err).__name__}: {str(err)[:200]}"

@@ -98,7 +98,7 @@ def unit_swiglu_layer(gate_vals, up_vals, dtype=torch.float32):
     gather_ids = torch.zeros(1, dtype=torch.int32)
     probs = torch.ones(1)
     offsets = torch.tensor([0, 1])
-    return x, (gather_ids, probs, offsets), (w_gate, w_up, w_down)
+    return x, gather_ids, probs, offsets, w_gate, w_up, w_down
 
 
 def tiny_config(num_heads=2, num_experts=8, top_k=2, head_dim=64, expert_dim=64, dtype=torch.float32, **kw):

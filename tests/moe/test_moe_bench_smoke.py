@@ -39,5 +39,5 @@ def test_bench_moe_grouped_mm_baseline_computes_the_layer() -> None:
 
     bench = load_bench()
     x, probs, idx, w_gate, w_up, w_down = random_case(10, 2, 4, 2, 16, 32, torch.float32, seed=4)
-    args = (x, global_sort_routes(probs, idx, 4), (w_gate, w_up, w_down))
+    args = (x, *global_sort_routes(probs, idx, 4), w_gate, w_up, w_down)
     torch.testing.assert_close(bench._grouped_mm_experts(*args), torch_mh_moe_forward(*args), atol=1e-5, rtol=1e-5)

@@ -25,13 +25,13 @@ def swiglu7_scalar(g: float, u: float) -> float:
 def loop_oracle(x, top_probs, top_idx, w_gate, w_up, w_down):
     """The package's reference on the CSR layout of the given top-k routes."""
     routes = global_sort_routes(top_probs, top_idx, w_gate.shape[0] // x.shape[1])
-    return reference_mh_moe_forward(x, routes, (w_gate, w_up, w_down))
+    return reference_mh_moe_forward(x, *routes, w_gate, w_up, w_down)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_path_matches_loop_oracle(dtype: torch.dtype) -> None:
     x, probs, idx, w_gate, w_up, w_down = random_case(9, 3, 5, 3, 16, 24, dtype)
-    out = torch_mh_moe_forward(x, global_sort_routes(probs, idx, 5), (w_gate, w_up, w_down))
+    out = torch_mh_moe_forward(x, *global_sort_routes(probs, idx, 5), w_gate, w_up, w_down)
     ref = loop_oracle(x, probs, idx, w_gate, w_up, w_down)
     assert out.dtype == dtype and out.shape == x.shape
     if dtype == torch.float32:
@@ -45,11 +45,11 @@ def test_torch_path_empty_experts_zero_tokens_and_untouched_heads() -> None:
     x, probs, idx, w_gate, w_up, w_down = random_case(4, 2, 6, 1, 16, 16, torch.float32)
     idx.zero_()  # every route to expert 0 of its head: experts 1..5 empty
     gather_ids, probs_sorted, offsets = global_sort_routes(probs, idx, 6)
-    out = torch_mh_moe_forward(x, (gather_ids, probs_sorted, offsets), (w_gate, w_up, w_down))
+    out = torch_mh_moe_forward(x, gather_ids, probs_sorted, offsets, w_gate, w_up, w_down)
     torch.testing.assert_close(out, loop_oracle(x, probs, idx, w_gate, w_up, w_down), atol=2e-5, rtol=1e-5)
     # S = 0
     empty_routes = (gather_ids[:0], probs_sorted[:0], torch.zeros_like(offsets))
-    empty = torch_mh_moe_forward(x[:0], empty_routes, (w_gate, w_up, w_down))
+    empty = torch_mh_moe_forward(x[:0], *empty_routes, w_gate, w_up, w_down)
     assert empty.shape == (0, 2, 16)
 
 
@@ -107,30 +107,31 @@ def test_expert_bad_input(mutate, match) -> None:
         "w_down": w_down,
     }
     mutate(args)
-    routes = [args[name] for name in ("gather_ids", "probs", "expert_offsets")]
-    weights = [args[name] for name in ("w_gate", "w_up", "w_down")]
     with pytest.raises(ValueError, match=match):
-        torch_mh_moe_forward(args["x"], routes, weights)
+        torch_mh_moe_forward(**args)
 
 
 @pytest.mark.parametrize(
-    ("group", "mutate"),
+    ("position", "scales", "match"),
     [
-        ("routes", lambda r, w, s: (r[:2], w, s)),
-        ("weights", lambda r, w, s: (r, [*w, w[0]], s)),
-        ("weights", lambda r, w, s: (r, w[0], s)),
-        ("scales", lambda r, w, s: (r, w, (None, None, None))),
+        (0, None, "x must be a tensor"),
+        (2, None, "probs must be a tensor"),
+        (6, None, "w_down must be a tensor"),
+        (None, (None, None, None), "w_gate_scale must be a tensor"),
+        (None, (), "scales must be None or three tensors"),
     ],
 )
-def test_expert_groups_must_be_three_tensors(group, mutate) -> None:
-    """Routes, banks and scales are passed as groups of three tensors; anything else is refused by name."""
+def test_expert_arguments_that_are_not_tensors_are_refused_by_name(position, scales, match) -> None:
+    """A non-tensor argument gets a ValueError naming it (not the custom op's schema error), and the internal
+    grouped check names it the same way."""
     x, probs, idx, *banks = random_case(4, 2, 3, 2, 16, 16, torch.float32)
-    routes, weights, scales = mutate(list(global_sort_routes(probs, idx, 3)), banks, None)
-    match = f"{group} must be a tuple or list of three tensors"
+    args = [x, *global_sort_routes(probs, idx, 3), *banks]
+    if position is not None:
+        args[position] = args[position].tolist()
     with pytest.raises(ValueError, match=match):
-        check_expert_inputs(x, routes, weights, scales)
+        torch_mh_moe_forward(*args, scales=scales)
     with pytest.raises(ValueError, match=match):
-        torch_mh_moe_forward(x, routes, weights, scales=scales)
+        check_expert_inputs(args[0], args[1:4], args[4:], scales)
 
 
 def test_expert_offsets_inconsistent_with_routes() -> None:
@@ -139,7 +140,7 @@ def test_expert_offsets_inconsistent_with_routes() -> None:
     bad = offsets.clone()
     bad[-1] += 1
     with pytest.raises(ValueError, match="non-decreasing from 0"):
-        torch_mh_moe_forward(x, (gather_ids, probs_sorted, bad), (w_gate, w_up, w_down))
+        torch_mh_moe_forward(x, gather_ids, probs_sorted, bad, w_gate, w_up, w_down)
 
 
 def test_torch_path_is_differentiable() -> None:
@@ -150,7 +151,7 @@ def test_torch_path_is_differentiable() -> None:
     for fn in ("torch", "oracle"):
         leaves = [t.clone().requires_grad_(True) for t in (x, w_gate, w_up, w_down)]
         if fn == "torch":
-            out = torch_mh_moe_forward(leaves[0], global_sort_routes(probs, idx, 3), leaves[1:])
+            out = torch_mh_moe_forward(leaves[0], *global_sort_routes(probs, idx, 3), *leaves[1:])
         else:
             out = loop_oracle(leaves[0], probs, idx, *leaves[1:])
         (out * weight).sum().backward()
@@ -170,7 +171,7 @@ def test_torch_path_under_non_reentrant_checkpointing_gives_the_plain_gradients(
         leaves = [t.clone().requires_grad_(True) for t in (x, w_gate, w_up, w_down)]
 
         def run(x, *weights):
-            return torch_mh_moe_forward(x, routes, weights)
+            return torch_mh_moe_forward(x, *routes, *weights)
 
         if checkpointed:
             out = torch.utils.checkpoint.checkpoint(run, *leaves, use_reentrant=False)

@@ -87,10 +87,10 @@ def test_bf16_teacher_forced_experts_match_core_out(model: str, layer: int) -> N
     x = case["core.x"].view(-1, cfg.num_heads, cfg.head_dim)
     routes = (case["core.gather_ids"], case["core.probs_sorted"], case["core.expert_offsets"])
     weights = (module.W_gate, module.W_up, module.W_down)
-    out = torch_mh_moe_forward(x, routes, weights)
+    out = torch_mh_moe_forward(x, *routes, *weights)
     assert out.dtype == torch.bfloat16
     with torch.no_grad():  # the in-place fast path (no autograd) computes the same bits
-        fast = torch_mh_moe_forward(x, routes, weights)
+        fast = torch_mh_moe_forward(x, *routes, *weights)
     assert torch.equal(fast.view(torch.int16), out.view(torch.int16))
     ref = case["core.out"].view_as(out)
     err = rel_l2(out, ref)
@@ -123,7 +123,7 @@ def test_oracle_and_grouped_backend_reproduce_core_out(model: str, layer: int, v
     weights = (module.W_gate, module.W_up, module.W_down)
     with torch.no_grad():
         if experts == "reference":
-            out = reference_mh_moe_forward(x, routes, weights)
+            out = reference_mh_moe_forward(x, *routes, *weights)
         else:
             out = mh_moe_experts(x, routes, weights, [], "torch_grouped", False)
     ref = case["core.out"].view_as(out)

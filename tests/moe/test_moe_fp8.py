@@ -78,8 +78,8 @@ def test_fp8_torch_path_matches_oracle_and_fixture(variant: str) -> None:
     weights = [module.get_parameter(n) for n in BANKS]
     scales = tuple(module.get_buffer(f"{n}_scale") for n in BANKS)
     with torch.no_grad():
-        out = torch_mh_moe_forward(x, routes, weights, scales=scales)
-        ref = reference_mh_moe_forward(x, routes, weights, scales=scales)
+        out = torch_mh_moe_forward(x, *routes, *weights, scales=scales)
+        ref = reference_mh_moe_forward(x, *routes, *weights, scales=scales)
     assert out.dtype == x.dtype
     assert rel_l2(out, ref) <= 1e-6
     err = rel_l2(out, case["core.out"].view_as(out))
@@ -171,10 +171,13 @@ def test_fp8_released_size_builds_on_meta() -> None:
 @pytest.mark.parametrize("bad", ["int8", "fp8", "float8_e5m2", torch.float8_e5m2, torch.bfloat16, 8])
 def test_expert_dtype_outside_allowed_set_raises(bad) -> None:
     with pytest.raises(ValueError, match=r"expert_dtype must be one of \(None, 'float8_e4m3fn'\)"):
-        Magi2MultiHeadMoEConfig(128, 2, 8, 2, 64, expert_dtype=bad)
+        Magi2MultiHeadMoEConfig(128, 2, 8, 2, 64, torch.bfloat16, expert_dtype=bad)
     assert EXPERT_DTYPES == (None, "float8_e4m3fn")
     for good in (None, "float8_e4m3fn", "torch.float8_e4m3fn", torch.float8_e4m3fn):
-        assert Magi2MultiHeadMoEConfig(128, 2, 8, 2, 64, expert_dtype=good).expert_dtype in (None, FP8_DTYPE)
+        assert Magi2MultiHeadMoEConfig(128, 2, 8, 2, 64, torch.bfloat16, expert_dtype=good).expert_dtype in (
+            None,
+            FP8_DTYPE,
+        )
 
 
 def test_fp8_scales_checked() -> None:
@@ -184,12 +187,12 @@ def test_fp8_scales_checked() -> None:
     weights = [module.get_parameter(n) for n in BANKS]
     scales = [module.get_buffer(f"{n}_scale") for n in BANKS]
     with pytest.raises(ValueError, match="need scales"):
-        torch_mh_moe_forward(x, routes, weights)
+        torch_mh_moe_forward(x, *routes, *weights)
     with pytest.raises(ValueError, match=r"w_down_scale must be a float32 tensor of shape \[4, 16\]"):
-        torch_mh_moe_forward(x, routes, weights, scales=(scales[0], scales[1], scales[2][:, :8]))
+        torch_mh_moe_forward(x, *routes, *weights, scales=(scales[0], scales[1], scales[2][:, :8]))
     with pytest.raises(ValueError, match="only used with"):
         dense = [w.float() for w in weights]
-        torch_mh_moe_forward(x, routes, dense, scales=tuple(scales))
+        torch_mh_moe_forward(x, *routes, *dense, scales=tuple(scales))
 
 
 def test_fp8_where_the_kernel_cannot_run_it_raises(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,4 +215,4 @@ def test_fp8_where_the_kernel_cannot_run_it_raises(monkeypatch: pytest.MonkeyPat
     weights = [module.get_parameter(n) for n in BANKS]
     scales = tuple(module.get_buffer(f"{n}_scale") for n in BANKS)
     with pytest.raises(ValueError, match="FP8 refused"):
-        triton_mh_moe_forward(x, routes, weights, scales=scales)
+        triton_mh_moe_forward(x, *routes, *weights, scales=scales)

@@ -39,13 +39,13 @@ def test_full_size_triton_matches_torch_and_is_deterministic() -> None:
     probs, idx = module.route(x)
     routes = global_sort_routes(probs, idx, 256)
     weights = (module.W_gate, module.W_up, module.W_down)
-    ref = torch_mh_moe_forward(x, routes, weights)
+    ref = torch_mh_moe_forward(x, *routes, *weights)
     from diffusers_magi2.moe.experts_triton import triton_mh_moe_forward
 
-    out = triton_mh_moe_forward(x, routes, weights)
+    out = triton_mh_moe_forward(x, *routes, *weights)
     err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
     assert err <= FULL_GPU_REL, err
-    runs = [triton_mh_moe_forward(x, routes, weights, deterministic=True) for _ in range(3)]
+    runs = [triton_mh_moe_forward(x, *routes, *weights, deterministic=True) for _ in range(3)]
     assert all(torch.equal(runs[0].view(torch.int16), r.view(torch.int16)) for r in runs[1:])
 
 

@@ -140,7 +140,7 @@ def test_module_forward_fp32_and_bf16(dtype: torch.dtype) -> None:
     x = hidden.view(16, 2, 64)
     probs, idx = module.route(x)
     torch.testing.assert_close(probs.sum(-1), torch.full((2, 16), 4.9), atol=1e-5, rtol=0)  # route_scale once
-    ref = torch_mh_moe_forward(x, global_sort_routes(probs, idx, 8), (module.W_gate, module.W_up, module.W_down))
+    ref = torch_mh_moe_forward(x, *global_sort_routes(probs, idx, 8), module.W_gate, module.W_up, module.W_down)
     assert torch.equal(out.view(16, 2, 64), ref)
     assert module(hidden[:0]).shape == (0, 128)
 
@@ -198,6 +198,7 @@ def test_set_backend_bad_input() -> None:
 )
 def test_config_bad_input(kwargs, match) -> None:
     base = {"hidden_size": 128, "num_heads": 2, "num_experts": 8, "top_k": 2, "expert_intermediate_size": 64}
+    base["params_dtype"] = torch.bfloat16
     base.update(kwargs)
     with pytest.raises(ValueError, match=match):
         Magi2MultiHeadMoEConfig(**base)
@@ -253,7 +254,10 @@ def test_no_expert_bank_repack_per_forward(backend: str, dtype: torch.dtype) -> 
         with recorders[0]:
             module(hidden)
         with recorders[1]:
-            body(x, routes, (module.W_gate, module.W_up, module.W_down))
+            if backend == "torch":
+                body(x, routes, (module.W_gate, module.W_up, module.W_down))
+            else:
+                body(x, *routes, module.W_gate, module.W_up, module.W_down)
     limit = module.W_gate.numel()
     assert limit == 65536
     for recorder in recorders:

@@ -44,7 +44,7 @@ def fixture_args(model: str, variant: str, layer: int):
     module = build_module(model, layer, torch.float32 if variant == "fp32" else torch.bfloat16)
     x = case["core.x"].view(-1, module.num_heads, module.head_dim)
     routes = (case["core.gather_ids"], case["core.probs_sorted"], case["core.expert_offsets"])
-    return case, (x, routes, (module.W_gate.detach(), module.W_up.detach(), module.W_down.detach()))
+    return case, (x, *routes, module.W_gate.detach(), module.W_up.detach(), module.W_down.detach())
 
 
 @pytest.mark.parametrize("layer", LAYERS)
@@ -101,8 +101,8 @@ def test_triton_matches_torch_property(
     if empty and num_experts > top_k:
         logits[..., top_k:] = -30.0  # experts past top_k never chosen
     routes, weights = routes_from(logits, top_k), (w_gate, w_up, w_down)
-    ref = torch_mh_moe_forward(x, routes, weights)
-    out = triton_mh_moe_forward(x, routes, weights, deterministic=deterministic)
+    ref = torch_mh_moe_forward(x, *routes, *weights)
+    out = triton_mh_moe_forward(x, *routes, *weights, deterministic=deterministic)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert_rel_close(out, ref, TRITON_VS_TORCH_FP32_REL)
 
@@ -110,7 +110,7 @@ def test_triton_matches_torch_property(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_deterministic_bit_identical_over_3_runs(dtype: torch.dtype) -> None:
     x, probs, idx, w_gate, w_up, w_down = random_case(12, 2, 4, 3, 32, 32, dtype, seed=3)
-    args = (x, global_sort_routes(probs, idx, 4), (w_gate, w_up, w_down))
+    args = (x, *global_sort_routes(probs, idx, 4), w_gate, w_up, w_down)
     runs = [triton_mh_moe_forward(*args, deterministic=True) for _ in range(3)]
     for other in runs[1:]:
         assert torch.equal(
@@ -137,7 +137,7 @@ def bf16_integer_case():
     w_down = torch.randint(-2, 3, (heads * experts, de, dh), generator=gen).to(torch.bfloat16)
     logits = torch.randn(heads, 16, experts, generator=gen)
     probs, idx = compute_topk_probs_and_indices(logits, 2)
-    return (x, global_sort_routes(probs, idx, experts), (w_gate, w_up, w_down))
+    return (x, *global_sort_routes(probs, idx, experts), w_gate, w_up, w_down)
 
 
 def test_bf16_in_interpreter_is_finite_and_matches_torch() -> None:
@@ -194,11 +194,11 @@ def test_tile_out_of_resources_fallback_is_cached(monkeypatch: pytest.MonkeyPatc
 
 def test_triton_bad_input() -> None:
     x, probs, idx, w_gate, w_up, w_down = random_case(4, 1, 2, 1, 24, 16, torch.float32)
-    args = (x, global_sort_routes(probs, idx, 2), (w_gate, w_up, w_down))
+    args = (x, *global_sort_routes(probs, idx, 2), w_gate, w_up, w_down)
     with pytest.raises(ValueError, match="multiple of 16"):
         triton_mh_moe_forward(*args)
     x, probs, idx, w_gate, w_up, w_down = random_case(4, 1, 2, 1, 16, 16, torch.float32)
-    args = (x, global_sort_routes(probs, idx, 2), (w_gate, w_up, w_down))
+    args = (x, *global_sort_routes(probs, idx, 2), w_gate, w_up, w_down)
     with pytest.raises(ValueError, match="deterministic must be a bool"):
         triton_mh_moe_forward(*args, deterministic=1)
     with pytest.raises(ValueError, match="contiguous last dimension"):
@@ -215,7 +215,7 @@ def test_triton_bad_input() -> None:
 )
 def test_triton_low_precision_and_mixed_dtypes(act_dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
     x, probs, idx, w_gate, w_up, w_down = random_case(10, 2, 4, 3, 32, 48, weight_dtype, seed=5)
-    args = (x.to(act_dtype), global_sort_routes(probs, idx, 4), (w_gate, w_up, w_down))
+    args = (x.to(act_dtype), *global_sort_routes(probs, idx, 4), w_gate, w_up, w_down)
     ref = torch_mh_moe_forward(*args)
     # Deterministic mode sums in the activation dtype in the reference's order; atomic mode under the interpreter
     # may sum bf16 contributions in fp32 and round once (at most ~1 ulp of the output apart).

@@ -35,7 +35,9 @@ args = parser.parse_args()
 
 _rules.init_distributed_from_launch()
 ep = resolve_expert_parallel(Magi2ExpertParallelConfig(ep_degree=args.ep_degree))
-cfg = Magi2MultiHeadMoEConfig(hidden_size=128, num_heads=4, num_experts=8, top_k=2, expert_intermediate_size=64)
+cfg = Magi2MultiHeadMoEConfig(
+    hidden_size=128, num_heads=4, num_experts=8, top_k=2, expert_intermediate_size=64, params_dtype=torch.bfloat16
+)
 moe = Magi2MultiHeadMoE(cfg, ep.group)
 x = torch.randn(6, 128, generator=torch.Generator().manual_seed(0))
 y = moe(x)  # one real EP forward (layout a) through the group
