@@ -25,7 +25,7 @@ from ..loaders.original_checkpoint import (
     expected_specs_from_model,
     original_format,
 )
-from ..moe.quantize import EXPERT_DTYPES, parse_expert_dtype, quantize_fp8
+from ..moe.quantize import EXPERT_DTYPES, INT4, parse_expert_dtype, quantize_fp8
 from ..utils.safetensors_io import (
     DTYPE_ITEMSIZE,
     DTYPE_TO_TORCH,
@@ -139,11 +139,16 @@ def prepare_transformer_conversion(
 
     Raises:
         CheckpointValidationError: every problem found, listed together.
-        ValueError: bad arguments (``expert_dtype`` outside ``(None, "float8_e4m3fn")``, or FP8 experts for a
-            model without routed experts) or a config without the needed section.
+        ValueError: bad arguments (``expert_dtype`` outside ``(None, "float8_e4m3fn")``: ``"int4"`` is not converted
+            yet; or FP8 experts for a model without routed experts) or a config without the needed section.
     """
     if component not in TRANSFORMER_TARGETS:
         raise ValueError(f"component must be one of {sorted(TRANSFORMER_TARGETS)}, got {component!r}")
+    if parse_expert_dtype(expert_dtype) == INT4:
+        raise ValueError(
+            "expert_dtype='int4': converting to 4-bit routed experts is not supported yet; convert with "
+            "expert_dtype=None or 'float8_e4m3fn'"
+        )
     fp8 = parse_expert_dtype(expert_dtype) is not None
     target = TRANSFORMER_TARGETS[component]
     cls = target.model_class()

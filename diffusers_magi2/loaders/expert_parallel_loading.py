@@ -30,7 +30,6 @@ import torch
 import torch.nn as nn
 
 from ..moe.layer import Magi2MultiHeadMoE, moe_tensors_on_meta
-from ..moe.quantize import FP8_SCALE_NAMES
 from ..parallel.expert_parallel import (
     Magi2ExpertParallelConfig,
     Magi2ExpertParallelGroup,
@@ -170,7 +169,7 @@ def ep_row_plan(model: nn.Module) -> dict[str, RowShard]:
             m.local_head_start * m.num_experts, m.local_flatten_num_experts, m.num_heads * m.num_experts
         )
         for name, m in _moe_modules(model)
-        for suffix in EP_SHARDED_SUFFIXES + (FP8_SCALE_NAMES if m.fp8_experts else ())
+        for suffix in EP_SHARDED_SUFFIXES + m.expert_scale_names
     }
 
 
@@ -307,6 +306,11 @@ class ExpertParallelLoaderMixin:
         # diffusers 0.42's per-shard loading step: the hook point (the model is built on meta, the files resolved).
         # Expert parallelism cuts the shards to this rank's rows first; FP8 experts then take their tensors out of
         # each (already cut) shard (:mod:`diffusers_magi2.loaders.fp8_experts`).
+        if any(m.int4_experts for _, m in _moe_modules(model)):
+            raise ValueError(
+                "expert_dtype='int4': loading 4-bit routed experts from a checkpoint (an int4 repo, or quantizing a "
+                "bf16 repo at load) is not supported yet; load with expert_dtype=None or 'float8_e4m3fn'"
+            )
         ep = _LOADING_EP_GROUP.get()
         if ep is not None:
             fingerprint = {

@@ -9,7 +9,7 @@ Parameter names are SandAI's with ``block.layers.{i}.`` -> ``transformer_blocks.
 tensors ``mhc_{param}_{site}`` held by its two :class:`~.mhc.Magi2HyperConnection` sites as ``mhc_{site}.{param}``
 (:mod:`~diffusers_magi2.loaders.key_plan`). fp32 islands (``_keep_in_fp32_modules``, by module name): embedders,
 post adapter, norms, sinks, ``mhc_attn`` / ``mhc_mlp`` / ``mhc_norm``, router, rope bands, FP8 scales; the routed
-experts are stored in ``expert_dtype``; the residual runs in the attention weights' dtype, coefficients, norms and
+experts are stored in ``expert_dtype`` (int4 experts with their bf16 group scales, which are no islands); the residual runs in the attention weights' dtype, coefficients, norms and
 routing in fp32.
 """
 
@@ -29,8 +29,9 @@ from diffusers.utils import BaseOutput
 from ..loaders.expert_parallel_loading import ExpertParallelLoaderMixin
 from ..loaders.key_plan import check_no_flat_mhc_keys
 from ..moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
-from ..moe.quantize import EXPERT_DTYPES, parse_expert_dtype
+from ..moe.quantize import EXPERT_DTYPES, INT4, parse_expert_dtype
 from ..moe.quantize import FP8_SCALE_NAMES as _FP8_SCALE_NAMES
+from ..moe.quantize_int4 import INT4_GROUP_SIZE, INT4_PACKING, check_int4_banks
 from ..utils.backends import check_backend, resolve_backend
 from ..utils.dtype_utils import parse_dtype
 from ..utils.safetensors_io import read_index, read_safetensors_header
@@ -188,11 +189,16 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
         split_merge_intermediate_size: MoE width between split/merge linears (``None`` = hidden).
         time_embed_dim: width of the time embedding written into channels ``[0:dim]`` (64).
         params_dtype: construction-time dtype of the non-fp32 weights (not stored in the config).
-        expert_dtype: storage of the routed experts: ``None`` (the load dtype) or ``"float8_e4m3fn"`` (weight-only,
-            fp32 scales per expert and output channel; :mod:`diffusers_magi2.moe.quantize`).
+        expert_dtype: storage of the routed experts: ``None`` (the load dtype), ``"float8_e4m3fn"`` (weight-only,
+            fp32 scales per expert and output channel; :mod:`diffusers_magi2.moe.quantize`) or ``"int4"`` (4-bit NF4
+            codes, bf16 scales per group of ``expert_int4_group_size`` rows; :mod:`diffusers_magi2.moe.quantize_int4`).
+        expert_int4_group_size: int4 experts: rows of each expert matrix's contraction dim per scale (128).
+        expert_int4_packing: int4 experts: the code and packing of the stored banks; only ``"nf4_pairs_along_n"``.
 
     Raises:
-        ValueError: inconsistent geometry, or ``expert_dtype`` outside ``(None, "float8_e4m3fn")``.
+        ValueError: inconsistent geometry, ``expert_dtype`` outside ``(None, "float8_e4m3fn", "int4")``, or with int4
+            experts an ``expert_int4_packing`` other than ``"nf4_pairs_along_n"`` or an ``expert_int4_group_size``
+            that does not divide the MoE head width and expert width (each error names the config key).
 
     Runtime switches: ``set_attention_backend``, :meth:`set_moe_backend`, :meth:`set_mhc_backend`,
     :meth:`enable_forward_chunking` (token chunks of the per-token work; on by default).
@@ -244,10 +250,20 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
         time_embed_dim: int = 64,
         params_dtype: Optional[torch.dtype] = None,
         expert_dtype: Optional[str] = None,
+        expert_int4_group_size: int = INT4_GROUP_SIZE,
+        expert_int4_packing: str = INT4_PACKING,
     ) -> None:
         super().__init__()
         if parse_expert_dtype(expert_dtype) is not None and not isinstance(expert_dtype, str):
             self.register_to_config(expert_dtype=EXPERT_DTYPES[1])  # a torch dtype given: the config stores its name
+        if expert_dtype == INT4:
+            if expert_int4_packing != INT4_PACKING:
+                raise ValueError(
+                    f"expert_int4_packing must be {INT4_PACKING!r} (NF4 codes, two per byte along N); got "
+                    f"{expert_int4_packing!r}"
+                )
+            moe_width = (split_merge_intermediate_size or num_attention_heads * attention_head_dim) // moe_num_heads
+            check_int4_banks(moe_width, moe_expert_intermediate_size, expert_int4_group_size, "expert_int4_group_size")
         self._check_geometry("multimodal_layers", "moe_layers")
         if num_sink_tokens < 1:
             raise ValueError("num_sink_tokens must be >= 1 (MAGI-2 Preview requires attention sinks)")
@@ -265,6 +281,7 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
                 hidden_size=split_merge_intermediate_size or hidden_size,
                 params_dtype=params_dtype if params_dtype is not None else torch.get_default_dtype(),
                 expert_dtype=expert_dtype,
+                int4_group_size=expert_int4_group_size,
                 **{field: self.config[f"moe_{field}"] for field in _MOE_CORE_FIELDS},
             )
         geometry = Magi2AttentionGeometry.from_config(self.config)

@@ -2,7 +2,8 @@
 
 The math is :mod:`diffusers_magi2.moe.reference` (SandAI ``_mh_moe_fwd_kernel``, with its rounding points).
 ``"torch"`` computes the same bits with reused buffers and ``out=`` GEMMs, reading the expert offsets on the host
-once per call. ``"torch_grouped"`` has no host sync (for context parallelism): per head, one ``torch._grouped_mm``
+once per call. Quantized banks are dequantized just in time (:mod:`.dequantize`), never the whole layer: FP8 per
+expert, int4 one head's bank at a time into reused fp32 buffers (``"torch"``) or per head (``"torch_grouped"``). ``"torch_grouped"`` has no host sync (for context parallelism): per head, one ``torch._grouped_mm``
 per projection over that head's experts with device-side offsets, the ``k`` routes of each (token, head) summed in
 ascending expert id; it needs top-k routes, and its one-block swiglu7 may differ from the per-expert one in the last
 fp32 bit.
@@ -18,8 +19,9 @@ import torch
 from torch import Tensor
 
 from .activation import swiglu7, swiglu7_backward
+from .dequantize import dequantize_bank, dequantize_expert, is_int4
 from .expert_checks import check_expert_inputs, check_expert_tensors
-from .quantize import FP8_DTYPE, dequantize_expert
+from .quantize import FP8_DTYPE
 from .reference import expert_route_blocks, hidden_dtype
 
 
@@ -43,7 +45,8 @@ def torch_mh_moe_forward(
     """Routed-expert compute of MAGI-2's multi-head MoE in plain torch (differentiable): the small-shape oracle of
     the fused kernel, with vLLM-Omni's ``mh_moe`` signature.
 
-    The reference's bits; bf16 weights are upcast and FP8 ones dequantized per expert, never the whole bank.
+    The reference's bits; bf16 weights are upcast, FP8 ones dequantized per expert and int4 ones per head, never
+    the whole layer.
 
     Args:
         x: ``[S, H, Dh]`` activations, fp32/bf16/fp16.
@@ -54,8 +57,12 @@ def torch_mh_moe_forward(
             ``expert_offsets[g]:expert_offsets[g+1]``.
         w_gate: ``[H*E, Dh, De]``, used as ``x @ W``.
         w_up: ``[H*E, Dh, De]``.
-        w_down: ``[H*E, De, Dh]``; the three are fp32/bf16/fp16, or ``float8_e4m3fn`` with ``scales``.
-        scales: FP8 only: fp32 ``(w_gate_scale [H*E, De], w_up_scale [H*E, De], w_down_scale [H*E, Dh])``.
+        w_down: ``[H*E, De, Dh]``; the three are fp32/bf16/fp16, ``float8_e4m3fn`` with ``scales``, or ``uint8``
+            int4 codes with ``scales`` (``w_gate``/``w_up [H*E, Dh, De/2]``, ``w_down [H*E, De, Dh/2]``,
+            :mod:`~diffusers_magi2.moe.quantize_int4`).
+        scales: keyword-only, quantized experts only: FP8: fp32 ``(w_gate_scale [H*E, De], w_up_scale [H*E, De],
+            w_down_scale [H*E, Dh])``; int4: the bf16 group scales ``([H*E, Dh/G, De], [H*E, Dh/G, De],
+            [H*E, De/G, Dh])``.
 
     Returns:
         ``[S, H, Dh]`` in ``x.dtype``; heads/tokens without routes are zero.
@@ -103,7 +110,8 @@ def _forward_inference(
     """Per head and expert: gate/up GEMMs and swiglu7 in two reused buffers, down GEMM into the head's fp32 block."""
     num_tokens, num_heads, head_dim = x.shape
     w_gate, w_up, w_down = weights
-    num_experts, expert_dim = len(head_counts[0]), w_gate.shape[2]
+    int4 = is_int4(w_gate)
+    num_experts, expert_dim = len(head_counts[0]), w_gate.shape[2] * (2 if int4 else 1)
     f32 = torch.float32
     upcast_weights = w_gate.dtype != f32
     round_to = hidden_dtype(w_down.dtype, x.dtype)
@@ -115,15 +123,23 @@ def _forward_inference(
     down_rows = torch.empty(max_block, head_dim, dtype=f32, device=x.device)  # one head's route rows, CSR order
     head_sum = torch.empty(num_tokens, head_dim, dtype=x.dtype, device=x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    # Per-expert weight views once (tuple indexing in the loop costs no torch dispatch).
-    weight_rows = [w.unbind(0) for w in weights]
-    scale_rows = [(None,) * w_gate.shape[0]] * 3 if scales is None else [s.unbind(0) for s in scales]
+    if int4:  # one head's three banks at a time, dequantized into reused fp32 buffers
+        bank_bufs = [torch.empty(num_experts, w.shape[1], 2 * w.shape[2], dtype=f32, device=x.device) for w in weights]
+    else:  # per-expert weight views once (tuple indexing in the loop costs no torch dispatch)
+        weight_rows = [w.unbind(0) for w in weights]
+        scale_rows = [(None,) * w_gate.shape[0]] * 3 if scales is None else [s.unbind(0) for s in scales]
     for head, counts in enumerate(head_counts):
         base = offsets[head * num_experts]
         block = sum(counts)
         if block == 0:
             out[:, head].zero_()
             continue
+        if int4:
+            experts = slice(head * num_experts, (head + 1) * num_experts)
+            head_rows = [
+                dequantize_bank(w[experts], s[experts], out=buf).unbind(0)
+                for w, s, buf in zip(weights, scales, bank_bufs)
+            ]
         tokens = token_ids[base : base + block]
         if x.dtype == f32:
             x_head = torch.index_select(x[:, head], 0, tokens, out=x_rows[:block])
@@ -139,8 +155,11 @@ def _forward_inference(
             if temps is None:  # views of the expert buffers, sliced once per distinct expert size
                 temps = expert_temps[rows] = tuple(buf[:rows] for buf in expert_bufs)
             g = head * num_experts + e
-            wg, wu, wd = (w[g] for w in weight_rows)
-            if upcast_weights:  # per-expert upcast (exact) or FP8 dequantization; never the whole bank
+            if int4:
+                wg, wu, wd = (rows_[e] for rows_ in head_rows)
+            else:
+                wg, wu, wd = (w[g] for w in weight_rows)
+            if upcast_weights and not int4:  # per-expert upcast (exact) or FP8 dequantization; never the whole bank
                 wg, wu, wd = (dequantize_expert(w, s[g]) for w, s in zip((wg, wu, wd), scale_rows))
             # gate/up with fp32 accumulation, swiglu7 in fp32, rounded to the hidden dtype, down in fp32, x prob
             # (while the rows are still in cache)
@@ -177,9 +196,11 @@ def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: tor
     out_head.zero_().index_add_(0, tokens, contrib)
 
 
-def _head_bank(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """One head's expert bank ``[E, K, N]`` in fp32 (FP8 dequantized as :func:`dequantize_expert` does)."""
-    return weight.float() if scale is None else weight.float().mul_(scale.unsqueeze(1))
+def _head_bank(
+    weight: torch.Tensor, scale: Optional[torch.Tensor], out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """One head's expert bank ``[E, K, N]`` in fp32 (:func:`~.dequantize.dequantize_bank`; int4 into ``out``)."""
+    return dequantize_bank(weight, scale, out=out)
 
 
 def _grouped_experts(x, routes, weights, scales=None) -> torch.Tensor:
@@ -205,9 +226,14 @@ def _grouped_experts(x, routes, weights, scales=None) -> torch.Tensor:
     round_to = hidden_dtype(w_down.dtype, x.dtype)
     scales = (None, None, None) if scales is None else scales
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=x.dtype, device=x.device)
+    bufs = [None] * 3
+    if is_int4(w_gate):  # reused across heads
+        bufs = [torch.empty(num_experts, w.shape[1], 2 * w.shape[2], dtype=f32, device=x.device) for w in weights]
     for h in range(num_heads):
         lo, experts = h * per_head, slice(h * num_experts, (h + 1) * num_experts)
-        wg, wu, wd = (_head_bank(w[experts], None if s is None else s[experts]) for w, s in zip(weights, scales))
+        wg, wu, wd = (
+            _head_bank(w[experts], None if s is None else s[experts], b) for w, s, b in zip(weights, scales, bufs)
+        )
         offs = (expert_offsets[experts.start + 1 : experts.stop + 1] - lo).to(torch.int32)
         tokens = gather_ids[lo : lo + per_head].to(torch.int64)
         rows = x[tokens, h].to(f32)  # [S·k, Dh], this head's CSR block (upcast exact)
@@ -235,21 +261,21 @@ def mh_moe_experts(
     x: Tensor, routes: list[Tensor], weights: list[Tensor], scales: list[Tensor], backend: str, deterministic: bool
 ) -> Tensor:
     """The expert call with a concrete ``backend`` (one of :data:`EXPERT_BACKENDS`); ``x``, ``routes`` and
-    ``weights`` as :func:`torch_mh_moe_forward`, ``scales`` its three FP8 scales or empty (a custom op takes no
-    optional list), ``deterministic`` as ``triton_mh_moe_forward`` (Triton only).
+    ``weights`` as :func:`torch_mh_moe_forward`, ``scales`` their three FP8 or int4 scales or empty (a custom op
+    takes no optional list), ``deterministic`` as ``triton_mh_moe_forward`` (Triton only).
 
     Raises:
         ValueError: an unknown backend, or the chosen path's input errors.
     """
-    fp8_scales = scales or None
+    bank_scales = scales or None
     if backend in _TORCH_BACKENDS:
-        check_expert_inputs(x, routes, weights, fp8_scales)
-        return _TORCH_BACKENDS[backend](x, routes, weights, fp8_scales)
+        check_expert_inputs(x, routes, weights, bank_scales)
+        return _TORCH_BACKENDS[backend](x, routes, weights, bank_scales)
     if backend == "triton":
         from . import experts_triton  # Triton is imported on first use
 
         return experts_triton.triton_mh_moe_forward(
-            x, *routes, *weights, scales=fp8_scales, deterministic=deterministic
+            x, *routes, *weights, scales=bank_scales, deterministic=deterministic
         )
     raise ValueError(f"mh_moe_experts backend must be one of {EXPERT_BACKENDS}; got {backend!r}")
 
@@ -265,13 +291,14 @@ def mh_moe_experts_backward(
     grad_out: Tensor, x: Tensor, routes: list[Tensor], weights: list[Tensor], scales: list[Tensor]
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients ``(x, probs, w_gate, w_up, w_down)`` of :func:`mh_moe_experts` (same ``routes``, ``weights``,
-    ``scales``), per expert (fp32 ones for frozen FP8 weights)."""
+    ``scales``), per expert (fp32 ones for frozen FP8 weights; empty ones for int4 codes, which take none)."""
     (gather_ids, probs, expert_offsets), (w_gate, _, w_down) = routes, weights
     scales = scales or (None, None, None)
     f32 = torch.float32
     grad_x = torch.zeros(x.shape, dtype=f32, device=x.device)
     grad_probs = torch.zeros(probs.shape, dtype=f32, device=x.device)
-    grad_w = [torch.zeros(w.shape, dtype=f32, device=x.device) for w in weights]
+    int4 = is_int4(w_gate)
+    grad_w = [torch.zeros(_grad_shape(w), dtype=f32, device=x.device) for w in weights]
     for g, head, span, tokens, rows in expert_route_blocks(x, gather_ids, expert_offsets, w_gate.shape[0]):
         wg, wu, wd = (dequantize_expert(w[g], None if s is None else s[g]) for w, s in zip(weights, scales))
         gate, up = rows @ wg, rows @ wu
@@ -279,10 +306,11 @@ def mh_moe_experts_backward(
         grad_contrib = grad_out[tokens, head].float()
         grad_probs[span] = (grad_contrib * (hidden @ wd)).sum(1)
         grad_down = grad_contrib * probs[span, None].float()
-        grad_w[2][g] = hidden.T @ grad_down
         grad_gate, grad_up = swiglu7_backward(gate, up, grad_down @ wd.T)
-        grad_w[0][g] = rows.T @ grad_gate
-        grad_w[1][g] = rows.T @ grad_up
+        if not int4:
+            grad_w[2][g] = hidden.T @ grad_down
+            grad_w[0][g] = rows.T @ grad_gate
+            grad_w[1][g] = rows.T @ grad_up
         grad_x[tokens, head] += grad_gate @ wg.T + grad_up @ wu.T
     grads = (grad_x.to(x.dtype), grad_probs.to(probs.dtype))
     return grads + tuple(gw.to(_grad_dtype(w)) for gw, w in zip(grad_w, weights))
@@ -290,11 +318,16 @@ def mh_moe_experts_backward(
 
 @mh_moe_experts_backward.register_fake
 def _mh_moe_experts_backward_fake(grad_out, x, routes, weights, scales):
-    return tuple(torch.empty_like(t, dtype=_grad_dtype(t)) for t in (x, routes[1], *weights))
+    return tuple(t.new_empty(_grad_shape(t), dtype=_grad_dtype(t)) for t in (x, routes[1], *weights))
 
 
 def _grad_dtype(t: Tensor) -> torch.dtype:
-    return torch.float32 if t.dtype == FP8_DTYPE else t.dtype
+    return torch.float32 if t.dtype in (FP8_DTYPE, torch.uint8) else t.dtype
+
+
+def _grad_shape(t: Tensor) -> tuple[int, ...]:
+    """The shape of ``t``'s gradient: its own, or ``(0,)`` for int4 codes (integers take no gradient)."""
+    return (0,) if is_int4(t) else tuple(t.shape)
 
 
 def _mh_moe_experts_setup_context(ctx, inputs, output) -> None:

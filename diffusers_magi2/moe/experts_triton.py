@@ -44,7 +44,7 @@ from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from .activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT
-from .expert_checks import check_expert_inputs
+from .expert_checks import check_expert_inputs, check_triton_weight_dtype
 from .quantize import FP8_DTYPE
 from .reference import hidden_dtype
 
@@ -548,12 +548,14 @@ def triton_mh_moe_forward(
     Raises:
         ValueError: an argument that is not a tensor, ``scales`` not three tensors, bad shapes/dtypes/devices,
             ``Dh``/``De`` not multiples of 16, CPU tensors without ``TRITON_INTERPRET=1``, FP8 experts on a GPU
-            without FP8 support (compute capability < 8.9), or (deterministic) ``T`` not a multiple of ``S*H``.
+            without FP8 support (compute capability < 8.9), int4 experts (no kernel path yet), or (deterministic)
+            ``T`` not a multiple of ``S*H``.
         triton.runtime.errors.OutOfResources: no tile candidate fits the device.
         RuntimeError: any launch failure other than ``OutOfResources`` (never swallowed).
     """
     routes, weights = (gather_ids, probs, expert_offsets), (w_gate, w_up, w_down)
     num_tokens, num_heads, head_dim, num_experts, expert_dim = check_expert_inputs(x, routes, weights, scales)
+    check_triton_weight_dtype(w_gate.dtype)
     check_triton_dims(head_dim, expert_dim)
     if w_gate.dtype == FP8_DTYPE:
         check_fp8_device(x.device)

@@ -7,7 +7,9 @@ SandAI ``CoreMultiHeadMoE``: ``x [S, C]`` is viewed as ``[S, H, Dh]``; head ``h`
 
 ``forward`` = split heads -> the installed exchange around :meth:`~Magi2MultiHeadMoE.forward_local_heads` (none
 in one process; the EP or CP dispatch and undispatch otherwise) -> merge heads. Tensors (``L`` local heads):
-``gate [L E, Dh]`` fp32, ``W_gate``/``W_up [L E, Dh, De]``, ``W_down [L E, De, Dh]`` (``params_dtype``, or FP8 with fp32 ``W_*_scale``), ``router.expert_bias(_ema) [L E]`` fp32.
+``gate [L E, Dh]`` fp32, ``W_gate``/``W_up [L E, Dh, De]``, ``W_down [L E, De, Dh]`` (``params_dtype``; or FP8 with
+fp32 ``W_*_scale``; or int4 codes with bf16 ``W_*_group_scale``, :mod:`.quantize_int4`), ``router.expert_bias(_ema)
+[L E]`` fp32.
 """
 
 from __future__ import annotations
@@ -25,14 +27,30 @@ from ..parallel.expert_parallel import ep_head_layout, expert_exchange
 from ..utils.backends import check_backend, resolve_backend
 from ..utils.dtype_utils import parse_dtype
 from ..utils.safetensors_io import take_rows
+from .expert_checks import check_triton_weight_dtype
 from .experts import mh_moe_experts
-from .quantize import FP8_DTYPE, parse_expert_dtype, quantize_fp8
+from .quantize import FP8_DTYPE, FP8_SCALE_NAMES, INT4, parse_expert_dtype, quantize_fp8
+from .quantize_int4 import (
+    INT4_GROUP_SIZE,
+    INT4_PACKED_DTYPE,
+    INT4_SCALE_DTYPE,
+    INT4_SCALE_NAMES,
+    check_int4_banks,
+    int4_shapes,
+    quantize_int4,
+)
 from .routing import RoutingScore, compute_topk_probs_and_indices, global_sort_routes
 
 
 __all__ = ["Magi2MultiHeadMoEConfig", "Magi2MultiHeadMoE", "moe_tensors_on_meta"]
 
 _BANKS = ("W_gate", "W_up", "W_down")
+
+
+def _bank_shapes(rows: int, dh: int, de: int) -> tuple[tuple[int, int, int], ...]:
+    """``[R, K, N]`` of ``W_gate``, ``W_up``, ``W_down``."""
+    return (rows, dh, de), (rows, dh, de), (rows, de, dh)
+
 
 # set by moe_tensors_on_meta: Magi2MultiHeadMoE builds its tensors on the meta device
 _TENSORS_ON_META: contextvars.ContextVar[bool] = contextvars.ContextVar("magi2_moe_tensors_on_meta", default=False)
@@ -73,12 +91,14 @@ class Magi2MultiHeadMoEConfig:
         score_func: ``"sigmoid"`` or ``"softmax"`` (:data:`~diffusers_magi2.moe.routing.RoutingScore`).
         route_norm: L1-normalise the chosen weights.
         route_scale: factor applied once to the normalised weights.
-        expert_dtype: keyword-only: ``None`` (``params_dtype``) or ``"float8_e4m3fn"``
-            (:mod:`diffusers_magi2.moe.quantize`).
+        expert_dtype: keyword-only: ``None`` (``params_dtype``), ``"float8_e4m3fn"``
+            (:mod:`diffusers_magi2.moe.quantize`) or ``"int4"`` (:mod:`diffusers_magi2.moe.quantize_int4`).
+        int4_group_size: keyword-only: rows of the contraction dim per int4 scale (int4 experts only).
 
     Raises:
         ValueError: a non-positive size, ``C % H != 0``, ``top_k`` out of range, an unknown ``score_func`` or dtype,
-            a non-finite ``route_scale``.
+            a non-finite ``route_scale``; with int4 experts, a group size that does not divide ``Dh`` (``W_gate``,
+            ``W_up``) or ``De`` (``W_down``), or an odd ``Dh``/``De``, naming the tensor.
     """
 
     hidden_size: int
@@ -92,6 +112,7 @@ class Magi2MultiHeadMoEConfig:
     route_scale: float = 1.0
     _: KW_ONLY
     expert_dtype: Optional[Union[str, torch.dtype]] = None
+    int4_group_size: int = INT4_GROUP_SIZE
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_experts", "top_k", "expert_intermediate_size"):
@@ -115,6 +136,9 @@ class Magi2MultiHeadMoEConfig:
         object.__setattr__(self, "params_dtype", parse_dtype(self.params_dtype, "params_dtype"))
         object.__setattr__(self, "route_scale", float(self.route_scale))
         object.__setattr__(self, "expert_dtype", parse_expert_dtype(self.expert_dtype))
+        _positive_int("int4_group_size", self.int4_group_size)
+        if self.expert_dtype == INT4:
+            check_int4_banks(self.head_dim, self.expert_intermediate_size, self.int4_group_size, "int4_group_size")
 
     @property
     def head_dim(self) -> int:
@@ -204,14 +228,26 @@ class Magi2MultiHeadMoE(nn.Module):
         device = "meta" if _TENSORS_ON_META.get() else None
         self.gate = nn.Parameter(torch.empty(rows, dh, dtype=torch.float32, device=device))
         self.fp8_experts = config.expert_dtype == FP8_DTYPE
-        bank_dtype = FP8_DTYPE if self.fp8_experts else config.params_dtype
-        for name, shape in (("W_gate", (rows, dh, de)), ("W_up", (rows, dh, de)), ("W_down", (rows, de, dh))):
+        self.int4_experts = config.expert_dtype == INT4
+        self.int4_group_size = config.int4_group_size
+        #: the scale buffers beside ``W_gate``/``W_up``/``W_down`` (FP8: fp32 ``*_scale``; int4: bf16
+        #: ``*_group_scale``; none for unquantized experts)
+        self.expert_scale_names = (
+            FP8_SCALE_NAMES if self.fp8_experts else INT4_SCALE_NAMES if self.int4_experts else ()
+        )
+        for name, scale_name, shape in zip(_BANKS, self.expert_scale_names or (None,) * 3, _bank_shapes(rows, dh, de)):
+            if self.int4_experts:
+                (bank_shape, scale_shape), bank_dtype = int4_shapes(shape, self.int4_group_size), INT4_PACKED_DTYPE
+                scale_dtype = INT4_SCALE_DTYPE
+            else:
+                bank_shape, scale_shape, scale_dtype = shape, (rows, shape[2]), torch.float32
+                bank_dtype = FP8_DTYPE if self.fp8_experts else config.params_dtype
             bank = nn.Parameter(
-                torch.empty(shape, dtype=bank_dtype, device=device), requires_grad=not self.fp8_experts
+                torch.empty(bank_shape, dtype=bank_dtype, device=device), requires_grad=scale_name is None
             )
             setattr(self, name, bank)
-            if self.fp8_experts:
-                self.register_buffer(f"{name}_scale", torch.empty(rows, shape[2], dtype=torch.float32, device=device))
+            if scale_name is not None:
+                self.register_buffer(scale_name, torch.empty(scale_shape, dtype=scale_dtype, device=device))
         self.router = _Magi2RouterBuffers(rows, device)
         self.reset_parameters()
 
@@ -229,24 +265,27 @@ class Magi2MultiHeadMoE(nn.Module):
         self.router.expert_bias_ema.zero_()
         real_rows = self.local_real_num_heads * self.num_experts
         self.gate[real_rows:].zero_()
-        for name, std in (
-            ("W_gate", self.head_dim**-0.5),
-            ("W_up", self.head_dim**-0.5),
-            ("W_down", self.expert_intermediate_size**-0.5),
-        ):
+        stds = (self.head_dim**-0.5, self.head_dim**-0.5, self.expert_intermediate_size**-0.5)
+        for name, scale_name, std in zip(_BANKS, self.expert_scale_names or (None,) * 3, stds):
             bank = getattr(self, name)
-            if not self.fp8_experts:
+            if scale_name is None:
                 bank.normal_(0.0, std)
                 bank[real_rows:].zero_()
                 continue
-            scale, chunk = getattr(self, f"{name}_scale"), 64  # FP8: drawn in fp32 and quantized, chunk by chunk
+            # quantized: drawn in fp32 and quantized, chunk by chunk
+            scale, chunk, quantize = getattr(self, scale_name), 64, self._quantize_bank
             if bank.is_meta:  # built for loading (meta banks, real scales): the loader fills both
                 scale.zero_()
                 continue
+            shape = (bank.shape[1], scale.shape[-1])  # [K, N] of one expert (int4 codes pack N)
             for start in range(0, bank.shape[0], chunk):
-                block = torch.empty(bank[start : start + chunk].shape, device=bank.device).normal_(0.0, std)
+                block = torch.empty(bank[start : start + chunk].shape[0], *shape, device=bank.device).normal_(0.0, std)
                 block[max(0, real_rows - start) :].zero_()
-                bank[start : start + chunk], scale[start : start + chunk] = quantize_fp8(block)
+                bank[start : start + chunk], scale[start : start + chunk] = quantize(block)
+
+    def _quantize_bank(self, bank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(stored bank, scale)`` of a float bank ``[R, K, N]`` in this module's expert storage (FP8 or int4)."""
+        return quantize_int4(bank, self.int4_group_size) if self.int4_experts else quantize_fp8(bank)
 
     def set_backend(self, backend: str = "auto", *, deterministic: bool = False) -> None:
         """Choose the expert backend once for this module.
@@ -258,14 +297,15 @@ class Magi2MultiHeadMoE(nn.Module):
             deterministic: Triton only: atomic-free, reduced in ascending expert id (bit-identical across runs).
 
         Raises:
-            ValueError: unknown backend, or ``"triton"`` with ``Dh``/``De`` not multiples of 16 or FP8 on a GPU
-                without FP8 support (checked per call too; no silent fallback).
+            ValueError: unknown backend, or ``"triton"`` with int4 experts (no kernel path yet), ``Dh``/``De`` not
+                multiples of 16 or FP8 on a GPU without FP8 support (checked per call too; no silent fallback).
             ImportError: ``"triton"`` requested but Triton cannot be imported.
         """
         check_backend("moe_experts", backend)
         if not isinstance(deterministic, bool):
             raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
         if backend == "triton":
+            check_triton_weight_dtype(self.W_gate.dtype)
             from .experts_triton import check_fp8_device, check_triton_dims  # ImportError if Triton is missing
 
             check_triton_dims(self.head_dim, self.expert_intermediate_size)
@@ -309,13 +349,12 @@ class Magi2MultiHeadMoE(nn.Module):
         return take_rows(checkpoint_tensor, self.local_head_start * self.num_experts, local_rows)
 
     _EP_SHARDED_KEYS = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema")
-    _FP8_SCALE_KEYS = ("W_gate_scale", "W_up_scale", "W_down_scale")  # EP-sharded too, with FP8 experts
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Full (all-heads) EP tensors are cut with :meth:`ep_slice`; other sizes raise ``ValueError``."""
         if self.ep_size > 1:
             full_rows = self.num_heads * self.num_experts
-            for name in self._EP_SHARDED_KEYS + (self._FP8_SCALE_KEYS if self.fp8_experts else ()):
+            for name in self._EP_SHARDED_KEYS + self.expert_scale_names:  # the scales are EP-sharded too
                 key = prefix + name
                 value = state_dict.get(key)
                 if not isinstance(value, torch.Tensor) or value.dim() < 1:
@@ -421,7 +460,7 @@ class Magi2MultiHeadMoE(nn.Module):
         routes = global_sort_routes(probs, indices, self.num_experts)
         rows = num_real * self.num_experts
         weights = [getattr(self, name)[:rows] for name in _BANKS]
-        scales = [getattr(self, f"{name}_scale")[:rows] for name in _BANKS] if self.fp8_experts else None
+        scales = [getattr(self, name)[:rows] for name in self.expert_scale_names] or None
         y = self.run_experts(x_real, routes, weights, scales=scales, sync_free=sync_free)
         if num_real == self.local_num_heads:
             return y
@@ -432,14 +471,15 @@ class Magi2MultiHeadMoE(nn.Module):
     def run_experts(self, x, routes, weights, *, scales=None, sync_free: bool = False) -> torch.Tensor:
         """Expert compute with the backend chosen by :meth:`set_backend` (arguments as ``torch_mh_moe_forward``;
         ``sync_free`` as :meth:`forward_local_heads`)."""
-        backend = resolve_backend("moe_experts", self._backend, x.device, sync_free=sync_free)
+        backend = resolve_backend("moe_experts", self._backend, x.device, sync_free=sync_free, int4=self.int4_experts)
         return mh_moe_experts(x, routes, weights, () if scales is None else scales, backend, self._deterministic)
 
     def _apply(self, fn, recurse=True):
-        # FP8 banks and their fp32 scales keep their dtypes through dtype moves; they follow device moves only.
-        if not self.fp8_experts:
+        # quantized banks and their scales (FP8 with fp32, int4 with bf16) keep their dtypes through dtype moves;
+        # they follow device moves only
+        if not self.expert_scale_names:
             return super()._apply(fn, recurse)
-        kept = {id(getattr(self, name + suffix)) for name in _BANKS for suffix in ("", "_scale")}
+        kept = {id(getattr(self, name)) for name in _BANKS + self.expert_scale_names}
 
         def keep_storage_dtype(tensor):
             out = fn(tensor)
@@ -453,5 +493,7 @@ class Magi2MultiHeadMoE(nn.Module):
         return (
             f"heads={self.num_heads}, experts={self.num_experts}, top_k={self.top_k}, head_dim={self.head_dim}, "
             f"expert_dim={self.expert_intermediate_size}, ep_rank={self.ep_rank}, ep_size={self.ep_size}, "
-            f"local_heads={self.local_num_heads}" + (", expert_dtype=float8_e4m3fn" if self.fp8_experts else "")
+            f"local_heads={self.local_num_heads}"
+            + (", expert_dtype=float8_e4m3fn" if self.fp8_experts else "")
+            + (f", expert_dtype=int4, group_size={self.int4_group_size}" if self.int4_experts else "")
         )

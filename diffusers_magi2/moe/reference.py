@@ -5,10 +5,10 @@ For every route ``r`` of global expert ``g = h*E + e`` (rows ``expert_offsets[g]
 
     y[s, h] += cast_act(p * (cast_w(swiglu7(x[s,h] @ W_gate[g], x[s,h] @ W_up[g])) @ W_down[g]))
 
-GEMMs accumulate in fp32; ``cast_w`` rounds to the ``W_down`` dtype (to the activation dtype for FP8 experts,
-whose weights are ``q * scale``, see :mod:`~diffusers_magi2.moe.quantize`), ``cast_act`` to the activation dtype,
-and the sum runs in the activation dtype in ascending ``g`` (SandAI ``_mh_moe_fwd_kernel`` with its deterministic
-scatter). Written for clarity, not speed; differentiable.
+GEMMs accumulate in fp32; ``cast_w`` rounds to the ``W_down`` dtype (to the activation dtype for FP8 and int4
+experts, whose weights are their dequantized values in fp32, :mod:`~diffusers_magi2.moe.dequantize`), ``cast_act``
+to the activation dtype, and the sum runs in the activation dtype in ascending ``g`` (SandAI ``_mh_moe_fwd_kernel``
+with its deterministic scatter). Written for clarity, not speed; differentiable.
 """
 
 from __future__ import annotations
@@ -16,15 +16,18 @@ from __future__ import annotations
 import torch
 
 from .activation import swiglu7
-from .quantize import FP8_DTYPE, dequantize_expert
+from .dequantize import dequantize_expert
+from .quantize import FP8_DTYPE
+from .quantize_int4 import INT4_PACKED_DTYPE
 
 
 __all__ = ["expert_route_blocks", "hidden_dtype", "reference_mh_moe_forward"]
 
 
 def hidden_dtype(weight_dtype: torch.dtype, act_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the swiglu7 output is rounded to: the ``W_down`` dtype, or the activation dtype for FP8 experts."""
-    return act_dtype if weight_dtype == FP8_DTYPE else weight_dtype
+    """The dtype the swiglu7 output is rounded to: the ``W_down`` dtype, or the activation dtype for FP8 and int4
+    experts."""
+    return act_dtype if weight_dtype in (FP8_DTYPE, INT4_PACKED_DTYPE) else weight_dtype
 
 
 def expert_route_blocks(x, gather_ids, expert_offsets, num_flat: int):

@@ -1,5 +1,6 @@
 """MoE test cases shared by ``tests/moe``: the golden MoE-layer cases and modules built from the tiny SandAI
-checkpoints, random expert-bank cases, a one-route SwiGLU7 bank, the tiny layer config, an allocation recorder."""
+checkpoints, random expert-bank cases, a one-route SwiGLU7 bank, the tiny layer config, an allocation recorder, the
+expert-parallel check of a layer's ranks."""
 
 from __future__ import annotations
 
@@ -129,3 +130,25 @@ class AllocationRecorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 self.allocations.append((str(func), t.numel()))
         return out
+
+
+def assert_ep_ranks_match(full: Magi2MultiHeadMoE, ep_size: int, sliced: tuple[str, ...]) -> None:
+    """Every expert-parallel rank of ``full`` (``ep_size`` ranks) loads ``full``'s state dict, holds
+    ``ep_slice`` of each tensor in ``sliced`` (codes, scales ...) and computes ``full``'s output for its heads."""
+    num_heads, head_dim = full.num_heads, full.head_dim
+    hidden = torch.randn(7, num_heads * head_dim)
+    with torch.no_grad():
+        ref = full(hidden).view(7, num_heads, head_dim)
+    x, state = hidden.view(7, num_heads, head_dim), full.state_dict()
+    for rank in range(ep_size):
+        local = Magi2MultiHeadMoE(full.config, ep_rank=rank, ep_size=ep_size)
+        local.load_state_dict(dict(state))  # full tensors are sliced to this rank's rows
+        for name in sliced:
+            held = local.state_dict()[name]
+            assert held.dtype == state[name].dtype and torch.equal(held, local.ep_slice(state[name])), name
+        start, n, real = local.local_head_start, local.local_num_heads, local.local_real_num_heads
+        x_local = torch.zeros(7, n, head_dim)
+        x_local[:, :real] = x[:, start : start + real]
+        with torch.no_grad():
+            out = local.forward_local_heads(x_local)
+        torch.testing.assert_close(out[:, :real], ref[:, start : start + real], atol=1e-6, rtol=1e-6)

@@ -87,7 +87,7 @@ def test_expert_dtype_is_a_config_field_threaded_into_every_moe_layer():
     assert plain.config.expert_dtype is None
     assert all(m.W_up.dtype == torch.get_default_dtype() for _, m in _moes(plain))
     for bad in ("fp8", "float8_e5m2", "bfloat16", torch.bfloat16, 8):
-        with pytest.raises(ValueError, match=r"expert_dtype must be one of \(None, 'float8_e4m3fn'\)"):
+        with pytest.raises(ValueError, match=r"expert_dtype must be one of \(None, 'float8_e4m3fn', 'int4'\)"):
             Magi2Transformer3DModel(**kwargs, expert_dtype=bad)
 
 

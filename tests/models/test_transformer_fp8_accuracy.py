@@ -1,6 +1,12 @@
-"""Accuracy of FP8 routed experts on the tiny fixtures: ``model.out`` of the FP8 model (bf16 dense + FP8 experts)
-and of the bf16 model against the fp32 fixture, side by side, with the routing flips of each against fp32; the
-torch and Triton (interpreter) expert paths on the FP8 model."""
+"""Accuracy of quantized routed experts on the tiny fixtures: ``model.out`` of the FP8 and int4 models (bf16 dense +
+FP8 or int4 experts) and of the bf16 model against the fp32 fixture, side by side, with the routing flips of each
+against fp32 and the route agreement of int4 with bf16 per layer; the torch and Triton (interpreter) expert paths on
+the FP8 model.
+
+The fixtures' MoE heads are 32 wide (``W_gate``/``W_up`` contract over 32 rows, ``W_down`` over 64), so int4 runs
+at group 32 instead of the released default 128 (which needs ``K % 128 == 0``). Free-running, int4's rel-L2 is
+mostly route flips (printed, not bounded); with the fp32 model's routes forced into every model, the experts'
+numerical error alone is bounded."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import functools
 
 import pytest
 import torch
+from helpers.int4_models import int4_transformer
 from safetensors.torch import load_file
 
 from diffusers_magi2 import Magi2Transformer3DModel
@@ -15,6 +22,8 @@ from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 
 
 FP8_REL_L2 = 0.15  # weight-only e4m3 experts, end to end (the fixtures README's loose bf16 bound)
+INT4_REL_L2 = 0.15  # weight-only 4-bit experts with the fp32 routes (the same bound)
+INT4 = "int4_g32"  # the fixtures' Dh = 32 bounds the group size
 TRITON_VS_TORCH_REL_L2 = 1e-2
 CASES = [("preview_h4", ""), ("preview_h4", "i2v."), ("preview_h3", "")]
 
@@ -26,10 +35,13 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _model(fixtures_root: str, case: str, kind: str) -> Magi2Transformer3DModel:
-    """``kind``: ``fp32``, ``bf16`` (the released dtypes) or ``fp8`` (bf16 + FP8 experts, quantized at load)."""
+    """``kind``: ``fp32``, ``bf16`` (the released dtypes), ``fp8`` (bf16 + FP8 experts, quantized at load) or
+    ``int4_g{G}`` (bf16 + int4 experts at group ``G``, quantized from the bf16 model)."""
     import tempfile
 
     path = f"{fixtures_root}/magi2_tiny/{case}/sandai_checkpoint"
+    if kind.startswith("int4_g"):
+        return int4_transformer(_model(fixtures_root, case, "bf16"), int(kind.removeprefix("int4_g")))
     if kind != "fp8":
         return Magi2Transformer3DModel.from_original_checkpoint(
             path, dtype=getattr(torch, {"fp32": "float32"}.get(kind, "bfloat16"))
@@ -44,8 +56,11 @@ def _case(fixtures_root: str, case: str) -> dict:
     return load_file(f"{fixtures_root}/magi2_tiny/{case}/fp32/transformer_case.safetensors")
 
 
-def _run(model, d: dict, prefix: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``model.out`` of the case and the top-k expert indices of every MoE layer (``[H, S, k]``, sorted along k)."""
+def _run(model, d: dict, prefix: str, forced=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``model.out`` of the case and the top-k expert indices of every MoE layer (``[H, S, k]``, sorted along k).
+
+    ``forced``: those indices per MoE layer instead of the model's own choice (teacher-forced routing), weighted as
+    the router weights them (sigmoid scores at the chosen experts, L1-normalised, times ``route_scale``)."""
     chosen: list[torch.Tensor] = []
     moes = [m for m in model.modules() if isinstance(m, Magi2MultiHeadMoE)]
 
@@ -54,6 +69,10 @@ def _run(model, d: dict, prefix: str) -> tuple[torch.Tensor, list[torch.Tensor]]
 
         def wrapped(x):
             probs, indices = route(x)
+            if forced is not None:
+                indices = forced[len(chosen)]
+                probs = torch.sigmoid(moe.compute_router_logits(x)).gather(-1, indices)
+                probs = probs / probs.sum(-1, keepdim=True) * moe.config.route_scale
             chosen.append(indices.sort(dim=-1).values)
             return probs, indices
 
@@ -79,24 +98,33 @@ def _flips(chosen, reference) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize(("case", "prefix"), CASES, ids=["h4", "h4-i2v", "h3"])
-def test_fp8_experts_rel_l2_and_routing_flips_against_the_fp32_fixture(fixtures_dir, case, prefix):
+def test_quantized_experts_rel_l2_and_routing_flips_against_the_fp32_fixture(fixtures_dir, case, prefix):
     root = str(fixtures_dir)
     d = _case(root, case)
     target = d[prefix + "model.out"]
     fp32_out, fp32_chosen = _run(_model(root, case, "fp32"), d, prefix)
     assert rel_l2(fp32_out, target) <= 1e-5  # the fp32 port reproduces the fixture, so its routing is the reference
-    results = {}
-    for kind in ("bf16", "fp8"):
-        out, chosen = _run(_model(root, case, kind), d, prefix)
+    results, forced, chosen = {}, {}, {}
+    for kind in ("bf16", "fp8", INT4):
+        model = _model(root, case, kind)
+        out, chosen[kind] = _run(model, d, prefix)
         assert torch.isfinite(out).all()
-        results[kind] = (rel_l2(out, target), _flips(chosen, fp32_chosen))
+        results[kind] = (rel_l2(out, target), _flips(chosen[kind], fp32_chosen))
+        forced[kind] = rel_l2(_run(model, d, prefix, forced=fp32_chosen)[0], target)
     flips = lambda f: ", ".join(f"{n}/{t}" for n, t in f)  # noqa: E731
+    names = {"bf16": "bf16", "fp8": "FP8 experts", INT4: "int4 experts (NF4 g32)"}
     print(
-        f"\n{case} {prefix or 't2v.'}model.out rel-L2 vs fp32 fixture: bf16 {results['bf16'][0]:.4f} | FP8 experts "
-        f"{results['fp8'][0]:.4f}; routing flips vs fp32 per MoE layer: bf16 {flips(results['bf16'][1])} | FP8 "
-        f"{flips(results['fp8'][1])}"
+        f"\n{case} {prefix or 't2v.'}model.out rel-L2 vs fp32 fixture: "
+        + " | ".join(f"{names[k]} {results[k][0]:.4f}" for k in results)
+        + "; with the fp32 routes: "
+        + " | ".join(f"{names[k]} {forced[k]:.4f}" for k in forced)
+        + "; routing flips vs fp32 per MoE layer: "
+        + " | ".join(f"{names[k]} {flips(results[k][1])}" for k in results)
+        + "; int4 route agreement with bf16 per MoE layer: "
+        + ", ".join(f"{1 - n / t:.3f}" for n, t in _flips(chosen[INT4], chosen["bf16"]))
     )
     assert results["fp8"][0] <= FP8_REL_L2
+    assert forced["bf16"] < forced["fp8"] < forced[INT4] <= INT4_REL_L2  # fewer bits, more error
 
 
 def test_fp8_model_torch_and_triton_paths_agree(fixtures_dir):

@@ -1,4 +1,5 @@
-"""Smoke test of ``tests/benchmarks/bench_moe.py`` at a tiny size, so the benchmark cannot rot (no time asserted)."""
+"""Smoke tests of ``tests/benchmarks/bench_moe.py`` and ``bench_int4_format.py`` at a tiny size, so the benchmarks
+cannot rot (no time asserted)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch
 from helpers.fixtures import REPO_ROOT
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_moe", REPO_ROOT / "tests" / "benchmarks" / "bench_moe.py")
+def load_bench(name: str = "bench_moe"):
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tests" / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -41,3 +42,12 @@ def test_bench_moe_grouped_mm_baseline_computes_the_layer() -> None:
     x, probs, idx, w_gate, w_up, w_down = random_case(10, 2, 4, 2, 16, 32, torch.float32, seed=4)
     args = (x, *global_sort_routes(probs, idx, 4), w_gate, w_up, w_down)
     torch.testing.assert_close(bench._grouped_mm_experts(*args), torch_mh_moe_forward(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_bench_int4_format_reports_every_format_and_ratios_to_the_chosen_one() -> None:
+    result = load_bench("bench_int4_format").bench(contraction_dims=(128,), n=8, rows=4)
+    json.dumps(result)
+    for entry in result["rel_l2"].values():
+        assert {"nf4_g128", "nf4_absmax_g128", "int4_sym7_g64", "int4_sym8_g32"} <= set(entry)
+        assert entry["ratio_to_nf4_g128"]["nf4_g128"] == 1.0
+        assert all(0 < v < 1 for k, v in entry.items() if k != "ratio_to_nf4_g128")

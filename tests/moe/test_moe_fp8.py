@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.moe_cases import AllocationRecorder, build_module, load_case, rel_l2, tiny_config
+from helpers.moe_cases import AllocationRecorder, assert_ep_ranks_match, build_module, load_case, rel_l2, tiny_config
 
 from diffusers_magi2.moe import experts, experts_triton
 from diffusers_magi2.moe.experts import torch_mh_moe_forward
@@ -125,24 +125,7 @@ def test_fp8_torch_path_dequantizes_per_expert_never_the_whole_bank() -> None:
 def test_fp8_expert_parallel_slices_rows_and_scales(num_heads: int, ep_size: int) -> None:
     torch.manual_seed(0)
     full = fp8_copy(Magi2MultiHeadMoE(tiny_config(num_heads=num_heads, num_experts=4, head_dim=16, expert_dim=16)))
-    hidden = torch.randn(7, num_heads * 16)
-    with torch.no_grad():
-        ref = full(hidden).view(7, num_heads, 16)
-    x = hidden.view(7, num_heads, 16)
-    state = full.state_dict()
-    for rank in range(ep_size):
-        local = Magi2MultiHeadMoE(full.config, ep_rank=rank, ep_size=ep_size)
-        local.load_state_dict(dict(state))  # full tensors are sliced to this rank's rows
-        start, n, real = local.local_head_start, local.local_num_heads, local.local_real_num_heads
-        for name in BANKS:
-            assert local.get_parameter(name).dtype == FP8_DTYPE
-            expected = local.ep_slice(state[f"{name}_scale"])
-            assert torch.equal(local.get_buffer(f"{name}_scale"), expected)
-        x_local = torch.zeros(7, n, 16)
-        x_local[:, :real] = x[:, start : start + real]
-        with torch.no_grad():
-            out = local.forward_local_heads(x_local)
-        torch.testing.assert_close(out[:, :real], ref[:, start : start + real], atol=1e-6, rtol=1e-6)
+    assert_ep_ranks_match(full, ep_size, BANKS + tuple(f"{name}_scale" for name in BANKS))
 
 
 def test_fp8_backward_reaches_activations_not_frozen_weights() -> None:
@@ -170,14 +153,12 @@ def test_fp8_released_size_builds_on_meta() -> None:
 
 @pytest.mark.parametrize("bad", ["int8", "fp8", "float8_e5m2", torch.float8_e5m2, torch.bfloat16, 8])
 def test_expert_dtype_outside_allowed_set_raises(bad) -> None:
-    with pytest.raises(ValueError, match=r"expert_dtype must be one of \(None, 'float8_e4m3fn'\)"):
+    with pytest.raises(ValueError, match=r"expert_dtype must be one of \(None, 'float8_e4m3fn', 'int4'\)"):
         Magi2MultiHeadMoEConfig(128, 2, 8, 2, 64, torch.bfloat16, expert_dtype=bad)
-    assert EXPERT_DTYPES == (None, "float8_e4m3fn")
+    assert EXPERT_DTYPES == (None, "float8_e4m3fn", "int4")
     for good in (None, "float8_e4m3fn", "torch.float8_e4m3fn", torch.float8_e4m3fn):
-        assert Magi2MultiHeadMoEConfig(128, 2, 8, 2, 64, torch.bfloat16, expert_dtype=good).expert_dtype in (
-            None,
-            FP8_DTYPE,
-        )
+        config = Magi2MultiHeadMoEConfig(128, 2, 8, 2, 64, torch.bfloat16, expert_dtype=good)
+        assert config.expert_dtype in (None, FP8_DTYPE)
 
 
 def test_fp8_scales_checked() -> None:

@@ -110,9 +110,9 @@ def test_grouped_backend_upcasts_one_heads_experts_at_a_time(monkeypatch) -> Non
     upcast_rows = []
     original = experts._head_bank
 
-    def recording(weight, scale):
+    def recording(weight, scale, out=None):
         upcast_rows.append(weight.shape[0])
-        return original(weight, scale)
+        return original(weight, scale, out)
 
     monkeypatch.setattr(experts, "_head_bank", recording)
     got = _experts("torch_grouped", x, routes, [q for q, _ in quantized], [s for _, s in quantized])
