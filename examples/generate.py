@@ -289,11 +289,14 @@ def check_device(device: str) -> None:
 def check_output_path(output: str) -> None:
     """Reject an ``--output`` that cannot be written, before any model is built or run.
 
-    Allowed: a path ending in ``.mp4`` (any case) that is not an existing directory, whose parent
-    folder exists or can be created (its nearest existing ancestor is a writable directory).
+    Allowed: a path ending in ``.mp4`` (any case) that is not an existing directory, whose parent folder exists
+    or can be created. The writer (rank 0; every rank when not launched) proves it by creating the missing
+    folders and a temporary file beside the output, as the export will; it then removes both, so a later error
+    leaves nothing behind. Permission bits alone do not tell (root passes ``os.access`` on a read-only or
+    virtual file system).
 
     Raises:
-        ValueError: wrong suffix, an existing directory, or a parent that is not creatable/writable.
+        ValueError: wrong suffix, an existing directory, or a folder where no file can be created.
     """
     from pathlib import Path
 
@@ -302,15 +305,36 @@ def check_output_path(output: str) -> None:
         raise ValueError(f"--output must be an .mp4 file path (e.g. clip.mp4); got {output!r}")
     if path.is_dir():
         raise ValueError(f"--output {output!r} is an existing directory; pass a file path ending in .mp4")
+    if os.environ.get("RANK", "0") != "0":  # only rank 0 writes (on its own machine)
+        return
     ancestor = path.parent.resolve()
+    missing = []
     while not ancestor.exists():
+        missing.append(ancestor)
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise ValueError(
             f"--output {output!r}: its parent folder cannot be created ({str(ancestor)!r} is a file, not a folder)"
         )
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"--output {output!r}: the folder {str(ancestor)!r} is not writable")
+    created, inside = [], ancestor  # inside: the folder the next file or folder is created in
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            created.append(folder)
+            inside = folder
+        import tempfile
+
+        handle, probe = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".probe", dir=inside)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(
+            f"--output {output!r}: cannot create a file in {str(inside)!r} ({err.strerror or err}); pass a path in "
+            "a folder this process can write"
+        ) from None
+    finally:
+        for folder in reversed(created):
+            folder.rmdir()
 
 
 def pretrained_dtype(dtype_name: str):

@@ -56,6 +56,11 @@ def _cases(tmp_path):
         "resolution and height": (base + ["--resolution", "540p", "--height", "512"], "either --resolution or"),
         "output_height alone": (base + ["--output_height", "1080"], "--output_height and --output_width go together"),
         "output not mp4": (["--prompt", "a cat", "--output", str(tmp_path / "x.gif")], "must be an .mp4"),
+        # no process, root included, can create a file in /proc, although os.access says root may write there
+        "output folder not writable": (
+            ["--prompt", "a cat", "--output", "/proc/magi2_clip.mp4"],
+            "cannot create a file in '/proc'",
+        ),
         "no prompt": (["--output", out], "the following arguments are required: --prompt"),
     }
 
