@@ -36,13 +36,18 @@ def test_public_names_and_component_modules_are_importable():
 
     for name in diffusers_magi2.__all__:
         assert getattr(diffusers_magi2, name) is not None, name
-    # diffusers' loader resolves model_index.json module paths only from sys.modules: a plain
-    # ``import diffusers_magi2`` must register every component module (fresh interpreter).
+    # diffusers' loader resolves model_index.json module paths only from sys.modules: importing a pipeline class
+    # registers every module its repository's index names, while ``import diffusers_magi2`` alone imports neither
+    # torch nor diffusers (fresh interpreter)
     code = (
         "import sys, diffusers_magi2\n"
-        "mods = ['diffusers_magi2.models.transformer_magi2', 'diffusers_magi2.models.transformer_magi2_refiner',"
-        " 'diffusers_magi2.models.turbo_vae', 'diffusers_magi2.pipelines.pipeline_magi2']\n"
-        "missing = [m for m in mods if m not in sys.modules]\n"
+        "assert not {'torch', 'diffusers'} & set(sys.modules), sorted({'torch', 'diffusers'} & set(sys.modules))\n"
+        "models = ['diffusers_magi2.models.transformer_magi2', 'diffusers_magi2.models.transformer_magi2_refiner',"
+        " 'diffusers_magi2.models.turbo_vae']\n"
+        "from diffusers_magi2 import Magi2ModularPipeline\n"
+        "assert not [m for m in models if m not in sys.modules]\n"
+        "from diffusers_magi2 import Magi2Pipeline\n"
+        "missing = [m for m in models + ['diffusers_magi2.pipelines.pipeline_magi2'] if m not in sys.modules]\n"
         "assert not missing, missing\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

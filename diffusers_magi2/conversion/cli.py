@@ -13,7 +13,9 @@ Examples::
         --output_path out --components transformer --dry_run
 
 This module and ``conversion/convert_magi2_to_diffusers.py`` are the only converter code that read
-argv; everything else takes explicit arguments (:mod:`diffusers_magi2.conversion.repo`).
+argv; everything else takes explicit arguments (:mod:`diffusers_magi2.conversion.repo`). The flags are parsed
+before torch, diffusers or the converter is imported, so bad usage is one ``magi2-convert: error: ...`` line on
+stderr at once.
 Exit status: 0 on success, 1 on any error (the message names the problem), 2 on bad usage.
 """
 
@@ -23,17 +25,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..loaders.key_plan import CheckpointValidationError
-from ..utils.dtype_utils import DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
-from ..utils.safetensors_io import parse_size
-from .repo import (
-    ALL_COMPONENTS,
-    RELEASE_LAYOUT,
-    ConversionRequest,
-    ConversionValidationError,
-    convert_checkpoint,
-    push_folder_to_hub,
-)
+from ..utils.dtype_names import DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
+from .release_layout import ALL_COMPONENTS, RELEASE_LAYOUT
 
 
 __all__ = ["build_parser", "main", "request_from_args"]
@@ -48,9 +41,17 @@ _PART_FLAGS = {
 }
 
 
+class _OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one ``magi2-convert: error: ...`` line on stderr and exit status 2."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``magi2-convert``."""
-    p = argparse.ArgumentParser(
+    """The argument parser of ``magi2-convert`` (imports neither torch nor the converter)."""
+    p = _OneLineArgumentParser(
         prog="magi2-convert",
         description="Convert SandAI's MAGI-2 Preview release into a Hub-loadable diffusers repository.",
     )
@@ -115,12 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def request_from_args(args: argparse.Namespace, log=print) -> ConversionRequest:
-    """Turn parsed flags into a :class:`ConversionRequest` (per-part flags override the root layout).
+def request_from_args(args: argparse.Namespace, log=print):
+    """Turn parsed flags into a :class:`~.repo.ConversionRequest` (per-part flags override the root layout).
 
     Raises:
         ValueError: unknown component names, ``--push_to_hub`` without ``--repo_id``.
     """
+    from ..utils.safetensors_io import parse_size
+    from .repo import ConversionRequest
+
     inputs: dict[str, Path] = {}
     if args.checkpoint_root is not None:
         root = Path(args.checkpoint_root)
@@ -168,6 +172,9 @@ def request_from_args(args: argparse.Namespace, log=print) -> ConversionRequest:
 def main(argv: list[str] | None = None) -> int:
     """Run the converter; returns the process exit status (the console script exits with it)."""
     args = build_parser().parse_args(argv)
+    from ..loaders.key_plan import CheckpointValidationError
+    from .repo import ConversionValidationError, convert_checkpoint, push_folder_to_hub
+
     try:
         req = request_from_args(args)
         out = convert_checkpoint(req)

@@ -23,11 +23,13 @@ from ..utils.dtype_utils import DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
 from . import components
 from .convert_transformer import PreparedTransformer, prepare_transformer_conversion, write_transformer
 from .model_card import COMPONENTS, components_table, model_summary, render_model_card
+from .release_layout import ALL_COMPONENTS, RELEASE_LAYOUT
 
 
 __all__ = [
     "ALL_COMPONENTS",
     "MODEL_INDEX_ENTRIES",
+    "RELEASE_LAYOUT",
     "ConversionRequest",
     "ConversionValidationError",
     "convert_checkpoint",
@@ -36,7 +38,6 @@ __all__ = [
     "push_folder_to_hub",
 ]
 
-ALL_COMPONENTS = ("transformer", "refiner", "vae", "video_decoder", "audio_vae", "text_encoder", "scheduler")
 TRANSFORMER_COMPONENTS = ("transformer", "refiner")
 
 #: model_index.json entries: component -> (library or defining module, class).
@@ -49,16 +50,6 @@ COMPONENT_FUNCTIONS = {
     "video_decoder": "convert_turbo_vae",
     "audio_vae": "convert_stable_audio_vae",
     "text_encoder": "convert_text_encoder",
-}
-
-#: SandAI release layout under ``--checkpoint_root``: component -> relative input path.
-RELEASE_LAYOUT = {
-    "transformer": "preview",
-    "refiner": "refiner",
-    "vae": "vae/Wan2.2_VAE.pth",
-    "video_decoder": "turbo_vae",
-    "audio_vae": "stable-audio-open-1.0",
-    "text_encoder": "text_encoder",
 }
 
 

@@ -7,6 +7,8 @@ from typing import Optional, Union
 
 import torch
 
+from .dtype_names import DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
+
 
 __all__ = ["DTYPE_CHOICES", "EXPERT_DTYPE_CHOICES", "FLOAT_DTYPES", "convert_dtype", "parse_dtype"]
 
@@ -19,10 +21,6 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-#: ``magi2-convert --dtype`` choices: ``keep`` the stored dtypes, or cast to bf16 / fp32 (fp32 islands stay fp32).
-DTYPE_CHOICES = ("keep", "bf16", "fp32")
-#: ``magi2-convert --expert_dtype`` choices -> the model's ``expert_dtype`` (FP8 e4m3 routed experts + fp32 scales).
-EXPERT_DTYPE_CHOICES = {"fp8_e4m3": "float8_e4m3fn"}
 
 
 def parse_dtype(value: Union[str, torch.dtype], what: str = "dtype") -> torch.dtype:

@@ -557,3 +557,50 @@ def test_thin_cli_script_and_console_entry_point(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert res.returncode == 1 and "does not exist" in res.stderr and not out.exists()
+
+
+# Runs each argv through ``magi2-convert``'s entry (``cli.main``) and the thin script, in one fresh interpreter, and
+# reports (exit status, stderr, whether torch or diffusers was imported).
+_USAGE_DRIVER = """
+import contextlib, io, json, runpy, sys
+results = []
+for how, argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            if how == "entry point":
+                from diffusers_magi2.conversion.cli import main
+                rc = main(argv)
+            else:
+                sys.argv = [how, *argv]
+                runpy.run_path(how, run_name="__main__")
+                rc = 0
+        except SystemExit as exc:
+            rc = exc.code
+    results.append({"rc": rc, "stderr": err.getvalue(), "heavy": sorted({"torch", "diffusers"} & set(sys.modules))})
+print(json.dumps(results))
+"""
+
+
+def test_bad_usage_is_one_error_line_before_torch_or_diffusers_is_imported(tmp_path):
+    script = str(REPO_ROOT / "conversion" / "convert_magi2_to_diffusers.py")
+    out = ["--output_path", str(tmp_path / "out")]
+    cases = [
+        ("entry point", ["--preview_dir", "p"], "the following arguments are required: --output_path"),
+        ("entry point", [*out, "--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
+        ("entry point", [*out, "--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+        (script, [*out, "--expert_dtype", "int4"], "argument --expert_dtype: invalid choice: 'int4'"),
+    ]
+    res = subprocess.run(
+        [sys.executable, "-c", _USAGE_DRIVER, json.dumps([(how, argv) for how, argv, _ in cases])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    for (how, argv, needle), got in zip(cases, json.loads(res.stdout)):
+        assert got["rc"] == 2, (argv, got)
+        assert got["stderr"].count("\n") == 1 and got["stderr"].startswith("magi2-convert: error: "), got["stderr"]
+        assert needle in got["stderr"], got["stderr"]
+        assert got["heavy"] == [], f"{how} {argv}: {got['heavy']} imported before the flags were parsed"
+    assert not (tmp_path / "out").exists()

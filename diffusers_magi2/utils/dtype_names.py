@@ -1,0 +1,12 @@
+"""The dtype names ``magi2-convert`` takes (``--dtype``, ``--expert_dtype``), in a module without torch so that the
+command line checks its flags before torch is imported; :mod:`.dtype_utils` turns names into ``torch.dtype``."""
+
+from __future__ import annotations
+
+
+__all__ = ["DTYPE_CHOICES", "EXPERT_DTYPE_CHOICES"]
+
+#: ``magi2-convert --dtype`` choices: ``keep`` the stored dtypes, or cast to bf16 / fp32 (fp32 islands stay fp32).
+DTYPE_CHOICES = ("keep", "bf16", "fp32")
+#: ``magi2-convert --expert_dtype`` choices -> the model's ``expert_dtype`` (FP8 e4m3 routed experts + fp32 scales).
+EXPERT_DTYPE_CHOICES = {"fp8_e4m3": "float8_e4m3fn"}
