@@ -5,10 +5,13 @@ only), weights the unbiased scores, L1-normalised with ``route_norm``. Routes ar
 over global ids ``g = h*E + e``. SandAI ``flash_mh_moe`` (``compute_topk_probs_and_indices``,
 ``flash_mh_moe_global_sort``); no host sync, so both run in a CUDA graph or ``torch.compile``.
 
-Non-finite logits (a NaN or inf in the MoE input or the gate) are refused, not routed: a NaN row would give NaN
-weights and silently poison every expert output it reaches. The check is a device assert
-(``torch._assert_async``), so it adds no host sync: on CPU it raises at once (a ``ValueError`` naming the head and
-token), on a GPU the device assert stops the run with the message.
+Non-finite logits (a NaN or inf in the MoE input or the gate) are refused, not routed: a NaN row gives NaN weights
+that poison every expert output it reaches. :func:`compute_topk_probs_and_indices` checks its argument with one host
+read and raises a ``ValueError`` naming the head and token, on every device. The MoE layer's own path has no host
+read and raises nowhere: it ORs "some logit was not finite" into a device flag
+(:func:`record_non_finite_router_logits`), and the model's caller reads the flags once per step, on every rank
+together (:func:`diffusers_magi2.models.finite_checks_magi2.check_router_inputs_finite`). No device-side assert is
+issued: on CUDA one would leave the context unusable for the next request.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ __all__ = [
     "check_finite_router_logits",
     "compute_topk_probs_and_indices",
     "global_sort_routes",
+    "record_non_finite_router_logits",
+    "topk_probs_and_indices",
 ]
 
 #: The router's score functions (``score_func``): per-expert sigmoid, or softmax over a head's experts.
@@ -51,25 +56,31 @@ class ExpertRoutes(NamedTuple):
 
 
 def check_finite_router_logits(router_logits: torch.Tensor) -> None:
-    """Refuse non-finite router logits ``[H, S, E]`` without a host read (module docstring).
+    """Refuse non-finite router logits ``[H, S, E]`` (one host read; skipped while a CUDA graph is captured or
+    ``torch.compile`` traces, where no value can be read).
 
     Raises:
-        ValueError: on CPU, naming the first (head, token) whose logits are not finite.
-        RuntimeError: on other devices, from the device assert (asynchronously, at the next synchronisation).
+        ValueError: naming the first (head, token) whose logits are not finite.
     """
-    finite = torch.isfinite(router_logits).all()
-    if router_logits.device.type != "cpu" or torch.compiler.is_compiling():
-        torch._assert_async(finite, _NON_FINITE)
+    if torch.compiler.is_compiling() or (router_logits.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    try:
-        torch._assert_async(finite, _NON_FINITE)
-    except RuntimeError:
-        head, token, _ = (int(i) for i in (~torch.isfinite(router_logits)).nonzero()[0])
-        row = router_logits[head, token]
-        raise ValueError(
-            f"{_NON_FINITE}: head {head}, token {token} has logits {row[:4].tolist()}"
-            f"{' ...' if row.numel() > 4 else ''}; check the input hidden states (and the gate) for NaN/inf"
-        ) from None
+    bad = ~torch.isfinite(router_logits)
+    if not bool(bad.any()):
+        return
+    head, token, _ = (int(i) for i in bad.nonzero()[0])
+    row = router_logits[head, token]
+    raise ValueError(
+        f"{_NON_FINITE}: head {head}, token {token} has logits {row[:4].tolist()}"
+        f"{' ...' if row.numel() > 4 else ''}; check the input hidden states (and the gate) for NaN/inf"
+    )
+
+
+def record_non_finite_router_logits(router_logits: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor:
+    """``flag |= any logit is not finite``, with no host read: ``flag`` is a 0-d bool tensor updated in place, or
+    ``None`` (or on another device), when a new one is made on the logits' device. Returns the flag."""
+    if flag is None or flag.device != router_logits.device:
+        flag = torch.zeros((), dtype=torch.bool, device=router_logits.device)
+    return flag.logical_or_(torch.isfinite(router_logits).logical_not().any())
 
 
 def compute_topk_probs_and_indices(
@@ -96,8 +107,8 @@ def compute_topk_probs_and_indices(
 
     Raises:
         ValueError: ``router_logits`` is not a 3-D float32 tensor, ``top_k`` is outside ``[1, E]``,
-            ``score_func`` is unknown, ``expert_bias`` does not hold ``H*E`` values, or (on CPU) a logit is not
-            finite (:func:`check_finite_router_logits`; a device assert on other devices).
+            ``score_func`` is unknown, ``expert_bias`` does not hold ``H*E`` values, or a logit is not finite
+            (:func:`check_finite_router_logits`).
     """
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 3:
         raise ValueError(
@@ -120,7 +131,20 @@ def compute_topk_probs_and_indices(
                 f"(H, E from router_logits); got {tuple(expert_bias.shape)}"
             )
     check_finite_router_logits(router_logits)
+    return topk_probs_and_indices(router_logits, top_k, score_func, expert_bias, route_norm, norm_eps)
 
+
+def topk_probs_and_indices(
+    router_logits: torch.Tensor,
+    top_k: int,
+    score_func: str = "sigmoid",
+    expert_bias: torch.Tensor | None = None,
+    route_norm: bool = True,
+    norm_eps: float = 1e-12,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_topk_probs_and_indices` without its checks, for callers that made them (the MoE layer):
+    non-finite logits give NaN weights (never an out-of-range index), and no host read is made."""
+    num_heads, _, num_experts = router_logits.shape
     if score_func == "sigmoid":
         scores = sigmoid(router_logits)
     else:
