@@ -1,6 +1,7 @@
 """Starting scripts under ``accelerate launch`` on CPU for the tests: a clean launcher environment (no inherited
 rank variables, one thread, offline, Triton interpreted, no CUDA; ``MAGI2_FIXTURES`` passes through) and the
-two-process ``--multi_gpu`` command that gives gloo ranks on a CPU machine."""
+two-process ``--multi_gpu`` command that gives gloo ranks on a CPU machine, and one machine's command of a two-machine
+launch on this host."""
 
 from __future__ import annotations
 
@@ -51,6 +52,28 @@ def multi_cpu_launch(*script_args: str) -> list[str]:
         "no",
         "--main_process_port",
         str(free_port()),
+        *script_args,
+    ]
+
+
+def multi_machine_launch(machine_rank: int, port: int, *script_args: str, processes_per_machine: int = 2) -> list:
+    """One machine's ``accelerate launch`` of a two-machine run on this host (``127.0.0.1:port`` rendezvous)."""
+    return ACCELERATE + [
+        "--multi_gpu",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        str(machine_rank),
+        "--num_processes",
+        str(2 * processes_per_machine),
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(port),
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
         *script_args,
     ]
 
