@@ -13,6 +13,9 @@ is ``transformer_blocks.<i>.attention`` (not ``attn``) and the output head is ``
   shard of the first block's residual ``r`` (previous step ``r'``), so the relative change
   ``sum |r - r'| / sum |r'|`` is summed over the CP group before it is compared with the threshold (the
   single-process value; a rank skipping the remaining blocks while another enters their all-to-alls would hang).
+
+The hooks find blocks and attention processors through diffusers' registries, where
+:func:`register_block_for_caching_hooks` enters both models' blocks and the attention processors.
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK, FBCHeadBlo
 from diffusers.hooks.hooks import HookRegistry
 from diffusers.models.cache_utils import CacheMixin
 
+from .attention_magi2 import Magi2Attention
+
 
 __all__ = [
     "MAGI2_ATTENTION_IDENTIFIERS",
     "MAGI2_LITE_CACHE_IDENTIFIERS",
     "MAGI2_LITE_SKIP_IDENTIFIERS",
     "Magi2CacheMixin",
+    "register_block_for_caching_hooks",
 ]
 
 #: Regexes (``re.fullmatch`` on module names) of the attention module of every MAGI-2 block.
@@ -164,3 +170,30 @@ class Magi2CacheMixin(CacheMixin):
         for field in ("cache_identifiers", "skip_predict_identifiers"):
             _refuse_unmatched(self, config, field, getattr(config, field) or [])
         return config
+
+
+def _skip_magi2_attention(module, *args, **kwargs):
+    """LayerSkip hooks: a skipped attention returns its input."""
+    hidden_states = kwargs.get("hidden_states")
+    return hidden_states if hidden_states is not None else args[0]
+
+
+def register_block_for_caching_hooks(block_cls) -> None:
+    """Register a block class and the processors with diffusers' hook registries (FirstBlockCache, MagCache,
+    TaylorSeer; private API of diffusers 0.42)."""
+    from diffusers.hooks._helpers import (
+        AttentionProcessorMetadata,
+        AttentionProcessorRegistry,
+        TransformerBlockMetadata,
+        TransformerBlockRegistry,
+    )
+
+    for processor_cls in Magi2Attention._available_processors:
+        AttentionProcessorRegistry.register(
+            model_class=processor_cls,
+            metadata=AttentionProcessorMetadata(skip_processor_output_fn=_skip_magi2_attention),
+        )
+    TransformerBlockRegistry.register(
+        model_class=block_cls,
+        metadata=TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=None),
+    )

@@ -41,8 +41,8 @@ from .attention_magi2 import (
     Magi2AttentionGeometry,
     Magi2AttentionMask,
     Magi2ForwardContext,
-    register_block_for_caching_hooks,
 )
+from .cache_magi2 import register_block_for_caching_hooks
 from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward, check_chunk_size
 from .lora_magi2 import lora_scale_from_attention_kwargs
 from .mhc import Magi2HyperConnection, mhc_hyper_connect, mhc_reduce_streams

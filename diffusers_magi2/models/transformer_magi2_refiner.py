@@ -26,8 +26,8 @@ from .attention_magi2 import (
     Magi2AttnProcessor,
     Magi2ForwardContext,
     Magi2WindowAttnProcessor,
-    register_block_for_caching_hooks,
 )
+from .cache_magi2 import register_block_for_caching_hooks
 from .feedforward_magi2 import Magi2FeedForward, check_chunk_size
 from .lora_magi2 import lora_scale_from_attention_kwargs
 from .modality import Magi2ModalityDispatch, Modality

@@ -166,8 +166,6 @@ def test_attention_kwargs_reach_the_model_that_declares_them():
         pipe(**common, **SMALL, attention_kwargs={"lora_rank": 1})
     with pytest.raises(ValueError, match=r"allowed keys: \[\]"):  # the refiner's key on a single-stage call
         pipe(**common, height=32, width=48, num_inference_steps=1, attention_kwargs={"refiner_only": 7})
-    with pytest.raises(ValueError, match=r"for window_backend use set_attn_processor"):
-        pipe(**common, **SMALL, attention_kwargs={"window_backend": "sdpa"})
     with pytest.raises(ValueError, match="attention_kwargs must be a dict"):
         pipe(**common, **SMALL, attention_kwargs=[("window_backend", "sdpa")])
     assert seen == [] and pipe.refiner.calls == []

@@ -148,10 +148,6 @@ BAD = {
         {"prompt": "x", "attention_kwargs": {"lora_rank": 1}},
         r"does not support attention_kwargs \['lora_rank'\]",
     ),
-    "a moved kernel key in attention_kwargs": (
-        {"prompt": "x", "attention_kwargs": {"window_backend": "sdpa"}},
-        "set_attn_processor",
-    ),
     "attention_kwargs not a dict": ({"prompt": "x", "attention_kwargs": ["scale"]}, "attention_kwargs must be a dict"),
     # text width vs transformer.config.text_in_channels (8 here)
     "prompt_embeds width": (

@@ -216,16 +216,6 @@ def test_bad_inputs_raise(model_fp32, fp32_case):
     with pytest.raises(ValueError, match="attention_kwargs must be a dict"):
         model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs=[("window_backend", "sdpa")])
     assert Magi2RefinerTransformer3DModel.supported_attention_kwargs == ("scale",)
-    # kernel keys are processor options now: the error names the diffusers-style call
-    with pytest.raises(ValueError, match=r"for window_backend use set_attn_processor\(Magi2WindowAttnProcessor"):
-        model_fp32(hidden_states=lat, encoder_hidden_states=txt, attention_kwargs={"window_backend": "sdpa"})
-    with pytest.raises(ValueError, match=r"for mlp_chunk_size use enable_forward_chunking"):
-        model_fp32.forward_packed(
-            d["model.x"],
-            d["model.coords_mapping"],
-            d["model.modality_mapping"],
-            attention_kwargs={"mlp_chunk_size": 7},
-        )
     with pytest.raises(ValueError, match="num_key_value_heads"):
         Magi2RefinerTransformer3DModel(
             num_layers=1, num_attention_heads=6, attention_head_dim=16, num_key_value_heads=4
