@@ -127,17 +127,15 @@ def check_router_inputs_finite(model: nn.Module, step_index: Optional[int] = Non
         return
     group, device = _agreement_group(model, routers)
     no_flag = torch.zeros((), dtype=torch.bool, device=device)
-    flags = torch.stack(
-        [no_flag if r.non_finite_router_logits is None else r.non_finite_router_logits.to(device) for _, r in routers]
-    ).to(torch.int32)
+    seen_by = [r.non_finite_router_logits.value for _, r in routers]
+    flags = torch.stack([no_flag if v is None else v.to(device) for v in seen_by]).to(torch.int32)
     if group is not None:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     seen = flags.nonzero().reshape(-1).tolist()  # the one host read of the step
     if not seen:
         return
     for _, router in routers:
-        if router.non_finite_router_logits is not None:
-            router.non_finite_router_logits.zero_()
+        router.non_finite_router_logits.clear()
     names = [routers[i][0] for i in seen]
     weight = _same_on_every_rank(_non_finite_weight(model, names[0]), group)
     step = "" if step_index is None else f" at step index {step_index}"

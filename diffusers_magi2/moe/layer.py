@@ -39,7 +39,7 @@ from .quantize_int4 import (
     int4_shapes,
     quantize_int4,
 )
-from .routing import RoutingScore, global_sort_routes, record_non_finite_router_logits, topk_probs_and_indices
+from .routing import NonFiniteLogitsFlag, RoutingScore, global_sort_routes, topk_probs_and_indices
 
 
 __all__ = ["Magi2MultiHeadMoEConfig", "Magi2MultiHeadMoE", "moe_tensors_on_meta"]
@@ -254,10 +254,9 @@ class Magi2MultiHeadMoE(nn.Module):
         # 3. Backend, chosen once (see set_backend).
         self._backend = "auto"
         self._deterministic = False
-        #: 0-d bool device flag: some router logit was NaN/inf since the flag was last cleared (``route`` sets it,
-        #: with no host read; ``models.finite_checks_magi2.check_router_inputs_finite`` reads and clears it). A plain
-        #: attribute, not a buffer, so offloading hooks never restore a stale copy.
-        self.non_finite_router_logits: Optional[torch.Tensor] = None
+        #: whether a router logit was NaN/inf since the last check (``route`` records it with no host read;
+        #: ``models.finite_checks_magi2.check_router_inputs_finite`` reads and clears it)
+        self.non_finite_router_logits = NonFiniteLogitsFlag()
 
     # ------------------------------------------------------------------ set-up
 
@@ -428,12 +427,12 @@ class Magi2MultiHeadMoE(nn.Module):
 
         Returns:
             ``(probs [Hr, S', k] fp32`` already multiplied by ``route_scale``, ``indices [Hr, S', k] int64)``. NaN/inf
-            logits are not refused here (no host read): they give NaN weights and set
+            logits are not refused here (no host read): they give NaN weights and are recorded in
             :attr:`non_finite_router_logits`.
         """
         num_real = x_local.shape[1]
         logits = self.compute_router_logits(x_local)
-        self.non_finite_router_logits = record_non_finite_router_logits(logits, self.non_finite_router_logits)
+        self.non_finite_router_logits.record(logits)
         probs, indices = topk_probs_and_indices(
             logits,
             self.top_k,

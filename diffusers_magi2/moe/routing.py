@@ -3,13 +3,13 @@
 Per head: ``scores = sigmoid(logits)`` (or softmax), top-k of ``scores + expert_bias`` (the bias steers the choice
 only), weights the unbiased scores, L1-normalised with ``route_norm``. Routes are then sorted expert-major (CSR)
 over global ids ``g = h*E + e``. SandAI ``flash_mh_moe`` (``compute_topk_probs_and_indices``,
-``flash_mh_moe_global_sort``); no host sync, so both run in a CUDA graph or ``torch.compile``.
+``flash_mh_moe_global_sort``); the routing itself has no host sync, so it runs in a CUDA graph or ``torch.compile``.
 
 Non-finite logits (a NaN or inf in the MoE input or the gate) are refused, not routed: a NaN row gives NaN weights
 that poison every expert output it reaches. :func:`compute_topk_probs_and_indices` checks its argument with one host
 read and raises a ``ValueError`` naming the head and token, on every device. The MoE layer's own path has no host
 read and raises nowhere: it ORs "some logit was not finite" into a device flag
-(:func:`record_non_finite_router_logits`), and the model's caller reads the flags once per step, on every rank
+(:class:`NonFiniteLogitsFlag`), and the model's caller reads the flags once per step, on every rank
 together (:func:`diffusers_magi2.models.finite_checks_magi2.check_router_inputs_finite`). No device-side assert is
 issued: on CUDA one would leave the context unusable for the next request.
 """
@@ -25,11 +25,11 @@ from ..utils.elementwise import sigmoid
 
 __all__ = [
     "ExpertRoutes",
+    "NonFiniteLogitsFlag",
     "RoutingScore",
     "check_finite_router_logits",
     "compute_topk_probs_and_indices",
     "global_sort_routes",
-    "record_non_finite_router_logits",
     "topk_probs_and_indices",
 ]
 
@@ -75,12 +75,28 @@ def check_finite_router_logits(router_logits: torch.Tensor) -> None:
     )
 
 
-def record_non_finite_router_logits(router_logits: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor:
-    """``flag |= any logit is not finite``, with no host read: ``flag`` is a 0-d bool tensor updated in place, or
-    ``None`` (or on another device), when a new one is made on the logits' device. Returns the flag."""
-    if flag is None or flag.device != router_logits.device:
-        flag = torch.zeros((), dtype=torch.bool, device=router_logits.device)
-    return flag.logical_or_(torch.isfinite(router_logits).logical_not().any())
+class NonFiniteLogitsFlag:
+    """Whether some router logit was NaN/inf since the flag was last cleared: ``value`` is a 0-d bool device tensor
+    (``None`` before the first :meth:`record`) that :meth:`record` ORs into with no host read. Each MoE layer holds
+    one beside, not among, its parameters and buffers (as diffusers' hooks hold their state), so offloading hooks
+    and dtype moves never touch it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+    def record(self, router_logits: torch.Tensor) -> None:
+        """``value |= any(~isfinite(router_logits))`` on the logits' device (a new tensor if it was elsewhere)."""
+        seen = torch.isfinite(router_logits).logical_not().any()
+        if self.value is None or self.value.device != seen.device:
+            self.value = seen
+        else:
+            self.value.logical_or_(seen)
+
+    def clear(self) -> None:
+        if self.value is not None:
+            self.value.zero_()
 
 
 def compute_topk_probs_and_indices(
@@ -134,16 +150,9 @@ def compute_topk_probs_and_indices(
     return topk_probs_and_indices(router_logits, top_k, score_func, expert_bias, route_norm, norm_eps)
 
 
-def topk_probs_and_indices(
-    router_logits: torch.Tensor,
-    top_k: int,
-    score_func: str = "sigmoid",
-    expert_bias: torch.Tensor | None = None,
-    route_norm: bool = True,
-    norm_eps: float = 1e-12,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`compute_topk_probs_and_indices` without its checks, for callers that made them (the MoE layer):
-    non-finite logits give NaN weights (never an out-of-range index), and no host read is made."""
+def topk_probs_and_indices(router_logits, top_k, score_func, expert_bias, route_norm, norm_eps=1e-12):
+    """:func:`compute_topk_probs_and_indices` (same arguments, all positional) without its checks, for callers that
+    made them (the MoE layer): non-finite logits give NaN weights (never an out-of-range index), no host read."""
     num_heads, _, num_experts = router_logits.shape
     if score_func == "sigmoid":
         scores = sigmoid(router_logits)
