@@ -358,11 +358,17 @@ def average_gradients(accelerator, params) -> None:
 def train_step(accelerator, transformer, optimizer, lr_scheduler, params, samples, generator, device, fixed=None):
     """One optimizer step over ``samples`` (``--gradient_accumulation_steps`` micro-batches): each loss goes
     through ``accelerator.backward`` inside ``accelerator.accumulate``; at the last one the gradients are averaged
-    over the ranks and the optimizer and the LR schedule step. Returns the micro-batches' mean loss (fp32)."""
+    over the ranks and the optimizer and the LR schedule step. Returns the micro-batches' mean loss (fp32).
+
+    A NaN or inf that reached a MoE router in a forward raises the same ``ValueError`` on every rank before its
+    backward (``check_router_inputs_finite``), as the pipelines' denoising steps do."""
+    from diffusers_magi2 import check_router_inputs_finite
+
     total = 0.0
     for sample in samples:
         with accelerator.accumulate(transformer):
             loss = training_loss(transformer, sample, generator, device, fixed)
+            check_router_inputs_finite(transformer)
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 average_gradients(accelerator, params)

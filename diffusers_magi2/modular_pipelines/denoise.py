@@ -19,6 +19,7 @@ import torch
 from diffusers.modular_pipelines import LoopSequentialPipelineBlocks, ModularPipelineBlocks, PipelineState
 from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam, OutputParam
 
+from ..models.finite_checks_magi2 import check_router_inputs_finite
 from ..pipelines.presets_magi2 import CALLBACK_TENSOR_INPUTS
 from ..pipelines.refiner_stage import prepare_refiner_latents
 from ..pipelines.sampling_magi2 import cache_context, preview_forward, refiner_forward
@@ -116,6 +117,7 @@ class Magi2LoopDenoiser(_Magi2LoopBlock):
                 bs.image_embeds,
                 bs.attention_kwargs,
             )
+        check_router_inputs_finite(components.transformer, i)  # every rank raises together, before the step
         predictions = {"latents": dict(zip(passes, video)), "audio_latents": dict(zip(passes, audio))}
         bs.velocities = combine_passes(guiders, own, predictions)
         return components, bs

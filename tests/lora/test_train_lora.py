@@ -255,6 +255,27 @@ def test_gradient_accumulation_averages_the_micro_batch_gradients(tmp_path):
     assert not all(torch.allclose(a, b, rtol=1e-3) for a, b in zip(*each))  # the two micro-batches differ
 
 
+def test_a_nan_sample_is_refused_before_its_backward_and_nothing_is_updated(tmp_path):
+    """A cached clip whose latents hold a NaN: ``train_step`` raises the router check's ``ValueError`` (as every
+    rank does together under CP) before the backward, so no LoRA parameter gets a gradient or an update."""
+    from accelerate import Accelerator
+
+    pipe = build_tiny_default_pipeline()
+    params = list(script.add_lora(pipe.transformer, script.parse_args(argv(tmp_path, tmp_path / "o"))).values())
+    before = [p.detach().clone() for p in params]
+    sample = script.load_cache(synthetic_clip(tmp_path / "d") / "clip.magi2.safetensors", pipe.transformer)
+    sample["latents"][0, 0, 0, 0] = float("nan")
+    accelerator = Accelerator(mixed_precision="no", cpu=True)
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    optimizer, schedule = accelerator.prepare(optimizer, schedule)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"MoE router inputs are not finite: first in transformer_blocks\.\d+"):
+        script.train_step(accelerator, pipe.transformer, optimizer, schedule, params, [sample], torch.Generator(), cpu)
+    assert all(p.grad is None for p in params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
 def test_lr_schedule_warms_up_from_zero(tmp_path):
     """``--lr_scheduler constant_with_warmup --lr_warmup_steps 2`` (diffusers' ``get_scheduler``): the first step
     runs at LR 0, so with fixed noise the second step's loss equals the first bit for bit; the third differs."""

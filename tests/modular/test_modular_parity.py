@@ -162,3 +162,23 @@ def _sequential(**blocks):
     from diffusers.modular_pipelines import SequentialPipelineBlocks
 
     return SequentialPipelineBlocks.from_blocks_dict(blocks)
+
+
+def test_a_nan_latent_is_refused_at_the_same_step_by_both_pipelines(pipes):
+    """A callback that poisons the latents after step 0: the next step's routers see NaN and both loops raise the
+    step check's error for step 1, before that step is taken (the modular denoiser calls the same check)."""
+
+    def poison(pipe, i, t, tensors):
+        return {"latents": torch.full_like(tensors["latents"], float("nan"))} if i == 0 else {}
+
+    pipe, modular = pipes
+    call = {**T2V, "output_type": "latent", "callback_on_step_end": poison}
+    match = r"MoE router inputs are not finite at step index 1: first in transformer_blocks\.\d+\.mlp\.moe_mlp"
+    with pytest.raises(ValueError, match=match):
+        pipe(PROMPT, generator=torch.Generator().manual_seed(3), **call)
+    with pytest.raises(ValueError, match=match):
+        modular(prompt=PROMPT, generator=torch.Generator().manual_seed(3), **call)
+    # the flags were cleared: both serve again
+    assert torch.isfinite(
+        pipe(PROMPT, generator=torch.Generator().manual_seed(3), **T2V, output_type="latent").frames
+    ).all()
