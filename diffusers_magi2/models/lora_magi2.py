@@ -25,6 +25,7 @@ finite values, the config's fields), then injects it and sets its weights with P
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -41,6 +42,7 @@ from .modality import Magi2ModalityGroupedLinear
 
 __all__ = [
     "lora_scale_from_attention_kwargs",
+    "lora_scale_for_call",
     "grouped_lora_layer_class",
     "LoraTarget",
     "plan_magi2_lora_targets",
@@ -74,6 +76,30 @@ def lora_scale_from_attention_kwargs(forward):
         return scaled(self, *args, **kwargs)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def lora_scale_for_call(model: nn.Module, attention_kwargs: Optional[dict]):
+    """What :func:`lora_scale_from_attention_kwargs` does, as a ``with`` block inside the forward: the PEFT layers of
+    ``model`` scaled by ``attention_kwargs["scale"]`` (1.0 without it) until the block ends. For a forward that frees
+    an input it was handed: a decorator's ``*args`` would hold that input until the call returns.
+
+    Raises:
+        ValueError: ``attention_kwargs`` is neither a dict nor ``None``.
+    """
+    from diffusers.utils import USE_PEFT_BACKEND
+    from diffusers.utils.peft_utils import scale_lora_layers, unscale_lora_layers
+
+    if attention_kwargs is not None and not isinstance(attention_kwargs, dict):
+        raise ValueError(f"attention_kwargs must be a dict or None, got {type(attention_kwargs).__name__}")
+    scale = (attention_kwargs or {}).get("scale", 1.0)
+    if USE_PEFT_BACKEND:
+        scale_lora_layers(model, scale)
+    try:
+        yield
+    finally:
+        if USE_PEFT_BACKEND:
+            unscale_lora_layers(model, scale)
 
 
 def _peft_lora_linear():

@@ -44,7 +44,7 @@ from .attention_magi2 import (
 )
 from .cache_magi2 import register_block_for_caching_hooks
 from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward, check_chunk_size
-from .lora_magi2 import lora_scale_from_attention_kwargs
+from .lora_magi2 import lora_scale_for_call, lora_scale_from_attention_kwargs
 from .mhc import Magi2HyperConnection, mhc_hyper_connect, mhc_reduce_streams
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, Modality
 from .modeling_magi2 import Magi2TransformerBase
@@ -386,7 +386,6 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
         check_no_flat_mhc_keys(info.get("unexpected_keys", ()), str(pretrained_model_name_or_path))
         return (model, info) if want_info else model
 
-    @lora_scale_from_attention_kwargs
     def forward_packed(
         self,
         hidden_states: torch.Tensor,
@@ -415,58 +414,59 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
             ValueError: on inconsistent shapes, or an ``attention_kwargs`` key other than ``"scale"``.
         """
         self.check_attention_kwargs(attention_kwargs)
-        n_tok = hidden_states.shape[0]
-        if hidden_states.dim() != 2:
-            raise ValueError(f"hidden_states must be packed [N, C], got {tuple(hidden_states.shape)}")
-        if coords.shape != (n_tok, 9):
-            raise ValueError(f"coords must be [{n_tok}, 9], got {tuple(coords.shape)}")
-        if modality_mapping.shape != (n_tok,):
-            raise ValueError(f"modality_mapping must be [{n_tok}], got {tuple(modality_mapping.shape)}")
-        cu = [int(v) for v in cu_seqlens.reshape(-1).tolist()]
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != n_tok or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must rise from 0 to N={n_tok}, got {cu}")
-        dim = self.config.time_embed_dim
-        if time_embedding is not None and time_embedding.shape != (n_tok, dim):
-            raise ValueError(f"time_embedding must be [{n_tok}, {dim}], got {tuple(time_embedding.shape)}")
-        mask = Magi2AttentionMask(tuple(b - a for a, b in zip(cu, cu[1:])))
-        ids = modality_mapping.to(device=hidden_states.device, dtype=torch.int64)
-        ids = torch.where(ids == int(Modality.TIME), torch.full_like(ids, int(Modality.TEXT)), ids)
-        widest = max(
-            self.config.in_channels if bool((ids == Modality.VIDEO).any()) else 0,
-            self.config.audio_in_channels if bool((ids == Modality.AUDIO).any()) else 0,
-            self.config.text_in_channels if bool((ids == Modality.TEXT).any()) else 0,
-        )
-        if hidden_states.shape[1] < widest:
-            raise ValueError(
-                f"hidden_states has {hidden_states.shape[1]} channels; the modalities present need {widest}"
+        with lora_scale_for_call(self, attention_kwargs):  # not a decorator: its *args would keep the input alive
+            n_tok = hidden_states.shape[0]
+            if hidden_states.dim() != 2:
+                raise ValueError(f"hidden_states must be packed [N, C], got {tuple(hidden_states.shape)}")
+            if coords.shape != (n_tok, 9):
+                raise ValueError(f"coords must be [{n_tok}, 9], got {tuple(coords.shape)}")
+            if modality_mapping.shape != (n_tok,):
+                raise ValueError(f"modality_mapping must be [{n_tok}], got {tuple(modality_mapping.shape)}")
+            cu = [int(v) for v in cu_seqlens.reshape(-1).tolist()]
+            if len(cu) < 2 or cu[0] != 0 or cu[-1] != n_tok or any(b < a for a, b in zip(cu, cu[1:])):
+                raise ValueError(f"cu_seqlens must rise from 0 to N={n_tok}, got {cu}")
+            dim = self.config.time_embed_dim
+            if time_embedding is not None and time_embedding.shape != (n_tok, dim):
+                raise ValueError(f"time_embedding must be [{n_tok}, {dim}], got {tuple(time_embedding.shape)}")
+            mask = Magi2AttentionMask(tuple(b - a for a, b in zip(cu, cu[1:])))
+            ids = modality_mapping.to(device=hidden_states.device, dtype=torch.int64)
+            ids = torch.where(ids == int(Modality.TIME), torch.full_like(ids, int(Modality.TEXT)), ids)
+            widest = max(
+                self.config.in_channels if bool((ids == Modality.VIDEO).any()) else 0,
+                self.config.audio_in_channels if bool((ids == Modality.AUDIO).any()) else 0,
+                self.config.text_in_channels if bool((ids == Modality.TEXT).any()) else 0,
             )
-        plan = self._context_parallel_plan(n_tok, mask.segment_lengths)
-        if plan is not None:  # this rank keeps its slice of the packed sequence; attention sees all of it
-            hidden_states, coords, ids, time_embedding = (
-                None if t is None else plan.shard(t) for t in (hidden_states, coords, ids, time_embedding)
-            )
-        dispatch = Magi2ModalityDispatch.from_modality_mapping(ids)
+            if hidden_states.shape[1] < widest:
+                raise ValueError(
+                    f"hidden_states has {hidden_states.shape[1]} channels; the modalities present need {widest}"
+                )
+            plan = self._context_parallel_plan(n_tok, mask.segment_lengths)
+            if plan is not None:  # this rank keeps its slice of the packed sequence; attention sees all of it
+                hidden_states, coords, ids, time_embedding = (
+                    None if t is None else plan.shard(t) for t in (hidden_states, coords, ids, time_embedding)
+                )
+            dispatch = Magi2ModalityDispatch.from_modality_mapping(ids)
 
-        x, rope = self.pre_adapter(hidden_states, coords, ids)
-        hidden_states = None  # the packed fp32 input is freed here when the caller handed it over (forward does)
-        if time_embedding is not None:
-            x[:, :dim] = time_embedding.to(x.dtype)  # x is this call's own buffer
-        x = x.to(self.residual_dtype)  # the fp32 embedding is freed before the sort's copy
-        x = dispatch.sort(x)
-        context = Magi2ForwardContext(rope, dispatch, mask, plan)
-        layer_outputs = []
-        for block in self.transformer_blocks:
-            x = self._run_block(block, x, context)
+            x, rope = self.pre_adapter(hidden_states, coords, ids)
+            hidden_states = None  # the packed fp32 input is freed here when the caller handed it over (forward does)
+            if time_embedding is not None:
+                x[:, :dim] = time_embedding.to(x.dtype)  # x is this call's own buffer
+            x = x.to(self.residual_dtype)  # the fp32 embedding is freed before the sort's copy
+            x = dispatch.sort(x)
+            context = Magi2ForwardContext(rope, dispatch, mask, plan)
+            layer_outputs = []
+            for block in self.transformer_blocks:
+                x = self._run_block(block, x, context)
+                if return_layer_outputs:
+                    layer_outputs.append(dispatch.unsort(x).float())
+            x = dispatch.unsort(x)
+            out = self.post_adapter(x, ids)
+            if plan is not None:
+                out = self._gather_sequence_shards(out, plan)
+                layer_outputs = [self._gather_sequence_shards(t, plan) for t in layer_outputs]
             if return_layer_outputs:
-                layer_outputs.append(dispatch.unsort(x).float())
-        x = dispatch.unsort(x)
-        out = self.post_adapter(x, ids)
-        if plan is not None:
-            out = self._gather_sequence_shards(out, plan)
-            layer_outputs = [self._gather_sequence_shards(t, plan) for t in layer_outputs]
-        if return_layer_outputs:
-            return out, layer_outputs
-        return out
+                return out, layer_outputs
+            return out
 
     def pack_inputs(self, *args, **kwargs) -> Magi2PackedInputs:
         """:func:`pack_magi2_inputs` with this model's config, on :meth:`forward`'s inputs.

@@ -5,6 +5,8 @@ The plan traces the model code under ``FakeTensorMode`` (``kernels="cpu"`` here:
 same reduced-width model, read from ``torch.profiler``'s memory events (every allocation, op internals included).
 """
 
+import weakref
+
 import pytest
 import torch
 
@@ -36,6 +38,14 @@ REDUCED = {
     "intermediate_factor": 2,
 }
 HALF = {"video": 960, "audio": 32, "text": 32}  # tokens per CFG half
+REDUCED_REFINER = {
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "attention_head_dim": 32,
+    "num_key_value_heads": 2,
+    "text_in_channels": 64,
+    "multimodal_layers": (0,),
+}
 CHUNK = 512
 
 
@@ -84,6 +94,34 @@ def test_plan_matches_the_measured_cpu_peak_of_a_reduced_model_within_10_percent
     )
     assert plan.weights == weights
     assert abs(plan.activations - measured) <= 0.10 * measured
+
+
+@torch.no_grad()
+def test_forward_packed_frees_the_packed_input_it_was_handed_once_embedded():
+    # forward hands the packed fp32 input over (no reference left in the caller); a decorator's *args used to keep it
+    # for the whole forward
+    model = _reduced_model(CHUNK)
+    handed, coords, ids, cu_seqlens, time_embedding = ([t] for t in _packed_inputs())
+    freed, seen = [], []
+    weakref.finalize(handed[0].untyped_storage(), freed.append, True)
+    model.transformer_blocks[0].register_forward_pre_hook(lambda *_: seen.append(bool(freed)))
+    model.forward_packed(handed.pop(), coords[0], ids[0], cu_seqlens[0], time_embedding[0])
+    assert seen == [True]
+
+
+@torch.no_grad()
+def test_refiner_frees_its_fp32_embedding_before_the_blocks():
+    torch.manual_seed(0)
+    model = Magi2RefinerTransformer3DModel(**REDUCED_REFINER).to(torch.bfloat16).eval()  # (fp32 islands stay)
+    embedded = []
+    hook = model.pre_adapter.register_forward_hook(lambda m, a, out: embedded.append(weakref.ref(out[0])))
+    freed = []
+    model.transformer_blocks[0].register_forward_pre_hook(lambda *_: freed.append(embedded[0]() is None))
+    ids = torch.tensor([0] * 96 + [2] * 8)
+    x = torch.randn(ids.numel(), REDUCED_REFINER["text_in_channels"])
+    model.forward_packed(x, torch.ones(ids.numel(), 9), ids)
+    hook.remove()
+    assert freed == [True]
 
 
 def test_forward_chunking_lowers_the_measured_peak_and_keeps_the_output():
