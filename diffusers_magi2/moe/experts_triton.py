@@ -8,8 +8,8 @@ once (``x_t [BLOCK_T, Dh]``), then one loop over ``De`` in chunks ``c`` of ``BLO
 
 and ``round_act(p * acc)`` is scatter-added into ``[S, H, Dh]``. The three weight tiles of a chunk are the loop's
 only loads, so Triton's software pipeliner prefetches all of them ``num_stages`` deep (cp.async); the GPU builds are
-checked on CPU by :mod:`.kernel_build`. The rounding points follow SandAI's ``_mh_moe_fwd_kernel``; the math is
-ours.
+checked on CPU by ``tests/helpers/kernel_build.py``. The rounding points follow SandAI's ``_mh_moe_fwd_kernel``; the
+math is ours.
 
 Modes:
 

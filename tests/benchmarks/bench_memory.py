@@ -2,7 +2,7 @@
 activations + kernel workspace, for one GPU (an H200, 141 GB, ``enable_model_cpu_offload``: one model on the
 device at a time) and per rank under CP8 x EP4 x 2 (80 GB GPUs, each stage's model alone on the device).
 
-Traced without the memory (``diffusers_magi2.pipelines.memory_plan_magi2``: the model code on fake tensors, GPU
+Traced without the memory (``tests/helpers/memory_plan.py``: the model code on fake tensors, GPU
 attention and the fused MoE kernel modelled by their allocations); the method is checked against a CPU run's
 allocator peak in ``tests/pipelines/test_memory_plan.py`` (within 10 %). Prints a markdown table and, with
 ``--out``, writes the rows as JSON. The baseline column of each row is its device's capacity: ``spare`` must be
@@ -19,7 +19,7 @@ import os
 import tempfile
 import time
 
-from diffusers_magi2.pipelines.memory_plan_magi2 import (
+from tests.helpers.memory_plan import (
     GB,
     H100_BYTES,
     plan_audio_decode,

@@ -204,7 +204,7 @@ def _measure_rank(rank: int, world: int, ep: int, port: int, out_dir: str) -> No
     from diffusers import ContextParallelConfig
 
     from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig
-    from diffusers_magi2.utils.flop_counter import count_flops
+    from tests.helpers.flop_counter import count_flops
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -242,7 +242,7 @@ def measured_table(layouts=LAYOUTS) -> list[str]:
     import torch
     import torch.multiprocessing as mp
 
-    from diffusers_magi2.utils.flop_counter import count_flops
+    from tests.helpers.flop_counter import count_flops
 
     model, d = _load_tiny()
     _, single = count_flops(_tiny_forward, model, d)

@@ -22,8 +22,8 @@ import torch
 
 from diffusers_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.models.modality import Modality
-from diffusers_magi2.pipelines.memory_plan_magi2 import trace_preview_forward
-from diffusers_magi2.utils.memory_tracking import cpu_allocator_peak
+from tests.helpers.memory_plan import trace_preview_forward
+from tests.helpers.memory_tracking import cpu_allocator_peak
 
 
 RELEASED_4_LAYERS = {"num_layers": 4, "multimodal_layers": (0, 3), "moe_layers": (1, 2)}

@@ -16,10 +16,10 @@ from diffusers import ContextParallelConfig
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from diffusers_magi2.parallel.expert_parallel import Magi2ExpertParallelConfig
-from diffusers_magi2.utils.flop_counter import count_flops
 
 from .ep_workers import split_tokens as uneven_with_empty_rank  # rank 1 holds no token
 from .fixtures import golden, golden_path
+from .flop_counter import count_flops
 
 
 PREVIEWS = ("preview_h4", "preview_h3")

@@ -9,9 +9,9 @@ import torch
 from diffusers import ContextParallelConfig
 
 from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
-from diffusers_magi2.utils.flop_counter import register_cpu_sdpa_flop_formula
 
 from .fixtures import fixtures_root
+from .flop_counter import register_cpu_sdpa_flop_formula
 from .pipeline_stubs import TWO_STAGE_CALL as TWO_STAGE
 
 

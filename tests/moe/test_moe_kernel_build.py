@@ -15,10 +15,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import kernel_build
 from helpers.fixtures import REPO_ROOT
-
-from diffusers_magi2.moe import kernel_build
-from diffusers_magi2.moe.kernel_build import BuildResult, KernelBuild, build_problems
+from helpers.kernel_build import BuildResult, KernelBuild, build_problems
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +28,7 @@ def report() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, stated
     proc = subprocess.run(
-        [sys.executable, "-m", "diffusers_magi2.moe.kernel_build", "--json", "--jobs", "2"],
+        [sys.executable, "-m", "tests.helpers.kernel_build", "--json", "--jobs", "2"],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

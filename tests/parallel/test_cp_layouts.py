@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.flop_counter import count_flops, register_cpu_sdpa_flop_formula
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from diffusers_magi2.parallel.context_parallel import balanced_token_counts, plan_sequence_shards, ulysses_head_layout
 from diffusers_magi2.parallel.expert_parallel import ep_replica_layout, replica_token_parts
-from diffusers_magi2.utils.flop_counter import count_flops, register_cpu_sdpa_flop_formula
 
 
 def test_sequence_plan_slices_tokens_and_segments():

@@ -31,8 +31,7 @@ from helpers.cp_model_workers import (
     refiner_forward,
 )
 from helpers.ep_spawn_utils import run_on_ranks
-
-from diffusers_magi2.utils.flop_counter import count_flops
+from helpers.flop_counter import count_flops
 
 
 pytestmark = pytest.mark.distributed

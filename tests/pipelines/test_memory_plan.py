@@ -9,16 +9,17 @@ import weakref
 
 import pytest
 import torch
-
-from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
-from diffusers_magi2.models.modality import Modality
-from diffusers_magi2.pipelines.memory_plan_magi2 import (
+from helpers.memory_plan import (
     check_plan_resolution,
     plan_preview_step,
     preview_token_counts,
     trace_preview_forward,
+    trace_refiner_forward,
 )
-from diffusers_magi2.utils.memory_tracking import LiveStorageTracker, cpu_allocator_peak
+from helpers.memory_tracking import LiveStorageTracker, cpu_allocator_peak
+
+from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
+from diffusers_magi2.models.modality import Modality
 
 
 REDUCED = {
@@ -46,6 +47,7 @@ REDUCED_REFINER = {
     "text_in_channels": 64,
     "multimodal_layers": (0,),
 }
+REFINER_VIDEO = (8, 8, 16)  # latent T, H, W: 1,024 tokens
 CHUNK = 512
 
 
@@ -122,6 +124,23 @@ def test_refiner_frees_its_fp32_embedding_before_the_blocks():
     model.forward_packed(x, torch.ones(ids.numel(), 9), ids)
     hook.remove()
     assert freed == [True]
+
+
+def test_refiner_plan_matches_the_measured_cpu_peak_of_its_forward_within_10_percent():
+    torch.manual_seed(0)
+    model = Magi2RefinerTransformer3DModel(**REDUCED_REFINER).to(torch.bfloat16).eval()
+    model.enable_forward_chunking(256)
+    gen = torch.Generator().manual_seed(1)
+    video = torch.randn(1, 48, *REFINER_VIDEO, generator=gen)
+    text = torch.randn(1, 16, REDUCED_REFINER["text_in_channels"], generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        model(video, text)  # warm up
+        measured = cpu_allocator_peak(lambda: model(video, text))[1]
+    plan = trace_refiner_forward(REFINER_VIDEO, 16, REDUCED_REFINER, kernels="cpu", forward_chunk_size=256)
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    print(f"refiner: measured {measured} B, planned {plan.activations} B (x{plan.activations / measured:.3f})")
+    assert plan.weights == weights
+    assert abs(plan.activations - measured) <= 0.10 * measured
 
 
 def test_forward_chunking_lowers_the_measured_peak_and_keeps_the_output():

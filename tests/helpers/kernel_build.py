@@ -14,7 +14,7 @@ how many shared-memory buffers each has. A build passes when:
 * its shared memory fits the architecture's per-block limit (sm_90 227 KB, sm_89 99 KB, sm_80 163 KB);
 * its atomic adds (atomic MoE mode) are native reductions, not compare-and-swap loops.
 
-``python -m diffusers_magi2.moe.kernel_build`` prints the table of the builds the launch table chooses at the
+``python -m tests.helpers.kernel_build`` prints the table of the builds the launch table chooses at the
 released shape (MoE: 12 heads x 256 experts, top-6, Dh 256, De 1280, bf16 activations with bf16 or FP8 experts,
 atomic and deterministic), ``--scan`` tries the candidates given with ``--configs``. It must run without
 ``TRITON_INTERPRET=1`` (the interpreter replaces the kernels); the test suite calls it in a subprocess.
@@ -121,7 +121,9 @@ def missing_tools() -> Optional[str]:
 def package_kernels() -> dict[str, list[str]]:
     """``{module: [kernel names]}``: every ``@triton.jit`` function of the package that no other one calls (the
     launchable kernels; helpers are inlined into them), found by reading the source."""
-    root = Path(__file__).resolve().parents[1]
+    import diffusers_magi2
+
+    root = Path(diffusers_magi2.__file__).resolve().parent
     found: dict[str, list[str]] = {}
     for path in sorted(root.rglob("*.py")):
         text = path.read_text()
@@ -161,7 +163,7 @@ def _moe_launch(build_spec: KernelBuild):
     Raises:
         ValueError: from the launcher (e.g. FP8 experts below sm_89).
     """
-    from . import experts_triton as et
+    from diffusers_magi2.moe import experts_triton as et
 
     x, routes, banks, scales = _meta_moe_inputs(build_spec.weights)
     spec = et.launch_spec(
@@ -285,7 +287,7 @@ def checked_builds() -> tuple[list[KernelBuild], list[tuple[int, str, str]]]:
         candidate for bf16 and FP8 experts, atomic and deterministic; ``refused`` lists ``(arch, weights, reason)``
         for FP8 below sm_89, where :func:`~diffusers_magi2.moe.experts_triton.launch_spec` raises ``ValueError``.
     """
-    from . import experts_triton as et
+    from diffusers_magi2.moe import experts_triton as et
 
     s = RELEASED_MOE
     builds, refused = [], []

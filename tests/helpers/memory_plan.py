@@ -1,20 +1,26 @@
-"""Device-memory plan of a MAGI-2 generation at the released size, stage by stage, without the weights.
+"""Device-memory plan of a MAGI-2 generation at the released size, stage by stage, without the weights: a developer
+tool (``tests/benchmarks/bench_memory.py`` prints it, ``tests/pipelines/test_memory_plan.py`` checks it).
 
-Each transformer stage is traced, not estimated: one block of every kind the config has (dense multimodal,
-MoE) is built at the released width under ``FakeTensorMode`` and run on fake inputs of the stage's token
-count under :class:`~diffusers_magi2.utils.memory_tracking.LiveStorageTracker`, which records the bytes of live
-tensor storages and their peak. A stage's device peak is then::
+Each transformer stage is traced, not estimated: a model with one block of every kind the config has (dense
+multimodal, MoE) is built at the released width on fake tensors (``FakeTensorMode``), and its own
+``forward_packed`` runs on inputs of the stage's token count under
+:class:`~helpers.memory_tracking.LiveStorageTracker`, which records the bytes of live tensor storages and their
+peak. A stage's device peak is then::
 
     peak = weights on the device + max over the step of (inputs + activations live + kernel workspace)
 
 where the weights are summed over all layers from the traced blocks (the routed experts divided among the
-expert-parallel ranks), and the activations come from the real model code (norms, mHC, projections, routing,
-the MoE's per-route rows, feed-forwards) except two GPU kernels, whose allocations are modelled explicitly
-(``kernels="cuda"``): attention as a flash-style varlen kernel (output in the compute dtype plus an fp32
-log-sum-exp per query and head; the sink correction ``out * sigmoid(lse - sink)`` one more output), and the
-routed experts as the fused Triton kernel (its output only; the deterministic mode adds per-route rows).
-``kernels="cpu"`` traces the CPU code of both instead (the checked mode: on a reduced config the plan equals a
-CPU run's allocator peak within 10 %, ``tests/pipelines/test_memory_plan.py``).
+expert-parallel ranks). Weights and activations are fake; the index metadata the forward reads on the host (modality
+ids, segment bounds, rope coordinates, and the integer tensors made from them) stay real, so its checks, its
+modality dispatch and its per-modality index sets run as on a GPU (:class:`_IndexTensorsStayReal`, a dispatch mode
+that lives for one trace). Nothing outside the traced model instance is changed. Two GPU kernels are modelled by
+their allocations (``kernels="cuda"``): attention as a flash-style varlen kernel (a processor set on the traced
+model: output in the compute dtype, an fp32 log-sum-exp per query and head, the sink correction
+``out * sigmoid(lse - sink)`` one more output), and the routed experts as the fused Triton kernel (the expert op's
+fake: its output only; the deterministic mode adds per-route rows). ``kernels="cpu"`` traces the CPU code of both
+instead: the CPU attention, and the ``torch_grouped`` expert backend op by op (:class:`_CpuKernelsOpByOp`; a custom
+op hides its temporaries from a dispatch mode). That is the checked mode: on a reduced config the plan equals a
+CPU run's allocator peak within 10 % (``tests/pipelines/test_memory_plan.py``).
 
 Token counts (SandAI ``entry.py`` presets; ``magi2_reference_spec`` §5): per CFG half, video ``32 * H/16 * W/16``
 (272p 14,336, 540p 57,344), audio 250, text ``text_tokens`` (512 by default: a prompt and the negative
@@ -22,7 +28,7 @@ prompt fit); one forward holds both halves. The 1080p refiner runs one 514,080-t
 CFG branch. Under context parallelism (CP ``N``) each rank holds ``ceil(tokens / N)`` of the packed sequence for
 the per-token work; Ulysses attention and the MoE exchange move the same number of bytes per rank (heads
 ``Hq/N`` of all tokens, or ``E/N`` of the MoE heads of ``E`` ranks' tokens), so a rank's activations are those of
-its shard plus the all-to-all send and receive buffers (added analytically). One GPU runs
+its shard plus the all-to-all send and receive buffers (added analytically, before each block). One GPU runs
 ``enable_model_cpu_offload`` (only the running model on the device); CP8 x EP4 x 2 assumes the same per rank.
 
 Budgets: an H200 as 141 GB, an H100 as 80 GB (10^9 bytes), and 8 GB kept spare.
@@ -31,25 +37,26 @@ Budgets: an H200 as 141 GB, an H100 as 80 GB (10^9 bytes), and 8 GB kept spare.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from ..models.attention_magi2 import (
-    Magi2AttentionMask,
-    Magi2AttnProcessor,
-    Magi2ForwardContext,
-    Magi2WindowAttnProcessor,
-)
-from ..models.modality import Magi2ModalityDispatch, Modality
-from ..models.transformer_magi2 import DEFAULT_FORWARD_CHUNK_SIZE, Magi2Transformer3DModel
-from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
-from ..moe.quantize import FP8_SCALE_NAMES
-from ..parallel.expert_parallel import ep_head_layout
-from ..utils.memory_tracking import LiveStorageTracker
-from .decoding_magi2 import WAN22_VAE_CONFIG
+from diffusers_magi2.models.attention_magi2 import Magi2AttnProcessor
+from diffusers_magi2.models.modality import Modality
+from diffusers_magi2.models.transformer_magi2 import DEFAULT_FORWARD_CHUNK_SIZE, Magi2Transformer3DModel
+from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
+from diffusers_magi2.moe import experts as moe_experts
+from diffusers_magi2.moe.quantize import FP8_SCALE_NAMES
+from diffusers_magi2.parallel.expert_parallel import ep_head_layout
+from diffusers_magi2.pipelines.decoding_magi2 import WAN22_VAE_CONFIG
+
+from .memory_tracking import LiveStorageTracker
 
 
 __all__ = [
@@ -177,55 +184,102 @@ def preview_token_counts(resolution: str, text_tokens: int = DEFAULT_TEXT_TOKENS
     return {"video": halves * video, "audio": halves * AUDIO_LATENTS, "text": halves * text_tokens}
 
 
-# ------------------------------------------------------------------------------------------ kernel models
+# ------------------------------------------------------------------------------------------- the tracing
 
 
-def _flash_attend(self, attn, query, key, value, attention_mask, heads=None):
-    """A flash-style kernel's allocations: the output, an fp32 LSE per (head, query), the sink correction."""
-    n, hq, _ = query.shape
-    out = torch.empty_like(query)
-    lse = torch.empty(hq, n, dtype=torch.float32, device=query.device)
-    sinks = getattr(attn, "sinks", None)
-    if sinks is not None:
-        factor = torch.sigmoid(lse - sinks.float()[0, :hq, None]).t().unsqueeze(-1)
-        out = out * factor.to(out.dtype)
-    return out
+def _written_tensors(func, args, kwargs) -> list:
+    """The tensors ``func`` writes into (the mutable arguments of its schema)."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
 
 
-def _grouped_mm_output(mat_a, mat_b, offs=None, **_):
-    """``torch._grouped_mm``'s output alone (its fake kernel takes bf16 only; the CPU one any float)."""
-    return mat_a.new_empty(mat_a.shape[0], mat_b.shape[-1])
+class _IndexTensorsStayReal(TorchDispatchMode):
+    """For one trace: an op whose tensor inputs are all real runs for real (the host-side index metadata), an op with
+    a fake input runs on fake tensors, and a factory makes a fake tensor if it is floating point (an activation or a
+    workspace) and a real one otherwise (an index table), ``arange`` always a real one (coordinates, index ranges).
+    An op that would write fake results into a real tensor raises: those values would stay unset, and the forward
+    may read them on the host. ``torch._grouped_mm`` on fake tensors allocates its output (its fake kernel takes
+    bf16 only, the CPU kernel any float)."""
+
+    def __init__(self, fake_mode: FakeTensorMode) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(isinstance(t, FakeTensor) for t in tensors):
+            if func is torch.ops.aten._grouped_mm.default:  # its fake kernel takes bf16 only; the output is the same
+                mat_a, mat_b = args[:2]
+                return mat_a.new_empty(mat_a.shape[0], mat_b.shape[-1])
+            if any(not isinstance(t, FakeTensor) for t in _written_tensors(func, args, kwargs)):
+                raise RuntimeError(f"the memory-plan trace would write fake values into a real index tensor ({func})")
+            return func(*args, **kwargs)
+        if tensors or func.overloadpacket is torch.ops.aten.arange:  # (coordinates and index ranges)
+            return func(*args, **kwargs)
+        with self.fake_mode:
+            out = func(*args, **kwargs)
+        if all(t.is_floating_point() for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+            return out
+        return func(*args, **kwargs)
 
 
-def _grouped_experts_traced(x, routes, weights, scales, backend, deterministic):
-    """The ``torch_grouped`` expert backend run op by op (the custom op hides its temporaries from a mode)."""
-    from ..moe import experts
+class _CpuKernelsOpByOp(TorchDispatchMode):
+    """``kernels="cpu"``: the expert custom op runs its own Python body (with the backend it was called with), so its
+    temporaries are traced op by op."""
 
-    grouped_mm, torch._grouped_mm = torch._grouped_mm, _grouped_mm_output
-    try:
-        return experts._grouped_experts(x, routes, weights, scales or None)
-    finally:
-        torch._grouped_mm = grouped_mm
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.diffusers_magi2.mh_moe_experts.default:  # (torch keeps the op's function as _init_fn)
+            return moe_experts.mh_moe_experts._init_fn(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class _FlashAttentionAllocations(Magi2AttnProcessor):
+    """``kernels="cuda"``: what a flash-style varlen kernel allocates, the output, an fp32 LSE per (head, query) and
+    the sink correction (set on the traced model with ``set_attn_processor``)."""
+
+    def attend(self, attn, query, key, value, attention_mask, heads=None) -> torch.Tensor:
+        n, hq, _ = query.shape
+        out = torch.empty_like(query)
+        lse = torch.empty(hq, n, dtype=torch.float32, device=query.device)
+        sinks = getattr(attn, "sinks", None)
+        if sinks is not None:
+            factor = torch.sigmoid(lse - sinks.float()[0, :hq, None]).t().unsqueeze(-1)
+            out = out * factor.to(out.dtype)
+        return out
 
 
 @contextlib.contextmanager
-def _kernel_models(kernels: str):
-    """``"cuda"``: attention as :func:`_flash_attend`; ``"cpu"``: the CPU paths, experts traced op by op."""
-    from ..moe import layer as moe_layer
-
-    saved = (Magi2AttnProcessor.attend, Magi2WindowAttnProcessor.attend, moe_layer.mh_moe_experts)
-    try:
-        if kernels == "cuda":
-            Magi2AttnProcessor.attend = _flash_attend
-            Magi2WindowAttnProcessor.attend = _flash_attend
-        else:
-            moe_layer.mh_moe_experts = _grouped_experts_traced
-        yield
-    finally:
-        Magi2AttnProcessor.attend, Magi2WindowAttnProcessor.attend, moe_layer.mh_moe_experts = saved
+def _traced(model: torch.nn.Module, fake_mode: FakeTensorMode, kernels: str, grad: bool = False):
+    """The trace's modes around a call of ``model`` (its weights not counted); yields the tracker."""
+    tracker = LiveStorageTracker()
+    tracker.ignore(list(model.parameters()) + list(model.buffers()))
+    op_by_op = _CpuKernelsOpByOp() if kernels == "cpu" else contextlib.nullcontext()
+    with torch.set_grad_enabled(grad), _IndexTensorsStayReal(fake_mode), tracker, op_by_op:
+        yield tracker
 
 
-# ------------------------------------------------------------------------------------------- the tracing
+def _set_kernels(model: torch.nn.Module, kernels: str) -> None:
+    """The kernels the trace models, chosen on the traced instance with the models' own switches."""
+    if kernels == "cuda":
+        model.set_attn_processor(_FlashAttentionAllocations())
+    elif hasattr(model, "set_moe_backend"):
+        model.set_moe_backend("torch_grouped")
+
+
+def _add_exchange_buffers(model: torch.nn.Module, tracker: LiveStorageTracker, tokens: int) -> list:
+    """Before each block, the send and receive buffers of its all-to-all exchanges (context parallelism)."""
+
+    def before(block, args):
+        width = block.attention.q_size
+        tracker.add_transient(_exchange_bytes(tokens, width, args[0].element_size()), "all_to_all buffers")
+
+    return [block.register_forward_pre_hook(before) for block in model.transformer_blocks]
 
 
 @contextlib.contextmanager
@@ -257,10 +311,6 @@ def _expert_bytes(moe) -> int:
     return _nbytes([names[n] for n in _EXPERT_TENSORS if n in names])
 
 
-def _index(n: int, device) -> torch.Tensor:
-    return torch.empty(n, dtype=torch.int64, device=device)
-
-
 def _split_counts(counts: Dict[str, int], parts: int) -> Dict[str, int]:
     """A rank's share of each modality (the packed sequence split into ``parts`` equal shards)."""
     total = sum(counts.values())
@@ -270,38 +320,18 @@ def _split_counts(counts: Dict[str, int], parts: int) -> Dict[str, int]:
     return out
 
 
-def _dispatch(counts: Dict[str, int], device) -> Magi2ModalityDispatch:
-    """A modality dispatch of the traced sizes, with the index tensors ``from_modality_mapping`` builds."""
-    n = sum(counts.values())
-    sizes = (counts["video"], counts["audio"], counts["text"])
-    ids = _index(n, device)
-    return Magi2ModalityDispatch(ids, _index(n, device), _index(n, device), sizes, _index(n, device))
+def _modality_ids(counts: Dict[str, int]) -> torch.Tensor:
+    """Real ``[N]`` int32 modality ids: the video tokens, then audio, then text (a packed refiner sample's order; the
+    preview's forward sorts by modality whatever the order)."""
+    order = (("video", Modality.VIDEO), ("audio", Modality.AUDIO), ("text", Modality.TEXT))
+    return torch.cat([torch.full((counts[k],), int(m), dtype=torch.int32) for k, m in order])
 
 
-def _pre_adapter(adapter, hidden, coords, counts, device):
-    """``Magi2PreAdapter.forward`` with the per-modality index sets of the traced sizes."""
-    x = hidden.float()
-    out = x.new_zeros(x.shape[0], adapter.width)
-    for mod, key in ((Modality.TEXT, "text"), (Modality.AUDIO, "audio"), (Modality.VIDEO, "video")):
-        if counts[key]:
-            for part in _index(counts[key], device).split(adapter.chunk_size or counts[key]):
-                out.index_copy_(0, part, adapter.embed(mod, x.index_select(0, part)))
-    rope = torch.empty(x.shape[0], 6 * adapter.rope.head_dim // 8)  # the rope table (its data check reads values)
-    return out, rope
-
-
-def _post_adapter(adapter, x, counts, device):
-    """``Magi2PostAdapter.forward`` with the traced sizes."""
-    out = x.new_zeros(x.shape[0], max(adapter.video_in, adapter.audio_in), dtype=torch.float32)
-    for key, norm, lin, cout in (
-        ("video", adapter.final_norm_video, adapter.final_linear_video, adapter.video_in),
-        ("audio", adapter.final_norm_audio, adapter.final_linear_audio, adapter.audio_in),
-    ):
-        if counts[key]:
-            for part in _index(counts[key], device).split(adapter.chunk_size or counts[key]):
-                y = lin(norm(x.index_select(0, part).float()).to(lin.weight.dtype)).float()
-                out[:, :cout].index_copy_(0, part, y)
-    return out
+def _unit_coords(n: int) -> torch.Tensor:
+    """Real ``[n, 9]`` rope coordinates that pass the rope's check (position 0, size and reference 1)."""
+    coords = torch.ones(n, 9)
+    coords[:, :3] = 0
+    return coords
 
 
 @dataclass
@@ -314,6 +344,55 @@ class _Trace:
 def _exchange_bytes(tokens: int, width: int, itemsize: int) -> int:
     """Send + receive buffers of one all-to-all of ``[tokens, width]`` (q, k, v: three of them)."""
     return 2 * 3 * tokens * width * itemsize
+
+
+def _layer_kinds(num_layers: int, **layer_lists) -> tuple:
+    """``(kinds, per-layer kinds)``: a kind is which of the ``layer_lists`` (index sets) a layer is in."""
+    sets = [{int(i) for i in layers} for layers in layer_lists.values()]
+    per_layer = [tuple(i in s for s in sets) for i in range(num_layers)]
+    return sorted(set(per_layer)), per_layer
+
+
+def build_traced_preview(
+    transformer_config: Optional[dict] = None,
+    expert_dtype: Optional[str] = None,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    *,
+    fake_mode: FakeTensorMode,
+):
+    """A ``Magi2Transformer3DModel`` with one block of each kind of the config (default: released) on
+    ``fake_mode``'s fake tensors; returns ``(model, kinds, per-layer kinds)``, a kind ``(multimodal, moe)``."""
+    cfg = dict(transformer_config or {})
+    num_layers = cfg.pop("num_layers", 40)
+    kinds, per_layer = _layer_kinds(
+        num_layers, mm=cfg.pop("multimodal_layers", (0, 1, 38, 39)), moe=cfg.pop("moe_layers", range(2, 38))
+    )
+    with fake_mode:
+        model = Magi2Transformer3DModel(
+            num_layers=len(kinds),
+            multimodal_layers=[k for k, (m, _) in enumerate(kinds) if m],
+            moe_layers=[k for k, (_, e) in enumerate(kinds) if e],
+            params_dtype=compute_dtype,
+            expert_dtype=expert_dtype,
+            **cfg,
+        )
+    return model, kinds, per_layer
+
+
+def _preview_weights(model, kinds, per_layer, ep_degree: int) -> int:
+    """Weight bytes of every layer (from its kind's block), the routed experts split among ``ep_degree`` ranks."""
+    block_bytes = {}
+    for kind, block in zip(kinds, model.transformer_blocks):
+        nbytes = _module_bytes(block)
+        if kind[1] and ep_degree > 1:
+            moe_core = block.mlp.moe_mlp
+            layout = ep_head_layout(moe_core.num_heads, ep_degree, 0)
+            experts = _expert_bytes(moe_core)
+            nbytes += experts * layout.local_num_heads // moe_core.num_heads - experts
+        block_bytes[kind] = nbytes
+    return (
+        _module_bytes(model.pre_adapter) + _module_bytes(model.post_adapter) + sum(block_bytes[k] for k in per_layer)
+    )
 
 
 def trace_preview_forward(
@@ -340,110 +419,74 @@ def trace_preview_forward(
         kernels: ``"cuda"`` (flash attention, fused experts) or ``"cpu"`` (the CPU code paths).
         forward_chunk_size: ``enable_forward_chunking`` token chunk, or ``None`` (off).
         compute_dtype: weights and residual dtype.
-        count_inputs: count the packed inputs (handed over by ``forward`` and freed once embedded); ``False``:
-            the caller holds them and they are not counted (``forward_packed`` called directly).
+        count_inputs: count the packed inputs, handed over as ``forward`` does (``forward_packed`` frees
+            ``hidden_states`` once embedded); ``False``: the caller holds them and they are not counted
+            (``forward_packed`` called directly).
 
     Raises:
         ValueError: unknown ``kernels``, bad degrees, or segments not summing to the tokens.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     _check_kernels(kernels)
     _check_degree("cp_degree", cp_degree)
     _check_degree("ep_degree", ep_degree)
     n_total = sum(counts.values())
     if sum(segments) != n_total:
         raise ValueError(f"segments {list(segments)} must sum to the {n_total} tokens")
-    cfg = dict(transformer_config or {})
-    num_layers = cfg.pop("num_layers", 40)
-    mm = {int(i) for i in cfg.pop("multimodal_layers", (0, 1, 38, 39))}
-    moe = {int(i) for i in cfg.pop("moe_layers", range(2, 38))}
-    kinds = sorted({(i in mm, i in moe) for i in range(num_layers)})
-    layer_kinds = [(i in mm, i in moe) for i in range(num_layers)]
-    local = counts if cp_degree == 1 else _split_counts(counts, cp_degree)
-    n_loc = sum(local.values())
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    model, kinds, per_layer = build_traced_preview(transformer_config, expert_dtype, compute_dtype, fake_mode=fake)
+    _set_kernels(model, kernels)
+    if kernels == "cuda":
+        model.set_mhc_backend("fused")
+    if forward_chunk_size is None:
+        model.disable_forward_chunking()
+    else:
+        model.enable_forward_chunking(forward_chunk_size)
+    if cp_degree > 1 or ep_degree > 1:  # exchanging MoE layers run one call per layer (their exchange's choice)
+        for block in model.transformer_blocks:
+            if hasattr(block.mlp, "moe_mlp"):
+                block.mlp.chunk_size = None
+    weights = _preview_weights(model, kinds, per_layer, ep_degree)
 
-    with FakeTensorMode(), _kernel_models(kernels):
-        model = Magi2Transformer3DModel(
-            num_layers=len(kinds),
-            multimodal_layers=[k for k, (m, _) in enumerate(kinds) if m],
-            moe_layers=[k for k, (_, e) in enumerate(kinds) if e],
-            params_dtype=compute_dtype,
-            expert_dtype=expert_dtype,
-            **cfg,
-        )
-        if kernels == "cuda":
-            model.set_mhc_backend("fused")
-        if forward_chunk_size is None:
-            model.disable_forward_chunking()
-        else:
-            model.enable_forward_chunking(forward_chunk_size)
-        if cp_degree > 1 or ep_degree > 1:  # exchanging MoE layers run one call per layer
-            for block in model.transformer_blocks:
-                if hasattr(block.mlp, "moe_mlp"):
-                    block.mlp.chunk_size = None
-        # weights: every layer's block, the routed experts split among the EP ranks
-        weights = _module_bytes(model.pre_adapter) + _module_bytes(model.post_adapter)
-        block_bytes = {}
-        for kind, block in zip(kinds, model.transformer_blocks):
-            nbytes = _module_bytes(block)
-            if kind[1] and ep_degree > 1:
-                moe_core = block.mlp.moe_mlp
-                layout = ep_head_layout(moe_core.num_heads, ep_degree, 0)
-                experts = _expert_bytes(moe_core)
-                nbytes += experts * layout.local_num_heads // moe_core.num_heads - experts
-            block_bytes[kind] = nbytes
-        weights += sum(block_bytes[k] for k in layer_kinds)
-
-        device = torch.device("cpu")
-        c_max = max(model.config.in_channels, model.config.audio_in_channels, model.config.text_in_channels)
+    config = model.config
+    c_max = max(config.in_channels, config.audio_in_channels, config.text_in_channels)
+    with fake:
         hidden = torch.empty(n_total, c_max)
-        coords = torch.empty(n_total, 9)
-        mapping = torch.empty(n_total, dtype=torch.int32)
-        time_embedding = torch.empty(n_total, model.config.time_embed_dim)
-        tracker = LiveStorageTracker()
-        tracker.ignore(list(model.parameters()) + list(model.buffers()))
-        inputs = [hidden, coords, mapping, time_embedding]
+        time_embedding = torch.empty(n_total, config.time_embed_dim)
+    inputs = [hidden, _unit_coords(n_total), _modality_ids(counts), time_embedding]
+    if cp_degree == 1:
+        args = [hidden, inputs[1], inputs[2], torch.tensor([0, *itertools.accumulate(segments)]), time_embedding]
+    else:  # this rank's contiguous shard, one segment (the forward's shard plan gives views of the inputs)
+        local = _split_counts(counts, cp_degree)
+        n_loc = sum(local.values())
+        args = [t.narrow(0, 0, n_loc) for t in inputs]
+        args[2] = _modality_ids(local)
+        args.insert(3, torch.tensor([0, n_loc]))
+    del hidden, time_embedding
+    with _traced(model, fake, kernels) as tracker:
         if count_inputs:
-            tracker.count(inputs)  # the packed step inputs
+            tracker.count(inputs)
+            inputs[0] = None  # forward hands the packed input over: forward_packed holds the last reference
         else:
             tracker.ignore(inputs)
-        mask = Magi2AttentionMask(tuple(segments) if cp_degree == 1 else (n_loc,))
-        with torch.no_grad(), tracker:
-            if cp_degree > 1:  # this rank's contiguous shard
-                hidden, coords, mapping, time_embedding = (
-                    t[:n_loc].clone() for t in (hidden, coords, mapping, time_embedding)
-                )
-            ids = mapping.to(torch.int64)
-            ids = torch.where(ids == int(Modality.TIME), torch.full_like(ids, int(Modality.TEXT)), ids)
-            dispatch = _dispatch(local, device)
-            x, rope = _pre_adapter(model.pre_adapter, hidden, coords, local, device)
-            if count_inputs:  # forward hands the packed input over; forward_packed frees it once embedded
-                hidden = inputs[0] = None
-            dim = model.config.time_embed_dim
-            x[:, :dim] = time_embedding.to(x.dtype)
-            x = x.to(model.residual_dtype)
-            x = dispatch.sort(x)
-            for block in model.transformer_blocks:
-                if cp_degree > 1:  # all-to-all buffers of the attention and MoE exchanges
-                    width = block.attention.q_size
-                    tracker.add_transient(_exchange_bytes(n_loc, width, x.element_size()), "all_to_all buffers")
-                x = block(x, Magi2ForwardContext(rope, dispatch, mask))
-            x = dispatch.unsort(x)
-            out = _post_adapter(model.post_adapter, x, local, device)
-            del x
-            if cp_degree > 1:
-                out = out.new_empty(n_total, out.shape[1])  # gathered output
-        return _Trace(weights, tracker.peak, tracker.peak_op)
+        hooks = _add_exchange_buffers(model, tracker, n_loc) if cp_degree > 1 else []
+        handed = [args.pop(0)]
+        out = model.forward_packed(handed.pop(), args[0], args[1], args[2], args[3])
+        if cp_degree > 1:
+            out = out.new_empty(n_total, out.shape[1])  # the gathered output
+        del out
+    for hook in hooks:
+        hook.remove()
+    return _Trace(weights, tracker.peak, tracker.peak_op)
 
 
-def _refiner_counts(text_tokens: int) -> Dict[str, int]:
+def _refiner_video_shape() -> tuple:
     h, w = PLAN_RESOLUTIONS["1080p"]
-    return {"video": REFINER_LATENT_FRAMES * (h // 16) * (w // 16), "audio": 0, "text": text_tokens}
+    return REFINER_LATENT_FRAMES, h // 16, w // 16
 
 
 def trace_refiner_forward(
-    counts: Dict[str, int],
+    video_shape: Sequence[int],
+    text_tokens: int = DEFAULT_TEXT_TOKENS,
     refiner_config: Optional[dict] = None,
     *,
     cp_degree: int = 1,
@@ -451,64 +494,65 @@ def trace_refiner_forward(
     forward_chunk_size: Optional[int] = None,
     compute_dtype: torch.dtype = torch.bfloat16,
 ) -> _Trace:
-    """Weights and peak activations of one refiner forward (one CFG branch) on one device.
+    """Weights and peak activations of one refiner forward (one sample, one CFG branch) on one device.
+
+    One device traces ``forward`` as the pipeline calls it: an fp32 video latent ``[1, Cv, T, H, W]`` and
+    ``text_tokens`` of text features in ``compute_dtype``. Under context parallelism a rank embeds and runs only
+    its share of the packed tokens: traced as ``forward_packed`` on that share (its packed input zero-padded to the
+    widest channel count, the text's; an upper bound of the rank's input bytes).
 
     Args:
-        counts: tokens per modality of the sample; refiner_config: model arguments (default: released).
+        video_shape: latent ``(T, H, W)``; text_tokens: text tokens of the branch.
+        refiner_config: model arguments (default: released).
         cp_degree: context-parallel degree; kernels: as :func:`trace_preview_forward`.
         forward_chunk_size: the MLP token chunk (``None``: the model default).
 
     Raises:
         ValueError: unknown ``kernels`` or a bad degree.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     _check_kernels(kernels)
     _check_degree("cp_degree", cp_degree)
     cfg = dict(refiner_config or {})
     num_layers = cfg.pop("num_layers", 30)
-    mm = {int(i) for i in cfg.pop("multimodal_layers", (0, 1, 28, 29))}
-    kinds = sorted({i in mm for i in range(num_layers)})
-    layer_kinds = [i in mm for i in range(num_layers)]
-    n_total = sum(counts.values())
-    local = counts if cp_degree == 1 else _split_counts(counts, cp_degree)
-    n_loc = sum(local.values())
-    with FakeTensorMode(), _kernel_models(kernels):
-        with _default_dtype(compute_dtype):  # its linears take the default dtype; the fp32 islands are built fp32
-            model = Magi2RefinerTransformer3DModel(
-                num_layers=len(kinds), multimodal_layers=[k for k, m in enumerate(kinds) if m], **cfg
-            )
-        if forward_chunk_size is not None:
-            model.enable_forward_chunking(forward_chunk_size)
-        weights = _module_bytes(model.pre_adapter) + _module_bytes(model.post_adapter)
-        block_bytes = {k: _module_bytes(b) for k, b in zip(kinds, model.transformer_blocks)}
-        weights += sum(block_bytes[k] for k in layer_kinds)
-        device = torch.device("cpu")
-        c_max = max(model.config.in_channels, model.config.audio_in_channels, model.config.text_in_channels)
-        hidden = torch.empty(n_total, c_max)
-        coords = torch.empty(n_total, 9)
-        tracker = LiveStorageTracker()
-        tracker.ignore(list(model.parameters()) + list(model.buffers()))
-        tracker.count([hidden, coords])
-        mask = Magi2AttentionMask((n_loc,))
-        with torch.no_grad(), tracker:
-            if cp_degree > 1:
-                hidden, coords = hidden[:n_loc].clone(), coords[:n_loc].clone()
-            dispatch = _dispatch(local, device)
-            x, rope = _pre_adapter(model.pre_adapter, hidden, coords, local, device)
-            h = dispatch.sort(x).to(model.compute_dtype)
-            del x
-            for block in model.transformer_blocks:
-                if cp_degree > 1:
-                    width = block.attention.q_size
-                    tracker.add_transient(_exchange_bytes(n_loc, width, h.element_size()), "all_to_all buffers")
-                h = block(h, Magi2ForwardContext(rope, dispatch, mask))
-            h = dispatch.unsort(h).float()
-            out = _post_adapter(model.post_adapter, h, local, device)
-            del h
-            if cp_degree > 1:
-                out = out.new_empty(n_total, out.shape[1])
-        return _Trace(weights, tracker.peak, tracker.peak_op)
+    kinds, per_layer = _layer_kinds(num_layers, mm=cfg.pop("multimodal_layers", (0, 1, 28, 29)))
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake, _default_dtype(compute_dtype):  # its linears take the default dtype; the fp32 islands are built fp32
+        model = Magi2RefinerTransformer3DModel(
+            num_layers=len(kinds), multimodal_layers=[k for k, (m,) in enumerate(kinds) if m], **cfg
+        )
+    _set_kernels(model, kernels)
+    if forward_chunk_size is not None:
+        model.enable_forward_chunking(forward_chunk_size)
+    block_bytes = {k: _module_bytes(b) for k, b in zip(kinds, model.transformer_blocks)}
+    weights = _module_bytes(model.pre_adapter) + _module_bytes(model.post_adapter)
+    weights += sum(block_bytes[k] for k in per_layer)
+
+    config = model.config
+    t, h, w = video_shape
+    with fake:
+        video = torch.empty(1, config.in_channels, t, h, w)
+        text = torch.empty(1, text_tokens, config.text_in_channels, dtype=compute_dtype)
+    if cp_degree > 1:
+        counts = {"video": t * h * w, "audio": 0, "text": text_tokens}
+        local = _split_counts(counts, cp_degree)
+        n_loc = sum(local.values())
+        with fake:
+            shard = torch.empty(n_loc, max(config.in_channels, config.audio_in_channels, config.text_in_channels))
+        inputs = [video, text, shard, _unit_coords(n_loc)]
+    else:
+        inputs = [video, text]
+    with _traced(model, fake, kernels) as tracker:
+        tracker.count(inputs)
+        if cp_degree == 1:
+            out = model(hidden_states=video, encoder_hidden_states=text)
+        else:
+            hooks = _add_exchange_buffers(model, tracker, n_loc)
+            out = model.forward_packed(shard, inputs[3], _modality_ids(local).long())
+            out = out.new_empty(sum(counts.values()), out.shape[1])  # the gathered output
+            for hook in hooks:
+                hook.remove()
+        del out
+    return _Trace(weights, tracker.peak, tracker.peak_op)
 
 
 # ------------------------------------------------------------------------------------------- stage rows
@@ -573,12 +617,12 @@ def plan_refiner_step(
     Raises:
         ValueError: a bad degree.
     """
-    counts = _refiner_counts(text_tokens)
-    trace = trace_refiner_forward(counts, cp_degree=cp_degree, forward_chunk_size=forward_chunk_size)
+    video_shape = _refiner_video_shape()
+    trace = trace_refiner_forward(video_shape, text_tokens, cp_degree=cp_degree, forward_chunk_size=forward_chunk_size)
     layout = "1 GPU" if cp_degree == 1 else f"CP{cp_degree}, per rank"
     if capacity is None:
         capacity = H200_BYTES if cp_degree == 1 else H100_BYTES
-    notes = [f"{sum(counts.values())} tokens per CFG branch"]
+    notes = [f"{math.prod(video_shape) + text_tokens} tokens per CFG branch"]
     return Magi2StageMemory(
         "refiner step 1080p", layout, trace.weights, trace.activations, capacity, trace.peak_at, notes
     )
@@ -593,8 +637,6 @@ TEXT_ENCODER_HIDDEN, TEXT_ENCODER_LAYERS = 5120, 64
 
 def _trace_call(build, call) -> _Trace:
     """Weights of ``build()`` and the peak bytes of ``call(module)``, both on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():
         module = build().eval()
         tracker = LiveStorageTracker()
@@ -612,8 +654,8 @@ def plan_video_decode(resolution: str, *, capacity: int = H200_BYTES, dtype=torc
     Raises:
         ValueError: an unknown resolution.
     """
-    from ..models.turbo_vae import Magi2TurboVAEDecoder
-    from .decoding_magi2 import decode_video_latents
+    from diffusers_magi2.models.turbo_vae import Magi2TurboVAEDecoder
+    from diffusers_magi2.pipelines.decoding_magi2 import decode_video_latents
 
     height, width = check_plan_resolution(resolution)
     frames = REFINER_LATENT_FRAMES if resolution == "1080p" else LATENT_FRAMES
