@@ -1,14 +1,20 @@
 """Memory plan at the released size: the peak device memory of every stage of a generation, weights +
-activations + kernel workspace, for one GPU (an H200, 141 GB, ``enable_model_cpu_offload``: one model on the
-device at a time) and per rank under CP8 x EP4 x 2 (80 GB GPUs, each stage's model alone on the device).
+activations + kernel workspace.
 
-Traced without the memory (``tests/helpers/memory_plan.py``: the model code on fake tensors, GPU
-attention and the fused MoE kernel modelled by their allocations); the method is checked against a CPU run's
-allocator peak in ``tests/pipelines/test_memory_plan.py`` (within 10 %). Prints a markdown table and, with
-``--out``, writes the rows as JSON. The baseline column of each row is its device's capacity: ``spare`` must be
-at least 8 GB for ``fits``.
+Default: one 141 GB H200 (``enable_model_cpu_offload``: one model on the device at a time; FP8 or bf16 experts)
+and per rank under CP8 x EP4 x 2 (80 GB GPUs, each stage's model alone on the device); a row fits with 8 GB spare.
+``--gpu_gb 80``: the 1080p pipeline on one 80 GB H100/A100 (``--expert_dtype``, int4 by default, with FP8 storage
+for the dense weights), every stage with 4 GB spare (<= 76 GB), the LoRA training step at 272p, and the host RAM
+the offloaded components take.
+
+Traced without the memory (``tests/helpers/memory_plan.py``: the model code on fake tensors, GPU attention and the
+fused MoE kernel modelled by their allocations); the method is checked against a CPU run's allocator peak in
+``tests/pipelines/test_memory_plan.py`` (within 10 %). Prints a markdown table (``--json``: one JSON line
+``{"stages": [...], "host_ram_GB": ...}`` instead) and, with ``--out``, writes the rows as JSON. Exit status 1
+when a row of the 80 GB plan that must fit does not.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m tests.benchmarks.bench_memory [--out memory_plan.json] [--quick]
+    OMP_NUM_THREADS=1 .venv/bin/python -m tests.benchmarks.bench_memory --gpu_gb 80 --expert_dtype int4 --json
 """
 
 from __future__ import annotations
@@ -19,23 +25,30 @@ import os
 import tempfile
 import time
 
+import torch
+
 from tests.helpers.memory_plan import (
     GB,
     H100_BYTES,
     plan_audio_decode,
     plan_image_encode,
+    plan_lora_training_step,
     plan_preview_step,
     plan_refiner_step,
     plan_text_encode,
     plan_video_decode,
+    plan_wan_decode,
 )
 
 
 FP8 = "float8_e4m3fn"
+#: ``--expert_dtype`` spellings -> the model's ``expert_dtype``.
+EXPERT_DTYPES = {"int4": "int4", "fp8": FP8, FP8: FP8, "bf16": None}
+MARGIN_80 = 4 * GB
 
 
 def plan_rows(quick: bool = False) -> list:
-    """Every stage's :class:`Magi2StageMemory` (``quick``: 540p preview rows only)."""
+    """Every stage's :class:`Magi2StageMemory` on a 141 GB H200 and per rank (``quick``: 540p preview rows only)."""
     rows = []
     resolutions = ("540p",) if quick else ("272p", "540p")
     if not quick:
@@ -57,10 +70,30 @@ def plan_rows(quick: bool = False) -> list:
     return rows
 
 
+def plan_rows_80gb(expert_dtype: str | None = "int4") -> tuple[list, list, int]:
+    """``(rows, what_if_rows, host_bytes)`` of the 1080p pipeline and a 272p LoRA step on one 80 GB GPU: the rows
+    that must fit (4 GB spare), rows that show what a knob buys (not required to fit), and the host RAM of every
+    component (``enable_model_cpu_offload`` keeps all but the running one there)."""
+    cap = {"capacity": H100_BYTES, "margin": MARGIN_80}
+    stored = {"storage_dtype": torch.float8_e4m3fn}
+    preview = [plan_preview_step(res, expert_dtype, **stored, **cap) for res in ("272p", "540p")]
+    refiner = plan_refiner_step(**cap)
+    decoders = [plan_video_decode("1080p", **cap), plan_wan_decode("1080p", **cap), plan_audio_decode(**cap)]
+    text, image = plan_text_encode(**cap), plan_image_encode("540p", **cap)
+    rows = [text, image, *preview, refiner, *decoders]
+    train = {"expert_dtype": expert_dtype, **stored, **cap}
+    rows.append(plan_lora_training_step(offload_block_inputs=True, **train))
+    what_if = [plan_lora_training_step(offload_block_inputs=False, **train)]
+    if expert_dtype != "int4":  # bf16 / FP8 banks: today's backward makes fp32 gradients of every frozen bank
+        what_if.append(plan_lora_training_step(offload_block_inputs=True, only_asked_expert_gradients=True, **train))
+    components = [text, preview[0], refiner, *decoders, image]  # text encoder, transformer, refiner, 3 VAEs
+    return rows, what_if, sum(r.weights for r in components)
+
+
 def markdown(rows) -> str:
     """The README's table."""
     lines = [
-        "| stage | device | weights | activations | peak | spare | fits (>= 8 GB spare) |",
+        "| stage | device | weights | activations | peak | spare | fits |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -68,27 +101,59 @@ def markdown(rows) -> str:
         lines.append(
             f"| {r.stage}{note} | {r.layout}, {r.capacity / GB:.0f} GB | {r.weights / GB:.2f} GB | "
             f"{r.activations / GB:.2f} GB | {r.total / GB:.2f} GB | {r.spare / GB:.2f} GB | "
-            f"{'yes' if r.fits else 'no'} |"
+            f"{'yes' if r.fits else 'no'} (>= {r.margin / GB:.0f} GB spare) |"
         )
     return "\n".join(lines)
+
+
+def _stage(row) -> dict:
+    return {
+        "stage": row.name,
+        "weights_GB": round(row.weights / GB, 2),
+        "activations_GB": round(row.activations / GB, 2),
+        "peak_GB": round(row.total / GB, 2),
+        "fits": row.fits,
+        "what": row.stage,
+    }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--quick", action="store_true", help="540p preview rows only")
+    parser.add_argument("--quick", action="store_true", help="540p preview rows only (the 141 GB plan)")
+    parser.add_argument("--gpu_gb", type=int, choices=(141, 80), default=141, help="the plan's GPU")
+    parser.add_argument("--expert_dtype", choices=sorted(EXPERT_DTYPES), default="int4", help="80 GB plan")
+    parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    rows = plan_rows(args.quick)
-    print(markdown(rows))
-    result = {"rows": [r.as_dict() for r in rows], "seconds": round(time.perf_counter() - t0, 1)}
-    print(f"planned {len(rows)} stages in {result['seconds']} s")
+    status = 0
+    if args.gpu_gb == 80:
+        rows, what_if, host = plan_rows_80gb(EXPERT_DTYPES[args.expert_dtype])
+        result = {
+            "stages": [_stage(r) for r in rows],
+            "what_if": [_stage(r) for r in what_if],
+            "host_ram_GB": round(host / GB, 2),
+            "host_ram": "every component's weights (text encoder, transformer, refiner, VAEs): "
+            "enable_model_cpu_offload keeps all but the running one in host memory",
+        }
+        status = 0 if all(r.fits for r in rows) else 1
+        table = markdown(rows + what_if) + f"\n\nhost RAM of the offloaded components: {host / GB:.2f} GB"
+    else:
+        rows = plan_rows(args.quick)
+        result = {"rows": [r.as_dict() for r in rows]}
+        table = markdown(rows)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(table)
+        print(f"planned {len(rows)} stages in {result['seconds']} s")
     if args.out:
         folder = os.path.dirname(os.path.abspath(args.out))
         with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as f:
             json.dump(result, f, indent=2)
         os.replace(f.name, args.out)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

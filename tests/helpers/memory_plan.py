@@ -37,12 +37,14 @@ Budgets: an H200 as 141 GB, an H100 as 80 GB (10^9 bytes), and 8 GB kept spare.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
+from diffusers.hooks.layerwise_casting import _LAYERWISE_CASTING_HOOK
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -66,11 +68,14 @@ __all__ = [
     "check_plan_resolution",
     "plan_audio_decode",
     "plan_image_encode",
+    "plan_lora_training_step",
     "plan_preview_step",
     "plan_refiner_step",
     "plan_text_encode",
     "plan_video_decode",
+    "plan_wan_decode",
     "preview_token_counts",
+    "trace_lora_training_step",
     "trace_preview_forward",
     "trace_refiner_forward",
 ]
@@ -121,6 +126,8 @@ class Magi2StageMemory:
         capacity: the device's bytes.
         peak_at: the op at which the peak was reached (traced stages).
         notes: assumptions of this row.
+        name: a short machine name (``"preview_540p"``), for the JSON output.
+        margin: bytes that must stay free at the peak (8 GB; 4 GB in the 80 GB plan).
     """
 
     stage: str
@@ -130,6 +137,8 @@ class Magi2StageMemory:
     capacity: int
     peak_at: Optional[str] = None
     notes: List[str] = field(default_factory=list)
+    name: Optional[str] = None
+    margin: int = SPARE_BYTES
 
     @property
     def total(self) -> int:
@@ -143,12 +152,13 @@ class Magi2StageMemory:
 
     @property
     def fits(self) -> bool:
-        """Whether the peak leaves at least 8 GB of the device free."""
-        return self.spare >= SPARE_BYTES
+        """Whether the peak leaves at least :attr:`margin` of the device free."""
+        return self.spare >= self.margin
 
     def as_dict(self) -> dict:
         """JSON-ready row (bytes, and GB for reading)."""
         return {
+            "name": self.name,
             "stage": self.stage,
             "layout": self.layout,
             "weights_bytes": self.weights,
@@ -159,7 +169,8 @@ class Magi2StageMemory:
             "activations_gb": round(self.activations / GB, 2),
             "total_gb": round(self.total / GB, 2),
             "spare_gb": round(self.spare / GB, 2),
-            "fits_with_8gb_spare": self.fits,
+            "margin_gb": round(self.margin / GB, 2),
+            "fits": self.fits,
             "peak_at": self.peak_at,
             "notes": list(self.notes),
         }
@@ -239,28 +250,65 @@ class _CpuKernelsOpByOp(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class _FlashAttentionAllocations(Magi2AttnProcessor):
-    """``kernels="cuda"``: what a flash-style varlen kernel allocates, the output, an fp32 LSE per (head, query) and
-    the sink correction (set on the traced model with ``set_attn_processor``)."""
+class _FlashAttentionKernel(torch.autograd.Function):
+    """A flash-style varlen kernel's allocations. Forward: the output and an fp32 LSE per (head, query), saving
+    q, k, v, the output and the LSE; backward: dq, dk, dv, with an fp32 ``dq`` accumulator and an fp32 row sum of
+    ``dO * O`` per (head, query) as workspace (FlashAttention's backward)."""
 
-    def attend(self, attn, query, key, value, attention_mask, heads=None) -> torch.Tensor:
+    @staticmethod
+    def forward(ctx, query, key, value):
         n, hq, _ = query.shape
         out = torch.empty_like(query)
         lse = torch.empty(hq, n, dtype=torch.float32, device=query.device)
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, _, lse = ctx.saved_tensors
+        workspace = torch.empty(query.shape, dtype=torch.float32), torch.empty_like(lse)
+        grads = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        del workspace
+        return grads
+
+
+class _FlashAttentionAllocations(Magi2AttnProcessor):
+    """``kernels="cuda"``: attention as :class:`_FlashAttentionKernel`, then the sink correction
+    ``out * sigmoid(lse - sink)`` (set on the traced model with ``set_attn_processor``)."""
+
+    def attend(self, attn, query, key, value, attention_mask, heads=None) -> torch.Tensor:
+        out, lse = _FlashAttentionKernel.apply(query, key, value)
         sinks = getattr(attn, "sinks", None)
         if sinks is not None:
-            factor = torch.sigmoid(lse - sinks.float()[0, :hq, None]).t().unsqueeze(-1)
+            factor = torch.sigmoid(lse - sinks.float()[0, : query.shape[1], None]).t().unsqueeze(-1)
             out = out * factor.to(out.dtype)
         return out
 
 
+class _WeightsCounted(LiveStorageTracker):
+    """A tracker that counts the traced model's own tensors from the start, so that a layer whose weights change
+    storage during its call (layerwise casting: the stored dtype cast to the compute dtype and back) is seen as it is
+    on a GPU; :attr:`activations` is the peak above the bytes the model held at the start."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.count(list(model.parameters()) + list(model.buffers()))
+        self.base = self.live
+        self.reset_peak()
+
+    @property
+    def activations(self) -> int:
+        return self.peak - self.base
+
+
 @contextlib.contextmanager
-def _traced(model: torch.nn.Module, fake_mode: FakeTensorMode, kernels: str, grad: bool = False):
-    """The trace's modes around a call of ``model`` (its weights not counted); yields the tracker."""
-    tracker = LiveStorageTracker()
-    tracker.ignore(list(model.parameters()) + list(model.buffers()))
+def _traced(model: torch.nn.Module, fake_mode: FakeTensorMode, kernels: str, grad: bool = False, kernel_model=None):
+    """The trace's modes around a call of ``model``; yields its :class:`_WeightsCounted` tracker. ``kernel_model``:
+    a mode that changes what an op returns, below the tracker (which then sees only what it returns)."""
+    tracker = _WeightsCounted(model)
     op_by_op = _CpuKernelsOpByOp() if kernels == "cpu" else contextlib.nullcontext()
-    with torch.set_grad_enabled(grad), _IndexTensorsStayReal(fake_mode), tracker, op_by_op:
+    kernel_model = kernel_model or contextlib.nullcontext()
+    with torch.set_grad_enabled(grad), _IndexTensorsStayReal(fake_mode), kernel_model, tracker, op_by_op:
         yield tracker
 
 
@@ -353,21 +401,40 @@ def _layer_kinds(num_layers: int, **layer_lists) -> tuple:
     return sorted(set(per_layer)), per_layer
 
 
+def _on_fake_tensors(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
+    """``model`` (built on the meta device) with every parameter and buffer a fake CPU tensor of its shape and
+    dtype (``to_empty``; a module move cannot swap fake parameters, so whatever moves them, PEFT's adapters
+    included, happens on meta first)."""
+    with fake_mode:
+        return model.to_empty(device="cpu")
+
+
+def _preview_kinds(transformer_config: Optional[dict]) -> tuple:
+    """``(kinds, per-layer kinds)`` of a preview config, a kind ``(multimodal, moe)``."""
+    cfg = transformer_config or {}
+    return _layer_kinds(
+        cfg.get("num_layers", 40),
+        mm=cfg.get("multimodal_layers", (0, 1, 38, 39)),
+        moe=cfg.get("moe_layers", range(2, 38)),
+    )
+
+
 def build_traced_preview(
     transformer_config: Optional[dict] = None,
     expert_dtype: Optional[str] = None,
     compute_dtype: torch.dtype = torch.bfloat16,
     *,
     fake_mode: FakeTensorMode,
+    prepare=None,
 ):
     """A ``Magi2Transformer3DModel`` with one block of each kind of the config (default: released) on
-    ``fake_mode``'s fake tensors; returns ``(model, kinds, per-layer kinds)``, a kind ``(multimodal, moe)``."""
+    ``fake_mode``'s fake tensors (``prepare(model)`` first runs on its meta build); returns ``(model, kinds,
+    per-layer kinds)``, a kind ``(multimodal, moe)``."""
     cfg = dict(transformer_config or {})
-    num_layers = cfg.pop("num_layers", 40)
-    kinds, per_layer = _layer_kinds(
-        num_layers, mm=cfg.pop("multimodal_layers", (0, 1, 38, 39)), moe=cfg.pop("moe_layers", range(2, 38))
-    )
-    with fake_mode:
+    for key in ("num_layers", "multimodal_layers", "moe_layers"):
+        cfg.pop(key, None)
+    kinds, per_layer = _preview_kinds(transformer_config)
+    with torch.device("meta"):
         model = Magi2Transformer3DModel(
             num_layers=len(kinds),
             multimodal_layers=[k for k, (m, _) in enumerate(kinds) if m],
@@ -376,7 +443,9 @@ def build_traced_preview(
             expert_dtype=expert_dtype,
             **cfg,
         )
-    return model, kinds, per_layer
+    if prepare is not None:
+        prepare(model)
+    return _on_fake_tensors(model, fake_mode), kinds, per_layer
 
 
 def _preview_weights(model, kinds, per_layer, ep_degree: int) -> int:
@@ -395,6 +464,36 @@ def _preview_weights(model, kinds, per_layer, ep_degree: int) -> int:
     )
 
 
+@dataclass
+class _StoredWeights:
+    """The model's bytes with its dense weights stored in a narrower dtype (layerwise casting), and the bytes of the
+    compute-dtype copies a call makes: of the largest cast layer, and of all cast layers of the largest block (a
+    checkpointed block's backward keeps its layers' copies until it is done)."""
+
+    weights: int
+    layer_copy: int
+    block_copy: int
+
+
+def _layerwise_casting(model, kinds, per_layer, storage_dtype, compute_dtype, ep_degree: int = 1) -> _StoredWeights:
+    """:class:`_StoredWeights` of ``model`` (on meta) under ``enable_layerwise_casting(storage_dtype,
+    compute_dtype)``, read from a cast copy. The trace itself runs the layers in the compute dtype (diffusers' hook
+    moves the module, which fake parameters refuse), so the copies are added to its peak: an upper bound."""
+    stored = copy.deepcopy(model)
+    stored.enable_layerwise_casting(storage_dtype=storage_dtype, compute_dtype=compute_dtype)
+
+    def copies(module) -> int:  # a module the casting hooks: its own tensors are cast to the compute dtype
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is None or registry.get_hook(_LAYERWISE_CASTING_HOOK) is None:
+            return 0
+        return sum(t.numel() for t in module.parameters(recurse=False)) * compute_dtype.itemsize
+
+    blocks = [sum(copies(m) for m in block.modules()) for block in stored.transformer_blocks]
+    return _StoredWeights(
+        _preview_weights(stored, kinds, per_layer, ep_degree), max(copies(m) for m in stored.modules()), max(blocks)
+    )
+
+
 def trace_preview_forward(
     counts: Dict[str, int],
     segments: Sequence[int],
@@ -407,6 +506,7 @@ def trace_preview_forward(
     forward_chunk_size: Optional[int] = DEFAULT_FORWARD_CHUNK_SIZE,
     compute_dtype: torch.dtype = torch.bfloat16,
     count_inputs: bool = True,
+    storage_dtype: Optional[torch.dtype] = None,
 ) -> _Trace:
     """Weights and peak activations of one preview ``forward_packed`` on one device (module docstring).
 
@@ -422,6 +522,8 @@ def trace_preview_forward(
         count_inputs: count the packed inputs, handed over as ``forward`` does (``forward_packed`` frees
             ``hidden_states`` once embedded); ``False``: the caller holds them and they are not counted
             (``forward_packed`` called directly).
+        storage_dtype: ``enable_layerwise_casting(storage_dtype, compute_dtype)`` on the dense weights (``None``:
+            off): the weights in that dtype, and the largest layer's compute-dtype copy added to the peak.
 
     Raises:
         ValueError: unknown ``kernels``, bad degrees, or segments not summing to the tokens.
@@ -433,7 +535,15 @@ def trace_preview_forward(
     if sum(segments) != n_total:
         raise ValueError(f"segments {list(segments)} must sum to the {n_total} tokens")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    model, kinds, per_layer = build_traced_preview(transformer_config, expert_dtype, compute_dtype, fake_mode=fake)
+    stored = []
+
+    def cast(meta_model):
+        stored.append(_layerwise_casting(meta_model, kinds, per_layer, storage_dtype, compute_dtype, ep_degree))
+
+    kinds, per_layer = _preview_kinds(transformer_config)
+    model, kinds, per_layer = build_traced_preview(
+        transformer_config, expert_dtype, compute_dtype, fake_mode=fake, prepare=cast if storage_dtype else None
+    )
     _set_kernels(model, kernels)
     if kernels == "cuda":
         model.set_mhc_backend("fused")
@@ -445,7 +555,7 @@ def trace_preview_forward(
         for block in model.transformer_blocks:
             if hasattr(block.mlp, "moe_mlp"):
                 block.mlp.chunk_size = None
-    weights = _preview_weights(model, kinds, per_layer, ep_degree)
+    weights = stored[0].weights if stored else _preview_weights(model, kinds, per_layer, ep_degree)
 
     config = model.config
     c_max = max(config.in_channels, config.audio_in_channels, config.text_in_channels)
@@ -476,7 +586,7 @@ def trace_preview_forward(
         del out
     for hook in hooks:
         hook.remove()
-    return _Trace(weights, tracker.peak, tracker.peak_op)
+    return _Trace(weights, tracker.activations + (stored[0].layer_copy if stored else 0), tracker.peak_op)
 
 
 def _refiner_video_shape() -> tuple:
@@ -516,10 +626,11 @@ def trace_refiner_forward(
     num_layers = cfg.pop("num_layers", 30)
     kinds, per_layer = _layer_kinds(num_layers, mm=cfg.pop("multimodal_layers", (0, 1, 28, 29)))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake, _default_dtype(compute_dtype):  # its linears take the default dtype; the fp32 islands are built fp32
+    with torch.device("meta"), _default_dtype(compute_dtype):  # its linears take the default dtype (islands: fp32)
         model = Magi2RefinerTransformer3DModel(
             num_layers=len(kinds), multimodal_layers=[k for k, (m,) in enumerate(kinds) if m], **cfg
         )
+    model = _on_fake_tensors(model, fake)
     _set_kernels(model, kernels)
     if forward_chunk_size is not None:
         model.enable_forward_chunking(forward_chunk_size)
@@ -552,10 +663,185 @@ def trace_refiner_forward(
             for hook in hooks:
                 hook.remove()
         del out
-    return _Trace(weights, tracker.peak, tracker.peak_op)
+    return _Trace(weights, tracker.activations, tracker.peak_op)
+
+
+# ------------------------------------------------------------------------------------------- a LoRA training step
+
+#: ``examples/train_lora.py``'s default LoRA: rank 16 on the attention's ``linear_qkv`` and ``linear_proj``.
+LORA_TARGETS = ("linear_qkv", "linear_proj")
+
+
+class _OnlyAskedForExpertGradients(TorchDispatchMode):
+    """What-if for one trace: the expert op's backward returns no gradient for a weight that does not require one
+    (the op today returns fp32 gradients of every expert bank, frozen or not, and autograd drops them)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.diffusers_magi2.mh_moe_experts_backward.default:
+            weights = args[3]
+            out = (*out[:2], *(g if w.requires_grad else g.new_empty(0) for g, w in zip(out[2:], weights)))
+        return out
+
+
+def _lora_bytes(module: torch.nn.Module) -> int:
+    return _nbytes([p for n, p in module.named_parameters() if ".lora_" in n])
+
+
+def trace_lora_training_step(
+    video_shape: Sequence[int],
+    expert_dtype: Optional[str] = None,
+    *,
+    transformer_config: Optional[dict] = None,
+    text_tokens: int = DEFAULT_TEXT_TOKENS,
+    audio_tokens: int = AUDIO_LATENTS,
+    rank: int = 16,
+    targets: Sequence[str] = LORA_TARGETS,
+    storage_dtype: Optional[torch.dtype] = None,
+    gradient_checkpointing: bool = True,
+    offload_block_inputs: bool = False,
+    only_asked_expert_gradients: bool = False,
+    kernels: str = "cuda",
+    forward_chunk_size: Optional[int] = DEFAULT_FORWARD_CHUNK_SIZE,
+    compute_dtype: torch.dtype = torch.bfloat16,
+) -> _Trace:
+    """Weights and peak activations of one LoRA training step of ``examples/train_lora.py``: the transformer frozen
+    in ``compute_dtype`` (routed experts in ``expert_dtype``), fp32 LoRA of ``rank`` on ``targets``, ``forward`` on
+    one sample (video latent ``(T, H, W)``, ``audio_tokens``, ``text_tokens``), the MSE on the video and
+    ``backward``. The weights include the LoRA's AdamW moments (two fp32 copies); the activations include the LoRA
+    gradients. Only one block of each kind is traced: with gradient checkpointing every other layer adds its saved
+    block input ``[N, n*C]``, counted as live at the peak (an upper bound: the peak is in the backward of a late
+    layer, when the inputs of the layers before it are still saved).
+
+    Args:
+        video_shape: latent ``(T, H, W)``; expert_dtype: as :func:`trace_preview_forward`.
+        transformer_config: ``Magi2Transformer3DModel`` arguments (default: released).
+        rank, targets: the LoRA (PEFT ``LoraConfig(r=rank, lora_alpha=rank, target_modules=targets)``).
+        storage_dtype: FP8 storage of the frozen dense weights (``enable_layerwise_casting``), or ``None``: the
+            weights in that dtype, and the compute-dtype copies of the largest block's layers added to the peak.
+        gradient_checkpointing: ``enable_gradient_checkpointing()``.
+        offload_block_inputs: ``enable_gradient_checkpointing(offload_block_inputs=True)``: the saved inputs of the
+            layers not traced are in host memory (not counted); the traced layers' are counted (an upper bound by
+            one layer's input: the trace runs on one device, where the host copies cannot be told apart).
+        only_asked_expert_gradients: ``False``: the expert op's backward as it is (for bf16 and FP8 experts it
+            returns fp32 gradients of every bank, frozen or not); ``True``: only the asked-for gradients
+            (:class:`_OnlyAskedForExpertGradients`, what the op will do).
+        kernels, forward_chunk_size, compute_dtype: as :func:`trace_preview_forward`.
+
+    Raises:
+        ValueError: unknown ``kernels``.
+    """
+    from peft import LoraConfig
+
+    _check_kernels(kernels)
+
+    kinds, per_layer = _preview_kinds(transformer_config)
+    stored = []
+
+    def add_lora(model):  # as train_lora's add_lora: frozen model, fp32 LoRA
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets)))
+        for name, param in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                param.data = param.data.float()
+                param.requires_grad_(True)
+        if storage_dtype is not None:
+            stored.append(_layerwise_casting(model, kinds, per_layer, storage_dtype, compute_dtype))
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    model, kinds, per_layer = build_traced_preview(
+        transformer_config, expert_dtype, compute_dtype, fake_mode=fake, prepare=add_lora
+    )
+    if gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    model.train()
+    _set_kernels(model, kernels)
+    if forward_chunk_size is None:
+        model.disable_forward_chunking()
+    else:
+        model.enable_forward_chunking(forward_chunk_size)
+    lora = {kind: _lora_bytes(block) for kind, block in zip(kinds, model.transformer_blocks)}
+    weights = stored[0].weights if stored else _preview_weights(model, kinds, per_layer, 1)
+    weights += 2 * sum(lora[k] for k in per_layer)  # the AdamW moments
+
+    config = model.config
+    t, h, w = video_shape
+    with fake:
+        video = torch.empty(1, config.in_channels, t, h, w, dtype=compute_dtype)
+        audio = torch.empty(1, audio_tokens, config.audio_in_channels, dtype=compute_dtype)
+        text = torch.empty(1, text_tokens, config.text_in_channels, dtype=compute_dtype)
+        target = torch.empty(1, config.in_channels, t, h, w)
+    timestep = torch.full((1,), 500.0)
+    what_if = _OnlyAskedForExpertGradients() if only_asked_expert_gradients else None
+    with _traced(model, fake, kernels, grad=True, kernel_model=what_if) as tracker:
+        tracker.count([video, audio, text, target])
+        out = model(hidden_states=video, timestep=timestep, encoder_hidden_states=text, audio_hidden_states=audio)
+        loss = torch.nn.functional.mse_loss(out.sample.float(), target)
+        del out
+        loss.backward()
+        del loss
+    saved = 0
+    if gradient_checkpointing and not offload_block_inputs:  # the saved inputs of the layers not traced
+        tokens = t * h * w + audio_tokens + text_tokens
+        saved = (
+            (len(per_layer) - len(kinds)) * tokens * config.num_streams * model.hidden_size * compute_dtype.itemsize
+        )
+    copies = stored[0].block_copy if stored else 0
+    return _Trace(weights, tracker.activations + saved + copies, tracker.peak_op)
+
+
+def plan_lora_training_step(
+    resolution: str = "272p",
+    expert_dtype: Optional[str] = None,
+    *,
+    storage_dtype: Optional[torch.dtype] = None,
+    offload_block_inputs: bool = False,
+    only_asked_expert_gradients: bool = False,
+    capacity: int = H100_BYTES,
+    margin: int = SPARE_BYTES,
+) -> Magi2StageMemory:
+    """Peak device memory of one ``examples/train_lora.py`` step on one 10 s clip (:func:`trace_lora_training_step`
+    with its defaults: rank 16 on ``linear_qkv`` and ``linear_proj``, gradient checkpointing, 512 text tokens).
+
+    Raises:
+        ValueError: an unknown resolution.
+    """
+    height, width = check_plan_resolution(resolution)
+    video = (LATENT_FRAMES, height // 16, width // 16)
+    trace = trace_lora_training_step(
+        video,
+        expert_dtype,
+        storage_dtype=storage_dtype,
+        offload_block_inputs=offload_block_inputs,
+        only_asked_expert_gradients=only_asked_expert_gradients,
+    )
+    what = EXPERT_NAMES[expert_dtype] + ("" if storage_dtype is None else ", FP8-stored dense weights")
+    notes = [
+        f"{math.prod(video) + AUDIO_LATENTS + DEFAULT_TEXT_TOKENS} tokens, LoRA rank 16 on linear_qkv + linear_proj "
+        "(fp32, with AdamW moments), gradient checkpointing",
+        "block inputs in host memory" if offload_block_inputs else "block inputs on the device",
+    ]
+    if only_asked_expert_gradients:
+        notes.append("the expert backward makes only the asked-for gradients")
+    name = f"lora_train_{resolution}" + ("" if offload_block_inputs else "_inputs_on_device")
+    return Magi2StageMemory(
+        f"LoRA training step {resolution}, {what}",
+        "1 GPU",
+        trace.weights,
+        trace.activations,
+        capacity,
+        trace.peak_at,
+        notes,
+        name=name,
+        margin=margin,
+    )
 
 
 # ------------------------------------------------------------------------------------------- stage rows
+
+
+#: How the rows name the routed experts' storage.
+EXPERT_NAMES = {None: "bf16 experts", "float8_e4m3fn": "FP8 experts", "int4": "int4 experts"}
 
 
 def plan_preview_step(
@@ -566,18 +852,22 @@ def plan_preview_step(
     ep_degree: int = 1,
     text_tokens: int = DEFAULT_TEXT_TOKENS,
     forward_chunk_size: Optional[int] = DEFAULT_FORWARD_CHUNK_SIZE,
+    storage_dtype: Optional[torch.dtype] = None,
     capacity: Optional[int] = None,
+    margin: int = SPARE_BYTES,
 ) -> Magi2StageMemory:
     """Peak device memory of one CFG preview denoising step at the released size.
 
     Args:
         resolution: ``"272p"`` or ``"540p"`` (``"1080p"``: its 540p preview stage).
-        expert_dtype: ``None`` (bf16) or ``"float8_e4m3fn"``.
+        expert_dtype: ``None`` (bf16), ``"float8_e4m3fn"`` or ``"int4"``.
         cp_degree, ep_degree: 1 and 1 for one GPU; 8 and 4 for CP8 x EP4 x 2.
         text_tokens: text tokens per CFG half.
         forward_chunk_size: ``Magi2Transformer3DModel.enable_forward_chunking`` chunk (default: the model's;
             ``None``: off).
+        storage_dtype: FP8 storage of the dense weights (``enable_layerwise_casting``), or ``None``.
         capacity: device bytes (default: an H200, 141 GB, on one GPU; an 80 GB GPU per rank).
+        margin: bytes to keep free.
 
     Raises:
         ValueError: an unknown resolution (before any work), or bad degrees.
@@ -592,16 +882,25 @@ def plan_preview_step(
         cp_degree=cp_degree,
         ep_degree=ep_degree,
         forward_chunk_size=forward_chunk_size,
+        storage_dtype=storage_dtype,
     )
     layout = "1 GPU" if cp_degree == 1 else f"CP{cp_degree} x EP{ep_degree} x {cp_degree // ep_degree}, per rank"
-    experts = "FP8 experts" if expert_dtype is not None else "bf16 experts"
     if capacity is None:
         capacity = H200_BYTES if cp_degree == 1 else H100_BYTES
     notes = [f"{sum(counts.values())} tokens (text {text_tokens} per CFG half)"]
     notes.append("chunking off" if forward_chunk_size is None else f"forward chunks of {forward_chunk_size} tokens")
     res = "540p" if resolution == "1080p" else resolution
+    what = EXPERT_NAMES[expert_dtype] + ("" if storage_dtype is None else ", FP8-stored dense weights")
     return Magi2StageMemory(
-        f"preview step {res}, {experts}", layout, trace.weights, trace.activations, capacity, trace.peak_at, notes
+        f"preview step {res}, {what}",
+        layout,
+        trace.weights,
+        trace.activations,
+        capacity,
+        trace.peak_at,
+        notes,
+        name=f"preview_{res}",
+        margin=margin,
     )
 
 
@@ -611,6 +910,7 @@ def plan_refiner_step(
     text_tokens: int = DEFAULT_TEXT_TOKENS,
     forward_chunk_size: Optional[int] = None,
     capacity: Optional[int] = None,
+    margin: int = SPARE_BYTES,
 ) -> Magi2StageMemory:
     """Peak device memory of one 1080p refiner forward (CFG runs two of them one after the other).
 
@@ -624,7 +924,15 @@ def plan_refiner_step(
         capacity = H200_BYTES if cp_degree == 1 else H100_BYTES
     notes = [f"{math.prod(video_shape) + text_tokens} tokens per CFG branch"]
     return Magi2StageMemory(
-        "refiner step 1080p", layout, trace.weights, trace.activations, capacity, trace.peak_at, notes
+        "refiner step 1080p",
+        layout,
+        trace.weights,
+        trace.activations,
+        capacity,
+        trace.peak_at,
+        notes,
+        name="refiner_1080p",
+        margin=margin,
     )
 
 
@@ -647,7 +955,28 @@ def _trace_call(build, call) -> _Trace:
         return _Trace(_module_bytes(module), tracker.peak, tracker.peak_op)
 
 
-def plan_video_decode(resolution: str, *, capacity: int = H200_BYTES, dtype=torch.bfloat16) -> Magi2StageMemory:
+def _row(stage: str, name: str, trace: _Trace, capacity: int, margin: int, notes=()) -> Magi2StageMemory:
+    return Magi2StageMemory(
+        stage,
+        "1 GPU",
+        trace.weights,
+        trace.activations,
+        capacity,
+        trace.peak_at,
+        list(notes),
+        name=name,
+        margin=margin,
+    )
+
+
+def _clip_frames(resolution: str) -> int:
+    """Latent frames of the clip a decoder sees: 540p the preview's 32, 1080p the refined 63."""
+    return REFINER_LATENT_FRAMES if resolution == "1080p" else LATENT_FRAMES
+
+
+def plan_video_decode(
+    resolution: str, *, capacity: int = H200_BYTES, margin: int = SPARE_BYTES, dtype=torch.bfloat16
+) -> Magi2StageMemory:
     """Peak device memory of the TurboVAE decode of one clip (540p: 32 latents -> 125 frames; 1080p: the refined
     63 latents -> 249 frames), the decoded frames kept on the device as ``decode_video_latents`` returns them.
 
@@ -658,7 +987,7 @@ def plan_video_decode(resolution: str, *, capacity: int = H200_BYTES, dtype=torc
     from diffusers_magi2.pipelines.decoding_magi2 import decode_video_latents
 
     height, width = check_plan_resolution(resolution)
-    frames = REFINER_LATENT_FRAMES if resolution == "1080p" else LATENT_FRAMES
+    frames = _clip_frames(resolution)
 
     def build():
         with _default_dtype(dtype):  # (a module move cannot swap fake parameters)
@@ -668,14 +997,44 @@ def plan_video_decode(resolution: str, *, capacity: int = H200_BYTES, dtype=torc
         latents = torch.empty(1, decoder.config.latent_channels, frames, height // 16, width // 16, dtype=dtype)
         return decode_video_latents(decoder, None, latents)
 
-    trace = _trace_call(build, call)
     notes = [f"{4 * (frames - 1) + 1} frames; the class's default widths (SandAI's TurboVAE JSON is not public)"]
-    return Magi2StageMemory(
-        f"TurboVAE decode {resolution}", "1 GPU", trace.weights, trace.activations, capacity, trace.peak_at, notes
-    )
+    trace = _trace_call(build, call)
+    return _row(f"TurboVAE decode {resolution}", f"turbovae_decode_{resolution}", trace, capacity, margin, notes)
 
 
-def plan_image_encode(resolution: str = "540p", *, capacity: int = H200_BYTES) -> Magi2StageMemory:
+def plan_wan_decode(
+    resolution: str, *, tiled: bool = False, capacity: int = H200_BYTES, margin: int = SPARE_BYTES
+) -> Magi2StageMemory:
+    """Peak device memory of the Wan2.2 VAE decoding one clip (fp32; the pipeline's decoder without a TurboVAE),
+    frames as :func:`plan_video_decode`; ``tiled``: with diffusers' ``enable_tiling()`` (its default tiles).
+
+    Raises:
+        ValueError: an unknown resolution.
+    """
+    from diffusers import AutoencoderKLWan
+
+    from diffusers_magi2.pipelines.decoding_magi2 import decode_video_latents
+
+    height, width = check_plan_resolution(resolution)
+    frames = _clip_frames(resolution)
+
+    def build():
+        vae = AutoencoderKLWan(**WAN22_VAE_CONFIG, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)  # (48 channels)
+        if tiled:
+            vae.enable_tiling()
+        return vae
+
+    def call(vae):
+        return decode_video_latents(None, vae, torch.empty(1, 48, frames, height // 16, width // 16))
+
+    notes = [f"{4 * (frames - 1) + 1} frames" + (", tiled (enable_tiling)" if tiled else "")]
+    trace = _trace_call(build, call)
+    return _row(f"Wan2.2 VAE decode {resolution}", f"wan_decode_{resolution}", trace, capacity, margin, notes)
+
+
+def plan_image_encode(
+    resolution: str = "540p", *, capacity: int = H200_BYTES, margin: int = SPARE_BYTES
+) -> Magi2StageMemory:
     """Peak device memory of the Wan2.2 VAE encoding the I2V reference image (fp32, one frame).
 
     Raises:
@@ -689,12 +1048,10 @@ def plan_image_encode(resolution: str = "540p", *, capacity: int = H200_BYTES) -
         return vae.encode(torch.empty(1, 3, 1, height, width)).latent_dist.mean
 
     trace = _trace_call(lambda: AutoencoderKLWan(**WAN22_VAE_CONFIG), call)
-    return Magi2StageMemory(
-        f"Wan2.2 VAE image encode {resolution}", "1 GPU", trace.weights, trace.activations, capacity, trace.peak_at
-    )
+    return _row(f"Wan2.2 VAE image encode {resolution}", f"image_encode_{resolution}", trace, capacity, margin)
 
 
-def plan_audio_decode(*, capacity: int = H200_BYTES) -> Magi2StageMemory:
+def plan_audio_decode(*, capacity: int = H200_BYTES, margin: int = SPARE_BYTES) -> Magi2StageMemory:
     """Peak device memory of the Stable Audio Open VAE (``AutoencoderOobleck``, fp32) decoding 250 latents."""
     from diffusers import AutoencoderOobleck
 
@@ -702,12 +1059,12 @@ def plan_audio_decode(*, capacity: int = H200_BYTES) -> Magi2StageMemory:
         return vae.decode(torch.empty(1, vae.config.decoder_input_channels, AUDIO_LATENTS)).sample
 
     trace = _trace_call(AutoencoderOobleck, call)
-    return Magi2StageMemory(
-        "audio decode (Oobleck)", "1 GPU", trace.weights, trace.activations, capacity, trace.peak_at, ["10 s stereo"]
-    )
+    return _row("audio decode (Oobleck)", "audio_decode", trace, capacity, margin, ["10 s stereo"])
 
 
-def plan_text_encode(text_tokens: int = 7000, *, capacity: int = H200_BYTES) -> Magi2StageMemory:
+def plan_text_encode(
+    text_tokens: int = 7000, *, capacity: int = H200_BYTES, margin: int = SPARE_BYTES
+) -> Magi2StageMemory:
     """Device memory of the Qwen3.5-27B text encoder on one prompt of ``text_tokens`` tokens, an estimate:
     bf16 weights of 27 B parameters, every layer's hidden states (``output_hidden_states``), and one layer's MLP
     (intermediate ``3.4 x`` hidden, gate and up) in flight.
@@ -720,6 +1077,5 @@ def plan_text_encode(text_tokens: int = 7000, *, capacity: int = H200_BYTES) -> 
     hidden_states = (TEXT_ENCODER_LAYERS + 1) * text_tokens * TEXT_ENCODER_HIDDEN * 2
     mlp = 3 * text_tokens * (17408 * 2)
     notes = [f"estimate: 27 B bf16 parameters, {text_tokens} tokens (the longest prompt)"]
-    return Magi2StageMemory(
-        "text encoding (Qwen3.5-27B)", "1 GPU", TEXT_ENCODER_PARAMETERS * 2, hidden_states + mlp, capacity, None, notes
-    )
+    trace = _Trace(TEXT_ENCODER_PARAMETERS * 2, hidden_states + mlp, None)
+    return _row("text encoding (Qwen3.5-27B)", "text_encode", trace, capacity, margin, notes)

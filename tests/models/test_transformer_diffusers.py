@@ -5,6 +5,7 @@ offline from_pretrained, bad input."""
 from __future__ import annotations
 
 import functools
+import weakref
 
 import pytest
 import torch
@@ -269,6 +270,34 @@ def test_gradient_checkpointing_same_gradients():
     assert any(n.endswith("moe_mlp.W_gate") for n in plain) and any(n.endswith("mhc_attn.phi_fused") for n in plain)
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_gradient_checkpointing_with_block_inputs_on_host_frees_them_and_gives_the_same_gradients():
+    model = tiny_model().train()
+    inputs = tiny_inputs()
+
+    def step(**checkpointing):
+        model.zero_grad()
+        model.enable_gradient_checkpointing(**checkpointing)
+        kept = []
+        hooks = [
+            b.register_forward_pre_hook(lambda m, a: kept.append(weakref.ref(a[0]))) for b in model.transformer_blocks
+        ]
+        out = model(**inputs)
+        for hook in hooks:
+            hook.remove()
+        alive = sum(r() is not None for r in kept)  # the block inputs still held after the forward
+        (out.sample.square().mean() + out.audio_sample.square().mean()).backward()
+        return alive, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    kept_alive, plain = step()
+    on_host_alive, on_host = step(offload_block_inputs=True)
+    assert kept_alive == TINY["num_layers"] and on_host_alive == 0  # saved as host copies instead
+    assert plain.keys() == on_host.keys()
+    for name in plain:
+        torch.testing.assert_close(on_host[name], plain[name], atol=0, rtol=0, msg=name)
+    with pytest.raises(ValueError, match="not both"):
+        model.enable_gradient_checkpointing(lambda *a: None, offload_block_inputs=True)
 
 
 def test_set_moe_backend_reaches_every_moe_layer():

@@ -13,6 +13,7 @@ from helpers.memory_plan import (
     check_plan_resolution,
     plan_preview_step,
     preview_token_counts,
+    trace_lora_training_step,
     trace_preview_forward,
     trace_refiner_forward,
 )
@@ -140,6 +141,85 @@ def test_refiner_plan_matches_the_measured_cpu_peak_of_its_forward_within_10_per
     weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     print(f"refiner: measured {measured} B, planned {plan.activations} B (x{plan.activations / measured:.3f})")
     assert plan.weights == weights
+    assert abs(plan.activations - measured) <= 0.10 * measured
+
+
+def _bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def test_plan_with_fp8_stored_dense_weights_matches_the_measured_cpu_peak_within_10_percent():
+    inputs = _packed_inputs()
+    model = _reduced_model(CHUNK)
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    measured = _measured_peak(model, inputs)
+    counts = {k: 2 * v for k, v in HALF.items()}
+    seg = sum(HALF.values())
+    plan = trace_preview_forward(
+        counts,
+        (seg, seg),
+        REDUCED,
+        kernels="cpu",
+        forward_chunk_size=CHUNK,
+        count_inputs=False,
+        storage_dtype=torch.float8_e4m3fn,
+    )
+    print(f"FP8-stored: measured {measured} B, planned {plan.activations} B (x{plan.activations / measured:.3f})")
+    assert plan.weights == _bytes(model)
+    assert abs(plan.activations - measured) <= 0.10 * measured
+
+
+TRAIN_VIDEO = (2, 8, 16)  # latent T, H, W of the training sample
+
+
+def test_lora_training_step_plan_matches_the_measured_cpu_peak_within_10_percent():
+    from peft import LoraConfig
+
+    expert_dtype = "float8_e4m3fn"
+    torch.manual_seed(0)
+    model = Magi2Transformer3DModel(**REDUCED, params_dtype=torch.bfloat16, expert_dtype=expert_dtype)
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["linear_qkv", "linear_proj"]))
+    lora = [p for n, p in model.named_parameters() if ".lora_" in n]
+    for p in lora:
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    model.enable_gradient_checkpointing()
+    model.set_moe_backend("torch_grouped")
+    model.enable_forward_chunking(CHUNK)
+    model.train()
+    gen = torch.Generator().manual_seed(0)
+    video = torch.randn(1, 48, *TRAIN_VIDEO, generator=gen).bfloat16()
+    audio = torch.randn(1, 16, 64, generator=gen).bfloat16()
+    text = torch.randn(1, 32, REDUCED["text_in_channels"], generator=gen).bfloat16()
+    target = torch.randn(1, 48, *TRAIN_VIDEO, generator=gen)
+
+    def step():
+        out = model(
+            hidden_states=video,
+            timestep=torch.full((1,), 500.0),
+            encoder_hidden_states=text,
+            audio_hidden_states=audio,
+        ).sample
+        torch.nn.functional.mse_loss(out.float(), target).backward()
+
+    step()  # warm up
+    for p in lora:
+        p.grad = None
+    measured = cpu_allocator_peak(step)[1]
+    assert all(p.grad is not None for p in lora)
+    plan = trace_lora_training_step(
+        TRAIN_VIDEO,
+        expert_dtype,
+        transformer_config=REDUCED,
+        text_tokens=32,
+        audio_tokens=16,
+        rank=4,
+        kernels="cpu",
+        forward_chunk_size=CHUNK,
+    )
+    print(f"LoRA step: measured {measured} B, planned {plan.activations} B (x{plan.activations / measured:.3f})")
+    assert plan.weights == _bytes(model) + 2 * sum(p.numel() * 4 for p in lora)  # + the AdamW moments
     assert abs(plan.activations - measured) <= 0.10 * measured
 
 
