@@ -70,18 +70,21 @@ def plan_rows(quick: bool = False) -> list:
     return rows
 
 
-def plan_rows_80gb(expert_dtype: str | None = "int4") -> tuple[list, list, int]:
+def plan_rows_80gb(expert_dtype: str | None = "int4", quick: bool = False) -> tuple[list, list, int]:
     """``(rows, what_if_rows, host_bytes)`` of the 1080p pipeline and a 272p LoRA step on one 80 GB GPU: the rows
     that must fit (4 GB spare), rows that show what a knob buys (not required to fit), and the host RAM of every
-    component (``enable_model_cpu_offload`` keeps all but the running one there)."""
+    component (``enable_model_cpu_offload`` keeps all but the running one there; ``quick``: the preview and
+    training rows only, no host RAM)."""
     cap = {"capacity": H100_BYTES, "margin": MARGIN_80}
     stored = {"storage_dtype": torch.float8_e4m3fn}
     preview = [plan_preview_step(res, expert_dtype, **stored, **cap) for res in ("272p", "540p")]
+    train = {"expert_dtype": expert_dtype, **stored, **cap}
+    if quick:
+        return [*preview, plan_lora_training_step(offload_block_inputs=True, **train)], [], 0
     refiner = plan_refiner_step(**cap)
     decoders = [plan_video_decode("1080p", **cap), plan_wan_decode("1080p", **cap), plan_audio_decode(**cap)]
     text, image = plan_text_encode(**cap), plan_image_encode("540p", **cap)
     rows = [text, image, *preview, refiner, *decoders]
-    train = {"expert_dtype": expert_dtype, **stored, **cap}
     rows.append(plan_lora_training_step(offload_block_inputs=True, **train))
     what_if = [plan_lora_training_step(offload_block_inputs=False, **train)]
     if expert_dtype != "int4":  # bf16 / FP8 banks: today's backward makes fp32 gradients of every frozen bank
@@ -120,7 +123,9 @@ def _stage(row) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--quick", action="store_true", help="540p preview rows only (the 141 GB plan)")
+    parser.add_argument(
+        "--quick", action="store_true", help="141 GB: the 540p preview rows; 80 GB: preview + training"
+    )
     parser.add_argument("--gpu_gb", type=int, choices=(141, 80), default=141, help="the plan's GPU")
     parser.add_argument("--expert_dtype", choices=sorted(EXPERT_DTYPES), default="int4", help="80 GB plan")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
@@ -128,7 +133,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     status = 0
     if args.gpu_gb == 80:
-        rows, what_if, host = plan_rows_80gb(EXPERT_DTYPES[args.expert_dtype])
+        rows, what_if, host = plan_rows_80gb(EXPERT_DTYPES[args.expert_dtype], args.quick)
         result = {
             "stages": [_stage(r) for r in rows],
             "what_if": [_stage(r) for r in what_if],

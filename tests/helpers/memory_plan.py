@@ -36,8 +36,10 @@ Budgets: an H200 as 141 GB, an H100 as 80 GB (10^9 bytes), and 8 GB kept spare.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -668,7 +670,7 @@ def trace_refiner_forward(
 
 # ------------------------------------------------------------------------------------------- a LoRA training step
 
-#: ``examples/train_lora.py``'s default LoRA: rank 16 on the attention's ``linear_qkv`` and ``linear_proj``.
+#: ``examples/train_lora.py``'s default ``--targets``: LoRA on the attention's ``linear_qkv`` and ``linear_proj``.
 LORA_TARGETS = ("linear_qkv", "linear_proj")
 
 
@@ -688,6 +690,13 @@ def _lora_bytes(module: torch.nn.Module) -> int:
     return _nbytes([p for n, p in module.named_parameters() if ".lora_" in n])
 
 
+@functools.lru_cache(maxsize=None)
+def _train_script():
+    from .train_workers import load_train_script
+
+    return load_train_script()
+
+
 def trace_lora_training_step(
     video_shape: Sequence[int],
     expert_dtype: Optional[str] = None,
@@ -705,21 +714,21 @@ def trace_lora_training_step(
     forward_chunk_size: Optional[int] = DEFAULT_FORWARD_CHUNK_SIZE,
     compute_dtype: torch.dtype = torch.bfloat16,
 ) -> _Trace:
-    """Weights and peak activations of one LoRA training step of ``examples/train_lora.py``: the transformer frozen
-    in ``compute_dtype`` (routed experts in ``expert_dtype``), fp32 LoRA of ``rank`` on ``targets``, ``forward`` on
-    one sample (video latent ``(T, H, W)``, ``audio_tokens``, ``text_tokens``), the MSE on the video and
-    ``backward``. The weights include the LoRA's AdamW moments (two fp32 copies); the activations include the LoRA
-    gradients. Only one block of each kind is traced: with gradient checkpointing every other layer adds its saved
-    block input ``[N, n*C]``, counted as live at the peak (an upper bound: the peak is in the backward of a late
-    layer, when the inputs of the layers before it are still saved).
+    """Weights and peak activations of one LoRA training step of ``examples/train_lora.py``: its ``add_lora``
+    (the transformer frozen in ``compute_dtype``, routed experts in ``expert_dtype``; an fp32 LoRA of ``rank`` on
+    ``targets``), its ``training_loss`` on one cached sample (fp32 video latent ``(T, H, W)``, ``audio_tokens``,
+    ``text_tokens``; at sigma 0.5) and the loss's ``backward``. The weights include the LoRA's AdamW moments (two
+    fp32 copies); the activations the LoRA gradients. Only one block of each kind is traced: with gradient
+    checkpointing every other layer adds its saved block input ``[N, n*C]``, counted as live at the peak (an upper
+    bound: the peak is in the backward of a late layer, when the inputs of the layers before it are still saved).
 
     Args:
         video_shape: latent ``(T, H, W)``; expert_dtype: as :func:`trace_preview_forward`.
         transformer_config: ``Magi2Transformer3DModel`` arguments (default: released).
-        rank, targets: the LoRA (PEFT ``LoraConfig(r=rank, lora_alpha=rank, target_modules=targets)``).
+        rank, targets: the script's ``--rank`` and ``--targets``.
         storage_dtype: FP8 storage of the frozen dense weights (``enable_layerwise_casting``), or ``None``: the
             weights in that dtype, and the compute-dtype copies of the largest block's layers added to the peak.
-        gradient_checkpointing: ``enable_gradient_checkpointing()``.
+        gradient_checkpointing: the script's ``--gradient_checkpointing``.
         offload_block_inputs: ``enable_gradient_checkpointing(offload_block_inputs=True)``: the saved inputs of the
             layers not traced are in host memory (not counted); the traced layers' are counted (an upper bound by
             one layer's input: the trace runs on one device, where the host copies cannot be told apart).
@@ -731,20 +740,14 @@ def trace_lora_training_step(
     Raises:
         ValueError: unknown ``kernels``.
     """
-    from peft import LoraConfig
-
     _check_kernels(kernels)
-
+    script = _train_script()
+    args = argparse.Namespace(targets=list(targets), rank=rank, alpha=None, gradient_checkpointing=False)
     kinds, per_layer = _preview_kinds(transformer_config)
     stored = []
 
-    def add_lora(model):  # as train_lora's add_lora: frozen model, fp32 LoRA
-        model.requires_grad_(False)
-        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets)))
-        for name, param in model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                param.data = param.data.float()
-                param.requires_grad_(True)
+    def add_lora(model):
+        script.add_lora(model, args)
         if storage_dtype is not None:
             stored.append(_layerwise_casting(model, kinds, per_layer, storage_dtype, compute_dtype))
 
@@ -753,8 +756,7 @@ def trace_lora_training_step(
         transformer_config, expert_dtype, compute_dtype, fake_mode=fake, prepare=add_lora
     )
     if gradient_checkpointing:
-        model.enable_gradient_checkpointing()
-    model.train()
+        model.enable_gradient_checkpointing(offload_block_inputs=offload_block_inputs)
     _set_kernels(model, kernels)
     if forward_chunk_size is None:
         model.disable_forward_chunking()
@@ -765,24 +767,25 @@ def trace_lora_training_step(
     weights += 2 * sum(lora[k] for k in per_layer)  # the AdamW moments
 
     config = model.config
-    t, h, w = video_shape
     with fake:
-        video = torch.empty(1, config.in_channels, t, h, w, dtype=compute_dtype)
-        audio = torch.empty(1, audio_tokens, config.audio_in_channels, dtype=compute_dtype)
-        text = torch.empty(1, text_tokens, config.text_in_channels, dtype=compute_dtype)
-        target = torch.empty(1, config.in_channels, t, h, w)
-    timestep = torch.full((1,), 500.0)
+        sample = {
+            "latents": torch.empty(config.in_channels, *video_shape),
+            "audio_latents": torch.empty(audio_tokens, config.audio_in_channels),
+            "text_states": torch.empty(text_tokens, config.text_in_channels),
+        }
+        noise = {
+            "eps": torch.empty(1, config.in_channels, *video_shape),
+            "eps_a": torch.empty(1, audio_tokens, config.audio_in_channels),
+        }
     what_if = _OnlyAskedForExpertGradients() if only_asked_expert_gradients else None
     with _traced(model, fake, kernels, grad=True, kernel_model=what_if) as tracker:
-        tracker.count([video, audio, text, target])
-        out = model(hidden_states=video, timestep=timestep, encoder_hidden_states=text, audio_hidden_states=audio)
-        loss = torch.nn.functional.mse_loss(out.sample.float(), target)
-        del out
+        tracker.count(list(sample.values()) + list(noise.values()))
+        loss = script.training_loss(model, sample, None, torch.device("cpu"), {"sigma": 0.5, **noise})
         loss.backward()
         del loss
     saved = 0
     if gradient_checkpointing and not offload_block_inputs:  # the saved inputs of the layers not traced
-        tokens = t * h * w + audio_tokens + text_tokens
+        tokens = math.prod(video_shape) + audio_tokens + text_tokens
         saved = (
             (len(per_layer) - len(kinds)) * tokens * config.num_streams * model.hidden_size * compute_dtype.itemsize
         )
@@ -790,54 +793,15 @@ def trace_lora_training_step(
     return _Trace(weights, tracker.activations + saved + copies, tracker.peak_op)
 
 
-def plan_lora_training_step(
-    resolution: str = "272p",
-    expert_dtype: Optional[str] = None,
-    *,
-    storage_dtype: Optional[torch.dtype] = None,
-    offload_block_inputs: bool = False,
-    only_asked_expert_gradients: bool = False,
-    capacity: int = H100_BYTES,
-    margin: int = SPARE_BYTES,
-) -> Magi2StageMemory:
-    """Peak device memory of one ``examples/train_lora.py`` step on one 10 s clip (:func:`trace_lora_training_step`
-    with its defaults: rank 16 on ``linear_qkv`` and ``linear_proj``, gradient checkpointing, 512 text tokens).
-
-    Raises:
-        ValueError: an unknown resolution.
-    """
-    height, width = check_plan_resolution(resolution)
-    video = (LATENT_FRAMES, height // 16, width // 16)
-    trace = trace_lora_training_step(
-        video,
-        expert_dtype,
-        storage_dtype=storage_dtype,
-        offload_block_inputs=offload_block_inputs,
-        only_asked_expert_gradients=only_asked_expert_gradients,
-    )
-    what = EXPERT_NAMES[expert_dtype] + ("" if storage_dtype is None else ", FP8-stored dense weights")
-    notes = [
-        f"{math.prod(video) + AUDIO_LATENTS + DEFAULT_TEXT_TOKENS} tokens, LoRA rank 16 on linear_qkv + linear_proj "
-        "(fp32, with AdamW moments), gradient checkpointing",
-        "block inputs in host memory" if offload_block_inputs else "block inputs on the device",
-    ]
-    if only_asked_expert_gradients:
-        notes.append("the expert backward makes only the asked-for gradients")
-    name = f"lora_train_{resolution}" + ("" if offload_block_inputs else "_inputs_on_device")
-    return Magi2StageMemory(
-        f"LoRA training step {resolution}, {what}",
-        "1 GPU",
-        trace.weights,
-        trace.activations,
-        capacity,
-        trace.peak_at,
-        notes,
-        name=name,
-        margin=margin,
-    )
-
-
 # ------------------------------------------------------------------------------------------- stage rows
+
+
+def _row(
+    stage: str, name: str, trace: _Trace, capacity: int, margin: int, notes=(), layout: str = "1 GPU"
+) -> Magi2StageMemory:
+    return Magi2StageMemory(
+        stage, layout, trace.weights, trace.activations, capacity, trace.peak_at, list(notes), name=name, margin=margin
+    )
 
 
 #: How the rows name the routed experts' storage.
@@ -891,17 +855,7 @@ def plan_preview_step(
     notes.append("chunking off" if forward_chunk_size is None else f"forward chunks of {forward_chunk_size} tokens")
     res = "540p" if resolution == "1080p" else resolution
     what = EXPERT_NAMES[expert_dtype] + ("" if storage_dtype is None else ", FP8-stored dense weights")
-    return Magi2StageMemory(
-        f"preview step {res}, {what}",
-        layout,
-        trace.weights,
-        trace.activations,
-        capacity,
-        trace.peak_at,
-        notes,
-        name=f"preview_{res}",
-        margin=margin,
-    )
+    return _row(f"preview step {res}, {what}", f"preview_{res}", trace, capacity, margin, notes, layout)
 
 
 def plan_refiner_step(
@@ -923,17 +877,44 @@ def plan_refiner_step(
     if capacity is None:
         capacity = H200_BYTES if cp_degree == 1 else H100_BYTES
     notes = [f"{math.prod(video_shape) + text_tokens} tokens per CFG branch"]
-    return Magi2StageMemory(
-        "refiner step 1080p",
-        layout,
-        trace.weights,
-        trace.activations,
-        capacity,
-        trace.peak_at,
-        notes,
-        name="refiner_1080p",
-        margin=margin,
+    return _row("refiner step 1080p", "refiner_1080p", trace, capacity, margin, notes, layout)
+
+
+def plan_lora_training_step(
+    resolution: str = "272p",
+    expert_dtype: Optional[str] = None,
+    *,
+    storage_dtype: Optional[torch.dtype] = None,
+    offload_block_inputs: bool = False,
+    only_asked_expert_gradients: bool = False,
+    capacity: int = H100_BYTES,
+    margin: int = SPARE_BYTES,
+) -> Magi2StageMemory:
+    """Peak device memory of one ``examples/train_lora.py`` step on one 10 s clip (:func:`trace_lora_training_step`
+    with its defaults: rank 16 on ``linear_qkv`` and ``linear_proj``, gradient checkpointing, 512 text tokens).
+
+    Raises:
+        ValueError: an unknown resolution.
+    """
+    height, width = check_plan_resolution(resolution)
+    video = (LATENT_FRAMES, height // 16, width // 16)
+    trace = trace_lora_training_step(
+        video,
+        expert_dtype,
+        storage_dtype=storage_dtype,
+        offload_block_inputs=offload_block_inputs,
+        only_asked_expert_gradients=only_asked_expert_gradients,
     )
+    what = EXPERT_NAMES[expert_dtype] + ("" if storage_dtype is None else ", FP8-stored dense weights")
+    notes = [
+        f"{math.prod(video) + AUDIO_LATENTS + DEFAULT_TEXT_TOKENS} tokens, LoRA rank 16 on linear_qkv + linear_proj "
+        "(fp32, with AdamW moments), gradient checkpointing",
+        "block inputs in host memory" if offload_block_inputs else "block inputs on the device",
+    ]
+    if only_asked_expert_gradients:
+        notes.append("the expert backward makes only the asked-for gradients")
+    name = f"lora_train_{resolution}" + ("" if offload_block_inputs else "_inputs_on_device")
+    return _row(f"LoRA training step {resolution}, {what}", name, trace, capacity, margin, notes)
 
 
 # --------------------------------------------------------------------------------------- encoders, decoders
@@ -953,20 +934,6 @@ def _trace_call(build, call) -> _Trace:
             result = call(module)
             del result
         return _Trace(_module_bytes(module), tracker.peak, tracker.peak_op)
-
-
-def _row(stage: str, name: str, trace: _Trace, capacity: int, margin: int, notes=()) -> Magi2StageMemory:
-    return Magi2StageMemory(
-        stage,
-        "1 GPU",
-        trace.weights,
-        trace.activations,
-        capacity,
-        trace.peak_at,
-        list(notes),
-        name=name,
-        margin=margin,
-    )
 
 
 def _clip_frames(resolution: str) -> int:
