@@ -57,5 +57,6 @@ def test_gpu_check_dry_run_runs_every_cpu_section(tmp_path):
     assert "skipped (GPU_CHECK_SKIP)" in next(line for line in summary.splitlines() if line.startswith("bench_moe"))
     sinks = json.loads((out / "attention_sinks.json").read_text())
     assert sinks["backends"]["native"]["max_abs_err_vs_padded"] < 1e-5
-    step = json.loads((out / "preview_step.json").read_text())
-    assert abs(step["planned_over_measured"] - 1) <= 0.10
+    recipes = json.loads((out / "preview_step.json").read_text())["recipes"]
+    assert set(recipes) == {"fp8", "80gb"}  # the 141 GB and the 80 GB recipe
+    assert all(abs(r["planned_over_measured"] - 1) <= 0.10 for r in recipes.values()), recipes

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one run on one H200, at most 8 minutes (the step limits add up to 475 s), every result
+# The prepared GPU check: one run on one H200, at most 9 minutes (the step limits add up to 535 s), every result
 # under one folder. It has never run on a GPU (none was lent while it was written); --dry-run runs its CPU parts.
 #
 #   bash tests/benchmarks/gpu_check.sh [--dry-run] [RESULTS_DIR]     (from anywhere; default: $OUT, else ./gpu_check)
@@ -15,17 +15,21 @@
 #
 # Steps (each has its own time limit, log and line in summary.txt; a failing step does not stop the others,
 # and the exit status is non-zero when any step failed):
-#   1. nvidia_smi.log, environment.log   the GPU, torch / CUDA / cuDNN / triton / diffusers / peft versions
+#   1. nvidia_smi.log, environment.log   the GPU, torch / CUDA / cuDNN / triton / diffusers / peft versions (the
+#                              environment is read by the interpreter check that comes before every step)
 #   2. gpu_tests.log/.xml      the `gpu`-marked tests (pytest -m gpu)
 #   3. attention_sinks.json    attention with sinks per backend: time and max error vs the padded path and an fp32
 #                              reference (one 540p CFG segment, 24 heads of 128, bf16)
 #   4. bench_moe.json          the MoE kernel per config (bf16 and FP8 experts, atomic and deterministic) against
 #                              torch._grouped_mm and a dense bf16 GEMM of equal FLOPs, released shape
 #   5. gpu_block.json          one released-width block in bf16 and with FP8 experts, SDPA flash / cuDNN
-#   6. preview_step.json       one 540p CFG preview step with FP8 experts: time and peak memory, a 4-layer model at
-#                              the released width (40-layer time estimated from per-block times), against the plan
-#   7. memory_plan.json        the memory plan's 540p rows (CPU; the README table's numbers)
-# --dry-run: steps 3-6 at CPU sizes, 1, 2 and 7 skipped, time limits x6 (a shared CPU is slow); the suite runs it
+#   6. preview_step.json       one 540p CFG preview step, a 4-layer model at the released width (40-layer time
+#                              estimated from per-block times): time and peak memory against the plan, for the
+#                              141 GB recipe (FP8 experts) and the 80 GB one (int4 experts, FP8-stored dense weights,
+#                              8,192-token chunks): the 80 GB plan's check on a GPU
+#   7. memory_plan.json        the memory plan's 540p rows (CPU; the README table's numbers; the 80 GB plan,
+#                              bench_memory --gpu_gb 80, traces int4 experts op by op and runs on a CPU instead)
+# --dry-run: steps 3-6 at CPU sizes, 2 and 7 skipped, time limits x6 (a shared CPU is slow); the suite runs it
 # so the script cannot rot. GPU_CHECK_SKIP="name ..." skips steps by name.
 
 set -u -o pipefail
@@ -56,16 +60,26 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-if ! "$PYTHON" -c "import torch, diffusers, diffusers_magi2" > "$RESULTS/preflight.log" 2>&1; then
-    echo "gpu_check: $PYTHON cannot import torch, diffusers and diffusers_magi2 (preflight.log):" >&2
-    tail -n 3 "$RESULTS/preflight.log" >&2
+ENV_PY='import torch, diffusers, diffusers_magi2
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
+print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")
+for mod in ("triton", "diffusers", "peft", "diffusers_magi2"):
+    try:
+        print(mod, getattr(__import__(mod), "__version__", "?"))
+    except ImportError as error:
+        print(mod, "not installed:", error)'
+START=$(date +%s)
+# the interpreter check is the environment step: one import of the package, not two
+if ! timeout --kill-after=10 $(( 30 * LIMIT_SCALE )) "$PYTHON" -c "$ENV_PY" > "$RESULTS/environment.log" 2>&1; then
+    echo "gpu_check: $PYTHON cannot import torch, diffusers and diffusers_magi2 (environment.log):" >&2
+    tail -n 3 "$RESULTS/environment.log" >&2
     echo "  install the missing packages, or carry cp312 wheels and pass WHEELS=dir (see the header)" >&2
     exit 2
 fi
+ENV_SECS=$(( $(date +%s) - START ))
 SUMMARY="$RESULTS/summary.txt"
 : > "$SUMMARY"
 FAILED=0
-START=$(date +%s)
 
 # step NAME LIMIT_SECONDS COMMAND...: run with a time limit, stdout+stderr to NAME.log, one summary line
 step() {
@@ -89,25 +103,20 @@ skip() {
     printf '%-16s %-26s %4ss  %s\n' "$1" "${3:-skipped (dry run)}" 0 "${cmd:0:110}" | tee -a "$SUMMARY"
 }
 
-ENV_PY='import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
-print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")
-for mod in ("triton", "diffusers", "peft", "diffusers_magi2"):
-    try:
-        print(mod, getattr(__import__(mod), "__version__", "?"))
-    except ImportError as error:
-        print(mod, "not installed:", error)'
+environment_line() {
+    printf '%-16s %-26s %4ss  %s\n' environment ok "$ENV_SECS" "$PYTHON -c (versions; environment.log)" | tee -a "$SUMMARY"
+}
 
 if [ "$DRY" -eq 1 ]; then
     SMALL="--small"
     skip nvidia_smi "nvidia-smi"
-    step environment 60 "$PYTHON" -c "$ENV_PY"
+    environment_line
     skip gpu_tests "pytest -m gpu"
     MOE_ARGS=(--tokens 256 --repeats 1 --expert_dtype bf16)
 else
     SMALL=""
     step nvidia_smi 15 nvidia-smi
-    step environment 30 "$PYTHON" -c "$ENV_PY"
+    environment_line
     step gpu_tests 90 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests \
         --junitxml="$RESULTS/gpu_tests.xml" -o console_output_style=classic -rA
     # short CPU part (--tokens, --repeats); the GPU part runs the released shape in both expert dtypes
@@ -116,7 +125,7 @@ fi
 step attention_sinks 50 "$PYTHON" -m tests.benchmarks.bench_attention_sinks $SMALL --out "$RESULTS/attention_sinks.json"
 step bench_moe 100 "$PYTHON" -m tests.benchmarks.bench_moe --out "$RESULTS/bench_moe.json" "${MOE_ARGS[@]}"
 step gpu_block 40 "$PYTHON" -m tests.benchmarks.bench_gpu_block $SMALL --out "$RESULTS/gpu_block.json"
-step preview_step 90 "$PYTHON" -m tests.benchmarks.bench_preview_step $SMALL --out "$RESULTS/preview_step.json"
+step preview_step 150 "$PYTHON" -m tests.benchmarks.bench_preview_step $SMALL --out "$RESULTS/preview_step.json"
 if [ "$DRY" -eq 1 ]; then
     skip memory_plan "python -m tests.benchmarks.bench_memory --quick"
 else

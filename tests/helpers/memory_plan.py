@@ -18,7 +18,7 @@ their allocations (``kernels="cuda"``): attention as a flash-style varlen kernel
 model: output in the compute dtype, an fp32 log-sum-exp per query and head, the sink correction
 ``out * sigmoid(lse - sink)`` one more output), and the routed experts as the fused Triton kernel (the expert op's
 fake: its output only; the deterministic mode adds per-route rows). ``kernels="cpu"`` traces the CPU code of both
-instead: the CPU attention, and the ``torch_grouped`` expert backend op by op (:class:`_CpuKernelsOpByOp`; a custom
+instead: the CPU attention, and the ``torch_grouped`` expert backend op by op (:class:`_ExpertsOpByOp`; a custom
 op hides its temporaries from a dispatch mode). That is the checked mode: on a reduced config the plan equals a
 CPU run's allocator peak within 10 % (``tests/pipelines/test_memory_plan.py``).
 
@@ -57,6 +57,7 @@ from diffusers_magi2.models.transformer_magi2 import DEFAULT_FORWARD_CHUNK_SIZE,
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from diffusers_magi2.moe import experts as moe_experts
 from diffusers_magi2.moe.quantize import FP8_SCALE_NAMES
+from diffusers_magi2.moe.quantize_int4 import INT4_SCALE_NAMES
 from diffusers_magi2.parallel.expert_parallel import ep_head_layout
 from diffusers_magi2.pipelines.decoding_magi2 import WAN22_VAE_CONFIG
 
@@ -241,9 +242,9 @@ class _IndexTensorsStayReal(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class _CpuKernelsOpByOp(TorchDispatchMode):
-    """``kernels="cpu"``: the expert custom op runs its own Python body (with the backend it was called with), so its
-    temporaries are traced op by op."""
+class _ExpertsOpByOp(TorchDispatchMode):
+    """The expert custom op runs its own Python body (with the backend it was called with), so its temporaries are
+    traced op by op (``kernels="cpu"``, and int4 experts, which have no fused GPU kernel)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -308,17 +309,24 @@ def _traced(model: torch.nn.Module, fake_mode: FakeTensorMode, kernels: str, gra
     """The trace's modes around a call of ``model``; yields its :class:`_WeightsCounted` tracker. ``kernel_model``:
     a mode that changes what an op returns, below the tracker (which then sees only what it returns)."""
     tracker = _WeightsCounted(model)
-    op_by_op = _CpuKernelsOpByOp() if kernels == "cpu" else contextlib.nullcontext()
+    op_by_op = _ExpertsOpByOp() if kernels == "cpu" or _int4_experts(model) else contextlib.nullcontext()
     kernel_model = kernel_model or contextlib.nullcontext()
     with torch.set_grad_enabled(grad), _IndexTensorsStayReal(fake_mode), kernel_model, tracker, op_by_op:
         yield tracker
 
 
+def _int4_experts(model: torch.nn.Module) -> bool:
+    return getattr(model.config, "expert_dtype", None) == "int4"
+
+
 def _set_kernels(model: torch.nn.Module, kernels: str) -> None:
-    """The kernels the trace models, chosen on the traced instance with the models' own switches."""
+    """The kernels the trace models, chosen on the traced instance with the models' own switches: on the GPU flash
+    attention and the fused expert kernel, except for int4 experts, which run a torch path there (traced as
+    ``torch_grouped``, the path without host reads: an upper bound of ``torch``, which "auto" picks, as it keeps
+    one expert's rows at a time where ``torch_grouped`` keeps a head's); on the CPU the CPU code."""
     if kernels == "cuda":
         model.set_attn_processor(_FlashAttentionAllocations())
-    elif hasattr(model, "set_moe_backend"):
+    if (kernels == "cpu" or _int4_experts(model)) and hasattr(model, "set_moe_backend"):
         model.set_moe_backend("torch_grouped")
 
 
@@ -351,7 +359,7 @@ def _module_bytes(module: torch.nn.Module) -> int:
 
 
 _EXPERT_TENSORS = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema") + tuple(
-    FP8_SCALE_NAMES
+    FP8_SCALE_NAMES + INT4_SCALE_NAMES
 )
 
 

@@ -1,7 +1,8 @@
 """FP8 storage for the dense weights (diffusers' ``enable_layerwise_casting``) beside quantised routed experts: the
 80 GB recipe's transformer. The casting stores every dense projection (attention, dense MLP, shared experts,
 split/merge) in FP8 and runs it in bf16; the fp32 islands and the quantised expert banks and their scales are left
-as they are; at the released size on meta the weights shrink by the dense bytes' half."""
+as they are; at the released size on meta the weights shrink by the dense bytes' half (int4 experts: 66.7 -> 61.6 GB,
+within the 64 GB the 80 GB plan allows)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 
 
 FP8 = torch.float8_e4m3fn
-QUANTISED = ["float8_e4m3fn"]
+QUANTISED = ["float8_e4m3fn", "int4"]
+#: int4 at group 32 on the tiny model (its MoE heads are 32 wide); the released size keeps the default 128.
+TINY_INT4 = {"expert_int4_group_size": 32}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -33,7 +36,8 @@ def _expert_tensors(model) -> dict:
 @pytest.mark.parametrize("expert_dtype", QUANTISED)
 def test_layerwise_casting_stores_the_dense_weights_in_fp8_and_leaves_quantised_experts_alone(expert_dtype):
     torch.manual_seed(0)
-    model = Magi2Transformer3DModel(**TINY, params_dtype=torch.bfloat16, expert_dtype=expert_dtype).eval()
+    extra = TINY_INT4 if expert_dtype == "int4" else {}
+    model = Magi2Transformer3DModel(**TINY, **extra, params_dtype=torch.bfloat16, expert_dtype=expert_dtype).eval()
     experts = {n: t.clone() for n, t in _expert_tensors(model).items()}
     islands = {n: t.clone() for n, t in model.state_dict().items() if model.is_fp32_island(n)}
     with torch.no_grad():
@@ -87,3 +91,5 @@ def test_released_size_with_fp8_storage_for_the_dense_weights_on_meta(expert_dty
     assert stored["dense"] * 2 == before["dense"]  # bf16 -> FP8, every dense weight
     assert stored["experts"] == before["experts"] and stored["fp32 islands"] == before["fp32 islands"]
     assert before["dense"] > 10e9
+    if expert_dtype == "int4":  # the 80 GB recipe's transformer
+        assert sum(before.values()) <= 70e9 and total <= 64e9

@@ -161,11 +161,11 @@ TRAIN_VIDEO = (2, 8, 16)  # latent T, H, W of the training sample
 
 
 def test_lora_training_step_plan_matches_the_measured_cpu_peak_within_10_percent():
-    # examples/train_lora.py's add_lora and training_loss (at sigma 0.5), checkpointed, FP8 experts
+    # examples/train_lora.py's add_lora and training_loss (at sigma 0.5), checkpointed, int4 experts
     script = load_train_script()
-    expert_dtype = "float8_e4m3fn"
+    expert_dtype, config = "int4", {**REDUCED, "expert_int4_group_size": 32}  # (MoE heads 64 wide)
     torch.manual_seed(0)
-    model = Magi2Transformer3DModel(**REDUCED, params_dtype=torch.bfloat16, expert_dtype=expert_dtype)
+    model = Magi2Transformer3DModel(**config, params_dtype=torch.bfloat16, expert_dtype=expert_dtype)
     args = argparse.Namespace(targets=["linear_qkv", "linear_proj"], rank=4, alpha=None, gradient_checkpointing=True)
     lora = list(script.add_lora(model, args).values())
     model.set_moe_backend("torch_grouped")
@@ -189,7 +189,7 @@ def test_lora_training_step_plan_matches_the_measured_cpu_peak_within_10_percent
     plan = trace_lora_training_step(
         TRAIN_VIDEO,
         expert_dtype,
-        transformer_config=REDUCED,
+        transformer_config=config,
         text_tokens=32,
         audio_tokens=16,
         rank=4,
