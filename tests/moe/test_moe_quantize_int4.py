@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.int4_reference import plain_quantize_int4
 
 from diffusers_magi2.moe.dequantize import dequantize_bank, dequantize_expert
 from diffusers_magi2.moe.quantize import EXPERT_DTYPES, parse_expert_dtype
@@ -101,10 +102,29 @@ def test_quantize_and_dequantize_match_a_loop_and_the_packing_layout() -> None:
     assert (group_error(got) <= group_error(plain) * (1 + 1e-6)).all()
 
 
-def test_quantize_is_chunk_independent() -> None:
-    w = torch.randn(5, 16, 4, generator=torch.Generator().manual_seed(1))
-    whole, chunked = quantize_int4(w, 8, chunk_rows=64), quantize_int4(w, 8, chunk_rows=2)
-    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+def test_quantize_equals_the_plain_bucketize_form_bit_for_bit_whatever_the_chunk_and_threads() -> None:
+    """Against ``torch.bucketize`` over the midpoints and ``torch.where`` per candidate, on weights that sit exactly on
+    midpoints and levels, repeat (ties between candidates), span 1e-30 to 1e30, or are zero groups."""
+    gen = torch.Generator().manual_seed(1)
+    levels = torch.tensor(NF4_LEVELS)
+    midpoints = (levels[1:] + levels[:-1]) / 2
+    w = torch.randn(6, 32, 40, generator=gen) * 0.02
+    w[0, :, :8] = levels[torch.randint(0, 16, (32, 8), generator=gen)] * 0.5
+    w[0, ::16, :8] = 0.5  # amax = 0.5 = s, kept (levels fit): W / s lands exactly on the levels and the midpoints
+    w[0, 5::16, :8] = midpoints[torch.randint(0, 15, (2, 8), generator=gen)] * 0.5
+    w[1, :, :8] = torch.randint(-2, 3, (32, 8), generator=gen).float()  # few values: equal errors across candidates
+    w[2] *= torch.logspace(-30, 30, 40).view(1, 40)
+    w[3, :16] = 0.0
+    want = plain_quantize_int4(w, 16)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, chunk_size in [(1, None), (1, 16 * 40), (1, 7 * 16 * 40), (2, 3 * 16 * 40)]:
+            torch.set_num_threads(num_threads)
+            got = quantize_int4(w, 16, chunk_size)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (num_threads, chunk_size)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(quantize_int4(w.bfloat16(), 8)[0], plain_quantize_int4(w.bfloat16(), 8)[0])
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
@@ -116,7 +136,7 @@ def test_a_non_finite_weight_is_refused_naming_tensor_expert_row_and_column(valu
         r"column 1: its int4 group scale"
     )
     with pytest.raises(ValueError, match=match):
-        quantize_int4(w, 4, chunk_rows=2, name="W_down", num_experts=4)
+        quantize_int4(w, 4, 8, name="W_down", num_experts=4)
 
 
 @pytest.mark.parametrize(
