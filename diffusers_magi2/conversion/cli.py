@@ -5,8 +5,9 @@ Examples::
     # whole release, bf16 output, 5 GB shards
     magi2-convert --checkpoint_root /ckpt --output_path MAGI-2-preview-diffusers --dtype bf16
 
-    # the same with FP8 routed experts (one-GPU repo)
+    # the same with FP8 routed experts (one-GPU repo), or 4-bit ones (one 80 GB GPU)
     magi2-convert --checkpoint_root /ckpt --output_path MAGI-2-preview-fp8 --dtype bf16 --expert_dtype fp8_e4m3
+    magi2-convert --checkpoint_root /ckpt --output_path MAGI-2-preview-int4 --dtype bf16 --expert_dtype int4
 
     # only the transformer, from its own folder and config; plan only
     magi2-convert --preview_dir /ckpt/preview --config magi2_preview.json \\
@@ -49,6 +50,17 @@ class _OneLineArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``magi2-convert`` (imports neither torch nor the converter)."""
     p = _OneLineArgumentParser(
@@ -89,7 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--expert_dtype",
         choices=tuple(EXPERT_DTYPE_CHOICES),
         default=None,
-        help="store the transformer's routed experts in FP8 e4m3 with fp32 scales (default: as --dtype)",
+        help="store the transformer's routed experts in FP8 e4m3 with fp32 scales, or as int4 (NF4 codes with bf16 "
+        "scales per group of --expert_int4_group_size rows) (default: as --dtype)",
+    )
+    p.add_argument(
+        "--expert_int4_group_size",
+        type=_positive_int,
+        default=None,
+        help="with --expert_dtype int4: rows of each expert matrix's contraction dim per scale (default: 128)",
     )
     p.add_argument("--max_shard_size", default="5GB", help="output shard size limit, e.g. 5GB, 500MB (default: 5GB)")
     p.add_argument(
@@ -159,6 +178,7 @@ def request_from_args(args: argparse.Namespace, log=print):
         config=args.config,
         dtype=args.dtype,
         expert_dtype=args.expert_dtype,
+        expert_int4_group_size=args.expert_int4_group_size,
         max_shard_size=parse_size(args.max_shard_size),
         overwrite=args.overwrite,
         dry_run=args.dry_run,

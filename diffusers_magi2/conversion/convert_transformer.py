@@ -2,9 +2,11 @@
 
 Config, meta model and key plan are the loader's (:mod:`diffusers_magi2.loaders.original_checkpoint`); this
 module adds the output layout and the streaming write, one source shard at a time into pre-sized output shards
-(:class:`~diffusers_magi2.utils.safetensors_io.ShardWriter`). With ``expert_dtype="float8_e4m3fn"`` the routed
-experts are cast, quantized (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`) and written with their scales,
-and ``config.json`` records ``expert_dtype`` (bit for bit what quantize-at-load gives).
+(:class:`~diffusers_magi2.utils.safetensors_io.ShardWriter`). With ``expert_dtype="float8_e4m3fn"`` or ``"int4"``
+the routed experts are cast, quantized a chunk of rows at a time (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`,
+:func:`~diffusers_magi2.moe.quantize_int4.quantize_int4`) and written with their scales, and ``config.json`` records
+``expert_dtype`` (with int4 also ``expert_int4_group_size`` and ``expert_int4_packing``): bit for bit what
+quantize-at-load gives.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from typing import Callable
 
 import torch
 
-from ..loaders.fp8_experts import expert_bank_names
 from ..loaders.key_plan import KeyPlan, build_key_plan, read_source_checkpoint
 from ..loaders.original_checkpoint import (
     build_meta_model,
@@ -25,7 +26,16 @@ from ..loaders.original_checkpoint import (
     expected_specs_from_model,
     original_format,
 )
-from ..moe.quantize import EXPERT_DTYPES, INT4, parse_expert_dtype, quantize_fp8
+from ..loaders.quantized_experts import expert_bank_names
+from ..moe.quantize import EXPERT_DTYPES, FP8_SCALE_NAMES, INT4, parse_expert_dtype, quantize_fp8
+from ..moe.quantize_int4 import (
+    INT4_GROUP_SIZE,
+    INT4_PACKING,
+    INT4_SCALE_NAMES,
+    check_int4_banks,
+    int4_shapes,
+    quantize_int4,
+)
 from ..utils.safetensors_io import (
     DTYPE_ITEMSIZE,
     DTYPE_TO_TORCH,
@@ -89,7 +99,9 @@ class PreparedTransformer:
         model: the meta model (for ``save_config``).
         layouts: the output shard layouts.
         config_label: where the SandAI config came from.
-        fp8_banks: the banks written in FP8 (each with a ``_scale``).
+        quantized_banks: the banks written quantized, each with its scale (``expert_dtype``).
+        expert_dtype: ``None``, ``"float8_e4m3fn"`` or ``"int4"``.
+        int4_group_size: int4 experts: rows of the contraction dim per scale.
     """
 
     target: TransformerTarget
@@ -97,7 +109,9 @@ class PreparedTransformer:
     model: torch.nn.Module
     layouts: list[ShardLayout]
     config_label: str
-    fp8_banks: frozenset = frozenset()
+    quantized_banks: frozenset = frozenset()
+    expert_dtype: str | None = None
+    int4_group_size: int = INT4_GROUP_SIZE
 
     def describe(self) -> str:
         """Key plan plus output shard layout (the ``--dry_run`` report for this component)."""
@@ -105,9 +119,14 @@ class PreparedTransformer:
             f"[{self.target.component}] {self.target.class_name} from {self.plan.source_dir} ({self.config_label})"
         ]
         lines.append(self.plan.describe())
-        if self.fp8_banks:
+        if self.quantized_banks and self.expert_dtype == INT4:
             lines.append(
-                f"routed experts in FP8 (float8_e4m3fn): {len(self.fp8_banks)} banks, each with an fp32 _scale"
+                f"routed experts in int4 (NF4, group size {self.int4_group_size}): {len(self.quantized_banks)} banks, "
+                "each with a bf16 _group_scale"
+            )
+        elif self.quantized_banks:
+            lines.append(
+                f"routed experts in FP8 (float8_e4m3fn): {len(self.quantized_banks)} banks, each with an fp32 _scale"
             )
         total = sum(lay.data_size for lay in self.layouts)
         lines.append(f"output {self.target.component}/: {len(self.layouts)} shard(s), {total} bytes of tensor data")
@@ -125,6 +144,7 @@ def prepare_transformer_conversion(
     max_shard_size: int = 5 * 10**9,
     check_data: bool = True,
     expert_dtype: str | None = None,
+    expert_int4_group_size: int = INT4_GROUP_SIZE,
 ) -> PreparedTransformer:
     """Validate a SandAI transformer/refiner checkpoint and lay out its output (headers only).
 
@@ -135,47 +155,66 @@ def prepare_transformer_conversion(
         dtype: ``"keep"``, ``"bf16"`` or ``"fp32"`` (fp32 islands always stay fp32).
         max_shard_size: output shard data size limit in bytes.
         check_data: require each shard's data (``False`` for dry runs on header-only stubs).
-        expert_dtype: ``None`` (experts as ``dtype``) or ``"float8_e4m3fn"`` (FP8 routed experts + scales).
+        expert_dtype: ``None`` (experts as ``dtype``), ``"float8_e4m3fn"`` (FP8 routed experts + fp32 scales) or
+            ``"int4"`` (NF4 codes + bf16 group scales, :mod:`diffusers_magi2.moe.quantize_int4`).
+        expert_int4_group_size: int4 experts: rows of each expert matrix's contraction dim per scale.
 
     Raises:
         CheckpointValidationError: every problem found, listed together.
-        ValueError: bad arguments (``expert_dtype`` outside ``(None, "float8_e4m3fn")``: ``"int4"`` is not converted
-            yet; or FP8 experts for a model without routed experts) or a config without the needed section.
+        ValueError: bad arguments (``expert_dtype`` outside ``(None, "float8_e4m3fn", "int4")``, quantized experts
+            for a model without routed experts, an int4 group size that does not divide the MoE head width or the
+            expert width, naming ``expert_int4_group_size``) or a config without the needed section; all before
+            any weight is read.
     """
     if component not in TRANSFORMER_TARGETS:
         raise ValueError(f"component must be one of {sorted(TRANSFORMER_TARGETS)}, got {component!r}")
-    if parse_expert_dtype(expert_dtype) == INT4:
-        raise ValueError(
-            "expert_dtype='int4': converting to 4-bit routed experts is not supported yet; convert with "
-            "expert_dtype=None or 'float8_e4m3fn'"
-        )
-    fp8 = parse_expert_dtype(expert_dtype) is not None
+    storage = parse_expert_dtype(expert_dtype)
     target = TRANSFORMER_TARGETS[component]
     cls = target.model_class()
     fmt = original_format(cls)
     cfg, label = fmt.resolve_config(config)
     model = build_meta_model(cls, fmt.model_kwargs(cfg))
+    banks = expert_bank_names(model) if storage is not None else {}
+    if storage is not None and not banks:
+        raise ValueError(f"expert_dtype applies to routed experts; the {component} ({cls.__name__}) has none")
+    if storage == INT4:
+        moe = next(iter(banks.values()))[0]
+        check_int4_banks(moe.head_dim, moe.expert_intermediate_size, expert_int4_group_size, "expert_int4_group_size")
     expected = expected_specs_from_model(model, TORCH_TO_DTYPE[fmt.params_dtype(cfg)])
     source = read_source_checkpoint(source_dir, check_data=check_data)
     plan = build_key_plan(
         source, expected, dtype=dtype, context=f"checked against {label}", hint=config_hint(source_dir, config)
     )
-    fp8_banks = frozenset(expert_bank_names(model)) if fp8 else frozenset()
-    if fp8 and not fp8_banks:
-        raise ValueError(f"expert_dtype applies to routed experts; the {component} ({cls.__name__}) has none")
     outputs = []
     for t in plan.output_tensors():
-        if t.name in fp8_banks:
+        if t.name not in banks:
+            outputs.append(t)
+        elif storage == INT4:
+            packed_shape, scale_shape = int4_shapes(t.shape, expert_int4_group_size)
             outputs += [
-                OutputTensor(t.name, "F8_E4M3", t.shape),
-                OutputTensor(f"{t.name}_scale", "F32", (t.shape[0], t.shape[2])),
+                OutputTensor(t.name, "U8", packed_shape),
+                OutputTensor(_scale_key(t.name, INT4), "BF16", scale_shape),
             ]
         else:
-            outputs.append(t)
+            outputs += [
+                OutputTensor(t.name, "F8_E4M3", t.shape),
+                OutputTensor(_scale_key(t.name, storage), "F32", (t.shape[0], t.shape[2])),
+            ]
     layouts = plan_shards(outputs, max_shard_size, WEIGHTS_NAME)
-    if fp8:
-        model.register_to_config(expert_dtype=EXPERT_DTYPES[1])  # saved with the config: the repo loads as FP8
-    return PreparedTransformer(target, plan, model, layouts, label, fp8_banks)
+    stored_as = None if storage is None else INT4 if storage == INT4 else EXPERT_DTYPES[1]  # the config's name
+    if stored_as is not None:  # saved with the config: the repo loads with these experts
+        int4 = {"expert_int4_group_size": expert_int4_group_size, "expert_int4_packing": INT4_PACKING}
+        model.register_to_config(expert_dtype=stored_as, **(int4 if stored_as == INT4 else {}))
+    return PreparedTransformer(
+        target, plan, model, layouts, label, frozenset(banks), stored_as, expert_int4_group_size
+    )
+
+
+def _scale_key(bank_name: str, storage) -> str:
+    """The state-dict name of a quantized bank's scale (``W_gate`` -> ``W_gate_scale`` or ``W_gate_group_scale``)."""
+    prefix, bank = bank_name.rsplit(".", 1)
+    names = INT4_SCALE_NAMES if storage == INT4 else FP8_SCALE_NAMES
+    return f"{prefix}.{names[('W_gate', 'W_up', 'W_down').index(bank)]}"
 
 
 def write_transformer(
@@ -223,8 +262,9 @@ def write_transformer(
                     ):
                         raise ValueError(f"{path}: {e.source_key} changed since it was validated")
                     start = header.data_start + info.data_offsets[0]
-                    if e.target_key in prepared.fp8_banks:
-                        _write_fp8_bank(writer, e, fd, start, chunk_bytes, experts[e.target_key][0].num_experts)
+                    if e.target_key in prepared.quantized_banks:
+                        quantize = _bank_quantizer(prepared, e, experts[e.target_key][0].num_experts)
+                        _write_quantized_bank(writer, e, fd, start, chunk_bytes, quantize, prepared.expert_dtype)
                     elif e.source_dtype == e.target_dtype:  # stored bytes are the output bytes
                         writer.copy_bytes(e.target_key, fd, start, info.nbytes)
                     else:
@@ -236,14 +276,26 @@ def write_transformer(
     return out_folder
 
 
-def _write_fp8_bank(writer: ShardWriter, entry, fd: int, start: int, chunk_bytes: int, num_experts: int) -> None:
-    """Quantize one expert bank ``[R, K, N]`` chunk of rows by chunk of rows: FP8 rows, then their fp32 scales
+def _bank_quantizer(prepared: PreparedTransformer, entry, num_experts: int) -> Callable:
+    """``rows [n, K, N], first -> (stored rows, their scales)`` for one bank (messages name the source tensor)."""
+    name = f"{entry.source_file}: {entry.source_key}"
+    if prepared.expert_dtype == INT4:
+        group = prepared.int4_group_size
+        return lambda rows, first: quantize_int4(rows, group, name=name, first_row=first, num_experts=num_experts)
+    return lambda rows, first: quantize_fp8(rows, name=name, first_row=first, num_experts=num_experts)
+
+
+def _write_quantized_bank(
+    writer: ShardWriter, entry, fd: int, start: int, chunk_bytes: int, quantize, storage
+) -> None:
+    """Quantize one expert bank ``[R, K, N]`` chunk of rows by chunk of rows: the stored rows, then their scales
     (``ValueError`` naming the source tensor, expert and column of a non-finite weight)."""
     rows, row_elems = entry.shape[0], entry.shape[1] * entry.shape[2]
     row_bytes = row_elems * DTYPE_ITEMSIZE[entry.source_dtype]
     step = max(1, min(rows, chunk_bytes // row_bytes))
     buf = bytearray(step * row_bytes)
     source = torch.frombuffer(buf, dtype=DTYPE_TO_TORCH[entry.source_dtype]).view(step, *entry.shape[1:])
+    scale_key = _scale_key(entry.target_key, storage)
     for first in range(0, rows, step):
         n = min(step, rows - first)
         view, got = memoryview(buf)[: n * row_bytes], 0
@@ -252,11 +304,6 @@ def _write_fp8_bank(writer: ShardWriter, entry, fd: int, start: int, chunk_bytes
             if read == 0:
                 raise ValueError(f"{entry.source_key}: source ended early")
             got += read
-        q, scale = quantize_fp8(
-            source[:n].to(DTYPE_TO_TORCH[entry.target_dtype]),
-            name=f"{entry.source_file}: {entry.source_key}",
-            first_row=first,
-            num_experts=num_experts,
-        )
-        writer.write_chunk(entry.target_key, q)
-        writer.write_chunk(f"{entry.target_key}_scale", scale)
+        stored, scale = quantize(source[:n].to(DTYPE_TO_TORCH[entry.target_dtype]), first)
+        writer.write_chunk(entry.target_key, stored)
+        writer.write_chunk(scale_key, scale)

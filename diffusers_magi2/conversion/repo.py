@@ -63,7 +63,9 @@ class ConversionRequest:
         inputs: component -> source path (all but ``scheduler``).
         config: SandAI JSON for ``transformer``/``refiner`` (``None``: the released configs).
         dtype: ``"keep"``, ``"bf16"`` or ``"fp32"`` (fp32 islands stay fp32).
-        expert_dtype: ``None`` or ``"fp8_e4m3"``: the routed experts in FP8 with fp32 scales.
+        expert_dtype: ``None``, ``"fp8_e4m3"`` (the routed experts in FP8 with fp32 scales) or ``"int4"`` (NF4
+            codes with bf16 group scales).
+        expert_int4_group_size: with ``expert_dtype="int4"``: rows of the contraction dim per scale (``None``: 128).
         max_shard_size: output shard size limit in bytes.
         overwrite: replace an existing non-empty ``OUT``.
         dry_run: validate and print the plan only.
@@ -77,6 +79,7 @@ class ConversionRequest:
     config: Path | None = None
     dtype: str = "keep"
     expert_dtype: str | None = None
+    expert_int4_group_size: int | None = None
     max_shard_size: int = 5 * 10**9
     overwrite: bool = False
     dry_run: bool = False
@@ -182,6 +185,10 @@ def _check_request(req: ConversionRequest) -> None:
         problems.append(
             "--expert_dtype applies to the transformer's routed experts (the refiner has none); the transformer is not converted"
         )
+    if req.expert_int4_group_size is not None and req.expert_dtype != "int4":
+        problems.append(
+            f"--expert_int4_group_size applies to --expert_dtype int4; got --expert_dtype {req.expert_dtype}"
+        )
     for comp in req.components:
         if comp == "scheduler" or comp not in ALL_COMPONENTS:
             continue
@@ -230,6 +237,7 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
                 max_shard_size=req.max_shard_size,
                 check_data=not req.dry_run,
                 expert_dtype=EXPERT_DTYPE_CHOICES.get(req.expert_dtype) if comp == "transformer" else None,
+                **({"expert_int4_group_size": req.expert_int4_group_size} if req.expert_int4_group_size else {}),
             )
         except CheckpointValidationError as err:
             failures[comp] = err

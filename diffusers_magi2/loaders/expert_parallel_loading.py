@@ -4,7 +4,8 @@ only this rank's routed experts.
 It is diffusers' ``ModelMixin.from_pretrained`` with one step changed: on the meta model every
 ``Magi2MultiHeadMoE`` becomes its local-size twin (this rank's heads), and the shards reach diffusers' loader
 through :class:`RowShardedShards`, cut to this rank's rows (:data:`EP_SHARDED_SUFFIXES`), so no rank allocates
-another's experts. FP8 experts load in a step of their own (:mod:`diffusers_magi2.loaders.fp8_experts`) after the cut.
+another's experts. Quantized (FP8 or int4) experts load in a step of their own
+(:mod:`diffusers_magi2.loaders.quantized_experts`) after the cut.
 
 Rows: an EP-sharded tensor is ``[H E, ...]`` (row ``h E + e``); rank ``r`` keeps rows ``[local_head_start E,
 +local_num_heads E)``, zero past ``H E`` (SandAI's per-rank loading rule). From a safetensors file the rows are read
@@ -44,7 +45,7 @@ from ..utils.safetensors_io import (
     read_safetensors_header,
     take_rows,
 )
-from .fp8_experts import FP8ExpertShards, plan_fp8_expert_loading
+from .quantized_experts import QuantizedExpertShards, check_quantized_expert_arguments, plan_quantized_expert_loading
 
 
 __all__ = [
@@ -287,13 +288,17 @@ class ExpertParallelLoaderMixin:
         Raises:
             ValueError: EP set-up errors, ranks disagreeing, missing keys, an EP tensor without
                 ``num_heads * num_experts`` rows, a missing/truncated/corrupt shard (named, before the model is
-                built), an unsupported loading option, the FP8 checks of ``plan_fp8_expert_loading``.
+                built; so too with quantized experts), an unsupported loading option, the checks of
+                ``plan_quantized_expert_loading`` and ``check_quantized_expert_arguments``.
         """
+        quantized = check_quantized_expert_arguments(pretrained_model_name_or_path, kwargs)
         expert_parallel = kwargs.pop("expert_parallel", None)
+        if expert_parallel is not None:
+            _check_load_kwargs(kwargs)
+        if expert_parallel is not None or quantized:  # (diffusers reads a single-file checkpoint before any hook)
+            _check_local_shards(pretrained_model_name_or_path, kwargs)
         if expert_parallel is None:
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        _check_load_kwargs(kwargs)
-        _check_local_shards(pretrained_model_name_or_path, kwargs)
         token = _LOADING_EP_GROUP.set(resolve_expert_parallel(expert_parallel))
         try:
             with moe_tensors_on_meta():  # the full-size MoE layers diffusers builds are never allocated
@@ -304,13 +309,8 @@ class ExpertParallelLoaderMixin:
     @classmethod
     def _load_pretrained_model(cls, model, state_dict, resolved_model_file, *args, **kwargs):
         # diffusers 0.42's per-shard loading step: the hook point (the model is built on meta, the files resolved).
-        # Expert parallelism cuts the shards to this rank's rows first; FP8 experts then take their tensors out of
-        # each (already cut) shard (:mod:`diffusers_magi2.loaders.fp8_experts`).
-        if any(m.int4_experts for _, m in _moe_modules(model)):
-            raise ValueError(
-                "expert_dtype='int4': loading 4-bit routed experts from a checkpoint (an int4 repo, or quantizing a "
-                "bf16 repo at load) is not supported yet; load with expert_dtype=None or 'float8_e4m3fn'"
-            )
+        # Expert parallelism cuts the shards to this rank's rows first; quantized experts then take their tensors
+        # out of each (already cut) shard (:mod:`diffusers_magi2.loaders.quantized_experts`).
         ep = _LOADING_EP_GROUP.get()
         if ep is not None:
             fingerprint = {
@@ -319,7 +319,7 @@ class ExpertParallelLoaderMixin:
                 "dtype": str(kwargs.get("dtype")),
             }
             check_same_on_all_ranks(fingerprint, ep, "checkpoint or config")
-        _, filled = plan_fp8_expert_loading(model, state_dict, resolved_model_file)  # headers only
+        _, filled = plan_quantized_expert_loading(model, state_dict, resolved_model_file)  # headers only
         if ep is not None and ep.size > 1:
             _swap_in_local_moes(model, ep)
             plan = ep_row_plan(model)
@@ -330,9 +330,9 @@ class ExpertParallelLoaderMixin:
             resolved_model_file = RowShardedShards(files if use_files else [state_dict], plan)
             state_dict = None
             kwargs["is_parallel_loading_enabled"] = False  # one shard at a time, this rank's rows only
-        if any(m.fp8_experts for _, m in _moe_modules(model)):
+        if any(m.expert_scale_names for _, m in _moe_modules(model)):
             shards = [state_dict] if state_dict is not None else resolved_model_file
-            resolved_model_file, state_dict = FP8ExpertShards(shards, model, kwargs.get("device_map")), None
+            resolved_model_file, state_dict = QuantizedExpertShards(shards, model, kwargs.get("device_map")), None
             kwargs["is_parallel_loading_enabled"] = False  # tensors are placed by this loader, one shard at a time
             if filled:  # scales computed while reading count as loaded (no "newly initialized" warning)
                 if "loaded_keys" in kwargs:

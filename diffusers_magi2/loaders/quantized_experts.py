@@ -1,14 +1,22 @@
-"""FP8 routed experts through diffusers' loading: a saved FP8 repo stays FP8, a bf16 repo is quantized while read.
+"""Quantized routed experts through diffusers' loading (FP8 and int4): a saved quantized repo loads as stored, a bf16
+repo is quantized while read.
 
-diffusers 0.42 casts every floating checkpoint tensor to the load dtype, so with FP8 experts the routed-expert
-tensors take this path (the rest stays diffusers'): FP8 banks are placed as stored with their fp32 scales, floating
-banks are quantized (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`) as each shard is read, so the full-precision
-model never exists (peak: the FP8 model plus one shard). :func:`plan_fp8_expert_loading` checks the headers first.
+diffusers 0.42 casts every floating checkpoint tensor to the load dtype, so with quantized experts the routed-expert
+tensors take this path (the rest stays diffusers'): stored banks are placed as they are with their scales (FP8:
+``float8_e4m3fn`` with fp32 ``W_*_scale``; int4: ``uint8`` codes with bf16 ``W_*_group_scale``), floating banks are
+quantized (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`,
+:func:`~diffusers_magi2.moe.quantize_int4.quantize_int4`) as each shard is read, so the full-precision model never
+exists (peak: the quantized model plus one shard). :func:`plan_quantized_expert_loading` checks the headers first,
+before any tensor is read: a stored int4 bank must come with group scales of the model's group size, and a scale
+of another group size names the config key ``expert_int4_group_size``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Union
 
 import torch
@@ -16,10 +24,16 @@ import torch.nn as nn
 
 from ..moe.layer import Magi2MultiHeadMoE
 from ..moe.quantize import FP8_DTYPE, quantize_fp8
-from ..utils.safetensors_io import DTYPE_TO_TORCH, read_safetensors_header
+from ..moe.quantize_int4 import INT4_PACKED_DTYPE, INT4_SCALE_DTYPE, int4_shapes, quantize_int4
+from ..utils.safetensors_io import DTYPE_TO_TORCH, check_safetensors_file, read_safetensors_header
 
 
-__all__ = ["FP8ExpertShards", "expert_bank_names", "plan_fp8_expert_loading"]
+__all__ = [
+    "QuantizedExpertShards",
+    "check_quantized_expert_arguments",
+    "expert_bank_names",
+    "plan_quantized_expert_loading",
+]
 
 _BANKS = ("W_gate", "W_up", "W_down")
 
@@ -34,10 +48,53 @@ def expert_bank_names(model: nn.Module) -> dict[str, tuple[Magi2MultiHeadMoE, st
     }
 
 
+def _scale_name(bank_name: str, module: Magi2MultiHeadMoE, bank: str) -> str:
+    """The state-dict name of ``bank_name``'s scale in ``module``'s expert storage."""
+    return f"{bank_name.rsplit('.', 1)[0]}.{module.expert_scale_names[_BANKS.index(bank)]}"
+
+
+def _full_shape(module: Magi2MultiHeadMoE, bank: str) -> tuple[int, int, int]:
+    """``[H E, K, N]`` of an unquantized bank of ``module`` (all heads)."""
+    rows, dh, de = module.num_heads * module.num_experts, module.head_dim, module.expert_intermediate_size
+    return (rows, de, dh) if bank == "W_down" else (rows, dh, de)
+
+
+def check_quantized_expert_arguments(pretrained_model_name_or_path: Union[str, os.PathLike], kwargs: Mapping) -> bool:
+    """Check ``from_pretrained``'s int4 arguments against a local repo's ``config.json``: an
+    ``expert_int4_group_size`` or ``expert_int4_packing`` other than an int4 repo records would reinterpret its codes
+    (a Hub repo's scales are checked from their shapes, :func:`plan_quantized_expert_loading`).
+
+    Returns:
+        whether the routed experts load quantized (``expert_dtype`` passed, or the local config's).
+
+    Raises:
+        ValueError: naming the config key, the repo's value and the one passed.
+    """
+    path = Path(pretrained_model_name_or_path) / (kwargs.get("subfolder") or "") / "config.json"
+    saved = {}
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            saved = {}  # diffusers' own config loading names the problem
+    saved = saved if isinstance(saved, dict) else {}
+    expert_dtype = kwargs.get("expert_dtype", saved.get("expert_dtype"))
+    if saved.get("expert_dtype") == "int4" and expert_dtype == "int4":
+        for key in ("expert_int4_group_size", "expert_int4_packing"):
+            if key in kwargs and key in saved and kwargs[key] != saved[key]:
+                raise ValueError(
+                    f"{key}={kwargs[key]!r}: the routed experts of {path.parent} were written as int4 with "
+                    f"{key}={saved[key]!r} (its config.json), and their codes and scales cannot be read otherwise; "
+                    f"drop the argument, or quantize a bf16 repo with expert_dtype='int4', {key}={kwargs[key]!r}"
+                )
+    return expert_dtype is not None
+
+
 def _tensor_infos(
     state_dict: Mapping[str, torch.Tensor] | None, files: Sequence[Any], strict: bool
 ) -> dict[str, tuple[torch.dtype, tuple]]:
-    """``{name: (dtype, shape)}`` of the checkpoint, from ``state_dict`` or the safetensors headers of ``files``."""
+    """``{name: (dtype, shape)}`` of the checkpoint, from ``state_dict`` or the safetensors headers of ``files``
+    (``strict``: every file must be safetensors and hold every tensor's bytes)."""
     if state_dict is not None:
         return {k: (v.dtype, tuple(v.shape)) for k, v in state_dict.items()}
     infos = {}
@@ -47,20 +104,101 @@ def _tensor_infos(
             continue
         if not str(f).endswith(".safetensors"):
             if strict:
-                raise ValueError(f"routed experts in FP8 load from safetensors checkpoints; got {f}")
-            continue  # a model without FP8 experts: nothing to check in a pickled checkpoint
-        for name, t in read_safetensors_header(f).tensors.items():
+                raise ValueError(f"quantized routed experts load from safetensors checkpoints; got {f}")
+            continue  # a model without quantized experts: nothing to check in a pickled checkpoint
+        if strict:
+            check_safetensors_file(f)  # a truncated shard names the tensors cut off
+        header = read_safetensors_header(f)
+        for name, t in header.tensors.items():
             infos[name] = (DTYPE_TO_TORCH[t.dtype], tuple(t.shape))
     return infos
 
 
-def plan_fp8_expert_loading(
+def _describe(dtype: torch.dtype, shape) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+
+
+def _check_fp8_bank(name: str, scale_name: str, dtype, shape, expected, infos) -> bool:
+    """Whether FP8 bank ``name`` is quantized while read (``False``: stored FP8, its scale checked)."""
+    if shape != expected:
+        raise ValueError(f"{name}: checkpoint shape {list(shape)}, the model expects {list(expected)}")
+    expected_scale = (expected[0], expected[2])
+    if dtype == FP8_DTYPE:
+        if scale_name not in infos:
+            raise ValueError(
+                f"{name} is FP8 but the checkpoint has no {scale_name} (its fp32 scale "
+                f"{list(expected_scale)}, one per expert and output channel)"
+            )
+        scale_dtype, scale_shape = infos[scale_name]
+        if scale_shape != expected_scale or not scale_dtype.is_floating_point:
+            raise ValueError(
+                f"{scale_name}: checkpoint has {_describe(scale_dtype, scale_shape)}, expected "
+                f"float32{list(expected_scale)} (one scale per expert and output channel of {name})"
+            )
+        return False
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        if scale_name in infos:
+            raise ValueError(f"{scale_name} is in the checkpoint but {name} is {dtype}, not float8_e4m3fn")
+        return True
+    raise ValueError(f"{name}: checkpoint dtype {dtype}; routed experts load from float8_e4m3fn or a float dtype")
+
+
+def _check_int4_bank(name: str, scale_name: str, module: Magi2MultiHeadMoE, bank: str, dtype, shape, infos) -> bool:
+    """Whether int4 bank ``name`` is quantized while read (``False``: stored int4, its group scale checked)."""
+    full = _full_shape(module, bank)
+    group = module.int4_group_size
+    packed_shape, scale_shape = int4_shapes(full, group)
+    if dtype == INT4_PACKED_DTYPE:
+        if shape != packed_shape:
+            raise ValueError(
+                f"{name}: checkpoint has uint8{list(shape)}, the model expects uint8{list(packed_shape)} (int4 codes "
+                f"of [H*E, K, N] = {list(full)}, two per byte along N)"
+            )
+        if scale_name not in infos:
+            raise ValueError(
+                f"{name} holds int4 codes but the checkpoint has no {scale_name} (its bf16 group scales "
+                f"{list(scale_shape)})"
+            )
+        scale_dtype, stored = infos[scale_name]
+        k = full[1]
+        if (
+            scale_dtype == INT4_SCALE_DTYPE
+            and len(stored) == 3
+            and (stored[0], stored[2]) == (scale_shape[0], scale_shape[2])
+            and 0 < stored[1] != scale_shape[1]
+            and k % stored[1] == 0
+        ):
+            raise ValueError(
+                f"{scale_name} {list(stored)} was written with expert_int4_group_size={k // stored[1]} "
+                f"(K={k} / {stored[1]} groups), but the model is built with expert_int4_group_size={group}: load the "
+                f"repo with the group size it was written with (its config.json; drop an expert_int4_group_size "
+                "argument), or quantize a bf16 repo at the size you want"
+            )
+        if (scale_dtype, stored) != (INT4_SCALE_DTYPE, scale_shape):
+            raise ValueError(
+                f"{scale_name}: checkpoint has {_describe(scale_dtype, stored)}, expected bfloat16{list(scale_shape)} "
+                f"(one scale per expert, group of {group} rows and output channel of {name})"
+            )
+        return False
+    if dtype.is_floating_point and dtype.itemsize >= 2 and dtype != FP8_DTYPE:
+        if shape != full:
+            raise ValueError(f"{name}: checkpoint shape {list(shape)}, the model expects {list(full)}")
+        if scale_name in infos:
+            raise ValueError(f"{scale_name} is in the checkpoint but {name} is {dtype}, not int4 codes (uint8)")
+        return True
+    raise ValueError(
+        f"{name}: checkpoint dtype {dtype}; int4 routed experts load from int4 codes (uint8 with {scale_name}) or "
+        "a float dtype (bf16, fp16, fp32: quantized while read)"
+    )
+
+
+def plan_quantized_expert_loading(
     model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None, files: Sequence[Any]
 ) -> tuple[set[str], set[str]]:
     """Check a checkpoint's routed-expert tensors against ``model`` before anything is read.
 
     Args:
-        model: the model built for loading (meta banks; under EP, the local-size MoE layers).
+        model: the model built for loading (meta banks; under EP, still the full-size MoE layers).
         state_dict: the checkpoint when diffusers already read it (single file), else ``None``.
         files: the checkpoint's shard files.
 
@@ -68,60 +206,51 @@ def plan_fp8_expert_loading(
         ``(quantized, filled)``: the banks quantized while read, and the scales this loader fills itself.
 
     Raises:
-        ValueError: naming the tensor: FP8 banks in a model without FP8 experts, a missing or misshaped scale,
-            a bank of the wrong shape or dtype, a scale beside a non-FP8 bank.
+        ValueError: naming the tensor: quantized banks (or scales) in a model whose experts are stored otherwise, a
+            missing or misshaped scale, a bank of the wrong shape or dtype, a scale beside a float bank, the bytes of
+            a tensor missing from a truncated shard; an int4 scale written at another group size also names
+            ``expert_int4_group_size``.
     """
     banks = expert_bank_names(model)
     if not banks:
         return set(), set()
-    infos = _tensor_infos(state_dict, files, strict=any(module.fp8_experts for module, _ in banks.values()))
+    infos = _tensor_infos(state_dict, files, strict=any(module.expert_scale_names for module, _ in banks.values()))
     quantized, filled = set(), set()
     for name, (module, bank) in banks.items():
         if name not in infos:
             continue  # a missing key: diffusers' (and the EP loader's) missing-key report names it
         dtype, shape = infos[name]
-        scale_name = f"{name}_scale"
-        full_rows = module.num_heads * module.num_experts
-        expected = (full_rows, *getattr(module, bank).shape[1:])
-        if not module.fp8_experts:
-            if dtype == FP8_DTYPE or scale_name in infos:
+        if module.int4_experts:
+            scale_name = _scale_name(name, module, bank)
+            to_quantize = _check_int4_bank(name, scale_name, module, bank, dtype, shape, infos)
+        elif module.fp8_experts:
+            scale_name = _scale_name(name, module, bank)
+            to_quantize = _check_fp8_bank(name, scale_name, dtype, shape, _full_shape(module, bank), infos)
+        else:
+            if dtype == FP8_DTYPE or f"{name}_scale" in infos:
                 raise ValueError(
-                    f"{name} is stored in FP8 (float8_e4m3fn with {scale_name}) but the model's routed experts are "
+                    f"{name} is stored in FP8 (float8_e4m3fn with {name}_scale) but the model's routed experts are "
                     f"not: load it with expert_dtype='float8_e4m3fn' (the FP8 repo's config.json says so)"
                 )
+            if dtype == INT4_PACKED_DTYPE or f"{name}_group_scale" in infos:
+                raise ValueError(
+                    f"{name} is stored as int4 codes (uint8 with {name}_group_scale) but the model's routed experts "
+                    f"are not: load it with expert_dtype='int4' and the repo's expert_int4_group_size (its "
+                    "config.json says so)"
+                )
             continue
-        if shape != expected:
-            raise ValueError(f"{name}: checkpoint shape {list(shape)}, the model expects {list(expected)}")
-        expected_scale = (full_rows, expected[2])
-        if dtype == FP8_DTYPE:
-            if scale_name not in infos:
-                raise ValueError(
-                    f"{name} is FP8 but the checkpoint has no {scale_name} (its fp32 scale "
-                    f"{list(expected_scale)}, one per expert and output channel)"
-                )
-            scale_dtype, scale_shape = infos[scale_name]
-            if scale_shape != expected_scale or not scale_dtype.is_floating_point:
-                raise ValueError(
-                    f"{scale_name}: checkpoint has {str(scale_dtype).removeprefix('torch.')}{list(scale_shape)}, "
-                    f"expected float32{list(expected_scale)} (one scale per expert and output channel of {name})"
-                )
-        elif dtype.is_floating_point and dtype.itemsize >= 2:
-            if scale_name in infos:
-                raise ValueError(f"{scale_name} is in the checkpoint but {name} is {dtype}, not float8_e4m3fn")
+        if to_quantize:
             quantized.add(name)
             filled.add(scale_name)
-        else:
-            raise ValueError(
-                f"{name}: checkpoint dtype {dtype}; routed experts load from float8_e4m3fn or a float dtype"
-            )
     return quantized, filled
 
 
-class FP8ExpertShards(Sequence):
-    """Checkpoint shards as diffusers' loader reads them, the FP8 experts' tensors taken out and placed here.
+class QuantizedExpertShards(Sequence):
+    """Checkpoint shards as diffusers' loader reads them, the quantized experts' tensors taken out and placed here.
 
-    Each item is the shard's state dict without the FP8 layers' banks and scales, which go into ``model`` directly; the
-    other tensors are handed on as copies, so the shard's memory map is released.
+    Each item is the shard's state dict without the quantized layers' banks and scales, which go into ``model``
+    directly (a float bank quantized first, with the row of its first expert in the messages); the other tensors are
+    handed on as copies, so the shard's memory map is released.
 
     Args:
         shards: shard paths or state dicts (possibly a :class:`~diffusers_magi2.loaders.expert_parallel_loading.RowShardedShards`).
@@ -133,8 +262,11 @@ class FP8ExpertShards(Sequence):
         self.shards = shards
         self.model = model
         self.device_map = device_map
-        self.banks = {n: b for n, b in expert_bank_names(model).items() if b[0].fp8_experts}
-        self.scales = {f"{n}_scale" for n in self.banks}
+        self.banks = {n: b for n, b in expert_bank_names(model).items() if b[0].expert_scale_names}
+        self.scales = {_scale_name(n, module, bank): n for n, (module, bank) in self.banks.items()}
+        # the stored dtype of every tensor placed here (the meta model's banks, its scale buffers)
+        self.dtypes = {n: model.get_parameter(n).dtype for n in self.banks}
+        self.dtypes.update({n: model.get_buffer(n).dtype for n in self.scales})
 
     def __len__(self) -> int:
         return len(self.shards)
@@ -145,9 +277,17 @@ class FP8ExpertShards(Sequence):
 
         device = _determine_param_device(name, self.device_map)
         if device == "disk":
-            raise ValueError(f"{name}: routed experts in FP8 cannot be offloaded to disk by device_map")
-        dtype = torch.float32 if name in self.scales else FP8_DTYPE
+            raise ValueError(f"{name}: quantized routed experts cannot be offloaded to disk by device_map")
+        dtype = self.dtypes[name]
         set_module_tensor_to_device(self.model, name, device, value=value.to(dtype), dtype=dtype)
+
+    def _quantize(self, name: str, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(stored bank, scale)`` of float bank ``name`` (under expert parallelism: this rank's rows)."""
+        module = self.banks[name][0]
+        where = {"name": name, "first_row": module.local_head_start * module.num_experts}
+        if module.int4_experts:
+            return quantize_int4(value, module.int4_group_size, num_experts=module.num_experts, **where)
+        return quantize_fp8(value, num_experts=module.num_experts, **where)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         from diffusers.models.model_loading_utils import load_state_dict
@@ -156,13 +296,12 @@ class FP8ExpertShards(Sequence):
         taken = [k for k in state if k in self.banks or k in self.scales]
         for name in taken:
             value = state.pop(name)
-            if name in self.banks and value.dtype != FP8_DTYPE:
-                module = self.banks[name][0]  # under expert parallelism: this rank's rows, from its first head's
-                first_row = module.local_head_start * module.num_experts
-                q, scale = quantize_fp8(value, name=name, first_row=first_row, num_experts=module.num_experts)
+            if name in self.banks and value.dtype != self.dtypes[name]:
+                stored, scale = self._quantize(name, value)
                 del value
-                self._place(f"{name}_scale", scale)
-                value = q
+                module, bank = self.banks[name]
+                self._place(_scale_name(name, module, bank), scale)
+                value = stored
             self._place(name, value)
         if taken:
             # the rest may be views of the shard's memory map, which would keep the pages of the banks just read

@@ -8,5 +8,6 @@ __all__ = ["DTYPE_CHOICES", "EXPERT_DTYPE_CHOICES"]
 
 #: ``magi2-convert --dtype`` choices: ``keep`` the stored dtypes, or cast to bf16 / fp32 (fp32 islands stay fp32).
 DTYPE_CHOICES = ("keep", "bf16", "fp32")
-#: ``magi2-convert --expert_dtype`` choices -> the model's ``expert_dtype`` (FP8 e4m3 routed experts + fp32 scales).
-EXPERT_DTYPE_CHOICES = {"fp8_e4m3": "float8_e4m3fn"}
+#: ``magi2-convert --expert_dtype`` choices -> the model's ``expert_dtype`` (FP8 e4m3 routed experts + fp32 scales, or
+#: int4: NF4 codes + bf16 group scales).
+EXPERT_DTYPE_CHOICES = {"fp8_e4m3": "float8_e4m3fn", "int4": "int4"}

@@ -306,7 +306,8 @@ def read_index(directory: str | os.PathLike, index_name: str, single_name: str) 
 
 
 def check_safetensors_file(path: str | os.PathLike, index: str | os.PathLike | None = None) -> None:
-    """Raise a ``ValueError`` naming ``path`` when it is missing or safetensors cannot open it (truncated, corrupt).
+    """Raise a ``ValueError`` naming ``path`` when it is missing or safetensors cannot open it (truncated, corrupt;
+    a truncated file's message also names the tensors whose data is cut off).
 
     Args:
         index: the index file that names ``path``, for the message.
@@ -321,9 +322,16 @@ def check_safetensors_file(path: str | os.PathLike, index: str | os.PathLike | N
         with safe_open(str(path), framework="pt"):
             pass
     except SafetensorError as err:
+        size = path.stat().st_size
+        try:  # name the tensors whose bytes are missing, where the header itself is whole
+            header = read_safetensors_header(path)
+            cut = [n for n, t in header.tensors.items() if header.data_start + t.data_offsets[1] > size]
+        except ValueError:
+            cut = []
+        lost = f"; the data of {', '.join(cut)} is cut off" if cut else ""
         raise ValueError(
-            f"checkpoint shard {path} ({path.stat().st_size} bytes{named_by}) is not a complete safetensors file "
-            f"(truncated by an interrupted download or copy?): {err}"
+            f"checkpoint shard {path} ({size} bytes{named_by}) is not a complete safetensors file "
+            f"(truncated by an interrupted download or copy?){lost}: {err}"
         ) from err
 
 

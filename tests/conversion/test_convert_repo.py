@@ -589,7 +589,12 @@ def test_bad_usage_is_one_error_line_before_torch_or_diffusers_is_imported(tmp_p
         ("entry point", ["--preview_dir", "p"], "the following arguments are required: --output_path"),
         ("entry point", [*out, "--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
         ("entry point", [*out, "--no_such_flag"], "unrecognized arguments: --no_such_flag"),
-        (script, [*out, "--expert_dtype", "int4"], "argument --expert_dtype: invalid choice: 'int4'"),
+        (script, [*out, "--expert_dtype", "int8"], "argument --expert_dtype: invalid choice: 'int8'"),
+        (
+            "entry point",
+            [*out, "--expert_int4_group_size", "0"],
+            "--expert_int4_group_size: must be a positive integer",
+        ),
     ]
     res = subprocess.run(
         [sys.executable, "-c", _USAGE_DRIVER, json.dumps([(how, argv) for how, argv, _ in cases])],

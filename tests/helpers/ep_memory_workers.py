@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
+from diffusers_magi2.moe.quantize_int4 import INT4_SCALE_NAMES
 
 
 CONFIG = {
@@ -39,16 +40,19 @@ CONFIG = {
 FULL_BANK_NUMEL = 4 * 64 * 32 * 128
 
 
-EXPERT_KEYS = ("W_gate", "W_up", "W_down", "W_gate_scale", "W_up_scale", "W_down_scale")
+EXPERT_KEYS = ("W_gate", "W_up", "W_down", "W_gate_scale", "W_up_scale", "W_down_scale", *INT4_SCALE_NAMES)
+#: int4 experts of CONFIG (its MoE heads are 32 wide)
+INT4 = {"expert_dtype": "int4", "expert_int4_group_size": 32}
 
 
 class _LargeAllocations(TorchDispatchMode):
     """Records the ATen results with a new storage (not one of the op's inputs: views, detaches and the memory maps
-    safetensors wraps are left out) of ``>= limit`` bytes."""
+    safetensors wraps are left out) of ``>= limit`` bytes, or of ``>= codes_limit`` bytes for ``uint8`` results
+    (int4 codes: a full packed bank is smaller than some dense tensors)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, codes_limit: int | None = None):
         super().__init__()
-        self.limit, self.seen = limit, []
+        self.limit, self.codes_limit, self.seen = limit, codes_limit or limit, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -61,7 +65,8 @@ class _LargeAllocations(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 storage = t.untyped_storage()
-                if storage.nbytes() >= self.limit and storage.data_ptr() not in inputs:
+                limit = self.codes_limit if t.dtype == torch.uint8 else self.limit
+                if storage.nbytes() >= limit and storage.data_ptr() not in inputs:
                     self.seen.append(f"{func}: {t.dtype}{list(t.shape)}, a new storage of {storage.nbytes()} bytes")
         return out
 
@@ -106,15 +111,17 @@ def _ep_memory_worker(rank: int, world: int, folders: dict) -> dict:
 
     cfg = Magi2ExpertParallelConfig(ep_degree=world)
     res = {}
-    loads = {  # name: (folder, loader, bytes per element of the folder's banks)
+    loads = {  # name: (folder, loader, bytes per weight of the folder's banks)
         "bf16_sharded": ("bf16_sharded", {}, 2),
         "bf16_single_file": ("bf16_single", {}, 2),
         "fp8_repo": ("fp8", {}, 1),
         "quantize_at_load": ("bf16_sharded", {"expert_dtype": "float8_e4m3fn"}, 2),
+        "int4_repo": ("int4", {}, 1),  # and any uint8 tensor of a full bank's packed codes (half a byte per weight)
+        "int4_quantize_at_load": ("bf16_sharded", INT4, 2),
         "original_checkpoint": ("sandai", None, 2),
     }
     for name, (folder, kwargs, itemsize) in loads.items():
-        with _LargeAllocations(FULL_BANK_NUMEL * itemsize) as mode:
+        with _LargeAllocations(FULL_BANK_NUMEL * itemsize, FULL_BANK_NUMEL // 2) as mode:
             if kwargs is None:
                 model = Magi2Transformer3DModel.from_original_checkpoint(folders[folder], expert_parallel=cfg)
             else:
@@ -124,12 +131,19 @@ def _ep_memory_worker(rank: int, world: int, folders: dict) -> dict:
         res[name] = _report(model, mode.seen, folders[folder])
         del model
         gc.collect()
-    torch.manual_seed(0)
-    model = Magi2Transformer3DModel(**CONFIG).to(torch.bfloat16)
-    full_banks = [weakref.ref(t) for t in _expert_tensors(model).values()]
-    with _LargeAllocations(FULL_BANK_NUMEL * 2) as mode:
-        model.enable_expert_parallel(cfg)
-    gc.collect()
-    res["enable_expert_parallel"] = _report(model, mode.seen, "")
-    res["enable_expert_parallel"]["full_freed"] = all(ref() is None for ref in full_banks)
+    for name, kwargs in (("enable_expert_parallel", {}), ("int4_enable_expert_parallel", INT4)):
+        model = in_memory_model(**kwargs)
+        full_banks = [weakref.ref(t) for t in _expert_tensors(model).values()]
+        with _LargeAllocations(FULL_BANK_NUMEL * 2, FULL_BANK_NUMEL // 2) as mode:
+            model.enable_expert_parallel(cfg)
+        gc.collect()
+        res[name] = _report(model, mode.seen, "")
+        res[name]["full_freed"] = all(ref() is None for ref in full_banks)
+        del model
     return res
+
+
+def in_memory_model(**kwargs) -> Magi2Transformer3DModel:
+    """The seeded bf16 CONFIG model (``kwargs``: e.g. :data:`INT4`) that ``enable_expert_parallel`` cuts."""
+    torch.manual_seed(0)
+    return Magi2Transformer3DModel(**CONFIG, **kwargs).to(torch.bfloat16)

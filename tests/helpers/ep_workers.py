@@ -270,27 +270,40 @@ def ep_worker(rank: int, world: int, folders: dict) -> dict:
     }
 
 
-def fp8_worker(rank: int, world: int, folders: dict) -> dict:
-    """FP8 experts under EP: an FP8 repo and a bf16 repo quantized at load, each rank reading its rows and scales."""
+#: the loads of ``quantized_experts_worker``: (checkpoint folder key, from_pretrained arguments)
+QUANTIZED_LOADS = {
+    "fp8_repo": ("fp8", {}),
+    "fp8_quantize_at_load": ("bf16", {"expert_dtype": "float8_e4m3fn"}),
+    "int4_repo": ("int4", {}),
+    "int4_quantize_at_load": ("bf16", {"expert_dtype": "int4", "expert_int4_group_size": 32}),
+}
+
+
+def _moe_tensors(model) -> tuple[dict, dict]:
+    """``({MoE layer: its state dict}, {MoE layer: (first local head, local heads)})`` of a loaded model."""
+    moes = [(n, m) for n, m in model.named_modules() if isinstance(m, Magi2MultiHeadMoE)]
+    return (
+        {n: {k: v.clone() for k, v in m.state_dict().items()} for n, m in moes},
+        {n: (m.local_head_start, m.local_num_heads) for n, m in moes},
+    )
+
+
+def quantized_experts_worker(rank: int, world: int, folders: dict) -> dict:
+    """Quantized experts under EP: FP8 and int4 repos and bf16 repos quantized at load, each rank reading its rows
+    and scales, and an int4 model loaded whole and then cut by ``enable_expert_parallel``."""
     from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 
     ep_cfg = Magi2ExpertParallelConfig(ep_degree=world)
     case = transformer_case("preview_h4")
     res = {}
-    for name, kwargs in (("fp8_repo", {}), ("quantize_at_load", {"expert_dtype": "float8_e4m3fn"})):
-        folder = folders["fp8"] if name == "fp8_repo" else folders["bf16"]
+    for name, (folder, kwargs) in QUANTIZED_LOADS.items():
         model = Magi2Transformer3DModel.from_pretrained(
-            folder, torch_dtype=torch.float32, expert_parallel=ep_cfg, **kwargs
+            folders[folder], torch_dtype=torch.float32, expert_parallel=ep_cfg, **kwargs
         )
         res[name, "out"] = packed_forward(model, case)
-        res[name, "moe"] = {
-            n: {k: v.clone() for k, v in m.state_dict().items()}
-            for n, m in model.named_modules()
-            if isinstance(m, Magi2MultiHeadMoE)
-        }
-        res[name, "rows"] = {
-            n: (m.local_head_start, m.local_num_heads)
-            for n, m in model.named_modules()
-            if isinstance(m, Magi2MultiHeadMoE)
-        }
+        res[name, "moe"], res[name, "rows"] = _moe_tensors(model)
+    model = Magi2Transformer3DModel.from_pretrained(folders["int4"], torch_dtype=torch.float32)
+    model.enable_expert_parallel(ep_cfg)
+    res["int4_enable_expert_parallel", "out"] = packed_forward(model, case)
+    res["int4_enable_expert_parallel", "moe"], res["int4_enable_expert_parallel", "rows"] = _moe_tensors(model)
     return res

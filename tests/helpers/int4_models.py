@@ -1,5 +1,5 @@
-"""int4 twins of MoE layers and transformers: the same weights with the routed experts quantized by
-``quantize_int4`` (the loaders that will do this at load come later)."""
+"""int4 twins of MoE layers and transformers in memory: the same weights with the routed experts quantized by
+``quantize_int4`` (what quantize-at-load and ``magi2-convert --expert_dtype int4`` must give)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,21 @@
 """int4 routed experts at the model level: the config keys, the released size on meta, dtype moves, layerwise
-casting and offload hooks, and loading (refused until the int4 loader exists)."""
+casting and offload hooks, loading (quantize-at-load, an int4 repo, the save/load round trip) and bad int4 repos."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
 from helpers.int4_models import BANKS, int4_transformer
 from helpers.tiny_transformer import TINY, tiny_inputs, tiny_model
+from safetensors.torch import load_file, save_file
 
 from diffusers_magi2 import Magi2Transformer3DModel
-from diffusers_magi2.conversion.convert_transformer import prepare_transformer_conversion
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 from diffusers_magi2.moe.quantize_int4 import INT4_SCALE_NAMES
+from diffusers_magi2.utils.safetensors_io import read_safetensors_header
 
 
 INT4_TENSORS = BANKS + INT4_SCALE_NAMES
@@ -104,9 +108,114 @@ def test_layerwise_casting_and_group_offload_leave_int4_experts_untouched(int4_m
     assert torch.isfinite(reference).all() and torch.equal(out, reference)
 
 
-def test_loading_and_converting_into_int4_experts_are_refused_until_they_exist(tmp_path):
-    tiny_model().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="expert_dtype='int4': loading 4-bit routed experts from a checkpoint"):
-        Magi2Transformer3DModel.from_pretrained(tmp_path, expert_dtype="int4", expert_int4_group_size=16)
-    with pytest.raises(ValueError, match="expert_dtype='int4': converting to 4-bit routed experts is not supported"):
-        prepare_transformer_conversion("transformer", tmp_path / "nothing-read", expert_dtype="int4")
+@pytest.fixture(scope="module")
+def repos(tmp_path_factory):
+    """``{"bf16": sharded bf16 repo of tiny_model, "int4": sharded int4 repo saved after quantize-at-load (group 16),
+    "int4_single": the same in one file}``."""
+    root = tmp_path_factory.mktemp("int4_repos")
+    tiny_model().to(torch.bfloat16).save_pretrained(root / "bf16", max_shard_size="100KB")
+    at_load = Magi2Transformer3DModel.from_pretrained(
+        root / "bf16", expert_dtype="int4", expert_int4_group_size=16, dtype=torch.bfloat16
+    )
+    at_load.save_pretrained(root / "int4", max_shard_size="100KB")  # a bank and its scales may sit in two shards
+    at_load.save_pretrained(root / "int4_single")
+    return {name: root / name for name in ("bf16", "int4", "int4_single")}
+
+
+def test_quantize_at_load_equals_quantize_int4_and_an_int4_repo_reloads_bit_for_bit(repos):
+    """Quantize-at-load (shard by shard) equals ``quantize_int4`` of the bf16 weights in memory; the saved int4 repo
+    (sharded or one file) loads as int4 with no argument, bit for bit, in any load dtype."""
+    bf16 = Magi2Transformer3DModel.from_pretrained(repos["bf16"], dtype=torch.bfloat16)
+    want = int4_transformer(bf16, 16)
+    at_load = Magi2Transformer3DModel.from_pretrained(
+        repos["bf16"], expert_dtype="int4", expert_int4_group_size=16, dtype=torch.bfloat16
+    )
+    assert _same(want.state_dict(), at_load.state_dict())
+    for repo, dtype in (("int4", torch.bfloat16), ("int4_single", torch.bfloat16), ("int4", None)):
+        loaded = Magi2Transformer3DModel.from_pretrained(repos[repo], dtype=dtype)
+        config = loaded.config
+        assert (config.expert_dtype, config.expert_int4_group_size, config.expert_int4_packing) == (
+            "int4",
+            16,
+            "nf4_pairs_along_n",
+        )
+        assert _same(_int4_state(loaded), _int4_state(want)), (repo, dtype)
+        moe = loaded.transformer_blocks[1].mlp.moe_mlp
+        assert not moe.W_down.requires_grad and moe.W_down_group_scale.dtype == torch.bfloat16
+    inputs = {k: v.bfloat16() if v.is_floating_point() else v for k, v in tiny_inputs().items()}
+    loaded = Magi2Transformer3DModel.from_pretrained(repos["int4"], dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).sample, want(**inputs).sample)
+
+
+def _config_edited(repo, folder, **changes):
+    shutil.copytree(repo, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+GROUP_SCALE = "transformer_blocks.1.mlp.moe_mlp.W_up_group_scale"
+
+
+def test_an_int4_repo_read_at_another_group_size_or_packing_is_refused_naming_the_config_key(repos, tmp_path):
+    with pytest.raises(ValueError, match=r"expert_int4_group_size=32: the routed experts of .* were written as int4 "):
+        Magi2Transformer3DModel.from_pretrained(repos["int4"], expert_int4_group_size=32)
+    with pytest.raises(
+        ValueError, match=r"expert_int4_packing='nf4_k': the routed experts of .* were written as int4 "
+    ):
+        Magi2Transformer3DModel.from_pretrained(repos["int4"], expert_int4_packing="nf4_k")
+    edited = _config_edited(repos["int4"], tmp_path / "group32", expert_int4_group_size=32)
+    match = r"moe_mlp.W_gate_group_scale \[8, 2, 32\] was written with expert_int4_group_size=16 .* built with expert_int4_group_size=32"
+    with pytest.raises(ValueError, match=match):
+        Magi2Transformer3DModel.from_pretrained(edited)
+    edited = _config_edited(repos["int4"], tmp_path / "packing", expert_int4_packing="nf4_k")
+    with pytest.raises(ValueError, match=r"expert_int4_packing must be 'nf4_pairs_along_n' .* got 'nf4_k'"):
+        Magi2Transformer3DModel.from_pretrained(edited)
+    with pytest.raises(ValueError, match=r"W_gate is stored as int4 codes .* load it with expert_dtype='int4'"):
+        Magi2Transformer3DModel.from_pretrained(repos["int4"], expert_dtype=None)
+    with pytest.raises(ValueError, match=r"expert_dtype must be one of \(None, 'float8_e4m3fn', 'int4'\); got 'int8'"):
+        Magi2Transformer3DModel.from_pretrained(repos["bf16"], expert_dtype="int8")
+
+
+def _truncate_inside(folder, name: str) -> None:
+    """Cut the one shard of ``folder`` in the middle of tensor ``name``'s bytes."""
+    path = folder / "diffusion_pytorch_model.safetensors"
+    header = read_safetensors_header(path)
+    begin, end = header.tensors[name].data_offsets
+    with open(path, "r+b") as fh:
+        fh.truncate(header.data_start + (begin + end) // 2)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda s: s.pop(GROUP_SCALE), rf"W_up holds int4 codes but the checkpoint has no {GROUP_SCALE}"),
+        (
+            lambda s: s.update({GROUP_SCALE: s[GROUP_SCALE][:, :, :-1].contiguous()}),
+            rf"{GROUP_SCALE}: checkpoint has bfloat16\[8, 2, 31\], expected bfloat16\[8, 2, 32\]",
+        ),
+        (
+            lambda s: s.update({GROUP_SCALE: s[GROUP_SCALE][:-4].contiguous()}),
+            rf"{GROUP_SCALE}: checkpoint has bfloat16\[4, 2, 32\]",
+        ),
+        (
+            lambda s: s.update({GROUP_SCALE: s[GROUP_SCALE].float()}),
+            rf"{GROUP_SCALE}: checkpoint has float32\[8, 2, 32\]",
+        ),
+        (None, rf"is not a complete safetensors file .*the data of .*{GROUP_SCALE}.* is cut off"),
+    ],
+    ids=["missing", "narrow", "short", "fp32", "truncated_file"],
+)
+def test_a_missing_misshaped_or_truncated_group_scale_is_refused_naming_it(repos, tmp_path, mutate, match):
+    bad = tmp_path / "bad"
+    shutil.copytree(repos["int4_single"], bad)
+    path = bad / "diffusion_pytorch_model.safetensors"
+    if mutate is None:
+        _truncate_inside(bad, GROUP_SCALE)
+    else:
+        state = load_file(path)
+        mutate(state)
+        save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=match):
+        Magi2Transformer3DModel.from_pretrained(bad)

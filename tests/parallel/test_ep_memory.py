@@ -2,12 +2,13 @@
 
 A tiny transformer whose expert banks dominate its size is loaded on each rank, by every path that can shard it:
 ``from_pretrained(expert_parallel=...)`` from a sharded bf16 repo, a single-file bf16 repo, an FP8 repo, a bf16 repo
-quantized at load, ``from_original_checkpoint(expert_parallel=...)`` from a SandAI-layout checkpoint, and
-``enable_expert_parallel`` on a model in memory. Per path and rank:
+quantized at load to FP8, an int4 repo, a bf16 repo quantized at load to int4,
+``from_original_checkpoint(expert_parallel=...)`` from a SandAI-layout checkpoint, and ``enable_expert_parallel`` on
+a model in memory (bf16 and int4 experts). Per path and rank:
 
 * a ``TorchDispatchMode`` sees every tensor an ATen op returns while loading: none is a new storage (an allocation,
-  not a view of an input) as large as one full bank ``[H E, Dh, De]`` in the checkpoint's dtype (this rank's bank
-  is half of it);
+  not a view of an input) as large as one full bank ``[H E, Dh, De]`` in the checkpoint's dtype (int4: its packed
+  codes; this rank's bank is half of it);
 * each routed-expert tensor of the loaded model has its own storage of exactly this rank's rows, and they equal the
   full model's rows;
 * the pages of the checkpoint files mapped into the process and resident (``/proc/self/smaps``) stay below the
@@ -24,7 +25,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.ep_memory_workers import CONFIG, EXPERT_KEYS, FULL_BANK_NUMEL, _ep_memory_worker, _expert_tensors
+from helpers.ep_memory_workers import (
+    CONFIG,
+    EXPERT_KEYS,
+    FULL_BANK_NUMEL,
+    INT4,
+    _ep_memory_worker,
+    _expert_tensors,
+    in_memory_model,
+)
 from helpers.ep_spawn_utils import run_on_ranks
 from helpers.fixtures import golden
 from safetensors.torch import save_file
@@ -76,8 +85,7 @@ def _write_sandai_checkpoint(folder: Path) -> None:
 def repos(tmp_path_factory):
     """``(folders, {folder: the full model's expert tensors}, {folder: its non-expert bytes})``."""
     root = tmp_path_factory.mktemp("ep_memory")
-    torch.manual_seed(0)
-    model = Magi2Transformer3DModel(**CONFIG).to(torch.bfloat16)
+    model = in_memory_model()
     experts = sum(t.numel() * t.element_size() for t in _expert_tensors(model).values())
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert experts > 0.8 * total, "the test model's expert banks must dominate its size"
@@ -87,11 +95,14 @@ def repos(tmp_path_factory):
     assert not list((root / "bf16_single").glob("*.index.json"))
     fp8 = Magi2Transformer3DModel.from_pretrained(root / "bf16_sharded", expert_dtype="float8_e4m3fn")
     fp8.save_pretrained(root / "fp8", max_shard_size="5MB")
+    int4 = Magi2Transformer3DModel.from_pretrained(root / "bf16_sharded", **INT4)
+    int4.save_pretrained(root / "int4", max_shard_size="5MB")
     _write_sandai_checkpoint(root / "sandai")
     sandai = Magi2Transformer3DModel.from_original_checkpoint(root / "sandai")
     assert sandai.transformer_blocks[1].mlp.moe_mlp.W_up.numel() == FULL_BANK_NUMEL
-    names = ("bf16_sharded", "bf16_single", "fp8", "sandai")
-    full = {"bf16_sharded": model, "bf16_single": model, "fp8": fp8, "sandai": sandai}
+    names = ("bf16_sharded", "bf16_single", "fp8", "int4", "sandai")
+    full = {"bf16_sharded": model, "bf16_single": model, "fp8": fp8, "int4": int4, "sandai": sandai}
+    full["int4_in_memory"] = in_memory_model(**INT4)
     return (
         {k: str(root / k) for k in names},
         {k: _expert_tensors(m) for k, m in full.items()},
@@ -104,8 +115,11 @@ FOLDER = {
     "bf16_single_file": "bf16_single",
     "fp8_repo": "fp8",
     "quantize_at_load": "fp8",  # its rows equal the FP8 repo's (quantized by the same rule)
+    "int4_repo": "int4",
+    "int4_quantize_at_load": "int4",  # its rows equal the int4 repo's (quantized by the same rule)
     "original_checkpoint": "sandai",
     "enable_expert_parallel": "bf16_sharded",  # the same seed, in memory
+    "int4_enable_expert_parallel": "int4_in_memory",
 }
 
 
@@ -120,7 +134,7 @@ def test_ep2_ranks_never_hold_a_full_expert_bank_and_keep_only_their_rows(repos)
             assert r["storage_bytes"] == r["local_bytes"], f"{where}: expert storages are not this rank's slice"
             local = sum(r["local_bytes"].values())
             print(f"\n{where}: expert bytes {local}, checkpoint pages mapped and resident {r['mapped_resident']}")
-            if name != "enable_expert_parallel":
+            if not name.endswith("enable_expert_parallel"):
                 assert r["mapped_resident"] <= non_expert_bytes[FOLDER[name]] + 0.5 * local, where
             for key, rows in r["rows"].items():
                 start = r["head_start"][key.rsplit(".", 1)[0]] * CONFIG["moe_num_experts"]
@@ -128,4 +142,5 @@ def test_ep2_ranks_never_hold_a_full_expert_bank_and_keep_only_their_rows(repos)
                 if rows.dtype == torch.float8_e4m3fn:
                     rows, want = rows.view(torch.uint8), want.view(torch.uint8)
                 assert torch.equal(rows, want), f"{where}: {key} is not this rank's rows of the full bank"
-        assert res["enable_expert_parallel"]["full_freed"], f"rank {rank}: the full banks were not freed"
+        for name in ("enable_expert_parallel", "int4_enable_expert_parallel"):
+            assert res[name]["full_freed"], f"rank {rank}, {name}: the full banks were not freed"

@@ -84,22 +84,42 @@ def test_t2v_call_and_mp4_streams(pipe, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["clip.mp4"]  # no temporary left behind
 
 
-def test_save_load_round_trip_and_latent_output(pipe, tmp_path):
-    pipe.save_pretrained(tmp_path / "saved")
-    loaded = Magi2Pipeline.from_pretrained(tmp_path / "saved")
+@pytest.fixture(scope="module")
+def saved_pipeline(pipe, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("saved_pipeline") / "saved"
+    pipe.save_pretrained(folder)
+    return folder
+
+
+ONE_STEP = {"prompt": "a cat on a sofa", "height": 32, "width": 48, "num_inference_steps": 1, "output_type": "latent"}
+
+
+def test_save_load_round_trip_and_latent_output(pipe, saved_pipeline):
+    loaded = Magi2Pipeline.from_pretrained(saved_pipeline)
     assert loaded.config.negative_prompt == pipe.config.negative_prompt
     assert loaded.config.sigma_start == 0.999
-    kwargs = {
-        "prompt": "a cat on a sofa",
-        "height": 32,
-        "width": 48,
-        "num_inference_steps": 1,
-        "output_type": "latent",
-    }
-    a = pipe(**kwargs, generator=torch.Generator().manual_seed(7))
-    b = loaded(**kwargs, generator=torch.Generator().manual_seed(7))
+    a = pipe(**ONE_STEP, generator=torch.Generator().manual_seed(7))
+    b = loaded(**ONE_STEP, generator=torch.Generator().manual_seed(7))
     assert a.frames.shape == (1, 12, 32, 2, 3) and a.audio.shape == (1, 250, 16)
     assert torch.equal(a.frames, b.frames) and torch.equal(a.audio, b.audio)
+
+
+def test_a_transformer_quantized_to_int4_at_load_goes_into_from_pretrained(pipe, saved_pipeline):
+    """``from_pretrained(..., transformer=...)`` with int4 experts quantized while the transformer is read: the
+    pipeline keeps them as they are and computes what the in-memory int4 twin of its transformer does."""
+    from helpers.int4_models import int4_transformer
+
+    transformer = Magi2Transformer3DModel.from_pretrained(
+        saved_pipeline, subfolder="transformer", expert_dtype="int4", expert_int4_group_size=32
+    )
+    codes = {k: v.clone() for k, v in transformer.state_dict().items() if v.dtype == torch.uint8}
+    loaded = Magi2Pipeline.from_pretrained(saved_pipeline, transformer=transformer, dtype=torch.float32)
+    assert loaded.transformer is transformer and loaded.transformer.config.expert_dtype == "int4"
+    twin = Magi2Pipeline(**{**pipe.components, "transformer": int4_transformer(pipe.transformer, 32)})
+    a = loaded(**ONE_STEP, generator=torch.Generator().manual_seed(7))
+    b = twin(**ONE_STEP, generator=torch.Generator().manual_seed(7))
+    assert torch.isfinite(a.frames).all() and torch.equal(a.frames, b.frames) and torch.equal(a.audio, b.audio)
+    assert len(codes) == 6 and all(torch.equal(transformer.get_parameter(k), v) for k, v in codes.items())
 
 
 @pytest.mark.parametrize("case", ["t2v", "i2v"])
