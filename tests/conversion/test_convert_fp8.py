@@ -7,14 +7,10 @@ import json
 
 import pytest
 import torch
-from helpers.convert_testing_utils import checkpoint_dir, config_path, run_cli
+from helpers.convert_testing_utils import checkpoint_dir, config_path, expert_bytes, run_cli
 
 from diffusers_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.conversion.cli import main
-from diffusers_magi2.utils.safetensors_io import read_safetensors_header
-
-
-BANKS = ("W_gate", "W_up", "W_down")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -43,17 +39,6 @@ def converted(tmp_path_factory):
     return root / "bf16" / "transformer", root / "fp8" / "transformer"
 
 
-def _expert_bytes(folder) -> tuple[int, int]:
-    """(bytes of the routed-expert banks, bytes of their scales) in a repo's shards."""
-    banks = scales = 0
-    for shard in folder.glob("*.safetensors"):
-        for name, t in read_safetensors_header(shard).tensors.items():
-            leaf = name.rsplit(".", 1)[-1]
-            banks += t.nbytes if leaf in BANKS else 0
-            scales += t.nbytes if leaf.endswith("_scale") else 0
-    return banks, scales
-
-
 def test_converter_fp8_repo_equals_quantize_at_load_bit_for_bit(converted):
     bf16_repo, fp8_repo = converted
     assert json.loads((fp8_repo / "config.json").read_text())["expert_dtype"] == "float8_e4m3fn"
@@ -69,7 +54,7 @@ def test_converter_fp8_repo_equals_quantize_at_load_bit_for_bit(converted):
 
 def test_converter_fp8_expert_weights_take_at_most_055_of_bf16_on_disk(converted):
     bf16_repo, fp8_repo = converted
-    (bf16_banks, bf16_scales), (fp8_banks, fp8_scales) = _expert_bytes(bf16_repo), _expert_bytes(fp8_repo)
+    (bf16_banks, bf16_scales), (fp8_banks, fp8_scales) = expert_bytes(bf16_repo), expert_bytes(fp8_repo)
     ratio = fp8_banks / bf16_banks
     print(
         f"\nrouted-expert weights on disk: FP8 {fp8_banks} B / bf16 {bf16_banks} B = {ratio:.3f} "

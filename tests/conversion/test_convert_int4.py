@@ -8,13 +8,18 @@ import json
 
 import pytest
 import torch
-from helpers.convert_testing_utils import checkpoint_dir, config_path, copy_checkpoint, mutate_tensor, run_cli
+from helpers.convert_testing_utils import (
+    checkpoint_dir,
+    config_path,
+    copy_checkpoint,
+    expert_bytes,
+    mutate_tensor,
+    run_cli,
+)
 
 from diffusers_magi2 import Magi2Transformer3DModel
-from diffusers_magi2.utils.safetensors_io import read_safetensors_header
 
 
-BANKS = ("W_gate", "W_up", "W_down")
 GROUP = 32  # the tiny fixtures' MoE heads are 32 wide
 SOURCE = ["--preview_dir", checkpoint_dir("preview_h4"), "--config", config_path("preview_h4")]
 COMMON = [*SOURCE, "--components", "transformer", "--dtype", "bf16", "--max_shard_size", "300KB"]
@@ -28,17 +33,6 @@ def converted(tmp_path_factory):
         rc, _, err = run_cli([*COMMON, "--output_path", root / name, *extra])
         assert rc == 0, err
     return root / "bf16" / "transformer", root / "int4" / "transformer"
-
-
-def _expert_bytes(folder) -> tuple[int, int]:
-    """(bytes of the routed-expert banks, bytes of their scales) in a repo's shards."""
-    banks = scales = 0
-    for shard in folder.glob("*.safetensors"):
-        for name, t in read_safetensors_header(shard).tensors.items():
-            leaf = name.rsplit(".", 1)[-1]
-            banks += t.nbytes if leaf in BANKS else 0
-            scales += t.nbytes if leaf.endswith("_scale") else 0
-    return banks, scales
 
 
 def test_converter_int4_repo_equals_quantize_at_load_bit_for_bit(converted):
@@ -61,7 +55,7 @@ def test_converter_int4_repo_equals_quantize_at_load_bit_for_bit(converted):
 
 
 def test_converter_int4_expert_bytes_with_their_scales_take_at_most_030_of_bf16_on_disk(converted):
-    (bf16_banks, bf16_scales), (codes, scales) = (_expert_bytes(folder) for folder in converted)
+    (bf16_banks, bf16_scales), (codes, scales) = (expert_bytes(folder) for folder in converted)
     ratio = (codes + scales) / bf16_banks
     print(
         f"\nrouted-expert bytes on disk at group {GROUP}: int4 {codes} B + bf16 group scales {scales} B = "

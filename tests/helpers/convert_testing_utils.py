@@ -143,3 +143,17 @@ def write_header_only_checkpoint(rows: dict[str, tuple[tuple[int, ...], str]], d
         (dst / fname).write_bytes(struct.pack("<Q", len(raw)) + raw)
     write_index(dst, {"metadata": {"total_size": total}, "weight_map": weight_map})
     return dst
+
+
+def expert_bytes(folder: Path) -> tuple[int, int]:
+    """(bytes of the routed-expert banks, bytes of their scales: FP8 ``*_scale``, int4 ``*_group_scale``) in a
+    converted repo's shards."""
+    from diffusers_magi2.utils.safetensors_io import read_safetensors_header
+
+    banks = scales = 0
+    for shard in Path(folder).glob("*.safetensors"):
+        for name, t in read_safetensors_header(shard).tensors.items():
+            leaf = name.rsplit(".", 1)[-1]
+            banks += t.nbytes if leaf in ("W_gate", "W_up", "W_down") else 0
+            scales += t.nbytes if leaf.endswith("_scale") else 0
+    return banks, scales
