@@ -51,10 +51,12 @@ def test_gpu_check_dry_run_runs_every_cpu_section(tmp_path):
     )
     summary = (out / "summary.txt").read_text()
     assert proc.returncode == 0, summary + proc.stderr
-    for name in ("environment", "attention_sinks", "gpu_block", "preview_step"):
+    for name in ("environment", "attention_sinks", "bench_moe_int4", "gpu_block", "preview_step"):
         line = next(line for line in summary.splitlines() if line.startswith(name))
         assert " ok " in line, line
-    assert "skipped (GPU_CHECK_SKIP)" in next(line for line in summary.splitlines() if line.startswith("bench_moe"))
+    assert "skipped (GPU_CHECK_SKIP)" in next(line for line in summary.splitlines() if line.startswith("bench_moe "))
+    int4 = json.loads((out / "bench_moe_int4.json").read_text())["cpu"]
+    assert int4["int4_experts_full_forward_s"] > 0 and int4["int4_estimate"]["one_head_bf16_GB"] > 0.5
     sinks = json.loads((out / "attention_sinks.json").read_text())
     assert sinks["backends"]["native"]["max_abs_err_vs_padded"] < 1e-5
     recipes = json.loads((out / "preview_step.json").read_text())["recipes"]

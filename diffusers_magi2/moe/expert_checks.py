@@ -10,7 +10,7 @@ from .quantize import FP8_DTYPE
 from .quantize_int4 import INT4_PACKED_DTYPE
 
 
-__all__ = ["check_expert_inputs", "check_expert_tensors", "check_triton_weight_dtype"]
+__all__ = ["check_expert_inputs", "check_expert_tensors", "top_k_layout_poison"]
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = _ACT_DTYPES + (FP8_DTYPE, INT4_PACKED_DTYPE)
@@ -140,14 +140,10 @@ def check_expert_inputs(x, routes, weights, scales=None) -> tuple[int, int, int,
     return num_tokens, num_heads, head_dim, flat_experts // num_heads, expert_dim
 
 
-def check_triton_weight_dtype(weight_dtype: torch.dtype) -> None:
-    """Raise for expert storage the fused Triton kernel has no path for: int4 (``uint8`` codes).
-
-    Raises:
-        ValueError: int4 experts, naming the backends that run them.
-    """
-    if weight_dtype == INT4_PACKED_DTYPE:
-        raise ValueError(
-            "the Triton MoE kernel has no int4 (4-bit) expert path yet; run int4 experts with the 'torch' or "
-            "'torch_grouped' backend (set_moe_backend('torch'); 'auto' picks them for int4 experts)"
-        )
+def top_k_layout_poison(expert_offsets: Tensor, num_experts: int, per_head: int) -> Tensor:
+    """0-dim fp32, NaN unless head ``h``'s routes start at ``h * per_head`` (the top-k CSR layout of
+    :func:`~diffusers_magi2.moe.routing.global_sort_routes`, which the per-head paths assume), else 0; added to a
+    result, it makes one computed on another layout NaN instead of silently wrong, with no host read."""
+    heads = expert_offsets[::num_experts].to(torch.int64)  # [H + 1] head bounds
+    expected = torch.arange(heads.numel(), device=heads.device) * per_head
+    return torch.where((heads != expected).any(), float("nan"), 0.0).to(torch.float32)

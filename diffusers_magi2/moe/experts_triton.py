@@ -25,14 +25,18 @@ loaded tile is upcast to fp32, roundings are emulated bit-exactly (round to near
 accumulates bf16-rounded contributions in fp32 and casts once. fp16 runs natively in the interpreter (the same code
 path as on the GPU). Mixed activation/weight dtypes are upcast to fp32 tiles on every device.
 
-Tile configs come from ``launch_configs/mh_moe_fwd.json`` per device and problem shape (:func:`tile_candidates`).
+int4 experts: one launch per head on that head's banks, dequantized just before into three reused buffers of the
+activation dtype by :mod:`.dequantize_triton` (whose docstring gives the measurements behind this choice); the
+expert counts are runtime arguments, so those launches are the very build bf16 experts get.
+
+Tile configs come from ``launch_configs/mh_moe_fwd.json`` per device and problem shape (:func:`tile_candidates`;
+int4 experts take their dequantized banks' rows).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -44,9 +48,12 @@ from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from .activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT
-from .expert_checks import check_expert_inputs, check_triton_weight_dtype
+from .dequantize_triton import dequantize_int4_into
+from .expert_checks import check_expert_inputs, top_k_layout_poison
 from .quantize import FP8_DTYPE
+from .quantize_int4 import INT4_PACKED_DTYPE
 from .reference import hidden_dtype
+from .triton_rounding import INTERPRET, round_to, rounding_mode
 
 
 __all__ = [
@@ -54,23 +61,19 @@ __all__ = [
     "TileConfig",
     "check_fp8_capability",
     "check_fp8_device",
+    "check_int4_capability",
+    "check_int4_device",
     "check_triton_dims",
+    "check_weight_device",
     "device_key",
-    "launch_spec",
+    "launch_specs",
     "resolve_device_entry",
     "shape_key",
     "tile_candidates",
     "triton_mh_moe_forward",
 ]
 
-#: Whether kernels run in Triton's CPU interpreter (fixed at import, as ``@triton.jit`` reads it then).
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 _CONFIG_FILE = Path(__file__).with_name("launch_configs") / "mh_moe_fwd.json"
-
-# Rounding modes (constexpr): 0 keep fp32, 1 native cast to the pointer dtype, 2 emulate RNE bf16 in fp32,
-# 3 round-trip through fp16 (interpreter, fp16 tensors).
-_KEEP, _NATIVE, _EMU_BF16, _EMU_FP16 = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -91,31 +94,27 @@ def check_fp8_device(device: torch.device) -> None:
         check_fp8_capability(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
 
 
+def check_int4_device(device: torch.device) -> None:
+    """Raise ``ValueError`` if the kernel cannot run int4 experts on ``device`` (CUDA below compute capability 8.0;
+    the interpreter handles int4)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        check_int4_capability(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
+
+
+def check_weight_device(weight_dtype: torch.dtype, device: torch.device) -> None:
+    """:func:`check_fp8_device` for FP8 experts, :func:`check_int4_device` for int4 ones, nothing for others."""
+    if weight_dtype == FP8_DTYPE:
+        check_fp8_device(device)
+    elif weight_dtype == INT4_PACKED_DTYPE:
+        check_int4_device(device)
+
+
 def check_triton_dims(head_dim: int, expert_dim: int) -> None:
     """Raise ``ValueError`` unless ``Dh`` and ``De`` are positive multiples of 16 (``tl.dot`` minimum tile)."""
     for name, value in (("Dh (MoE head width)", head_dim), ("De (expert width)", expert_dim)):
         if value < 16 or value % 16 != 0:
             raise ValueError(f"the Triton MoE kernel needs {name} to be a positive multiple of 16; got {value}")
-
-
-@triton.jit
-def _round_bf16_rne(x):
-    """fp32 -> nearest-even bf16 value, kept in fp32 (bit-exact with torch's ``.bfloat16()``)."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_to(x, ptr_dtype_src, MODE: tl.constexpr):
-    if MODE == 1:
-        return x.to(ptr_dtype_src.dtype.element_ty)
-    elif MODE == 2:
-        return _round_bf16_rne(x)
-    elif MODE == 3:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
 
 
 @triton.jit
@@ -127,16 +126,30 @@ def _swiglu7(gate, up, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
 
 
 @triton.jit
+def tile_expert(tile_offsets_ptr, pid, NUM_FLAT, LOG2_FLAT):
+    """The flat expert ``g`` (int64) with ``tile_offsets[g] <= pid < tile_offsets[g + 1]``: a binary search over the
+    cumulative tile counts, empty experts skipped."""
+    lo = pid * 0
+    hi = lo + NUM_FLAT
+    for _ in range(LOG2_FLAT):
+        mid = (lo + hi) // 2
+        go_right = tl.load(tile_offsets_ptr + mid) <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo.to(tl.int64)
+
+
+@triton.jit
 def _mh_moe_fwd_kernel(
     # pointers
     x_ptr,  # [S, H, Dh] activations
-    w_gate_ptr,  # [H*E, Dh, De]
-    w_up_ptr,  # [H*E, Dh, De]
-    w_down_ptr,  # [H*E, De, Dh]
+    w_gate_ptr,  # [F, Dh, De]: F = H*E flat experts (a per-head launch: F = E, one head's dequantized int4 bank)
+    w_up_ptr,  # [F, Dh, De]
+    w_down_ptr,  # [F, De, Dh]
     gather_ids_ptr,  # [T] int32/int64 token per route (CSR order)
     probs_ptr,  # [T] fp32 route weight
-    offsets_ptr,  # [H*E+1] int64 CSR offsets
-    tile_offsets_ptr,  # [H*E+1] int32 cumulative tile counts
+    offsets_ptr,  # [F+1] int64 CSR offsets (a per-head launch: that head's slice)
+    tile_offsets_ptr,  # [F+1] int32 cumulative tile counts
     dest_ptr,  # [T] int64 destination row per route (deterministic mode only)
     out_ptr,  # atomic: [S, H, Dh]; deterministic: [T, Dh]
     sg_ptr,  # FP8 only: [H*E, De] fp32 W_gate scales (contiguous)
@@ -156,12 +169,12 @@ def _mh_moe_fwd_kernel(
     stride_wd_k,
     stride_os,
     stride_oh,
-    # matrix dimensions
+    # matrix dimensions (the expert counts are not constexpr: whole-bank and per-head launches share one build)
+    NUM_EXPERTS,
+    NUM_FLAT,
+    LOG2_FLAT,
     HEAD_DIM: tl.constexpr,
     EXPERT_DIM: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
-    NUM_FLAT: tl.constexpr,
-    LOG2_FLAT: tl.constexpr,
     # meta-parameters
     BLOCK_T: tl.constexpr,
     BLOCK_DE: tl.constexpr,
@@ -179,15 +192,7 @@ def _mh_moe_fwd_kernel(
     total_tiles = tl.load(tile_offsets_ptr + NUM_FLAT)
     if pid >= total_tiles:
         return
-    # Flat expert g with tile_offsets[g] <= pid < tile_offsets[g + 1] (binary search, empty experts skipped).
-    lo = pid * 0
-    hi = lo + NUM_FLAT
-    for _ in tl.static_range(LOG2_FLAT):
-        mid = (lo + hi) // 2
-        go_right = tl.load(tile_offsets_ptr + mid) <= pid
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
-    g = lo.to(tl.int64)
+    g = tile_expert(tile_offsets_ptr, pid, NUM_FLAT, LOG2_FLAT)
     head = g // NUM_EXPERTS
     tile = (pid - tl.load(tile_offsets_ptr + g)).to(tl.int64)
     row_start = tl.load(offsets_ptr + g).to(tl.int64) + tile * BLOCK_T
@@ -241,10 +246,10 @@ def _mh_moe_fwd_kernel(
         if W_FP8:  # per output channel: x @ (q * s) == (x @ q) * s
             gate = gate * tl.load(sg_ptr + g * EXPERT_DIM + cols_n, mask=nmask, other=0.0)[None, :]
             up = up * tl.load(su_ptr + g * EXPERT_DIM + cols_n, mask=nmask, other=0.0)[None, :]
-            hid = _round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), x_ptr, HID_ROUND)
+            hid = round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), x_ptr, HID_ROUND)
             wd = wd.to(hid.dtype)
         else:
-            hid = _round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), w_down_ptr, HID_ROUND)
+            hid = round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), w_down_ptr, HID_ROUND)
         acc = tl.dot(hid, wd, acc, input_precision="ieee")
     if W_FP8:
         acc = acc * tl.load(sd_ptr + g * HEAD_DIM + cols_k, mask=kmask, other=0.0)[None, :]
@@ -253,7 +258,7 @@ def _mh_moe_fwd_kernel(
     rows = row_start + tl.arange(0, BLOCK_T).to(tl.int64)
     rmask = rows < row_end
     prob = tl.load(probs_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    contrib = _round_to(acc * prob[:, None], out_ptr, OUT_ROUND)
+    contrib = round_to(acc * prob[:, None], out_ptr, OUT_ROUND)
     store_mask = rmask[:, None] & kmask[None, :]
     if DETERMINISTIC:
         dest = tl.load(dest_ptr + rows, mask=rmask, other=0).to(tl.int64)
@@ -331,14 +336,6 @@ def _tile_configs_to_try(candidates: tuple[TileConfig, ...], cache_key: tuple) -
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def _rounding_mode(dtype: torch.dtype, native_ok: bool) -> int:
-    if dtype == torch.float32:
-        return _KEEP
-    if native_ok:
-        return _NATIVE
-    return _EMU_BF16 if dtype == torch.bfloat16 else _EMU_FP16
 
 
 def kernel_meta(config: TileConfig, constants: dict) -> dict:
@@ -430,13 +427,16 @@ def _deterministic_reduce(rows: torch.Tensor, num_heads: int, num_tokens: int, a
 @dataclass
 class LaunchSpec:
     """Everything one kernel launch needs but the tile config (built without reading tensor values, so meta
-    tensors work: the GPU-target compile check builds from it)."""
+    tensors work: the GPU-target compile check builds from it). ``num_routes`` bounds the launch's routes (its
+    grid); ``prepare``, if set, runs before the launch (int4: dequantize the head's banks); ``out`` is the call's
+    output, which every launch of a call shares."""
 
     make_args: Callable[[Tensor], tuple]
     constants: dict
     out: Tensor
     offsets: Tensor
     num_routes: int
+    prepare: Optional[Callable[[], None]] = None
 
 
 def check_fp8_capability(capability: Optional[tuple[int, int]], name: str = "this GPU") -> None:
@@ -448,7 +448,17 @@ def check_fp8_capability(capability: Optional[tuple[int, int]], name: str = "thi
         )
 
 
-def launch_spec(
+def check_int4_capability(capability: Optional[tuple[int, int]], name: str = "this GPU") -> None:
+    """Raise ``ValueError`` for int4 experts on a CUDA ``capability`` below 8.0 (``None``: the interpreter, fine)."""
+    if capability is not None and tuple(capability) < (8, 0):
+        raise ValueError(
+            f"int4 experts need a GPU with compute capability >= 8.0 for the Triton kernel (it runs one head's "
+            f"experts dequantized to bf16 on the tensor cores); {name} has {capability[0]}.{capability[1]}. Run them "
+            "with set_moe_backend('torch') on this GPU."
+        )
+
+
+def launch_specs(
     x: Tensor,
     routes: Sequence[Tensor],
     weights: Sequence[Tensor],
@@ -456,28 +466,40 @@ def launch_spec(
     scales: Optional[Sequence[Tensor]],
     deterministic: bool,
     capability: Optional[tuple[int, int]],
-) -> LaunchSpec:
-    """Arguments and constexprs of the kernel for validated ``x, routes, weights, scales`` (as
+) -> list[LaunchSpec]:
+    """Arguments and constexprs of the kernel launches for validated ``x, routes, weights, scales`` (as
     :func:`triton_mh_moe_forward` takes them), built for ``capability`` (the CUDA compute capability; ``None`` for
-    the interpreter).
+    the interpreter); the launches share one ``out``.
+
+    bf16/fp16/fp32 and FP8 experts: one launch over all ``H*E`` experts. int4 experts: one launch per head, on
+    three ``[E, K, N]`` buffers of the activation dtype that its ``prepare`` fills with the head's dequantized banks
+    (:mod:`.dequantize_triton`); its grid is sized by the head's ``S*k`` routes for top-k routes (``T = S*H*k``;
+    the call's result is then NaN if the offsets do not have that layout), else by all ``T``.
 
     Raises:
-        ValueError: FP8 experts for a capability below 8.9.
+        ValueError: FP8 experts for a capability below 8.9, int4 experts below 8.0.
     """
-    (gather_ids, probs, expert_offsets), (w_gate, w_up, w_down) = routes, weights
-    fp8 = w_gate.dtype == FP8_DTYPE
+    (gather_ids, probs, expert_offsets), (w_gate, _, w_down) = routes, weights
+    fp8, int4 = w_gate.dtype == FP8_DTYPE, w_gate.dtype == INT4_PACKED_DTYPE
     if fp8:
         check_fp8_capability(capability)
+    if int4:
+        check_int4_capability(capability)
     interpret = capability is None
     num_tokens, num_heads, head_dim = x.shape
-    num_flat, _, expert_dim = w_gate.shape
+    num_flat = w_gate.shape[0]
     num_experts = num_flat // num_heads
     num_routes = gather_ids.numel()
     device, act_dtype = x.device, x.dtype
+    if int4:  # one head's banks at a time, in the activation dtype (the kernel then runs as for those experts)
+        banks = [torch.empty(num_experts, w.shape[1], 2 * w.shape[2], device=device, dtype=act_dtype) for w in weights]
+    else:
+        banks = list(weights)
+    expert_dim = banks[0].shape[2]
     # The interpreter mishandles bf16 (dot on raw bits, truncating casts, no atomics): upcast its tiles and emulate
     # the roundings. Mixed activation/weight dtypes are upcast too (tl.dot needs equal operand dtypes).
-    interp_bf16 = interpret and torch.bfloat16 in (act_dtype, w_gate.dtype)
-    upcast = interp_bf16 or (act_dtype != w_gate.dtype and not fp8)  # FP8 tiles convert to the activation dtype
+    interp_bf16 = interpret and torch.bfloat16 in (act_dtype, banks[0].dtype)
+    upcast = interp_bf16 or (act_dtype != banks[0].dtype and not fp8)  # FP8 tiles convert to the activation dtype
     native = not (interpret and act_dtype == torch.bfloat16)  # native casts round to nearest even
     # bf16 atomic adds: none in the interpreter, compare-and-swap loops below sm_90. There contributions are
     # rounded to bf16, then summed in an fp32 buffer (native fp32 atomics) and cast once.
@@ -494,29 +516,51 @@ def launch_spec(
         dest = gather_ids  # unused
         out = torch.zeros(num_tokens, num_heads, head_dim, device=device, dtype=out_dtype)
         stride_os, stride_oh = out.stride(0), out.stride(1)
+    launch_flat = num_experts if int4 else num_flat
     constants = {
+        "NUM_EXPERTS": num_experts,
+        "NUM_FLAT": launch_flat,
+        "LOG2_FLAT": max(1, (launch_flat - 1).bit_length()),
         "HEAD_DIM": head_dim,
         "EXPERT_DIM": expert_dim,
-        "NUM_EXPERTS": num_experts,
-        "NUM_FLAT": num_flat,
-        "LOG2_FLAT": max(1, (num_flat - 1).bit_length()),
         "DH_PAD": _next_pow2(head_dim),
         "UPCAST": upcast,
         "W_FP8": fp8,
-        "HID_ROUND": _rounding_mode(hidden_dtype(w_down.dtype, act_dtype), native_ok=not upcast),
-        "OUT_ROUND": _rounding_mode(act_dtype, native_ok=store_native),
+        "HID_ROUND": rounding_mode(hidden_dtype(w_down.dtype, act_dtype), native_ok=not upcast),
+        "OUT_ROUND": rounding_mode(act_dtype, native_ok=store_native),
         "DETERMINISTIC": deterministic,
         "SWIGLU_LIMIT": SWIGLU7_LIMIT,
         "SWIGLU_ALPHA": SWIGLU7_ALPHA,
     }
     probs32 = probs.to(torch.float32)
-    strides = (x.stride(0), x.stride(1), *w_gate.stride(), *w_up.stride(), *w_down.stride(), stride_os, stride_oh)
+    w_strides = (*banks[0].stride(), *banks[1].stride(), *banks[2].stride())
+    strides = (x.stride(0), x.stride(1), *w_strides, stride_os, stride_oh)
     scale_args = tuple(s.contiguous() for s in scales) if fp8 else (probs32,) * 3  # unused without FP8
 
-    def make_args(tile_offsets: torch.Tensor) -> tuple:
-        return (x, w_gate, w_up, w_down, gather_ids, probs32, offsets, tile_offsets, dest, out, *scale_args, *strides)
+    def spec(x_launch, offsets_launch, out_launch, bound, prepare=None) -> LaunchSpec:
+        def make_args(tile_offsets: torch.Tensor) -> tuple:
+            pointers = (x_launch, *banks, gather_ids, probs32, offsets_launch, tile_offsets, dest, out_launch)
+            return (*pointers, *scale_args, *strides)
 
-    return LaunchSpec(make_args, constants, out, offsets, num_routes)
+        return LaunchSpec(make_args, constants, out, offsets_launch, bound, prepare)
+
+    if not int4:
+        return [spec(x, offsets, out, num_routes)]
+    top_k_routes = num_tokens * num_heads and num_routes % (num_tokens * num_heads) == 0
+    per_head = num_routes // num_heads if top_k_routes else num_routes
+    specs = []
+    for head in range(num_heads):
+        rows = slice(head * num_experts, (head + 1) * num_experts)
+
+        def prepare(rows: slice = rows) -> None:
+            for w, s, bank in zip(weights, scales, banks):
+                dequantize_int4_into(w[rows], s[rows], bank)
+
+        # the head's x and output columns as [S, 1, Dh] views: inside the launch it is head 0 of E experts
+        out_launch = out if deterministic else out[:, head : head + 1]
+        offsets_launch = offsets[rows.start : rows.stop + 1]
+        specs.append(spec(x[:, head : head + 1], offsets_launch, out_launch, per_head, prepare))
+    return specs
 
 
 def triton_mh_moe_forward(
@@ -536,7 +580,10 @@ def triton_mh_moe_forward(
     :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward` (vLLM-Omni's ``mh_moe`` signature).
 
     FP8 experts (``float8_e4m3fn`` weights with ``scales``) are loaded as FP8 tiles and converted in registers to
-    the activation dtype (exact); each GEMM's fp32 accumulator is multiplied by its per-output-channel scale.
+    the activation dtype (exact); each GEMM's fp32 accumulator is multiplied by its per-output-channel scale. int4
+    experts (``uint8`` codes with their group ``scales``) run one head at a time: the head's banks are dequantized
+    into reused buffers of the activation dtype (rounded once from ``NF4[c] * s``), then the kernel runs as for
+    experts stored in that dtype (:mod:`.dequantize_triton` says why).
 
     Args:
         x, gather_ids, probs, expert_offsets, w_gate, w_up, w_down, scales: as for the torch path (``x``'s last dim
@@ -548,17 +595,15 @@ def triton_mh_moe_forward(
     Raises:
         ValueError: an argument that is not a tensor, ``scales`` not three tensors, bad shapes/dtypes/devices,
             ``Dh``/``De`` not multiples of 16, CPU tensors without ``TRITON_INTERPRET=1``, FP8 experts on a GPU
-            without FP8 support (compute capability < 8.9), int4 experts (no kernel path yet), or (deterministic)
-            ``T`` not a multiple of ``S*H``.
+            without FP8 support (compute capability < 8.9), int4 experts below compute capability 8.0, or
+            (deterministic) ``T`` not a multiple of ``S*H``.
         triton.runtime.errors.OutOfResources: no tile candidate fits the device.
         RuntimeError: any launch failure other than ``OutOfResources`` (never swallowed).
     """
     routes, weights = (gather_ids, probs, expert_offsets), (w_gate, w_up, w_down)
     num_tokens, num_heads, head_dim, num_experts, expert_dim = check_expert_inputs(x, routes, weights, scales)
-    check_triton_weight_dtype(w_gate.dtype)
     check_triton_dims(head_dim, expert_dim)
-    if w_gate.dtype == FP8_DTYPE:
-        check_fp8_device(x.device)
+    check_weight_device(w_gate.dtype, x.device)
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
     if tile_config is not None and not isinstance(tile_config, TileConfig):
@@ -581,14 +626,23 @@ def triton_mh_moe_forward(
 
     keys = device_key(x.device)
     capability = None if keys == ("interpreter",) else torch.cuda.get_device_capability(x.device)
-    spec = launch_spec(x, routes, weights, scales=scales, deterministic=deterministic, capability=capability)
+    specs = launch_specs(x, routes, weights, scales=scales, deterministic=deterministic, capability=capability)
+    top_k = num_routes % (num_tokens * num_heads) == 0
+    kernel_weights = x.dtype if w_gate.dtype == INT4_PACKED_DTYPE else w_gate.dtype  # int4: the dequantized banks
+    cache_key = (keys, head_dim, expert_dim, x.dtype, kernel_weights, deterministic)
     if tile_config is not None:
-        _launch_tiles((tile_config,), spec.offsets, spec.num_routes, spec.make_args, spec.constants)
+        configs = (tile_config,)
     else:
-        candidates = tile_candidates(keys, head_dim, expert_dim, x.dtype, w_gate.dtype)
-        cache_key = (keys, head_dim, expert_dim, x.dtype, w_gate.dtype, deterministic)
-        configs = _tile_configs_to_try(candidates, cache_key)
-        _CHOSEN[cache_key] = _launch_tiles(configs, spec.offsets, spec.num_routes, spec.make_args, spec.constants)
-    if deterministic:
-        return _deterministic_reduce(spec.out, num_heads, num_tokens, x.dtype)
-    return spec.out.to(x.dtype)
+        configs = _tile_configs_to_try(tile_candidates(*cache_key[:-1]), cache_key)
+    for spec in specs:  # int4: one head at a time, each dequantized just before its launch
+        if spec.prepare is not None:
+            spec.prepare()
+        chosen = _launch_tiles(configs, spec.offsets, spec.num_routes, spec.make_args, spec.constants)
+        configs = configs[configs.index(chosen) :]
+    if tile_config is None:
+        _CHOSEN[cache_key] = chosen
+    out = specs[0].out
+    out = _deterministic_reduce(out, num_heads, num_tokens, x.dtype) if deterministic else out.to(x.dtype)
+    if w_gate.dtype == INT4_PACKED_DTYPE and top_k:  # the per-head grids assumed the top-k layout
+        out += top_k_layout_poison(expert_offsets, num_experts, num_routes // num_heads).to(out.dtype)
+    return out

@@ -27,7 +27,6 @@ from ..parallel.expert_parallel import ep_head_layout, expert_exchange
 from ..utils.backends import check_backend, resolve_backend
 from ..utils.dtype_utils import parse_dtype
 from ..utils.safetensors_io import take_rows
-from .expert_checks import check_triton_weight_dtype
 from .experts import mh_moe_experts
 from .quantize import FP8_DTYPE, FP8_SCALE_NAMES, INT4, parse_expert_dtype, quantize_fp8
 from .quantize_int4 import (
@@ -300,20 +299,18 @@ class Magi2MultiHeadMoE(nn.Module):
             deterministic: Triton only: atomic-free, reduced in ascending expert id (bit-identical across runs).
 
         Raises:
-            ValueError: unknown backend, or ``"triton"`` with int4 experts (no kernel path yet), ``Dh``/``De`` not
-                multiples of 16 or FP8 on a GPU without FP8 support (checked per call too; no silent fallback).
+            ValueError: unknown backend, or ``"triton"`` with ``Dh``/``De`` not multiples of 16, FP8 experts on a GPU
+                below compute capability 8.9 or int4 experts below 8.0 (checked per call too; no silent fallback).
             ImportError: ``"triton"`` requested but Triton cannot be imported.
         """
         check_backend("moe_experts", backend)
         if not isinstance(deterministic, bool):
             raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
         if backend == "triton":
-            check_triton_weight_dtype(self.W_gate.dtype)
-            from .experts_triton import check_fp8_device, check_triton_dims  # ImportError if Triton is missing
+            from .experts_triton import check_triton_dims, check_weight_device  # ImportError if Triton is missing
 
             check_triton_dims(self.head_dim, self.expert_intermediate_size)
-            if self.fp8_experts:
-                check_fp8_device(self.W_gate.device)
+            check_weight_device(self.W_gate.dtype, self.W_gate.device)
         self._backend = backend
         self._deterministic = deterministic
 
@@ -477,7 +474,7 @@ class Magi2MultiHeadMoE(nn.Module):
     def run_experts(self, x, routes, weights, *, scales=None, sync_free: bool = False) -> torch.Tensor:
         """Expert compute with the backend chosen by :meth:`set_backend` (arguments as ``torch_mh_moe_forward``;
         ``sync_free`` as :meth:`forward_local_heads`)."""
-        backend = resolve_backend("moe_experts", self._backend, x.device, sync_free=sync_free, int4=self.int4_experts)
+        backend = resolve_backend("moe_experts", self._backend, x.device, sync_free=sync_free)
         return mh_moe_experts(x, routes, weights, () if scales is None else scales, backend, self._deterministic)
 
     def _apply(self, fn, recurse=True):

@@ -11,10 +11,9 @@ Each switch has a set of concrete backends and ``"auto"``. The policy, for all o
 =================  ===========================  =====================================================================
 switch             backends                     ``"auto"`` resolves to
 =================  ===========================  =====================================================================
-``moe_experts``    ``torch``, ``triton``,       ``triton`` for CUDA tensors (not for int4 experts, which it has no
-                   ``torch_grouped``            path for: ``int4``); otherwise ``torch_grouped`` when the caller must
-                                                not synchronise with the host (``sync_free``: context parallelism),
-                                                else ``torch``
+``moe_experts``    ``torch``, ``triton``,       ``triton`` for CUDA tensors (bf16, FP8 and int4 experts); otherwise
+                   ``torch_grouped``            ``torch_grouped`` when the caller must not synchronise with the host
+                                                (``sync_free``: context parallelism), else ``torch``
 ``mhc``            ``fused``, ``torch``         ``fused`` for CUDA tensors without autograd, ``torch`` otherwise
 ``window_attn``    ``sdpa``, ``flex``,          ``flex`` for CUDA tensors; otherwise ``sdpa`` when the dense mask
                    ``gather``                   (``num_tokens**2``) has at most ``max_dense_elements`` entries, else
@@ -36,8 +35,8 @@ import torch
 __all__ = ["BACKEND_CHOICES", "check_backend", "resolve_backend"]
 
 
-def _moe_experts_auto(device: torch.device, *, sync_free: bool = False, int4: bool = False, **_: object) -> str:
-    if device.type == "cuda" and not int4:
+def _moe_experts_auto(device: torch.device, *, sync_free: bool = False, **_: object) -> str:
+    if device.type == "cuda":
         return "triton"
     return "torch_grouped" if sync_free else "torch"
 
@@ -91,9 +90,8 @@ def resolve_backend(switch: str, backend: str, device: torch.device | str, **con
         switch: the kernel switch (see :func:`check_backend`).
         backend: ``"auto"`` or a concrete name; a concrete name is returned unchanged.
         device: device of the tensors the kernel receives.
-        conditions: what the switch's ``"auto"`` rule reads besides the device: ``sync_free`` and ``int4``
-            (``moe_experts``), ``grad_enabled`` (``mhc``), ``num_tokens`` and ``max_dense_elements``
-            (``window_attn``).
+        conditions: what the switch's ``"auto"`` rule reads besides the device: ``sync_free`` (``moe_experts``),
+            ``grad_enabled`` (``mhc``), ``num_tokens`` and ``max_dense_elements`` (``window_attn``).
 
     Raises:
         ValueError: as :func:`check_backend`.

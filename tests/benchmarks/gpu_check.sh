@@ -22,6 +22,9 @@
 #                              reference (one 540p CFG segment, 24 heads of 128, bf16)
 #   4. bench_moe.json          the MoE kernel per config (bf16 and FP8 experts, atomic and deterministic) against
 #                              torch._grouped_mm and a dense bf16 GEMM of equal FLOPs, released shape
+#   4b. bench_moe_int4.json    the MoE kernel with int4 experts (one head's banks dequantized, then the bf16 kernel)
+#                              against bf16 and FP8 experts in the same run (over_bf16), and its dequantization pass
+#                              alone; on CPU (--dry-run) the int4 path's bandwidth-based estimate
 #   5. gpu_block.json          one released-width block in bf16 and with FP8 experts, SDPA flash / cuDNN
 #   6. preview_step.json       one 540p CFG preview step, a 4-layer model at the released width (40-layer time
 #                              estimated from per-block times): time and peak memory against the plan, for the
@@ -124,6 +127,15 @@ else
 fi
 step attention_sinks 50 "$PYTHON" -m tests.benchmarks.bench_attention_sinks $SMALL --out "$RESULTS/attention_sinks.json"
 step bench_moe 100 "$PYTHON" -m tests.benchmarks.bench_moe --out "$RESULTS/bench_moe.json" "${MOE_ARGS[@]}"
+# int4 experts: a step of its own (bf16 and FP8 timed again beside it, so its ratios come from one run)
+if [ "$DRY" -eq 1 ]; then
+    step bench_moe_int4 10 "$PYTHON" -m tests.benchmarks.bench_moe --tokens 256 --repeats 1 --expert_dtype bf16 int4 \
+        --out "$RESULTS/bench_moe_int4.json"
+else
+    step bench_moe_int4 60 "$PYTHON" -m tests.benchmarks.bench_moe --cuda_only --no_torch_path --repeats 3 \
+        --cuda_tokens 4096 8192 16384 29184 \
+        --expert_dtype bf16 fp8_e4m3 int4 --out "$RESULTS/bench_moe_int4.json"
+fi
 step gpu_block 40 "$PYTHON" -m tests.benchmarks.bench_gpu_block $SMALL --out "$RESULTS/gpu_block.json"
 step preview_step 150 "$PYTHON" -m tests.benchmarks.bench_preview_step $SMALL --out "$RESULTS/preview_step.json"
 if [ "$DRY" -eq 1 ]; then

@@ -8,15 +8,19 @@ pipeliner turned into asynchronous copies (``ttg.async_copy_global_to_local``, c
 how many shared-memory buffers each has. A build passes when:
 
 * it compiles, with no spills (no ``STL``/``LDL`` in the SASS, stack and local bytes 0);
-* its matrix products use the tensor cores: ``HGMMA`` (warpgroup MMA) on sm_90, ``HMMA`` on sm_80/sm_89;
+* its matrix products (the MoE kernel's) use the tensor cores: ``HGMMA`` (warpgroup MMA) on sm_90, ``HMMA`` on
+  sm_80/sm_89;
 * every weight operand is prefetched by the pipeliner (an async copy into a multi-buffered shared-memory ring; no
-  synchronous load of it left) with ``num_stages >= 3``;
+  synchronous load of it left) with ``num_stages >= 3``: the MoE kernel's three weight tiles, the int4
+  dequantization kernel's code tiles (its one scale row per step, 2 bytes a thread, is below cp.async's 4);
 * its shared memory fits the architecture's per-block limit (sm_90 227 KB, sm_89 99 KB, sm_80 163 KB);
 * its atomic adds (atomic MoE mode) are native reductions, not compare-and-swap loops.
 
 ``python -m tests.helpers.kernel_build`` prints the table of the builds the launch table chooses at the
-released shape (MoE: 12 heads x 256 experts, top-6, Dh 256, De 1280, bf16 activations with bf16 or FP8 experts,
-atomic and deterministic), ``--scan`` tries the candidates given with ``--configs``. It must run without
+released shape (MoE: 12 heads x 256 experts, top-6, Dh 256, De 1280, bf16 activations with bf16, FP8 or int4
+experts, atomic and deterministic; int4 runs the MoE kernel once per head on that head's dequantized bf16 banks,
+and the int4 dequantization kernel on each bank shape), ``--scan`` tries the candidates given with ``--configs``.
+It must run without
 ``TRITON_INTERPRET=1`` (the interpreter replaces the kernels); the test suite calls it in a subprocess.
 """
 
@@ -59,6 +63,10 @@ MIN_STAGES = 3
 RELEASED_MOE = {"heads": 12, "experts": 256, "top_k": 6, "head_dim": 256, "expert_dim": 1280, "tokens": 4096}
 #: TTGIR value names of the MoE kernel's weight tiles (its Python variable names): W_gate, W_up, W_down.
 MOE_WEIGHT_OPERANDS = ("wg", "wu", "wd")
+#: The int4 dequantization kernel and the TTGIR name of its code tiles.
+DEQUANT_KERNEL, DEQUANT_OPERANDS = "_dequantize_int4_kernel", ("codes",)
+#: ``(K, N)`` of the dequantized banks at the released shape: W_gate/W_up [Dh, De], W_down [De, Dh].
+RELEASED_INT4_BANKS = {"W_gate/W_up": (256, 1280), "W_down": (1280, 256)}
 
 
 @dataclass(frozen=True)
@@ -67,13 +75,15 @@ class KernelBuild:
 
     kernel: str  # e.g. "_mh_moe_fwd_kernel"
     arch: int  # 90, 89, 80
-    weights: str  # "bfloat16" or "float8_e4m3fn"
+    weights: str  # "bfloat16", "float8_e4m3fn" or "int4"
     deterministic: bool
-    config: tuple[int, ...]  # TileConfig fields
-    source: str  # where the config came from, e.g. "launch table sm_90"
+    config: tuple[int, ...]  # TileConfig fields; the dequantization kernel: (BLOCK_N, num_warps, num_stages)
+    source: str  # where the config came from, e.g. "launch table sm_90"; the dequantization kernel: its bank
 
     @property
     def mode(self) -> str:
+        if self.kernel == DEQUANT_KERNEL:
+            return self.source.split(" ")[0]  # the bank, e.g. "W_down"
         return "deterministic" if self.deterministic else "atomic"
 
 
@@ -125,14 +135,16 @@ def package_kernels() -> dict[str, list[str]]:
 
     root = Path(diffusers_magi2.__file__).resolve().parent
     found: dict[str, list[str]] = {}
-    for path in sorted(root.rglob("*.py")):
-        text = path.read_text()
+    texts = {path: path.read_text() for path in sorted(root.rglob("*.py"))}
+    package = "\n".join(texts.values())  # a helper may be called from another module (e.g. the roundings)
+    for path, text in texts.items():
         names = re.findall(r"^@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+)\(", text, re.M)
         if not names:
             continue
-        kernels = [n for n in names if not re.search(rf"(?<![\w.]){n}\(", text.replace(f"def {n}(", ""))]
+        kernels = [n for n in names if not re.search(rf"(?<![\w.]){n}\(", package.replace(f"def {n}(", ""))]
         module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
-        found[module] = kernels
+        if kernels:
+            found[module] = kernels
     return found
 
 
@@ -145,20 +157,35 @@ def _meta_moe_inputs(weights: str) -> tuple:
     heads, experts, dh, de = s["heads"], s["experts"], s["head_dim"], s["expert_dim"]
     flat, num_routes = heads * experts, s["tokens"] * heads * s["top_k"]
     meta = torch.device("meta")
-    wdtype = getattr(torch, weights)
+    wdtype = None if weights == "int4" else getattr(torch, weights)
     x = torch.empty(s["tokens"], heads, dh, dtype=torch.bfloat16, device=meta)
     gather_ids = torch.empty(num_routes, dtype=torch.int32, device=meta)
     probs = torch.empty(num_routes, dtype=torch.float32, device=meta)
     offsets = torch.empty(flat + 1, dtype=torch.int64, device=meta)
-    banks = tuple(torch.empty(flat, *shape, dtype=wdtype, device=meta) for shape in ((dh, de), (dh, de), (de, dh)))
-    scales = None
+    shapes, scales = ((dh, de), (dh, de), (de, dh)), None
+    if weights == "int4":
+        banks, scales = zip(*(_meta_int4_bank((flat, *shape)) for shape in shapes))
+        return x, (gather_ids, probs, offsets), banks, scales
+    banks = tuple(torch.empty(flat, *shape, dtype=wdtype, device=meta) for shape in shapes)
     if wdtype == torch.float8_e4m3fn:
         scales = tuple(torch.empty(flat, n, dtype=torch.float32, device=meta) for n in (de, de, dh))
     return x, (gather_ids, probs, offsets), banks, scales
 
 
+def _meta_int4_bank(shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Meta int4 codes and group scales of a bank ``[R, K, N]`` at the default group size."""
+    from diffusers_magi2.moe.quantize_int4 import INT4_GROUP_SIZE, INT4_PACKED_DTYPE, INT4_SCALE_DTYPE, int4_shapes
+
+    packed, scale = int4_shapes(shape, INT4_GROUP_SIZE)
+    meta = torch.device("meta")
+    return torch.empty(packed, dtype=INT4_PACKED_DTYPE, device=meta), torch.empty(
+        scale, dtype=INT4_SCALE_DTYPE, device=meta
+    )
+
+
 def _moe_launch(build_spec: KernelBuild):
-    """The MoE kernel's positional arguments and keyword arguments for ``build_spec``, as the launcher builds them.
+    """The MoE kernel's positional arguments and keyword arguments for ``build_spec``, as the launcher builds them
+    (int4: head 0's launch; every head's has the same specialisation).
 
     Raises:
         ValueError: from the launcher (e.g. FP8 experts below sm_89).
@@ -166,12 +193,25 @@ def _moe_launch(build_spec: KernelBuild):
     from diffusers_magi2.moe import experts_triton as et
 
     x, routes, banks, scales = _meta_moe_inputs(build_spec.weights)
-    spec = et.launch_spec(
-        x, routes, banks, scales=scales, deterministic=build_spec.deterministic, capability=divmod(build_spec.arch, 10)
-    )
+    capability = divmod(build_spec.arch, 10)
+    spec = et.launch_specs(
+        x, routes, banks, scales=scales, deterministic=build_spec.deterministic, capability=capability
+    )[0]
     config = et.TileConfig(*build_spec.config)
     args = spec.make_args(et.tile_offsets_for(spec.offsets, config.block_t))
     return et._mh_moe_fwd_kernel, args, et.kernel_meta(config, spec.constants)
+
+
+def _dequant_launch(build_spec: KernelBuild):
+    """The int4 dequantization kernel's arguments for ``build_spec`` (its ``source`` names the bank), as the MoE
+    launcher builds them: one head's 256 experts into a bf16 buffer."""
+    from diffusers_magi2.moe import dequantize_triton as dq
+
+    k, n = RELEASED_INT4_BANKS[build_spec.mode]
+    packed, scale = _meta_int4_bank((RELEASED_MOE["experts"], k, n))
+    out = torch.empty(packed.shape[0], k, n, dtype=torch.bfloat16, device="meta")
+    args, kwargs, _ = dq.dequant_launch(packed, scale, out, interpret=False)
+    return dq._dequantize_int4_kernel, args, kwargs
 
 
 def _compile(kernel, args: tuple, kwargs: dict, arch: int):
@@ -243,11 +283,16 @@ def build(build_spec: KernelBuild) -> BuildResult:
     start = time.perf_counter()
     result = BuildResult(build_spec, num_stages=build_spec.config[-1])
     try:
-        if build_spec.kernel != "_mh_moe_fwd_kernel":
+        recipes = {
+            "_mh_moe_fwd_kernel": (_moe_launch, MOE_WEIGHT_OPERANDS),
+            DEQUANT_KERNEL: (_dequant_launch, DEQUANT_OPERANDS),
+        }
+        if build_spec.kernel not in recipes:
             raise ValueError(f"no build recipe for kernel {build_spec.kernel!r}")
-        kernel, args, kwargs = _moe_launch(build_spec)
+        launch, operands = recipes[build_spec.kernel]
+        kernel, args, kwargs = launch(build_spec)
         compiled = _compile(kernel, args, kwargs, build_spec.arch)
-        _read(result, compiled, MOE_WEIGHT_OPERANDS)
+        _read(result, compiled, operands)
     except Exception as err:  # reported per build, checked by the caller
         result.error = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
     result.seconds = time.perf_counter() - start
@@ -265,7 +310,7 @@ def build_problems(result: BuildResult) -> list[str]:
             f"spills: {result.spill_stores} STL, {result.spill_loads} LDL, stack {result.stack_bytes} B, "
             f"local {result.local_bytes} B"
         )
-    if result.mma != ARCH_MMA[b.arch]:
+    if b.kernel != DEQUANT_KERNEL and result.mma != ARCH_MMA[b.arch]:  # the dequantization kernel has no GEMM
         problems.append(f"uses {result.mma}, expected {ARCH_MMA[b.arch]} on sm_{b.arch}")
     not_prefetched = [name for name, buffers in result.prefetch.items() if buffers < 2]
     if not_prefetched or result.ldgsts == 0:
@@ -284,8 +329,9 @@ def checked_builds() -> tuple[list[KernelBuild], list[tuple[int, str, str]]]:
 
     Returns:
         ``(builds, refused)``: per architecture 90/89/80 (table entries ``sm_90``, ``sm_89``, ``sm_80``) the first
-        candidate for bf16 and FP8 experts, atomic and deterministic; ``refused`` lists ``(arch, weights, reason)``
-        for FP8 below sm_89, where :func:`~diffusers_magi2.moe.experts_triton.launch_spec` raises ``ValueError``.
+        candidate for bf16, FP8 and int4 experts (int4: the bf16 candidate, per head), atomic and deterministic, and
+        the int4 dequantization kernel for each bank shape; ``refused`` lists ``(arch, weights, reason)`` for FP8
+        below sm_89, where :func:`~diffusers_magi2.moe.experts_triton.launch_specs` raises ``ValueError``.
     """
     from diffusers_magi2.moe import experts_triton as et
 
@@ -294,19 +340,31 @@ def checked_builds() -> tuple[list[KernelBuild], list[tuple[int, str, str]]]:
     for arch in ARCH_SHARED_LIMIT:
         keys = (f"sm_{arch}",)
         entry = et.resolve_device_entry(keys)
-        for weights in ("bfloat16", "float8_e4m3fn"):
+        for weights in ("bfloat16", "float8_e4m3fn", "int4"):
             if weights == "float8_e4m3fn" and arch < 89:
                 refused.append((arch, weights, "FP8 experts need compute capability >= 8.9"))
                 continue
-            candidates = et.tile_candidates(
-                keys, s["head_dim"], s["expert_dim"], torch.bfloat16, getattr(torch, weights)
-            )
+            table_weights = torch.bfloat16 if weights == "int4" else getattr(torch, weights)  # int4: bf16 banks
+            candidates = et.tile_candidates(keys, s["head_dim"], s["expert_dim"], torch.bfloat16, table_weights)
             config = tuple(asdict(candidates[0]).values())
             for deterministic in (False, True):
                 builds.append(
                     KernelBuild("_mh_moe_fwd_kernel", arch, weights, deterministic, config, f"table {entry}")
                 )
-    return builds, refused
+    return builds + dequant_builds(tuple(ARCH_SHARED_LIMIT)), refused
+
+
+def dequant_builds(archs: tuple[int, ...]) -> list[KernelBuild]:
+    """The int4 dequantization kernel's builds: one per bank shape of the released size and architecture (bank
+    by bank, so that a parallel run compiles each architecture's one specialisation once)."""
+    from diffusers_magi2.moe import dequantize_triton as dq
+
+    config = (dq.DEQUANT_BLOCK_N, dq.DEQUANT_NUM_WARPS, dq.DEQUANT_NUM_STAGES)
+    return [
+        KernelBuild(DEQUANT_KERNEL, arch, "int4", False, config, f"{bank} [256 x {k} x {n}] -> bf16")
+        for bank, (k, n) in RELEASED_INT4_BANKS.items()
+        for arch in archs
+    ]
 
 
 def refusal_error(arch: int, weights: str) -> Optional[str]:
@@ -329,8 +387,8 @@ def run_builds(builds: list[KernelBuild], jobs: int = 2) -> list[BuildResult]:
 def format_table(results: list[BuildResult]) -> str:
     """One row per build: target, weights, mode, config, registers, spills, shared bytes, MMA, stages, prefetch."""
     head = (
-        f"{'kernel':<19} {'arch':<6} {'experts':<8} {'mode':<13} {'config':<17} {'regs':>4} {'spill':>9} "
-        f"{'shared':>7} {'mma':<6} {'stages':>6} {'buffers wg/wu/wd':<16} {'atomics':<9} {'s':>5}  verdict"
+        f"{'kernel':<23} {'arch':<6} {'experts':<8} {'mode':<13} {'config':<17} {'regs':>4} {'spill':>9} "
+        f"{'shared':>7} {'mma':<6} {'stages':>6} {'buffers':<16} {'atomics':<9} {'s':>5}  verdict"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -338,9 +396,9 @@ def format_table(results: list[BuildResult]) -> str:
         problems = build_problems(r)
         spill = f"{r.spill_stores + r.spill_loads}/{r.stack_bytes}B"
         buffers = "/".join(str(v) for v in r.prefetch.values()) or "-"
-        weights = "fp8" if b.weights.startswith("float8") else "bf16"
+        weights = {"float8_e4m3fn": "fp8", "bfloat16": "bf16"}.get(b.weights, b.weights)
         lines.append(
-            f"{b.kernel:<19} sm_{b.arch:<3} {weights:<8} {b.mode:<13} {str(list(b.config)):<17} {r.registers:>4} "
+            f"{b.kernel:<23} sm_{b.arch:<3} {weights:<8} {b.mode:<13} {str(list(b.config)):<17} {r.registers:>4} "
             f"{spill:>9} {r.shared_bytes:>7} {r.mma:<6} {r.num_stages:>6} {buffers:<16} {r.atomics:<9} "
             f"{r.seconds:>5.1f}  {'ok' if not problems else '; '.join(problems)}"
         )
@@ -353,7 +411,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="builds in parallel (default 2)")
     parser.add_argument("--scan", action="store_true", help="build --configs for --arch/--weights instead")
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 89, 80])
-    parser.add_argument("--weights", nargs="+", default=["bfloat16", "float8_e4m3fn"])
+    parser.add_argument("--weights", nargs="+", default=["bfloat16", "float8_e4m3fn", "int4"])
     parser.add_argument("--configs", nargs="*", default=[], help="block_t,block_de,num_warps,num_stages ...")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":

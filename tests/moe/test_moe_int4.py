@@ -1,18 +1,24 @@
 """int4 (NF4, group-wise) routed experts in ``Magi2MultiHeadMoE``: the tensors (on meta too), the torch paths
 against the reference with the dequantized weights, one head's bank dequantized at a time, gradients, the Triton
-refusal, expert-parallel slicing of codes and group scales, dtype moves, bytes, bad config."""
+path against the torch path (one head at a time on reused buffers; refused below sm_80), expert-parallel slicing of
+codes and group scales, dtype moves, bytes, bad config."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from helpers.int4_models import BANKS, int4_copy
-from helpers.moe_cases import AllocationRecorder, assert_ep_ranks_match, tiny_config
+from helpers.moe_cases import AllocationRecorder, assert_ep_ranks_match, rel_l2, tiny_config
 
-from diffusers_magi2.moe import experts
+from diffusers_magi2.moe import experts, experts_triton
 from diffusers_magi2.moe.dequantize import dequantize_bank
 from diffusers_magi2.moe.experts import torch_mh_moe_forward
-from diffusers_magi2.moe.experts_triton import triton_mh_moe_forward
+from diffusers_magi2.moe.experts_triton import (
+    check_int4_capability,
+    check_int4_device,
+    launch_specs,
+    triton_mh_moe_forward,
+)
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig, moe_tensors_on_meta
 from diffusers_magi2.moe.quantize_int4 import INT4_SCALE_NAMES
 from diffusers_magi2.moe.reference import reference_mh_moe_forward
@@ -111,18 +117,94 @@ def test_int4_backward_gives_the_gradients_of_the_dequantized_layer() -> None:
     assert all(module.get_parameter(n).grad is None for n in BANKS)
 
 
-def test_int4_experts_refuse_the_triton_backend_and_auto_picks_the_torch_paths() -> None:
+TRITON_VS_TORCH_INT4_REL_L2 = 2e-2  # required: Triton int4 vs torch int4 (the kernel's banks are rounded to bf16)
+TRITON_VS_TORCH_INT4_FP32 = 1e-5  # fp32 activations: fp32 banks, the same products up to summation order
+
+
+@pytest.mark.skipif(not experts_triton.INTERPRET, reason="the interpreter (conftest) runs the kernel on CPU")
+def test_int4_triton_path_matches_the_torch_path() -> None:
+    """``set_backend("triton")`` runs int4 experts (one head's banks dequantized to the activation dtype, then the
+    fused kernel), deterministic and atomic, within 2e-2 rel-L2 of the torch path's fp32 dequantized weights (bf16);
+    with fp32 activations the banks stay fp32 and the paths agree to fp32 rounding."""
+    module = _module(num_experts=4, head_dim=32, expert_dim=32)
+    hidden = torch.randn(8, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = hidden.view(8, 2, 32)
+    with torch.no_grad():
+        routes, banks, scales = _routes_and_banks(module, x)
+        ref = torch_mh_moe_forward(x, *routes, *banks, scales=scales)
+        module.set_backend("triton", deterministic=True)
+        outs = [module(hidden).view_as(x), triton_mh_moe_forward(x, *routes, *banks, scales=scales)]
+        fp32 = triton_mh_moe_forward(x.float(), *routes, *banks, scales=scales)
+        fp32_ref = torch_mh_moe_forward(x.float(), *routes, *banks, scales=scales)
+    for out in outs:
+        assert out.dtype == torch.bfloat16
+        assert 0 < rel_l2(out, ref) <= TRITON_VS_TORCH_INT4_REL_L2  # > 0: the bf16 banks do round
+    assert rel_l2(fp32, fp32_ref) <= TRITON_VS_TORCH_INT4_FP32
+    # T = S*H*k but head 0 holds one route more than S*k: the per-head grids' layout does not hold, the result is NaN
+    offsets = routes[2].clone()
+    offsets[module.num_experts] += 1
+    with torch.no_grad():
+        bad = triton_mh_moe_forward(x.float(), routes[0], routes[1], offsets, *banks, scales=scales)
+    assert torch.isnan(bad).all()
+
+
+def test_int4_auto_picks_triton_on_cuda_and_a_gpu_below_sm80_is_refused(monkeypatch) -> None:
+    """``auto`` takes the Triton kernel on CUDA for int4 experts as for the others; a GPU below compute capability
+    8.0 is refused at ``set_backend("triton")`` and per call, naming the backend that runs there."""
+    cuda = torch.device("cuda")
+    assert resolve_backend("moe_experts", "auto", cuda) == "triton"
+    assert resolve_backend("moe_experts", "auto", cuda, sync_free=True) == "triton"
+    assert resolve_backend("moe_experts", "auto", torch.device("cpu")) == "torch"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    message = r"int4 experts need a GPU with compute capability >= 8.0.*Tesla T4 has 7.5.*set_moe_backend\('torch'\)"
+    with pytest.raises(ValueError, match=message):
+        check_int4_device(cuda)
+    check_int4_device(torch.device("cpu"))  # the interpreter runs int4
+    check_int4_capability((8, 0))
+    with pytest.raises(ValueError, match="compute capability >= 8.0"):
+        x, routes, banks, scales = _meta_released_int4_call()
+        launch_specs(x, routes, banks, scales=scales, deterministic=False, capability=(7, 5))
+
+    def refuse(device):
+        raise ValueError("int4 refused")
+
+    monkeypatch.setattr(experts_triton, "check_int4_device", refuse)
     module = _module()
-    with pytest.raises(ValueError, match=r"no int4 \(4-bit\) expert path yet; run int4 experts with the 'torch'"):
+    with pytest.raises(ValueError, match="int4 refused"):
         module.set_backend("triton")
     x = torch.randn(4, 2, 64).bfloat16()
     routes, banks, scales = _routes_and_banks(module, x)
-    with pytest.raises(ValueError, match="no int4"):
+    with pytest.raises(ValueError, match="int4 refused"):
         triton_mh_moe_forward(x, *routes, *banks, scales=scales)
-    cuda = torch.device("cuda")
-    assert resolve_backend("moe_experts", "auto", cuda, int4=True) == "torch"
-    assert resolve_backend("moe_experts", "auto", cuda, int4=True, sync_free=True) == "torch_grouped"
-    assert resolve_backend("moe_experts", "auto", cuda) == "triton"
+
+
+def _meta_released_int4_call():
+    """``(x, routes, weights)`` and ``scales=`` of a released-size int4 call on meta tensors (no memory)."""
+    with moe_tensors_on_meta():
+        module = Magi2MultiHeadMoE(
+            Magi2MultiHeadMoEConfig(3072, 12, 256, 6, 1280, torch.bfloat16, expert_dtype="int4", route_scale=4.9)
+        )
+    x = torch.empty(16, 12, 256, dtype=torch.bfloat16, device="meta")
+    routes = [torch.empty(16 * 72, dtype=torch.int32, device="meta"), torch.empty(16 * 72, device="meta")]
+    routes.append(torch.empty(12 * 256 + 1, dtype=torch.int64, device="meta"))
+    banks = [module.get_parameter(n) for n in BANKS]
+    return x, routes, banks, [module.get_buffer(n) for n in INT4_SCALE_NAMES]
+
+
+def test_int4_triton_launches_one_head_at_a_time_on_a_reused_bank_buffer() -> None:
+    """At the released size (meta tensors): one launch per head, each on the same three ``[E, K, N]`` bf16 buffers
+    (0.5 GB: one head's bank, never the layer's), its grid sized by the head's ``S*k`` routes."""
+    x, routes, banks, scales = _meta_released_int4_call()
+    specs = launch_specs(x, routes, banks, scales=scales, deterministic=False, capability=(9, 0))
+    assert len(specs) == 12 and all(spec.out is specs[0].out for spec in specs)
+    buffers = [spec.make_args(routes[2][:257].int())[1:4] for spec in specs]
+    assert [tuple(b.shape) for b in buffers[0]] == [(256, 256, 1280), (256, 256, 1280), (256, 1280, 256)]
+    assert all(b.dtype == torch.bfloat16 for b in buffers[0])
+    assert all(all(a is b for a, b in zip(buffers[0], head)) for head in buffers)
+    assert sum(b.numel() * 2 for b in buffers[0]) == 256 * 3 * 256 * 1280 * 2  # 0.50 GB
+    assert {spec.num_routes for spec in specs} == {16 * 6} and {spec.offsets.numel() for spec in specs} == {257}
+    assert all(spec.prepare is not None for spec in specs)
 
 
 def test_int4_expert_parallel_slices_codes_and_group_scales() -> None:

@@ -1,9 +1,10 @@
 """The package's Triton kernels built for real GPU targets on CPU (sm_90, sm_89, sm_80), read with cuobjdump.
 
-The builds the launch table chooses at the released MoE shape (bf16 and FP8 experts, atomic and deterministic)
-must compile without spills, on tensor cores (HGMMA on sm_90), with every weight operand prefetched by the
-software pipeliner (>= 3 stages), within the architecture's shared memory, and with native atomic adds; FP8 on
-sm_80 is refused by the launcher. The builds run once per session in a subprocess without ``TRITON_INTERPRET``
+The builds the launch table chooses at the released MoE shape (bf16, FP8 and int4 experts, atomic and
+deterministic; int4 runs the kernel per head on dequantized bf16 banks) must compile without spills, on tensor cores
+(HGMMA on sm_90), with every weight operand prefetched by the software pipeliner (>= 3 stages), within the
+architecture's shared memory, and with native atomic adds; so must the int4 dequantization kernel at both bank
+shapes (no spills, its code tiles prefetched); FP8 on sm_80 is refused by the launcher. The builds run once per session in a subprocess without ``TRITON_INTERPRET``
 (which conftest sets for the rest of the suite); the table is printed (``pytest -s``).
 """
 
@@ -53,28 +54,33 @@ def _results(report: dict) -> list[BuildResult]:
 
 def test_every_triton_kernel_of_the_package_is_built(report: dict) -> None:
     kernels = {name for names in report["kernels"].values() for name in names}
-    assert "_mh_moe_fwd_kernel" in kernels  # the scan finds the kernel it must find
+    assert {"_mh_moe_fwd_kernel", kernel_build.DEQUANT_KERNEL} <= kernels  # the scan finds the kernels it must
+    assert "round_to" not in kernels  # a helper called from another module is no kernel
     assert kernels <= {row["build"]["kernel"] for row in report["builds"]}
 
 
 def test_chosen_launch_configs_build_clean_for_gpu_targets(report: dict) -> None:
     results = _results(report)
     print("\n" + kernel_build.format_table(results))
-    covered = {(r.build.arch, r.build.weights, r.build.deterministic) for r in results}
+    moe = [r for r in results if r.build.kernel == "_mh_moe_fwd_kernel"]
+    covered = {(r.build.arch, r.build.weights, r.build.deterministic) for r in moe}
     expected = {
         (arch, weights, det)
         for arch in (90, 89, 80)
-        for weights in ("bfloat16", "float8_e4m3fn")
+        for weights in ("bfloat16", "float8_e4m3fn", "int4")
         for det in (False, True)
         if not (arch == 80 and weights == "float8_e4m3fn")
     }
     assert covered == expected
+    dequant = {(r.build.arch, r.build.mode) for r in results if r.build.kernel == kernel_build.DEQUANT_KERNEL}
+    assert dequant == {(arch, bank) for arch in (90, 89, 80) for bank in kernel_build.RELEASED_INT4_BANKS}
     failing = {
         f"sm_{r.build.arch} {r.build.weights} {r.build.mode} {r.build.config}": build_problems(r) for r in results
     }
     assert not {k: v for k, v in failing.items() if v}
     for r in results:
-        assert set(r.prefetch) == set(kernel_build.MOE_WEIGHT_OPERANDS) and min(r.prefetch.values()) >= 2
+        operands = kernel_build.MOE_WEIGHT_OPERANDS if r in moe else kernel_build.DEQUANT_OPERANDS
+        assert set(r.prefetch) == set(operands) and min(r.prefetch.values()) >= 2
 
 
 def test_fp8_experts_below_sm89_are_refused_by_the_launcher(report: dict) -> None:
@@ -109,3 +115,8 @@ def test_build_checks_flag_each_defect() -> None:
     for needle, change in defects.items():
         problems = build_problems(BuildResult(build, **{**good, **change}))
         assert any(needle in p for p in problems), (needle, problems)
+    # the dequantization kernel has no GEMM: no MMA is asked of it, the rest is
+    dequant = KernelBuild(kernel_build.DEQUANT_KERNEL, 90, "int4", False, (128, 4, 3), "W_down [256 x 1280 x 256]")
+    plain = {**good, "mma": "none", "prefetch": {"codes": 2}, "atomics": "-"}
+    assert build_problems(BuildResult(dequant, **plain)) == []
+    assert build_problems(BuildResult(dequant, **{**plain, "prefetch": {"codes": 0}}))
