@@ -8,7 +8,8 @@ per projection over that head's experts with device-side offsets, the ``k`` rout
 ascending expert id; it needs top-k routes, and its one-block swiglu7 may differ from the per-expert one in the last
 fp32 bit.
 ``torch.ops.diffusers_magi2.mh_moe_experts`` is the expert call as a ``torch.library.custom_op`` (fake and backward
-ops, so ``torch.compile(fullgraph=True)`` traces a whole MoE block).
+ops, so ``torch.compile(fullgraph=True)`` traces a whole MoE block); its backward computes only the gradients asked
+for, with grouped GEMMs and no host read (:mod:`.experts_backward`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .activation import swiglu7, swiglu7_backward
+from .activation import swiglu7
 from .dequantize import dequantize_bank, dequantize_expert, is_int4
 from .expert_checks import check_expert_inputs, check_expert_tensors
-from .quantize import FP8_DTYPE
-from .reference import expert_route_blocks, hidden_dtype
+from .experts_backward import experts_backward, grad_like
+from .reference import hidden_dtype
 
 
 __all__ = ["check_expert_inputs", "mh_moe_experts", "mh_moe_experts_backward", "torch_mh_moe_forward"]
@@ -288,46 +289,17 @@ def _mh_moe_experts_fake(x, routes, weights, scales, backend, deterministic):
 
 @torch.library.custom_op("diffusers_magi2::mh_moe_experts_backward", mutates_args=())
 def mh_moe_experts_backward(
-    grad_out: Tensor, x: Tensor, routes: list[Tensor], weights: list[Tensor], scales: list[Tensor]
+    grad_out: Tensor, x: Tensor, routes: list[Tensor], weights: list[Tensor], scales: list[Tensor], needs: list[bool]
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients ``(x, probs, w_gate, w_up, w_down)`` of :func:`mh_moe_experts` (same ``routes``, ``weights``,
-    ``scales``), per expert (fp32 ones for frozen FP8 weights; empty ones for int4 codes, which take none)."""
-    (gather_ids, probs, expert_offsets), (w_gate, _, w_down) = routes, weights
-    scales = scales or (None, None, None)
-    f32 = torch.float32
-    grad_x = torch.zeros(x.shape, dtype=f32, device=x.device)
-    grad_probs = torch.zeros(probs.shape, dtype=f32, device=x.device)
-    int4 = is_int4(w_gate)
-    grad_w = [torch.zeros(_grad_shape(w), dtype=f32, device=x.device) for w in weights]
-    for g, head, span, tokens, rows in expert_route_blocks(x, gather_ids, expert_offsets, w_gate.shape[0]):
-        wg, wu, wd = (dequantize_expert(w[g], None if s is None else s[g]) for w, s in zip(weights, scales))
-        gate, up = rows @ wg, rows @ wu
-        hidden = swiglu7(gate, up).to(hidden_dtype(w_down.dtype, x.dtype)).float()
-        grad_contrib = grad_out[tokens, head].float()
-        grad_probs[span] = (grad_contrib * (hidden @ wd)).sum(1)
-        grad_down = grad_contrib * probs[span, None].float()
-        grad_gate, grad_up = swiglu7_backward(gate, up, grad_down @ wd.T)
-        if not int4:
-            grad_w[2][g] = hidden.T @ grad_down
-            grad_w[0][g] = rows.T @ grad_gate
-            grad_w[1][g] = rows.T @ grad_up
-        grad_x[tokens, head] += grad_gate @ wg.T + grad_up @ wu.T
-    grads = (grad_x.to(x.dtype), grad_probs.to(probs.dtype))
-    return grads + tuple(gw.to(_grad_dtype(w)) for gw, w in zip(grad_w, weights))
+    ``scales``) for the five ``needs`` (``ctx.needs_input_grad``); one not asked for is an empty ``(0,)`` tensor
+    (:mod:`.experts_backward`)."""
+    return tuple(experts_backward(grad_out, x, routes, weights, scales, needs))
 
 
 @mh_moe_experts_backward.register_fake
-def _mh_moe_experts_backward_fake(grad_out, x, routes, weights, scales):
-    return tuple(t.new_empty(_grad_shape(t), dtype=_grad_dtype(t)) for t in (x, routes[1], *weights))
-
-
-def _grad_dtype(t: Tensor) -> torch.dtype:
-    return torch.float32 if t.dtype in (FP8_DTYPE, torch.uint8) else t.dtype
-
-
-def _grad_shape(t: Tensor) -> tuple[int, ...]:
-    """The shape of ``t``'s gradient: its own, or ``(0,)`` for int4 codes (integers take no gradient)."""
-    return (0,) if is_int4(t) else tuple(t.shape)
+def _mh_moe_experts_backward_fake(grad_out, x, routes, weights, scales, needs):
+    return tuple(grad_like(t, need) for t, need in zip((x, routes[1], *weights), needs))
 
 
 def _mh_moe_experts_setup_context(ctx, inputs, output) -> None:
@@ -339,13 +311,14 @@ def _mh_moe_experts_backward(ctx, grad_out):
     saved = ctx.saved_tensors  # read once: under gradient checkpointing each saved tensor unpacks only once
     x, *routes = saved[:4]
     weights, scales = saved[4:7], saved[7:]
-    grad_x, grad_probs, *grad_w = mh_moe_experts_backward(grad_out, x, routes, weights, scales)
     needs_x, needs_routes, needs_weights = ctx.needs_input_grad[:3]
+    needs = [needs_x, needs_routes[1], *needs_weights]  # the token ids and offsets are integers
+    grad_x, grad_probs, *grad_w = mh_moe_experts_backward(grad_out, x, routes, weights, scales, needs)
     return (
         grad_x if needs_x else None,
-        [None, grad_probs if needs_routes[1] else None, None],  # the token ids and offsets are integers
+        [None, grad_probs if needs[1] else None, None],
         [grad if needed else None for grad, needed in zip(grad_w, needs_weights)],
-        [None] * len(scales),  # frozen FP8 scales
+        [None] * len(scales),  # frozen FP8 / int4 scales
         None,
         None,
     )

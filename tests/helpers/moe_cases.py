@@ -1,9 +1,10 @@
 """MoE test cases shared by ``tests/moe``: the golden MoE-layer cases and modules built from the tiny SandAI
-checkpoints, random expert-bank cases, a one-route SwiGLU7 bank, the tiny layer config, an allocation recorder, the
-expert-parallel check of a layer's ranks."""
+checkpoints, random expert-bank cases, a one-route SwiGLU7 bank, the tiny layer config, an allocation recorder, a
+host-read counter, the expert-parallel check of a layer's ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
@@ -117,18 +118,27 @@ def tiny_config(num_heads=2, num_experts=8, top_k=2, head_dim=64, expert_dim=64,
 
 
 class AllocationRecorder(TorchDispatchMode):
-    """Records the numel of every op output that does not share storage with an input (i.e. allocations)."""
+    """Records the numel (``allocations``) and shape (``shapes``) of every op output that does not share storage
+    with an input (i.e. allocations). ``inside`` maps custom ops to their Python bodies, which then run under the
+    recorder (a dispatch mode sees no op inside a custom op otherwise)."""
 
-    def __init__(self) -> None:
+    def __init__(self, inside: dict | None = None) -> None:
         super().__init__()
         self.allocations: list[tuple[str, int]] = []
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+        self.inside = inside or {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        body = self.inside.get(func)
+        if body is not None:
+            with self:
+                return body(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 self.allocations.append((str(func), t.numel()))
+                self.shapes.append((str(func), tuple(t.shape)))
         return out
 
 
@@ -152,3 +162,28 @@ def assert_ep_ranks_match(full: Magi2MultiHeadMoE, ep_size: int, sliced: tuple[s
         with torch.no_grad():
             out = local.forward_local_heads(x_local)
         torch.testing.assert_close(out[:, :real], ref[:, start : start + real], atol=1e-6, rtol=1e-6)
+
+
+HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Count calls of :data:`HOST_READS` on any tensor while active."""
+    counts: dict = {}
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def wrap(name, orig):
+        def counting(self, *args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return orig(self, *args, **kwargs)
+
+        return counting
+
+    for name, orig in originals.items():
+        setattr(torch.Tensor, name, wrap(name, orig))
+    try:
+        yield counts
+    finally:
+        for name, orig in originals.items():
+            setattr(torch.Tensor, name, orig)

@@ -7,41 +7,14 @@ the default torch path and for the absence of host reads (``.item()``, ``.tolist
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from helpers.moe_cases import random_case
+from helpers.moe_cases import count_host_reads, random_case
 
 from diffusers_magi2.moe.experts import mh_moe_experts
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from diffusers_magi2.moe.quantize import quantize_fp8
 from diffusers_magi2.moe.routing import global_sort_routes
-
-
-HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
-
-
-@contextlib.contextmanager
-def count_host_reads():
-    """Count calls of :data:`HOST_READS` on any tensor while active."""
-    counts: dict = {}
-    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-
-    def wrap(name, orig):
-        def counting(self, *args, **kwargs):
-            counts[name] = counts.get(name, 0) + 1
-            return orig(self, *args, **kwargs)
-
-        return counting
-
-    for name, orig in originals.items():
-        setattr(torch.Tensor, name, wrap(name, orig))
-    try:
-        yield counts
-    finally:
-        for name, orig in originals.items():
-            setattr(torch.Tensor, name, orig)
 
 
 def _experts(backend, x, routes, weights, scales=()):

@@ -1,0 +1,170 @@
+"""Backward of the routed-expert op (``torch.ops.diffusers_magi2.mh_moe_experts``): only the asked-for gradients.
+
+For a route ``r`` of expert ``g`` (head ``h``, token ``s``, weight ``p``) the forward computed
+``a = x[s, h] W_gate[g]``, ``b = x[s, h] W_up[g]``, ``u = round_w(swiglu7(a, b))``, ``y = u W_down[g]`` and added
+``p y`` to ``out[s, h]`` (:mod:`.reference`). With ``G = dL/d out[s, h]``::
+
+    dL/dp             = <G, y>
+    (dL/da, dL/db)    = swiglu7'(a, b) * ((p G) W_down[g]^T)          (the rounding passes the gradient through)
+    dL/dx[s, h]      += dL/da W_gate[g]^T + dL/db W_up[g]^T
+    dL/dW_down[g]     = sum_r u^T (p G),    dL/dW_gate[g] = sum_r x^T dL/da,    dL/dW_up[g] = sum_r x^T dL/db
+
+``needs`` (the op's ``ctx.needs_input_grad`` for ``x``, ``probs``, ``W_gate``, ``W_up``, ``W_down``) says which to
+compute: a gradient not asked for is an empty ``(0,)`` tensor and none of its work is done (frozen experts: no
+weight-gradient buffer, no weight-gradient GEMM; only ``x`` and ``probs`` asked: no ``u^T`` products).
+
+Per head, one head's bank at a time (quantized banks dequantized into reused buffers, as the forward's torch paths
+do), each projection is one ``torch.nn.functional.grouped_mm`` over the head's experts with device-side offsets, on
+:data:`BACKWARD_ROWS` routes at a time (bounding the ``[rows, De]`` temporaries; a route block cut mid-expert just
+splits that expert's group, and weight gradients add up over the blocks). Top-k routes (``T = S*H*k``, every head's
+``S*k`` routes contiguous, as :func:`~diffusers_magi2.moe.routing.global_sort_routes` lays them out) read nothing on
+the host; if their offsets do not have that layout every gradient is NaN rather than wrong. Other route counts (a
+hand-made CSR through the seed functions) read the ``H + 1`` head bounds on the host once. GEMM operands are fp32,
+except bf16 activations on CUDA, where the grouped GEMM runs without a host read only in bf16 (fp32
+accumulation, bf16 results); the elementwise parts and every accumulation are fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.nn.functional import grouped_mm
+
+from .activation import swiglu7, swiglu7_backward
+from .dequantize import dequantize_bank, is_int4
+from .expert_checks import top_k_layout_poison
+from .reference import hidden_dtype
+
+
+__all__ = ["BACKWARD_ROWS", "experts_backward"]
+
+#: routes per grouped-GEMM step of the backward: its ``[rows, De]`` fp32 temporaries hold 84 MB each at De 1280
+BACKWARD_ROWS = 16384
+
+
+def _head_banks(weights, scales, experts: slice, dtype: torch.dtype, scratch: list) -> list[Tensor]:
+    """One head's three banks ``[E, K, N]`` in ``dtype``; int4 is dequantized into the reused ``scratch`` buffers
+    (on CUDA by the Triton kernel, straight into ``dtype``; elsewhere in fp32, which ``dtype`` then is)."""
+    banks = []
+    for i, (weight, scale) in enumerate(zip(weights, scales)):
+        weight = weight[experts]
+        if scale is None:
+            banks.append(weight.to(dtype))  # a view when the bank is stored in dtype
+        elif not is_int4(weight):
+            banks.append(dequantize_bank(weight, scale[experts]).to(dtype))
+        else:
+            if scratch[i] is None:
+                scratch[i] = torch.empty(*weight.shape[:2], 2 * weight.shape[2], dtype=dtype, device=weight.device)
+            if weight.is_cuda:
+                from .dequantize_triton import dequantize_int4_triton  # Triton is imported on first use
+
+                banks.append(dequantize_int4_triton(weight, scale[experts], out=scratch[i]))
+            else:
+                banks.append(dequantize_bank(weight, scale[experts], out=scratch[i]))
+    return banks
+
+
+def experts_backward(
+    grad_out: Tensor,
+    x: Tensor,
+    routes: Sequence[Tensor],
+    weights: Sequence[Tensor],
+    scales: Optional[Sequence[Tensor]],
+    needs: Sequence[bool],
+    *,
+    chunk_rows: int = BACKWARD_ROWS,
+) -> list[Tensor]:
+    """Gradients ``[x, probs, w_gate, w_up, w_down]`` of the expert op (module docstring); arguments as
+    ``torch_mh_moe_forward``'s, ``needs`` five bools, ``chunk_rows`` routes per grouped-GEMM step. Each gradient is
+    in its input's dtype (fp32 for FP8 banks), or ``(0,)`` when not asked for."""
+    (gather_ids, probs, expert_offsets), (w_gate, _, w_down) = routes, weights
+    want_x, want_p, *want_w = (bool(n) for n in needs)
+    num_tokens, num_heads, head_dim = x.shape
+    num_routes, num_experts = gather_ids.numel(), w_gate.shape[0] // num_heads
+    scales = (None, None, None) if not scales else scales
+    device, f32 = x.device, torch.float32
+    grad_x = torch.zeros(x.shape, dtype=f32, device=device) if want_x else None
+    grad_p = torch.zeros(num_routes, dtype=f32, device=device) if want_p else None
+    grad_w = [
+        torch.zeros(w.shape, dtype=_grad_dtype(w), device=device) if n else None for w, n in zip(weights, want_w)
+    ]
+    if num_routes and num_tokens and (want_x or want_p or any(want_w)):
+        compute = torch.bfloat16 if x.is_cuda and x.dtype == torch.bfloat16 else f32
+        round_hidden = hidden_dtype(w_down.dtype, x.dtype)
+        blocks, poison = _head_blocks(expert_offsets, num_tokens, num_heads, num_experts, num_routes)
+        scratch, accum = [None] * 3, [None] * 3
+        for head, (lo, count) in enumerate(blocks):
+            if count == 0:
+                continue
+            experts = slice(head * num_experts, (head + 1) * num_experts)
+            wg, wu, wd = _head_banks(weights, scales, experts, compute, scratch)
+            for i, w in enumerate(weights):  # per-head fp32 weight-gradient sums (the bank's own rows if fp32)
+                if want_w[i]:
+                    if grad_w[i].dtype == f32:
+                        accum[i] = grad_w[i][experts]
+                    else:
+                        accum[i] = torch.zeros(wg.shape[0], *w.shape[1:], dtype=f32, device=device)
+            ends = expert_offsets[experts.start + 1 : experts.stop + 1].to(torch.int64) - lo
+            for start in range(0, count, chunk_rows):
+                rows = min(chunk_rows, count - start)
+                offs = (ends - start).clamp_(0, rows).to(torch.int32)
+                span = slice(lo + start, lo + start + rows)
+                tokens = gather_ids[span].to(torch.int64)
+                xs = x[tokens, head].to(compute)
+                gate = grouped_mm(xs, wg, offs=offs).float()
+                up = grouped_mm(xs, wu, offs=offs).float()
+                hidden = swiglu7(gate, up).to(round_hidden).to(compute)
+                g_out = grad_out[tokens, head].float()
+                if want_p:
+                    grad_p[span] = (g_out * grouped_mm(hidden, wd, offs=offs).float()).sum(1)
+                grad_down = (g_out * probs[span].float().unsqueeze(1)).to(compute)
+                del g_out
+                if want_w[2]:
+                    accum[2] += grouped_mm(hidden.t(), grad_down, offs=offs)
+                del hidden
+                if not (want_x or want_w[0] or want_w[1]):
+                    continue
+                grad_hidden = grouped_mm(grad_down, wd.transpose(1, 2), offs=offs)
+                grad_gate, grad_up = (g.to(compute) for g in swiglu7_backward(gate, up, grad_hidden))
+                del gate, up, grad_hidden
+                if want_x:
+                    dx = grouped_mm(grad_gate, wg.transpose(1, 2), offs=offs).float()
+                    dx += grouped_mm(grad_up, wu.transpose(1, 2), offs=offs)
+                    grad_x[:, head].index_add_(0, tokens, dx)
+                for i, grad in ((0, grad_gate), (1, grad_up)):
+                    if want_w[i]:
+                        accum[i] += grouped_mm(xs.t(), grad, offs=offs)
+            for i, grad in enumerate(grad_w):
+                if want_w[i] and grad.dtype != f32:
+                    grad[experts] = accum[i]
+        for grad in (grad_x, grad_p, *grad_w):
+            if grad is not None:
+                grad.add_(poison)
+    grads = [None if grad_x is None else grad_x.to(x.dtype), None if grad_p is None else grad_p.to(probs.dtype)]
+    grads += grad_w
+    return [grad_like(t, False) if g is None else g for g, t in zip(grads, (x, probs, *weights))]
+
+
+def _head_blocks(expert_offsets, num_tokens: int, num_heads: int, num_experts: int, num_routes: int):
+    """``([(first route, count)] per head, poison)``: top-k routes from the host-known layout, with ``poison`` a
+    0-dim fp32 tensor that is NaN where the offsets disagree with it (else 0); other counts from one host read."""
+    per_head, remainder = divmod(num_routes, num_tokens * num_heads)
+    if remainder:
+        bounds = expert_offsets[::num_experts].tolist()  # a hand-made CSR: the one host read
+        poison = torch.zeros((), device=expert_offsets.device)
+        return [(a, b - a) for a, b in zip(bounds, bounds[1:])], poison
+    per_head *= num_tokens
+    poison = top_k_layout_poison(expert_offsets, num_experts, per_head)
+    return [(h * per_head, per_head) for h in range(num_heads)], poison
+
+
+def _grad_dtype(t: Tensor) -> torch.dtype:
+    """The dtype of ``t``'s gradient: its own, fp32 for FP8 (and int4) storage."""
+    return t.dtype if t.is_floating_point() and t.element_size() > 1 else torch.float32
+
+
+def grad_like(t: Tensor, needed: bool) -> Tensor:
+    """An empty tensor of ``t``'s gradient shape and dtype, or ``(0,)`` when it is not asked for (the op's fake)."""
+    return t.new_empty(tuple(t.shape) if needed else (0,), dtype=_grad_dtype(t))
