@@ -17,8 +17,10 @@ run naming the file.
 LoRA: ``--targets`` (default ``linear_qkv,linear_proj``; add ``router`` for the MoE router gates, ``shared_experts``
 for the shared experts) at ``--rank`` / ``--alpha``, also in the multimodal layers (our grouped LoRA layer). Frozen
 weights stay in the load dtype (``--dtype bfloat16``; ``--expert_dtype`` stores the routed experts of ``--model`` in
-any ``expert_dtype`` the model takes, e.g. ``float8_e4m3fn``); the LoRA parameters (``cast_training_params``) and the
-optimizer are fp32. ``--gradient_checkpointing`` recomputes each block.
+any ``expert_dtype`` the model takes: ``float8_e4m3fn`` or ``int4``, read from a repo written so or quantized while
+reading); the LoRA parameters (``cast_training_params``) and the optimizer are fp32. Quantized experts are frozen,
+and the expert op's backward makes no gradient for them (only the input's and the router's).
+``--gradient_checkpointing`` recomputes each block.
 
 The loop is diffusers' training-script form on ``accelerate.Accelerator``: ``accelerator.accumulate`` over
 ``--gradient_accumulation_steps`` micro-batches, ``accelerator.backward``, an LR schedule (``--lr_scheduler``,
@@ -84,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--expert_dtype",
         default=None,
         help="routed-expert storage of --model: an expert_dtype the model takes "
-        "(diffusers_magi2.moe.quantize.EXPERT_DTYPES, e.g. float8_e4m3fn)",
+        "(diffusers_magi2.moe.quantize.EXPERT_DTYPES: float8_e4m3fn, int4)",
     )
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--ep_degree", type=int, default=None, help="expert-parallel ranks (default: all launched)")
@@ -270,7 +272,9 @@ def load_pipeline(args):
 
         dtypes = {"default": dtype, "vae": torch.float32, "audio_vae": torch.float32}
         extra = {}
-        if args.expert_dtype:  # FP8 routed experts: the transformer is read on its own, quantized while reading
+        if (
+            args.expert_dtype
+        ):  # FP8 / int4 routed experts: the transformer is read on its own (quantized while reading)
             extra["transformer"] = Magi2Transformer3DModel.from_pretrained(
                 args.model,
                 subfolder="transformer",
@@ -479,8 +483,9 @@ def find_checkpoint(output_dir: Path, resume: str) -> tuple[Path, int]:
 
 def estimate_memory(args) -> list[dict]:
     """Per-GPU bytes at the released size (the default config built on the meta device): frozen non-expert
-    weights (bf16), this rank's routed experts (bf16 or FP8, ``1/E`` of them), and the fp32 LoRA parameters with
-    their gradients and AdamW moments (16 bytes each); activations are not included. One row per EP degree."""
+    weights (bf16), this rank's routed experts (bf16, FP8 or int4 with its group scales: 4.125 bits a weight; ``1/E``
+    of them), and the fp32 LoRA parameters with their gradients and AdamW moments (16 bytes each); activations are
+    not included. One row per EP degree and expert storage."""
     import torch
 
     from diffusers_magi2 import Magi2Transformer3DModel
@@ -500,7 +505,7 @@ def estimate_memory(args) -> list[dict]:
     lora = sum(p.numel() for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n)
     rows = []
     for ep in (1, 2, 4, 8):
-        for expert_bytes, name in ((2, "bf16"), (1, "float8_e4m3fn")):
+        for expert_bytes, name in ((2, "bf16"), (1, "float8_e4m3fn"), (4.125 / 8, "int4")):
             rows.append(
                 {
                     "ep_degree": ep,
