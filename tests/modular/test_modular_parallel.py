@@ -5,10 +5,14 @@ process's within 1e-5 (two steps with CFG)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers.ep_spawn_utils import run_on_ranks
 from helpers.modular_parallel_workers import modular_and_classic
 from helpers.modular_testing_utils import tiny_pipelines
+
+
+pytestmark = pytest.mark.distributed
 
 
 def test_cp2_ep2_modular_equals_one_process(tmp_path):
