@@ -1,6 +1,6 @@
 """The golden fixtures are found through ``MAGI2_FIXTURES`` in the test process and in the processes it starts.
 
-A context-parallel model worker (2 gloo ranks, ``torch.multiprocessing.spawn``) runs with ``MAGI2_FIXTURES``
+A context-parallel model worker (2 gloo ranks, ``helpers.ep_spawn_utils``) runs with ``MAGI2_FIXTURES``
 pointing at a symlink to the fixtures in another folder and must reproduce the fixture's output; pointed at an
 empty folder it must fail naming that folder (a worker that ignored the variable would still find the default
 root and pass).

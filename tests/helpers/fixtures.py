@@ -1,8 +1,8 @@
 """Where the read-only golden fixtures live, for the tests and for every process they start.
 
 The root is ``$MAGI2_FIXTURES`` when set, else ``../shared/fixtures`` beside the checkout. It is read from the
-environment on every call, so ``torch.multiprocessing.spawn`` workers and ``accelerate launch`` scripts (which
-inherit the environment) resolve the same root as the test that started them.
+environment on every call, so the gloo workers (which run each call in the caller's environment) and ``accelerate
+launch`` scripts (which inherit it) resolve the same root as the test that started them.
 """
 
 from __future__ import annotations

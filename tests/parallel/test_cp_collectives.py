@@ -1,6 +1,6 @@
 """Context-parallel exchanges on N = 1..4 gloo ranks equal the single-process computation.
 
-One ``torch.multiprocessing.spawn`` per N (cached across the tests) runs ``cp_workers.cp_worker``. Head counts are
+One call on N gloo ranks per N (cached across the tests) runs ``cp_workers.cp_worker``. Head counts are
 those of the tiny fixtures (4/4, 6/3 and 6/2 query/kv heads); token splits are balanced and uneven with a
 zero-token rank; the packed sequence has four samples, one of them empty. Ulysses attention with sinks is fp32,
 so the only difference to one process is the order of the softmax sums: ≤ 1e-6.

@@ -1,6 +1,6 @@
 """``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))`` on both transformers, N = 2, 3, 4 gloo ranks.
 
-One ``torch.multiprocessing.spawn`` per N (cached) runs ``cp_model_workers.cp_model_worker``: the fp32 tiny fixtures
+One call on N gloo ranks per N (cached) runs ``cp_model_workers.cp_model_worker``: the fp32 tiny fixtures
 ``magi2_tiny`` preview h4 (t2v and i2v), preview h3 and the refiner (with and without audio), with a balanced split
 and an uneven one where rank 1 holds no token; the preview also under CP x EP over the same ranks (EP = N, and
 EP 2 x 2 replicas on 4 ranks). Every rank gets the full output; each must be within 1e-5 of the single-process

@@ -1,6 +1,6 @@
 """Expert parallelism on N = 2, 3, 4 gloo ranks equals the single-process model.
 
-One ``torch.multiprocessing.spawn`` per N (cached across the tests below) runs ``ep_workers.ep_worker``.
+One call on N gloo ranks per N (cached across the tests below) runs ``ep_workers.ep_worker``.
 Fixtures: ``magi2_tiny/preview_h4`` (4 MoE heads: N = 3 leaves rank 2 idle) and ``preview_h3`` (3 heads: padded).
 Tolerances: EP vs single process ≤ 2e-5 abs (fp32); transformer vs SandAI fixture ≤ 1e-4 abs.
 """
