@@ -7,6 +7,7 @@ it at decoration time), so it is set here, before the package is imported by any
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 
@@ -43,3 +44,31 @@ def _restore_active_attention_backend():
     saved = _AttentionBackendRegistry._active_backend
     yield
     _AttentionBackendRegistry.set_active_backend(saved)
+
+
+_DISTRIBUTED_MARK = re.compile(r"\bmark\.distributed\b")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's work units under ``-n N`` (``--dist load``, the default): each test module is one unit (its
+    cached models and module fixtures are built once), and every module that holds a ``distributed`` test joins one
+    unit, so the multi-process tests run one after another on one worker: never two gloo groups or launches at
+    once, and that worker's pools of gloo ranks (``helpers.ep_spawn_utils``) serve them all. The scheduler sees
+    node ids only, so a module's source is what tells it that the module has a ``distributed`` mark."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+    distributed: dict[str, bool] = {}
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if module not in distributed:
+                path = root / module
+                distributed[module] = path.is_file() and bool(_DISTRIBUTED_MARK.search(path.read_text()))
+            return "distributed" if distributed[module] else module
+
+    return ModuleScheduling(config, log)
