@@ -73,17 +73,16 @@ def test_release_holds_sandai_names_and_the_release_dtypes(walkthrough):
     assert enc["channels"] == enc["latent_dim"]  # representable: the converter needs no zero-encoder option
 
 
-def test_release_writer_refuses_a_non_empty_folder_and_leaves_nothing(tmp_path):
+def test_release_writer_refuses_a_non_empty_folder_and_leaves_nothing(tmp_path, capsys):
+    """The command's ``main`` (its ``python -m`` entry runs in the walk-through) exits 2 after one ``error:`` line."""
+    from diffusers_magi2.conversion.tiny_release import main
+
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    res = subprocess.run(
-        [sys.executable, "-m", "diffusers_magi2.conversion.tiny_release", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 2 and res.stderr.startswith("error: ") and "not an empty folder" in res.stderr
+    rc = main([str(out)])
+    stderr = capsys.readouterr().err
+    assert rc == 2 and stderr.startswith("error: ") and "not an empty folder" in stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 

@@ -21,14 +21,23 @@ LAUNCH_RULES = REPO_ROOT / "examples" / "launch_rules.py"
 SMOKE_ARGS = ["--prompt", "a cat on a piano", "--num_inference_steps", "1", "--height", "64", "--width", "64"]
 
 
-def load_launch_rules():
-    """``examples/launch_rules.py`` (the example scripts' launch rules) as a module."""
+def _load_script(name: str, path: Path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("magi2_launch_rules", LAUNCH_RULES)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_launch_rules():
+    """``examples/launch_rules.py`` (the example scripts' launch rules) as a module."""
+    return _load_script("magi2_launch_rules", LAUNCH_RULES)
+
+
+def load_generate():
+    """``examples/generate.py`` (the main job) as a module: ``load_generate().main(argv)`` runs it in this process."""
+    return _load_script("magi2_generate", Path(GENERATE))
 
 
 def launch_env() -> dict:

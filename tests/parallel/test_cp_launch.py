@@ -5,6 +5,7 @@ receives them by broadcast) and the video and audio decoders; the other rank get
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -31,19 +32,15 @@ def _calls(stdout: str) -> dict:
     return out
 
 
-def test_cp2_ep2_launch_frames_equal_single_process(tmp_path):
+def test_cp2_ep2_launch_frames_equal_single_process(tmp_path, monkeypatch, capsys):
+    # the script alone (no launcher, nothing parallel), run in this process: no new interpreter needed
     single = tmp_path / "single.npy"
-    res = subprocess.run(
-        [sys.executable, SCRIPT, "--out", str(single)],
-        cwd=tmp_path,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "CP_FRAMES cp=1" in res.stdout
-    single_calls = _calls(res.stdout)[0]
+    monkeypatch.setattr(sys, "argv", [SCRIPT, "--out", str(single)])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    runpy.run_path(SCRIPT, run_name="__main__")
+    stdout = capsys.readouterr().out
+    assert "CP_FRAMES cp=1" in stdout
+    single_calls = _calls(stdout)[0]
     assert single_calls["text_encoder"] == 2 and single_calls["video_decoder"] == single_calls["audio_decoder"] == 1
     parallel = tmp_path / "parallel.npy"
     res = subprocess.run(

@@ -3,12 +3,11 @@ command runs it at the tiny default's own resolution and step count)."""
 
 from __future__ import annotations
 
-import importlib.util
 from fractions import Fraction
 
 import pytest
 import torch
-from helpers.fixtures import REPO_ROOT
+from helpers.launch import load_generate
 
 from diffusers_magi2.pipelines.text_encoding import has_cjk_pre_tokenizer_split
 from diffusers_magi2.pipelines.tiny_default import (
@@ -17,13 +16,6 @@ from diffusers_magi2.pipelines.tiny_default import (
     build_tiny_tokenizer,
 )
 from diffusers_magi2.utils.export import probe_streams
-
-
-def load_generate():
-    spec = importlib.util.spec_from_file_location("magi2_generate", REPO_ROOT / "examples" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_tiny_tokenizer_is_deterministic_and_offline():
