@@ -50,6 +50,7 @@ _PUBLIC_NAMES = {
     "RoutingScore": ".moe.routing",
     "build_tiny_default_pipeline": ".pipelines.tiny_default",
     "check_router_inputs_finite": ".models.finite_checks_magi2",
+    "clear_router_input_flags": ".models.finite_checks_magi2",
     "compute_topk_probs_and_indices": ".moe.routing",
     "export_to_video_with_audio": ".utils.export",
     "global_sort_routes": ".moe.routing",

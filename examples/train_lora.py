@@ -366,11 +366,12 @@ def train_step(accelerator, transformer, optimizer, lr_scheduler, params, sample
 
     A NaN or inf that reached a MoE router in a forward raises the same ``ValueError`` on every rank before its
     backward (``check_router_inputs_finite``), as the pipelines' denoising steps do."""
-    from diffusers_magi2 import check_router_inputs_finite
+    from diffusers_magi2 import check_router_inputs_finite, clear_router_input_flags
 
     total = 0.0
     for sample in samples:
         with accelerator.accumulate(transformer):
+            clear_router_input_flags(transformer)  # only this forward counts
             loss = training_loss(transformer, sample, generator, device, fixed)
             check_router_inputs_finite(transformer)
             accelerator.backward(loss)

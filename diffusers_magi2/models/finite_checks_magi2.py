@@ -7,7 +7,9 @@ until the process group times out, and the group is then unusable; on CUDA the r
 which leaves the context unusable. So the layers only record it: each :class:`~diffusers_magi2.moe.layer.
 Magi2MultiHeadMoE` ORs "a logit was not finite" into its device flag (no host read, nothing raised; the forward runs
 to its end, collectives included, with NaNs). Once per denoising step the sampler (``Magi2Pipeline``'s loop, the
-modular denoise loop) calls :func:`check_router_inputs_finite`: one all-reduce of the flags over the model's
+modular denoise loop) clears the flags before the step's forwards (:func:`clear_router_input_flags`, so that a
+forward that never reached a check, such as a direct model call or one cut short by an exception, cannot fail the
+next request) and calls :func:`check_router_inputs_finite` after them: one all-reduce of the flags over the model's
 context-parallel group (else its expert-parallel group), one host read, and the same ``ValueError`` on every rank,
 after which the flags are clear and the group serves the next request.
 
@@ -27,7 +29,7 @@ from torch import nn
 from ..moe.layer import Magi2MultiHeadMoE
 
 
-__all__ = ["check_router_inputs_finite"]
+__all__ = ["check_router_inputs_finite", "clear_router_input_flags"]
 
 _EXPERT_BANKS = ("W_gate", "W_up", "W_down")
 _SCAN_ELEMENTS = 1 << 24  # elements per chunk of the error-path weight scan (small temporaries)
@@ -107,6 +109,18 @@ def _same_on_every_rank(text: Optional[str], group) -> Optional[str]:
     return next((t for t in texts if t is not None), None)
 
 
+def clear_router_input_flags(model: nn.Module) -> None:
+    """Forget what the MoE routers of ``model`` recorded (on this rank; no collective). Call it on every rank before
+    the forwards that :func:`check_router_inputs_finite` then checks, as the pipelines do before each denoising
+    step's forwards.
+
+    Args:
+        model: a ``Magi2Transformer3DModel`` (any module holding ``Magi2MultiHeadMoE`` layers; none: nothing to do).
+    """
+    for _, router in _routers(model):
+        router.non_finite_router_logits.clear()
+
+
 def check_router_inputs_finite(model: nn.Module, step_index: Optional[int] = None) -> None:
     """Raise on every rank together if a MoE router of ``model`` saw a NaN or inf since the last call; then clear
     the flags (module docstring). Call it once per denoising step, on every rank, after the step's forwards; a model
@@ -134,8 +148,7 @@ def check_router_inputs_finite(model: nn.Module, step_index: Optional[int] = Non
     seen = flags.nonzero().reshape(-1).tolist()  # the one host read of the step
     if not seen:
         return
-    for _, router in routers:
-        router.non_finite_router_logits.clear()
+    clear_router_input_flags(model)
     names = [routers[i][0] for i in seen]
     weight = _same_on_every_rank(_non_finite_weight(model, names[0]), group)
     step = "" if step_index is None else f" at step index {step_index}"

@@ -19,7 +19,7 @@ import torch
 from diffusers.modular_pipelines import LoopSequentialPipelineBlocks, ModularPipelineBlocks, PipelineState
 from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam, OutputParam
 
-from ..models.finite_checks_magi2 import check_router_inputs_finite
+from ..models.finite_checks_magi2 import check_router_inputs_finite, clear_router_input_flags
 from ..pipelines.presets_magi2 import CALLBACK_TENSOR_INPUTS
 from ..pipelines.refiner_stage import prepare_refiner_latents
 from ..pipelines.sampling_magi2 import cache_context, preview_forward, refiner_forward
@@ -105,6 +105,7 @@ class Magi2LoopDenoiser(_Magi2LoopBlock):
     def __call__(self, components, bs, i: int, t: torch.Tensor):
         guiders = {"latents": components.guider, "audio_latents": components.audio_guider}
         passes, own = guidance_passes(guiders, bs, i, len(bs.step_timesteps), t)
+        clear_router_input_flags(components.transformer)  # only this step's forwards count
         with cache_context(components.transformer, "_".join(passes), **bs.step_context):
             video, audio = preview_forward(
                 components.transformer,
@@ -144,6 +145,7 @@ class Magi2RefinerLoopDenoiser(_Magi2LoopBlock):
     def __call__(self, components, bs, i: int, t: torch.Tensor):
         guiders = {"latents": bs.step_guider}
         passes, own = guidance_passes(guiders, bs, i, len(bs.step_timesteps), t)
+        clear_router_input_flags(components.transformer)  # only this step's forwards count
         predictions = {
             branch: refiner_forward(
                 components.refiner,

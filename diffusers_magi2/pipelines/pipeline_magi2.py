@@ -30,7 +30,7 @@ from diffusers.video_processor import VideoProcessor
 
 # imported by name: diffusers resolves model_index.json's ``diffusers_magi2.models.*`` through sys.modules
 from ..loaders.lora_pipeline_magi2 import Magi2LoraLoaderMixin
-from ..models.finite_checks_magi2 import check_router_inputs_finite
+from ..models.finite_checks_magi2 import check_router_inputs_finite, clear_router_input_flags
 from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..models.turbo_vae import Magi2TurboVAEDecoder
@@ -615,6 +615,7 @@ class Magi2Pipeline(
                     continue
                 self._current_timestep = t
                 context = {"step_index": i, "num_inference_steps": len(timesteps), "timestep": t}
+                clear_router_input_flags(model)  # only this step's forwards count
                 step = velocities(model, t, tensors, conditioning, context)
                 check_router_inputs_finite(model, i)  # every rank raises together, before the step is taken
                 for name, velocity in step.items():

@@ -182,3 +182,21 @@ def test_a_nan_latent_is_refused_at_the_same_step_by_both_pipelines(pipes):
     assert torch.isfinite(
         pipe(PROMPT, generator=torch.Generator().manual_seed(3), **T2V, output_type="latent").frames
     ).all()
+
+
+def test_a_nan_seen_outside_a_step_does_not_fail_the_next_request(pipes):
+    """A MoE layer called directly with NaN records it, and no step check follows (as after a direct model call, or a
+    forward cut short by an exception): each pipeline's next request still runs, as its steps clear the flags
+    before their forwards, and gives the latents of a clean run."""
+    pipe, modular = pipes
+    moe = next(m for m in pipe.transformer.modules() if hasattr(m, "non_finite_router_logits"))
+    call = {**T2V, "output_type": "latent"}
+    clean = pipe(PROMPT, generator=torch.Generator().manual_seed(5), **call).frames
+    for run in (
+        lambda: pipe(PROMPT, generator=torch.Generator().manual_seed(5), **call).frames,
+        lambda: modular(prompt=PROMPT, generator=torch.Generator().manual_seed(5), **call).get("videos"),
+    ):
+        with torch.no_grad():
+            moe(torch.full((4, moe.hidden_size), float("nan")))
+        assert bool(moe.non_finite_router_logits.value)
+        assert torch.equal(run(), clean)
