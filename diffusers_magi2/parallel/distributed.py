@@ -129,9 +129,11 @@ def all_gather_rows(local: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     """Every rank's ``[R, ...]`` (the same ``R`` on all ``size`` ranks) stacked along dim 0 -> ``[size R, ...]``."""
     local = local.contiguous()
     if needs_autograd(local):
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        from torch.distributed import _functional_collectives as funcol
 
-        return all_gather_tensor_autograd(local, 0, group)
+        # torch >= 2.13 names it all_gather_single_autograd and deprecates the older name
+        gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+        return gather(local, 0, group)
     gathered = local.new_empty((size * local.shape[0], *local.shape[1:]))
     _all_gather_single(gathered, local, group=group)
     return gathered
