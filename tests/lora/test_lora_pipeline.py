@@ -440,11 +440,10 @@ def test_readme_lora_lines_run_as_written_and_the_saved_adapter_keeps_its_scale(
     monkeypatch.chdir(tmp_path)
     config = LoraConfig(r=4, lora_alpha=3, target_modules=["linear_qkv", "linear_proj"], init_lora_weights=False)
     pipe.transformer.add_adapter(config, "trained")
-    pipe.save_lora_weights(
-        "my_magi2_lora",
+    pipe.save_lora_weights(  # as examples/train_lora.py writes it
+        "lora_out",
         transformer_lora_layers=get_peft_model_state_dict(pipe.transformer, adapter_name="trained"),
         transformer_lora_adapter_metadata=pipe.transformer.peft_config["trained"].to_dict(),
-        weight_name="adapter.safetensors",
     )
     pipe.unload_lora_weights()
     save_file(mirai_state_dict(random_factors(clean.refiner, seed=140), "mirai_kohya"), "refiner_lora.safetensors")
@@ -453,12 +452,12 @@ def test_readme_lora_lines_run_as_written_and_the_saved_adapter_keeps_its_scale(
     code = code.replace("pipe(prompt, ", "pipe(prompt, **call, ")
     namespace = {"pipe": pipe, "prompt": "A red fox trots through fresh snow at dawn", "call": SMALL_CALL}
     exec(compile(code, "README.md:lora", "exec"), namespace)
-    assert namespace["video"].frames is not None
+    assert namespace["out"].frames is not None
     assert not has_tuner_layers(pipe.transformer) and not has_tuner_layers(pipe.refiner)
 
     pipe.load_lora_weights("style_lora", adapter_name="again")
     assert {m.scaling["again"] for m in pipe.transformer.modules() if hasattr(m, "scaling")} == {0.75}
     again = outputs(pipe, inputs)["transformer"]
     pipe.unload_lora_weights()
-    pipe.load_lora_weights("my_magi2_lora/adapter.safetensors", adapter_name="from_file")
+    pipe.load_lora_weights("lora_out/pytorch_lora_weights.safetensors", adapter_name="from_file")
     assert torch.equal(outputs(pipe, inputs)["transformer"], again)
