@@ -15,9 +15,11 @@ Examples::
 
 This module and ``conversion/convert_magi2_to_diffusers.py`` are the only converter code that read
 argv; everything else takes explicit arguments (:mod:`diffusers_magi2.conversion.repo`). The flags are parsed
-before torch, diffusers or the converter is imported, so bad usage is one ``magi2-convert: error: ...`` line on
-stderr at once.
-Exit status: 0 on success, 1 on any error (the message names the problem), 2 on bad usage.
+and checked against each other and the file system (:func:`~.request.request_problems`) before torch, diffusers or
+the converter is imported, so bad usage is one ``magi2-convert: error: ...`` line on stderr at once.
+Exit status: 0 on success, 1 on any error found in the checkpoints or while writing (the message names the
+problem), 2 on bad usage (unknown or conflicting flags, a missing input, ``--config`` or ``--checkpoint_root``, a
+non-empty ``--output_path`` without ``--overwrite``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..utils.byte_sizes import parse_size
 from ..utils.dtype_names import DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
 from .release_layout import ALL_COMPONENTS, RELEASE_LAYOUT
+from .request import ConversionRequest, ConversionRequestError, request_problems
 
 
 __all__ = ["build_parser", "main", "request_from_args"]
@@ -136,42 +140,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def request_from_args(args: argparse.Namespace, log=print):
-    """Turn parsed flags into a :class:`~.repo.ConversionRequest` (per-part flags override the root layout).
+    """Turn parsed flags into a :class:`~.request.ConversionRequest` (per-part flags override the root layout),
+    checked without torch: every problem found from the flags and the file system alone.
 
     Raises:
-        ValueError: unknown component names, ``--push_to_hub`` without ``--repo_id``.
+        ConversionRequestError: a ``ValueError`` listing every problem: a ``--checkpoint_root`` that is no folder,
+            unknown component names, ``--push_to_hub`` without ``--repo_id``, a ``--max_shard_size`` that is no size, and those of
+            :func:`~.request.request_problems` (flags that conflict, inputs or ``--config`` missing, a non-empty
+            ``--output_path`` without ``--overwrite``).
     """
-    from ..utils.safetensors_io import parse_size
-    from .repo import ConversionRequest
-
+    problems = []
     inputs: dict[str, Path] = {}
     if args.checkpoint_root is not None:
         root = Path(args.checkpoint_root)
         if not root.is_dir():
-            raise ValueError(f"--checkpoint_root {root} is not a directory")
-        for comp, rel in RELEASE_LAYOUT.items():
-            if (root / rel).exists():
-                inputs[comp] = root / rel
+            problems.append(f"--checkpoint_root {root} is not a directory")
+        else:
+            for comp, rel in RELEASE_LAYOUT.items():
+                if (root / rel).exists():
+                    inputs[comp] = root / rel
     for comp, flag in _PART_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
             inputs[comp] = Path(value)
     if args.components:
         components = [c.strip() for c in args.components.split(",") if c.strip()]
-        unknown = [c for c in components if c not in ALL_COMPONENTS]
-        if unknown:
-            raise ValueError(f"--components: unknown {unknown}; allowed: {', '.join(ALL_COMPONENTS)}")
     else:
         components = [c for c in ALL_COMPONENTS if c in inputs]
         if components:
             components.append("scheduler")
-        if args.checkpoint_root is not None:
+        if args.checkpoint_root is not None and not problems:
             for comp, rel in RELEASE_LAYOUT.items():
                 if comp not in inputs:
                     log(f"[{comp}] not converted: {Path(args.checkpoint_root) / rel} does not exist")
     if args.push_to_hub and not args.repo_id:
-        raise ValueError("--push_to_hub needs --repo_id")
-    return ConversionRequest(
+        problems.append("--push_to_hub needs --repo_id")
+    try:
+        max_shard_size = parse_size(args.max_shard_size)
+    except ValueError as err:
+        problems.append(f"--{err}")  # the message starts with the flag's name
+        max_shard_size = 1
+    req = ConversionRequest(
         output_path=Path(args.output_path),
         components=components,
         inputs={c: p for c, p in inputs.items() if c in components},
@@ -179,7 +188,7 @@ def request_from_args(args: argparse.Namespace, log=print):
         dtype=args.dtype,
         expert_dtype=args.expert_dtype,
         expert_int4_group_size=args.expert_int4_group_size,
-        max_shard_size=parse_size(args.max_shard_size),
+        max_shard_size=max_shard_size,
         overwrite=args.overwrite,
         dry_run=args.dry_run,
         repo_id=args.repo_id,
@@ -187,16 +196,25 @@ def request_from_args(args: argparse.Namespace, log=print):
         if "audio_vae" in components
         else {},
     )
+    problems += request_problems(req)
+    if problems:
+        raise ConversionRequestError(problems)
+    return req
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the converter; returns the process exit status (the console script exits with it)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        req = request_from_args(args)
+    except ConversionRequestError as err:  # bad usage, found before torch is imported: argparse's one line, status 2
+        print(f"{parser.prog}: error: {'; '.join(err.problems)} (see --help)", file=sys.stderr)
+        return 2
     from ..loaders.key_plan import CheckpointValidationError
     from .repo import ConversionValidationError, convert_checkpoint, push_folder_to_hub
 
     try:
-        req = request_from_args(args)
         out = convert_checkpoint(req)
         if args.push_to_hub:
             if out is None:

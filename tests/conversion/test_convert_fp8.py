@@ -91,7 +91,7 @@ def test_converter_expert_dtype_bad_choices_are_refused(tmp_path, capsys):
             "fp8_e4m3",
         ]
     )
-    assert rc == 1 and "--expert_dtype applies to the transformer's routed experts" in err
+    assert rc == 2 and "--expert_dtype applies to the transformer's routed experts" in err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 

@@ -89,7 +89,7 @@ def test_converter_int4_group_size_and_expert_dtype_errors_come_before_anything_
     rc, _, err = run_cli([*COMMON, "--output_path", out, "--expert_dtype", "int4"])  # 128 does not divide 32
     assert rc == 1 and "expert_int4_group_size=128 does not divide K=32" in err, err
     rc, _, err = run_cli([*COMMON, "--output_path", out, "--expert_int4_group_size", "16"])
-    assert rc == 1 and "--expert_int4_group_size applies to --expert_dtype int4" in err, err
+    assert rc == 2 and "--expert_int4_group_size applies to --expert_dtype int4" in err, err
     with pytest.raises(SystemExit) as exit_info:  # bad usage (a bad group size: test_convert_repo.py)
         main([*(str(a) for a in COMMON), "--output_path", str(out), "--expert_dtype", "int8"])
     message = "--expert_dtype: invalid choice: int8 (choose from fp8_e4m3, int4)"  # quotes vary with Python

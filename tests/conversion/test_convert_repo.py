@@ -556,7 +556,7 @@ def test_thin_cli_script_and_console_entry_point(tmp_path):
         timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert res.returncode == 1 and "does not exist" in res.stderr and not out.exists()
+    assert res.returncode == 2 and "does not exist" in res.stderr and not out.exists()
 
 
 # Runs each argv through ``magi2-convert``'s entry (``cli.main``) and the thin script, in one fresh interpreter, and
@@ -585,6 +585,7 @@ print(json.dumps(results))
 def test_bad_usage_is_one_error_line_before_torch_or_diffusers_is_imported(tmp_path):
     script = str(REPO_ROOT / "conversion" / "convert_magi2_to_diffusers.py")
     out = ["--output_path", str(tmp_path / "out")]
+    missing = str(tmp_path / "nonexistent")
     cases = [
         ("entry point", ["--preview_dir", "p"], "the following arguments are required: --output_path"),
         ("entry point", [*out, "--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
@@ -594,6 +595,21 @@ def test_bad_usage_is_one_error_line_before_torch_or_diffusers_is_imported(tmp_p
             "entry point",
             [*out, "--expert_int4_group_size", "0"],
             "--expert_int4_group_size: must be a positive integer",
+        ),
+        # flags that parse but conflict, or name what is not there: refused before torch too, with argparse's status
+        ("entry point", [*out, "--components", "foo"], "--components: unknown ['foo']; allowed: transformer,"),
+        (script, [*out, "--preview_dir", ".", "--push_to_hub"], "--push_to_hub needs --repo_id"),
+        ("entry point", [*out, "--checkpoint_root", missing], f"--checkpoint_root {missing} is not a directory"),
+        ("entry point", [*out, "--preview_dir", missing], f"transformer: input {missing} does not exist"),
+        (
+            "entry point",
+            [*out, "--preview_dir", ".", "--expert_int4_group_size", "64"],
+            "--expert_int4_group_size applies to --expert_dtype int4; got --expert_dtype None",
+        ),
+        (
+            "entry point",
+            [*out, "--preview_dir", ".", "--max_shard_size", "big"],
+            "--max_shard_size 'big' is not a size",
         ),
     ]
     res = subprocess.run(
