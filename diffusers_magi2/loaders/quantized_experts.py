@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..moe.layer import Magi2MultiHeadMoE
-from ..moe.quantize import FP8_DTYPE, quantize_fp8
+from ..moe.quantize import EXPERT_DTYPES, FP8_DTYPE, parse_expert_dtype, quantize_fp8
 from ..moe.quantize_int4 import INT4_PACKED_DTYPE, INT4_SCALE_DTYPE, int4_shapes, quantize_int4
 from ..utils.safetensors_io import DTYPE_TO_TORCH, check_safetensors_file, read_safetensors_header
 
@@ -60,15 +60,21 @@ def _full_shape(module: Magi2MultiHeadMoE, bank: str) -> tuple[int, int, int]:
 
 
 def check_quantized_expert_arguments(pretrained_model_name_or_path: Union[str, os.PathLike], kwargs: Mapping) -> bool:
-    """Check ``from_pretrained``'s int4 arguments against a local repo's ``config.json``: an
-    ``expert_int4_group_size`` or ``expert_int4_packing`` other than an int4 repo records would reinterpret its codes
-    (a Hub repo's scales are checked from their shapes, :func:`plan_quantized_expert_loading`).
+    """Check ``from_pretrained``'s expert arguments against a local repo's ``config.json``, before anything loads.
+
+    A bf16 repo takes any ``expert_dtype`` (quantized while read). A quantized repo (FP8 or int4) loads only as it
+    is stored: an explicit ``expert_dtype`` other than its own (another quantization, or ``None`` for the load
+    dtype) would need its stored codes re-quantized or dequantized, which loading does not do, so it is refused
+    (diffusers keeps a quantized checkpoint's own ``quantization_config`` over a passed one with a warning; here the
+    argument names the storage wanted, and loading another in its place would be a silent fallback). With int4, an
+    ``expert_int4_group_size`` or ``expert_int4_packing`` other than the repo records would reinterpret its codes.
+    A Hub repo's stored dtypes and scales are checked from the headers (:func:`plan_quantized_expert_loading`).
 
     Returns:
         whether the routed experts load quantized (``expert_dtype`` passed, or the local config's).
 
     Raises:
-        ValueError: naming the config key, the repo's value and the one passed.
+        ValueError: naming the config key, the repo's value and the one passed, and what is allowed.
     """
     path = Path(pretrained_model_name_or_path) / (kwargs.get("subfolder") or "") / "config.json"
     saved = {}
@@ -79,7 +85,20 @@ def check_quantized_expert_arguments(pretrained_model_name_or_path: Union[str, o
             saved = {}  # diffusers' own config loading names the problem
     saved = saved if isinstance(saved, dict) else {}
     expert_dtype = kwargs.get("expert_dtype", saved.get("expert_dtype"))
-    if saved.get("expert_dtype") == "int4" and expert_dtype == "int4":
+    stored = saved.get("expert_dtype")
+    if (
+        stored in EXPERT_DTYPES[1:]
+        and "expert_dtype" in kwargs
+        and parse_expert_dtype(expert_dtype) != parse_expert_dtype(stored)
+    ):
+        raise ValueError(
+            f"expert_dtype={_dtype_name(expert_dtype)!r}: the routed experts of {path.parent} are stored as "
+            f"{stored} (its config.json has expert_dtype={stored!r}), and a quantized repo loads only as stored; "
+            f"drop the argument (or pass expert_dtype={stored!r}), or load a bf16 repo with "
+            f"expert_dtype={_dtype_name(expert_dtype)!r}"
+            + (" to quantize it while reading" if expert_dtype is not None else "")
+        )
+    if stored == "int4" and expert_dtype == "int4":
         for key in ("expert_int4_group_size", "expert_int4_packing"):
             if key in kwargs and key in saved and kwargs[key] != saved[key]:
                 raise ValueError(
@@ -88,6 +107,11 @@ def check_quantized_expert_arguments(pretrained_model_name_or_path: Union[str, o
                     f"drop the argument, or quantize a bf16 repo with expert_dtype='int4', {key}={kwargs[key]!r}"
                 )
     return expert_dtype is not None
+
+
+def _dtype_name(expert_dtype) -> Union[str, None]:
+    """An ``expert_dtype`` argument as its config name (``torch.float8_e4m3fn`` -> ``"float8_e4m3fn"``)."""
+    return str(expert_dtype).removeprefix("torch.") if isinstance(expert_dtype, torch.dtype) else expert_dtype
 
 
 def _tensor_infos(
@@ -120,6 +144,12 @@ def _describe(dtype: torch.dtype, shape) -> str:
 
 def _check_fp8_bank(name: str, scale_name: str, dtype, shape, expected, infos) -> bool:
     """Whether FP8 bank ``name`` is quantized while read (``False``: stored FP8, its scale checked)."""
+    if dtype == INT4_PACKED_DTYPE or f"{name}_group_scale" in infos:
+        raise ValueError(
+            f"{name} is stored as int4 codes (uint8 with {name}_group_scale) but the model's routed experts are FP8: "
+            "an int4 repo loads only as stored (its config.json has expert_dtype='int4'); drop expert_dtype, or load "
+            "a bf16 repo with expert_dtype='float8_e4m3fn'"
+        )
     if shape != expected:
         raise ValueError(f"{name}: checkpoint shape {list(shape)}, the model expects {list(expected)}")
     expected_scale = (expected[0], expected[2])
@@ -180,7 +210,13 @@ def _check_int4_bank(name: str, scale_name: str, module: Magi2MultiHeadMoE, bank
                 f"(one scale per expert, group of {group} rows and output channel of {name})"
             )
         return False
-    if dtype.is_floating_point and dtype.itemsize >= 2 and dtype != FP8_DTYPE:
+    if dtype == FP8_DTYPE or f"{name}_scale" in infos:
+        raise ValueError(
+            f"{name} is stored in FP8 (float8_e4m3fn with {name}_scale) but the model's routed experts are int4: an "
+            "FP8 repo loads only as stored (its config.json has expert_dtype='float8_e4m3fn'); drop expert_dtype, "
+            "or load a bf16 repo with expert_dtype='int4'"
+        )
+    if dtype.is_floating_point and dtype.itemsize >= 2:
         if shape != full:
             raise ValueError(f"{name}: checkpoint shape {list(shape)}, the model expects {list(full)}")
         if scale_name in infos:

@@ -363,12 +363,14 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
         Args:
             expert_parallel: ``Magi2ExpertParallelConfig(ep_degree=N)``: load only this rank's routed experts.
             expert_dtype: ``"float8_e4m3fn"`` or ``"int4"`` quantizes a bf16 repo's routed experts while reading,
-                shard by shard (an FP8 or int4 repo loads as stored without it: its config says so).
+                shard by shard (an FP8 or int4 repo loads as stored without it: its config says so; another
+                ``expert_dtype`` for it, ``None`` included, is refused).
             expert_int4_group_size: with ``expert_dtype="int4"`` on a bf16 repo: rows of the contraction dim per
                 scale (default 128); an int4 repo keeps the size it was written with.
 
         Raises:
-            ValueError: a missing, misshaped or truncated FP8 or int4 scale (naming it); an int4 repo read with
+            ValueError: an FP8 or int4 repo asked for another ``expert_dtype`` (naming the config key, before
+                anything loads); a missing, misshaped or truncated FP8 or int4 scale (naming it); an int4 repo read with
                 another ``expert_int4_group_size`` or ``expert_int4_packing`` than it was written with (naming the
                 config key); an ``expert_dtype`` outside ``(None, "float8_e4m3fn", "int4")``; an expert-parallel
                 loading error; or a checkpoint that names

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 
 import pytest
 import torch
@@ -198,9 +199,15 @@ def test_fp8_repo_with_missing_or_misshaped_scale_is_refused_naming_it(repos, tm
         Magi2Transformer3DModel.from_pretrained(tmp_path / "bad", dtype=torch.bfloat16)
 
 
-def test_fp8_repo_into_a_model_without_fp8_experts_is_refused(repos):
-    with pytest.raises(ValueError, match=r"W_gate is stored in FP8 .* load it with expert_dtype='float8_e4m3fn'"):
+def test_fp8_repo_into_a_model_without_fp8_experts_is_refused(repos, tmp_path):
+    with pytest.raises(ValueError, match=r"expert_dtype=None: the routed experts of .* are stored as float8_e4m3fn"):
         Magi2Transformer3DModel.from_pretrained(repos["fp8"], expert_dtype=None, dtype=torch.bfloat16)
+    # a config that does not say (a Hub repo is checked from the headers): the stored FP8 banks name the fix
+    shutil.copytree(repos["fp8"], tmp_path / "fp8")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps({**config, "expert_dtype": None}))
+    with pytest.raises(ValueError, match=r"W_gate is stored in FP8 .* load it with expert_dtype='float8_e4m3fn'"):
+        Magi2Transformer3DModel.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])

@@ -172,10 +172,40 @@ def test_an_int4_repo_read_at_another_group_size_or_packing_is_refused_naming_th
     edited = _config_edited(repos["int4"], tmp_path / "packing", expert_int4_packing="nf4_k")
     with pytest.raises(ValueError, match=r"expert_int4_packing must be 'nf4_pairs_along_n' .* got 'nf4_k'"):
         Magi2Transformer3DModel.from_pretrained(edited)
-    with pytest.raises(ValueError, match=r"W_gate is stored as int4 codes .* load it with expert_dtype='int4'"):
-        Magi2Transformer3DModel.from_pretrained(repos["int4"], expert_dtype=None)
     with pytest.raises(ValueError, match=r"expert_dtype must be one of \(None, 'float8_e4m3fn', 'int4'\); got 'int8'"):
         Magi2Transformer3DModel.from_pretrained(repos["bf16"], expert_dtype="int8")
+
+
+def test_a_quantized_repo_asked_for_another_expert_dtype_is_refused_naming_the_config_key(repos, tmp_path):
+    """An int4 or FP8 repo loads only as stored: another ``expert_dtype`` (or ``None``) is refused from its config.json
+    before any tensor is read, and from the headers when the config does not say (a Hub repo's, or an edited one);
+    a bf16 repo takes either (quantize-at-load)."""
+    fp8 = tmp_path / "fp8"
+    Magi2Transformer3DModel.from_pretrained(repos["bf16"], expert_dtype="float8_e4m3fn").save_pretrained(fp8)
+    for repo, stored, asked in (
+        (repos["int4"], "int4", "float8_e4m3fn"),
+        (repos["int4"], "int4", None),
+        (fp8, "float8_e4m3fn", "int4"),
+        (fp8, "float8_e4m3fn", None),
+    ):
+        match = (
+            rf"expert_dtype={asked!r}: the routed experts of .* are stored as {stored} \(its config.json has "
+            rf"expert_dtype='{stored}'\), and a quantized repo loads only as stored; drop the argument"
+        )
+        with pytest.raises(ValueError, match=match):
+            Magi2Transformer3DModel.from_pretrained(repo, expert_dtype=asked)
+    assert Magi2Transformer3DModel.from_pretrained(fp8, expert_dtype=torch.float8_e4m3fn).config.expert_dtype == (
+        "float8_e4m3fn"
+    )
+    edited = _config_edited(repos["int4_single"], tmp_path / "int4_says_fp8", expert_dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match=r"W_gate is stored as int4 codes .* but the model's routed experts are FP8"):
+        Magi2Transformer3DModel.from_pretrained(edited)
+    edited = _config_edited(fp8, tmp_path / "fp8_says_int4", expert_dtype="int4", expert_int4_group_size=16)
+    with pytest.raises(ValueError, match=r"W_gate is stored in FP8 .* but the model's routed experts are int4"):
+        Magi2Transformer3DModel.from_pretrained(edited)
+    edited = _config_edited(repos["int4_single"], tmp_path / "int4_says_bf16", expert_dtype=None)
+    with pytest.raises(ValueError, match=r"W_gate is stored as int4 codes .* load it with expert_dtype='int4'"):
+        Magi2Transformer3DModel.from_pretrained(edited)
 
 
 def _truncate_inside(folder, name: str) -> None:
