@@ -332,7 +332,7 @@ class ExpertParallelLoaderMixin:
             kwargs["is_parallel_loading_enabled"] = False  # one shard at a time, this rank's rows only
         if any(m.expert_scale_names for _, m in _moe_modules(model)):
             shards = [state_dict] if state_dict is not None else resolved_model_file
-            resolved_model_file, state_dict = QuantizedExpertShards(shards, model, kwargs.get("device_map")), None
+            resolved_model_file, state_dict = QuantizedExpertShards(shards, model, kwargs.get("device_map"), ep), None
             kwargs["is_parallel_loading_enabled"] = False  # tensors are placed by this loader, one shard at a time
             if filled:  # scales computed while reading count as loaded (no "newly initialized" warning)
                 if "loaded_keys" in kwargs:

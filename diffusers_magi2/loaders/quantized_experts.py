@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -25,6 +25,8 @@ import torch.nn as nn
 from ..moe.layer import Magi2MultiHeadMoE
 from ..moe.quantize import EXPERT_DTYPES, FP8_DTYPE, parse_expert_dtype, quantize_fp8
 from ..moe.quantize_int4 import INT4_PACKED_DTYPE, INT4_SCALE_DTYPE, int4_shapes, quantize_int4
+from ..parallel.distributed import first_failure_on_any_rank
+from ..parallel.expert_parallel import Magi2ExpertParallelGroup
 from ..utils.safetensors_io import DTYPE_TO_TORCH, check_safetensors_file, read_safetensors_header
 
 
@@ -288,16 +290,30 @@ class QuantizedExpertShards(Sequence):
     directly (a float bank quantized first, with the row of its first expert in the messages); the other tensors are
     handed on as copies, so the shard's memory map is released.
 
+    Under expert parallelism each rank quantizes its own rows, so a non-finite weight is seen by the rank that holds
+    it only: after each shard with banks to quantize the ranks agree (one all-reduce of a flag,
+    :func:`~diffusers_magi2.parallel.distributed.first_failure_on_any_rank`), and every rank raises the same error,
+    the group left usable, rather than one rank raising while the others return a model that waits at its first
+    collective.
+
     Args:
         shards: shard paths or state dicts (possibly a :class:`~diffusers_magi2.loaders.expert_parallel_loading.RowShardedShards`).
         model: the model being loaded.
         device_map: the ``device_map`` diffusers loads with (``None``: CPU).
+        ep: the expert-parallel group loading the model (``None``: one process).
     """
 
-    def __init__(self, shards: Sequence[Union[str, Mapping[str, torch.Tensor]]], model: nn.Module, device_map=None):
+    def __init__(
+        self,
+        shards: Sequence[Union[str, Mapping[str, torch.Tensor]]],
+        model: nn.Module,
+        device_map=None,
+        ep: Optional[Magi2ExpertParallelGroup] = None,
+    ):
         self.shards = shards
         self.model = model
         self.device_map = device_map
+        self.ep = ep if ep is not None and ep.size > 1 else None
         self.banks = {n: b for n, b in expert_bank_names(model).items() if b[0].expert_scale_names}
         self.scales = {_scale_name(n, module, bank): n for n, (module, bank) in self.banks.items()}
         # the stored dtype of every tensor placed here (the meta model's banks, its scale buffers)
@@ -330,15 +346,28 @@ class QuantizedExpertShards(Sequence):
 
         state = dict(load_state_dict(self.shards[index]))
         taken = [k for k in state if k in self.banks or k in self.scales]
+        # the same names and dtypes on every EP rank (the same files, cut to rows): all agree on the same shards
+        agree = self.ep is not None and any(k in self.banks and state[k].dtype != self.dtypes[k] for k in taken)
+        failure = None
         for name in taken:
             value = state.pop(name)
             if name in self.banks and value.dtype != self.dtypes[name]:
-                stored, scale = self._quantize(name, value)
+                try:
+                    stored, scale = self._quantize(name, value)
+                except ValueError as err:  # a non-finite weight in this rank's rows
+                    if not agree:
+                        raise
+                    failure = str(err)
+                    break
                 del value
                 module, bank = self.banks[name]
                 self._place(_scale_name(name, module, bank), scale)
                 value = stored
             self._place(name, value)
+        if agree:
+            failure = first_failure_on_any_rank(failure, self.ep.group, torch.device(self.ep.device_type))
+            if failure is not None:
+                raise ValueError(failure)
         if taken:
             # the rest may be views of the shard's memory map, which would keep the pages of the banks just read
             # (quantized: their bf16 bytes) resident for the model's lifetime: own copies release the map

@@ -22,6 +22,7 @@ __all__ = [
     "Magi2PendingExchange",
     "all_gather_rows",
     "all_to_all",
+    "first_failure_on_any_rank",
     "mesh_device_type",
     "needs_autograd",
     "resolve_mesh_group",
@@ -137,3 +138,16 @@ def all_gather_rows(local: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     gathered = local.new_empty((size * local.shape[0], *local.shape[1:]))
     _all_gather_single(gathered, local, group=group)
     return gathered
+
+
+def first_failure_on_any_rank(message: Optional[str], group: Any, device: torch.device) -> Optional[str]:
+    """The first (rank order) non-``None`` ``message`` of the ranks of ``group``, the same on every rank: one
+    all-reduce of a flag on ``device``, and only when a rank failed one ``all_gather_object`` of the messages. Each
+    rank calls it at the same point, failed or not, so all raise together and the group stays usable."""
+    flag = torch.tensor([int(message is not None)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, group=group)
+    if not int(flag.item()):
+        return None
+    messages: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, message, group=group)
+    return next(m for m in messages if m is not None)

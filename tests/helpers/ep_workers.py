@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
 from diffusers_magi2.loaders.expert_parallel_loading import EP_SHARDED_SUFFIXES
@@ -290,12 +291,28 @@ def _moe_tensors(model) -> tuple[dict, dict]:
 
 def quantized_experts_worker(rank: int, world: int, folders: dict) -> dict:
     """Quantized experts under EP: FP8 and int4 repos and bf16 repos quantized at load, each rank reading its rows
-    and scales, and an int4 model loaded whole and then cut by ``enable_expert_parallel``."""
+    and scales, and an int4 model loaded whole and then cut by ``enable_expert_parallel``; first, each rank's error
+    (or ``None``) quantizing ``folders["bf16_non_finite"]`` at load, and a collective after those refusals."""
     from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
 
     ep_cfg = Magi2ExpertParallelConfig(ep_degree=world)
     case = transformer_case("preview_h4")
     res = {}
+    # a bf16 repo with a NaN in one rank's rows, quantized at load: every rank must refuse it, and the group serve on
+    for name in ("fp8_quantize_at_load", "int4_quantize_at_load"):
+        try:
+            Magi2Transformer3DModel.from_pretrained(
+                folders["bf16_non_finite"],
+                torch_dtype=torch.float32,
+                expert_parallel=ep_cfg,
+                **QUANTIZED_LOADS[name][1],
+            )
+            res[name, "non_finite"] = None
+        except ValueError as err:
+            res[name, "non_finite"] = str(err)
+    ranks = torch.tensor([rank])
+    dist.all_reduce(ranks)
+    res["rank_sum_after_refusals"] = int(ranks)
     for name, (folder, kwargs) in QUANTIZED_LOADS.items():
         model = Magi2Transformer3DModel.from_pretrained(
             folders[folder], torch_dtype=torch.float32, expert_parallel=ep_cfg, **kwargs

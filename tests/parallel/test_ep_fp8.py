@@ -24,6 +24,7 @@ pytestmark = pytest.mark.distributed
 
 
 EP_QUANTIZED_REL_L2 = 1e-6
+NON_FINITE_KEY = "transformer_blocks.1.mlp.moe_mlp.W_up"
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,11 @@ def folders(tmp_path_factory):
     ):
         quantized = Magi2Transformer3DModel.from_pretrained(root / "bf16", dtype=torch.bfloat16, **kwargs)
         quantized.save_pretrained(root / name, max_shard_size="300KB")
-    return {name: str(root / name) for name in ("bf16", "fp8", "int4")}
+    with torch.no_grad():  # a NaN in rank 1's rows only (EP 2: rank 0 holds heads 0-1, rank 1 heads 2-3)
+        moe = bf16.get_submodule(NON_FINITE_KEY.rsplit(".", 1)[0])
+        moe.W_up[3 * moe.num_experts + 1, 2, 5] = float("nan")
+    bf16.save_pretrained(root / "bf16_non_finite", max_shard_size="300KB")
+    return {name: str(root / name) for name in ("bf16", "fp8", "int4", "bf16_non_finite")}
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +91,13 @@ def test_ep2_int4_experts_match_the_single_process_int4_model(folders, per_rank)
     assert single.config.expert_dtype == "int4"
     names = ("int4_repo", "int4_quantize_at_load", "int4_enable_expert_parallel")
     _check_against_one_process(single, per_rank, names, ("W_gate", "W_up", "W_down", *INT4_SCALE_NAMES))
+
+
+def test_ep2_quantize_at_load_refuses_a_non_finite_weight_on_every_rank_and_the_group_serves_on(per_rank):
+    """The NaN sits in rank 1's rows: both ranks raise the same error naming the tensor (FP8 and int4), none returns
+    a model that would wait at its first collective, and the group then runs a collective and every load above."""
+    for name in ("fp8_quantize_at_load", "int4_quantize_at_load"):
+        errors = [res[name, "non_finite"] for res in per_rank]
+        assert errors[0] is not None and errors == [errors[0]] * len(per_rank), (name, errors)
+        assert f"{NON_FINITE_KEY} holds a non-finite weight (nan) in expert 1 of head 3" in errors[0], errors[0]
+    assert [res["rank_sum_after_refusals"] for res in per_rank] == [1, 1]
