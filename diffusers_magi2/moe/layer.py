@@ -479,16 +479,18 @@ class Magi2MultiHeadMoE(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # quantized banks and their scales (FP8 with fp32, int4 with bf16) keep their dtypes through dtype moves;
-        # they follow device moves only
+        # they follow device moves only. fn is first applied to an empty tensor of the same dtype and device, so a
+        # kept tensor is never converted (a transient copy of the whole bank) only to be discarded
         if not self.expert_scale_names:
             return super()._apply(fn, recurse)
         kept = {id(getattr(self, name)) for name in _BANKS + self.expert_scale_names}
 
         def keep_storage_dtype(tensor):
-            out = fn(tensor)
-            if id(tensor) in kept and out.dtype != tensor.dtype:
-                return tensor.to(device=out.device)
-            return out
+            if id(tensor) in kept:
+                probe = fn(tensor.new_empty(0))
+                if probe.dtype != tensor.dtype:
+                    return tensor.to(device=probe.device)
+            return fn(tensor)
 
         return super()._apply(keep_storage_dtype, recurse)
 

@@ -15,6 +15,9 @@ from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from diffusers_magi2.moe.routing import global_sort_routes
 
 
+BANKS = ("W_gate", "W_up", "W_down")
+
+
 def test_tensors_keys_shapes_and_dtypes() -> None:
     module = Magi2MultiHeadMoE(
         tiny_config(num_heads=3, num_experts=4, head_dim=16, expert_dim=32, dtype=torch.bfloat16)
@@ -266,3 +269,37 @@ def test_no_expert_bank_repack_per_forward(backend: str, dtype: torch.dtype) -> 
         assert not too_big, too_big
     # the body's own ops were seen, not the opaque op
     assert len(recorders[1].allocations) > 1 and not any("diffusers_magi2" in op for op, _ in recorders[1].allocations)
+
+
+@pytest.mark.parametrize("expert_dtype", ["float8_e4m3fn", "int4"])
+def test_dtype_moves_of_quantized_experts_convert_no_bank_and_keep_the_output(expert_dtype: str) -> None:
+    """``.to(dtype)`` / ``.half()`` on FP8 or int4 experts moves the banks and scales at most, never converts them
+    (not even into a copy thrown away): no op allocates more elements than the largest dense tensor holds, the
+    stored tensors stay bit for bit, and so does the output after moves that leave the fp32 gate as it is."""
+    torch.manual_seed(3)
+    int4 = {"int4_group_size": 16} if expert_dtype == "int4" else {}  # int4 scales [16, 4, 64]: more than dense
+    module = Magi2MultiHeadMoE(tiny_config(dtype=torch.bfloat16, expert_dtype=expert_dtype, **int4))
+    kept = set(BANKS + module.expert_scale_names)
+    before = {n: t.clone() for n, t in module.state_dict().items() if n in kept}
+    dense = max(t.numel() for n, t in module.state_dict().items() if n not in kept)
+    assert all(before[name].numel() > dense for name in BANKS)
+    hidden = torch.randn(16, 128).bfloat16()
+    with torch.no_grad():
+        reference = module(hidden)
+
+    def move_without_converting(*moves) -> None:
+        recorder = AllocationRecorder()
+        with recorder:
+            for move in moves:
+                move(module)
+        assert recorder.allocations, "the recorder saw no ops"
+        too_big = [(op, n) for op, n in recorder.allocations if n > dense]
+        assert not too_big, too_big
+        for name, t in before.items():
+            now = module.state_dict()[name]
+            assert now.dtype == t.dtype and torch.equal(now.view(torch.uint8), t.view(torch.uint8)), name
+
+    move_without_converting(lambda m: m.to(torch.float32), lambda m: m.to("cpu", torch.float32))  # gate: fp32
+    with torch.no_grad():
+        assert torch.equal(module(hidden), reference)
+    move_without_converting(lambda m: m.half(), lambda m: m.to("cpu", torch.bfloat16))
