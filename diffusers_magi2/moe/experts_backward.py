@@ -26,7 +26,7 @@ accumulation, bf16 results); the elementwise parts and every accumulation are fp
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -38,15 +38,38 @@ from .expert_checks import top_k_layout_poison
 from .reference import hidden_dtype
 
 
-__all__ = ["BACKWARD_ROWS", "experts_backward"]
+__all__ = ["BACKWARD_ROWS", "device_kernels", "experts_backward"]
 
 #: routes per grouped-GEMM step of the backward: its ``[rows, De]`` fp32 temporaries hold 84 MB each at De 1280
 BACKWARD_ROWS = 16384
 
 
-def _head_banks(weights, scales, experts: slice, dtype: torch.dtype, scratch: list) -> list[Tensor]:
-    """One head's three banks ``[E, K, N]`` in ``dtype``; int4 is dequantized into the reused ``scratch`` buffers
-    (on CUDA by the Triton kernel, straight into ``dtype``; elsewhere in fp32, which ``dtype`` then is)."""
+def _triton_dequantize(packed: Tensor, scale: Tensor, out: Tensor) -> Tensor:
+    """int4 codes into ``out`` by the Triton kernel."""
+    from .dequantize_triton import dequantize_int4_triton  # Triton is imported on first use
+
+    return dequantize_int4_triton(packed, scale, out=out)
+
+
+def _torch_dequantize(packed: Tensor, scale: Tensor, out: Tensor) -> Tensor:
+    """int4 codes into ``out`` (fp32) by torch ops."""
+    return dequantize_bank(packed, scale, out=out)
+
+
+def device_kernels(
+    device_type: str, dtype: torch.dtype
+) -> tuple[torch.dtype, Callable[[Tensor, Tensor, Tensor], Tensor]]:
+    """``(GEMM operand dtype, int4 dequantizer (codes, scales, out) -> out)`` of the backward for activations of
+    ``dtype`` on a ``device_type`` device: on CUDA the Triton dequantizer (straight into the buffer's dtype), with
+    bf16 GEMMs for bf16 activations; elsewhere fp32 GEMMs and the torch dequantizer."""
+    if device_type != "cuda":
+        return torch.float32, _torch_dequantize
+    return (torch.bfloat16 if dtype == torch.bfloat16 else torch.float32), _triton_dequantize
+
+
+def _head_banks(weights, scales, experts: slice, dtype: torch.dtype, scratch: list, dequantize_int4) -> list[Tensor]:
+    """One head's three banks ``[E, K, N]`` in ``dtype``; int4 is dequantized by ``dequantize_int4`` into the reused
+    ``scratch`` buffers."""
     banks = []
     for i, (weight, scale) in enumerate(zip(weights, scales)):
         weight = weight[experts]
@@ -57,12 +80,7 @@ def _head_banks(weights, scales, experts: slice, dtype: torch.dtype, scratch: li
         else:
             if scratch[i] is None:
                 scratch[i] = torch.empty(*weight.shape[:2], 2 * weight.shape[2], dtype=dtype, device=weight.device)
-            if weight.is_cuda:
-                from .dequantize_triton import dequantize_int4_triton  # Triton is imported on first use
-
-                banks.append(dequantize_int4_triton(weight, scale[experts], out=scratch[i]))
-            else:
-                banks.append(dequantize_bank(weight, scale[experts], out=scratch[i]))
+            banks.append(dequantize_int4(weight, scale[experts], scratch[i]))
     return banks
 
 
@@ -75,10 +93,12 @@ def experts_backward(
     needs: Sequence[bool],
     *,
     chunk_rows: int = BACKWARD_ROWS,
+    kernels: Optional[tuple] = None,
 ) -> list[Tensor]:
     """Gradients ``[x, probs, w_gate, w_up, w_down]`` of the expert op (module docstring); arguments as
-    ``torch_mh_moe_forward``'s, ``needs`` five bools, ``chunk_rows`` routes per grouped-GEMM step. Each gradient is
-    in its input's dtype (fp32 for FP8 banks), or ``(0,)`` when not asked for."""
+    ``torch_mh_moe_forward``'s, ``needs`` five bools, ``chunk_rows`` routes per grouped-GEMM step, ``kernels`` as
+    :func:`device_kernels` returns them (default: ``x``'s device's; the memory plan traces the CUDA choice on CPU).
+    Each gradient is in its input's dtype (fp32 for FP8 banks), or ``(0,)`` when not asked for."""
     (gather_ids, probs, expert_offsets), (w_gate, _, w_down) = routes, weights
     want_x, want_p, *want_w = (bool(n) for n in needs)
     num_tokens, num_heads, head_dim = x.shape
@@ -91,7 +111,7 @@ def experts_backward(
         torch.zeros(w.shape, dtype=_grad_dtype(w), device=device) if n else None for w, n in zip(weights, want_w)
     ]
     if num_routes and num_tokens and (want_x or want_p or any(want_w)):
-        compute = torch.bfloat16 if x.is_cuda and x.dtype == torch.bfloat16 else f32
+        compute, dequantize_int4 = kernels or device_kernels(x.device.type, x.dtype)
         round_hidden = hidden_dtype(w_down.dtype, x.dtype)
         blocks, poison = _head_blocks(expert_offsets, num_tokens, num_heads, num_experts, num_routes)
         scratch, accum = [None] * 3, [None] * 3
@@ -99,7 +119,7 @@ def experts_backward(
             if count == 0:
                 continue
             experts = slice(head * num_experts, (head + 1) * num_experts)
-            wg, wu, wd = _head_banks(weights, scales, experts, compute, scratch)
+            wg, wu, wd = _head_banks(weights, scales, experts, compute, scratch, dequantize_int4)
             for i, w in enumerate(weights):  # per-head fp32 weight-gradient sums (the bank's own rows if fp32)
                 if want_w[i]:
                     if grad_w[i].dtype == f32:

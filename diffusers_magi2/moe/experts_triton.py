@@ -66,6 +66,7 @@ __all__ = [
     "check_triton_dims",
     "check_weight_device",
     "device_key",
+    "launch_result",
     "launch_specs",
     "resolve_device_entry",
     "shape_key",
@@ -627,7 +628,6 @@ def triton_mh_moe_forward(
     keys = device_key(x.device)
     capability = None if keys == ("interpreter",) else torch.cuda.get_device_capability(x.device)
     specs = launch_specs(x, routes, weights, scales=scales, deterministic=deterministic, capability=capability)
-    top_k = num_routes % (num_tokens * num_heads) == 0
     kernel_weights = x.dtype if w_gate.dtype == INT4_PACKED_DTYPE else w_gate.dtype  # int4: the dequantized banks
     cache_key = (keys, head_dim, expert_dim, x.dtype, kernel_weights, deterministic)
     if tile_config is not None:
@@ -641,8 +641,21 @@ def triton_mh_moe_forward(
         configs = configs[configs.index(chosen) :]
     if tile_config is None:
         _CHOSEN[cache_key] = chosen
+    return launch_result(specs, x, routes, weights, deterministic)
+
+
+def launch_result(
+    specs: Sequence[LaunchSpec], x: Tensor, routes: Sequence[Tensor], weights: Sequence[Tensor], deterministic: bool
+) -> Tensor:
+    """The ``[S, H, Dh]`` result of :func:`triton_mh_moe_forward` from its launches' shared output (deterministic:
+    the per-route rows reduced; int4 with top-k routes: NaN if the offsets are not in the layout its per-head grids
+    assumed). Reads no tensor values (the memory plan runs it on fake tensors)."""
+    (gather_ids, _, expert_offsets), w_gate = routes, weights[0]
+    num_tokens, num_heads = x.shape[:2]
     out = specs[0].out
     out = _deterministic_reduce(out, num_heads, num_tokens, x.dtype) if deterministic else out.to(x.dtype)
-    if w_gate.dtype == INT4_PACKED_DTYPE and top_k:  # the per-head grids assumed the top-k layout
+    num_routes = gather_ids.numel()
+    if w_gate.dtype == INT4_PACKED_DTYPE and num_routes % (num_tokens * num_heads) == 0:
+        num_experts = w_gate.shape[0] // num_heads
         out += top_k_layout_poison(expert_offsets, num_experts, num_routes // num_heads).to(out.dtype)
     return out

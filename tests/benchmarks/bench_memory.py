@@ -91,8 +91,6 @@ def plan_rows_80gb(expert_dtype: str | None = "int4", quick: bool = False) -> tu
     rows = [text, image, *preview, refiner, *decoders]
     rows.append(plan_lora_training_step(offload_block_inputs=True, **train))
     what_if = [plan_lora_training_step(offload_block_inputs=False, **train)]
-    if expert_dtype != "int4":  # bf16 / FP8 banks: today's backward makes fp32 gradients of every frozen bank
-        what_if.append(plan_lora_training_step(offload_block_inputs=True, only_asked_expert_gradients=True, **train))
     components = [text, preview[0], refiner, *decoders, image]  # text encoder, transformer, refiner, 3 VAEs
     return rows, what_if, sum(r.weights for r in components)
 

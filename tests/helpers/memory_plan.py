@@ -16,11 +16,14 @@ modality dispatch and its per-modality index sets run as on a GPU (:class:`_Inde
 that lives for one trace). Nothing outside the traced model instance is changed. Two GPU kernels are modelled by
 their allocations (``kernels="cuda"``): attention as a flash-style varlen kernel (a processor set on the traced
 model: output in the compute dtype, an fp32 log-sum-exp per query and head, the sink correction
-``out * sigmoid(lse - sink)`` one more output), and the routed experts as the fused Triton kernel (the expert op's
-fake: its output only; the deterministic mode adds per-route rows). ``kernels="cpu"`` traces the CPU code of both
-instead: the CPU attention, and the ``torch_grouped`` expert backend op by op (:class:`_ExpertsOpByOp`; a custom
-op hides its temporaries from a dispatch mode). That is the checked mode: on a reduced config the plan equals a
-CPU run's allocator peak within 10 % (``tests/pipelines/test_memory_plan.py``).
+``out * sigmoid(lse - sink)`` one more output), and the routed experts as the fused Triton kernel on an H100
+(its own ``launch_specs`` and ``launch_result`` without the launches: the output, fp32 route weights, per-route
+rows in the deterministic mode; int4 experts one head's banks dequantized in the activation dtype). The expert
+op's backward runs its own body op by op on either device (:class:`_ExpertKernels`; a custom op hides its
+temporaries from a dispatch mode), with CUDA's GEMM dtype and Triton's in-place int4 dequantization on
+``"cuda"``. ``kernels="cpu"`` traces the CPU code instead: the CPU attention, and the ``torch_grouped`` expert
+backend op by op. That is the checked mode: on a reduced config the plan equals a CPU run's allocator peak within
+10 % (``tests/pipelines/test_memory_plan.py``).
 
 Token counts (SandAI ``entry.py`` presets; ``magi2_reference_spec`` §5): per CFG half, video ``32 * H/16 * W/16``
 (272p 14,336, 540p 57,344), audio 250, text ``text_tokens`` (512 by default: a prompt and the negative
@@ -56,6 +59,7 @@ from diffusers_magi2.models.modality import Modality
 from diffusers_magi2.models.transformer_magi2 import DEFAULT_FORWARD_CHUNK_SIZE, Magi2Transformer3DModel
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from diffusers_magi2.moe import experts as moe_experts
+from diffusers_magi2.moe.experts_backward import device_kernels, experts_backward
 from diffusers_magi2.moe.quantize import FP8_SCALE_NAMES
 from diffusers_magi2.moe.quantize_int4 import INT4_SCALE_NAMES
 from diffusers_magi2.parallel.expert_parallel import ep_head_layout
@@ -81,6 +85,7 @@ __all__ = [
     "trace_lora_training_step",
     "trace_preview_forward",
     "trace_refiner_forward",
+    "triton_expert_allocations",
 ]
 
 GB = 10**9
@@ -211,13 +216,24 @@ def _written_tensors(func, args, kwargs) -> list:
     return written
 
 
+def _grouped_mm_result(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """The output of ``torch._grouped_mm`` (2D x 3D: ``[M, N]``; 2D x 2D, a jagged contraction: ``[G, M, N]``;
+    3D x 3D: ``[G, M, N]``; 3D x 2D: ``[M, N]``)."""
+    dtype = out_dtype or mat_a.dtype
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return mat_a.new_empty(offs.shape[0], mat_a.shape[0], mat_b.shape[1], dtype=dtype)
+    if mat_a.dim() == 3 and mat_b.dim() == 3:
+        return mat_a.new_empty(mat_a.shape[0], mat_a.shape[1], mat_b.shape[2], dtype=dtype)
+    return mat_a.new_empty(mat_a.shape[-2], mat_b.shape[-1], dtype=dtype)
+
+
 class _IndexTensorsStayReal(TorchDispatchMode):
     """For one trace: an op whose tensor inputs are all real runs for real (the host-side index metadata), an op with
     a fake input runs on fake tensors, and a factory makes a fake tensor if it is floating point (an activation or a
     workspace) and a real one otherwise (an index table), ``arange`` always a real one (coordinates, index ranges).
     An op that would write fake results into a real tensor raises: those values would stay unset, and the forward
-    may read them on the host. ``torch._grouped_mm`` on fake tensors allocates its output (its fake kernel takes
-    bf16 only, the CPU kernel any float)."""
+    may read them on the host. ``torch._grouped_mm`` on fake tensors allocates its output
+    (:func:`_grouped_mm_result`: its fake kernel takes bf16 only, the CPU kernel any float)."""
 
     def __init__(self, fake_mode: FakeTensorMode) -> None:
         super().__init__()
@@ -227,9 +243,8 @@ class _IndexTensorsStayReal(TorchDispatchMode):
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(isinstance(t, FakeTensor) for t in tensors):
-            if func is torch.ops.aten._grouped_mm.default:  # its fake kernel takes bf16 only; the output is the same
-                mat_a, mat_b = args[:2]
-                return mat_a.new_empty(mat_a.shape[0], mat_b.shape[-1])
+            if func is torch.ops.aten._grouped_mm.default:  # its fake kernel takes bf16 only
+                return _grouped_mm_result(*args, **kwargs)
             if any(not isinstance(t, FakeTensor) for t in _written_tensors(func, args, kwargs)):
                 raise RuntimeError(f"the memory-plan trace would write fake values into a real index tensor ({func})")
             return func(*args, **kwargs)
@@ -242,14 +257,52 @@ class _IndexTensorsStayReal(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class _ExpertsOpByOp(TorchDispatchMode):
-    """The expert custom op runs its own Python body (with the backend it was called with), so its temporaries are
-    traced op by op (``kernels="cpu"``, and int4 experts, which have no fused GPU kernel)."""
+#: The GPU the ``kernels="cuda"`` trace models the expert kernels for (an H100 / H200; on sm_80 the atomic mode's
+#: bf16 output is summed in an fp32 buffer instead, one more ``[S, H, Dh]`` fp32 tensor per call).
+PLAN_CAPABILITY = (9, 0)
+
+
+def triton_expert_allocations(x, routes, weights, scales, backend, deterministic):
+    """The fused Triton kernel's call (``triton_mh_moe_forward``, arguments as the expert op's) without its
+    launches: the buffers its own ``launch_specs`` allocates for :data:`PLAN_CAPABILITY` (the output, fp32 route
+    weights; int4 experts: one head's three banks in the activation dtype, which the dequantization kernel fills in
+    place) and its ``launch_result``."""
+    from diffusers_magi2.moe import experts_triton
+
+    specs = experts_triton.launch_specs(
+        x, routes, weights, scales=scales or None, deterministic=deterministic, capability=PLAN_CAPABILITY
+    )
+    return experts_triton.launch_result(specs, x, routes, weights, deterministic)
+
+
+def _written_by_the_kernel(packed, scale, out):
+    """The Triton int4 dequantization into ``out``: it allocates nothing."""
+    return out
+
+
+class _ExpertKernels(TorchDispatchMode):
+    """The expert op and its backward as they run on the traced device, op by op (a custom op hides its
+    temporaries from a dispatch mode). The backward always runs its own body (grouped GEMMs in route blocks); on
+    ``"cuda"`` with CUDA's choices (``device_kernels("cuda", ...)``'s GEMM dtype, int4 banks written by the Triton
+    kernel straight into the reused buffers). The forward: on ``"cpu"`` its torch body (with the backend it
+    was called with); on ``"cuda"`` the fused Triton kernel by its allocations (:func:`triton_expert_allocations`),
+    for every expert storage."""
+
+    def __init__(self, kernels: str) -> None:
+        super().__init__()
+        self.kernels = kernels
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.diffusers_magi2.mh_moe_experts.default:  # (torch keeps the op's function as _init_fn)
+            if self.kernels == "cuda":
+                return triton_expert_allocations(*args, **kwargs)
             return moe_experts.mh_moe_experts._init_fn(*args, **kwargs)
+        if func is torch.ops.diffusers_magi2.mh_moe_experts_backward.default:
+            if self.kernels == "cuda":
+                gemm_dtype, _ = device_kernels("cuda", args[1].dtype)
+                return tuple(experts_backward(*args, **kwargs, kernels=(gemm_dtype, _written_by_the_kernel)))
+            return moe_experts.mh_moe_experts_backward._init_fn(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -305,28 +358,21 @@ class _WeightsCounted(LiveStorageTracker):
 
 
 @contextlib.contextmanager
-def _traced(model: torch.nn.Module, fake_mode: FakeTensorMode, kernels: str, grad: bool = False, kernel_model=None):
-    """The trace's modes around a call of ``model``; yields its :class:`_WeightsCounted` tracker. ``kernel_model``:
-    a mode that changes what an op returns, below the tracker (which then sees only what it returns)."""
+def _traced(model: torch.nn.Module, fake_mode: FakeTensorMode, kernels: str, grad: bool = False):
+    """The trace's modes around a call of ``model``; yields its :class:`_WeightsCounted` tracker (which sees what
+    :class:`_ExpertKernels` runs)."""
     tracker = _WeightsCounted(model)
-    op_by_op = _ExpertsOpByOp() if kernels == "cpu" or _int4_experts(model) else contextlib.nullcontext()
-    kernel_model = kernel_model or contextlib.nullcontext()
-    with torch.set_grad_enabled(grad), _IndexTensorsStayReal(fake_mode), kernel_model, tracker, op_by_op:
+    with torch.set_grad_enabled(grad), _IndexTensorsStayReal(fake_mode), tracker, _ExpertKernels(kernels):
         yield tracker
-
-
-def _int4_experts(model: torch.nn.Module) -> bool:
-    return getattr(model.config, "expert_dtype", None) == "int4"
 
 
 def _set_kernels(model: torch.nn.Module, kernels: str) -> None:
     """The kernels the trace models, chosen on the traced instance with the models' own switches: on the GPU flash
-    attention and the fused expert kernel, except for int4 experts, which run a torch path there (traced as
-    ``torch_grouped``, the path without host reads: an upper bound of ``torch``, which "auto" picks, as it keeps
-    one expert's rows at a time where ``torch_grouped`` keeps a head's); on the CPU the CPU code."""
+    attention (the experts: :class:`_ExpertKernels`); on the CPU the CPU attention and the ``torch_grouped``
+    experts (the path without host reads, which the measured checks run)."""
     if kernels == "cuda":
         model.set_attn_processor(_FlashAttentionAllocations())
-    if (kernels == "cpu" or _int4_experts(model)) and hasattr(model, "set_moe_backend"):
+    elif hasattr(model, "set_moe_backend"):
         model.set_moe_backend("torch_grouped")
 
 
@@ -405,10 +451,14 @@ def _exchange_bytes(tokens: int, width: int, itemsize: int) -> int:
 
 
 def _layer_kinds(num_layers: int, **layer_lists) -> tuple:
-    """``(kinds, per-layer kinds)``: a kind is which of the ``layer_lists`` (index sets) a layer is in."""
+    """``(kinds, per-layer kinds)``: a kind is which of the ``layer_lists`` (index sets) a layer is in; the kinds
+    in the order of their last layers (the traced model's block order: a config whose layers are all of different
+    kinds is traced as it is, and under gradient checkpointing each traced block's backward sees at least the
+    saved inputs its kind's last layer sees, :func:`trace_lora_training_step`)."""
     sets = [{int(i) for i in layers} for layers in layer_lists.values()]
     per_layer = [tuple(i in s for s in sets) for i in range(num_layers)]
-    return sorted(set(per_layer)), per_layer
+    last = {kind: i for i, kind in enumerate(per_layer)}
+    return sorted(last, key=last.get), per_layer
 
 
 def _on_fake_tensors(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
@@ -682,18 +732,6 @@ def trace_refiner_forward(
 LORA_TARGETS = ("linear_qkv", "linear_proj")
 
 
-class _OnlyAskedForExpertGradients(TorchDispatchMode):
-    """What-if for one trace: the expert op's backward returns no gradient for a weight that does not require one
-    (the op today returns fp32 gradients of every expert bank, frozen or not, and autograd drops them)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.diffusers_magi2.mh_moe_experts_backward.default:
-            weights = args[3]
-            out = (*out[:2], *(g if w.requires_grad else g.new_empty(0) for g, w in zip(out[2:], weights)))
-        return out
-
-
 def _lora_bytes(module: torch.nn.Module) -> int:
     return _nbytes([p for n, p in module.named_parameters() if ".lora_" in n])
 
@@ -717,7 +755,6 @@ def trace_lora_training_step(
     storage_dtype: Optional[torch.dtype] = None,
     gradient_checkpointing: bool = True,
     offload_block_inputs: bool = False,
-    only_asked_expert_gradients: bool = False,
     kernels: str = "cuda",
     forward_chunk_size: Optional[int] = DEFAULT_FORWARD_CHUNK_SIZE,
     compute_dtype: torch.dtype = torch.bfloat16,
@@ -727,8 +764,10 @@ def trace_lora_training_step(
     ``targets``), its ``training_loss`` on one cached sample (fp32 video latent ``(T, H, W)``, ``audio_tokens``,
     ``text_tokens``; at sigma 0.5) and the loss's ``backward``. The weights include the LoRA's AdamW moments (two
     fp32 copies); the activations the LoRA gradients. Only one block of each kind is traced: with gradient
-    checkpointing every other layer adds its saved block input ``[N, n*C]``, counted as live at the peak (an upper
-    bound: the peak is in the backward of a late layer, when the inputs of the layers before it are still saved).
+    checkpointing every other layer adds its saved block input ``[N, n*C]``, counted as live at the peak. An upper
+    bound: the backward of layer ``L`` sees the ``L`` saved inputs of the layers before it, and with the traced
+    blocks in the order of their kinds' last layers, the ``j``-th traced block's kind has its last layer at
+    ``L <= j + (layers - kinds)`` (each kind after it has a later last layer of its own).
 
     Args:
         video_shape: latent ``(T, H, W)``; expert_dtype: as :func:`trace_preview_forward`.
@@ -740,9 +779,6 @@ def trace_lora_training_step(
         offload_block_inputs: ``enable_gradient_checkpointing(offload_block_inputs=True)``: the saved inputs of the
             layers not traced are in host memory (not counted); the traced layers' are counted (an upper bound by
             one layer's input: the trace runs on one device, where the host copies cannot be told apart).
-        only_asked_expert_gradients: ``False``: the expert op's backward as it is (for bf16 and FP8 experts it
-            returns fp32 gradients of every bank, frozen or not); ``True``: only the asked-for gradients
-            (:class:`_OnlyAskedForExpertGradients`, what the op will do).
         kernels, forward_chunk_size, compute_dtype: as :func:`trace_preview_forward`.
 
     Raises:
@@ -785,8 +821,7 @@ def trace_lora_training_step(
             "eps": torch.empty(1, config.in_channels, *video_shape),
             "eps_a": torch.empty(1, audio_tokens, config.audio_in_channels),
         }
-    what_if = _OnlyAskedForExpertGradients() if only_asked_expert_gradients else None
-    with _traced(model, fake, kernels, grad=True, kernel_model=what_if) as tracker:
+    with _traced(model, fake, kernels, grad=True) as tracker:
         tracker.count(list(sample.values()) + list(noise.values()))
         loss = script.training_loss(model, sample, None, torch.device("cpu"), {"sigma": 0.5, **noise})
         loss.backward()
@@ -894,7 +929,6 @@ def plan_lora_training_step(
     *,
     storage_dtype: Optional[torch.dtype] = None,
     offload_block_inputs: bool = False,
-    only_asked_expert_gradients: bool = False,
     capacity: int = H100_BYTES,
     margin: int = SPARE_BYTES,
 ) -> Magi2StageMemory:
@@ -911,7 +945,6 @@ def plan_lora_training_step(
         expert_dtype,
         storage_dtype=storage_dtype,
         offload_block_inputs=offload_block_inputs,
-        only_asked_expert_gradients=only_asked_expert_gradients,
     )
     what = EXPERT_NAMES[expert_dtype] + ("" if storage_dtype is None else ", FP8-stored dense weights")
     notes = [
@@ -919,8 +952,6 @@ def plan_lora_training_step(
         "(fp32, with AdamW moments), gradient checkpointing",
         "block inputs in host memory" if offload_block_inputs else "block inputs on the device",
     ]
-    if only_asked_expert_gradients:
-        notes.append("the expert backward makes only the asked-for gradients")
     name = f"lora_train_{resolution}" + ("" if offload_block_inputs else "_inputs_on_device")
     return _row(f"LoRA training step {resolution}, {what}", name, trace, capacity, margin, notes)
 

@@ -17,12 +17,14 @@ from helpers.memory_plan import (
     trace_lora_training_step,
     trace_preview_forward,
     trace_refiner_forward,
+    triton_expert_allocations,
 )
 from helpers.memory_tracking import LiveStorageTracker, cpu_allocator_peak
 from helpers.train_workers import load_train_script
 
 from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
 from diffusers_magi2.models.modality import Modality
+from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig, moe_tensors_on_meta
 
 
 REDUCED = {
@@ -199,6 +201,28 @@ def test_lora_training_step_plan_matches_the_measured_cpu_peak_within_10_percent
     print(f"LoRA step: measured {measured} B, planned {plan.activations} B (x{plan.activations / measured:.3f})")
     assert plan.weights == _bytes(model) + 2 * sum(p.numel() * 4 for p in lora)  # + the AdamW moments
     assert abs(plan.activations - measured) <= 0.10 * measured
+
+
+def test_cuda_plan_counts_the_int4_triton_call_by_its_own_buffers():
+    # the fused kernel's int4 call at the released size on meta tensors (no memory, no launch): its output and one
+    # head's three banks dequantized in bf16 (0.5 GB, reused by every head), nothing of a layer's banks
+    with moe_tensors_on_meta():
+        moe = Magi2MultiHeadMoE(Magi2MultiHeadMoEConfig(3072, 12, 256, 6, 1280, torch.bfloat16, expert_dtype="int4"))
+    tokens, routes_per_head = 16, 16 * 6
+    x = torch.empty(tokens, 12, 256, dtype=torch.bfloat16, device="meta")
+    routes = [
+        torch.empty(12 * routes_per_head, dtype=torch.int32, device="meta"),
+        torch.empty(12 * routes_per_head, device="meta"),
+        torch.empty(12 * 256 + 1, dtype=torch.int64, device="meta"),
+    ]
+    banks = [moe.get_parameter(n) for n in ("W_gate", "W_up", "W_down")]
+    scales = [moe.get_buffer(n) for n in moe.expert_scale_names]
+    tracker = LiveStorageTracker()
+    with tracker:
+        out = triton_expert_allocations(x, routes, banks, scales, "triton", False)
+    one_head = 3 * 256 * 256 * 1280 * 2
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert 0 <= tracker.peak - (x.numel() * 2 + one_head) < 2**20  # (+ the offsets' layout check)
 
 
 def test_forward_chunking_lowers_the_measured_peak_and_keeps_the_output():
