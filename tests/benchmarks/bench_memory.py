@@ -45,9 +45,6 @@ FP8 = "float8_e4m3fn"
 #: ``--expert_dtype`` spellings -> the model's ``expert_dtype``.
 EXPERT_DTYPES = {"int4": "int4", "fp8": FP8, FP8: FP8, "bf16": None}
 MARGIN_80 = 4 * GB
-#: The 80 GB recipe's ``enable_forward_chunking`` (the default 16,384 leaves 0.5 GB below 76 GB at 540p with int4
-#: experts, whose torch path keeps a chunk's per-route rows in fp32).
-CHUNK_80 = 8192
 RES = ("272p", "540p")
 
 
@@ -81,7 +78,7 @@ def plan_rows_80gb(expert_dtype: str | None = "int4", quick: bool = False) -> tu
     training rows only, no host RAM)."""
     cap = {"capacity": H100_BYTES, "margin": MARGIN_80}
     stored = {"storage_dtype": torch.float8_e4m3fn}
-    preview = [plan_preview_step(res, expert_dtype, forward_chunk_size=CHUNK_80, **stored, **cap) for res in RES]
+    preview = [plan_preview_step(res, expert_dtype, **stored, **cap) for res in RES]  # the default forward chunk
     train = {"expert_dtype": expert_dtype, **stored, **cap}
     if quick:
         return [*preview, plan_lora_training_step(offload_block_inputs=True, **train)], [], 0

@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict:
         quantized = [d for d in args.expert_dtype if d != "bf16"]
         report["cpu"] = bench_cpu(num_tokens=args.tokens, repeats=args.repeats, quantized=quantized)
         if "int4" in args.expert_dtype:
-            calls = sorted({*args.cuda_tokens, 8192, 16384, 116736})  # the 80 GB recipe's and the default chunks
+            calls = sorted({*args.cuda_tokens, 8192, 16384, 116736})  # 8,192 and the default chunks, unchunked 540p
             report["cpu"]["int4_estimate"] = int4_estimate(token_counts=calls)
     if torch.cuda.is_available():
         report["cuda"] = {

@@ -28,10 +28,10 @@
 #   5. gpu_block.json          one released-width block in bf16 and with FP8 experts, SDPA flash / cuDNN
 #   6. preview_step.json       one 540p CFG preview step, a 4-layer model at the released width (40-layer time
 #                              estimated from per-block times): time and peak memory against the plan, for the
-#                              141 GB recipe (FP8 experts) and the 80 GB one (int4 experts, FP8-stored dense weights,
-#                              8,192-token chunks): the 80 GB plan's check on a GPU
-#   7. memory_plan.json        the memory plan's 540p rows (CPU; the README table's numbers; the 80 GB plan,
-#                              bench_memory --gpu_gb 80, traces int4 experts op by op and runs on a CPU instead)
+#                              141 GB recipe (FP8 experts) and the 80 GB one (int4 experts on the Triton path,
+#                              FP8-stored dense weights, the default 16,384-token chunks): the 80 GB plan's check
+#   7. memory_plan.json        the memory plan's 540p rows (CPU work; the README table's numbers; the 80 GB plan,
+#                              bench_memory --gpu_gb 80, is CPU work too and runs off the GPU)
 # --dry-run: steps 3-6 at CPU sizes, 2 and 7 skipped, time limits x6 (a shared CPU is slow); the suite runs it
 # so the script cannot rot. GPU_CHECK_SKIP="name ..." skips steps by name.
 
