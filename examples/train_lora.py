@@ -19,8 +19,12 @@ for the shared experts) at ``--rank`` / ``--alpha``, also in the multimodal laye
 weights stay in the load dtype (``--dtype bfloat16``; ``--expert_dtype`` stores the routed experts of ``--model`` in
 any ``expert_dtype`` the model takes: ``float8_e4m3fn`` or ``int4``, read from a repo written so or quantized while
 reading); the LoRA parameters (``cast_training_params``) and the optimizer are fp32. Quantized experts are frozen,
-and the expert op's backward makes no gradient for them (only the input's and the router's).
-``--gradient_checkpointing`` recomputes each block.
+and the expert op's backward makes no gradient for them (only the input's and the router's). ``--storage_dtype
+float8_e4m3fn`` stores the frozen dense weights in FP8 between calls (the transformer's ``enable_layerwise_casting``,
+each layer cast to ``--dtype`` for its call; the fp32 islands, the routed experts and the LoRA keep their dtypes).
+``--gradient_checkpointing`` recomputes each block; with ``--offload_block_inputs`` each block's saved input waits
+in host memory for its backward (``enable_gradient_checkpointing(offload_block_inputs=True)``). One 80 GB GPU at
+272p takes ``--expert_dtype int4 --storage_dtype float8_e4m3fn --gradient_checkpointing --offload_block_inputs``.
 
 The loop is diffusers' training-script form on ``accelerate.Accelerator``: ``accelerator.accumulate`` over
 ``--gradient_accumulation_steps`` micro-batches, ``accelerator.backward``, an LR schedule (``--lr_scheduler``,
@@ -51,6 +55,8 @@ from pathlib import Path
 EXAMPLES = Path(__file__).resolve().parent
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm")
 CACHE_SUFFIX = ".magi2.safetensors"
+#: ``--storage_dtype`` values: FP8 formats ``enable_layerwise_casting`` stores weights in.
+STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 TARGETS = {
     "linear_qkv": ["linear_qkv"],
     "linear_proj": ["linear_proj"],
@@ -88,7 +94,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="routed-expert storage of --model: an expert_dtype the model takes "
         "(diffusers_magi2.moe.quantize.EXPERT_DTYPES: float8_e4m3fn, int4)",
     )
+    p.add_argument(
+        "--storage_dtype",
+        default=None,
+        choices=STORAGE_DTYPES,
+        help="store the frozen dense weights in this dtype between calls (layerwise casting; computed in --dtype)",
+    )
     p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument(
+        "--offload_block_inputs",
+        action="store_true",
+        help="with --gradient_checkpointing: keep each block's saved input in host memory until its backward",
+    )
     p.add_argument("--ep_degree", type=int, default=None, help="expert-parallel ranks (default: all launched)")
     p.add_argument("--fixed_noise", action="store_true", help="one sigma and noise for every step (overfit check)")
     p.add_argument("--device", default=None)
@@ -100,6 +117,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.estimate_memory and (args.data_dir is None or args.output_dir is None):
         p.error("--data_dir and --output_dir are required")
+    if args.offload_block_inputs and not args.gradient_checkpointing:
+        p.error(
+            "--offload_block_inputs moves the inputs that gradient checkpointing saves: add --gradient_checkpointing"
+        )
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown or not targets:
@@ -178,16 +199,30 @@ def read_video(path: Path, scale: int = 16):
 
 def encode_dataset(pipe, videos: list[Path], device) -> None:
     """Write ``<stem>.magi2.safetensors`` for each video: its normalised Wan latent and its caption's text states
-    (every video is read and checked before the first is encoded)."""
+    (every video is read and checked before the first is encoded). The VAE and the text encoder run on ``device``
+    and go back to host memory afterwards (the transformer trains alone on the device)."""
+    for name, what in (("vae", "Wan VAE"), ("text_encoder", "text encoder")):
+        if getattr(pipe, name, None) is None:
+            raise ValueError(f"--cache needs the pipeline's {what} (the repo has no {name} component)")
+    scale = pipe.vae_scale_factor_spatial
+    pixels = {v: read_video(v, scale) for v in videos}
+    encoders = [pipe.vae, pipe.text_encoder]
+    for encoder in encoders:
+        encoder.to(device)
+    try:
+        _encode_videos(pipe, pixels, device)
+    finally:
+        for encoder in encoders:
+            encoder.to("cpu")
+
+
+def _encode_videos(pipe, pixels: dict, device) -> None:
+    """:func:`encode_dataset`'s caches of the read videos ``{path: pixels}``, the encoders on ``device``."""
     import torch
     from safetensors.torch import save_file
 
     from diffusers_magi2.pipelines.decoding_magi2 import wan_latent_stats
 
-    if pipe.vae is None:
-        raise ValueError("--cache needs the pipeline's Wan VAE (the repo has no vae component)")
-    scale = pipe.vae_scale_factor_spatial
-    pixels = {v: read_video(v, scale) for v in videos}
     for video, x in pixels.items():
         with torch.no_grad():
             vae = pipe.vae
@@ -244,7 +279,7 @@ def lora_config(args):
 
 
 def load_pipeline(args):
-    """``(pipe, device)``: the tiny default or ``--model``, with EP/CP over the launched ranks."""
+    """``(pipe, device)``: the tiny default or ``--model`` in host memory, with EP/CP over the launched ranks."""
     import torch
 
     from diffusers_magi2 import Magi2Pipeline
@@ -289,7 +324,6 @@ def load_pipeline(args):
             context_parallel=context_parallel,
             **extra,
         )
-    pipe.to(device)
     return pipe, device
 
 
@@ -308,9 +342,22 @@ def add_lora(transformer, args):
     if not trainable:
         raise ValueError(f"--targets {args.targets} matched no projection of the transformer")
     if args.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
+        transformer.enable_gradient_checkpointing(offload_block_inputs=args.offload_block_inputs)
     transformer.train()
     return trainable
+
+
+def store_dense_weights(transformer, args) -> None:
+    """``--storage_dtype``: the frozen dense weights stored in it between calls, each layer run in the frozen
+    weights' dtype (``enable_layerwise_casting``, after :func:`add_lora`; it leaves the fp32 islands, the routed
+    experts and the LoRA layers alone)."""
+    import torch
+
+    if args.storage_dtype is not None:
+        compute_dtype = transformer.compute_dtype
+        transformer.enable_layerwise_casting(
+            storage_dtype=getattr(torch, args.storage_dtype), compute_dtype=compute_dtype
+        )
 
 
 def flow_matching_inputs(sample: dict, generator, device, fixed: dict | None = None):
@@ -484,26 +531,35 @@ def find_checkpoint(output_dir: Path, resume: str) -> tuple[Path, int]:
 
 def estimate_memory(args) -> list[dict]:
     """Per-GPU bytes at the released size (the default config built on the meta device): frozen non-expert
-    weights (bf16), this rank's routed experts (bf16, FP8 or int4 with its group scales: 4.125 bits a weight; ``1/E``
-    of them), and the fp32 LoRA parameters with their gradients and AdamW moments (16 bytes each); activations are
-    not included. One row per EP degree and expert storage."""
+    weights (bf16, fp32 islands; with ``--storage_dtype`` as the model's layerwise casting stores them), this
+    rank's routed experts (bf16, FP8 or int4 with its group scales: 4.125 bits a weight; ``1/E`` of them), and the
+    fp32 LoRA parameters with their gradients and AdamW moments (16 bytes each); activations are not included.
+    One row per EP degree and expert storage."""
     import torch
 
     from diffusers_magi2 import Magi2Transformer3DModel
     from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 
     with torch.device("meta"):
-        model = Magi2Transformer3DModel()
-    experts = sum(
-        p.numel()
+        model = Magi2Transformer3DModel(params_dtype=torch.bfloat16)
+    banks = {
+        id(p)
         for m in model.modules()
         if isinstance(m, Magi2MultiHeadMoE)
         for n, p in m.named_parameters()
         if n.startswith("W_")
-    )
-    others = sum(p.numel() for p in model.parameters()) - experts
+    }
+    experts = sum(p.numel() for p in model.parameters() if id(p) in banks)
     model.add_adapter(lora_config(args), "default")
-    lora = sum(p.numel() for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n)
+    store_dense_weights(model, args)
+
+    def is_lora(name: str) -> bool:
+        return ".lora_A." in name or ".lora_B." in name
+
+    lora = sum(p.numel() for n, p in model.named_parameters() if is_lora(n))
+    others = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if id(p) not in banks and not is_lora(n)
+    )
     rows = []
     for ep in (1, 2, 4, 8):
         for expert_bytes, name in ((2, "bf16"), (1, "float8_e4m3fn"), (4.125 / 8, "int4")):
@@ -511,7 +567,7 @@ def estimate_memory(args) -> list[dict]:
                 {
                     "ep_degree": ep,
                     "experts": name,
-                    "frozen_GiB": (others * 2 + experts * expert_bytes / ep) / 2**30,
+                    "frozen_GiB": (others + experts * expert_bytes / ep) / 2**30,
                     "lora_state_GiB": lora * 16 / 2**30,
                     "lora_params_M": lora / 1e6,
                 }
@@ -552,6 +608,8 @@ def train(args):
     samples = [load_cache(p, pipe.transformer) for p in caches]
 
     params = list(add_lora(pipe.transformer, args).values())
+    store_dense_weights(pipe.transformer, args)
+    pipe.transformer.to(device)  # alone on the device: the encoders and decoders wait in host memory
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
     # diffusers' convention: the prepared schedule steps once per process at each optimizer step
     lr_scheduler = get_scheduler(

@@ -776,9 +776,10 @@ def trace_lora_training_step(
         storage_dtype: FP8 storage of the frozen dense weights (``enable_layerwise_casting``), or ``None``: the
             weights in that dtype, and the compute-dtype copies of the largest block's layers added to the peak.
         gradient_checkpointing: the script's ``--gradient_checkpointing``.
-        offload_block_inputs: ``enable_gradient_checkpointing(offload_block_inputs=True)``: the saved inputs of the
-            layers not traced are in host memory (not counted); the traced layers' are counted (an upper bound by
-            one layer's input: the trace runs on one device, where the host copies cannot be told apart).
+        offload_block_inputs: the script's ``--offload_block_inputs`` (``enable_gradient_checkpointing(
+            offload_block_inputs=True)``): the saved inputs of the layers not traced are in host memory (not
+            counted); the traced layers' are counted (an upper bound by one layer's input: the trace runs on one
+            device, where the host copies cannot be told apart).
         kernels, forward_chunk_size, compute_dtype: as :func:`trace_preview_forward`.
 
     Raises:
@@ -786,7 +787,13 @@ def trace_lora_training_step(
     """
     _check_kernels(kernels)
     script = _train_script()
-    args = argparse.Namespace(targets=list(targets), rank=rank, alpha=None, gradient_checkpointing=False)
+    args = argparse.Namespace(
+        targets=list(targets),
+        rank=rank,
+        alpha=None,
+        gradient_checkpointing=gradient_checkpointing,
+        offload_block_inputs=offload_block_inputs,
+    )
     kinds, per_layer = _preview_kinds(transformer_config)
     stored = []
 
@@ -799,8 +806,6 @@ def trace_lora_training_step(
     model, kinds, per_layer = build_traced_preview(
         transformer_config, expert_dtype, compute_dtype, fake_mode=fake, prepare=add_lora
     )
-    if gradient_checkpointing:
-        model.enable_gradient_checkpointing(offload_block_inputs=offload_block_inputs)
     _set_kernels(model, kernels)
     if forward_chunk_size is None:
         model.disable_forward_chunking()

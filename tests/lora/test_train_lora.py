@@ -2,8 +2,9 @@
 into a fresh pipeline, gradients reach exactly the LoRA parameters, gradient accumulation averages the micro-batch
 gradients, the LR schedule warms up, it resumes exactly (``accelerator.save_state`` / ``load_state``), CP2 x EP2
 over two gloo processes trains like one process, a LoRA trains over frozen FP8 and int4 experts (int4: with the
-gradients of the dequantized model), ``--expert_dtype`` takes the model's values, and bad datasets stop it before
-training."""
+gradients of the dequantized model), ``--expert_dtype`` takes the model's values, ``--offload_block_inputs`` keeps
+the losses, ``--storage_dtype`` stores the dense weights in FP8 with the loss of FP8-rounded ones, and bad datasets
+and switches stop it before training."""
 
 from __future__ import annotations
 
@@ -165,15 +166,33 @@ def test_bad_dataset_names_the_file_and_stops_before_training(tmp_path, case):
     assert not out.exists() and not list(data.glob("*.magi2.safetensors"))
 
 
-def test_cache_encodes_videos_with_the_pipeline_vae_and_text_encoder(tmp_path):
+def test_cache_encodes_videos_with_the_pipeline_vae_and_text_encoder(tmp_path, monkeypatch):
+    """The caches hold the encoders' outputs; the VAE and the text encoder go to the device for the encoding and
+    back to the host, the transformer alone trains there, and the decoders never leave the host."""
     data = tmp_path / "data"
     data.mkdir()
     write_video(data / "clip.mp4", (32, 32), frames=6)  # 6 frames: cut to 4k + 1 = 5
     (data / "clip.txt").write_text("A red fox trots through fresh snow")
-    losses, _ = script.train(script.parse_args(argv(data, tmp_path / "out", "--cache", "--max_steps", "1")))
+    moves = []
+    module_to = torch.nn.Module.to
+    monkeypatch.setattr(
+        torch.nn.Module,
+        "to",
+        lambda self, *a, **kw: moves.append((self, a[0] if a else kw)) or module_to(self, *a, **kw),
+    )
+    losses, pipe = script.train(script.parse_args(argv(data, tmp_path / "out", "--cache", "--max_steps", "1")))
     cache = load_file(str(data / "clip.magi2.safetensors"))
     assert cache["latents"].shape == (48, 2, 2, 2) and cache["text_states"].shape[1] == 64
     assert len(losses) == 1 and np.isfinite(losses[0])
+    names = {id(m): n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    moved = [(names[id(m)], str(to)) for m, to in moves if id(m) in names]
+    assert moved == [
+        ("vae", "cpu"),
+        ("text_encoder", "cpu"),
+        ("vae", "cpu"),
+        ("text_encoder", "cpu"),
+        ("transformer", "cpu"),
+    ]
 
 
 def test_gradient_checkpointing_gives_the_same_lora_gradients(tmp_path):
@@ -380,3 +399,94 @@ def test_expert_dtype_takes_the_values_the_model_takes():
         script.parse_args([*base, "--expert_dtype", "float7"])
     with pytest.raises(SystemExit):
         script.parse_args(["--data_dir", "d", "--output_dir", "o", "--expert_dtype", EXPERT_DTYPES[-1]])
+
+
+def test_offload_block_inputs_trains_the_losses_of_checkpointing_with_the_inputs_on_the_device(tmp_path, monkeypatch):
+    """``--offload_block_inputs`` (``enable_gradient_checkpointing(offload_block_inputs=True)``): every block's
+    saved input goes through the host copy, and the per-step losses equal checkpointing's without it (same seed)."""
+    from diffusers_magi2.models import modeling_magi2
+
+    copies = []
+    to_host = modeling_magi2._to_host
+    monkeypatch.setattr(modeling_magi2, "_to_host", lambda t: copies.append(t.shape) or to_host(t))
+    data = synthetic_clip(tmp_path / "data")
+    runs = []
+    for extra in ((), ("--offload_block_inputs",)):
+        args = script.parse_args(
+            argv(data, tmp_path / f"out{len(extra)}", "--max_steps", "3", "--gradient_checkpointing", *extra)
+        )
+        losses, _ = script.train(args)
+        runs.append((losses, len(copies)))
+    assert runs[0][1] == 0 and runs[1][1] > 0  # host copies only with the switch
+    assert len(runs[0][0]) == 3 and runs[1][0] == runs[0][0]
+
+
+def test_offload_block_inputs_without_gradient_checkpointing_is_refused_before_any_work(capsys):
+    with pytest.raises(SystemExit):
+        script.parse_args(["--data_dir", "d", "--output_dir", "o", "--offload_block_inputs"])
+    err = capsys.readouterr().err
+    assert "--offload_block_inputs" in err and "add --gradient_checkpointing" in err
+
+
+def test_fp8_storage_stores_the_dense_weights_in_fp8_and_gives_the_loss_of_fp8_rounded_weights(tmp_path):
+    """``--storage_dtype float8_e4m3fn`` (the transformer's ``enable_layerwise_casting``): every dense projection
+    of the blocks is stored in FP8 between calls; the fp32 islands, the routed experts and the LoRA keep fp32; the
+    loss equals the same model's with those weights rounded to FP8 by hand; a training run keeps them so."""
+    from diffusers_magi2.models.modality import Magi2ModalityGroupedLinear
+    from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
+
+    fp8 = torch.float8_e4m3fn
+    args = script.parse_args(argv(tmp_path, tmp_path / "o", "--storage_dtype", "float8_e4m3fn"))
+    models = []
+    for stored in (True, False):
+        model = build_tiny_default_pipeline().transformer
+        trainable = script.add_lora(model, args)
+        with torch.no_grad():  # B starts at zero, which would leave the LoRA out of the loss
+            for name, p in trainable.items():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+        if stored:
+            script.store_dense_weights(model, args)
+        models.append((model, trainable))
+    (model, trainable), (reference, _) = models
+    sample = script.load_cache(synthetic_clip(tmp_path / "d") / "clip.magi2.safetensors", reference)
+    kept = {n: p.dtype for n, p in model.named_parameters() if p.dtype != fp8}
+    stored_names = {n for n, p in model.named_parameters() if p.dtype == fp8}
+    dense = {
+        f"{n}.weight"
+        for n, m in model.transformer_blocks.named_modules(prefix="transformer_blocks")
+        if isinstance(m, (torch.nn.Linear, Magi2ModalityGroupedLinear)) and ".lora_" not in n
+    }
+    experts = {
+        f"{n}.{w}"
+        for n, m in model.named_modules()
+        if isinstance(m, Magi2MultiHeadMoE)
+        for w in ("W_gate", "W_up", "W_down")
+    }
+    assert dense and dense == stored_names  # nothing outside the blocks' dense projections
+    assert all(kept[n] == torch.float32 for n in trainable) and experts and all(n in kept for n in experts)
+    islands = [n for n in kept if model.is_fp32_island(n)]
+    assert islands and all(kept[n] == torch.float32 for n in islands)
+    with torch.no_grad():
+        for name in stored_names:
+            p = reference.get_parameter(name)
+            p.copy_(p.to(fp8).float())
+    cpu = torch.device("cpu")
+    losses = [script.training_loss(m, sample, torch.Generator().manual_seed(0), cpu) for m in (model, reference)]
+    assert torch.equal(losses[0], losses[1])
+    losses[0].backward()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in trainable.values())
+
+    losses, pipe = script.train(
+        script.parse_args(
+            argv(
+                synthetic_clip(tmp_path / "data"),
+                tmp_path / "out",
+                "--max_steps",
+                "2",
+                "--storage_dtype",
+                "float8_e4m3fn",
+            )
+        )
+    )
+    assert len(losses) == 2 and np.isfinite(losses).all()
+    assert {n for n, p in pipe.transformer.named_parameters() if p.dtype == fp8} == stored_names

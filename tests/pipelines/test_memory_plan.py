@@ -168,7 +168,13 @@ def test_lora_training_step_plan_matches_the_measured_cpu_peak_within_10_percent
     expert_dtype, config = "int4", {**REDUCED, "expert_int4_group_size": 32}  # (MoE heads 64 wide)
     torch.manual_seed(0)
     model = Magi2Transformer3DModel(**config, params_dtype=torch.bfloat16, expert_dtype=expert_dtype)
-    args = argparse.Namespace(targets=["linear_qkv", "linear_proj"], rank=4, alpha=None, gradient_checkpointing=True)
+    args = argparse.Namespace(
+        targets=["linear_qkv", "linear_proj"],
+        rank=4,
+        alpha=None,
+        gradient_checkpointing=True,
+        offload_block_inputs=False,
+    )
     lora = list(script.add_lora(model, args).values())
     model.set_moe_backend("torch_grouped")
     model.enable_forward_chunking(CHUNK)
