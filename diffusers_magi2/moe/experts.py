@@ -74,7 +74,7 @@ def torch_mh_moe_forward(
     """
     routes, weights = [gather_ids, probs, expert_offsets], [w_gate, w_up, w_down]
     check_expert_tensors(x, routes, weights, scales)  # a ValueError here, not the op's schema error
-    return mh_moe_experts(x, routes, weights, [] if scales is None else list(scales), "torch", False)
+    return mh_moe_experts(x, routes, weights, [] if scales is None else list(scales), "torch", False, False)
 
 
 def _torch_experts(x, routes, weights, scales=None) -> torch.Tensor:
@@ -259,51 +259,69 @@ _TORCH_BACKENDS = {"torch": _torch_experts, "torch_grouped": _grouped_experts}
 
 @torch.library.custom_op("diffusers_magi2::mh_moe_experts", mutates_args=())
 def mh_moe_experts(
-    x: Tensor, routes: list[Tensor], weights: list[Tensor], scales: list[Tensor], backend: str, deterministic: bool
+    x: Tensor,
+    routes: list[Tensor],
+    weights: list[Tensor],
+    scales: list[Tensor],
+    backend: str,
+    deterministic: bool,
+    top_k_routes: bool,
 ) -> Tensor:
     """The expert call with a concrete ``backend`` (one of :data:`EXPERT_BACKENDS`); ``x``, ``routes`` and
     ``weights`` as :func:`torch_mh_moe_forward`, ``scales`` their three FP8 or int4 scales or empty (a custom op
-    takes no optional list), ``deterministic`` as ``triton_mh_moe_forward`` (Triton only).
+    takes no optional list), ``deterministic`` and ``top_k_routes`` as ``triton_mh_moe_forward`` (``True`` from
+    ``Magi2MultiHeadMoE``, whose routes are top-k; ``False`` for a CSR of any other form).
 
     Raises:
-        ValueError: an unknown backend, or the chosen path's input errors.
+        ValueError: an unknown backend, ``"torch_grouped"`` without top-k routes, or the chosen path's input errors.
     """
     bank_scales = scales or None
     if backend in _TORCH_BACKENDS:
         check_expert_inputs(x, routes, weights, bank_scales)
+        if backend == "torch_grouped" and not top_k_routes:
+            raise ValueError(
+                "the torch_grouped expert backend takes top-k routes only (Magi2MultiHeadMoE's); use 'torch'"
+            )
         return _TORCH_BACKENDS[backend](x, routes, weights, bank_scales)
     if backend == "triton":
         from . import experts_triton  # Triton is imported on first use
 
         return experts_triton.triton_mh_moe_forward(
-            x, *routes, *weights, scales=bank_scales, deterministic=deterministic
+            x, *routes, *weights, scales=bank_scales, deterministic=deterministic, top_k_routes=top_k_routes
         )
     raise ValueError(f"mh_moe_experts backend must be one of {EXPERT_BACKENDS}; got {backend!r}")
 
 
 @mh_moe_experts.register_fake
-def _mh_moe_experts_fake(x, routes, weights, scales, backend, deterministic):
+def _mh_moe_experts_fake(x, routes, weights, scales, backend, deterministic, top_k_routes):
     check_expert_inputs(x, routes, weights, scales or None)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @torch.library.custom_op("diffusers_magi2::mh_moe_experts_backward", mutates_args=())
 def mh_moe_experts_backward(
-    grad_out: Tensor, x: Tensor, routes: list[Tensor], weights: list[Tensor], scales: list[Tensor], needs: list[bool]
+    grad_out: Tensor,
+    x: Tensor,
+    routes: list[Tensor],
+    weights: list[Tensor],
+    scales: list[Tensor],
+    needs: list[bool],
+    top_k_routes: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients ``(x, probs, w_gate, w_up, w_down)`` of :func:`mh_moe_experts` (same ``routes``, ``weights``,
-    ``scales``) for the five ``needs`` (``ctx.needs_input_grad``); one not asked for is an empty ``(0,)`` tensor
-    (:mod:`.experts_backward`)."""
-    return tuple(experts_backward(grad_out, x, routes, weights, scales, needs))
+    ``scales``, ``top_k_routes``) for the five ``needs`` (``ctx.needs_input_grad``); one not asked for is an empty
+    ``(0,)`` tensor (:mod:`.experts_backward`)."""
+    return tuple(experts_backward(grad_out, x, routes, weights, scales, needs, top_k_routes=top_k_routes))
 
 
 @mh_moe_experts_backward.register_fake
-def _mh_moe_experts_backward_fake(grad_out, x, routes, weights, scales, needs):
+def _mh_moe_experts_backward_fake(grad_out, x, routes, weights, scales, needs, top_k_routes):
     return tuple(grad_like(t, need) for t, need in zip((x, routes[1], *weights), needs))
 
 
 def _mh_moe_experts_setup_context(ctx, inputs, output) -> None:
     x, routes, weights, scales = inputs[:4]
+    ctx.top_k_routes = inputs[6]
     ctx.save_for_backward(x, *routes, *weights, *scales)
 
 
@@ -313,12 +331,15 @@ def _mh_moe_experts_backward(ctx, grad_out):
     weights, scales = saved[4:7], saved[7:]
     needs_x, needs_routes, needs_weights = ctx.needs_input_grad[:3]
     needs = [needs_x, needs_routes[1], *needs_weights]  # the token ids and offsets are integers
-    grad_x, grad_probs, *grad_w = mh_moe_experts_backward(grad_out, x, routes, weights, scales, needs)
+    grad_x, grad_probs, *grad_w = mh_moe_experts_backward(
+        grad_out, x, routes, weights, scales, needs, ctx.top_k_routes
+    )
     return (
         grad_x if needs_x else None,
         [None, grad_probs if needs[1] else None, None],
         [grad if needed else None for grad, needed in zip(grad_w, needs_weights)],
         [None] * len(scales),  # frozen FP8 / int4 scales
+        None,
         None,
         None,
     )

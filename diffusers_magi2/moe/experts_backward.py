@@ -92,13 +92,16 @@ def experts_backward(
     scales: Optional[Sequence[Tensor]],
     needs: Sequence[bool],
     *,
+    top_k_routes: bool = False,
     chunk_rows: int = BACKWARD_ROWS,
     kernels: Optional[tuple] = None,
 ) -> list[Tensor]:
     """Gradients ``[x, probs, w_gate, w_up, w_down]`` of the expert op (module docstring); arguments as
-    ``torch_mh_moe_forward``'s, ``needs`` five bools, ``chunk_rows`` routes per grouped-GEMM step, ``kernels`` as
-    :func:`device_kernels` returns them (default: ``x``'s device's; the memory plan traces the CUDA choice on CPU).
-    Each gradient is in its input's dtype (fp32 for FP8 banks), or ``(0,)`` when not asked for."""
+    ``torch_mh_moe_forward``'s, ``needs`` five bools, ``top_k_routes`` whether the routes are top-k routes in
+    ``global_sort_routes``' layout (head ``h``'s at rows ``h·S·k``: no host read; else the head bounds are read once),
+    ``chunk_rows`` routes per grouped-GEMM step, ``kernels`` as :func:`device_kernels` returns them (default:
+    ``x``'s device's; the memory plan traces the CUDA choice on CPU). Each gradient is in its input's dtype (fp32
+    for FP8 banks), or ``(0,)`` when not asked for."""
     (gather_ids, probs, expert_offsets), (w_gate, _, w_down) = routes, weights
     want_x, want_p, *want_w = (bool(n) for n in needs)
     num_tokens, num_heads, head_dim = x.shape
@@ -113,7 +116,7 @@ def experts_backward(
     if num_routes and num_tokens and (want_x or want_p or any(want_w)):
         compute, dequantize_int4 = kernels or device_kernels(x.device.type, x.dtype)
         round_hidden = hidden_dtype(w_down.dtype, x.dtype)
-        blocks, poison = _head_blocks(expert_offsets, num_tokens, num_heads, num_experts, num_routes)
+        blocks, poison = _head_blocks(expert_offsets, num_tokens, num_heads, num_experts, num_routes, top_k_routes)
         scratch, accum = [None] * 3, [None] * 3
         for head, (lo, count) in enumerate(blocks):
             if count == 0:
@@ -167,11 +170,11 @@ def experts_backward(
     return [grad_like(t, False) if g is None else g for g, t in zip(grads, (x, probs, *weights))]
 
 
-def _head_blocks(expert_offsets, num_tokens: int, num_heads: int, num_experts: int, num_routes: int):
+def _head_blocks(expert_offsets, num_tokens: int, num_heads: int, num_experts: int, num_routes: int, top_k: bool):
     """``([(first route, count)] per head, poison)``: top-k routes from the host-known layout, with ``poison`` a
-    0-dim fp32 tensor that is NaN where the offsets disagree with it (else 0); other counts from one host read."""
+    0-dim fp32 tensor that is NaN where the offsets disagree with it (else 0); other routes from one host read."""
     per_head, remainder = divmod(num_routes, num_tokens * num_heads)
-    if remainder:
+    if remainder or not top_k:
         bounds = expert_offsets[::num_experts].tolist()  # a hand-made CSR: the one host read
         poison = torch.zeros((), device=expert_offsets.device)
         return [(a, b - a) for a, b in zip(bounds, bounds[1:])], poison

@@ -467,6 +467,7 @@ def launch_specs(
     scales: Optional[Sequence[Tensor]],
     deterministic: bool,
     capability: Optional[tuple[int, int]],
+    top_k_routes: bool = False,
 ) -> list[LaunchSpec]:
     """Arguments and constexprs of the kernel launches for validated ``x, routes, weights, scales`` (as
     :func:`triton_mh_moe_forward` takes them), built for ``capability`` (the CUDA compute capability; ``None`` for
@@ -474,8 +475,8 @@ def launch_specs(
 
     bf16/fp16/fp32 and FP8 experts: one launch over all ``H*E`` experts. int4 experts: one launch per head, on
     three ``[E, K, N]`` buffers of the activation dtype that its ``prepare`` fills with the head's dequantized banks
-    (:mod:`.dequantize_triton`); its grid is sized by the head's ``S*k`` routes for top-k routes (``T = S*H*k``;
-    the call's result is then NaN if the offsets do not have that layout), else by all ``T``.
+    (:mod:`.dequantize_triton`); its grid is sized by the head's ``S*k`` routes for ``top_k_routes`` (the call's
+    result is then NaN if the offsets do not have that layout), else by all ``T`` (any CSR, no host read).
 
     Raises:
         ValueError: FP8 experts for a capability below 8.9, int4 experts below 8.0.
@@ -547,7 +548,7 @@ def launch_specs(
 
     if not int4:
         return [spec(x, offsets, out, num_routes)]
-    top_k_routes = num_tokens * num_heads and num_routes % (num_tokens * num_heads) == 0
+    top_k_routes = bool(top_k_routes and num_tokens * num_heads and num_routes % (num_tokens * num_heads) == 0)
     per_head = num_routes // num_heads if top_k_routes else num_routes
     specs = []
     for head in range(num_heads):
@@ -576,6 +577,7 @@ def triton_mh_moe_forward(
     deterministic: bool = False,
     scales: Optional[Sequence[Tensor]] = None,
     tile_config: Optional[TileConfig] = None,
+    top_k_routes: bool = False,
 ) -> Tensor:
     """Fused gather/expert/scatter kernel; same contract as
     :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward` (vLLM-Omni's ``mh_moe`` signature).
@@ -592,6 +594,9 @@ def triton_mh_moe_forward(
         deterministic: per-route rows without atomics, summed per (token, head) in ascending expert id (top-k
             routes): bit-identical across runs.
         tile_config: launch with this tile only instead of the launch table's candidates (benchmarks).
+        top_k_routes: the routes are ``global_sort_routes`` of top-k routes (head ``h``'s start at row ``h·S·k``),
+            as ``Magi2MultiHeadMoE`` passes them: int4 experts then launch each head's grid for its ``S·k`` routes
+            (the result is NaN if the offsets disagree); ``False`` (any CSR) sizes it by all ``T``.
 
     Raises:
         ValueError: an argument that is not a tensor, ``scales`` not three tensors, bad shapes/dtypes/devices,
@@ -627,7 +632,15 @@ def triton_mh_moe_forward(
 
     keys = device_key(x.device)
     capability = None if keys == ("interpreter",) else torch.cuda.get_device_capability(x.device)
-    specs = launch_specs(x, routes, weights, scales=scales, deterministic=deterministic, capability=capability)
+    specs = launch_specs(
+        x,
+        routes,
+        weights,
+        scales=scales,
+        deterministic=deterministic,
+        capability=capability,
+        top_k_routes=top_k_routes,
+    )
     kernel_weights = x.dtype if w_gate.dtype == INT4_PACKED_DTYPE else w_gate.dtype  # int4: the dequantized banks
     cache_key = (keys, head_dim, expert_dim, x.dtype, kernel_weights, deterministic)
     if tile_config is not None:
@@ -641,21 +654,26 @@ def triton_mh_moe_forward(
         configs = configs[configs.index(chosen) :]
     if tile_config is None:
         _CHOSEN[cache_key] = chosen
-    return launch_result(specs, x, routes, weights, deterministic)
+    return launch_result(specs, x, routes, weights, deterministic, top_k_routes)
 
 
 def launch_result(
-    specs: Sequence[LaunchSpec], x: Tensor, routes: Sequence[Tensor], weights: Sequence[Tensor], deterministic: bool
+    specs: Sequence[LaunchSpec],
+    x: Tensor,
+    routes: Sequence[Tensor],
+    weights: Sequence[Tensor],
+    deterministic: bool,
+    top_k_routes: bool = False,
 ) -> Tensor:
     """The ``[S, H, Dh]`` result of :func:`triton_mh_moe_forward` from its launches' shared output (deterministic:
-    the per-route rows reduced; int4 with top-k routes: NaN if the offsets are not in the layout its per-head grids
-    assumed). Reads no tensor values (the memory plan runs it on fake tensors)."""
+    the per-route rows reduced; int4 with ``top_k_routes``: NaN if the offsets are not in the layout its per-head
+    grids assumed). Reads no tensor values (the memory plan runs it on fake tensors)."""
     (gather_ids, _, expert_offsets), w_gate = routes, weights[0]
     num_tokens, num_heads = x.shape[:2]
     out = specs[0].out
     out = _deterministic_reduce(out, num_heads, num_tokens, x.dtype) if deterministic else out.to(x.dtype)
     num_routes = gather_ids.numel()
-    if w_gate.dtype == INT4_PACKED_DTYPE and num_routes % (num_tokens * num_heads) == 0:
+    if w_gate.dtype == INT4_PACKED_DTYPE and top_k_routes and num_routes % (num_tokens * num_heads) == 0:
         num_experts = w_gate.shape[0] // num_heads
         out += top_k_layout_poison(expert_offsets, num_experts, num_routes // num_heads).to(out.dtype)
     return out

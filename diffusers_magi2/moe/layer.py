@@ -475,7 +475,9 @@ class Magi2MultiHeadMoE(nn.Module):
         """Expert compute with the backend chosen by :meth:`set_backend` (arguments as ``torch_mh_moe_forward``;
         ``sync_free`` as :meth:`forward_local_heads`)."""
         backend = resolve_backend("moe_experts", self._backend, x.device, sync_free=sync_free)
-        return mh_moe_experts(x, routes, weights, () if scales is None else scales, backend, self._deterministic)
+        return mh_moe_experts(  # global_sort_routes of this layer's top-k routes
+            x, routes, weights, () if scales is None else scales, backend, self._deterministic, True
+        )
 
     def _apply(self, fn, recurse=True):
         # quantized banks and their scales (FP8 with fp32, int4 with bf16) keep their dtypes through dtype moves;

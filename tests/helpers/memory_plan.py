@@ -262,7 +262,7 @@ class _IndexTensorsStayReal(TorchDispatchMode):
 PLAN_CAPABILITY = (9, 0)
 
 
-def triton_expert_allocations(x, routes, weights, scales, backend, deterministic):
+def triton_expert_allocations(x, routes, weights, scales, backend, deterministic, top_k_routes):
     """The fused Triton kernel's call (``triton_mh_moe_forward``, arguments as the expert op's) without its
     launches: the buffers its own ``launch_specs`` allocates for :data:`PLAN_CAPABILITY` (the output, fp32 route
     weights; int4 experts: one head's three banks in the activation dtype, which the dequantization kernel fills in
@@ -270,9 +270,15 @@ def triton_expert_allocations(x, routes, weights, scales, backend, deterministic
     from diffusers_magi2.moe import experts_triton
 
     specs = experts_triton.launch_specs(
-        x, routes, weights, scales=scales or None, deterministic=deterministic, capability=PLAN_CAPABILITY
+        x,
+        routes,
+        weights,
+        scales=scales or None,
+        deterministic=deterministic,
+        capability=PLAN_CAPABILITY,
+        top_k_routes=top_k_routes,
     )
-    return experts_triton.launch_result(specs, x, routes, weights, deterministic)
+    return experts_triton.launch_result(specs, x, routes, weights, deterministic, top_k_routes)
 
 
 def _written_by_the_kernel(packed, scale, out):
@@ -301,7 +307,9 @@ class _ExpertKernels(TorchDispatchMode):
         if func is torch.ops.diffusers_magi2.mh_moe_experts_backward.default:
             if self.kernels == "cuda":
                 gemm_dtype, _ = device_kernels("cuda", args[1].dtype)
-                return tuple(experts_backward(*args, **kwargs, kernels=(gemm_dtype, _written_by_the_kernel)))
+                *op_args, top_k = args
+                kernels = (gemm_dtype, _written_by_the_kernel)
+                return tuple(experts_backward(*op_args, top_k_routes=top_k, kernels=kernels))
             return moe_experts.mh_moe_experts_backward._init_fn(*args, **kwargs)
         return func(*args, **kwargs)
 

@@ -20,7 +20,7 @@ def test_expert_op_passes_opcheck() -> None:
     x, probs, idx, w_gate, w_up, w_down = random_case(6, 2, 3, 2, 16, 16, torch.float32, seed=11)
     gather_ids, probs_sorted, offsets = global_sort_routes(probs, idx, 3)
     leaves = [t.clone().requires_grad_(True) for t in (x, probs_sorted, w_gate, w_up, w_down)]
-    args = (leaves[0], [gather_ids, leaves[1], offsets], leaves[2:], [], "torch", False)
+    args = (leaves[0], [gather_ids, leaves[1], offsets], leaves[2:], [], "torch", False, True)
     torch.library.opcheck(mh_moe_experts, args)
 
 

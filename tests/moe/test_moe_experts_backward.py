@@ -48,7 +48,7 @@ def test_frozen_experts_backward_allocates_no_tensor_of_an_expert_weights_shape(
     module = _layer(storage)
     hidden = torch.randn(6, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
     out = module(hidden)
-    recorder = AllocationRecorder({BACKWARD_OP: lambda *args: tuple(experts_backward(*args))})
+    recorder = AllocationRecorder({BACKWARD_OP: lambda *a: tuple(experts_backward(*a[:-1], top_k_routes=a[-1]))})
     with recorder:
         out.square().sum().backward()
     banks = [module.get_parameter(name) for name in BANKS]
@@ -79,10 +79,10 @@ def test_backward_computes_only_the_asked_for_gradients() -> None:
     want = _autograd(x, routes, weights, grad)
     for i in range(5):
         needs = [j == i for j in range(5)]
-        got = mh_moe_experts_backward(grad, x, routes, weights, [], needs)
+        got = mh_moe_experts_backward(grad, x, routes, weights, [], needs, True)
         torch.testing.assert_close(got[i], want[i], atol=GRAD_TOL, rtol=GRAD_TOL)
         assert all(g.shape == (0,) for j, g in enumerate(got) if j != i)
-    everything = mh_moe_experts_backward(grad, x, routes, weights, [], [True] * 5)
+    everything = mh_moe_experts_backward(grad, x, routes, weights, [], [True] * 5, True)
     for got, expected in zip(everything, want):
         torch.testing.assert_close(got, expected, atol=GRAD_TOL, rtol=GRAD_TOL)
 
@@ -98,16 +98,39 @@ def test_backward_in_route_blocks_cut_mid_expert_equals_one_block() -> None:
 
 
 def test_backward_of_top_k_routes_reads_nothing_on_the_host_and_a_bad_layout_gives_nan() -> None:
+    """Routes declared top-k (as the MoE layer declares its own) take their head bounds from the layout, with no host
+    read; offsets that break that layout make the gradients NaN, never silently wrong."""
     x, routes, weights = _case()
     grad = torch.randn(x.shape)
     with count_host_reads() as counts:
-        grads = experts_backward(grad, x, routes, weights, None, [True] * 5)
+        grads = experts_backward(grad, x, routes, weights, None, [True] * 5, top_k_routes=True)
     assert counts == {} and all(torch.isfinite(g).all() for g in grads)
     # T = S*H*k, but head 0 holds one route more than S*k: not the top-k layout the backward relies on
     offsets = routes[2].clone()
     offsets[4] += 1
-    bad = experts_backward(grad, x, [routes[0], routes[1], offsets], weights, None, [True, True, False, False, False])
+    csr = [routes[0], routes[1], offsets]
+    bad = experts_backward(grad, x, csr, weights, None, [True, True, False, False, False], top_k_routes=True)
     assert all(torch.isnan(g).all() for g in bad[:2])
+
+
+def test_backward_of_a_csr_with_top_k_many_routes_but_another_layout_matches_autograd() -> None:
+    """The seed functions take any CSR: ``T = S*H*k`` routes whose heads do not hold ``S*k`` each (head 0 takes
+    one route of head 1) get the gradients of autograd through ``torch_mh_moe_forward``, not NaN."""
+    x, routes, weights = _case()
+    offsets = routes[2].clone()
+    moved = int(offsets[4])  # head 1's first route becomes head 0's (its last expert's) ...
+    offsets[4] += 1
+    gather_ids = routes[0].clone()
+    taken = set(gather_ids[offsets[3] : moved].tolist())
+    gather_ids[moved] = next(t for t in range(x.shape[0]) if t not in taken)  # ... for a token that expert lacks
+    csr = [gather_ids, routes[1], offsets]
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+    leaves = [x.clone().requires_grad_(True), routes[1].clone().requires_grad_(True)]
+    out = torch_mh_moe_forward(leaves[0], gather_ids, leaves[1], offsets, *weights)
+    got = torch.autograd.grad(out, leaves, grad)
+    for a, b in zip(got, _autograd(x, csr, weights, grad)[:2]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=GRAD_TOL, rtol=GRAD_TOL)
 
 
 def test_backward_of_a_hand_made_csr_matches_autograd() -> None:

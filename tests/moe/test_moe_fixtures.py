@@ -125,7 +125,7 @@ def test_oracle_and_grouped_backend_reproduce_core_out(model: str, layer: int, v
         if experts == "reference":
             out = reference_mh_moe_forward(x, *routes, *weights)
         else:
-            out = mh_moe_experts(x, routes, weights, [], "torch_grouped", False)
+            out = mh_moe_experts(x, routes, weights, [], "torch_grouped", False, True)
     ref = case["core.out"].view_as(out)
     assert out.dtype == x.dtype
     if variant == "fp32":

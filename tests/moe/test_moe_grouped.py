@@ -19,7 +19,7 @@ from diffusers_magi2.moe.routing import global_sort_routes
 
 def _experts(backend, x, routes, weights, scales=()):
     with torch.no_grad():
-        return mh_moe_experts(x, routes, weights, scales, backend, False)
+        return mh_moe_experts(x, routes, weights, scales, backend, False, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -92,3 +92,12 @@ def test_grouped_backend_upcasts_one_heads_experts_at_a_time(monkeypatch) -> Non
     assert upcast_rows == [num_experts] * (3 * num_heads)
     monkeypatch.setattr(experts, "_head_bank", original)
     torch.testing.assert_close(got, _experts("torch", x, routes, [q for q, _ in quantized], [s for _, s in quantized]))
+
+
+def test_torch_grouped_refuses_routes_not_declared_top_k():
+    """``torch_grouped`` slices each head's routes at ``h·S·k``, which only top-k routes guarantee: a CSR of any
+    other form is refused, pointing to ``"torch"``, which reads the head bounds."""
+    x, probs, idx, *weights = random_case(9, 3, 5, 3, 16, 24, torch.float32)
+    routes = list(global_sort_routes(probs, idx, 5))
+    with pytest.raises(ValueError, match=r"torch_grouped expert backend takes top-k routes only.*use 'torch'"):
+        mh_moe_experts(x, routes, weights, [], "torch_grouped", False, False)

@@ -140,11 +140,15 @@ def test_int4_triton_path_matches_the_torch_path() -> None:
         assert out.dtype == torch.bfloat16
         assert 0 < rel_l2(out, ref) <= TRITON_VS_TORCH_INT4_REL_L2  # > 0: the bf16 banks do round
     assert rel_l2(fp32, fp32_ref) <= TRITON_VS_TORCH_INT4_FP32
-    # T = S*H*k but head 0 holds one route more than S*k: the per-head grids' layout does not hold, the result is NaN
+    # T = S*H*k but head 0 holds one route more than S*k: any CSR computes as the torch path does; declared
+    # top-k routes (the layer's) take the per-head grids' layout, and offsets that break it give NaN
     offsets = routes[2].clone()
     offsets[module.num_experts] += 1
     with torch.no_grad():
-        bad = triton_mh_moe_forward(x.float(), routes[0], routes[1], offsets, *banks, scales=scales)
+        other = triton_mh_moe_forward(x.float(), routes[0], routes[1], offsets, *banks, scales=scales)
+        other_ref = torch_mh_moe_forward(x.float(), routes[0], routes[1], offsets, *banks, scales=scales)
+        bad = triton_mh_moe_forward(x.float(), routes[0], routes[1], offsets, *banks, scales=scales, top_k_routes=True)
+    assert rel_l2(other, other_ref) <= TRITON_VS_TORCH_INT4_FP32
     assert torch.isnan(bad).all()
 
 
@@ -194,9 +198,12 @@ def _meta_released_int4_call():
 
 def test_int4_triton_launches_one_head_at_a_time_on_a_reused_bank_buffer() -> None:
     """At the released size (meta tensors): one launch per head, each on the same three ``[E, K, N]`` bf16 buffers
-    (0.5 GB: one head's bank, never the layer's), its grid sized by the head's ``S*k`` routes."""
+    (0.5 GB: one head's bank, never the layer's), its grid sized by the head's ``S*k`` routes for top-k routes (by
+    all ``T`` for a CSR of another form)."""
     x, routes, banks, scales = _meta_released_int4_call()
-    specs = launch_specs(x, routes, banks, scales=scales, deterministic=False, capability=(9, 0))
+    any_csr = launch_specs(x, routes, banks, scales=scales, deterministic=False, capability=(9, 0))
+    assert {spec.num_routes for spec in any_csr} == {16 * 72}
+    specs = launch_specs(x, routes, banks, scales=scales, deterministic=False, capability=(9, 0), top_k_routes=True)
     assert len(specs) == 12 and all(spec.out is specs[0].out for spec in specs)
     buffers = [spec.make_args(routes[2][:257].int())[1:4] for spec in specs]
     assert [tuple(b.shape) for b in buffers[0]] == [(256, 256, 1280), (256, 256, 1280), (256, 1280, 256)]

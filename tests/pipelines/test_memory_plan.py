@@ -225,7 +225,7 @@ def test_cuda_plan_counts_the_int4_triton_call_by_its_own_buffers():
     scales = [moe.get_buffer(n) for n in moe.expert_scale_names]
     tracker = LiveStorageTracker()
     with tracker:
-        out = triton_expert_allocations(x, routes, banks, scales, "triton", False)
+        out = triton_expert_allocations(x, routes, banks, scales, "triton", False, True)  # the layer's top-k routes
     one_head = 3 * 256 * 256 * 1280 * 2
     assert out.shape == x.shape and out.dtype == torch.bfloat16
     assert 0 <= tracker.peak - (x.numel() * 2 + one_head) < 2**20  # (+ the offsets' layout check)
