@@ -334,10 +334,14 @@ def bench_cuda(
             flops = 6.0 * num_tokens * heads * top_k * head_dim * expert_dim
             entry = {}
             entry["triton_atomic_s"] = _best_of(
-                lambda: triton_mh_moe_forward(x, *routing, *weights, scales=scales), repeats, sync
+                lambda: triton_mh_moe_forward(x, *routing, *weights, scales=scales, top_k_routes=True), repeats, sync
             )
             entry["triton_deterministic_s"] = _best_of(
-                lambda: triton_mh_moe_forward(x, *routing, *weights, deterministic=True, scales=scales), repeats, sync
+                lambda: triton_mh_moe_forward(
+                    x, *routing, *weights, deterministic=True, scales=scales, top_k_routes=True
+                ),
+                repeats,
+                sync,
             )
             if torch_path:
                 entry["torch_path_s"] = _best_of(
@@ -375,7 +379,13 @@ def bench_cuda(
                         try:
                             seconds = _best_of(
                                 lambda: triton_mh_moe_forward(
-                                    x, *routing, *weights, scales=scales, deterministic=det, tile_config=config
+                                    x,
+                                    *routing,
+                                    *weights,
+                                    scales=scales,
+                                    deterministic=det,
+                                    tile_config=config,
+                                    top_k_routes=True,
                                 ),
                                 repeats,
                                 sync,
