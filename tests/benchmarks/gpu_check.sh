@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one run on one H200, at most 9 minutes (the step limits add up to 535 s), every result
+# The prepared GPU check: one run on one H200, at most 8.5 minutes (the step limits add up to 475 s, 505 s with the
+# environment check; a device call may run 600 s), every result
 # under one folder. It has never run on a GPU (none was lent while it was written); --dry-run runs its CPU parts.
 #
 #   bash tests/benchmarks/gpu_check.sh [--dry-run] [RESULTS_DIR]     (from anywhere; default: $OUT, else ./gpu_check)
@@ -120,28 +121,28 @@ else
     SMALL=""
     step nvidia_smi 15 nvidia-smi
     environment_line
-    step gpu_tests 90 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests \
+    step gpu_tests 75 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests \
         --junitxml="$RESULTS/gpu_tests.xml" -o console_output_style=classic -rA
     # short CPU part (--tokens, --repeats); the GPU part runs the released shape in both expert dtypes
     MOE_ARGS=(--tokens 1024 --repeats 1 --expert_dtype bf16 fp8_e4m3)
 fi
 step attention_sinks 50 "$PYTHON" -m tests.benchmarks.bench_attention_sinks $SMALL --out "$RESULTS/attention_sinks.json"
-step bench_moe 100 "$PYTHON" -m tests.benchmarks.bench_moe --out "$RESULTS/bench_moe.json" "${MOE_ARGS[@]}"
+step bench_moe 80 "$PYTHON" -m tests.benchmarks.bench_moe --out "$RESULTS/bench_moe.json" "${MOE_ARGS[@]}"
 # int4 experts: a step of its own (bf16 and FP8 timed again beside it, so its ratios come from one run)
 if [ "$DRY" -eq 1 ]; then
     step bench_moe_int4 10 "$PYTHON" -m tests.benchmarks.bench_moe --tokens 256 --repeats 1 --expert_dtype bf16 int4 \
         --out "$RESULTS/bench_moe_int4.json"
 else
-    step bench_moe_int4 60 "$PYTHON" -m tests.benchmarks.bench_moe --cuda_only --no_torch_path --repeats 3 \
+    step bench_moe_int4 50 "$PYTHON" -m tests.benchmarks.bench_moe --cuda_only --no_torch_path --repeats 3 \
         --cuda_tokens 4096 8192 16384 29184 \
         --expert_dtype bf16 fp8_e4m3 int4 --out "$RESULTS/bench_moe_int4.json"
 fi
 step gpu_block 40 "$PYTHON" -m tests.benchmarks.bench_gpu_block $SMALL --out "$RESULTS/gpu_block.json"
-step preview_step 150 "$PYTHON" -m tests.benchmarks.bench_preview_step $SMALL --out "$RESULTS/preview_step.json"
+step preview_step 120 "$PYTHON" -m tests.benchmarks.bench_preview_step $SMALL --out "$RESULTS/preview_step.json"
 if [ "$DRY" -eq 1 ]; then
     skip memory_plan "python -m tests.benchmarks.bench_memory --quick"
 else
-    step memory_plan 60 "$PYTHON" -m tests.benchmarks.bench_memory --quick --out "$RESULTS/memory_plan.json"
+    step memory_plan 45 "$PYTHON" -m tests.benchmarks.bench_memory --quick --out "$RESULTS/memory_plan.json"
 fi
 
 echo "total $(( $(date +%s) - START ))s; results in $RESULTS" | tee -a "$SUMMARY"
