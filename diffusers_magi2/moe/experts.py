@@ -3,13 +3,14 @@
 The math is :mod:`diffusers_magi2.moe.reference` (SandAI ``_mh_moe_fwd_kernel``, with its rounding points).
 ``"torch"`` computes the same bits with reused buffers and ``out=`` GEMMs, reading the expert offsets on the host
 once per call. Quantized banks are dequantized just in time (:mod:`.dequantize`), never the whole layer: FP8 per
-expert, int4 one head's bank at a time into reused fp32 buffers (``"torch"``) or per head (``"torch_grouped"``). ``"torch_grouped"`` has no host sync (for context parallelism): per head, one ``torch._grouped_mm``
-per projection over that head's experts with device-side offsets, the ``k`` routes of each (token, head) summed in
-ascending expert id; it needs top-k routes, and its one-block swiglu7 may differ from the per-expert one in the last
-fp32 bit.
+expert, int4 one head's bank at a time into reused fp32 buffers (``"torch"``) or per head (``"torch_grouped"``).
+``"torch_grouped"`` has no host sync (for context parallelism): per head, one grouped GEMM
+(:data:`~.experts_backward.grouped_mm`) per projection over that head's experts with device-side offsets, the ``k``
+routes of each (token, head) summed in ascending expert id; it needs top-k routes, and its one-block swiglu7 may
+differ from the per-expert one in the last fp32 bit.
 ``torch.ops.diffusers_magi2.mh_moe_experts`` is the expert call as a ``torch.library.custom_op`` (fake and backward
 ops, so ``torch.compile(fullgraph=True)`` traces a whole MoE block); its backward computes only the gradients asked
-for, with grouped GEMMs and no host read (:mod:`.experts_backward`).
+for, with grouped GEMMs and no host read for top-k routes (:mod:`.experts_backward`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor
 from .activation import swiglu7
 from .dequantize import dequantize_bank, dequantize_expert, is_int4
 from .expert_checks import check_expert_inputs, check_expert_tensors
-from .experts_backward import experts_backward, grad_like
+from .experts_backward import experts_backward, grad_like, grouped_mm
 from .reference import hidden_dtype
 
 
@@ -197,13 +198,6 @@ def _sum_head_routes_(out_head: torch.Tensor, contrib: torch.Tensor, tokens: tor
     out_head.zero_().index_add_(0, tokens, contrib)
 
 
-def _head_bank(
-    weight: torch.Tensor, scale: Optional[torch.Tensor], out: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """One head's expert bank ``[E, K, N]`` in fp32 (:func:`~.dequantize.dequantize_bank`; int4 into ``out``)."""
-    return dequantize_bank(weight, scale, out=out)
-
-
 def _grouped_experts(x, routes, weights, scales=None) -> torch.Tensor:
     """The ``"torch_grouped"`` backend (module docstring): no offset, count or index leaves the device; one
     head's experts are upcast at a time (top-k routes put head ``h``'s ``S·k`` routes at rows ``h·S·k``).
@@ -233,15 +227,16 @@ def _grouped_experts(x, routes, weights, scales=None) -> torch.Tensor:
     for h in range(num_heads):
         lo, experts = h * per_head, slice(h * num_experts, (h + 1) * num_experts)
         wg, wu, wd = (
-            _head_bank(w[experts], None if s is None else s[experts], b) for w, s, b in zip(weights, scales, bufs)
+            dequantize_bank(w[experts], None if s is None else s[experts], out=b)
+            for w, s, b in zip(weights, scales, bufs)
         )
         offs = (expert_offsets[experts.start + 1 : experts.stop + 1] - lo).to(torch.int32)
         tokens = gather_ids[lo : lo + per_head].to(torch.int64)
         rows = x[tokens, h].to(f32)  # [S·k, Dh], this head's CSR block (upcast exact)
-        hidden = swiglu7(torch._grouped_mm(rows, wg, offs=offs), torch._grouped_mm(rows, wu, offs=offs))
+        hidden = swiglu7(grouped_mm(rows, wg, offs=offs), grouped_mm(rows, wu, offs=offs))
         if round_to != f32:
             hidden = hidden.to(round_to).float()
-        contrib = torch._grouped_mm(hidden, wd, offs=offs).mul_(probs[lo : lo + per_head].to(f32).unsqueeze(1))
+        contrib = grouped_mm(hidden, wd, offs=offs).mul_(probs[lo : lo + per_head].to(f32).unsqueeze(1))
         contrib = contrib.to(x.dtype)
         # token-major with a stable sort: each token's k rows stay in CSR (= ascending expert) order
         per_token = contrib.index_select(0, torch.sort(tokens, stable=True).indices).view(num_tokens, top_k, head_dim)

@@ -30,7 +30,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch.nn.functional import grouped_mm
 
 from .activation import swiglu7, swiglu7_backward
 from .dequantize import dequantize_bank, is_int4
@@ -38,7 +37,10 @@ from .expert_checks import top_k_layout_poison
 from .reference import hidden_dtype
 
 
-__all__ = ["BACKWARD_ROWS", "device_kernels", "experts_backward"]
+__all__ = ["BACKWARD_ROWS", "device_kernels", "experts_backward", "grouped_mm"]
+
+#: torch's grouped GEMM: ``torch.nn.functional.grouped_mm`` (public from torch 2.10), ``torch._grouped_mm`` before
+grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
 
 #: routes per grouped-GEMM step of the backward: its ``[rows, De]`` fp32 temporaries hold 84 MB each at De 1280
 BACKWARD_ROWS = 16384

@@ -81,16 +81,16 @@ def test_grouped_backend_upcasts_one_heads_experts_at_a_time(monkeypatch) -> Non
     routes = global_sort_routes(probs, idx, num_experts)
     quantized = [quantize_fp8(w) for w in weights]
     upcast_rows = []
-    original = experts._head_bank
+    original = experts.dequantize_bank
 
     def recording(weight, scale, out=None):
         upcast_rows.append(weight.shape[0])
-        return original(weight, scale, out)
+        return original(weight, scale, out=out)
 
-    monkeypatch.setattr(experts, "_head_bank", recording)
+    monkeypatch.setattr(experts, "dequantize_bank", recording)
     got = _experts("torch_grouped", x, routes, [q for q, _ in quantized], [s for _, s in quantized])
     assert upcast_rows == [num_experts] * (3 * num_heads)
-    monkeypatch.setattr(experts, "_head_bank", original)
+    monkeypatch.setattr(experts, "dequantize_bank", original)
     torch.testing.assert_close(got, _experts("torch", x, routes, [q for q, _ in quantized], [s for _, s in quantized]))
 
 
