@@ -11,7 +11,10 @@ import weakref
 import pytest
 import torch
 from helpers.memory_plan import (
+    GB,
+    H100_BYTES,
     check_plan_resolution,
+    plan_lora_training_step,
     plan_preview_step,
     preview_token_counts,
     trace_lora_training_step,
@@ -299,3 +302,14 @@ def test_forward_chunking_through_the_model_forward_gives_the_unchunked_output()
         whole = model(video, timestep, text, audio)
     torch.testing.assert_close(chunked.sample, whole.sample, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chunked.audio_sample, whole.audio_sample, rtol=1e-5, atol=1e-5)
+
+
+def test_the_80gb_recipe_keeps_its_previews_and_lora_step_within_76_gb():
+    """The README's one-80-GB-GPU recipe at the released size (int4 experts, FP8-stored dense weights, the default
+    forward chunks; the LoRA step with its block inputs in host memory): the tightest rows of
+    ``bench_memory --gpu_gb 80`` each peak within 76 GB, so a change that makes them grow past it fails here."""
+    recipe = {"storage_dtype": torch.float8_e4m3fn, "capacity": H100_BYTES, "margin": 4 * GB}
+    rows = [plan_preview_step(resolution, "int4", **recipe) for resolution in ("272p", "540p")]
+    rows.append(plan_lora_training_step("272p", "int4", offload_block_inputs=True, **recipe))
+    for row in rows:
+        assert row.weights < 62 * GB and row.total <= 76 * GB, (row.stage, row.total / GB)
