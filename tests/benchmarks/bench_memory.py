@@ -7,8 +7,9 @@ and per rank under CP8 x EP4 x 2 (80 GB GPUs, each stage's model alone on the de
 for the dense weights), every stage with 4 GB spare (<= 76 GB), the LoRA training step at 272p, and the host RAM
 the offloaded components take.
 
-Traced without the memory (``tests/helpers/memory_plan.py``: the model code on fake tensors, GPU attention and the
-fused MoE kernel modelled by their allocations); the method is checked against a CPU run's allocator peak in
+Traced without the memory (``tests/helpers/memory_plan.py``, ``memory_plan_training.py`` and
+``memory_plan_codecs.py``: the model code on fake tensors, GPU attention and the fused MoE kernel modelled by their
+allocations, ``memory_trace.py``); the method is checked against a CPU run's allocator peak in
 ``tests/pipelines/test_memory_plan.py`` (within 10 %). Prints a markdown table (``--json``: one JSON line
 ``{"stages": [...], "host_ram_GB": ...}`` instead) and, with ``--out``, writes the rows as JSON. Exit status 1
 when a row of the 80 GB plan that must fit does not.
@@ -27,18 +28,15 @@ import time
 
 import torch
 
-from tests.helpers.memory_plan import (
-    GB,
-    H100_BYTES,
+from tests.helpers.memory_plan import GB, H100_BYTES, plan_preview_step, plan_refiner_step
+from tests.helpers.memory_plan_codecs import (
     plan_audio_decode,
     plan_image_encode,
-    plan_lora_training_step,
-    plan_preview_step,
-    plan_refiner_step,
     plan_text_encode,
     plan_video_decode,
     plan_wan_decode,
 )
+from tests.helpers.memory_plan_training import plan_lora_training_step
 
 
 FP8 = "float8_e4m3fn"

@@ -14,14 +14,13 @@ from helpers.memory_plan import (
     GB,
     H100_BYTES,
     check_plan_resolution,
-    plan_lora_training_step,
     plan_preview_step,
     preview_token_counts,
-    trace_lora_training_step,
     trace_preview_forward,
     trace_refiner_forward,
-    triton_expert_allocations,
 )
+from helpers.memory_plan_training import plan_lora_training_step, trace_lora_training_step
+from helpers.memory_trace import triton_expert_allocations
 from helpers.memory_tracking import LiveStorageTracker, cpu_allocator_peak
 from helpers.train_workers import load_train_script
 
