@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..moe.layer import Magi2MultiHeadMoE
+from ..parallel.distributed import first_message_of_ranks
 
 
 __all__ = ["check_router_inputs_finite", "clear_router_input_flags"]
@@ -100,15 +101,6 @@ def _non_finite_weight(model: nn.Module, layer: str) -> Optional[str]:
     return None
 
 
-def _same_on_every_rank(text: Optional[str], group) -> Optional[str]:
-    """The first non-``None`` of every rank's ``text`` (rank order); ``text`` itself without a group."""
-    if group is None:
-        return text
-    texts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(texts, text, group=group)
-    return next((t for t in texts if t is not None), None)
-
-
 def clear_router_input_flags(model: nn.Module) -> None:
     """Forget what the MoE routers of ``model`` recorded (on this rank; no collective). Call it on every rank before
     the forwards that :func:`check_router_inputs_finite` then checks, as the pipelines do before each denoising
@@ -150,7 +142,7 @@ def check_router_inputs_finite(model: nn.Module, step_index: Optional[int] = Non
         return
     clear_router_input_flags(model)
     names = [routers[i][0] for i in seen]
-    weight = _same_on_every_rank(_non_finite_weight(model, names[0]), group)
+    weight = first_message_of_ranks(_non_finite_weight(model, names[0]), group)
     step = "" if step_index is None else f" at step index {step_index}"
     layers = names[0] + (f" (then {len(names) - 1} more MoE layer(s))" if len(names) > 1 else "")
     cause = (

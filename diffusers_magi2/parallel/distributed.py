@@ -23,6 +23,7 @@ __all__ = [
     "all_gather_rows",
     "all_to_all",
     "first_failure_on_any_rank",
+    "first_message_of_ranks",
     "mesh_device_type",
     "needs_autograd",
     "resolve_mesh_group",
@@ -148,6 +149,14 @@ def first_failure_on_any_rank(message: Optional[str], group: Any, device: torch.
     dist.all_reduce(flag, group=group)
     if not int(flag.item()):
         return None
+    return first_message_of_ranks(message, group)
+
+
+def first_message_of_ranks(message: Optional[str], group: Any) -> Optional[str]:
+    """The first (rank order) non-``None`` ``message`` of the ranks of ``group`` (one ``all_gather_object``; every
+    rank calls it), ``message`` itself without a group."""
+    if group is None:
+        return message
     messages: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(messages, message, group=group)
-    return next(m for m in messages if m is not None)
+    return next((m for m in messages if m is not None), None)
