@@ -42,6 +42,7 @@ _PUBLIC_NAMES = {
     "Magi2MultiHeadMoEConfig": ".moe.layer",
     "Magi2Pipeline": ".pipelines.pipeline_magi2",
     "Magi2PipelineOutput": ".pipelines.pipeline_output",
+    "Magi2PromptEnhancer": ".pipelines.prompt_enhancement",
     "Magi2RefinerTransformer3DModel": ".models.transformer_magi2_refiner",
     "Magi2RefinerTransformerOutput": ".models.transformer_magi2_refiner",
     "Magi2Transformer3DModel": ".models.transformer_magi2",
