@@ -18,7 +18,7 @@ LoRA: ``--targets`` (default ``linear_qkv,linear_proj``; add ``router`` for the 
 for the shared experts) at ``--rank`` / ``--alpha``, also in the multimodal layers (our grouped LoRA layer). Frozen
 weights stay in the load dtype (``--dtype bfloat16``; ``--expert_dtype`` stores the routed experts of ``--model`` in
 any ``expert_dtype`` the model takes: ``float8_e4m3fn`` or ``int4``, read from a repo written so or quantized while
-reading); the LoRA parameters (``cast_training_params``) and the optimizer are fp32. Quantized experts are frozen,
+reading, at ``--expert_int4_group_size`` rows per scale); the LoRA parameters (``cast_training_params``) and the optimizer are fp32. Quantized experts are frozen,
 and the expert op's backward makes no gradient for them (only the input's and the router's). ``--storage_dtype
 float8_e4m3fn`` stores the frozen dense weights in FP8 between calls (the transformer's ``enable_layerwise_casting``,
 each layer cast to ``--dtype`` for its call; the fp32 islands, the routed experts and the LoRA keep their dtypes).
@@ -29,7 +29,9 @@ in host memory for its backward (``enable_gradient_checkpointing(offload_block_i
 The loop is diffusers' training-script form on ``accelerate.Accelerator``: ``accelerator.accumulate`` over
 ``--gradient_accumulation_steps`` micro-batches, ``accelerator.backward``, an LR schedule (``--lr_scheduler``,
 ``--lr_warmup_steps``: diffusers' ``get_scheduler``), ``save_state`` / ``load_state`` checkpoints. ``--max_steps``
-and ``--checkpoint_every`` count optimizer steps.
+and ``--checkpoint_every`` count optimizer steps. ``--seed`` seeds everything (``accelerate.utils.set_seed``: Python,
+NumPy and torch on every device, so the LoRA's initial factors too) and the noise generator, so two runs with the
+same flags write the same LoRA bit for bit.
 
 Parallelism over the launched ranks: Ulysses context parallelism over all of them and expert parallelism over
 ``--ep_degree`` (default: all); the all-to-all exchanges and the expert op carry gradients. Every rank trains on the
@@ -86,13 +88,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr_warmup_steps", type=int, default=0)
     p.add_argument("--checkpoint_every", type=int, default=250, help="optimizer steps")
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint-<step> folder")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds everything (accelerate's set_seed) and the noise")
     p.add_argument("--dtype", default=None, help="frozen weights' dtype (default bfloat16 on GPU, float32 on CPU)")
     p.add_argument(
         "--expert_dtype",
         default=None,
         help="routed-expert storage of --model: an expert_dtype the model takes "
         "(diffusers_magi2.moe.quantize.EXPERT_DTYPES: float8_e4m3fn, int4)",
+    )
+    p.add_argument(
+        "--expert_int4_group_size",
+        type=int,
+        default=None,
+        help="with --expert_dtype int4 on a bf16 repo: rows of each expert matrix's contraction dim per scale "
+        "(default 128; it must divide the expert widths)",
     )
     p.add_argument(
         "--storage_dtype",
@@ -146,7 +155,35 @@ def parse_args(argv=None) -> argparse.Namespace:
             parse_expert_dtype(args.expert_dtype)
         except ValueError as error:
             p.error(f"--expert_dtype: {error}")
+    if args.expert_int4_group_size is not None:
+        if args.expert_dtype != "int4":
+            p.error(f"--expert_int4_group_size applies to --expert_dtype int4; got --expert_dtype {args.expert_dtype}")
+        try:
+            check_int4_group_size(args.model, args.expert_int4_group_size)
+        except ValueError as error:
+            p.error(f"--expert_int4_group_size: {error}")
     return args
+
+
+def check_int4_group_size(model: str, group_size: int) -> None:
+    """Build ``model``'s transformer on the meta device with ``group_size`` (the model's own checks: a positive
+    int that divides the expert widths; the size an int4 repo was written with); ``ValueError`` otherwise. A Hub
+    id not yet in the cache is checked by ``from_pretrained`` instead."""
+    import torch
+
+    from diffusers_magi2 import Magi2Transformer3DModel
+
+    if group_size < 1:
+        raise ValueError(f"must be a positive int; got {group_size}")
+    try:
+        config = Magi2Transformer3DModel.load_config(model, subfolder="transformer", local_files_only=True)
+    except OSError:
+        return
+    written = config.get("expert_int4_group_size") if config.get("expert_dtype") == "int4" else None
+    if written is not None and written != group_size:
+        raise ValueError(f"{model} holds int4 experts written with expert_int4_group_size={written}; got {group_size}")
+    with torch.device("meta"):
+        Magi2Transformer3DModel.from_config(config, expert_dtype="int4", expert_int4_group_size=group_size)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -307,15 +344,15 @@ def load_pipeline(args):
 
         dtypes = {"default": dtype, "vae": torch.float32, "audio_vae": torch.float32}
         extra = {}
-        if (
-            args.expert_dtype
-        ):  # FP8 / int4 routed experts: the transformer is read on its own (quantized while reading)
+        if args.expert_dtype:  # FP8 / int4 routed experts: the transformer is read alone (quantized while reading)
+            group = args.expert_int4_group_size
             extra["transformer"] = Magi2Transformer3DModel.from_pretrained(
                 args.model,
                 subfolder="transformer",
                 torch_dtype=dtype,
                 expert_dtype=args.expert_dtype,
                 expert_parallel=expert_parallel,
+                **({} if group is None else {"expert_int4_group_size": group}),
             )
         pipe = Magi2Pipeline.from_pretrained(
             args.model,
@@ -583,6 +620,7 @@ def train(args):
     its micro-batches) and the pipeline with the trained adapter ``default``."""
     import torch
     from accelerate import Accelerator
+    from accelerate.utils import set_seed
     from diffusers.optimization import get_scheduler
     from tqdm.auto import tqdm
 
@@ -594,6 +632,7 @@ def train(args):
         for video in videos:
             read_video(video)
     resume = find_checkpoint(output_dir, args.resume) if args.resume else None
+    set_seed(args.seed)  # python, numpy and torch (every device): the LoRA's initial factors among them
     pipe, device = load_pipeline(args)
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 from diffusers.loaders.lora_base import LoraBaseMixin
 
+from ..utils.safetensors_io import sort_metadata
 from .lora_conversion_magi2 import (
     COMPONENTS,
     DEFAULT_WEIGHT_NAME,
@@ -160,7 +161,8 @@ class Magi2LoraLoaderMixin(LoraBaseMixin):
     ) -> None:
         """Write the LoRA layers of the transformer and/or the refiner to ``save_directory/weight_name``
         (``pytorch_lora_weights.safetensors``) in diffusers keys, with each adapter's config as metadata; the file
-        is written under a temporary name and renamed.
+        is written under a temporary name and renamed (safetensors: its metadata keys sorted, so the same LoRA
+        writes the same bytes).
 
         Args:
             transformer_lora_layers, refiner_lora_layers: ``peft.get_peft_model_state_dict(model, adapter_name=name)``
@@ -203,6 +205,8 @@ class Magi2LoraLoaderMixin(LoraBaseMixin):
                 "safe_serialization": safe_serialization,
             }
             cls._save_lora_weights(staging, layers, metadata, **options)
+            if safe_serialization and save_function is None:
+                sort_metadata(Path(staging, weight_name))
             os.replace(Path(staging, weight_name), Path(save_directory, weight_name))
         finally:
             shutil.rmtree(staging, ignore_errors=True)

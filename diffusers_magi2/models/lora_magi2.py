@@ -247,7 +247,11 @@ def plan_magi2_lora_targets(model: nn.Module, state_dict: dict, layout: Optional
             f"{what} has {len(unmatched)} keys that match no LoRA-able projection of "
             f"{type(model).__name__}, e.g. {sorted(unmatched)[:5]}; nothing was loaded"
         )
-    non_finite = sorted(k for k, v in state_dict.items() if v.is_floating_point() and not torch.isfinite(v).all())
+    non_finite = sorted(  # float8 factors (no isfinite kernel on CPU) are checked on an upcast copy
+        k
+        for k, v in state_dict.items()
+        if v.is_floating_point() and not torch.isfinite(v.float() if v.element_size() == 1 else v).all()
+    )
     if non_finite:
         raise ValueError(
             f"{what} holds NaN or inf values in {len(non_finite)} tensors of {type(model).__name__}, "

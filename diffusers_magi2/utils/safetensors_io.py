@@ -14,6 +14,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ __all__ = [
     "read_index",
     "read_rows",
     "read_safetensors_header",
+    "sort_metadata",
     "write_index",
 ]
 
@@ -345,6 +347,32 @@ def encode_header(
     text = json.dumps(obj, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text, rel
+
+
+def sort_metadata(path: str | os.PathLike) -> None:
+    """Rewrite ``path``'s header with its ``__metadata__`` keys sorted, so that two saves of the same tensors are the
+    same bytes (the safetensors writer orders them by hash, differently on every call).
+
+    Raises:
+        ValueError: as :func:`read_safetensors_header`; tensors not laid out back to back in the data section.
+    """
+    header = read_safetensors_header(path)
+    if len(header.metadata) < 2:
+        return
+    tensors = list(header.tensors.values())
+    prefix, rel = encode_header(tensors, dict(sorted(header.metadata.items())))
+    if any(rel[t.name] != t.data_offsets for t in tensors):
+        raise ValueError(f"{path}: tensors are not laid out back to back; not rewritten")
+    if len(prefix) == header.data_start:
+        with open(path, "r+b") as fh:
+            fh.write(prefix)
+        return
+    tmp = Path(f"{path}.sorted.tmp")
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        src.seek(header.data_start)
+        dst.write(prefix)
+        shutil.copyfileobj(src, dst)
+    os.replace(tmp, path)
 
 
 def plan_shards(

@@ -17,6 +17,7 @@ from diffusers_magi2.utils.safetensors_io import (
     parse_size,
     plan_shards,
     read_safetensors_header,
+    sort_metadata,
     write_index,
 )
 
@@ -200,3 +201,23 @@ def test_copy_bytes_is_byte_exact(tmp_path, kernel_copy):
     for lay in layouts:
         loaded.update(load_file(str(out_dir / lay.filename)))
     assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in tensors.items())
+
+
+def test_sort_metadata_makes_two_saves_of_the_same_tensors_the_same_bytes(tmp_path):
+    """safetensors writes the metadata keys in hash order (it differs between calls); after ``sort_metadata`` every
+    save is the same bytes, and the library reads back the same tensors and metadata (non-ASCII included: its
+    header is re-encoded to another length)."""
+    metadata = {f"key{i}": f"value {i}" for i in range(8)} | {"format": "pt"}
+    files = []
+    for i, extra in enumerate([{}] * 6 + [{"note": "\u00e9t\u00e9"}] * 2):
+        path = tmp_path / f"{i}.safetensors"
+        save_file(_tensors(), str(path), metadata=metadata | extra)
+        files.append(path.read_bytes())
+        sort_metadata(path)
+    assert len(set(files[:6])) > 1  # so the check below can fail
+    sorted_files = [(tmp_path / f"{i}.safetensors").read_bytes() for i in range(8)]
+    assert len(set(sorted_files[:6])) == 1 and len(set(sorted_files[6:])) == 1
+    for path in (tmp_path / "0.safetensors", tmp_path / "7.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            assert f.metadata() == metadata | ({"note": "\u00e9t\u00e9"} if path.stem == "7" else {})
+        assert all(torch.equal(load_file(str(path))[k], v) for k, v in _tensors().items())

@@ -426,6 +426,52 @@ def test_non_finite_factors_are_refused_by_the_pipeline_and_nothing_is_applied(p
     assert not has_tuner_layers(pipe.transformer) and not has_tuner_layers(pipe.refiner)
 
 
+def test_a_lora_stored_in_float8_loads_as_its_upcast_factors(pipe, clean, inputs, tmp_path):
+    """LoRA layers stored in float8 e4m3 (diffusers' ``apply_layerwise_casting`` on them) and saved so reload into
+    fp32 factors that give the outputs of the adapter with its factors rounded to float8 by hand, exactly; a NaN
+    among float8 factors is refused naming its key (the non-finite check upcasts: CPU has no float8
+    ``isfinite``)."""
+    from diffusers.hooks import apply_layerwise_casting
+
+    fp8 = torch.float8_e4m3fn
+    load_random(pipe, clean, "a", seed=140)
+    layers = {}
+    for name in ("transformer", "refiner"):
+        model = getattr(pipe, name)
+        with torch.no_grad():
+            for path, p in model.named_parameters():
+                if ".lora_" in path:
+                    p.copy_(p.to(fp8).float())
+    rounded = outputs(pipe, inputs)
+    for name in ("transformer", "refiner"):
+        model = getattr(pipe, name)
+        for path, module in model.named_modules():
+            if path.endswith((".lora_A.a", ".lora_B.a")):
+                apply_layerwise_casting(module, storage_dtype=fp8, compute_dtype=torch.float32)
+        layers[name] = get_peft_model_state_dict(model, adapter_name="a")
+    assert {v.dtype for state in layers.values() for v in state.values()} == {fp8}
+    pipe.save_lora_weights(
+        tmp_path,
+        transformer_lora_layers=layers["transformer"],
+        refiner_lora_layers=layers["refiner"],
+        transformer_lora_adapter_metadata=pipe.transformer.peft_config["a"].to_dict(),
+        refiner_lora_adapter_metadata=pipe.refiner.peft_config["a"].to_dict(),
+    )
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(tmp_path, adapter_name="b")
+    assert all(torch.equal(x, y) for x, y in zip(outputs(pipe, inputs).values(), rounded.values()))
+    assert differ(rounded, outputs(clean, inputs))
+    pipe.unload_lora_weights()
+
+    sd = load_file(str(tmp_path / "pytorch_lora_weights.safetensors"))
+    key = next(k for k in sorted(sd) if k.startswith("transformer.") and ".lora_B." in k)
+    sd[key] = sd[key].clone()
+    sd[key].view(torch.uint8)[0, 0] = 0x7F  # e4m3fn NaN
+    with pytest.raises(ValueError, match=rf"NaN or inf values .*'{key.removeprefix('transformer.')}"):
+        pipe.load_lora_weights(sd, adapter_name="bad")
+    assert not has_tuner_layers(pipe.transformer) and not has_tuner_layers(pipe.refiner)
+
+
 def _readme_lora_block() -> str:
     readme = (REPO_ROOT / "README.md").read_text()
     return readme.split("<!-- lora -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]

@@ -490,3 +490,59 @@ def test_fp8_storage_stores_the_dense_weights_in_fp8_and_gives_the_loss_of_fp8_r
     )
     assert len(losses) == 2 and np.isfinite(losses).all()
     assert {n for n, p in pipe.transformer.named_parameters() if p.dtype == fp8} == stored_names
+
+
+@pytest.fixture(scope="module")
+def tiny_repo(tmp_path_factory):
+    """The tiny default pipeline saved as a repo (bf16-style experts: quantized while reading)."""
+    folder = tmp_path_factory.mktemp("tiny_repo")
+    build_tiny_default_pipeline().save_pretrained(folder)
+    return folder
+
+
+def test_two_runs_with_the_same_flags_write_the_same_lora_bit_for_bit(tmp_path, tiny_repo):
+    """``--seed`` seeds everything (``accelerate.utils.set_seed``), the LoRA's initial factors included: two runs of
+    ``main`` on a ``--model`` repo with the same flags write byte-identical LoRA files (metadata too); another seed
+    writes another LoRA."""
+    data = synthetic_clip(tmp_path / "data")
+    files = []
+    for out, seed in (("a", "3"), ("b", "3"), ("c", "4")):
+        flags = argv(data, tmp_path / out, "--max_steps", "2", "--learning_rate", "1e-2", "--model", str(tiny_repo))
+        flags[flags.index("--seed") + 1] = seed
+        torch.manual_seed(len(files))  # what came before the run must not matter
+        assert script.main(flags) == 0
+        files.append((tmp_path / out / "pytorch_lora_weights.safetensors").read_bytes())
+    assert files[0] == files[1] and files[0] != files[2]
+
+
+def test_expert_int4_group_size_trains_over_int4_experts_of_a_small_model(tmp_path, tiny_repo):
+    """``--expert_dtype int4 --expert_int4_group_size 32`` on the tiny default's repo (whose 64-wide experts the
+    default group of 128 does not divide): every MoE layer holds int4 experts with one scale per 32 rows, and
+    ``main`` trains a LoRA over them."""
+    flags = argv(synthetic_clip(tmp_path / "data"), tmp_path / "out", "--max_steps", "1", "--model", str(tiny_repo))
+    flags += ["--expert_dtype", "int4", "--expert_int4_group_size", "32"]
+    losses, pipe = script.train(script.parse_args(flags))
+    config = pipe.transformer.config
+    assert (config.expert_dtype, config.expert_int4_group_size) == ("int4", 32)
+    state = pipe.transformer.state_dict()
+    down = {k: v.shape for k, v in state.items() if "W_down" in k and "scale" in k}  # [R, K / 32, N]
+    assert len(down) == len(config.moe_layers)
+    assert all(shape[1] * 32 == config.moe_expert_intermediate_size for shape in down.values())
+    assert len(losses) == 1 and np.isfinite(losses[0])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (("--expert_dtype", "int4", "--expert_int4_group_size", "24"), "does not divide"),
+        (("--expert_dtype", "int4", "--expert_int4_group_size", "0"), "must be a positive int"),
+        (("--expert_dtype", "float8_e4m3fn", "--expert_int4_group_size", "32"), "applies to --expert_dtype int4"),
+        (("--expert_int4_group_size", "32"), "applies to --expert_dtype int4"),
+    ],
+)
+def test_a_bad_expert_int4_group_size_is_refused_before_any_work(tmp_path, tiny_repo, capsys, extra, message):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit):
+        script.main(["--data_dir", str(tmp_path), "--output_dir", str(out), "--model", str(tiny_repo), *extra])
+    err = capsys.readouterr().err
+    assert "error: --expert_int4_group_size" in err and message in err and not out.exists()
