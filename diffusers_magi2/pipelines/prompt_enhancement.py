@@ -215,9 +215,6 @@ class Magi2PromptEnhancer(ConfigMixin):
         text = self.client.complete(fill_template(self.templates[task.name], prompt), image, task)
         return render_enhanced_prompt(parse_reply(text, task, self.client.source))
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.client!r})"
-
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
         """Writes ``prompt_enhancer_config.json``, ``t2v.md`` and ``i2v.md`` into ``save_directory`` (each file
         written to a temporary name, then renamed). The API key is not written.

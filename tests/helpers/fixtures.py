@@ -46,3 +46,8 @@ def golden(name: str):
     if path.suffix == ".json":
         return json.loads(path.read_text())
     raise ValueError(f"golden() loads .safetensors and .json files, not {name!r}; use golden_path() for it")
+
+
+def golden_text(name: str) -> str:
+    """The golden fixture ``name`` as text: its bytes decoded as strict UTF-8, line endings as stored."""
+    return golden_path(name).read_bytes().decode("utf-8")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from helpers.chat_completions_stub import ChatCompletionsStub
-from helpers.fixtures import golden_path
+from helpers.fixtures import golden_text
 
 import diffusers_magi2
 from diffusers_magi2.pipelines.prompt_enhancement import Magi2PromptEnhancer, render_enhanced_prompt
@@ -18,10 +18,10 @@ TEMPLATE = "Write the caption of: {user_input_text}{variation_seed}"
 
 
 def _case(name: str) -> tuple[str, str]:
-    root = "prompt_enhancement/" + name
-    return golden_path(f"{root}.input.json").read_text(encoding="utf-8"), golden_path(
-        f"{root}.render_markdown.md"
-    ).read_bytes().decode("utf-8")
+    """(the reply text, its rendered Markdown) of a fixture case."""
+    return golden_text(f"prompt_enhancement/{name}.input.json"), golden_text(
+        f"prompt_enhancement/{name}.render_markdown.md"
+    )
 
 
 def test_public_name_is_the_pipelines_class():
@@ -64,7 +64,7 @@ def test_a_loaded_enhancer_asks_with_the_saved_template_and_overrides(tmp_path):
     reply, markdown = _case("t2v_fox_snow")
     with ChatCompletionsStub(reply=reply) as server:
         Magi2PromptEnhancer.from_endpoint(
-            "http://127.0.0.1:9/v1", model="m", template=TEMPLATE, max_retries=0
+            "http://127.0.0.1:9/v1", model="m", template=TEMPLATE, timeout=0.9, max_retries=0
         ).save_pretrained(tmp_path / "repo" / "prompt_enhancer")
         loaded = Magi2PromptEnhancer.from_pretrained(
             tmp_path / "repo", subfolder="prompt_enhancer", base_url=server.base_url

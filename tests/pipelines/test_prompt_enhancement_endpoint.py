@@ -10,7 +10,7 @@ import socket
 
 import pytest
 from helpers.chat_completions_stub import ChatCompletionsStub
-from helpers.fixtures import golden, golden_path
+from helpers.fixtures import golden, golden_text
 from PIL import Image
 
 from diffusers_magi2.pipelines.prompt_enhancement import Magi2PromptEnhancer
@@ -23,14 +23,13 @@ PROMPT = "A red fox trots through fresh snow {variation_seed}"
 
 def _case(name: str) -> tuple[str, str]:
     """(the reply text, its rendered Markdown) of a fixture case."""
-    root = "prompt_enhancement/" + name
-    return golden_path(f"{root}.input.json").read_text(encoding="utf-8"), golden_path(
-        f"{root}.render_markdown.md"
-    ).read_bytes().decode("utf-8")
+    return golden_text(f"prompt_enhancement/{name}.input.json"), golden_text(
+        f"prompt_enhancement/{name}.render_markdown.md"
+    )
 
 
 def _enhancer(server: ChatCompletionsStub, **kwargs) -> Magi2PromptEnhancer:
-    kwargs = {"model": "stub-model", "api_key": "sk-test", "template": TEMPLATE, "timeout": 5.0, **kwargs}
+    kwargs = {"model": "stub-model", "api_key": "sk-test", "template": TEMPLATE, "timeout": 0.9, **kwargs}
     return Magi2PromptEnhancer.from_endpoint(server.base_url, max_retries=0, **kwargs)
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers.fixtures import golden_path
+from helpers.fixtures import golden_path, golden_text
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -34,10 +34,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 IMAGE_SIDE, PATCH = 28, 14  # one 2x2 grid of patches: 4 image tokens
-
-
-def _fixture(name: str) -> str:
-    return golden_path(f"prompt_enhancement/{name}").read_bytes().decode("utf-8")
 
 
 class ForceReply(LogitsProcessor):
@@ -147,19 +143,21 @@ def _forcing(tokenizer, reply: str) -> ForceReply:
 
 
 def test_text_to_video_with_a_causal_lm_and_its_chat_template(causal_lm, tokenizer):
-    force = _forcing(tokenizer, _fixture("t2v_chinese_teahouse.input.json"))
+    force = _forcing(tokenizer, golden_text("prompt_enhancement/t2v_chinese_teahouse.input.json"))
     enhancer = Magi2PromptEnhancer.from_local_model(
         causal_lm, tokenizer, template=TEMPLATE, generate_kwargs={"logits_processor": LogitsProcessorList([force])}
     )
     rng_before = torch.get_rng_state()
-    assert enhancer("茶馆里的老人 {variation_seed}") == _fixture("t2v_chinese_teahouse.render_markdown.md")
+    assert enhancer("茶馆里的老人 {variation_seed}") == golden_text(
+        "prompt_enhancement/t2v_chinese_teahouse.render_markdown.md"
+    )
     assert torch.equal(torch.get_rng_state(), rng_before)  # seeded in a fork: the caller's generator is untouched
     prompt = tokenizer.decode(force.prompt_ids)
     assert prompt == "<|im_start|>user\nCaption: 茶馆里的老人 <|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_image_to_video_with_an_image_text_model_loaded_from_its_folder(image_text_folder, tokenizer):
-    force = _forcing(tokenizer, _fixture("i2v_cooking.input.json"))
+    force = _forcing(tokenizer, golden_text("prompt_enhancement/i2v_cooking.input.json"))
     enhancer = Magi2PromptEnhancer.from_local_model(
         str(image_text_folder), template=TEMPLATE, generate_kwargs={"logits_processor": LogitsProcessorList([force])}
     )
@@ -171,7 +169,7 @@ def test_image_to_video_with_an_image_text_model_loaded_from_its_folder(image_te
     model.model.vision_tower.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(args[0] if args else kwargs["pixel_values"]), with_kwargs=True
     )
-    assert enhancer("cook an egg", image=image) == _fixture("i2v_cooking.render_markdown.md")
+    assert enhancer("cook an egg", image=image) == golden_text("prompt_enhancement/i2v_cooking.render_markdown.md")
     expected_pixels = processor.image_processor(images=image, return_tensors="pt")["pixel_values"]
     (pixels,) = seen  # the image reached the vision tower once, as the processor prepares it
     torch.testing.assert_close(pixels, expected_pixels, rtol=0, atol=0)
@@ -183,11 +181,11 @@ def test_image_to_video_with_an_image_text_model_loaded_from_its_folder(image_te
 def test_a_text_model_loaded_from_its_folder_enhances_text_and_refuses_an_image(causal_lm, tokenizer, tmp_path):
     causal_lm.save_pretrained(tmp_path / "lm")
     tokenizer.save_pretrained(tmp_path / "lm")
-    force = _forcing(tokenizer, _fixture("t2v_cooking_multiline.input.json"))
+    force = _forcing(tokenizer, golden_text("prompt_enhancement/t2v_cooking_multiline.input.json"))
     enhancer = Magi2PromptEnhancer.from_local_model(
         tmp_path / "lm", template=TEMPLATE, generate_kwargs={"logits_processor": LogitsProcessorList([force])}
     )
-    assert enhancer("an omelette") == _fixture("t2v_cooking_multiline.render_markdown.md")
+    assert enhancer("an omelette") == golden_text("prompt_enhancement/t2v_cooking_multiline.render_markdown.md")
     assert type(enhancer.client.model).__name__ == "Qwen2ForCausalLM"
     with pytest.raises(
         ValueError, match=rf"local model {tmp_path / 'lm'} reads text only .*AutoModelForImageTextToText"

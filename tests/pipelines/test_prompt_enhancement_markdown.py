@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.fixtures import golden, golden_path
+from helpers.fixtures import golden, golden_path, golden_text
 
 from diffusers_magi2.pipelines.prompt_enhancement import render_enhanced_prompt
 from diffusers_magi2.pipelines.text_encoding import add_figure_reference, normalize_prompt
@@ -15,12 +15,8 @@ from diffusers_magi2.pipelines.text_encoding import add_figure_reference, normal
 CASES = golden("prompt_enhancement/manifest.json")["cases"]
 
 
-def _text(name: str) -> str:
-    return golden_path(f"prompt_enhancement/{name}").read_bytes().decode("utf-8")
-
-
 def _reply(case: str):
-    return json.loads(_text(f"{case}.input.json"))
+    return json.loads(golden_text(f"prompt_enhancement/{case}.input.json"))
 
 
 @pytest.mark.parametrize("case", [case["name"] for case in CASES])
@@ -34,7 +30,7 @@ def test_every_public_case_renders_byte_for_byte(case):
 @pytest.mark.parametrize("case", [case["name"] for case in CASES if case["task"] == "i2v"])
 def test_image_to_video_cases_with_the_figure_reference_byte_for_byte(case):
     with_figure = add_figure_reference(render_enhanced_prompt(_reply(case)))
-    assert with_figure == _text(f"{case}.with_figure_reference.txt")
+    assert with_figure == golden_text(f"prompt_enhancement/{case}.with_figure_reference.txt")
     assert with_figure.endswith("\nreference_layer:The first frame refers to <Figure 1>")
 
 
