@@ -5,10 +5,18 @@ optional 2x upsampler: ``upsample3d`` doubles the frames with a (3, 1, 1) time c
 nearest-exact + 3x3 conv) -> head (unpatchify, or per-frame conv + ``pixel_shuffle(2)``). ``decode``
 de-normalises with the config's Wan2.2 tables and decodes in temporal windows that overlap by one latent
 frame: ``T`` latent frames give ``1 + 4 (T - 1)`` frames at 16x the latent size.
+
+Spatial tiling (``enable_tiling``, not in the reference): every op of the decoder is spatially local (convolutions,
+per-position RMS norms, nearest-exact upsampling), so a decoded pixel depends only on latents within the decoder's
+receptive radius ``r`` (in latent pixels; :meth:`Magi2TurboVAEDecoder.spatial_receptive_radius`). A tile of latents
+``[a, b)`` decoded with ``ceil(r)`` extra latents on each side (cut at the frame's edge) therefore gives exactly the
+pixels of ``[16 a, 16 b)`` that a whole-frame decode gives; the tiles are joined without blending. Peak activation
+memory scales with the tile's area plus its halo instead of the frame's.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
@@ -16,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
-from diffusers.models.autoencoders.vae import DecoderOutput
+from diffusers.models.autoencoders.vae import AutoencoderMixin, DecoderOutput
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils.accelerate_utils import apply_forward_hook
 
@@ -339,7 +347,22 @@ class _WindowPlan:
     trim_right: int
 
 
-class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
+def _spatial_receptive_radius(decoder: nn.Module) -> float:
+    """Receptive radius of ``decoder``'s spatial ops in latent pixels, walking its modules in execution order."""
+    radius, scale, counted = 0.0, 1.0, set()
+    for module in decoder.modules():
+        if isinstance(module, _NearestExactUpsample2x):
+            scale *= 2.0
+        elif isinstance(module, _PixelShuffleUpsampler):  # its conv at this scale, then pixel_shuffle doubles it
+            radius += (max(module.conv.kernel_size) // 2) / scale
+            counted.add(module.conv)
+            scale *= 2.0
+        elif isinstance(module, (nn.Conv2d, nn.Conv3d)) and module not in counted:
+            radius += (max(module.kernel_size[-2:]) // 2) / scale
+    return radius
+
+
+class Magi2TurboVAEDecoder(AutoencoderMixin, ModelMixin, ConfigMixin):
     r"""TurboVAE decoder of MAGI-2 (the pipeline's default ``video_decoder``); decode-only.
 
     Config arguments (the SandAI JSON's names):
@@ -432,6 +455,59 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
             patch_size=patch_size,
             use_unpatchify=use_unpatchify,
         )
+        self.use_tiling = False
+        self.tile_sample_min_height = 512
+        self.tile_sample_min_width = 512
+
+    def spatial_receptive_radius(self) -> float:
+        """Latent pixels on each side that one decoded pixel depends on (the tiling halo, rounded up)."""
+        return _spatial_receptive_radius(self.decoder)
+
+    def enable_tiling(self, tile_sample_min_height: Optional[int] = None, tile_sample_min_width: Optional[int] = None):
+        r"""Decode each temporal window in spatial tiles (diffusers' ``enable_tiling``); the result equals the
+        untiled decode up to floating-point summation order (see the module docstring).
+
+        Args:
+            tile_sample_min_height (`int`, *optional*, 512), tile_sample_min_width (`int`, *optional*, 512): pixel
+                size of the part each tile keeps; a multiple of ``spatial_compression_ratio``. Each tile is decoded
+                with ``ceil(spatial_receptive_radius())`` extra latent pixels on every side inside the frame.
+
+        Raises:
+            ValueError: a tile size that is not a positive multiple of ``spatial_compression_ratio``.
+        """
+        ratio = self.config.spatial_compression_ratio
+        height = self.tile_sample_min_height if tile_sample_min_height is None else tile_sample_min_height
+        width = self.tile_sample_min_width if tile_sample_min_width is None else tile_sample_min_width
+        for name, value in (("tile_sample_min_height", height), ("tile_sample_min_width", width)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < ratio or value % ratio:
+                raise ValueError(f"{name} must be a positive multiple of {ratio} pixels, got {value!r}")
+        self.use_tiling = True
+        self.tile_sample_min_height, self.tile_sample_min_width = height, width
+
+    def _decode_tiled(self, latents: torch.Tensor, is_first_chunk: bool) -> torch.Tensor:
+        """One temporal window decoded tile by tile with a halo, each tile's core written into the output."""
+        ratio = self.config.spatial_compression_ratio
+        tile_h, tile_w = self.tile_sample_min_height // ratio, self.tile_sample_min_width // ratio
+        height, width = latents.shape[-2:]
+        if height <= tile_h and width <= tile_w:
+            return self.decoder(latents, is_first_chunk=is_first_chunk)
+        halo = math.ceil(self.spatial_receptive_radius())
+        video = None
+        for top in range(0, height, tile_h):
+            for left in range(0, width, tile_w):
+                bottom, right = min(top + tile_h, height), min(left + tile_w, width)
+                y0, x0 = max(top - halo, 0), max(left - halo, 0)
+                tile = self.decoder(
+                    latents[..., y0 : min(bottom + halo, height), x0 : min(right + halo, width)],
+                    is_first_chunk=is_first_chunk,
+                )
+                if video is None:
+                    video = tile.new_empty(*tile.shape[:3], height * ratio, width * ratio)
+                core = tile[
+                    ..., (top - y0) * ratio : (bottom - y0) * ratio, (left - x0) * ratio : (right - x0) * ratio
+                ]
+                video[..., top * ratio : bottom * ratio, left * ratio : right * ratio] = core
+        return video
 
     def denormalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """``latents / (1 / std) + mean`` with fp32 tables, in ``latents.dtype`` (SandAI ``_sliding_window_decode``)."""
@@ -473,7 +549,11 @@ class Magi2TurboVAEDecoder(ModelMixin, ConfigMixin):
             z = torch.cat([z, z[:, :, -1:].expand(-1, -1, padding, -1, -1)], dim=2)
         chunks = []
         for window in windows:
-            out = self.decoder(z[:, :, window.start : window.stop], is_first_chunk=window.is_first_chunk)
+            window_latents = z[:, :, window.start : window.stop]
+            if self.use_tiling:
+                out = self._decode_tiled(window_latents, window.is_first_chunk)
+            else:
+                out = self.decoder(window_latents, is_first_chunk=window.is_first_chunk)
             out = out[:, :, window.trim_left : out.shape[2] - window.trim_right]
             chunks.append(out if output_device is None else out.to(output_device))
         video = torch.cat(chunks, dim=2)

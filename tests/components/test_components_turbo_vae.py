@@ -7,6 +7,7 @@ Golden data: ``magi2_tiny_components/turbo_vae/`` and ``turbo_vae/dwconv_nounpat
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -193,3 +194,62 @@ def test_bad_inputs(turbo_root, tmp_path, decoder):
     with pytest.raises(ValueError, match="conv_out.conv.bias"):
         convert_turbo_vae(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def _influence_radius(decoder, height=23):
+    """Latent pixels over which one latent pixel changes the decode, measured along the height (the kernels are
+    square) of a one-latent-wide frame: a perturbation's reach."""
+    torch.manual_seed(0)
+    z = torch.randn(1, decoder.config.latent_channels, 1, height, 1)
+    bumped = z.clone()
+    centre = height // 2
+    bumped[:, :, :, centre] += 1.0
+    changed = (decoder.decode(bumped).sample - decoder.decode(z).sample).abs().amax(dim=(0, 1, 2, 4)) > 0
+    rows = changed.nonzero().flatten()
+    ratio = decoder.config.spatial_compression_ratio
+    reach = max(centre * ratio - rows.min().item(), rows.max().item() + 1 - (centre + 1) * ratio)
+    assert rows.min() > 0 and rows.max() < height * ratio - 1, "the frame is too small to measure the reach"
+    return reach / ratio
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant", ["main", "dw"])
+def test_receptive_radius_bounds_the_measured_reach(converted, variant):
+    dec = Magi2TurboVAEDecoder.from_pretrained(converted / variant).eval()
+    measured = _influence_radius(dec)
+    # the walk counts every conv's half-kernel at its scale; a perturbation reaches that far (random weights touch
+    # every tap), never further
+    assert measured == pytest.approx(dec.spatial_receptive_radius(), abs=1 / 16)
+    assert 0 < measured <= math.ceil(dec.spatial_receptive_radius())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant", ["main", "dw"])
+def test_tiled_decode_equals_whole_frame_decode(converted, cases, variant):
+    dec = Magi2TurboVAEDecoder.from_pretrained(converted / variant).eval()
+    halo = math.ceil(dec.spatial_receptive_radius())
+    torch.manual_seed(1)
+    # 36 latent rows in tiles of 8 (the last one short): the inner tiles' halos end inside the frame; 2 columns in
+    # tiles of 1
+    latents = torch.randn(1, dec.config.latent_channels, 2, 36, 2)
+    assert 8 + 2 * halo < 36
+    whole = dec.decode(latents).sample
+    dec.enable_tiling(tile_sample_min_height=128, tile_sample_min_width=16)
+    try:
+        tiled = dec.decode(latents).sample
+        dec.spatial_receptive_radius = lambda: 0.0  # control: tiles without their halo see zero padding
+        seams = dec.decode(latents).sample
+    finally:
+        del dec.spatial_receptive_radius
+        dec.disable_tiling()
+    assert tiled.shape == whole.shape
+    # fp32 summation order only (convolutions of other sizes); a missing halo errs 100x more
+    assert _rel_l2(tiled, whole) <= 1e-5
+    assert _rel_l2(seams, whole) > 1e-3
+
+
+def test_tiling_refuses_sizes_off_the_latent_grid(decoder):
+    for bad in (24, 0, 16.0, True):
+        with pytest.raises(ValueError, match="tile_sample_min_height must be a positive multiple of 16"):
+            decoder.enable_tiling(tile_sample_min_height=bad)
+    assert not decoder.use_tiling

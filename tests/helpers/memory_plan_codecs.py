@@ -35,10 +35,16 @@ def _clip_frames(resolution: str) -> int:
 
 
 def plan_video_decode(
-    resolution: str, *, capacity: int = H200_BYTES, margin: int = SPARE_BYTES, dtype=torch.bfloat16
+    resolution: str,
+    *,
+    tiled: bool = False,
+    capacity: int = H200_BYTES,
+    margin: int = SPARE_BYTES,
+    dtype=torch.bfloat16,
 ) -> Magi2StageMemory:
     """Peak device memory of the TurboVAE decode of one clip (540p: 32 latents -> 125 frames; 1080p: the refined
-    63 latents -> 249 frames), the decoded frames kept on the device as ``decode_video_latents`` returns them.
+    63 latents -> 249 frames), the decoded frames kept on the device as ``decode_video_latents`` returns them;
+    ``tiled``: with the decoder's ``enable_tiling()`` (its default 512-pixel tiles).
 
     Raises:
         ValueError: an unknown resolution.
@@ -51,13 +57,17 @@ def plan_video_decode(
 
     def build():
         with default_dtype(dtype):  # (a module move cannot swap fake parameters)
-            return Magi2TurboVAEDecoder()
+            decoder = Magi2TurboVAEDecoder()
+        if tiled:
+            decoder.enable_tiling()
+        return decoder
 
     def call(decoder):
         latents = torch.empty(1, decoder.config.latent_channels, frames, height // 16, width // 16, dtype=dtype)
         return decode_video_latents(decoder, None, latents)
 
     notes = [f"{4 * (frames - 1) + 1} frames; the class's default widths (SandAI's TurboVAE JSON is not public)"]
+    notes[0] += ", tiled (enable_tiling)" if tiled else ""
     trace = trace_call(build, call)
     return stage_row(f"TurboVAE decode {resolution}", f"turbovae_decode_{resolution}", trace, capacity, margin, notes)
 

@@ -60,3 +60,15 @@ def test_audio_decode_and_resample(components):
     assert audio.shape == (1, 2, 8820) and audio.dtype == np.float32
     np.testing.assert_allclose(audio[0].T, audio_cases["decode.resampled"].numpy(), atol=1e-5, rtol=1e-5)
     assert pipe.audio_sample_rate == 44_100 and pipe.num_channels_audio_latents == 64
+
+
+def test_turbo_video_decode_tiled_still_matches_the_reference(components):
+    pipe, video_cases, _ = components
+    latents = video_cases["latent.A"]
+    assert latents.shape[-1] > 1  # several one-latent tiles across the width
+    pipe.video_decoder.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16)
+    try:
+        decoded = pipe.decode_video(latents)
+    finally:
+        pipe.video_decoder.disable_tiling()
+    torch.testing.assert_close(decoded, video_cases["fp32.A.decoded"], atol=1e-5, rtol=1e-5)
