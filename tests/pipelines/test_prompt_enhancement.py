@@ -98,3 +98,19 @@ def test_bad_kind_bad_prompt_and_unknown_arguments_are_refused(tmp_path):
     enhancer.save_pretrained(tmp_path)
     with pytest.raises(TypeError, match="unknown"):
         Magi2PromptEnhancer.from_pretrained(tmp_path, unknown=1)
+
+
+def test_a_hub_id_downloads_only_the_enhancer_subfolder(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    Magi2PromptEnhancer.from_endpoint("http://127.0.0.1:9/v1", model="m").save_pretrained(tmp_path / "prompt_enhancer")
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns):
+        asked.append((repo_id, allow_patterns))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    loaded = Magi2PromptEnhancer.from_pretrained("org/magi2-repo", subfolder="prompt_enhancer")
+    assert asked == [("org/magi2-repo", ["prompt_enhancer/*"])]
+    assert loaded.client.model == "m"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import socket
+import sys
 
 import pytest
 from helpers.chat_completions_stub import ChatCompletionsStub
@@ -150,3 +151,9 @@ def test_bad_endpoint_arguments_are_refused_when_built():
         Magi2PromptEnhancer.from_endpoint("http://127.0.0.1:9/v1", model="m", timeout=0)
     with pytest.raises(ValueError, match="max_retries"):
         Magi2PromptEnhancer.from_endpoint("http://127.0.0.1:9/v1", model="m", max_retries=-1)
+
+
+def test_without_the_openai_package_building_says_which_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "openai", None)  # what `import openai` meets where it is not installed
+    with pytest.raises(ImportError, match=r"pip install 'diffusers-magi2\[enhance\]'"):
+        Magi2PromptEnhancer.from_endpoint("http://127.0.0.1:9/v1", model="m")
