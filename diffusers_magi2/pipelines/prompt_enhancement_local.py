@@ -18,17 +18,22 @@ from typing import Any
 import torch
 
 
-__all__ = ["LocalModelClient"]
+__all__ = ["LocalModelClient", "pil_image"]
 
 
-def _pil_image(image: Any):
-    """A PIL image for the processor: as given, opened from a path, or decoded from a data URL."""
+def pil_image(image: Any):
+    """The image as an RGB PIL image for the processor: given, opened from a path, decoded from a data URL, or
+    fetched from an http(s) URL (``diffusers.utils.load_image``).
+
+    Raises:
+        ValueError: A path that is not a file. TypeError: Another type.
+    """
     from PIL import Image
 
     if isinstance(image, Image.Image):
-        return image
+        return image.convert("RGB")
     if isinstance(image, str) and image.startswith("data:"):
-        return Image.open(io.BytesIO(base64.b64decode(image.split(",", 1)[1])))
+        return Image.open(io.BytesIO(base64.b64decode(image.split(",", 1)[1]))).convert("RGB")
     if isinstance(image, str) and image.startswith(("http://", "https://")):
         from diffusers.utils import load_image
 
@@ -36,7 +41,8 @@ def _pil_image(image: Any):
     if isinstance(image, (str, os.PathLike)):
         if not os.path.isfile(image):
             raise ValueError(f"The image to enhance the prompt with, {str(image)!r}, is not a file.")
-        return Image.open(image)
+        with Image.open(image) as opened:
+            return opened.convert("RGB")
     raise TypeError(
         "The image to enhance the prompt with is a PIL image, a local path, or an http(s)/data URL; got "
         f"{type(image).__name__}."
@@ -141,7 +147,7 @@ class LocalModelClient:
         if _is_processor(reader):
             content = [{"type": "text", "text": text}]
             if image is not None:
-                content.append({"type": "image", "image": _pil_image(image)})
+                content.append({"type": "image", "image": pil_image(image)})
         else:
             content = text
         inputs = reader.apply_chat_template(

@@ -25,6 +25,8 @@ from transformers import (
 )
 
 from diffusers_magi2.pipelines.prompt_enhancement import Magi2PromptEnhancer
+from diffusers_magi2.pipelines.prompt_enhancement_local import pil_image
+from diffusers_magi2.pipelines.prompt_enhancement_tasks import image_url
 
 
 TEMPLATE = "Caption: {user_input_text}{variation_seed}"
@@ -243,3 +245,17 @@ def test_bad_local_arguments_are_refused_when_built(causal_lm, tokenizer):
     without_path = Magi2PromptEnhancer.from_local_model(causal_lm)
     with pytest.raises(ValueError, match="without its tokenizer or processor"):
         without_path("a fox")
+
+
+def test_images_reach_the_processor_as_rgb_from_every_form_the_endpoint_takes(tmp_path):
+    image = Image.new("RGBA", (6, 4), (10, 200, 30, 90))
+    image.save(tmp_path / "frame.png")
+    rgb = image.convert("RGB").tobytes()
+    assert pil_image(image).tobytes() == rgb
+    assert pil_image(tmp_path / "frame.png").tobytes() == rgb
+    assert pil_image(image_url(tmp_path / "frame.png")).tobytes() == rgb  # a data URL of the PNG's bytes
+    assert pil_image(str(tmp_path / "frame.png")).mode == "RGB"
+    with pytest.raises(ValueError, match="is not a file"):
+        pil_image(tmp_path / "missing.png")
+    with pytest.raises(TypeError, match="PIL image, a local path"):
+        pil_image(b"bytes")
