@@ -140,9 +140,15 @@ def _moe_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _local_twin(moe: Magi2MultiHeadMoE, ep: Magi2ExpertParallelGroup) -> Magi2MultiHeadMoE:
-    """A MoE layer like ``moe`` holding only this rank's heads, its tensors on meta."""
+    """A MoE layer like ``moe`` holding only this rank's heads, its tensors on meta, with the exchange ``moe``'s
+    gives for the new layout (a context-parallel layer stays context parallel).
+
+    Raises:
+        ValueError: the EP group does not fit ``moe``'s exchange (e.g. EP ranks that do not tile the CP ranks).
+    """
     with moe_tensors_on_meta():
         local = type(moe)(moe.config, ep_group=ep.group, ep_rank=ep.rank, ep_size=ep.size)
+    local.exchange = moe.exchange.for_expert_parallel(local.ep_layout, ep.group)
     local.train(moe.training)
     local._backend, local._deterministic = moe._backend, moe._deterministic
     return local
@@ -201,18 +207,14 @@ def _public_config(model: nn.Module) -> dict:
 def apply_expert_parallel(model: nn.Module, config: Magi2ExpertParallelConfig) -> nn.Module:
     """Shard an in-memory model's routed experts over the EP group; returns ``model``.
 
-    Every ``Magi2MultiHeadMoE`` becomes a twin holding this rank's heads (zero rows for padded ones); all ranks
-    call it with the same config (one ``all_gather_object`` checks).
+    Every ``Magi2MultiHeadMoE`` becomes a twin holding this rank's heads (zero rows for padded ones) and the
+    exchange of its layer's setting (:func:`_local_twin`: before or after ``enable_parallelism``); all ranks call it
+    with the same config (one ``all_gather_object`` checks).
 
     Raises:
-        ValueError: EP set-up errors, ranks disagreeing on the config, no MoE layer, already sharded, or context
-            parallelism already enabled (enable EP first).
+        ValueError: EP set-up errors, ranks disagreeing on the config, no MoE layer, already sharded, or EP groups
+            that do not tile the context-parallel ranks (raised at the first layer, before any is cut).
     """
-    if getattr(model, "context_parallel_degree", 1) > 1:
-        raise ValueError(
-            "enable expert parallelism before enable_parallelism: the context-parallel exchanges are installed on "
-            "the MoE layers that expert parallelism replaces"
-        )
     ep = resolve_expert_parallel(config)
     moes = _moe_modules(model)
     if not moes:

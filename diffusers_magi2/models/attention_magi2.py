@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from diffusers.models.attention import AttentionModuleMixin
 
-from ..parallel.context_parallel import Magi2LocalAttention
+from ..parallel.exchanges import Magi2AttentionShard, Magi2LocalAttentionExchange
 from ..utils.backends import check_backend, resolve_backend
 from ..utils.elementwise import sigmoid
 from .attention_sinks_magi2 import SINK_ATTENTION_PATHS, magi2_attention_with_sinks, sink_attention_path
@@ -112,6 +112,12 @@ class _Magi2AttnProcessorBase:
         under context parallelism (``None``: all)."""
         raise NotImplementedError
 
+    def _attend_shard(self, attn, shard: Magi2AttentionShard, attention_mask: Magi2AttentionMask) -> torch.Tensor:
+        """:meth:`attend` over the shard's heads; a shard of no query head attends to nothing (``[N, 0, D]``)."""
+        if shard.query.shape[1] == 0:
+            return shard.query
+        return self.attend(attn, shard.query, shard.key, shard.value, attention_mask, shard.heads)
+
     def __call__(self, attn: "Magi2Attention", hidden_states: torch.Tensor, context: Magi2ForwardContext):
         dispatch, mask = context.dispatch, context.attention_mask
         gs = dispatch.group_sizes if attn.num_modality > 1 else None
@@ -127,14 +133,9 @@ class _Magi2AttnProcessorBase:
         v = dispatch.unsort(v)
         q = apply_magi2_rotary_emb(q, context.rotary_emb).to(dtype)
         k = apply_magi2_rotary_emb(k, context.rotary_emb).to(dtype)
-        # the installed exchange brings the tokens this rank attends over (one process: all of them, here)
-        out = attn.exchange(
-            q,
-            k,
-            v.to(dtype),
-            lambda q_, k_, v_, heads: self.attend(attn, q_, k_, v_, mask, heads),
-            context.shard_plan,
-        )
+        # the installed exchange brings the tokens and heads this rank attends over (one process: all, here)
+        shard, handle = attn.exchange.dispatch(q, k, v.to(dtype), context.shard_plan)
+        out = attn.exchange.combine(self._attend_shard(attn, shard, mask), handle)
         out = dispatch.sort(out.to(dtype))
         if attn.linear_g is not None:
             g = attn.linear_g(u, gs)
@@ -308,9 +309,9 @@ class Magi2Attention(nn.Module, AttentionModuleMixin):
         self.q_norm = Magi2MultiModalityRMSNorm(dim_head, num_modality, eps=eps, out_dtype=torch.float32)
         self.k_norm = Magi2MultiModalityRMSNorm(dim_head, num_modality, eps=eps, out_dtype=torch.float32)
         self.set_processor(processor if processor is not None else self._default_processor_cls())
-        #: how the attention meets its tokens: all here (one process), or the Ulysses exchange that
-        #: ``enable_parallelism`` installs (:mod:`diffusers_magi2.parallel.context_parallel`)
-        self.exchange = Magi2LocalAttention()
+        #: how the attention meets its tokens (:mod:`diffusers_magi2.parallel.exchanges`): all here (one process),
+        #: or the Ulysses exchange that ``enable_parallelism`` installs
+        self.exchange = Magi2LocalAttentionExchange()
 
     @classmethod
     def from_geometry(cls, geometry: Magi2AttentionGeometry, num_modality: int = 1, **kwargs) -> "Magi2Attention":

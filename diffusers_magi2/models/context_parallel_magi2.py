@@ -2,27 +2,26 @@
 
 With ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))`` every rank passes the full inputs and
 gets the full outputs, but runs the per-token work on its slice of the packed sequence; only the final gather is
-added. As diffusers installs its parallel processors once, ``enable_parallelism`` installs the exchanges once: the
-Ulysses attention on every attention module and, on every MoE layer, the routed experts on sharded tokens; the
-blocks then run unchanged, handing the forward's shard plan to those exchanges. The models pack their inputs first,
-so they shard the packed sequence themselves and refuse diffusers' ``cp_plan``.
+added. As diffusers installs its parallel processors once, ``enable_parallelism`` installs the exchanges once
+(:mod:`diffusers_magi2.parallel.exchanges`): the Ulysses attention on every attention module and, on every MoE
+layer, the context-parallel expert exchange of its expert-parallel layout; the blocks then run unchanged, handing the
+forward's shard plan to those exchanges. Expert parallelism enabled afterwards keeps them context parallel (each
+exchange gives the one of the new layout), so the two may come in either order. The models pack their inputs
+first, so they shard the packed sequence themselves and refuse diffusers' ``cp_plan``.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-import torch.distributed as dist
-
 from ..parallel.context_parallel import (
     Magi2ContextParallelGroup,
     Magi2SequenceShardPlan,
-    Magi2UlyssesAttention,
     gather_sequence_shards,
     plan_sequence_shards,
     resolve_context_parallel,
 )
-from ..parallel.expert_parallel import Magi2LocalExperts, Magi2ShardedTokenExperts
+from ..parallel.exchanges import Magi2ContextParallelExpertExchange, Magi2UlyssesAttentionExchange
 
 
 __all__ = ["Magi2ContextParallelMixin"]
@@ -46,8 +45,8 @@ class Magi2ContextParallelMixin:
 
         Raises:
             TypeError: ``config`` holds no ``ContextParallelConfig``.
-            ValueError: ``cp_plan`` given, tensor or ring parallelism asked for, ``N`` not the world size, or EP over
-                other ranks or with a degree not dividing ``N``.
+            ValueError: ``cp_plan`` given, tensor or ring parallelism asked for, ``N`` not the world size, or
+                expert parallelism (enabled before or after) over other ranks or with a degree not dividing ``N``.
             RuntimeError: parallelism is already enabled on this model.
         """
         from diffusers import ContextParallelConfig, ParallelConfig
@@ -71,7 +70,6 @@ class Magi2ContextParallelMixin:
                 f"got {type(config).__name__}"
             )
         cp = resolve_context_parallel(cp_config)
-        self._check_expert_parallel_ranks(cp)
         if cp.size > 1:
             self._install_context_parallel_exchanges(cp)
         self._magi2_context_parallel = cp
@@ -79,46 +77,23 @@ class Magi2ContextParallelMixin:
         return self
 
     def _install_context_parallel_exchanges(self, cp: Magi2ContextParallelGroup) -> None:
-        """Ulysses attention on every ``Magi2Attention``; the sharded-token routed experts (or, without EP, the
-        local experts without host synchronisation) on every ``Magi2MultiHeadMoE``."""
+        """Ulysses attention on every ``Magi2Attention``, the context-parallel expert exchange of its EP layout on
+        every ``Magi2MultiHeadMoE``; all are built (and the EP groups checked) before any is installed."""
         from ..moe.layer import Magi2MultiHeadMoE
         from .attention_magi2 import Magi2Attention
 
-        attention = Magi2UlyssesAttention(cp.group, cp.rank, cp.size)
-        for module in self.modules():
-            if isinstance(module, Magi2Attention):
-                module.exchange = attention
-            elif isinstance(module, Magi2MultiHeadMoE):
-                module.exchange = (
-                    Magi2LocalExperts(sync_free=True)
-                    if module.ep_size == 1
-                    else Magi2ShardedTokenExperts(module.num_heads, module.ep_size, cp.group, cp.rank, cp.size)
-                )
-
-    def _check_expert_parallel_ranks(self, cp: Magi2ContextParallelGroup) -> None:
-        """Expert parallelism, if any, must tile the CP ranks: EP groups of consecutive CP ranks, EP | CP."""
-        from ..moe.layer import Magi2MultiHeadMoE
-
-        cp_ranks = dist.get_process_group_ranks(cp.group) if cp.group is not None else [0]
+        attention = Magi2UlyssesAttentionExchange(cp.group, cp.rank, cp.size)
+        exchanges = {}
         for name, module in self.named_modules():
-            if not isinstance(module, Magi2MultiHeadMoE) or module.ep_size == 1:
-                continue
-            ep = module.ep_size
-            if cp.size % ep:
-                raise ValueError(
-                    f"{name}: the expert-parallel degree ({ep}) divides neither the context-parallel degree "
-                    f"({cp.size}) nor into whole EP groups of it; use an EP degree that divides {cp.size} (e.g. EP "
-                    f"{cp.size}, or one that also divides the {module.num_heads} MoE heads, with replicas)"
-                )
-            g, p = divmod(cp.rank, ep)
-            expected = cp_ranks[g * ep : (g + 1) * ep]
-            ep_ranks = dist.get_process_group_ranks(module.ep_group) if module.ep_group is not None else []
-            if ep_ranks != expected or module.ep_rank != p:
-                raise ValueError(
-                    f"{name}: expert parallelism runs over ranks {ep_ranks} (EP rank {module.ep_rank}) but context-"
-                    f"parallel rank {cp.rank} needs EP group {expected} at position {p}: set up EP with "
-                    "Magi2ExpertParallelConfig over the same ranks (consecutive groups of ep_degree ranks)"
-                )
+            if isinstance(module, Magi2Attention):
+                exchanges[module] = attention
+            elif isinstance(module, Magi2MultiHeadMoE):
+                try:
+                    exchanges[module] = Magi2ContextParallelExpertExchange(cp, module.ep_layout, module.ep_group)
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+        for module, exchange in exchanges.items():
+            module.exchange = exchange
 
     @property
     def context_parallel_degree(self) -> int:

@@ -5,8 +5,9 @@ SandAI ``CoreMultiHeadMoE``: ``x [S, C]`` is viewed as ``[S, H, Dh]``; head ``h`
 
     y[s, h] = route_scale * sum_k p[s, h, k] * W_down[g] swiglu7(x[s, h] W_gate[g], x[s, h] W_up[g]),  g = h E + e_k
 
-``forward`` = split heads -> the installed exchange around :meth:`~Magi2MultiHeadMoE.forward_local_heads` (none
-in one process; the EP or CP dispatch and undispatch otherwise) -> merge heads. Tensors (``L`` local heads):
+``forward`` = split heads -> ``exchange.dispatch`` -> :meth:`~Magi2MultiHeadMoE.forward_local_heads` (the local
+experts) -> ``exchange.combine`` -> merge heads; the exchange (:mod:`diffusers_magi2.parallel.exchanges`) moves
+nothing in one process. Tensors (``L`` local heads):
 ``gate [L E, Dh]`` fp32, ``W_gate``/``W_up [L E, Dh, De]``, ``W_down [L E, De, Dh]`` (``params_dtype``; or FP8 with
 fp32 ``W_*_scale``; or int4 codes with bf16 ``W_*_group_scale``, :mod:`.quantize_int4`), ``router.expert_bias(_ema)
 [L E]`` fp32.
@@ -23,7 +24,8 @@ from typing import Optional, Union, get_args
 import torch
 from torch import nn
 
-from ..parallel.expert_parallel import ep_head_layout, expert_exchange
+from ..parallel.exchanges import expert_exchange
+from ..parallel.expert_parallel import ep_head_layout
 from ..utils.backends import check_backend, resolve_backend
 from ..utils.dtype_utils import parse_dtype
 from ..utils.safetensors_io import take_rows
@@ -218,8 +220,8 @@ class Magi2MultiHeadMoE(nn.Module):
         self.local_real_num_heads = layout.num_real_local_heads
         self.has_real_moe_heads = layout.has_real_heads
         self.local_flatten_num_experts = self.local_num_heads * self.num_experts
-        #: how the heads meet their tokens (:mod:`diffusers_magi2.parallel.expert_parallel`); ``enable_parallelism``
-        #: installs the context-parallel one
+        #: how the heads meet their tokens (:mod:`diffusers_magi2.parallel.exchanges`): dispatch before the local
+        #: experts, combine after; ``enable_parallelism`` installs the context-parallel one
         self.exchange = expert_exchange(layout, ep_group)
 
         # 2. Tensors, under the checkpoint names and layouts.
@@ -379,8 +381,8 @@ class Magi2MultiHeadMoE(nn.Module):
     ) -> torch.Tensor:
         """Routed MoE on ``x [S, hidden]`` (the ``split_linear`` output); returns ``[S, hidden]``.
 
-        The heads go through the installed :attr:`exchange` (one process: none; expert parallel: the EP collectives;
-        context parallel: the exchange ``enable_parallelism`` installed) around :meth:`forward_local_heads`.
+        ``exchange.dispatch`` -> :meth:`forward_local_heads` -> ``exchange.combine`` (one process: nothing moves;
+        expert parallel: the EP collectives; context parallel: the exchange ``enable_parallelism`` installed).
 
         Args:
             ep_token_counts: with EP, ``None`` (tokens replicated) or the per-rank token counts (tokens sharded;
@@ -402,8 +404,9 @@ class Magi2MultiHeadMoE(nn.Module):
             raise ValueError(f"x must be float32/bfloat16/float16; got {x.dtype}")
         num_tokens = x.shape[0]
         heads = x.reshape(num_tokens, self.num_heads, self.head_dim)
-        out = self.exchange(heads, self.forward_local_heads, ep_token_counts, shard_plan)
-        return out.reshape(num_tokens, self.hidden_size)
+        local, handle = self.exchange.dispatch(heads, ep_token_counts=ep_token_counts, shard_plan=shard_plan)
+        local_out = self.forward_local_heads(local, sync_free=self.exchange.sync_free)
+        return self.exchange.combine(local_out, handle).reshape(num_tokens, self.hidden_size)
 
     def compute_router_logits(self, x_local: torch.Tensor) -> torch.Tensor:
         """Router logits of the real local heads: ``[S', Hr, Dh] -> [Hr, S', E]`` in fp32 (x upcast).

@@ -12,8 +12,9 @@ v in one buffer) gives every rank all ``T`` tokens for its heads, attention runs
 a second exchange sends the rows back. Query heads are padded to ``Hp = ceil(Hq/N) N``; rank ``j`` owns ``[j Hl, (j+1)
 Hl)`` and only its real heads ``[a, b)`` travel; it receives the kv heads ``[floor(a/rep), floor((b-1)/rep)]`` they
 read (replicated when ``Hkv < N``). Elements sent per layer: ``S_r D sum_j (|Q_j| + 2|K_j|)`` in, ``T D |Q_r|`` back.
-SandAI's ``magi2_fa3_with_sink_cp`` does the same with equal shards and ``N | Hq``. ``enable_parallelism`` installs
-:class:`Magi2UlyssesAttention` on every attention module; one process keeps :class:`Magi2LocalAttention`.
+SandAI's ``magi2_fa3_with_sink_cp`` does the same with equal shards and ``N | Hq``. :func:`ulysses_dispatch` and
+:func:`ulysses_combine` are the two exchanges; the attention layers hold them as an exchange object
+(:mod:`.exchanges`).
 
 **Group.** :func:`resolve_context_parallel` builds the group on CUDA and CPU alike (diffusers 0.42's own resolution
 divides by the accelerator count); the CP degree is the world size, no ring attention.
@@ -22,7 +23,7 @@ divides by the accelerator count); the CP degree is the world size, no ring atte
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,19 +33,16 @@ from .distributed import Magi2PendingExchange, all_gather_rows, all_to_all, reso
 
 __all__ = [
     "Magi2ContextParallelGroup",
-    "Magi2LocalAttention",
     "Magi2SequenceShardPlan",
-    "Magi2UlyssesAttention",
     "Magi2UlyssesHeadLayout",
     "balanced_token_counts",
     "broadcast_from_first_rank",
     "gather_sequence_shards",
     "plan_sequence_shards",
     "resolve_context_parallel",
-    "ulysses_attention",
-    "ulysses_gather_heads",
+    "ulysses_combine",
+    "ulysses_dispatch",
     "ulysses_head_layout",
-    "ulysses_scatter_heads",
 ]
 
 
@@ -291,7 +289,7 @@ def _check_shard(name: str, t: torch.Tensor, rows: int, heads: int, head_dim: in
         raise ValueError(f"q, k and v must share one dtype for the fused exchange; {name} is {t.dtype}, q is {dtype}")
 
 
-def ulysses_scatter_heads(
+def ulysses_dispatch(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -341,7 +339,7 @@ def ulysses_scatter_heads(
     return pending if async_op else pending.wait()
 
 
-def ulysses_gather_heads(
+def ulysses_combine(
     local_out: torch.Tensor,
     layout: Magi2UlyssesHeadLayout,
     plan: Magi2SequenceShardPlan,
@@ -375,68 +373,6 @@ def ulysses_gather_heads(
 
     pending = Magi2PendingExchange(work, finish)
     return pending if async_op else pending.wait()
-
-
-def ulysses_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, range], torch.Tensor],
-    layout: Magi2UlyssesHeadLayout,
-    plan: Magi2SequenceShardPlan,
-    group: Any,
-) -> torch.Tensor:
-    """Scatter heads, run ``attention_fn`` on every token of this rank's heads, gather back: ``[S_r, Hq, D]``.
-
-    ``attention_fn(q, k, v, query_heads)`` gets this rank's heads (k/v matched one-to-one to the query heads unless
-    they form plain GQA groups; ``query_heads`` are global ids); its output is sent back in the q/k/v dtype, on
-    every rank whatever its head count. Both exchanges are asynchronous.
-    """
-    pending = ulysses_scatter_heads(query, key, value, layout, plan, group, async_op=True)
-    heads = layout.local_query_heads
-    q_l, k_l, v_l = pending.wait()
-    if len(heads) == 0:
-        out = q_l  # [T, 0, D], still in the autograd graph so the backward joins the exchanges
-    else:
-        index = layout.local_kv_index()
-        nq, nkv = len(heads), k_l.shape[1]
-        if nq % nkv or index != tuple(i // (nq // nkv) for i in range(nq)):
-            idx = torch.tensor(index, device=k_l.device)
-            k_l, v_l = k_l.index_select(1, idx), v_l.index_select(1, idx)
-        # back in the exchange dtype on every rank (an upcasting attention_fn would otherwise send fp32 while
-        # a rank without query heads sends its empty bf16 shard: the receive splits would disagree)
-        out = attention_fn(q_l, k_l, v_l, heads).to(q_l.dtype)
-    return ulysses_gather_heads(out, layout, plan, group, async_op=True).wait()
-
-
-class Magi2LocalAttention:
-    """The attention exchange of one process: every token is here, ``attention_fn`` sees all query heads."""
-
-    def __call__(self, query, key, value, attention_fn, shard_plan=None) -> torch.Tensor:
-        """``attention_fn(query, key, value, None)``; ``shard_plan`` is not read."""
-        return attention_fn(query, key, value, None)
-
-
-class Magi2UlyssesAttention:
-    """The attention exchange of a context-parallel rank: :func:`ulysses_attention` over ``group``.
-
-    Installed on every attention module by ``enable_parallelism``; the head layouts are host arithmetic, built once
-    per ``(Hq, Hkv)``.
-
-    Args:
-        group: the CP process group. rank: this rank in it. world_size: its size ``N``.
-    """
-
-    def __init__(self, group: Any, rank: int, world_size: int) -> None:
-        self.group, self.rank, self.world_size = group, rank, world_size
-        self._layouts: dict = {}
-
-    def __call__(self, query, key, value, attention_fn, shard_plan: Magi2SequenceShardPlan) -> torch.Tensor:
-        """This rank's ``[S_r, H, D]`` q/k/v attended over every token of ``shard_plan`` -> ``[S_r, Hq, D]``."""
-        heads = (query.shape[1], key.shape[1])
-        if heads not in self._layouts:
-            self._layouts[heads] = ulysses_head_layout(*heads, self.world_size, self.rank)
-        return ulysses_attention(query, key, value, attention_fn, self._layouts[heads], shard_plan, self.group)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Expert parallelism (EP) for the MAGI-2 multi-head MoE: the EP group, head layouts, and the exchanges that bring
-each rank's heads their tokens.
+"""Expert parallelism (EP) for the MAGI-2 multi-head MoE: the EP group, head layouts, and the collectives that bring
+each rank's heads their tokens (dispatch) and the results back (combine).
 
 With ``H`` heads padded to ``Hp`` (a multiple of the EP size ``N``), rank ``r`` owns heads ``[r Hl, (r+1) Hl)``,
 ``Hl = Hp / N`` (SandAI ``CoreMultiHeadMoE``; a rank of padding heads idles but joins every collective). Tokens
@@ -14,18 +14,16 @@ rest round-robin, so replica loads differ by at most one token) and sends part `
 idles. One ``all_to_all_single`` over the CP group goes in, one comes back, ``S_r Hp Dh`` elements each way; ``E =
 N_cp`` is layout (b).
 
-A MoE layer calls its installed exchange: :class:`Magi2LocalExperts` (one rank), :class:`Magi2ExpertParallelExchange`
-(layouts a and b) or, installed by ``enable_parallelism``, :class:`Magi2ShardedTokenExperts` (the replicas above).
+The exchange objects a MoE layer holds compose these (:mod:`.exchanges`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,7 +33,6 @@ from .distributed import (
     Magi2PendingExchange,
     all_gather_rows,
     all_to_all,
-    needs_autograd,
     resolve_mesh_group,
     world_size,
 )
@@ -45,22 +42,17 @@ __all__ = [
     "Magi2EPHeadLayout",
     "Magi2EPReplicaLayout",
     "Magi2ExpertParallelConfig",
-    "Magi2ExpertParallelExchange",
     "Magi2ExpertParallelGroup",
-    "Magi2LocalExperts",
-    "Magi2ShardedTokenExperts",
     "check_same_on_all_ranks",
+    "ep_combine",
     "ep_device",
     "ep_dispatch",
     "ep_gather_heads",
     "ep_head_layout",
+    "ep_local_heads",
+    "ep_replica_combine",
     "ep_replica_dispatch",
-    "ep_replica_heads_forward",
     "ep_replica_layout",
-    "ep_replica_undispatch",
-    "ep_undispatch",
-    "expert_exchange",
-    "expert_parallel_heads_forward",
     "replica_token_parts",
     "resolve_expert_parallel",
     "warn_if_idle",
@@ -252,6 +244,15 @@ def _all_to_all_rows(send: torch.Tensor, out_shape: tuple, out_rows: list, in_ro
     return recv.view(out_shape)
 
 
+def ep_local_heads(x: torch.Tensor, layout: Magi2EPHeadLayout) -> torch.Tensor:
+    """Layout (a): this rank's heads ``[S, Hl, Dh]`` of replicated tokens ``[S, H, Dh]`` (zeros for padding heads)."""
+    start, Hl = layout.local_head_start, layout.local_num_heads
+    local = x[:, start : start + Hl]
+    if local.shape[1] < Hl:  # partially or fully padded rank
+        local = torch.cat([local, x.new_zeros(x.shape[0], Hl - local.shape[1], x.shape[2])], dim=1)
+    return local
+
+
 def ep_gather_heads(local_out: torch.Tensor, layout: Magi2EPHeadLayout, group: Any) -> torch.Tensor:
     """Layout (a): every rank's ``[S, Hl, Dh]`` -> ``[S, H, Dh]`` (one all-gather, padding heads dropped)."""
     if layout.ep_size == 1:
@@ -291,7 +292,7 @@ def ep_dispatch(x: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPHea
     return _all_to_all_rows(send, (sum(counts), Hl, Dh), counts, [S] * N, group)
 
 
-def ep_undispatch(y: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPHeadLayout, group: Any) -> torch.Tensor:
+def ep_combine(y: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPHeadLayout, group: Any) -> torch.Tensor:
     """Inverse of :func:`ep_dispatch`: ``[ΣS, Hl, Dh]`` local-head results → this rank's ``[S_r, H, Dh]``."""
     counts = list(token_counts)
     N, Hl = layout.ep_size, layout.local_num_heads
@@ -304,43 +305,6 @@ def ep_undispatch(y: torch.Tensor, token_counts: Sequence[int], layout: Magi2EPH
     return out[:, : layout.num_heads]
 
 
-def expert_parallel_heads_forward(
-    x: torch.Tensor,
-    compute_local_heads: Callable[[torch.Tensor], torch.Tensor],
-    layout: Magi2EPHeadLayout,
-    group: Any,
-    token_counts: Optional[Sequence[int]] = None,
-) -> torch.Tensor:
-    """Run the routed experts of ``x`` ``[S, H, Dh]`` with the heads spread over the EP group.
-
-    Args:
-        x: ``[S, H, Dh]`` per-head hidden states of this rank's tokens.
-        compute_local_heads: ``[S', Hl, Dh]`` -> ``[S', Hl, Dh]`` for the local heads (zeros for padding heads).
-        layout: this rank's :class:`Magi2EPHeadLayout`. group: the EP process group (``None`` when ``N = 1``).
-        token_counts: ``None`` for layout (a); per-rank host ints for layout (b).
-
-    Returns:
-        ``[S, H, Dh]`` (differentiable; every rank then runs the same backward).
-    """
-    if token_counts is None:
-        start, Hl = layout.local_head_start, layout.local_num_heads
-        local_in = x[:, start : start + Hl]
-        if local_in.shape[1] < Hl:  # partially or fully padded rank
-            pad = x.new_zeros(x.shape[0], Hl - local_in.shape[1], x.shape[2])
-            local_in = torch.cat([local_in, pad], dim=1)
-        return ep_gather_heads(_local(compute_local_heads, local_in, x), layout, group)
-    local_in = ep_dispatch(x, token_counts, layout, group)
-    return ep_undispatch(_local(compute_local_heads, local_in, x), token_counts, layout, group)
-
-
-def _local(compute_local_heads: Callable, local_in: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    out = compute_local_heads(local_in)
-    if needs_autograd(x) and not out.requires_grad:
-        # an idle rank's zeros must stay in the graph, or its backward skips the collectives the others wait in
-        out = out + local_in * 0
-    return out
-
-
 def ep_device(config: Optional[Magi2ExpertParallelConfig]) -> torch.device:
     """The device of this EP rank: the current CUDA device when the group runs on GPUs (the launcher or the caller
     sets it, e.g. accelerate's ``PartialState``), else CPU."""
@@ -350,69 +314,6 @@ def ep_device(config: Optional[Magi2ExpertParallelConfig]) -> torch.device:
     if ep.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-class Magi2LocalExperts:
-    """The routed-expert exchange of a layer holding every head for its own tokens: no collective.
-
-    Args:
-        sync_free: ask the expert backend for a path without host synchronisation (context parallelism: a host
-            read would stall the other ranks' asynchronous exchanges).
-    """
-
-    def __init__(self, sync_free: bool = False) -> None:
-        self.sync_free = sync_free
-
-    def __call__(self, x, compute_local_heads, ep_token_counts=None, shard_plan=None) -> torch.Tensor:
-        """``compute_local_heads(x)``.
-
-        Raises:
-            ValueError: ``ep_token_counts`` given but not ``[S]`` (the one rank holds all ``S`` tokens).
-        """
-        if ep_token_counts is not None:
-            counts = list(ep_token_counts)
-            if len(counts) != 1 or isinstance(counts[0], bool) or counts[0] != x.shape[0]:
-                raise ValueError(
-                    f"ep_token_counts must be None or [{x.shape[0]}] for a layer without expert parallelism (one rank "
-                    f"holding its {x.shape[0]} tokens), got {ep_token_counts!r}"
-                )
-        return compute_local_heads(x, sync_free=self.sync_free)
-
-    def token_chunk(self, chunk_size):
-        """``chunk_size``: tokens are independent here, the layer may run in chunks."""
-        return chunk_size
-
-
-class Magi2ExpertParallelExchange:
-    """The routed-expert exchange of an expert-parallel layer (:func:`expert_parallel_heads_forward`): tokens
-    replicated over the EP group (layout (a)), or sharded with ``ep_token_counts`` (layout (b)).
-
-    Args:
-        layout: this rank's :class:`Magi2EPHeadLayout`. group: the EP process group.
-    """
-
-    def __init__(self, layout: Magi2EPHeadLayout, group: Any) -> None:
-        self.layout, self.group = layout, group
-
-    def __call__(self, x, compute_local_heads, ep_token_counts=None, shard_plan=None) -> torch.Tensor:
-        """``[S, H, Dh]`` -> ``[S, H, Dh]`` (``shard_plan`` is not read).
-
-        Raises:
-            ValueError: no process group; ``ep_token_counts`` not ``N`` ints with this rank's entry ``S``.
-        """
-        if self.group is None:
-            raise ValueError("Magi2MultiHeadMoE with ep_size > 1 needs ep_group (a torch.distributed process group)")
-        return expert_parallel_heads_forward(x, compute_local_heads, self.layout, self.group, ep_token_counts)
-
-    def token_chunk(self, chunk_size):
-        """``None``: every rank joins each exchange once per layer, so the layer runs unchunked."""
-        return None
-
-
-def expert_exchange(layout: Magi2EPHeadLayout, group: Any):
-    """The exchange a MoE layer of ``layout`` starts with: :class:`Magi2LocalExperts` for one rank, else
-    :class:`Magi2ExpertParallelExchange`."""
-    return Magi2LocalExperts() if layout.ep_size == 1 else Magi2ExpertParallelExchange(layout, group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -521,7 +422,7 @@ def ep_replica_dispatch(
     return pending if async_op else pending.wait()
 
 
-def ep_replica_undispatch(
+def ep_replica_combine(
     y: torch.Tensor,
     token_counts: Sequence[int],
     layout: Magi2EPReplicaLayout,
@@ -555,45 +456,3 @@ def ep_replica_undispatch(
 
     pending = Magi2PendingExchange(work, finish)
     return pending if async_op else pending.wait()
-
-
-def ep_replica_heads_forward(
-    x: torch.Tensor,
-    compute_local_heads: Callable[[torch.Tensor], torch.Tensor],
-    layout: Magi2EPReplicaLayout,
-    group: Any,
-    token_counts: Sequence[int],
-) -> torch.Tensor:
-    """Dispatch, ``compute_local_heads`` (``[S', Hl, Dh] → [S', Hl, Dh]``, zeros for padded heads), undispatch.
-
-    Returns ``[S_r, H, Dh]``, as on one device; both exchanges are asynchronous.
-    """
-    local_in = ep_replica_dispatch(x, token_counts, layout, group, async_op=True).wait()
-    out = compute_local_heads(local_in)
-    if needs_autograd(x) and not out.requires_grad:
-        out = out + local_in * 0  # keep an idle owner in the graph so its backward joins the collectives
-    return ep_replica_undispatch(out, token_counts, layout, group, async_op=True).wait()
-
-
-class Magi2ShardedTokenExperts:
-    """The routed-expert exchange of a context-parallel rank whose tokens are its sequence shard, EP degree ``E``
-    dividing the CP degree (:func:`ep_replica_heads_forward`; ``E = N`` is layout (b)). Installed on every MoE layer
-    by ``enable_parallelism`` when the model is expert-parallel.
-
-    Args:
-        num_heads: MoE heads ``H``. ep_size: ``E``. group / rank / world_size: the CP group, this rank, ``N``.
-    """
-
-    def __init__(self, num_heads: int, ep_size: int, group: Any, rank: int, world_size: int) -> None:
-        self.layout = ep_replica_layout(num_heads, world_size, ep_size, rank)
-        self.group = group
-
-    def __call__(self, x, compute_local_heads, ep_token_counts=None, shard_plan=None) -> torch.Tensor:
-        """``[S_r, H, Dh]`` -> ``[S_r, H, Dh]``, the token counts read from ``shard_plan`` (``ep_token_counts`` is
-        not read)."""
-        local_heads = functools.partial(compute_local_heads, sync_free=True)
-        return ep_replica_heads_forward(x, local_heads, self.layout, self.group, shard_plan.token_counts)
-
-    def token_chunk(self, chunk_size):
-        """``None``: every rank joins each exchange once per layer, so the layer runs unchunked."""
-        return None

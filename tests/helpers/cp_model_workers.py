@@ -1,7 +1,8 @@
 """Per-rank bodies of the context-parallel model tests (run on gloo ranks by ``test_cp_models.py``).
 
 Every rank loads the same tiny SandAI checkpoint in fp32, enables ``ContextParallelConfig(ulysses_degree=N)``
-(optionally after expert parallelism over the same ranks), and runs the fixture's full packed inputs; it returns
+(optionally with expert parallelism over the same ranks, enabled before or after), and runs the fixture's full packed
+inputs; it returns
 the full outputs, the collectives and host syncs seen inside each transformer block, and its FLOPs.
 """
 
@@ -188,6 +189,14 @@ def preview_checks(rank: int, world: int, ep_degrees) -> dict:
                 model.set_moe_backend("torch")
                 res[name, ep, "probe_torch_backend"] = _probe(model, lambda: preview_forward(model, d, ""))
                 model.set_moe_backend("auto")
+            if ep is not None:  # the other order: context parallelism first, then expert parallelism
+                model = load_preview(name).eval()
+                model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+                model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=ep))
+                for prefix in prefixes:
+                    res[name, ep, prefix, "balanced", "cp_first"] = preview_forward(model, d, prefix)
+                model.context_parallel_token_counts = uneven_with_empty_rank
+                res[name, ep, "", "uneven", "cp_first"] = preview_forward(model, d, "")
     return res
 
 
@@ -225,6 +234,14 @@ def error_checks(rank: int, world: int) -> dict:
         model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
     except ValueError as e:
         errors["other_ranks"] = str(e)
+    model = load_preview("preview_h4")  # the other order refuses the same groups, before any layer is cut
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    full = model.transformer_blocks[1].mlp.moe_mlp
+    try:
+        model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=world // 2, mesh=mesh))
+    except ValueError as e:
+        errors["other_ranks_cp_first"] = str(e)
+    errors["kept_full_layer"] = model.transformer_blocks[1].mlp.moe_mlp is full and full.ep_size == 1
     model = load_preview("preview_h4")
     model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=world))
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))

@@ -13,17 +13,18 @@ from diffusers_magi2.models.attention_magi2 import magi2_attention_with_sinks
 from diffusers_magi2.parallel.context_parallel import (
     gather_sequence_shards,
     plan_sequence_shards,
-    ulysses_attention,
-    ulysses_gather_heads,
+    ulysses_combine,
+    ulysses_dispatch,
     ulysses_head_layout,
-    ulysses_scatter_heads,
 )
+from diffusers_magi2.parallel.exchanges import Magi2UlyssesAttentionExchange
 from diffusers_magi2.parallel.expert_parallel import (
+    ep_combine,
     ep_dispatch,
     ep_head_layout,
-    ep_replica_heads_forward,
+    ep_replica_combine,
+    ep_replica_dispatch,
     ep_replica_layout,
-    ep_undispatch,
 )
 
 
@@ -94,11 +95,18 @@ class _CountAllToAll:
         dist.all_to_all_single = self._orig
 
 
-def _attention_fn(sinks: torch.Tensor):
-    def fn(q, k, v, heads):
-        return magi2_attention_with_sinks(q, k, v, sinks[:, heads.start : heads.stop], SEGMENTS, HEAD_DIM**-0.5)
-
-    return fn
+def ulysses_attention(q, k, v, sinks: torch.Tensor, plan, group, world: int, rank: int) -> torch.Tensor:
+    """This rank's shard of q/k/v through the Ulysses exchange: dispatch -> attention with sinks -> combine (a
+    rank without query heads attends to nothing, as the attention processors do)."""
+    exchange = Magi2UlyssesAttentionExchange(group, rank, world)
+    shard, handle = exchange.dispatch(q, k, v, plan)
+    heads = shard.heads
+    out = shard.query
+    if len(heads):
+        out = magi2_attention_with_sinks(
+            shard.query, shard.key, shard.value, sinks[:, heads.start : heads.stop], SEGMENTS, HEAD_DIM**-0.5
+        )
+    return exchange.combine(out, handle)
 
 
 def ulysses_checks(rank: int, world: int) -> dict:
@@ -110,9 +118,7 @@ def ulysses_checks(rank: int, world: int) -> dict:
             plan = plan_sequence_shards(NUM_TOKENS, world, rank, SEGMENTS, split)
             q, k, v, sinks = attention_inputs(hq, hkv)
             with _CountAllToAll() as counter:
-                out = ulysses_attention(
-                    plan.shard(q), plan.shard(k), plan.shard(v), _attention_fn(sinks), layout, plan, group
-                )
+                out = ulysses_attention(plan.shard(q), plan.shard(k), plan.shard(v), sinks, plan, group, world, rank)
             res[("attn", hq, hkv, split)] = out
             res[("calls", hq, hkv, split)] = counter.calls
             res[("full", hq, hkv, split)] = gather_sequence_shards(out, plan, group)
@@ -120,16 +126,14 @@ def ulysses_checks(rank: int, world: int) -> dict:
         split = TOKEN_SPLITS[world][-1]
         plan = plan_sequence_shards(NUM_TOKENS, world, rank, SEGMENTS, split)
         q, k, v, sinks = attention_inputs(hq, hkv, torch.bfloat16)
-        pending = ulysses_scatter_heads(
-            plan.shard(q), plan.shard(k), plan.shard(v), layout, plan, group, async_op=True
-        )
+        pending = ulysses_dispatch(plan.shard(q), plan.shard(k), plan.shard(v), layout, plan, group, async_op=True)
         q_l, k_l, v_l = pending.wait()
         res[("scatter_bf16", hq, hkv)] = (q_l.clone(), k_l.clone(), v_l.clone(), layout.local_query_heads)
-        back = ulysses_gather_heads(q_l.contiguous(), layout, plan, group, async_op=True).wait()
+        back = ulysses_combine(q_l.contiguous(), layout, plan, group, async_op=True).wait()
         res[("roundtrip_bf16", hq, hkv)] = back  # query heads sent there and back == the local query shard
         q, k, v, sinks = attention_inputs(hq, hkv)
         leaves = [plan.shard(t).clone().requires_grad_(True) for t in (q, k, v)]
-        out = ulysses_attention(*leaves, _attention_fn(sinks), layout, plan, group)
+        out = ulysses_attention(*leaves, sinks, plan, group, world, rank)
         (out * plan.shard(loss_weights(hq))).sum().backward()
         res[("grad", hq, hkv)] = [t.grad for t in leaves]
     return res
@@ -156,13 +160,14 @@ def replica_checks(rank: int, world: int) -> dict:
                     return out
 
                 with _CountAllToAll() as counter:
-                    out = ep_replica_heads_forward(plan.shard(x), compute, layout, group, plan.token_counts)
+                    a = ep_replica_dispatch(plan.shard(x), plan.token_counts, layout, group, async_op=True).wait()
+                    out = ep_replica_combine(compute(a), plan.token_counts, layout, group, async_op=True).wait()
                 res[("moe", num_heads, split, ep)] = out
                 res[("moe_calls", num_heads, split, ep)] = counter.calls
                 if ep == world:  # no replicas: the same bytes as the existing sharded-token EP exchange
                     ref = ep_head_layout(num_heads, world, rank)
                     a = ep_dispatch(plan.shard(x), plan.token_counts, ref, group)
-                    res[("moe_ep_path", num_heads, split)] = ep_undispatch(compute(a), plan.token_counts, ref, group)
+                    res[("moe_ep_path", num_heads, split)] = ep_combine(compute(a), plan.token_counts, ref, group)
     return res
 
 

@@ -23,11 +23,11 @@ from safetensors import safe_open
 from diffusers_magi2.loaders.expert_parallel_loading import EP_SHARDED_SUFFIXES
 from diffusers_magi2.loaders.key_plan import read_source_checkpoint
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
+from diffusers_magi2.parallel.exchanges import Magi2ExpertParallelExchange
 from diffusers_magi2.parallel.expert_parallel import (
     Magi2ExpertParallelConfig,
     check_same_on_all_ranks,
     ep_head_layout,
-    expert_parallel_heads_forward,
     resolve_expert_parallel,
 )
 from diffusers_magi2.utils.safetensors_io import take_rows
@@ -71,6 +71,12 @@ def _standin_local_fn(w: torch.Tensor, layout):
     return compute
 
 
+def through_exchange(exchange, x: torch.Tensor, compute, **kwargs) -> torch.Tensor:
+    """``exchange.dispatch`` -> ``compute`` -> ``exchange.combine``, as the MoE layer runs its local experts."""
+    local, handle = exchange.dispatch(x, **kwargs)
+    return exchange.combine(compute(local), handle)
+
+
 def collectives_checks(rank: int, world: int, ep) -> dict:
     res, counts = {}, TOKEN_COUNTS[world]
     start = sum(counts[:rank])
@@ -78,24 +84,21 @@ def collectives_checks(rank: int, world: int, ep) -> dict:
         w = standin_weights(num_heads)
         layout = ep_head_layout(num_heads, ep.size, ep.rank)
         fn = _standin_local_fn(w, layout)
+        exchange = Magi2ExpertParallelExchange(layout, ep.group)
         x_all, x_tok = standin_inputs(num_heads, world)
         mine = x_tok[start : start + counts[rank]]
-        res["a", num_heads] = expert_parallel_heads_forward(x_all, fn, layout, ep.group)
-        res["b", num_heads] = expert_parallel_heads_forward(mine, fn, layout, ep.group, token_counts=counts)
-        res["b_bf16", num_heads] = expert_parallel_heads_forward(
-            mine.bfloat16(), fn, layout, ep.group, token_counts=counts
-        )
+        res["a", num_heads] = through_exchange(exchange, x_all, fn)
+        res["b", num_heads] = through_exchange(exchange, mine, fn, ep_token_counts=counts)
+        res["b_bf16", num_heads] = through_exchange(exchange, mine.bfloat16(), fn, ep_token_counts=counts)
         # autograd: the functional collectives carry gradients back (idle ranks included)
         xg = mine.detach().clone().requires_grad_(True)
-        out = expert_parallel_heads_forward(xg, fn, layout, ep.group, token_counts=counts)
+        out = through_exchange(exchange, xg, fn, ep_token_counts=counts)
         (out * torch.linspace(-1, 1, DH)).sum().backward()
         res["grad_b", num_heads] = xg.grad
-        res["grad_mode_a", num_heads] = expert_parallel_heads_forward(
-            x_all.clone().requires_grad_(True), fn, layout, ep.group
-        ).detach()
+        res["grad_mode_a", num_heads] = through_exchange(exchange, x_all.clone().requires_grad_(True), fn).detach()
     errors = {}
     try:
-        expert_parallel_heads_forward(mine, fn, layout, ep.group, token_counts=counts[:-1])
+        through_exchange(exchange, mine, fn, ep_token_counts=counts[:-1])
     except ValueError as e:
         errors["wrong_len"] = str(e)
     try:

@@ -3,7 +3,7 @@
 One call on N gloo ranks per N (cached) runs ``cp_model_workers.cp_model_worker``: the fp32 tiny fixtures
 ``magi2_tiny`` preview h4 (t2v and i2v), preview h3 and the refiner (with and without audio), with a balanced split
 and an uneven one where rank 1 holds no token; the preview also under CP x EP over the same ranks (EP = N, and
-EP 2 x 2 replicas on 4 ranks). Every rank gets the full output; each must be within 1e-5 of the single-process
+EP 2 x 2 replicas on 4 ranks), EP enabled before CP and after it. Every rank gets the full output; each must be within 1e-5 of the single-process
 model and within 1e-4 of the SandAI fixture. Also checked: the collectives and host syncs inside every block, and
 the per-rank FLOPs (FlopCounterMode with the CPU SDPA formula).
 """
@@ -94,6 +94,24 @@ def test_preview_context_parallel_equals_single_process_and_fixture(world):
                         (name, ep, prefix, rank),
                     )
                 _check(res[name, ep, "", "uneven"], ref[""], d["model.out"], (name, ep, "uneven", rank))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_preview_expert_parallel_after_context_parallel_equals_the_other_order(world):
+    """``enable_parallelism`` then ``enable_expert_parallel`` runs the same exchanges as the other order: bit for
+    bit the same outputs (so within 1e-5 of one process and 1e-4 of the fixture too), balanced and uneven splits."""
+    results = _results(world)
+    for name in PREVIEWS:
+        d = preview_case(name)
+        ref = _preview_reference(name)
+        for rank in range(world):
+            res = results[rank]["preview"]
+            for ep in EP_DEGREES[world][1:]:
+                cases = [(p, "balanced") for p in case_prefixes(d)] + [("", "uneven")]
+                for prefix, split in cases:
+                    got = res[name, ep, prefix, split, "cp_first"]
+                    assert torch.equal(got, res[name, ep, prefix, split]), (name, ep, prefix, split, rank)
+                    _check(got, ref[prefix], d[prefix + "model.out"], (name, ep, prefix, split, rank))
 
 
 def test_bf16_preview_with_a_rank_owning_no_query_head_equals_one_process():
@@ -200,4 +218,6 @@ def test_multi_rank_set_up_errors():
         errors = res["errors"]
         assert "expert parallelism runs over ranks" in errors["other_ranks"], errors
         assert f"context-parallel rank {rank} needs EP group" in errors["other_ranks"]
+        assert errors["other_ranks"].endswith(errors["other_ranks_cp_first"])  # less the layer name
+        assert errors["kept_full_layer"]  # refused before the first layer was cut
         assert "this model is expert-parallel" in errors["save"]

@@ -1,6 +1,7 @@
 """Parallelism is installed on the layers, not threaded through them: ``enable_parallelism`` puts the Ulysses
-attention on every attention module and the sharded-token exchange on every MoE layer, once; the block, attention,
-feed-forward and MoE forwards never test for a parallel mode, and the attention mask describes masks only."""
+attention exchange on every attention module and the context-parallel expert exchange on every MoE layer, once; the
+block, attention, feed-forward and MoE forwards never test for a parallel mode, and the attention mask describes masks
+only. (That EP and CP enabled in either order equal one process runs on gloo ranks: ``test_cp_models.py``.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from helpers.modular_testing_utils import tiny_refiner
 from helpers.tiny_transformer import TINY
 
-from diffusers_magi2 import Magi2ExpertParallelConfig, Magi2Transformer3DModel
+from diffusers_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.models.attention_magi2 import (
     Magi2Attention,
     Magi2AttentionMask,
@@ -26,15 +27,13 @@ from diffusers_magi2.models.feedforward_magi2 import Magi2FeedForward, Magi2MoEF
 from diffusers_magi2.models.transformer_magi2 import Magi2TransformerBlock
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformerBlock
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
-from diffusers_magi2.parallel.context_parallel import (
-    Magi2ContextParallelGroup,
-    Magi2LocalAttention,
-    Magi2UlyssesAttention,
-)
-from diffusers_magi2.parallel.expert_parallel import (
+from diffusers_magi2.parallel.context_parallel import Magi2ContextParallelGroup
+from diffusers_magi2.parallel.exchanges import (
+    Magi2ContextParallelExpertExchange,
     Magi2ExpertParallelExchange,
-    Magi2LocalExperts,
-    Magi2ShardedTokenExperts,
+    Magi2LocalAttentionExchange,
+    Magi2LocalExpertExchange,
+    Magi2UlyssesAttentionExchange,
 )
 
 
@@ -115,43 +114,51 @@ def test_one_process_layers_carry_the_local_exchanges():
     attentions = [m for m in model.modules() if isinstance(m, Magi2Attention)]
     moes = [m for m in model.modules() if isinstance(m, Magi2MultiHeadMoE)]
     assert attentions and moes
-    assert all(type(m.exchange) is Magi2LocalAttention for m in attentions)
-    assert all(type(m.exchange) is Magi2LocalExperts and not m.exchange.sync_free for m in moes)
+    assert all(type(m.exchange) is Magi2LocalAttentionExchange for m in attentions)
+    assert all(type(m.exchange) is Magi2LocalExpertExchange and not m.exchange.sync_free for m in moes)
 
 
-def test_enable_parallelism_installs_ulysses_and_the_sharded_expert_exchange_once():
+def test_enable_parallelism_installs_ulysses_and_the_context_parallel_expert_exchange_once():
     model = Magi2Transformer3DModel(**{**TINY, "moe_layers": [0, 1]})
-    moes = [m for m in model.modules() if isinstance(m, Magi2MultiHeadMoE)]
-    ep = Magi2MultiHeadMoE(moes[0].config, ep_rank=0, ep_size=2)  # a layer with EP's head layout
+    model._install_context_parallel_exchanges(_fake_cp(2))
+    attentions = [m.exchange for m in model.modules() if isinstance(m, Magi2Attention)]
+    assert {type(a) for a in attentions} == {Magi2UlyssesAttentionExchange} and len({id(a) for a in attentions}) == 1
+    moes = [m.exchange for m in model.modules() if isinstance(m, Magi2MultiHeadMoE)]
+    assert {type(e) for e in moes} == {Magi2ContextParallelExpertExchange}
+    # EP degree 1: the tokens stay (no exchange), so the layer may still run in chunks, without host reads
+    assert all(e.sync_free and e.token_chunk(64) == 64 and e.layout.ep_size == 1 for e in moes)
+    # a processor chosen afterwards keeps the installed Ulysses attention (it lives on the module)
+    model.set_attn_processor(Magi2AttnProcessor(upcast_off_cuda=False))
+    assert all(
+        type(m.exchange) is Magi2UlyssesAttentionExchange for m in model.modules() if isinstance(m, Magi2Attention)
+    )
+
+
+def test_an_expert_parallel_layer_runs_unchunked_and_needs_its_group():
+    moe = next(m for m in Magi2Transformer3DModel(**TINY).modules() if isinstance(m, Magi2MultiHeadMoE))
+    ep = Magi2MultiHeadMoE(moe.config, ep_rank=0, ep_size=2)  # a layer with EP's head layout, no group
     assert type(ep.exchange) is Magi2ExpertParallelExchange and ep.exchange.token_chunk(64) is None
     with pytest.raises(ValueError, match="needs ep_group"):
         ep(torch.zeros(3, ep.hidden_size))
-    model.transformer_blocks[1].mlp.moe_mlp = ep
-    model._install_context_parallel_exchanges(_fake_cp(2))
-    attentions = [m.exchange for m in model.modules() if isinstance(m, Magi2Attention)]
-    assert {type(a) for a in attentions} == {Magi2UlyssesAttention} and len({id(a) for a in attentions}) == 1
-    exchanges = {type(m.exchange) for m in model.modules() if isinstance(m, Magi2MultiHeadMoE)}
-    assert exchanges == {Magi2LocalExperts, Magi2ShardedTokenExperts}
-    assert type(ep.exchange) is Magi2ShardedTokenExperts and ep.exchange.layout.ep_size == 2
-    local = next(m.exchange for m in model.modules() if isinstance(m, Magi2MultiHeadMoE) and m is not ep)
-    assert local.sync_free and local.token_chunk(64) == 64  # no exchange: the layer may still run in chunks
-    # a processor chosen afterwards keeps the installed Ulysses attention (it lives on the module)
-    model.set_attn_processor(Magi2AttnProcessor(upcast_off_cuda=False))
-    assert all(type(m.exchange) is Magi2UlyssesAttention for m in model.modules() if isinstance(m, Magi2Attention))
+
+
+def test_enable_parallelism_installs_nothing_when_an_expert_parallel_layer_does_not_tile_the_ranks():
+    model = Magi2Transformer3DModel(**{**TINY, "moe_layers": [0, 1]})
+    moes = [m for m in model.modules() if isinstance(m, Magi2MultiHeadMoE)]
+    model.transformer_blocks[1].mlp.moe_mlp = Magi2MultiHeadMoE(moes[0].config, ep_rank=0, ep_size=2)
+    before = {id(m): m.exchange for m in model.modules() if hasattr(m, "exchange")}
+    with pytest.raises(ValueError, match=r"transformer_blocks\.1\.mlp\.moe_mlp: expert parallelism runs over ranks"):
+        model._install_context_parallel_exchanges(_fake_cp(2))
+    assert {id(m): m.exchange for m in model.modules() if hasattr(m, "exchange")} == before
+    with pytest.raises(ValueError, match="divides neither the context-parallel degree"):
+        model._install_context_parallel_exchanges(_fake_cp(3))
 
 
 def test_refiner_enable_parallelism_installs_ulysses_on_every_attention():
     model = tiny_refiner()
     model._install_context_parallel_exchanges(_fake_cp(3))
     attentions = [m for m in model.modules() if isinstance(m, Magi2Attention)]
-    assert len(attentions) == 2 and all(type(m.exchange) is Magi2UlyssesAttention for m in attentions)
-
-
-def test_expert_parallel_after_context_parallel_is_refused():
-    model = Magi2Transformer3DModel(**{**TINY, "moe_layers": [0, 1]})
-    model._magi2_context_parallel = _fake_cp(2)
-    with pytest.raises(ValueError, match="enable expert parallelism before enable_parallelism"):
-        model.enable_expert_parallel(Magi2ExpertParallelConfig(ep_degree=2))
+    assert len(attentions) == 2 and all(type(m.exchange) is Magi2UlyssesAttentionExchange for m in attentions)
 
 
 def test_the_package_reads_no_launcher_environment():
