@@ -1,5 +1,6 @@
 """Per-rank body of ``test_modular_parallel.py``: a saved tiny default repo loaded under CP N x EP N (or alone)
-as ``Magi2ModularPipeline`` (``load_components(expert_parallel=...)``, ``enable_context_parallel``) and as
+as ``Magi2ModularPipeline`` (``load_components(expert_parallel=...)``, ``enable_context_parallel``; and the other
+order: ``enable_context_parallel``, then ``transformer.enable_expert_parallel``) and as
 ``Magi2Pipeline`` (``from_pretrained(expert_parallel=..., context_parallel=...)``), counting the text-encoder and
 decoder calls of the modular pipeline on this rank."""
 
@@ -48,7 +49,17 @@ def modular_and_classic(rank: int, world: int, folder: str) -> dict:
     pipe.set_progress_bar_config(disable=True)
     ref = pipe(PROMPT, generator=torch.Generator().manual_seed(7), output_type="latent", **CALL)
     experts = modular.transformer.transformer_blocks[1].mlp.moe_mlp
+    other_order = {}
+    if world > 1:  # context parallelism first, expert parallelism on the loaded transformer after it
+        cp_first = Magi2ModularPipeline.from_pretrained(folder)
+        cp_first.load_components()
+        cp_first.enable_context_parallel(cp)
+        cp_first.transformer.enable_expert_parallel(ep)
+        cp_first.set_progress_bar_config(disable=True)
+        other = cp_first(prompt=PROMPT, generator=torch.Generator().manual_seed(7), **CALL)
+        other_order = {"cp_first_" + key: other.get(key) for key in ("latents", "audio_latents")}
     return {
+        **other_order,
         "calls": calls,
         "latents": state.get("latents"),
         "audio_latents": state.get("audio_latents"),

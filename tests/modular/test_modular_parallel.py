@@ -1,7 +1,7 @@
 """``Magi2ModularPipeline`` under context parallelism x expert parallelism (CP2 x EP2, two gloo processes, the
 routed experts sharded at load): CP rank 0 alone encodes the text and decodes (the other rank gets
 ``videos=None``), both ranks' latents equal ``Magi2Pipeline``'s under the same layout bit for bit and one
-process's within 1e-5 (two steps with CFG)."""
+process's within 1e-5 (two steps with CFG), whether EP is enabled before CP (at load) or after it."""
 
 from __future__ import annotations
 
@@ -28,4 +28,5 @@ def test_cp2_ep2_modular_equals_one_process(tmp_path):
     for rank in ranks:
         for key in ("latents", "audio_latents"):
             assert torch.equal(rank[key], rank["classic_" + key])  # the modular pipeline is the classic one
+            assert torch.equal(rank[key], rank["cp_first_" + key])  # EP enabled after CP: the same layout
             torch.testing.assert_close(rank[key], single[key], atol=1e-5, rtol=0)

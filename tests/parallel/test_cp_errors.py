@@ -74,11 +74,11 @@ def test_enable_parallelism_rejects_bad_configs(cls):
 def test_ep_degree_that_does_not_divide_the_cp_degree_is_refused():
     model = Magi2Transformer3DModel(**TINY_PREVIEW)
     moe = model.transformer_blocks[1].mlp.moe_mlp
-    moe.ep_size = 3  # as if sharded over 3 ranks
+    model.transformer_blocks[1].mlp.moe_mlp = type(moe)(moe.config, ep_rank=0, ep_size=3)  # as if over 3 ranks
     with pytest.raises(
         ValueError, match=r"expert-parallel degree \(3\) divides neither the context-parallel degree \(4\)"
     ):
-        model._check_expert_parallel_ranks(Magi2ContextParallelGroup(None, 0, 4, None))
+        model._install_context_parallel_exchanges(Magi2ContextParallelGroup(None, 0, 4, None))
 
 
 def test_launch_rules_fail_before_loading():
