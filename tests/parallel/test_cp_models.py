@@ -77,41 +77,39 @@ def _check(got: torch.Tensor, single: torch.Tensor, fixture: torch.Tensor, what)
     assert (got - fixture).abs().max().item() <= FIXTURE_ATOL, (what, (got - fixture).abs().max().item())
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_preview_context_parallel_equals_single_process_and_fixture(world):
+def _preview_cases(world: int):
+    """``(rank, its preview results, key (name, ep, prefix, split), one-process output, fixture output)`` of every
+    preview case the ranks ran."""
     results = _results(world)
     for name in PREVIEWS:
         d = preview_case(name)
         ref = _preview_reference(name)
+        splits = [(prefix, "balanced") for prefix in case_prefixes(d)] + [("", "uneven")]
         for rank in range(world):
-            res = results[rank]["preview"]
             for ep in EP_DEGREES[world]:
-                for prefix in case_prefixes(d):
-                    _check(
-                        res[name, ep, prefix, "balanced"],
+                for prefix, split in splits:
+                    yield (
+                        rank,
+                        results[rank]["preview"],
+                        (name, ep, prefix, split),
                         ref[prefix],
                         d[prefix + "model.out"],
-                        (name, ep, prefix, rank),
                     )
-                _check(res[name, ep, "", "uneven"], ref[""], d["model.out"], (name, ep, "uneven", rank))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_preview_context_parallel_equals_single_process_and_fixture(world):
+    for rank, res, key, single, fixture in _preview_cases(world):
+        _check(res[key], single, fixture, (*key, rank))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_preview_expert_parallel_after_context_parallel_equals_the_other_order(world):
     """``enable_parallelism`` then ``enable_expert_parallel`` runs the same exchanges as the other order: bit for
     bit the same outputs (so within 1e-5 of one process and 1e-4 of the fixture too), balanced and uneven splits."""
-    results = _results(world)
-    for name in PREVIEWS:
-        d = preview_case(name)
-        ref = _preview_reference(name)
-        for rank in range(world):
-            res = results[rank]["preview"]
-            for ep in EP_DEGREES[world][1:]:
-                cases = [(p, "balanced") for p in case_prefixes(d)] + [("", "uneven")]
-                for prefix, split in cases:
-                    got = res[name, ep, prefix, split, "cp_first"]
-                    assert torch.equal(got, res[name, ep, prefix, split]), (name, ep, prefix, split, rank)
-                    _check(got, ref[prefix], d[prefix + "model.out"], (name, ep, prefix, split, rank))
+    for rank, res, key, _, _ in _preview_cases(world):
+        if key[1] is not None:  # an EP degree
+            assert torch.equal(res[(*key, "cp_first")], res[key]), (*key, rank)
 
 
 def test_bf16_preview_with_a_rank_owning_no_query_head_equals_one_process():

@@ -43,6 +43,7 @@ FORWARDS = [
     Magi2RefinerTransformerBlock.forward,
     Magi2Attention.forward,
     _Magi2AttnProcessorBase.__call__,
+    _Magi2AttnProcessorBase._attend_shard,
     Magi2AttnProcessor.attend,
     Magi2WindowAttnProcessor.attend,
     Magi2FeedForward.forward,
