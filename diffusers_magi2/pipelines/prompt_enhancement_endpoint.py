@@ -1,9 +1,23 @@
 """Prompt enhancement through an OpenAI-compatible chat-completions endpoint (the ``openai`` package).
 
-Any server speaking OpenAI's chat-completions API works: vLLM (``vllm serve``), SGLang, llama.cpp's ``llama-server``,
-Ollama (``http://localhost:11434/v1``), OpenAI itself, Gemini's OpenAI-compatible endpoint. The request is SandAI's
-(:mod:`.prompt_enhancement_tasks`): the task's schema as a strict ``json_schema`` ``response_format``,
-``max_tokens=16384``, and no temperature, top-p or seed. The reply is ``choices[0].message.content``.
+Any server speaking OpenAI's chat-completions API works (image-to-video needs a model that reads images); the
+``base_url`` and ``model`` to pass:
+
+======================================================  ===================================================
+server                                                  ``base_url``, ``model``
+======================================================  ===================================================
+vLLM, ``vllm serve <model> --port 8000``                ``http://127.0.0.1:8000/v1``, ``<model>``
+SGLang, ``python -m sglang.launch_server ...``          ``http://127.0.0.1:30000/v1``, its ``--model-path``
+llama.cpp, ``llama-server -m <file.gguf> --port 8080``  ``http://127.0.0.1:8080/v1``, any name
+Ollama, ``ollama serve``                                ``http://localhost:11434/v1``, the model's tag
+OpenAI                                                  ``None`` (the ``openai`` default), a model name
+Gemini                                                  ``https://generativelanguage.googleapis.com/v1beta/openai/``,
+                                                        a Gemini model (SandAI's: ``gemini-3.1-pro-preview``)
+======================================================  ===================================================
+
+The request is SandAI's (:mod:`.prompt_enhancement_tasks`): the task's schema as a strict ``json_schema``
+``response_format``, ``max_tokens=16384`` (a server with a shorter context may refuse the request), and no temperature,
+top-p or seed. The reply is ``choices[0].message.content``. A hosted endpoint receives the prompt and the image.
 
 Where nothing is passed, the ``openai`` package's own environment variables apply: ``OPENAI_BASE_URL`` (else its
 default, OpenAI's API) and ``OPENAI_API_KEY``; a server that needs no key gets the placeholder ``"EMPTY"``.
