@@ -53,6 +53,8 @@ class Magi2PromptEnhancer(ConfigMixin):
         max_retries (`int`, defaults to 2): The ``openai`` client's retries of a failed request.
         max_new_tokens (`int`, defaults to 16384): A local model's generation length.
         seed (`int`, defaults to 0): The torch seed a local model generates under.
+        device_map (`str` or `dict`, *optional*): Where a local model given as a path is loaded (transformers'
+            ``device_map``, e.g. ``"cuda"``); by default the CPU.
         template (`str`, `os.PathLike` or `dict`, *optional*): The templates (see
             :func:`~diffusers_magi2.pipelines.prompt_enhancement_tasks.resolve_templates`); the package's by default.
             Not a config entry: saved as the ``t2v.md`` / ``i2v.md`` files.
@@ -89,6 +91,7 @@ class Magi2PromptEnhancer(ConfigMixin):
         max_retries: int = 2,
         max_new_tokens: int = 16384,
         seed: int = 0,
+        device_map: str | dict | None = None,
         template: Any = None,
         api_key: str | None = None,
         local_model: Any = None,
@@ -109,6 +112,7 @@ class Magi2PromptEnhancer(ConfigMixin):
                 tokenizer_or_processor,
                 max_new_tokens=max_new_tokens,
                 seed=seed,
+                device_map=device_map,
                 generate_kwargs=generate_kwargs,
             )
 
@@ -156,6 +160,7 @@ class Magi2PromptEnhancer(ConfigMixin):
         max_new_tokens: int = 16384,
         seed: int = 0,
         generate_kwargs: dict | None = None,
+        device_map: str | dict | None = None,
     ) -> "Magi2PromptEnhancer":
         """An enhancer generating with a local transformers model (greedy, seeded).
 
@@ -171,6 +176,8 @@ class Magi2PromptEnhancer(ConfigMixin):
             max_new_tokens (`int`, defaults to 16384): The generation length.
             seed (`int`, defaults to 0): The torch seed generation runs under (the global generator is restored).
             generate_kwargs (`dict`, *optional*): More ``generate`` arguments (e.g. ``logits_processor``).
+            device_map (`str` or `dict`, *optional*): Where a model given as a path is loaded (transformers'
+                ``device_map``, e.g. ``"cuda"``; saved); by default the CPU. A loaded model stays where it is.
 
         Raises:
             ValueError: A bad length or seed, a bad template, a loaded model without a tokenizer or processor and
@@ -185,6 +192,7 @@ class Magi2PromptEnhancer(ConfigMixin):
             model=path,
             max_new_tokens=max_new_tokens,
             seed=seed,
+            device_map=device_map,
             template=template,
             local_model=local_model,
             tokenizer_or_processor=tokenizer_or_processor,

@@ -65,6 +65,7 @@ class LocalModelClient:
         tokenizer_or_processor (*optional*): A loaded model's tokenizer or processor; else loaded from its path.
         max_new_tokens (`int`): The generation length.
         seed (`int`): The torch seed.
+        device_map (`str` or `dict`, *optional*): transformers' ``device_map`` for a model loaded from its path.
         generate_kwargs (`dict`, *optional*): More arguments of ``generate``.
 
     Raises:
@@ -79,6 +80,7 @@ class LocalModelClient:
         *,
         max_new_tokens: int,
         seed: int,
+        device_map: str | dict | None = None,
         generate_kwargs: dict | None = None,
     ):
         if model is None:
@@ -102,6 +104,7 @@ class LocalModelClient:
         self.tokenizer_or_processor = tokenizer_or_processor
         self.max_new_tokens = max_new_tokens
         self.seed = seed
+        self.device_map = device_map
         self.generate_kwargs = generate_kwargs
 
     @property
@@ -119,7 +122,7 @@ class LocalModelClient:
             config = transformers.AutoConfig.from_pretrained(self.path)
             image_text = type(config) in transformers.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
             auto_model = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
-            self.model = auto_model.from_pretrained(self.path, dtype="auto")
+            self.model = auto_model.from_pretrained(self.path, dtype="auto", device_map=self.device_map)
         if self.tokenizer_or_processor is None:
             if self.path is None:
                 raise ValueError(

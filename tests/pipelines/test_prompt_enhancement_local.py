@@ -185,10 +185,13 @@ def test_a_text_model_loaded_from_its_folder_enhances_text_and_refuses_an_image(
     tokenizer.save_pretrained(tmp_path / "lm")
     force = _forcing(tokenizer, golden_text("prompt_enhancement/t2v_cooking_multiline.input.json"))
     enhancer = Magi2PromptEnhancer.from_local_model(
-        tmp_path / "lm", template=TEMPLATE, generate_kwargs={"logits_processor": LogitsProcessorList([force])}
+        tmp_path / "lm",
+        template=TEMPLATE,
+        generate_kwargs={"logits_processor": LogitsProcessorList([force])},
+        device_map="cpu",
     )
     assert enhancer("an omelette") == golden_text("prompt_enhancement/t2v_cooking_multiline.render_markdown.md")
-    assert type(enhancer.client.model).__name__ == "Qwen2ForCausalLM"
+    assert type(enhancer.client.model).__name__ == "Qwen2ForCausalLM" and enhancer.client.model.device.type == "cpu"
     with pytest.raises(
         ValueError, match=rf"local model {tmp_path / 'lm'} reads text only .*AutoModelForImageTextToText"
     ):
@@ -196,11 +199,12 @@ def test_a_text_model_loaded_from_its_folder_enhances_text_and_refuses_an_image(
 
     enhancer.save_pretrained(tmp_path / "enhancer")  # the path, not the weights
     config = json.loads((tmp_path / "enhancer" / "prompt_enhancer_config.json").read_text())
-    assert (config["kind"], config["model"], config["max_new_tokens"], config["seed"]) == (
+    assert (config["kind"], config["model"], config["max_new_tokens"], config["seed"], config["device_map"]) == (
         "local",
         str(tmp_path / "lm"),
         16384,
         0,
+        "cpu",
     )
     assert sorted(path.name for path in (tmp_path / "enhancer").iterdir()) == [
         "i2v.md",
