@@ -49,6 +49,7 @@ _PUBLIC_NAMES = {
     "Magi2TransformerOutput": ".models.transformer_magi2",
     "Magi2TurboVAEDecoder": ".models.turbo_vae",
     "RoutingScore": ".moe.routing",
+    "apply_router_input_check": ".models.finite_checks_magi2",
     "build_tiny_default_pipeline": ".pipelines.tiny_default",
     "check_router_inputs_finite": ".models.finite_checks_magi2",
     "clear_router_input_flags": ".models.finite_checks_magi2",

@@ -449,15 +449,12 @@ def train_step(accelerator, transformer, optimizer, lr_scheduler, params, sample
     over the ranks and the optimizer and the LR schedule step. Returns the micro-batches' mean loss (fp32).
 
     A NaN or inf that reached a MoE router in a forward raises the same ``ValueError`` on every rank before its
-    backward (``check_router_inputs_finite``), as the pipelines' denoising steps do."""
-    from diffusers_magi2 import check_router_inputs_finite, clear_router_input_flags
-
+    backward: the router check ``Magi2Pipeline`` installed on the transformer runs in each forward
+    (``apply_router_input_check``; a gradient-checkpointed block's recompute runs none)."""
     total = 0.0
     for sample in samples:
         with accelerator.accumulate(transformer):
-            clear_router_input_flags(transformer)  # only this forward counts
             loss = training_loss(transformer, sample, generator, device, fixed)
-            check_router_inputs_finite(transformer)
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 average_gradients(accelerator, params)

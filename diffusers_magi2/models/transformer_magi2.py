@@ -515,9 +515,9 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
         Returns:
             ``Magi2TransformerOutput(sample [B, Cv, T, H, W] fp32, audio_sample [B, La, Ca] fp32)``. A NaN or inf
             that reaches a MoE router is recorded, not raised (no host read inside the blocks, and under context
-            parallelism every rank finishes the forward): the output then holds NaNs, and
-            :func:`~diffusers_magi2.models.finite_checks_magi2.check_router_inputs_finite` raises for it on every
-            rank. The pipelines call it once per step; a caller of the model itself calls it after the forward.
+            parallelism every rank finishes the forward): the output then holds NaNs, and the router check
+            raises for it at the end of the forward on every rank, once installed
+            (:func:`~diffusers_magi2.models.finite_checks_magi2.apply_router_input_check`; the pipelines do).
 
         Raises:
             ValueError: bad shapes (see :meth:`pack_inputs`), or an ``attention_kwargs`` key other than ``"scale"``.

@@ -19,7 +19,7 @@ import torch
 from diffusers.modular_pipelines import LoopSequentialPipelineBlocks, ModularPipelineBlocks, PipelineState
 from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam, OutputParam
 
-from ..models.finite_checks_magi2 import check_router_inputs_finite, clear_router_input_flags
+from ..models.finite_checks_magi2 import apply_router_input_check, check_stage_result_finite
 from ..pipelines.presets_magi2 import CALLBACK_TENSOR_INPUTS
 from ..pipelines.refiner_stage import prepare_refiner_latents
 from ..pipelines.sampling_magi2 import cache_context, preview_forward, refiner_forward
@@ -105,7 +105,6 @@ class Magi2LoopDenoiser(_Magi2LoopBlock):
     def __call__(self, components, bs, i: int, t: torch.Tensor):
         guiders = {"latents": components.guider, "audio_latents": components.audio_guider}
         passes, own = guidance_passes(guiders, bs, i, len(bs.step_timesteps), t)
-        clear_router_input_flags(components.transformer)  # only this step's forwards count
         with cache_context(components.transformer, "_".join(passes), **bs.step_context):
             video, audio = preview_forward(
                 components.transformer,
@@ -118,7 +117,6 @@ class Magi2LoopDenoiser(_Magi2LoopBlock):
                 bs.image_embeds,
                 bs.attention_kwargs,
             )
-        check_router_inputs_finite(components.transformer, i)  # every rank raises together, before the step
         predictions = {"latents": dict(zip(passes, video)), "audio_latents": dict(zip(passes, audio))}
         bs.velocities = combine_passes(guiders, own, predictions)
         return components, bs
@@ -145,7 +143,6 @@ class Magi2RefinerLoopDenoiser(_Magi2LoopBlock):
     def __call__(self, components, bs, i: int, t: torch.Tensor):
         guiders = {"latents": bs.step_guider}
         passes, own = guidance_passes(guiders, bs, i, len(bs.step_timesteps), t)
-        clear_router_input_flags(components.transformer)  # only this step's forwards count
         predictions = {
             branch: refiner_forward(
                 components.refiner,
@@ -194,10 +191,15 @@ class Magi2DenoiseLoopWrapper(Magi2BlockChecks, LoopSequentialPipelineBlocks):
     """The loop over a stage's timesteps (skipping steps once interrupted); the sub-blocks run each step on the
     block state's ``latents``, ``audio_latents`` and text tensors.
 
-    A stage gives :meth:`stage` (its timesteps and each latent's scheduler); ``__call__`` runs the loop.
+    A stage gives :meth:`stage` (its timesteps and each latent's scheduler); ``__call__`` runs the loop, then checks
+    the stage's result once (``check_stage_result_finite`` on the latents it stepped, blaming the weights of
+    ``stage_model``; the router check runs in each transformer forward, its hook).
     """
 
     model_name = "magi2"
+    #: the component the stage runs (whose weights a non-finite result blames) and its name in the error
+    stage_model = "transformer"
+    stage_name = "preview"
     description = "Pipeline block that iteratively denoises the latents; each step runs the sub-blocks in order"
     block_names = ["before_denoiser", "denoiser", "after_denoiser"]
 
@@ -225,6 +227,8 @@ class Magi2DenoiseLoopWrapper(Magi2BlockChecks, LoopSequentialPipelineBlocks):
                         continue
                     components, bs = self.loop_step(components, bs, i=i, t=t)
             components._current_timestep = None
+            results = {name: getattr(bs, name) for name in bs.step_schedulers}
+            check_stage_result_finite(getattr(components, self.stage_model), results, self.stage_name)
         self.set_block_state(state, bs)
         return components, state
 
@@ -255,6 +259,7 @@ class Magi2DenoiseStep(Magi2DenoiseLoopWrapper):
         ]
 
     def stage(self, components, block_state):
+        apply_router_input_check(components.transformer)  # (once: a transformer that has the hook keeps it)
         schedulers = {"latents": block_state.video_scheduler, "audio_latents": block_state.audio_scheduler}
         return block_state.timesteps, schedulers
 
@@ -265,6 +270,8 @@ class Magi2RefinerDenoiseStep(Magi2DenoiseLoopWrapper):
     ``guider.new(guidance_scale=refiner_guidance_scale)`` (CFG 2 by default)."""
 
     block_classes = [Magi2LoopBeforeDenoiser, Magi2RefinerLoopDenoiser, Magi2LoopAfterDenoiser]
+    stage_model = "refiner"
+    stage_name = "refiner"
     description = (
         "Refiner step (1080p stage): upsamples the preview latent to 2T - 1 frames at the output size, "
         "re-noises it from the same generator, then iterates `before_denoiser`, `denoiser` "

@@ -30,7 +30,7 @@ from diffusers.video_processor import VideoProcessor
 
 # imported by name: diffusers resolves model_index.json's ``diffusers_magi2.models.*`` through sys.modules
 from ..loaders.lora_pipeline_magi2 import Magi2LoraLoaderMixin
-from ..models.finite_checks_magi2 import check_router_inputs_finite, clear_router_input_flags
+from ..models.finite_checks_magi2 import apply_router_input_check, check_stage_result_finite
 from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..models.turbo_vae import Magi2TurboVAEDecoder
@@ -222,6 +222,8 @@ class Magi2Pipeline(
             refiner_noise_value=refiner_noise_value,
         )
         self._check_components()
+        if transformer is not None:
+            apply_router_input_check(transformer)  # every forward refuses NaN/inf router inputs on every rank
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
         self.reference_image_processor = reference_image_processor(self.vae_scale_factor_spatial)
 
@@ -531,7 +533,7 @@ class Magi2Pipeline(
         schedulers = {"latents": video_scheduler, "audio_latents": audio_scheduler}
         self._denoise(
             self.transformer, timesteps, tensors, schedulers, conditioning, "Denoising", *callbacks,
-            velocities=self._preview_velocities,
+            velocities=self._preview_velocities, stage="preview",
         )  # fmt: skip
 
         # 6. refiner stage; its re-noise continues the generator after the preview draws
@@ -545,7 +547,7 @@ class Magi2Pipeline(
             timesteps = refiner_scheduler.timesteps
             self._denoise(
                 self.refiner, timesteps, tensors, schedulers, conditioning, "Refining", *callbacks,
-                velocities=self._refiner_velocities,
+                velocities=self._refiner_velocities, stage="refiner",
             )  # fmt: skip
             fps = 2.0 * fps
         latents, audio_latents = tensors["latents"], tensors["audio_latents"]
@@ -598,6 +600,7 @@ class Magi2Pipeline(
         callback_on_step_end_tensor_inputs,
         *,
         velocities: Callable,
+        stage: str,
     ) -> dict:
         """The loop of both stages (``model`` is the transformer or the refiner), as diffusers' Wan loop.
 
@@ -606,7 +609,8 @@ class Magi2Pipeline(
         step_index, num_inference_steps, timestep, for the forwards' cache contexts), one scheduler step per
         latent, then the step callback, which may replace any entry of ``tensors`` (the step table, updated in
         place and returned). ``conditioning`` holds the masks and I2V tensors (and the refiner's
-        ``guidance_scale``).
+        ``guidance_scale``). The router check runs in each forward (the transformer's hook); the stage's result is
+        checked once, after its last step (``stage`` names it in the error).
         """
         self._num_timesteps = len(timesteps)
         with self._stage_progress_bar(len(timesteps), description) as progress_bar:
@@ -615,9 +619,7 @@ class Magi2Pipeline(
                     continue
                 self._current_timestep = t
                 context = {"step_index": i, "num_inference_steps": len(timesteps), "timestep": t}
-                clear_router_input_flags(model)  # only this step's forwards count
                 step = velocities(model, t, tensors, conditioning, context)
-                check_router_inputs_finite(model, i)  # every rank raises together, before the step is taken
                 for name, velocity in step.items():
                     tensors[name] = schedulers[name].step(velocity, t, tensors[name], return_dict=False)[0]
                 if callback_on_step_end is not None:
@@ -626,6 +628,7 @@ class Magi2Pipeline(
                     tensors.update({name: value for name, value in outputs.items() if name in tensors})
                 progress_bar.update()
         self._current_timestep = None
+        check_stage_result_finite(model, {name: tensors[name] for name in schedulers}, stage)
         return tensors
 
     def _preview_velocities(self, model, t, tensors: dict, conditioning: dict, context: dict) -> dict:

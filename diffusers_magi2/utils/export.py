@@ -31,12 +31,23 @@ def _as_numpy(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
+def _refuse_non_finite(what: str, values: np.ndarray) -> None:
+    """``ValueError`` naming the first NaN/inf of ``values`` (a black or silent clip would be written otherwise)."""
+    bad = np.argwhere(~np.isfinite(values))
+    if bad.size:
+        index = tuple(int(i) for i in bad[0])
+        raise ValueError(
+            f"{what} holds NaN/inf ({len(bad)} values, the first {values[index]} at index {list(index)}); nothing "
+            "was written: an mp4 of it would be black or silent there"
+        )
+
+
 def frames_to_uint8(video: Any) -> np.ndarray:
     """Frames as ``[F, H, W, 3]`` uint8: uint8 as is, float ``[0, 1]`` as ``uint8(clip(x) * 255)`` (the reference's
     rounding); ``[1, F, ...]`` and ``[F, 3, H, W]`` layouts and lists of PIL images are accepted.
 
     Raises:
-        ValueError: wrong rank/channel count, an empty clip, or an unsupported dtype.
+        ValueError: wrong rank/channel count, an empty clip, an unsupported dtype, or a NaN/inf value.
     """
     if isinstance(video, (list, tuple)):
         if len(video) == 0:
@@ -60,6 +71,7 @@ def frames_to_uint8(video: Any) -> np.ndarray:
     if video.dtype == np.uint8:
         return np.ascontiguousarray(video)
     if np.issubdtype(video.dtype, np.floating):
+        _refuse_non_finite("video", video)
         return np.ascontiguousarray((np.clip(video.astype(np.float32), 0.0, 1.0) * 255.0).astype(np.uint8))
     raise ValueError(f"video dtype must be uint8 (0-255) or float (0-1); got {video.dtype}")
 
@@ -83,6 +95,7 @@ def _audio_planar(audio: Any) -> np.ndarray:
         audio = np.repeat(audio, 2, axis=0)
     if not np.issubdtype(audio.dtype, np.floating):
         raise ValueError(f"audio must be float samples in [-1, 1]; got dtype {audio.dtype}")
+    _refuse_non_finite("audio", audio)
     return np.ascontiguousarray(audio.astype(np.float32))
 
 
@@ -139,8 +152,8 @@ def export_to_video_with_audio(
         ``str(output_path)``.
 
     Raises:
-        ValueError: bad frames/audio shapes or dtypes, odd frame size, non-positive fps or sample rate,
-            or video and audio durations that differ by more than one frame period (unless
+        ValueError: bad frames/audio shapes or dtypes, NaN/inf frames or audio samples, odd frame size,
+            non-positive fps or sample rate, or video and audio durations that differ by more than one frame period (unless
             ``trim_or_pad_audio``).
         TypeError: ``trim_or_pad_audio`` is not a bool.
     """

@@ -38,3 +38,28 @@ def calls_around_a_non_finite_prompt(rank: int, world: int) -> dict:
         result["error"] = str(err)
     result["after"] = call(embeds, 1)  # the same group serves the next request
     return result
+
+
+def errors_of_non_finite_weights(rank: int, world: int) -> dict:
+    """Per case of ``non_finite_cases.CASES``: the error of a 1-step call of the classic and of the modular
+    pipeline (tiny, with the refiner) under CP N with that weight poisoned, then the latents of a clean call."""
+    from .modular_testing_utils import PROMPT, tiny_pipelines
+    from .non_finite_cases import CASES, ONE_STEP, poisoned
+
+    pipe, modular = tiny_pipelines(with_refiner=True)
+    if world > 1:
+        pipe.enable_context_parallel(ContextParallelConfig(ulysses_degree=world))
+    runs = {
+        "classic": lambda call: pipe(PROMPT, generator=torch.Generator("cpu").manual_seed(3), **call),
+        "modular": lambda call: modular(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(3), **call),
+    }
+    errors = {}
+    for case, (component, name, index, call, _) in CASES.items():
+        with poisoned(getattr(pipe, component), name, index):
+            for kind, run in runs.items():
+                try:
+                    run(call)
+                    errors[case, kind] = None
+                except ValueError as err:
+                    errors[case, kind] = str(err)
+    return {"errors": errors, "after": runs["classic"](ONE_STEP).frames}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 
 import av
@@ -135,6 +136,21 @@ def test_bad_inputs_raise_and_leave_nothing(tmp_path):
     with pytest.raises(Exception):
         export_to_video_with_audio(good, tmp_path / "bad.mp4", video_codec="no_such_codec")
     assert list(tmp_path.iterdir()) == []  # the temporary file is removed on failure
+
+
+@pytest.mark.parametrize(
+    "what, value, index, reported",
+    [("video", "nan", (2, 3, 1, 0), "[2, 3, 1, 0]"), ("video", "inf", (2, 3, 1, 0), "[2, 3, 1, 0]"),
+     ("audio", "nan", (100, 1), "[1, 100]")],  # audio is reported as [channel, sample]
+)  # fmt: skip
+def test_non_finite_frames_or_audio_are_refused_before_anything_is_written(tmp_path, what, value, index, reported):
+    """A NaN frame would be written black (and a NaN sample silent): the exporter refuses it, naming the first."""
+    frames, audio = np.full((25, 16, 16, 3), 0.5, dtype=np.float32), _tone(2.0)
+    (frames if what == "video" else audio)[index] = float(value)
+    expected = rf"^{what} holds NaN/inf \(1 values, the first {value} at index {re.escape(reported)}\)"
+    with pytest.raises(ValueError, match=expected):
+        export_to_video_with_audio(frames, tmp_path / "clip.mp4", audio=audio, fps=12.5)
+    assert list(tmp_path.iterdir()) == []
 
 
 def _tone(seconds, sample_rate=44_100):
