@@ -115,8 +115,9 @@ class EndpointClient:
             ) from error
         except openai.APIConnectionError as error:
             raise RuntimeError(
-                f"Prompt enhancement failed: {self.source} could not be reached ({error}; {error.__cause__}). Is the "
-                "server running at that address (base_url=... or OPENAI_BASE_URL)?"
+                f"Prompt enhancement failed: {self.source} could not be reached "
+                f"({'; '.join(str(reason) for reason in (error, error.__cause__) if reason)}). Is the server running "
+                "at that address (base_url=... or OPENAI_BASE_URL)?"
             ) from error
         except openai.APIStatusError as error:
             raise RuntimeError(
