@@ -33,6 +33,7 @@ from .attention_magi2 import check_attention_kwargs, check_transformer_geometry
 from .cache_magi2 import Magi2CacheMixin
 from .context_parallel_magi2 import Magi2ContextParallelMixin
 from .modality import Magi2ModalityGroupedLinear
+from .weight_streaming import Magi2WeightStreamingMixin
 
 
 __all__ = ["Magi2ModelMixin", "Magi2TransformerBase", "checkpoint_with_inputs_on_host", "other_variant_shards"]
@@ -327,6 +328,7 @@ class Magi2TransformerBase(
     FromOriginalCheckpointMixin,
     AttentionMixin,
     Magi2CacheMixin,
+    Magi2WeightStreamingMixin,
 ):
     r"""Base of both MAGI-2 transformers: :class:`Magi2ModelMixin` with diffusers' config, attention-processor and
     cache mixins, ``enable_parallelism`` (context parallelism) and ``from_original_checkpoint``, plus what both

@@ -1,0 +1,444 @@
+"""Streamed block weights: a model's transformer blocks live in host memory and pass through a small device ring.
+
+Every tensor a block registers (parameters and buffers, whatever their dtype: int4 codes and their group scales,
+FP8 or bf16 dense weights, fp32 islands, LoRA adapters loaded before streaming starts) is packed by bytes into one
+flat host buffer per block, each tensor at an offset aligned to :data:`ALIGNMENT` bytes; the block's tensors then
+become views into that buffer, so host memory holds the weights once. On CUDA the buffers are pinned, packed into
+a few arenas (torch's pinned host allocator rounds each allocation up to a power of two, so one allocation per
+block could cost up to 2x; :func:`plan_pinned_arenas` chooses arenas whose rounding is small).
+
+The device holds a ring of ``ring_size`` preallocated byte buffers (slots), each as large as the largest block. A
+diffusers :class:`~diffusers.hooks.ModelHook` on each block, before the block runs::
+
+    slot(i) <- copy_(host(i))            unless a prefetch already did; then wait for that copy
+    params(i) <- views of slot(i)        (``tensor.data = view``: the Parameter objects stay the same)
+    prefetch i+1 .. i+ring_size-1        into free slots, on a side CUDA stream (events order the two streams)
+
+and after it: ``params(i) <- views of host(i)``, slot(i) released (on CUDA, with an event the next copy into the
+slot waits for). So the device holds at most ``ring_size`` blocks' weights; everything outside the blocks
+(embedders, adapters, final projections) stays resident on the device. On the CPU the ring is host memory and the
+copies are synchronous, so the suite runs the same mechanism.
+
+diffusers' ``enable_group_offload`` is not used: with ``use_stream=True`` it pins a second copy of every tensor
+(power-of-two rounded, tensor by tensor) and assigns each onload a new device tensor; there is no reused device
+buffer to bound the device's share, and no single host copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+
+
+#: Byte alignment of every tensor inside a block's buffer (a CUDA allocation's alignment; Triton's 16 divides it).
+ALIGNMENT = 256
+
+#: The :class:`~diffusers.hooks.HookRegistry` name of the streaming hook on each block.
+WEIGHT_STREAMING_HOOK = "magi2_weight_streaming"
+
+#: The host memory modes of :meth:`enable_weight_streaming`.
+HOST_MEMORY_MODES = ("pinned", "disk")
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def plan_pinned_arenas(block_nbytes: Sequence[int]) -> List[List[int]]:
+    """Group consecutive blocks into pinned arenas so that the power-of-two rounding of each arena's allocation
+    costs least: a list of the block indices in each arena."""
+    best, best_cost = None, None
+    cap = _next_pow2(max(block_nbytes))
+    while True:
+        groups, total = [[]], 0
+        for i, n in enumerate(block_nbytes):
+            if groups[-1] and total + n > cap:
+                groups.append([])
+                total = 0
+            groups[-1].append(i)
+            total += n
+        cost = sum(_next_pow2(sum(block_nbytes[i] for i in g)) for g in groups)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = groups, cost
+        if len(groups) == 1:
+            return best
+        cap *= 2
+
+
+def pinned_bytes(block_nbytes: Sequence[int]) -> int:
+    """Bytes torch's pinned host allocator reserves for :func:`plan_pinned_arenas`' arenas."""
+    return sum(_next_pow2(sum(block_nbytes[i] for i in g)) for g in plan_pinned_arenas(block_nbytes))
+
+
+def _block_tensors(block: torch.nn.Module) -> List[torch.Tensor]:
+    """The block's parameters and buffers, each storage once, in registration order."""
+    seen, out = set(), []
+    for t in [*block.parameters(), *block.buffers()]:
+        if t.data_ptr() not in seen or t.numel() == 0:
+            seen.add(t.data_ptr())
+            out.append(t)
+    return out
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its storage span exactly once (contiguous in some order of its dims)."""
+    if t.numel() == 0:
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _span_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the storage span ``t`` covers with its own strides (dense, non-overlapping tensors)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
+@dataclass
+class _Entry:
+    tensor: torch.Tensor  # the block's Parameter or buffer (its .data is repointed)
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: torch.Size
+    stride: tuple
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        raw = flat.narrow(0, self.offset, self.nbytes)
+        if self.nbytes == 0:
+            return torch.empty(self.shape, dtype=self.dtype, device=flat.device)
+        return raw.view(self.dtype).as_strided(self.shape, self.stride)
+
+
+@dataclass
+class _StreamedBlock:
+    index: int
+    module: torch.nn.Module
+    entries: List[_Entry]
+    nbytes: int
+    host: Optional[torch.Tensor] = None  # uint8 [nbytes], a view into its arena
+    host_views: List[torch.Tensor] = field(default_factory=list)
+
+
+def _layout(block: torch.nn.Module, index: int) -> _StreamedBlock:
+    """Offsets of every tensor of ``block`` in its flat buffer (nothing is copied yet)."""
+    entries, offset = [], 0
+    for t in _block_tensors(block):
+        if not _dense(t):
+            raise ValueError(f"block {index}: a tensor of shape {tuple(t.shape)} overlaps itself; it cannot be packed")
+        nbytes = _span_nbytes(t)
+        entries.append(_Entry(t, offset, nbytes, t.dtype, t.shape, t.stride()))
+        offset = _align(offset + nbytes)
+    return _StreamedBlock(index, block, entries, offset)
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor  # uint8 [slot_nbytes] on the device
+    block: Optional[int] = None
+    in_use: bool = False
+    ready: Optional[object] = None  # CUDA event: the copy into this slot finished
+    free: Optional[object] = None  # CUDA event: the compute that read this slot finished
+    views: dict = field(default_factory=dict)  # block index -> its tensors' views into this slot
+
+
+class WeightStreamer:
+    """The host buffers, the device ring and the per-block hooks of one streamed model; built by
+    :func:`apply_weight_streaming`.
+
+    Attributes:
+        blocks: the streamed blocks, in call order.
+        slots: the device ring.
+        host_nbytes: bytes of the packed host buffers (the weights once, plus alignment).
+        host_reserved_nbytes: bytes the host allocator reserves for them (pinned rounding included).
+        ring_nbytes: bytes of the device ring.
+    """
+
+    def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device, ring_size: int, use_stream: bool):
+        self.device = device
+        self.blocks = [_layout(b, i) for i, b in enumerate(blocks)]
+        sizes = [b.nbytes for b in self.blocks]
+        pinned = device.type == "cuda"
+        arenas = plan_pinned_arenas(sizes) if pinned else [[i] for i in range(len(sizes))]
+        self.host_nbytes = sum(sizes)
+        self.host_reserved_nbytes = pinned_bytes(sizes) if pinned else self.host_nbytes
+        for group in arenas:
+            arena = torch.empty(sum(sizes[i] for i in group), dtype=torch.uint8, pin_memory=pinned)
+            offset = 0
+            for i in group:
+                self._pack(self.blocks[i], arena.narrow(0, offset, sizes[i]))
+                offset += sizes[i]
+        slot_nbytes = max(sizes)
+        self.slots = [_Slot(torch.empty(slot_nbytes, dtype=torch.uint8, device=device)) for _ in range(ring_size)]
+        self.ring_nbytes = slot_nbytes * ring_size
+        self.stream = torch.cuda.Stream(device) if use_stream else None
+        if use_stream:
+            for slot in self.slots:
+                slot.ready, slot.free = torch.cuda.Event(), torch.cuda.Event()
+        #: called with each slot as it is released (tests poison it here)
+        self.on_release: Optional[Callable[[torch.Tensor], None]] = None
+
+    @staticmethod
+    def _pack(block: _StreamedBlock, host: torch.Tensor) -> None:
+        """Copy the block's tensors into ``host`` and point them at their views there (the originals are freed)."""
+        block.host = host
+        for e in block.entries:
+            view = e.view(host)
+            view.copy_(e.tensor.data)
+            e.tensor.data = view
+            block.host_views.append(view)
+
+    # --- the ring
+
+    def _find(self, index: int) -> Optional[_Slot]:
+        return next((s for s in self.slots if s.block == index), None)
+
+    def _load(self, index: int, window: Sequence[int]) -> Optional[_Slot]:
+        """Start copying block ``index`` into a slot not in use (preferring one whose block is outside ``window``);
+        ``None`` when every slot is taken."""
+        free = [s for s in self.slots if not s.in_use and s.block not in window]
+        if not free:
+            return None
+        slot = next((s for s in free if s.block is None), free[0])
+        block = self.blocks[index]
+        dst = slot.buffer.narrow(0, 0, block.nbytes)
+        if self.stream is None:
+            dst.copy_(block.host)
+        else:
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(slot.free)  # the compute that last read this slot is done
+                dst.copy_(block.host, non_blocking=True)
+                slot.ready.record(self.stream)
+        slot.block = index
+        return slot
+
+    def acquire(self, index: int) -> None:
+        """Point block ``index``'s tensors at a ring slot holding its weights; prefetch the blocks after it."""
+        block = self.blocks[index]
+        self._check_unchanged(block)
+        window = range(index, min(index + len(self.slots), len(self.blocks)))
+        slot = self._find(index) or self._load(index, window)
+        if slot is None:
+            raise RuntimeError(f"weight streaming: no free ring slot for block {index} (a block did not finish)")
+        slot.in_use = True
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        views = slot.views.get(index)
+        if views is None:
+            views = slot.views[index] = [e.view(slot.buffer) for e in block.entries]
+        for e, view in zip(block.entries, views):
+            e.tensor.data = view
+        for j in window[1:]:
+            if self._find(j) is None and self._load(j, window) is None:
+                break
+
+    def release(self, index: int) -> None:
+        """Point block ``index``'s tensors back at the host and free its slot for the next copy."""
+        block = self.blocks[index]
+        for e, view in zip(block.entries, block.host_views):
+            e.tensor.data = view
+        slot = self._find(index)
+        slot.in_use = False
+        if self.stream is not None:
+            slot.free.record(torch.cuda.current_stream(self.device))
+        if self.on_release is not None:
+            self.on_release(slot.buffer)
+            slot.block = None
+
+    def _check_unchanged(self, block: _StreamedBlock) -> None:
+        """Refuse a block whose tensors were replaced or added after streaming started (e.g. a LoRA loaded later)."""
+        current = _block_tensors(block.module)
+        known = {id(e.tensor) for e in block.entries}
+        if len(current) != len(block.entries) or any(id(t) not in known for t in current):
+            raise RuntimeError(
+                f"block {block.index}'s tensors changed after enable_weight_streaming (an adapter loaded, fused or "
+                "deleted, or a weight replaced); call disable_weight_streaming() first and enable it again after"
+            )
+        for e, view in zip(block.entries, block.host_views):
+            if e.tensor.data_ptr() != view.data_ptr():
+                raise RuntimeError(
+                    f"block {block.index}'s tensor {tuple(e.shape)} {e.dtype} no longer lives in its host buffer (a "
+                    "weight was replaced); call disable_weight_streaming() first and enable it again after"
+                )
+
+    def restore(self) -> None:
+        """Give every block its own resident tensors on the device again (the host buffers and the ring are freed)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        for block in self.blocks:
+            for e, view in zip(block.entries, block.host_views):
+                e.tensor.data = view.to(self.device, copy=True)
+            block.host, block.host_views = None, []
+        self.slots = []
+
+
+class WeightStreamingHook(ModelHook):
+    """Before the block runs, its weights come into a ring slot; after it, the slot is released."""
+
+    def __init__(self, streamer: WeightStreamer, index: int) -> None:
+        super().__init__()
+        self.streamer = streamer
+        self.index = index
+
+    def pre_forward(self, module, *args, **kwargs):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "weight streaming runs inference only (torch.no_grad() or torch.inference_mode()): autograd would keep "
+                "views of a ring slot that the next blocks overwrite"
+            )
+        self.streamer.acquire(self.index)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        self.streamer.release(self.index)
+        return output
+
+
+def check_weight_streaming_args(device, ring_size: int, host_memory: str, use_stream: Optional[bool]):
+    """Resolve and check :func:`apply_weight_streaming`'s arguments before anything moves: ``(device, use_stream)``.
+
+    Raises:
+        ValueError: ``host_memory`` not in :data:`HOST_MEMORY_MODES`, ``ring_size`` below 2, or a side stream asked
+            for on a device that is not CUDA.
+        NotImplementedError: ``host_memory="disk"`` (not built yet).
+    """
+    if host_memory not in HOST_MEMORY_MODES:
+        raise ValueError(f"host_memory must be one of {HOST_MEMORY_MODES}, got {host_memory!r}")
+    if host_memory == "disk":
+        raise NotImplementedError(
+            'host_memory="disk" (reading each block from the repo\'s safetensors into a pinned staging ring) is not '
+            'built yet; use host_memory="pinned", which holds the streamed weights once in host memory'
+        )
+    if not isinstance(ring_size, int) or ring_size < 2:
+        raise ValueError(f"ring_size must be an int >= 2 (one slot computes while the next loads), got {ring_size!r}")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if use_stream is None:
+        use_stream = device.type == "cuda"
+    if use_stream and device.type != "cuda":
+        raise ValueError(f"a side stream for the weight copies needs a CUDA device, got device={str(device)!r}")
+    return device, use_stream
+
+
+def apply_weight_streaming(
+    model: torch.nn.Module,
+    blocks: Sequence[torch.nn.Module],
+    device,
+    ring_size: int = 2,
+    host_memory: str = "pinned",
+    use_stream: Optional[bool] = None,
+) -> WeightStreamer:
+    """Stream ``blocks``' weights through a ``ring_size``-slot device ring; move the rest of ``model`` to ``device``.
+
+    Args:
+        model: the model owning ``blocks``; its other weights become resident on ``device``.
+        blocks: the modules streamed, in call order (each called once per forward).
+        device: where the blocks compute (a CUDA device, or ``"cpu"``: the same ring in host memory).
+        ring_size: slots in the device ring (2 or 3: one computes while the others load).
+        host_memory: ``"pinned"`` (the weights held once in host memory, pinned on CUDA) or ``"disk"`` (not built).
+        use_stream: copy on a side CUDA stream (``None``: on CUDA).
+
+    Returns:
+        The :class:`WeightStreamer` (held by the model; its sizes say what the host and the device hold).
+
+    Raises:
+        ValueError, NotImplementedError: see :func:`check_weight_streaming_args`; or weights streamed already.
+    """
+    device, use_stream = check_weight_streaming_args(device, ring_size, host_memory, use_stream)
+    if any(HookRegistry.check_if_exists_or_initialize(b).get_hook(WEIGHT_STREAMING_HOOK) for b in blocks):
+        raise ValueError("weights are streamed already; call disable_weight_streaming() first")
+    block_ids = {id(t) for b in blocks for t in _block_tensors(b)}
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if id(t) not in block_ids:
+                t.data = t.data.to(device)
+        for b in blocks:  # the blocks' tensors on the host first (a model on the device comes back block by block)
+            for t in _block_tensors(b):
+                if t.device.type != "cpu":
+                    t.data = t.data.cpu()
+        streamer = WeightStreamer(blocks, device, ring_size, use_stream)
+    for i, b in enumerate(blocks):
+        HookRegistry.check_if_exists_or_initialize(b).register_hook(
+            WeightStreamingHook(streamer, i), WEIGHT_STREAMING_HOOK
+        )
+    return streamer
+
+
+def remove_weight_streaming(streamer: WeightStreamer) -> None:
+    """Remove the hooks and put every block's weights back on the device, resident."""
+    for block in streamer.blocks:
+        HookRegistry.check_if_exists_or_initialize(block.module).remove_hook(WEIGHT_STREAMING_HOOK, recurse=False)
+    streamer.restore()
+
+
+class Magi2WeightStreamingMixin:
+    """``enable_weight_streaming`` / ``disable_weight_streaming`` for a model whose ``transformer_blocks`` run in
+    order once per forward."""
+
+    def enable_weight_streaming(
+        self,
+        device="cuda",
+        vram_gb: Optional[float] = None,
+        ring_size: int = 2,
+        host_memory: str = "pinned",
+        use_stream: Optional[bool] = None,
+    ) -> WeightStreamer:
+        """Keep the ``transformer_blocks``' weights in host memory, held once, and copy each block into a ring of
+        ``ring_size`` preallocated device buffers just before it runs (the next block's copy overlapping this one's
+        compute on a side CUDA stream); everything else moves to ``device`` and stays there. Inference only.
+
+        Args:
+            device: the compute device (``"cpu"`` runs the same ring in host memory, with synchronous copies).
+            vram_gb: the card's memory in GB (10^9 bytes): refused when the resident weights plus the ring exceed it
+                (activations are not counted here).
+            ring_size: device slots, each the largest block's bytes (2 or 3).
+            host_memory: ``"pinned"`` (page-locked on CUDA; on the CPU there is nothing to pin) or ``"disk"`` (not
+                built yet: raises ``NotImplementedError``).
+            use_stream: copy on a side CUDA stream (default: on CUDA).
+
+        Returns:
+            The :class:`WeightStreamer`: ``host_nbytes``, ``host_reserved_nbytes``, ``ring_nbytes``.
+
+        Raises:
+            ValueError: bad arguments, a side stream without CUDA, streaming enabled already, or ``vram_gb`` below the
+                resident weights plus the ring (before any weight moves).
+            NotImplementedError: ``host_memory="disk"``.
+        """
+        check_weight_streaming_args(device, ring_size, host_memory, use_stream)
+        if vram_gb is not None:
+            need = self.weight_streaming_device_nbytes(ring_size)
+            if need > vram_gb * 1e9:
+                raise ValueError(
+                    f"vram_gb={vram_gb}: the resident weights plus a {ring_size}-block ring need {need / 1e9:.2f} GB"
+                )
+        self._weight_streamer = apply_weight_streaming(
+            self, list(self.transformer_blocks), device, ring_size, host_memory, use_stream
+        )
+        return self._weight_streamer
+
+    def weight_streaming_device_nbytes(self, ring_size: int = 2) -> int:
+        """Device bytes of the weights under streaming: everything outside the blocks plus ``ring_size`` slots."""
+        blocks = [_layout(b, i).nbytes for i, b in enumerate(self.transformer_blocks)]
+        block_ids = {id(t) for b in self.transformer_blocks for t in _block_tensors(b)}
+        resident = sum(t.nbytes for t in [*self.parameters(), *self.buffers()] if id(t) not in block_ids)
+        return resident + ring_size * max(blocks)
+
+    def disable_weight_streaming(self) -> None:
+        """Stop streaming: every block's weights become resident on the streaming device again."""
+        streamer = getattr(self, "_weight_streamer", None)
+        if streamer is not None:
+            remove_weight_streaming(streamer)
+            self._weight_streamer = None

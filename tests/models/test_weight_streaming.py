@@ -1,0 +1,178 @@
+"""Streamed block weights on the CPU ring: bit-for-bit equal to the resident model (bf16 and int4 experts, with a
+LoRA, the refiner), poisoned slots between uses, what the ring and the host hold, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.int4_models import int4_transformer
+from helpers.modular_testing_utils import tiny_refiner
+from helpers.tiny_transformer import tiny_inputs, tiny_model
+from peft import LoraConfig
+
+from diffusers_magi2.models.weight_streaming import _next_pow2, pinned_bytes, plan_pinned_arenas
+
+
+#: four layers (two MoE, two multimodal) so a two-slot ring is reused within one forward
+LAYERS = {"num_layers": 4, "multimodal_layers": [0, 3], "moe_layers": [1, 2]}
+
+
+def _bf16_model():
+    return tiny_model(**LAYERS).to(torch.bfloat16)
+
+
+def _run(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.sample, out.audio_sample
+
+
+def _assert_bitwise(a, b):
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is None:
+            continue
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def _block_tensors(model):
+    return [t for b in model.transformer_blocks for t in [*b.parameters(), *b.buffers()]]
+
+
+def _with_lora(model):
+    model.add_adapter(
+        LoraConfig(
+            r=2, lora_alpha=4, target_modules=["linear_proj"], exclude_modules=model.modality_grouped_linear_names()
+        )
+    )
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("variant", ["bf16", "int4", "bf16+lora"])
+def test_streamed_output_equals_resident_bit_for_bit(variant):
+    model = _bf16_model()
+    if variant == "int4":
+        model = int4_transformer(model, 16)
+    if variant.endswith("lora"):
+        model = _with_lora(model)
+    inputs = tiny_inputs(dtype=torch.bfloat16)
+    resident = _run(model, inputs)
+    n_lora = sum(".lora_" in n for n, _ in model.named_parameters())
+    streamer = model.enable_weight_streaming("cpu")
+    assert {t.dtype for t in _block_tensors(model)} >= ({torch.uint8} if variant == "int4" else {torch.bfloat16})
+    _assert_bitwise(_run(model, inputs), resident)
+    _assert_bitwise(_run(model, inputs), resident)  # the ring's slots reused across calls
+    assert sum(".lora_" in n for n, _ in model.named_parameters()) == n_lora > 0 or not variant.endswith("lora")
+    model.disable_weight_streaming()
+    hosts = {b.host.data_ptr() for b in streamer.blocks if b.host is not None}
+    assert not hosts and all(t.untyped_storage().nbytes() == t.nbytes for t in _block_tensors(model))
+    _assert_bitwise(_run(model, inputs), resident)
+
+
+def test_refiner_streamed_output_equals_resident_bit_for_bit():
+    model = tiny_refiner().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    cfg = model.config
+    inputs = {
+        "hidden_states": torch.randn(1, cfg.in_channels, 2, 4, 4, generator=g).bfloat16(),
+        "encoder_hidden_states": torch.randn(1, 3, cfg.text_in_channels, generator=g).bfloat16(),
+    }
+    resident = _run(model, inputs)
+    model.enable_weight_streaming("cpu")
+    _assert_bitwise(_run(model, inputs), resident)
+
+
+def test_poisoned_slots_between_uses_give_the_same_output():
+    model = int4_transformer(_bf16_model(), 16)
+    inputs = tiny_inputs(dtype=torch.bfloat16)
+    resident = _run(model, inputs)
+    streamer = model.enable_weight_streaming("cpu")
+    poisoned = []
+
+    def poison(slot: torch.Tensor) -> None:
+        slot.fill_(0xFF)  # NaN in every float dtype here, out-of-range codes in the int4 banks
+        poisoned.append(slot.data_ptr())
+
+    streamer.on_release = poison
+    _assert_bitwise(_run(model, inputs), resident)
+    assert len(poisoned) == len(model.transformer_blocks) and len(set(poisoned)) == len(streamer.slots) == 2
+
+
+def test_ring_holds_at_most_ring_size_blocks_and_the_host_holds_the_weights_once():
+    model = _with_lora(int4_transformer(_bf16_model(), 16))
+    inputs = tiny_inputs(dtype=torch.bfloat16)
+    weights = {t.data_ptr(): t.nbytes for t in _block_tensors(model)}
+    streamer = model.enable_weight_streaming("cpu", ring_size=3)
+    blocks = list(model.transformer_blocks)
+    sizes = [sum(t.nbytes for t in [*b.parameters(), *b.buffers()]) for b in blocks]
+    slots = [(s.buffer.data_ptr(), s.buffer.data_ptr() + s.buffer.nbytes) for s in streamer.slots]
+    # the ring: ring_size slots of the largest block (tensors at 256-byte offsets), and nothing else
+    assert streamer.ring_nbytes == sum(s.buffer.nbytes for s in streamer.slots) == 3 * streamer.slots[0].buffer.nbytes
+    assert max(sizes) <= streamer.slots[0].buffer.nbytes <= max(sizes) + 256 * len(list(blocks[0].parameters())) * 2
+    # the host: one buffer per block, every block tensor a view into it, the weights once (plus alignment)
+    assert streamer.host_nbytes == streamer.host_reserved_nbytes == sum(b.host.nbytes for b in streamer.blocks)
+    assert sum(weights.values()) <= streamer.host_nbytes <= sum(weights.values()) + 256 * len(weights)
+    for b in streamer.blocks:
+        tensors = [t for t in [*b.module.parameters(), *b.module.buffers()] if t.numel()]
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        assert ptrs == {b.host.untyped_storage().data_ptr()}
+    seen = []
+
+    def inside_block(module, args):
+        in_ring = [
+            sum(t.nbytes for t in [*b.parameters(), *b.buffers()] if any(lo <= t.data_ptr() < hi for lo, hi in slots))
+            for b in blocks
+        ]
+        seen.append(in_ring)
+
+    for b in blocks:
+        b.attention.register_forward_pre_hook(inside_block)
+    _run(model, inputs)
+    # while block i computes, exactly its own weights point into the ring; the others stay on the host
+    assert seen == [[sizes[i] if j == i else 0 for j in range(len(blocks))] for i in range(len(blocks))]
+
+
+def test_pinned_arenas_keep_the_power_of_two_rounding_small_at_the_released_sizes():
+    # the released preview's blocks with int4 experts (GB): 2 dense multimodal, 36 MoE, 2 dense multimodal
+    sizes = [int(0.26e9)] * 2 + [int(1.69e9)] * 36 + [int(0.26e9)] * 2
+    groups = plan_pinned_arenas(sizes)
+    assert [i for g in groups for i in g] == list(range(len(sizes)))
+    per_block = sum(_next_pow2(n) for n in sizes)
+    assert per_block > 1.15 * sum(sizes)  # pinning block by block: > 15 % rounding
+    assert pinned_bytes(sizes) == sum(_next_pow2(sum(sizes[i] for i in g)) for g in groups) <= 1.1 * sum(sizes)
+
+
+def test_refusals_before_any_weight_moves():
+    model = _bf16_model()
+    before = [t.data_ptr() for t in _block_tensors(model)]
+    with pytest.raises(NotImplementedError, match=r'host_memory="disk" .* not built yet; use host_memory="pinned"'):
+        model.enable_weight_streaming("cpu", host_memory="disk")
+    with pytest.raises(ValueError, match=r"host_memory must be one of \('pinned', 'disk'\), got 'ram'"):
+        model.enable_weight_streaming("cpu", host_memory="ram")
+    with pytest.raises(ValueError, match=r"a side stream for the weight copies needs a CUDA device, got device='cpu'"):
+        model.enable_weight_streaming("cpu", use_stream=True)
+    with pytest.raises(ValueError, match=r"ring_size must be an int >= 2"):
+        model.enable_weight_streaming("cpu", ring_size=1)
+    need = model.weight_streaming_device_nbytes(2)
+    with pytest.raises(ValueError, match=r"vram_gb=[0-9.e-]+: the resident weights plus a 2-block ring need"):
+        model.enable_weight_streaming("cpu", vram_gb=need / 1e9 / 2)
+    assert [t.data_ptr() for t in _block_tensors(model)] == before
+    model.enable_weight_streaming("cpu", vram_gb=need / 1e9)
+    with pytest.raises(ValueError, match=r"weights are streamed already; call disable_weight_streaming\(\) first"):
+        model.enable_weight_streaming("cpu")
+    with pytest.raises(RuntimeError, match=r"weight streaming runs inference only"):
+        model(**tiny_inputs(dtype=torch.bfloat16))
+
+
+def test_an_adapter_loaded_after_streaming_started_is_refused():
+    # (block 0 is multimodal: its grouped projections take no adapter here)
+    model = _bf16_model()
+    model.enable_weight_streaming("cpu")
+    _with_lora(model)
+    with pytest.raises(RuntimeError, match=r"block 1's tensors changed after enable_weight_streaming"):
+        _run(model, tiny_inputs(dtype=torch.bfloat16))
