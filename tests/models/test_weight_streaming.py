@@ -10,6 +10,7 @@ from helpers.modular_testing_utils import tiny_refiner
 from helpers.tiny_transformer import tiny_inputs, tiny_model
 from peft import LoraConfig
 
+from diffusers_magi2.models.finite_checks_magi2 import apply_router_input_check
 from diffusers_magi2.models.weight_streaming import _next_pow2, pinned_bytes, plan_pinned_arenas
 
 
@@ -176,3 +177,23 @@ def test_an_adapter_loaded_after_streaming_started_is_refused():
     _with_lora(model)
     with pytest.raises(RuntimeError, match=r"block 1's tensors changed after enable_weight_streaming"):
         _run(model, tiny_inputs(dtype=torch.bfloat16))
+
+
+def test_router_check_hook_composes_with_streaming():
+    model = _bf16_model()
+    apply_router_input_check(model)
+    inputs = tiny_inputs(dtype=torch.bfloat16)
+    resident = _run(model, inputs)
+    weight = model.transformer_blocks[0].attention.linear_proj.weight
+    original = weight[0, 0].item()
+    with torch.no_grad():
+        weight[0, 0] = float("nan")
+    with pytest.raises(ValueError) as resident_error:
+        _run(model, inputs)
+    model.enable_weight_streaming("cpu")
+    with pytest.raises(ValueError) as streamed_error:
+        _run(model, inputs)  # the NaN streamed with its block reaches the next MoE router
+    assert str(streamed_error.value) == str(resident_error.value)
+    with torch.no_grad():
+        weight[0, 0] = original  # written into its host buffer, streamed from there
+    _assert_bitwise(_run(model, inputs), resident)
