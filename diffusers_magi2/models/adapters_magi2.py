@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from .embeddings_magi2 import Magi2RotaryPosEmbed
-from .modality import Magi2MultiModalityRMSNorm, Modality
+from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, Modality
 
 
 __all__ = ["Magi2PreAdapter", "Magi2PostAdapter"]
@@ -30,13 +30,13 @@ class Magi2PreAdapter(nn.Module):
         self.rope = Magi2RotaryPosEmbed(head_dim)
         self.chunk_size = None  # tokens per embedding chunk (the model's enable_forward_chunking)
 
-    def forward(self, hidden_states: torch.Tensor, coords: torch.Tensor, modality_ids: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, coords: torch.Tensor, dispatch: Magi2ModalityDispatch):
         """Embed packed tokens per modality and build their rope table.
 
         Args:
             hidden_states: ``[N, C_max]`` packed tokens; a token of modality ``m`` uses its first ``C_m`` channels.
             coords: ``[N, 9]`` rope coordinates.
-            modality_ids: ``[N]`` :class:`Modality` ids (other ids embed to zero).
+            dispatch: the tokens' :class:`Magi2ModalityDispatch` (where each modality's tokens are).
 
         Returns:
             ``(embedded [N, width] fp32, rope [N, 6*Dh/8] fp32)``, packed order.
@@ -44,7 +44,7 @@ class Magi2PreAdapter(nn.Module):
         x = hidden_states.float()
         out = x.new_zeros(x.shape[0], self.width)
         for mod in (Modality.TEXT, Modality.AUDIO, Modality.VIDEO):
-            idx = (modality_ids == int(mod)).nonzero().flatten()
+            idx = dispatch.token_indices(mod)
             for part in _chunks(idx, self.chunk_size):
                 out.index_copy_(0, part, self.embed(mod, x.index_select(0, part)))
         return out, self.rope(coords)
@@ -71,9 +71,9 @@ class Magi2PostAdapter(nn.Module):
         self.final_linear_audio = nn.Linear(width, audio_in, bias=False, dtype=torch.float32)
         self.chunk_size = None  # tokens per chunk of the fp32 norm (the model's enable_forward_chunking)
 
-    def forward(self, hidden_states: torch.Tensor, modality_ids: torch.Tensor) -> torch.Tensor:
-        """``[N, width]`` final residual (packed order) -> ``[N, max(Cv, Ca)]`` fp32: video rows in ``[:Cv]``,
-        audio rows in ``[:Ca]``, other rows zero.
+    def forward(self, hidden_states: torch.Tensor, dispatch: Magi2ModalityDispatch) -> torch.Tensor:
+        """``[N, width]`` final residual (packed order; ``dispatch`` says where each modality's tokens are) ->
+        ``[N, max(Cv, Ca)]`` fp32: video rows in ``[:Cv]``, audio rows in ``[:Ca]``, other rows zero.
 
         Raises:
             ValueError: the last dim is not ``width``.
@@ -83,7 +83,7 @@ class Magi2PostAdapter(nn.Module):
             (Modality.VIDEO, self.final_norm_video, self.final_linear_video, self.video_in),
             (Modality.AUDIO, self.final_norm_audio, self.final_linear_audio, self.audio_in),
         ):
-            idx = (modality_ids == int(mod)).nonzero().flatten()
+            idx = dispatch.token_indices(mod)
             for part in _chunks(idx, self.chunk_size):
                 y = lin(norm(hidden_states.index_select(0, part).float()).to(lin.weight.dtype)).float()
                 out[:, :cout].index_copy_(0, part, y)

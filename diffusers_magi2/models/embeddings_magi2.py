@@ -21,6 +21,7 @@ import torch.nn as nn
 
 __all__ = [
     "Magi2RotaryPosEmbed",
+    "check_rope_coords",
     "apply_magi2_rotary_emb",
     "magi2_timestep_embedding",
     "magi2_default_rope_bands",
@@ -56,25 +57,33 @@ class Magi2RotaryPosEmbed(nn.Module):
     def forward(self, coords: torch.Tensor) -> torch.Tensor:
         """``coords`` ``[N, 9]`` (any float dtype, computed in fp32) -> rope ``[N, 6B]`` fp32.
 
-        Raises:
-            ValueError: ``coords`` is not ``[N, 9]``, or a size of 1 has a reference other than 1.
+        The coordinates are trusted (the packers build them; :func:`check_rope_coords` checks others at the edge).
         """
-        if coords.dim() != 2 or coords.shape[1] != 9:
-            raise ValueError(f"coords must be [N, 9], got {tuple(coords.shape)}")
         coords = coords.float()
         pos, sizes, refs = coords[:, 0:3], coords[:, 3:6], coords[:, 6:9]
         unit = (refs == 1) & (sizes == 1)
         denom = torch.where(unit, torch.ones_like(sizes), sizes - 1)
         scales = torch.where(unit, torch.ones_like(sizes), (refs - 1) / denom)
-        if not torch.compiler.is_compiling() and not coords.is_meta:
-            bad = (sizes == 1) & ~unit
-            if bool(bad.any()):
-                raise ValueError("coords: a size of 1 needs a reference of 1 on that axis (scale would be inf)")
         centers = (sizes - 1) / 2
         centers = torch.cat([torch.zeros_like(centers[:, :1]), centers[:, 1:]], dim=1)
         pos = pos - centers
         proj = pos.unsqueeze(-1) * scales.unsqueeze(-1) * self.bands.float()  # [N, 3, B]
         return torch.cat((proj.sin(), proj.cos()), dim=1).flatten(1)
+
+
+def check_rope_coords(coords: torch.Tensor) -> None:
+    """Check rope coordinates from a caller (one host read): ``[N, 9]`` rows of position, size and reference per
+    axis, where an axis of size 1 has reference 1.
+
+    Raises:
+        ValueError: ``coords`` is not ``[N, 9]``, or a size of 1 has a reference other than 1 (its scale would be
+            infinite).
+    """
+    if coords.dim() != 2 or coords.shape[1] != 9:
+        raise ValueError(f"coords must be [N, 9] (position, size, reference per axis), got {tuple(coords.shape)}")
+    sizes, refs = coords[:, 3:6], coords[:, 6:9]
+    if not coords.is_meta and bool(((sizes == 1) & (refs != 1)).any()):
+        raise ValueError("coords: a size of 1 needs a reference of 1 on that axis (its rope scale would be inf)")
 
 
 def apply_magi2_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

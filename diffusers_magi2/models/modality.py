@@ -69,31 +69,36 @@ class Magi2ModalityDispatch:
 
     @classmethod
     def from_modality_mapping(
-        cls, modality_mapping: torch.Tensor, num_modalities: int = NUM_MODALITIES
+        cls,
+        modality_mapping: torch.Tensor,
+        num_modalities: int = NUM_MODALITIES,
+        group_sizes: Optional[Sequence[int]] = None,
     ) -> "Magi2ModalityDispatch":
         """Build the dispatch from a per-token modality tensor.
 
         Args:
             modality_mapping: ``[N]`` integer :class:`Modality` values.
             num_modalities: number of weight blocks (3).
+            group_sizes: the tokens of each modality, when the caller knows them (the packer's layout): then
+                nothing is checked or read back to the host; ``None`` counts them (one host read).
 
         Raises:
-            ValueError: not 1-D, or ids outside ``[0, 3]``.
+            ValueError: not 1-D, or ids outside ``[0, 3]`` (checked without ``group_sizes`` only).
         """
-        if modality_mapping.dim() != 1:
-            raise ValueError(f"modality_mapping must be 1-D [N], got shape {tuple(modality_mapping.shape)}")
         ids = modality_mapping.to(torch.int64)
         ids = torch.where(ids == int(Modality.TIME), torch.full_like(ids, int(Modality.TEXT)), ids)
-        if ids.numel() > 0 and (int(ids.min()) < 0 or int(ids.max()) >= num_modalities):
-            raise ValueError(
-                f"modality_mapping holds ids outside [0, {num_modalities - 1}] (TIME=3 is mapped to TEXT)"
-            )
+        if group_sizes is None:
+            if modality_mapping.dim() != 1:
+                raise ValueError(f"modality_mapping must be 1-D [N], got shape {tuple(modality_mapping.shape)}")
+            if ids.numel() > 0 and (int(ids.min()) < 0 or int(ids.max()) >= num_modalities):
+                raise ValueError(
+                    f"modality_mapping holds ids outside [0, {num_modalities - 1}] (TIME=3 is mapped to TEXT)"
+                )
+            group_sizes = torch.bincount(ids, minlength=num_modalities).tolist()
         permutation = torch.argsort(ids, stable=True)
         inverse = torch.argsort(permutation)
         sorted_ids = ids.index_select(0, permutation)
-        counts = torch.bincount(ids, minlength=num_modalities)
-        group_sizes = tuple(int(c) for c in counts.tolist())
-        return cls(ids, permutation, inverse, group_sizes, sorted_ids)
+        return cls(ids, permutation, inverse, tuple(int(c) for c in group_sizes), sorted_ids)
 
     @classmethod
     def from_sorted_group_sizes(
@@ -103,6 +108,15 @@ class Magi2ModalityDispatch:
         sizes = tuple(int(g) for g in group_sizes)
         ids = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
         return cls(ids, None, None, sizes, ids)
+
+    def token_indices(self, modality: int) -> torch.Tensor:
+        """The packed positions of ``modality``'s tokens, ascending (``(modality_ids == modality).nonzero()`` with
+        no host read)."""
+        start = sum(self.group_sizes[:modality])
+        stop = start + self.group_sizes[modality]
+        if self.permutation is None:
+            return torch.arange(start, stop, device=self.modality_ids.device)
+        return self.permutation[start:stop]
 
     def sort(self, x: torch.Tensor) -> torch.Tensor:
         """Packed order -> modality-sorted order along dim 0."""

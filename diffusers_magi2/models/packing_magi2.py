@@ -22,6 +22,7 @@ from .modality import Modality
 
 __all__ = [
     "Magi2PackedInputs",
+    "Magi2PackedLayout",
     "Magi2RefinerPackedSample",
     "check_transformer_inputs",
     "pack_magi2_inputs",
@@ -29,6 +30,31 @@ __all__ = [
     "unpack_magi2_outputs",
     "unpack_refiner_sample",
 ]
+
+
+@dataclass(frozen=True)
+class Magi2PackedLayout:
+    """What the packer checked about a packed sequence, as Python ints, so that the forward after packing reads
+    nothing back to the host (``Magi2Transformer3DModel.forward_packed``'s ``layout``).
+
+    Attributes:
+        segment_lengths: tokens of each attention segment (batch row), in order.
+        modality_runs: ``(modality id, tokens)`` of each run of one modality, in packed order (``TIME`` counted as
+            ``TEXT``); they sum to the token count.
+    """
+
+    segment_lengths: tuple[int, ...]
+    modality_runs: tuple[tuple[int, int], ...]
+
+    def group_sizes(self, start: int = 0, stop: Optional[int] = None) -> tuple[int, int, int]:
+        """Tokens of each modality (video, audio, text) among packed rows ``[start, stop)`` (all by default)."""
+        counts, position = [0, 0, 0], 0
+        stop = sum(self.segment_lengths) if stop is None else stop
+        for modality, length in self.modality_runs:
+            lo, hi = max(position, start), min(position + length, stop)
+            counts[modality] += max(hi - lo, 0)
+            position += length
+        return tuple(counts)
 
 
 @dataclass
@@ -42,6 +68,7 @@ class Magi2PackedInputs:
         cu_seqlens: ``[B+1]`` int32 segment boundaries (one segment per batch row).
         time_embedding: ``[N, 64]`` fp32 per-token sinusoidal time embedding.
         video_shape: ``(T, H, W)``; audio_length: ``La``; token_offsets: start of each row.
+        layout: the segment lengths and modality runs (:class:`Magi2PackedLayout`).
     """
 
     hidden_states: torch.Tensor
@@ -52,6 +79,7 @@ class Magi2PackedInputs:
     video_shape: tuple
     audio_length: int
     token_offsets: List[int]
+    layout: Magi2PackedLayout
 
 
 def check_transformer_inputs(
@@ -150,7 +178,7 @@ def pack_magi2_inputs(
         x = x.to(f32)
         return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
-    feats, coords, mods, times, offsets = [], [], [], [], []
+    feats, coords, mods, times, offsets, runs = [], [], [], [], [], []
     vc = video_coords(t, h, w, device=dev)
     ac = audio_coords(la, device=dev) if la > 0 else torch.zeros(0, 9, device=dev)
     t_norm = timestep.to(f32) / 1000.0
@@ -174,6 +202,7 @@ def pack_magi2_inputs(
             coords.append(crd)
             mods.append(torch.full((n,), int(mod), dtype=torch.int32, device=dev))
             times.append(t_norm[i].expand(n) if noisy else torch.zeros(n, dtype=f32, device=dev))
+            runs.append((int(mod), n))
             total += n
     cu = torch.tensor(offsets + [total], dtype=torch.int32, device=dev)
     time_t = torch.cat(times)
@@ -186,6 +215,7 @@ def pack_magi2_inputs(
         video_shape=(t, h, w),
         audio_length=la,
         token_offsets=offsets,
+        layout=Magi2PackedLayout(tuple(b - a for a, b in zip(offsets, offsets[1:] + [total])), tuple(runs)),
     )
 
 

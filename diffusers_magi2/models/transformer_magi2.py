@@ -43,12 +43,13 @@ from .attention_magi2 import (
     Magi2ForwardContext,
 )
 from .cache_magi2 import register_block_for_caching_hooks
+from .embeddings_magi2 import check_rope_coords
 from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward, check_chunk_size
 from .lora_magi2 import lora_scale_for_call, lora_scale_from_attention_kwargs
 from .mhc import Magi2HyperConnection, mhc_hyper_connect, mhc_reduce_streams
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, Modality
 from .modeling_magi2 import Magi2TransformerBase
-from .packing_magi2 import Magi2PackedInputs, pack_magi2_inputs, unpack_magi2_outputs
+from .packing_magi2 import Magi2PackedInputs, Magi2PackedLayout, pack_magi2_inputs, unpack_magi2_outputs
 
 
 __all__ = [
@@ -402,6 +403,8 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
         time_embedding: Optional[torch.Tensor] = None,
         attention_kwargs: Optional[Dict[str, Any]] = None,
         return_layer_outputs: bool = False,
+        *,
+        layout: Optional[Magi2PackedLayout] = None,
     ):
         """SandAI ``Transformer.forward`` on packed tokens.
 
@@ -413,48 +416,34 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
             time_embedding: ``[N, time_embed_dim]``, written over channels ``[0:dim]`` after the adapters.
             attention_kwargs: ``{"scale": s}`` scales the loaded LoRA adapters by ``s`` for this call (or ``None``).
             return_layer_outputs: also return the residual after each layer, ``[N, n*C]`` fp32.
+            layout: what the packer checked (:class:`~.packing_magi2.Magi2PackedLayout`, as :meth:`forward` passes
+                it): the inputs are then trusted and nothing is read back to the host. ``None``: the inputs are
+                checked here, and the segment lengths and modality counts read from ``cu_seqlens`` and
+                ``modality_mapping``.
 
         Returns:
             ``[N, max(Cv, Ca)]`` fp32 (and the list of layer outputs if requested).
 
         Raises:
-            ValueError: on inconsistent shapes, or an ``attention_kwargs`` key other than ``"scale"``.
+            ValueError: without ``layout``, on inconsistent shapes, unknown modality ids or bad rope coordinates;
+                an ``attention_kwargs`` key other than ``"scale"``.
         """
         self.check_attention_kwargs(attention_kwargs)
         with lora_scale_for_call(self, attention_kwargs):  # not a decorator: its *args would keep the input alive
-            n_tok = hidden_states.shape[0]
-            if hidden_states.dim() != 2:
-                raise ValueError(f"hidden_states must be packed [N, C], got {tuple(hidden_states.shape)}")
-            if coords.shape != (n_tok, 9):
-                raise ValueError(f"coords must be [{n_tok}, 9], got {tuple(coords.shape)}")
-            if modality_mapping.shape != (n_tok,):
-                raise ValueError(f"modality_mapping must be [{n_tok}], got {tuple(modality_mapping.shape)}")
-            cu = [int(v) for v in cu_seqlens.reshape(-1).tolist()]
-            if len(cu) < 2 or cu[0] != 0 or cu[-1] != n_tok or any(b < a for a, b in zip(cu, cu[1:])):
-                raise ValueError(f"cu_seqlens must rise from 0 to N={n_tok}, got {cu}")
-            dim = self.config.time_embed_dim
-            if time_embedding is not None and time_embedding.shape != (n_tok, dim):
-                raise ValueError(f"time_embedding must be [{n_tok}, {dim}], got {tuple(time_embedding.shape)}")
-            mask = Magi2AttentionMask(tuple(b - a for a, b in zip(cu, cu[1:])))
+            if layout is None:
+                layout = self._checked_layout(hidden_states, coords, modality_mapping, cu_seqlens, time_embedding)
+            n_tok, dim = hidden_states.shape[0], self.config.time_embed_dim
+            mask = Magi2AttentionMask(layout.segment_lengths)
             ids = modality_mapping.to(device=hidden_states.device, dtype=torch.int64)
-            ids = torch.where(ids == int(Modality.TIME), torch.full_like(ids, int(Modality.TEXT)), ids)
-            widest = max(
-                self.config.in_channels if bool((ids == Modality.VIDEO).any()) else 0,
-                self.config.audio_in_channels if bool((ids == Modality.AUDIO).any()) else 0,
-                self.config.text_in_channels if bool((ids == Modality.TEXT).any()) else 0,
-            )
-            if hidden_states.shape[1] < widest:
-                raise ValueError(
-                    f"hidden_states has {hidden_states.shape[1]} channels; the modalities present need {widest}"
-                )
             plan = self._context_parallel_plan(n_tok, mask.segment_lengths)
+            lo, hi = (0, n_tok) if plan is None else (plan.start, plan.start + plan.num_local_tokens)
             if plan is not None:  # this rank keeps its slice of the packed sequence; attention sees all of it
                 hidden_states, coords, ids, time_embedding = (
                     None if t is None else plan.shard(t) for t in (hidden_states, coords, ids, time_embedding)
                 )
-            dispatch = Magi2ModalityDispatch.from_modality_mapping(ids)
+            dispatch = Magi2ModalityDispatch.from_modality_mapping(ids, group_sizes=layout.group_sizes(lo, hi))
 
-            x, rope = self.pre_adapter(hidden_states, coords, ids)
+            x, rope = self.pre_adapter(hidden_states, coords, dispatch)
             hidden_states = None  # the packed fp32 input is freed here when the caller handed it over (forward does)
             if time_embedding is not None:
                 x[:, :dim] = time_embedding.to(x.dtype)  # x is this call's own buffer
@@ -467,13 +456,49 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
                 if return_layer_outputs:
                     layer_outputs.append(dispatch.unsort(x).float())
             x = dispatch.unsort(x)
-            out = self.post_adapter(x, ids)
+            out = self.post_adapter(x, dispatch)
             if plan is not None:
                 out = self._gather_sequence_shards(out, plan)
                 layer_outputs = [self._gather_sequence_shards(t, plan) for t in layer_outputs]
             if return_layer_outputs:
                 return out, layer_outputs
             return out
+
+    def _checked_layout(self, hidden_states, coords, modality_mapping, cu_seqlens, time_embedding):
+        """:meth:`forward_packed`'s checks of packed inputs it was given without their layout, and the layout (the
+        segment lengths and modality runs, read back to the host)."""
+        n_tok = hidden_states.shape[0]
+        if hidden_states.dim() != 2:
+            raise ValueError(f"hidden_states must be packed [N, C], got {tuple(hidden_states.shape)}")
+        if coords.shape != (n_tok, 9):
+            raise ValueError(f"coords must be [{n_tok}, 9], got {tuple(coords.shape)}")
+        if modality_mapping.shape != (n_tok,):
+            raise ValueError(f"modality_mapping must be [{n_tok}], got {tuple(modality_mapping.shape)}")
+        cu = [int(v) for v in cu_seqlens.reshape(-1).tolist()]
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != n_tok or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to N={n_tok}, got {cu}")
+        dim = self.config.time_embed_dim
+        if time_embedding is not None and time_embedding.shape != (n_tok, dim):
+            raise ValueError(f"time_embedding must be [{n_tok}, {dim}], got {tuple(time_embedding.shape)}")
+        check_rope_coords(coords)
+        ids = modality_mapping.to(torch.int64)
+        ids = torch.where(ids == int(Modality.TIME), torch.full_like(ids, int(Modality.TEXT)), ids)
+        modalities, lengths = torch.unique_consecutive(ids, return_counts=True)
+        runs = tuple(zip(modalities.tolist(), lengths.tolist()))
+        if any(not 0 <= m <= int(Modality.TEXT) for m, _ in runs):
+            raise ValueError("modality_mapping must hold Modality ids 0 (video), 1 (audio), 2 (text) or 3 (time)")
+        layout = Magi2PackedLayout(tuple(b - a for a, b in zip(cu, cu[1:])), runs)
+        counts = layout.group_sizes()
+        widest = max(
+            self.config.in_channels if counts[Modality.VIDEO] else 0,
+            self.config.audio_in_channels if counts[Modality.AUDIO] else 0,
+            self.config.text_in_channels if counts[Modality.TEXT] else 0,
+        )
+        if hidden_states.shape[1] < widest:
+            raise ValueError(
+                f"hidden_states has {hidden_states.shape[1]} channels; the modalities present need {widest}"
+            )
+        return layout
 
     def pack_inputs(self, *args, **kwargs) -> Magi2PackedInputs:
         """:func:`pack_magi2_inputs` with this model's config, on :meth:`forward`'s inputs.
@@ -538,6 +563,7 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
             packed.modality_mapping,
             packed.cu_seqlens,
             packed.time_embedding,
+            layout=packed.layout,  # checked by the packer: nothing is checked or read back again
         )
         video, audio = self.unpack_outputs(out, packed)
         if not return_dict:

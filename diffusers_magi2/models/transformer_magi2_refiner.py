@@ -28,6 +28,7 @@ from .attention_magi2 import (
     Magi2WindowAttnProcessor,
 )
 from .cache_magi2 import register_block_for_caching_hooks
+from .embeddings_magi2 import check_rope_coords
 from .feedforward_magi2 import Magi2FeedForward, check_chunk_size
 from .lora_magi2 import lora_scale_from_attention_kwargs
 from .modality import Magi2ModalityDispatch, Modality
@@ -233,6 +234,7 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
                 f"expected x [N, C], coords_mapping [N, 9], modality_mapping [N]; got {tuple(x.shape)}, "
                 f"{tuple(coords_mapping.shape)}, {tuple(modality_mapping.shape)}"
             )
+        check_rope_coords(coords_mapping)
         ids = modality_mapping.to(torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) > 2):
             raise ValueError("modality_mapping must hold 0 (video), 1 (audio) or 2 (text)")
@@ -262,7 +264,7 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
                 dispatch = Magi2ModalityDispatch.from_sorted_group_sizes(local, x.device)
             else:
                 dispatch = Magi2ModalityDispatch.from_modality_mapping(rows)
-            return (*self.pre_adapter(x[lo:hi], coords_mapping[lo:hi], dispatch.modality_ids), dispatch)
+            return (*self.pre_adapter(x[lo:hi], coords_mapping[lo:hi], dispatch), dispatch)
 
         return self._forward_sample(x.shape[0], mask, embed_rows)
 
@@ -279,7 +281,7 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
         context = Magi2ForwardContext(rope, dispatch, mask, plan)
         for block in self.transformer_blocks:
             h = self._run_block(block, h, context)
-        out = self.post_adapter(dispatch.unsort(h).float(), dispatch.modality_ids)
+        out = self.post_adapter(dispatch.unsort(h).float(), dispatch)
         return out if plan is None else self._gather_sequence_shards(out, plan)
 
     @lora_scale_from_attention_kwargs

@@ -445,19 +445,13 @@ class Magi2MultiHeadMoE(nn.Module):
     def forward_local_heads(self, x_local: torch.Tensor, *, sync_free: bool = False) -> torch.Tensor:
         """Route and run the experts of this rank's heads: ``[S', L, Dh] -> [S', L, Dh]``.
 
-        ``x_local`` holds every token this rank serves; padded heads give zeros. ``sync_free=True`` (context
-        parallelism) makes ``"auto"`` pick a backend without host synchronisation.
+        ``x_local`` holds every token this rank serves, as :meth:`forward`'s exchange hands them over (checked
+        there, not again); padded heads give zeros. ``sync_free=True`` (context parallelism) makes ``"auto"`` pick
+        a backend without host synchronisation.
 
         Raises:
-            ValueError: ``x_local`` is not ``[S', local_num_heads, Dh]`` floating point.
             RuntimeError: the chosen backend fails (no silent fallback).
         """
-        expected = (self.local_num_heads, self.head_dim)
-        if not isinstance(x_local, torch.Tensor) or x_local.dim() != 3 or tuple(x_local.shape[1:]) != expected:
-            raise ValueError(
-                f"x_local must be [S', local_num_heads={expected[0]}, Dh={expected[1]}]; got "
-                f"{tuple(getattr(x_local, 'shape', ()))}"
-            )
         num_real = self.local_real_num_heads
         if num_real == 0 or x_local.shape[0] == 0:
             return torch.zeros_like(x_local, memory_format=torch.contiguous_format)

@@ -13,6 +13,7 @@ from diffusers_magi2.models.embeddings_magi2 import (
     Magi2RotaryPosEmbed,
     apply_magi2_rotary_emb,
     audio_coords,
+    check_rope_coords,
     magi2_timestep_embedding,
     text_coords,
 )
@@ -51,8 +52,9 @@ def test_rope_layout_and_identity_for_text():
     y = apply_magi2_rotary_emb(x[:1], r)
     assert torch.allclose(y.norm(dim=-1), x[:1].norm(dim=-1), atol=1e-5)  # rotation keeps norms
     assert torch.equal(y[..., 24:], x[:1, :, 24:])  # last quarter not rotated
-    with pytest.raises(ValueError):
-        rope(torch.tensor([[0.0, 0, 0, 1, 1, 1, 2, 1, 1]]))  # size 1 with ref 2: infinite scale
+    with pytest.raises(ValueError, match="a size of 1 needs a reference of 1"):
+        check_rope_coords(torch.tensor([[0.0, 0, 0, 1, 1, 1, 2, 1, 1]]))  # size 1 with ref 2: infinite scale
+    check_rope_coords(coords)
 
 
 def test_multi_modality_norm_and_grouped_linear_blocks():
@@ -76,6 +78,10 @@ def test_multi_modality_norm_and_grouped_linear_blocks():
         lin(xs, (1, 1, 1))
     with pytest.raises(ValueError):
         Magi2ModalityDispatch.from_modality_mapping(torch.tensor([0, 5]))
+    for m in range(3):  # each modality's packed positions, without a host read
+        assert torch.equal(dispatch.token_indices(m), (dispatch.modality_ids == m).nonzero().flatten())
+    known = Magi2ModalityDispatch.from_modality_mapping(torch.tensor([2, 0, 1, 3, 0]), group_sizes=(2, 1, 2))
+    assert torch.equal(known.permutation, dispatch.permutation) and known.group_sizes == dispatch.group_sizes
     assert int(Modality.TIME) == 3
 
 

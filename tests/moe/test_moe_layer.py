@@ -227,8 +227,6 @@ def test_module_bad_input() -> None:
         module(torch.randn(3, 64))
     with pytest.raises(ValueError, match="float32/bfloat16/float16"):
         module(torch.randn(3, 128, dtype=torch.float64))
-    with pytest.raises(ValueError, match="x_local must be"):
-        module.forward_local_heads(torch.randn(3, 3, 64))
     with pytest.raises(ValueError, match="first dimension H\\*E = 16"):
         module.ep_slice(torch.randn(8, 64))
     hidden = torch.randn(4, 128)
