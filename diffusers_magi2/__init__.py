@@ -51,6 +51,7 @@ _PUBLIC_NAMES = {
     "RoutingScore": ".moe.routing",
     "apply_router_input_check": ".models.finite_checks_magi2",
     "build_tiny_default_pipeline": ".pipelines.tiny_default",
+    "build_tiny_random_pipeline": ".pipelines.tiny_default",
     "check_router_inputs_finite": ".models.finite_checks_magi2",
     "clear_router_input_flags": ".models.finite_checks_magi2",
     "compute_topk_probs_and_indices": ".moe.routing",

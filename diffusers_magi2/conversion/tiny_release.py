@@ -17,8 +17,8 @@ plus the two SandAI JSON configs:
 * ``configs/magi2_preview.json`` and ``configs/magi2_refiner.json`` (which ``extends`` the first): pass the
   latter as ``magi2-convert --config``.
 
-The components are those of the embedded tiny default (:mod:`diffusers_magi2.pipelines.tiny_default`) with a
-tiny refiner added and a wider audio encoder; every file is written with the inverse of the converter's own key
+The components are those of the tiny random model (:func:`~diffusers_magi2.pipelines.tiny_default.build_tiny_random_pipeline`,
+not the trained tiny default) with a tiny refiner added; every file is written with the inverse of the converter's own key
 map and checked against that map before anything is written. The folder is built under a temporary name beside
 ``OUT`` and renamed into place, so a failed run leaves nothing.
 """
@@ -51,11 +51,6 @@ TINY_REFINER_CONFIG = {
     "text_in_channels": 64,
     "multimodal_layers": [0, 1],
 }
-#: Overrides of the tiny default's audio VAE: Stable Audio's encoder maps to ``AutoencoderOobleck`` only when
-#: its width equals its latent width (2 x 64), so the encoder is 128 wide with flat channel multiples.
-TINY_AUDIO_VAE = {"encoder_hidden_size": 128, "channel_multiples": [1, 1, 1, 1, 1]}
-
-
 # ----------------------------------------------------------------------------------------------- key maps
 
 
@@ -326,19 +321,16 @@ def write_tiny_release(out_dir, seed: int = 0) -> Path:
     Raises:
         ValueError: ``out_dir`` exists and is not an empty folder.
     """
-    from diffusers import AutoencoderOobleck
-
     from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
-    from ..pipelines.tiny_default import TINY_DEFAULT_CONFIG, build_tiny_default_pipeline, init_tiny_weights
+    from ..pipelines.tiny_default import build_tiny_random_pipeline, init_tiny_weights
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty folder; pass a new path")
-    pipe = build_tiny_default_pipeline(config={"seed": seed})
+    pipe = build_tiny_random_pipeline(config={"seed": seed})
     generator = torch.Generator().manual_seed(seed + 7)
     refiner = init_tiny_weights(Magi2RefinerTransformer3DModel(**TINY_REFINER_CONFIG), generator).eval()
-    torch.manual_seed(seed + 2)
-    audio_vae = AutoencoderOobleck(**{**TINY_DEFAULT_CONFIG["audio_vae"], **TINY_AUDIO_VAE}).eval()
+    audio_vae = pipe.audio_vae
     preview_cfg = _preview_sandai_config(pipe.transformer)
     refiner_cfg = _refiner_sandai_config(refiner)
 

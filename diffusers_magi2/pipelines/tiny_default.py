@@ -16,7 +16,9 @@ from .decoding_magi2 import WAN22_VAE_CONFIG
 
 __all__ = [
     "TINY_DEFAULT_CONFIG",
+    "TINY_TRAINED_CONFIG",
     "build_tiny_default_pipeline",
+    "build_tiny_random_pipeline",
     "cast_pipeline_to_compute_dtype",
     "build_tiny_tokenizer",
     "init_tiny_weights",
@@ -83,10 +85,11 @@ TINY_DEFAULT_CONFIG: dict[str, Any] = {
         "first_chunk_size": 7,
         "step_size": 7,
     },
+    # the encoder's last conv emits mean and scale, encoder_hidden_size = 2 x decoder_input_channels
     "audio_vae": {
-        "encoder_hidden_size": 4,
+        "encoder_hidden_size": 128,
         "downsampling_ratios": [2, 4, 4, 8, 8],
-        "channel_multiples": [1, 2, 2, 2, 2],
+        "channel_multiples": [1, 1, 1, 1, 1],
         "decoder_channels": 4,
         "decoder_input_channels": 64,
         "audio_channels": 2,
@@ -101,6 +104,21 @@ TINY_DEFAULT_CONFIG: dict[str, Any] = {
         "predict_x0": True,
         "lower_order_final": True,
         "final_sigmas_type": "zero",
+    },
+}
+
+#: The trained tiny model's overrides of :data:`TINY_DEFAULT_CONFIG` (the shapes its weights were trained at): a
+#: 2 s clip at 32x32 pixels (``pipeline.duration_s``), and 8 audio latent channels (the 64 of the random model need an
+#: audio encoder 128 channels wide at the full sample rate, too slow to train on a CPU).
+TINY_TRAINED_CONFIG: dict[str, Any] = {
+    "call": {"height": 32, "width": 32, "num_inference_steps": 16},
+    "pipeline": {"duration_s": 2.0},
+    "transformer": {"audio_in_channels": 8},
+    "audio_vae": {
+        "encoder_hidden_size": 16,
+        "decoder_input_channels": 8,
+        "decoder_channels": 16,
+        "channel_multiples": [1, 1, 1, 1, 1],
     },
 }
 
@@ -210,6 +228,23 @@ def build_tiny_default_pipeline(config: dict[str, Any] | None = None, dtype: tor
     Raises:
         ValueError: ``dtype`` is not a floating-point ``torch.dtype``.
     """
+    return build_tiny_random_pipeline(config, dtype)
+
+
+def build_tiny_random_pipeline(config: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):
+    """Build the tiny ``Magi2Pipeline`` with seeded random weights, in memory and offline.
+
+    Args:
+        config: overrides merged over :data:`TINY_DEFAULT_CONFIG` (per component, shallow); a ``"pipeline"`` entry
+            holds ``Magi2Pipeline`` config values (e.g. ``duration_s``).
+        dtype: compute dtype of the models (:func:`cast_pipeline_to_compute_dtype`).
+
+    Returns:
+        a ``Magi2Pipeline`` on CPU; its tiny call defaults are in ``pipe.tiny_call_defaults``.
+
+    Raises:
+        ValueError: ``dtype`` is not a floating-point ``torch.dtype``.
+    """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
     from diffusers import AutoencoderKLWan, AutoencoderOobleck, UniPCMultistepScheduler
@@ -254,7 +289,7 @@ def build_tiny_default_pipeline(config: dict[str, Any] | None = None, dtype: tor
     components["audio_vae"] = AutoencoderOobleck(**cfg["audio_vae"]).eval()
     components["scheduler"] = UniPCMultistepScheduler(**cfg["scheduler"])
 
-    pipe = Magi2Pipeline(**components)
+    pipe = Magi2Pipeline(**components, **cfg.get("pipeline", {}))
     if dtype != torch.float32:
         cast_pipeline_to_compute_dtype(pipe, dtype)
     pipe.tiny_call_defaults = dict(cfg["call"])

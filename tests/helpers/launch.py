@@ -40,6 +40,11 @@ def load_generate():
     return _load_script("magi2_generate", Path(GENERATE))
 
 
+def load_tiny_training(name: str):
+    """``examples/tiny/<name>.py`` (the tiny model's training scripts and their shared module) as a module."""
+    return _load_script(f"magi2_tiny_{name}", REPO_ROOT / "examples" / "tiny" / f"{name}.py")
+
+
 def launch_env() -> dict:
     env = dict(os.environ)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -12,7 +12,9 @@ from helpers.launch import load_generate
 from diffusers_magi2.pipelines.text_encoding import has_cjk_pre_tokenizer_split
 from diffusers_magi2.pipelines.tiny_default import (
     TINY_DEFAULT_CONFIG,
+    TINY_TRAINED_CONFIG,
     build_tiny_default_pipeline,
+    build_tiny_random_pipeline,
     build_tiny_tokenizer,
 )
 from diffusers_magi2.utils.export import probe_streams
@@ -289,3 +291,16 @@ def test_expert_parallel_loading_resolves_a_per_component_dtype(monkeypatch):
     assert calls.pop()["dtype"] == torch.float16
     load_pipeline_with_expert_parallel(FakePipeline, "repo", expert_parallel=ep, dtype=torch.bfloat16)
     assert calls.pop()["dtype"] == torch.bfloat16
+
+
+@pytest.mark.parametrize("overrides", [None, TINY_TRAINED_CONFIG], ids=["default", "trained_shapes"])
+def test_tiny_audio_vae_round_trips_through_the_transformers_channels(overrides):
+    """The audio encoder's posterior has the decoder's and the transformer's latent width (its last conv emits
+    mean and scale), so audio encoded for training decodes and enters the transformer."""
+    pipe = build_tiny_random_pipeline(overrides)
+    with torch.no_grad():
+        latents = pipe.audio_vae.encode(torch.zeros(1, 2, 2 * 2048)).latent_dist.mean
+        decoded = pipe.audio_vae.decode(latents).sample
+    width = pipe.audio_vae.config.decoder_input_channels
+    assert latents.shape == (1, width, 2) and width == pipe.transformer.config.audio_in_channels
+    assert decoded.shape == (1, 2, 2 * 2048)

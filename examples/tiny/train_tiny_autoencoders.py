@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Train the tiny MAGI-2's decoders on the tiny world (``diffusers_magi2.pipelines.tiny_world``).
+
+``--component video_decoder``: the Wan2.2 VAE (``AutoencoderKLWan``) keeps its seeded random init and serves as a
+fixed encoder (its causal 3-D convolutions cost ~1 s per clip and step on a CPU, too slow to train here); its
+latent statistics are measured on the world's clips (the seen triples x 4 jitter seeds) and written into both configs (``latents_mean``,
+``latents_std``), so the pipeline's normalised latents ``(mu - mean) / std`` have unit scale per channel. The
+TurboVAE decoder the pipeline decodes with is then trained to map those normalised latents of whole 2 s clips
+(7 latent frames, one window) back to their pixels::
+
+    loss = mean(w |D(z) - x|),   w = 1 + 4 [pixel inside the shape]       (the shape is ~10 % of the frame)
+
+``--component audio_vae``: likewise the Oobleck audio VAE's encoder keeps its seeded random init (its posterior
+mean defines the audio latents) and its decoder is trained on random crops of ``--audio_crop_latents`` latents of
+the world's tones, at the decoder's own rate (2048 samples per latent, 25 latents/s: 51.2 kHz; the pipeline
+resamples by 441/512 to 44.1 kHz)::
+
+    loss = |D(z) - a|_1 + |log(1 + |STFT D(z)|) - log(1 + |STFT a|)|_1          (STFT: 1024-point Hann, hop 256)
+
+Both start from the tiny model's seeded random weights (``build_tiny_random_pipeline(TINY_TRAINED_CONFIG)``, seed
+``--seed``) and write ``<output_dir>/<component>/`` (and ``vae/`` with the measured statistics) in diffusers' format; checkpoints
+go to ``<output_dir>/checkpoints/<component>/``.
+Training clips: the seen triples (``SEEN``) x ``--num_seeds`` jitter seeds; held-out triples are never shown.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_training import (  # noqa: E402
+    DURATION_S,
+    STATS_SEEDS,
+    check_resume,
+    common_parser,
+    encode_world_video,
+    positive_int,
+    print_times,
+    save_checkpoint,
+    world_audio,
+    write_folder,
+)
+
+
+COMPONENTS = ("video_decoder", "audio_vae")
+
+
+def parse_args(argv=None):
+    p = common_parser(__doc__.split("\n")[1])
+    p.add_argument("--component", choices=COMPONENTS, required=True)
+    p.add_argument(
+        "--num_seeds", type=positive_int, default=STATS_SEEDS, help=f"jitter seeds per seen triple (>= {STATS_SEEDS})"
+    )
+    p.add_argument("--audio_crop_latents", type=positive_int, default=8, help="audio crop length in latents")
+    args = p.parse_args(argv)
+    if args.num_seeds < STATS_SEEDS:
+        p.error(f"--num_seeds must be >= {STATS_SEEDS} (the latent statistics' clips), got {args.num_seeds}")
+    return args, check_resume(p, args, checkpoints_dir(args))
+
+
+def checkpoints_dir(args) -> Path:
+    """Each component's checkpoints: ``<output_dir>/checkpoints/<component>/checkpoint-<step>``."""
+    return Path(args.output_dir) / "checkpoints" / args.component
+
+
+def _video_data(pipe, args):
+    """Normalised latents, pixels and shape masks of the seen triples' clips (the statistics written)."""
+    from diffusers_magi2.pipelines.tiny_world import SEEN
+
+    pixels, latents = encode_world_video(pipe, SEEN, args.num_seeds)
+    background = pixels.new_tensor([0.08, 0.08, 0.10]).mul(2).sub(1).view(1, 3, 1, 1, 1)
+    mask = (pixels - background).abs().amax(1, keepdim=True) > 0.05
+    return latents, pixels, mask.float()
+
+
+def train(args, resume):
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    from diffusers_magi2.pipelines.tiny_default import TINY_TRAINED_CONFIG, build_tiny_random_pipeline
+
+    start_wall, start_cpu = time.perf_counter(), time.process_time()
+    set_seed(args.seed)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    pipe = build_tiny_random_pipeline(TINY_TRAINED_CONFIG)
+    output_dir = Path(args.output_dir)
+    checkpoints_dir(args).mkdir(parents=True, exist_ok=True)
+
+    if args.component == "video_decoder":
+        latents, pixels, mask = _video_data(pipe, args)
+        model = pipe.video_decoder.train()
+    else:
+        sr = 2048 * int(pipe.config.audio_latent_fps)
+        num_samples = int(round(DURATION_S * pipe.config.audio_latent_fps)) * 2048
+        from diffusers_magi2.pipelines.tiny_world import SEEN
+
+        waves = world_audio(SEEN, range(args.num_seeds), num_samples, sr)
+        with torch.no_grad():
+            audio_latents = torch.cat([pipe.audio_vae.encode(w).latent_dist.mean for w in waves.split(16)])
+        model = pipe.audio_vae.decoder.train()
+        window = torch.hann_window(1024)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    start = 0
+    if resume is not None:
+        folder, start = resume
+        accelerator.load_state(str(folder))
+
+    bar = tqdm(range(start, args.max_train_steps), initial=start, total=args.max_train_steps)
+    for step in bar:
+        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # a resumed run draws the same
+        if args.component == "video_decoder":
+            idx = torch.randint(len(latents), (args.train_batch_size,), generator=generator)
+            decoded = accelerator.unwrap_model(model)._decode(latents[idx])
+            loss = ((decoded - pixels[idx]).abs() * (1 + 4 * mask[idx])).mean()
+        else:
+            idx = torch.randint(len(waves), (args.train_batch_size,), generator=generator)
+            crop = args.audio_crop_latents
+            first = int(torch.randint(0, audio_latents.shape[-1] - crop + 1, (1,), generator=generator))
+            audio = waves[idx, :, first * 2048 : (first + crop) * 2048]
+            out = model(audio_latents[idx, :, first : first + crop])
+            spec = [
+                torch.stft(x.reshape(-1, crop * 2048), 1024, 256, window=window, return_complex=True).abs().log1p()
+                for x in (out, audio)
+            ]
+            loss = (out - audio).abs().mean() + (spec[0] - spec[1]).abs().mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+        if (step + 1) % args.checkpointing_steps == 0 or step + 1 == args.max_train_steps:
+            save_checkpoint(accelerator, checkpoints_dir(args), step + 1)
+
+    trained = pipe.video_decoder if args.component == "video_decoder" else pipe.audio_vae
+    trained.eval()
+    write_folder(trained.save_pretrained, output_dir / args.component)
+    if args.component == "video_decoder":
+        write_folder(pipe.vae.save_pretrained, output_dir / "vae")
+    print_times(time.perf_counter() - start_wall, time.process_time() - start_cpu, f"{args.component} training")
+    return trained
+
+
+def main(argv=None) -> int:
+    args, resume = parse_args(argv)
+    train(args, resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

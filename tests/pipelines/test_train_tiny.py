@@ -1,0 +1,54 @@
+"""The tiny model's training scripts (``examples/tiny``): bad flags are refused with one ``error:`` line before
+any work, and ``--resume_from_checkpoint latest`` picks the newest complete checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.launch import load_tiny_training
+
+
+def _refused(main, argv, capsys, match):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("error:") and match in err[0], err
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--component", "text_encoder"], "invalid choice"),
+        (["--component", "video_decoder", "--max_train_steps", "0"], "must be an integer >= 1"),
+        (["--component", "audio_vae", "--learning_rate", "nan"], "finite number > 0"),
+        (["--component", "audio_vae", "--resume_from_checkpoint", "latest"], "no checkpoint-<step> folder"),
+    ],
+)
+def test_autoencoder_script_refuses_bad_flags(tmp_path, capsys, extra, match):
+    script = load_tiny_training("train_tiny_autoencoders")
+    argv = ["--output_dir", str(tmp_path), "--max_train_steps", "3", *extra]
+    _refused(script.main, argv, capsys, match)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--num_seeds", "2"], "--num_seeds must be >= 4"),
+        (["--cfg_dropout", "1.5"], "--cfg_dropout must be < 1"),
+        (["--pipeline_output_dir", "out"], "needs --autoencoders_dir"),
+        (["--autoencoders_dir", "."], "no video_decoder/config.json"),
+    ],
+)
+def test_transformer_script_refuses_bad_flags(tmp_path, capsys, extra, match):
+    script = load_tiny_training("train_tiny_transformer")
+    _refused(script.main, ["--output_dir", str(tmp_path), "--max_train_steps", "3", *extra], capsys, match)
+
+
+def test_resume_latest_is_the_newest_complete_checkpoint(tmp_path):
+    training = load_tiny_training("tiny_training")
+    for name in ("checkpoint-9", "checkpoint-10", ".checkpoint-11.partial", "checkpoint-notes"):
+        (tmp_path / name).mkdir()
+    args = training.common_parser("x").parse_args(
+        ["--output_dir", str(tmp_path), "--max_train_steps", "3", "--resume_from_checkpoint", "latest"]
+    )
+    assert training.check_resume(training.common_parser("x"), args) == (tmp_path / "checkpoint-10", 10)
