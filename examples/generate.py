@@ -146,6 +146,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="context-parallel (Ulysses) ranks of both transformers (default: the world size under "
         "accelerate launch/torchrun, else 1); must equal the number of launched processes",
     )
+    parser.add_argument(
+        "--vram_gb",
+        type=_positive_int,
+        default=None,
+        help="stream both transformers' blocks from host memory through a small ring on the GPU, for a card of this "
+        "many GB (e.g. 24 or 32); the other components stay resident (Magi2Pipeline.enable_weight_streaming)",
+    )
+    parser.add_argument(
+        "--host_memory",
+        choices=["pinned", "disk"],
+        default=None,
+        help="with --vram_gb: where the streamed weights live (default pinned: held once in page-locked host "
+        "memory; disk is not built yet)",
+    )
     args = parser.parse_args(argv)
     check_args(args)
     return args
@@ -157,6 +171,7 @@ def check_args(args: argparse.Namespace) -> None:
     Allowed: ``--resolution`` or ``--height``/``--width``, not both; ``--output_height`` with ``--output_width``;
     ``--model`` an existing folder holding ``model_index.json`` (a ``magi2-convert`` output) or a Hub id
     ``org/name``; ``--image`` an existing image file or an http(s) URL; ``--output`` see :func:`check_output_path`.
+    ``--host_memory`` only with ``--vram_gb``, and only ``pinned`` (``disk`` is not built yet).
 
     Raises:
         ValueError: naming the argument, what was wrong and what is allowed.
@@ -171,6 +186,10 @@ def check_args(args: argparse.Namespace) -> None:
         check_image_path(args.image)
     check_output_path(args.output)
     check_launch_degrees(args.ep_degree, args.ulysses_degree)
+    if args.host_memory is not None and args.vram_gb is None:
+        raise ValueError("--host_memory goes with --vram_gb (it says where the streamed weights live)")
+    if args.host_memory == "disk":
+        raise ValueError("--host_memory disk is not built yet; use --host_memory pinned (the default)")
 
 
 def check_launch_degrees(ep_degree, ulysses_degree) -> None:
@@ -389,7 +408,10 @@ def load_pipeline(args):
             context_parallel=context_parallel,
         )
         defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
-    pipe.to(device)
+    if args.vram_gb is not None:
+        pipe.enable_weight_streaming(vram_gb=args.vram_gb, host_memory=args.host_memory or "pinned", device=device)
+    else:
+        pipe.to(device)
     return pipe, defaults
 
 

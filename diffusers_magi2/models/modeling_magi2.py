@@ -322,13 +322,13 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
 
 
 class Magi2TransformerBase(
+    Magi2WeightStreamingMixin,
     Magi2ContextParallelMixin,
     Magi2ModelMixin,
     ConfigMixin,
     FromOriginalCheckpointMixin,
     AttentionMixin,
     Magi2CacheMixin,
-    Magi2WeightStreamingMixin,
 ):
     r"""Base of both MAGI-2 transformers: :class:`Magi2ModelMixin` with diffusers' config, attention-processor and
     cache mixins, ``enable_parallelism`` (context parallelism) and ``from_original_checkpoint``, plus what both

@@ -436,6 +436,14 @@ class Magi2WeightStreamingMixin:
         resident = sum(t.nbytes for t in [*self.parameters(), *self.buffers()] if id(t) not in block_ids)
         return resident + ring_size * max(blocks)
 
+    def _apply(self, fn, recurse=True):
+        if getattr(self, "_weight_streamer", None) is not None:
+            raise RuntimeError(
+                "this model's block weights are streamed (enable_weight_streaming): moving or casting it would copy "
+                "every block to the device; call disable_weight_streaming() first"
+            )
+        return super()._apply(fn, recurse)
+
     def disable_weight_streaming(self) -> None:
         """Stop streaming: every block's weights become resident on the streaming device again."""
         streamer = getattr(self, "_weight_streamer", None)

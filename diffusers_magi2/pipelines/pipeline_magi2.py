@@ -75,6 +75,7 @@ from .sampling_magi2 import (
 from .text_conditioning import Magi2PromptEncodingMixin, encode_text_conditioning
 from .text_encoding import DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SKIP_LAYERS, apply_cjk_pre_tokenizer_split
 from .validation_magi2 import Magi2PipelineChecksMixin, warn_untrained_sizes
+from .weight_streaming_pipeline import Magi2WeightStreamingPipelineMixin
 
 
 logger = logging.get_logger(__name__)
@@ -102,6 +103,7 @@ class Magi2Pipeline(
     Magi2LatentGeometryMixin,
     DiffusionPipeline,
     Magi2LoraLoaderMixin,
+    Magi2WeightStreamingPipelineMixin,
 ):
     r"""MAGI-2 Preview: a 10 s video with a stereo soundtrack from a prompt, optionally conditioned on an image.
 

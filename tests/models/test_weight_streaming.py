@@ -54,18 +54,21 @@ def _with_lora(model):
     return model
 
 
-@pytest.mark.parametrize("variant", ["bf16", "int4", "bf16+lora"])
+@pytest.mark.parametrize("variant", ["bf16", "int4", "int4+fp8 storage", "bf16+lora"])
 def test_streamed_output_equals_resident_bit_for_bit(variant):
     model = _bf16_model()
-    if variant == "int4":
+    if variant.startswith("int4"):
         model = int4_transformer(model, 16)
+    if variant.endswith("fp8 storage"):  # the 80 GB recipe's dense weights: FP8 in host memory and in the ring
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
     if variant.endswith("lora"):
         model = _with_lora(model)
     inputs = tiny_inputs(dtype=torch.bfloat16)
     resident = _run(model, inputs)
     n_lora = sum(".lora_" in n for n, _ in model.named_parameters())
     streamer = model.enable_weight_streaming("cpu")
-    assert {t.dtype for t in _block_tensors(model)} >= ({torch.uint8} if variant == "int4" else {torch.bfloat16})
+    want = {"bf16": torch.bfloat16, "int4": torch.uint8, "int4+fp8 storage": torch.float8_e4m3fn}
+    assert want.get(variant, torch.bfloat16) in {t.dtype for t in _block_tensors(model)}
     _assert_bitwise(_run(model, inputs), resident)
     _assert_bitwise(_run(model, inputs), resident)  # the ring's slots reused across calls
     assert sum(".lora_" in n for n, _ in model.named_parameters()) == n_lora > 0 or not variant.endswith("lora")

@@ -61,6 +61,9 @@ def _cases(tmp_path):
             ["--prompt", "a cat", "--output", "/proc/magi2_clip.mp4"],
             "cannot create a file in '/proc'",
         ),
+        "host_memory without vram_gb": (base + ["--host_memory", "pinned"], "--host_memory goes with --vram_gb"),
+        "host_memory disk": (base + ["--vram_gb", "24", "--host_memory", "disk"], "--host_memory disk is not built"),
+        "vram_gb 0": (base + ["--vram_gb", "0"], "--vram_gb: must be an integer >= 1"),
         "no prompt": (["--output", out], "the following arguments are required: --prompt"),
     }
 

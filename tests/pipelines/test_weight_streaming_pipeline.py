@@ -1,0 +1,67 @@
+"""``Magi2Pipeline.enable_weight_streaming`` on the CPU ring: the two-stage call equals the resident one bit for bit;
+budgets and moves refused before any weight moves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.modular_testing_utils import tiny_pipelines
+
+
+KWARGS = {
+    "prompt": "A red fox trots through fresh snow",
+    "height": 64,
+    "width": 96,
+    "preview_height": 32,
+    "preview_width": 48,
+    "num_inference_steps": 1,
+    "output_type": "latent",
+}
+
+
+def _call(pipe):
+    out = pipe(**KWARGS, generator=torch.Generator().manual_seed(0))
+    return out.frames, out.audio
+
+
+def test_two_stage_call_streamed_equals_resident_bit_for_bit():
+    pipe, _ = tiny_pipelines(with_refiner=True)
+    resident = _call(pipe)
+    pipe.enable_weight_streaming(vram_gb=24, device="cpu")
+    released = {"transformer": 0, "refiner": 0}
+    for name in released:
+        streamer = getattr(pipe, name)._weight_streamer
+
+        def poison(slot, name=name):
+            slot.fill_(0xFF)  # NaN bytes into each slot as it is released
+            released[name] += 1
+
+        streamer.on_release = poison
+    for a, b in zip(_call(pipe), resident):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    # every block of both models ran from the ring: (cond + uncond) x steps x blocks releases
+    assert released["transformer"] % len(pipe.transformer.transformer_blocks) == 0 < released["transformer"]
+    assert released["refiner"] % len(pipe.refiner.transformer_blocks) == 0 < released["refiner"]
+    with pytest.raises(RuntimeError, match=r"block weights are streamed .* call disable_weight_streaming\(\) first"):
+        pipe.to("cpu")
+
+
+def test_budgets_and_arguments_are_refused_before_any_weight_moves():
+    pipe, _ = tiny_pipelines(with_refiner=True)
+    before = [t.data_ptr() for t in pipe.transformer.parameters()]
+    largest = max(
+        ("text_encoder", "transformer", "refiner", "audio_vae", "vae", "video_decoder"),
+        key=lambda n: (
+            sum(t.nbytes for t in [*getattr(pipe, n).parameters(), *getattr(pipe, n).buffers()])
+            if isinstance(getattr(pipe, n, None), torch.nn.Module)
+            else 0
+        ),
+    )
+    with pytest.raises(ValueError, match=rf"vram_gb=0.001: the device would hold .* the largest is {largest} at"):
+        pipe.enable_weight_streaming(vram_gb=0.001, device="cpu")
+    with pytest.raises(ValueError, match=r"vram_gb must be a positive number of GB \(e.g. 24 or 32\), got 0"):
+        pipe.enable_weight_streaming(vram_gb=0, device="cpu")
+    with pytest.raises(NotImplementedError, match=r'host_memory="disk"'):
+        pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu")
+    assert [t.data_ptr() for t in pipe.transformer.parameters()] == before
+    assert getattr(pipe.transformer, "_weight_streamer", None) is None
