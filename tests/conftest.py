@@ -22,6 +22,21 @@ from helpers.fixtures import fixtures_root  # noqa: E402
 torch.set_num_threads(1)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse, before any test runs, an environment whose Triton interpreter cannot run the kernels: Triton 3.6's
+    calls ``int()`` on one-element arrays, which numpy 2.4 refuses (every kernel test would fail on it)."""
+    from importlib.metadata import version
+
+    triton_version, numpy_version = version("triton"), version("numpy")
+    minor = lambda v: tuple(int(part) for part in v.split(".")[:2])  # noqa: E731
+    if minor(triton_version) < (3, 7) and minor(numpy_version) >= (2, 4):
+        raise pytest.UsageError(
+            f"triton {triton_version} runs the suite's Triton kernels in a CPU interpreter that needs numpy < 2.4 "
+            f"(this environment has {numpy_version}): pip install 'numpy<2.4' (tests/benchmarks/"
+            "check_version_floor.sh does)"
+        )
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     """Root of the read-only golden fixtures (``$MAGI2_FIXTURES`` or ``../shared/fixtures`` beside the checkout)."""

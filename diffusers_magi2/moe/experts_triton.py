@@ -239,16 +239,17 @@ def _mh_moe_fwd_kernel(
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
             wd = wd.to(tl.float32)
-        if W_FP8:  # e4m3 -> activation dtype is exact; the scale is applied to the accumulator below
-            wg = wg.to(xt.dtype)
-            wu = wu.to(xt.dtype)
+        if W_FP8:  # e4m3 -> fp32 -> activation dtype is exact; the scale is applied to the accumulator below
+            # (through fp32: Triton 3.6 lowers e4m3 -> bf16 via a bf16.f16 cvt that ptxas refuses below sm_90)
+            wg = wg.to(tl.float32).to(xt.dtype)
+            wu = wu.to(tl.float32).to(xt.dtype)
         gate = tl.dot(xt, wg, input_precision="ieee")
         up = tl.dot(xt, wu, input_precision="ieee")
         if W_FP8:  # per output channel: x @ (q * s) == (x @ q) * s
             gate = gate * tl.load(sg_ptr + g * EXPERT_DIM + cols_n, mask=nmask, other=0.0)[None, :]
             up = up * tl.load(su_ptr + g * EXPERT_DIM + cols_n, mask=nmask, other=0.0)[None, :]
             hid = round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), x_ptr, HID_ROUND)
-            wd = wd.to(hid.dtype)
+            wd = wd.to(tl.float32).to(hid.dtype)
         else:
             hid = round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), w_down_ptr, HID_ROUND)
         acc = tl.dot(hid, wd, acc, input_precision="ieee")
@@ -445,7 +446,8 @@ def check_fp8_capability(capability: Optional[tuple[int, int]], name: str = "thi
     if capability is not None and tuple(capability) < (8, 9):
         raise ValueError(
             f"FP8 (float8_e4m3fn) experts need a GPU with compute capability >= 8.9 for the Triton kernel; {name} "
-            f"has {capability[0]}.{capability[1]}. Load the experts in bf16 (expert_dtype=None) on this GPU."
+            f"has {capability[0]}.{capability[1]}, without FP8 conversions or FP8 tensor cores. Load the experts in bf16 "
+            '(expert_dtype=None) or int4 (expert_dtype="int4") on this GPU.'
         )
 
 

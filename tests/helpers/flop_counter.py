@@ -1,7 +1,7 @@
 """FLOP counting with ``torch.utils.flop_counter.FlopCounterMode``, including CPU attention.
 
 torch does not count ``aten._scaled_dot_product_flash_attention_for_cpu``; this registers torch's own SDPA count
-for it, ``2 B H Lq Lk (D + Dv)`` (softmax not counted).
+for it, ``2 B H Lq Lk (D + Dv)`` with ``H`` the query heads (grouped-query attention included; softmax not counted).
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ _CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    # grouped-query attention counted per query head (torch before 2.13 asserts equal head counts)
+    heads = query_shape[1]
+    key_shape, value_shape = ((b, heads, *rest) for b, _, *rest in (key_shape, value_shape))
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 

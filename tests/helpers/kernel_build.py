@@ -8,12 +8,12 @@ pipeliner turned into asynchronous copies (``ttg.async_copy_global_to_local``, c
 how many shared-memory buffers each has. A build passes when:
 
 * it compiles, with no spills (no ``STL``/``LDL`` in the SASS, stack and local bytes 0);
-* its matrix products (the MoE kernel's) use the tensor cores: ``HGMMA`` (warpgroup MMA) on sm_90, ``HMMA`` on
-  sm_80/sm_89;
+* its matrix products (the MoE kernel's) use the tensor cores: ``HGMMA`` (warpgroup MMA) on sm_90, ``HMMA``
+  (``mma.sync``) on sm_80/86/89 and on consumer Blackwell (sm_120, which has no warpgroup or tcgen05 MMA);
 * every weight operand is prefetched by the pipeliner (an async copy into a multi-buffered shared-memory ring; no
   synchronous load of it left) with ``num_stages >= 3``: the MoE kernel's three weight tiles, the int4
   dequantization kernel's code tiles (its one scale row per step, 2 bytes a thread, is below cp.async's 4);
-* its shared memory fits the architecture's per-block limit (sm_90 227 KB, sm_89 99 KB, sm_80 163 KB);
+* its shared memory fits the architecture's per-block limit (sm_90 227 KB, sm_80 163 KB, sm_86/89/120 99 KB);
 * its atomic adds (atomic MoE mode) are native reductions, not compare-and-swap loops.
 
 ``python -m tests.helpers.kernel_build`` prints the table of the builds the launch table chooses at the
@@ -53,10 +53,15 @@ __all__ = [
     "package_kernels",
 ]
 
-#: Largest dynamic shared memory per block (opt-in) of each checked architecture, in bytes.
-ARCH_SHARED_LIMIT = {90: 227 * 1024, 89: 99 * 1024, 80: 163 * 1024}
-#: Expected tensor-core instruction per architecture.
-ARCH_MMA = {90: "HGMMA", 89: "HMMA", 80: "HMMA"}
+#: Largest dynamic shared memory per block (opt-in) of each checked architecture, in bytes (the CUDA programming
+#: guide's table; sm_86, sm_89 and sm_120 have 100 KB per SM, of which 99 KB for one block): RTX 5090, H100/H200,
+#: RTX 4090/L40S, RTX 3090/A6000, A100.
+ARCH_SHARED_LIMIT = {120: 99 * 1024, 90: 227 * 1024, 89: 99 * 1024, 86: 99 * 1024, 80: 163 * 1024}
+#: Expected tensor-core instruction per architecture: warpgroup MMA on Hopper, ``mma.sync`` (``HMMA``) elsewhere;
+#: Triton has no tcgen05 path for consumer Blackwell (sm_120), which runs ``mma.sync`` as Ampere and Ada do.
+ARCH_MMA = {120: "HMMA", 90: "HGMMA", 89: "HMMA", 86: "HMMA", 80: "HMMA"}
+#: Architectures with FP8 (e4m3) conversions and MMA: compute capability 8.9 and newer.
+FP8_ARCHS = tuple(arch for arch in ARCH_SHARED_LIMIT if arch >= 89)
 MIN_STAGES = 3
 
 #: The released MoE shape: heads, experts per head, top-k, Dh, De (tokens only set the strides of x).
@@ -74,7 +79,7 @@ class KernelBuild:
     """One build: a kernel of the package for one architecture, problem and launch config."""
 
     kernel: str  # e.g. "_mh_moe_fwd_kernel"
-    arch: int  # 90, 89, 80
+    arch: int  # 120, 90, 89, 86, 80
     weights: str  # "bfloat16", "float8_e4m3fn" or "int4"
     deterministic: bool
     config: tuple[int, ...]  # TileConfig fields; the dequantization kernel: (BLOCK_N, num_warps, num_stages)
@@ -328,10 +333,11 @@ def checked_builds() -> tuple[list[KernelBuild], list[tuple[int, str, str]]]:
     """The builds the launch table chooses at the released shape, and the combinations the launcher must refuse.
 
     Returns:
-        ``(builds, refused)``: per architecture 90/89/80 (table entries ``sm_90``, ``sm_89``, ``sm_80``) the first
+        ``(builds, refused)``: per architecture of :data:`ARCH_SHARED_LIMIT` (table entry ``sm_XY``) the first
         candidate for bf16, FP8 and int4 experts (int4: the bf16 candidate, per head), atomic and deterministic, and
         the int4 dequantization kernel for each bank shape; ``refused`` lists ``(arch, weights, reason)`` for FP8
-        below sm_89, where :func:`~diffusers_magi2.moe.experts_triton.launch_specs` raises ``ValueError``.
+        below sm_89 (sm_80, sm_86), where :func:`~diffusers_magi2.moe.experts_triton.launch_specs` raises
+        ``ValueError``.
     """
     from diffusers_magi2.moe import experts_triton as et
 
@@ -341,7 +347,7 @@ def checked_builds() -> tuple[list[KernelBuild], list[tuple[int, str, str]]]:
         keys = (f"sm_{arch}",)
         entry = et.resolve_device_entry(keys)
         for weights in ("bfloat16", "float8_e4m3fn", "int4"):
-            if weights == "float8_e4m3fn" and arch < 89:
+            if weights == "float8_e4m3fn" and arch not in FP8_ARCHS:
                 refused.append((arch, weights, "FP8 experts need compute capability >= 8.9"))
                 continue
             table_weights = torch.bfloat16 if weights == "int4" else getattr(torch, weights)  # int4: bf16 banks
@@ -409,8 +415,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--jobs", type=int, default=2, help="builds in parallel (default 2)")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a build has a problem or is not refused")
     parser.add_argument("--scan", action="store_true", help="build --configs for --arch/--weights instead")
-    parser.add_argument("--arch", type=int, nargs="+", default=[90, 89, 80])
+    parser.add_argument("--arch", type=int, nargs="+", default=list(ARCH_SHARED_LIMIT))
     parser.add_argument("--weights", nargs="+", default=["bfloat16", "float8_e4m3fn", "int4"])
     parser.add_argument("--configs", nargs="*", default=[], help="block_t,block_de,num_warps,num_stages ...")
     args = parser.parse_args(argv)
@@ -427,7 +434,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             KernelBuild("_mh_moe_fwd_kernel", arch, weights, det, config, "scan")
             for arch in args.arch
             for weights in args.weights
-            if not (weights.startswith("float8") and arch < 89)
+            if not (weights.startswith("float8") and arch not in FP8_ARCHS)
             for det in (False, True)
             for config in configs
         ]
@@ -442,7 +449,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(format_table(results))
         for refusal in refusals:
             print(f"sm_{refusal['arch']} {refusal['weights']}: refused by the launcher: {refusal['error']}")
-    return 0
+    failed = any(build_problems(r) for r in results) or any(r["error"] is None for r in refusals)
+    return 1 if args.check and failed else 0
 
 
 if __name__ == "__main__":

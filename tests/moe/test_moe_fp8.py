@@ -183,6 +183,12 @@ def test_fp8_where_the_kernel_cannot_run_it_raises(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="compute capability >= 8.9.*NVIDIA A100"):
         check_fp8_device(torch.device("cuda", 0))
     check_fp8_device(torch.device("cpu"))  # the interpreter runs FP8
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 3090")
+    with pytest.raises(ValueError, match=r"RTX 3090 has 8\.6.*bf16.*int4"):  # what to load instead
+        check_fp8_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))  # RTX 5090
+    check_fp8_device(torch.device("cuda", 0))
 
     def refuse(device):
         raise ValueError("FP8 refused")

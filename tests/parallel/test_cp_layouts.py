@@ -99,3 +99,7 @@ def test_cpu_sdpa_flops_are_counted(monkeypatch):
     out, flops = count_flops(F.scaled_dot_product_attention, q, k, v)
     assert out.shape == (2, 3, 5, 8)
     assert flops == 2 * (2 * 2 * 3 * 5 * 7 * 8)  # q k^T and p v: 2·B·H·Lq·Lk·D each
+    # grouped-query attention (3 key/value heads shared by 6 query heads): counted per query head
+    q6 = torch.randn(2, 6, 5, 8)
+    _, flops = count_flops(F.scaled_dot_product_attention, q6, k, v, enable_gqa=True)
+    assert flops == 2 * (2 * 2 * 6 * 5 * 7 * 8)
