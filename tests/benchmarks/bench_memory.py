@@ -5,7 +5,11 @@ Default: one 141 GB H200 (``enable_model_cpu_offload``: one model on the device 
 and per rank under CP8 x EP4 x 2 (80 GB GPUs, each stage's model alone on the device); a row fits with 8 GB spare.
 ``--gpu_gb 80``: the 1080p pipeline on one 80 GB H100/A100 (``--expert_dtype``, int4 by default, with FP8 storage
 for the dense weights), every stage with 4 GB spare (<= 76 GB), the LoRA training step at 272p, and the host RAM
-the offloaded components take.
+the offloaded components take. ``--gpu_gb 24`` / ``32``: the streamed recipes of an RTX 4090 / 5090
+(``tests/helpers/memory_plan_consumer.py``: per stage the device peak, host memory, host->device copies and a time
+model per step; with 24, per-rank rows of 8 x 24 GB cards); every used stage within ``card - 2`` GB.
+``--write_budgets`` writes both recipes' planned peaks to the package's ``weight_streaming_budgets.json``
+(``diffusers_magi2.pipelines.weight_streaming_budget`` refuses budgets from it).
 
 Traced without the memory (``tests/helpers/memory_plan.py``, ``memory_plan_training.py`` and
 ``memory_plan_codecs.py``: the model code on fake tensors, GPU attention and the fused MoE kernel modelled by their
@@ -16,6 +20,8 @@ when a row of the 80 GB plan that must fit does not.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m tests.benchmarks.bench_memory [--out memory_plan.json] [--quick]
     OMP_NUM_THREADS=1 .venv/bin/python -m tests.benchmarks.bench_memory --gpu_gb 80 --expert_dtype int4 --json
+    OMP_NUM_THREADS=1 .venv/bin/python -m tests.benchmarks.bench_memory --gpu_gb 24 --json
+    OMP_NUM_THREADS=1 .venv/bin/python -m tests.benchmarks.bench_memory --write_budgets
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import time
 
 import torch
 
+from diffusers_magi2.pipelines.weight_streaming_budget import BUDGETS_FILE
 from tests.helpers.memory_plan import GB, H100_BYTES, plan_preview_step, plan_refiner_step
 from tests.helpers.memory_plan_codecs import (
     plan_audio_decode,
@@ -36,6 +43,7 @@ from tests.helpers.memory_plan_codecs import (
     plan_video_decode,
     plan_wan_decode,
 )
+from tests.helpers.memory_plan_consumer import budget_table, consumer_result
 from tests.helpers.memory_plan_training import plan_lora_training_step
 
 
@@ -123,13 +131,24 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="141 GB: the 540p preview rows; 80 GB: preview + training"
     )
-    parser.add_argument("--gpu_gb", type=int, choices=(141, 80), default=141, help="the plan's GPU")
+    parser.add_argument("--gpu_gb", type=int, choices=(141, 80, 32, 24), default=141, help="the plan's GPU")
+    parser.add_argument(
+        "--write_budgets", action="store_true", help="write the 24 and 32 GB plans' peaks into the package"
+    )
     parser.add_argument("--expert_dtype", choices=sorted(EXPERT_DTYPES), default="int4", help="80 GB plan")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     status = 0
-    if args.gpu_gb == 80:
+    if args.write_budgets:
+        path = write_json(budget_table(), BUDGETS_FILE)
+        print(f"wrote {path} in {time.perf_counter() - t0:.1f} s")
+        return 0
+    if args.gpu_gb in (24, 32):
+        result = consumer_result(args.gpu_gb)
+        status = 0 if result["all_used_stages_fit"] else 1
+        table = consumer_markdown(result)
+    elif args.gpu_gb == 80:
         rows, what_if, host = plan_rows_80gb(EXPERT_DTYPES[args.expert_dtype], args.quick)
         result = {
             "stages": [_stage(r) for r in rows],
@@ -151,11 +170,41 @@ def main(argv=None) -> int:
         print(table)
         print(f"planned {len(rows)} stages in {result['seconds']} s")
     if args.out:
-        folder = os.path.dirname(os.path.abspath(args.out))
-        with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as f:
-            json.dump(result, f, indent=2)
-        os.replace(f.name, args.out)
+        write_json(result, args.out)
     return status
+
+
+def write_json(result: dict, path: str) -> str:
+    """``result`` written to ``path`` through a temporary file in its folder (no half-written file)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    os.replace(f.name, path)
+    return path
+
+
+def consumer_markdown(result: dict) -> str:
+    """The README's table of a streamed recipe."""
+    lines = [
+        "| stage | used | resident | ring | activations | peak | host (pinned / disk) | h2d per step | "
+        "copy 25 / 56 GB/s | compute |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["stages"]:
+        t = r.get("time_per_step") or {}
+        copy = f"{t['copy_s_at_25GBps']} / {t['copy_s_at_56GBps']} s" if t else ""
+        h2d = f"{r['h2d_GB_per_step']} GB" if "h2d_GB_per_step" in r else ""
+        lines.append(
+            f"| {r['stage']} | {'yes' if r['used'] else 'no'} | {r['resident_GB']} GB | {r['ring_GB']} GB | "
+            f"{r['activations_GB']} GB | {r['peak_GB']} GB | {r['host_GB']} / {r['host_disk_mode_GB']} GB | {h2d} | "
+            f"{copy} | {str(t['compute_s']) + ' s' if t else ''} |"
+        )
+    lines.append(
+        f"\nhost memory at the run's peak: {result['host_ram_GB']} GB pinned mode, "
+        f"{result['host_ram_disk_mode_GB']} GB disk mode ({result['largest_host_stage']})"
+    )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

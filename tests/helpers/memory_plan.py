@@ -73,6 +73,7 @@ __all__ = [
     "check_plan_resolution",
     "plan_preview_step",
     "plan_refiner_step",
+    "preview_block_bytes",
     "preview_kinds",
     "preview_token_counts",
     "preview_weights",
@@ -291,8 +292,8 @@ def build_traced_preview(
     return on_fake_tensors(model, fake_mode), kinds, per_layer
 
 
-def preview_weights(model, kinds, per_layer, ep_degree: int) -> int:
-    """Weight bytes of every layer (from its kind's block), the routed experts split among ``ep_degree`` ranks."""
+def preview_block_bytes(model, kinds, ep_degree: int) -> Dict[tuple, int]:
+    """Weight bytes of each kind's block (``{kind: bytes}``), the routed experts split among ``ep_degree`` ranks."""
     block_bytes = {}
     for kind, block in zip(kinds, model.transformer_blocks):
         nbytes = module_bytes(block)
@@ -302,6 +303,12 @@ def preview_weights(model, kinds, per_layer, ep_degree: int) -> int:
             experts = _expert_bytes(moe_core)
             nbytes += experts * layout.local_num_heads // moe_core.num_heads - experts
         block_bytes[kind] = nbytes
+    return block_bytes
+
+
+def preview_weights(model, kinds, per_layer, ep_degree: int) -> int:
+    """Weight bytes of every layer (from its kind's block), the routed experts split among ``ep_degree`` ranks."""
+    block_bytes = preview_block_bytes(model, kinds, ep_degree)
     return module_bytes(model.pre_adapter) + module_bytes(model.post_adapter) + sum(block_bytes[k] for k in per_layer)
 
 

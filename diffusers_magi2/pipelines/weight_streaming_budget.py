@@ -1,0 +1,143 @@
+"""Budgets of weight streaming, checked before any weight moves.
+
+A streamed stage's device peak, planned at the released size by ``tests/benchmarks/bench_memory.py --gpu_gb 24|32``
+(the model code traced on fake tensors), is::
+
+    peak = resident weights (non-block) + ring (3 x the largest block's weights) + activations of the stage
+
+and a recipe's host memory is its largest stage's (the text encoder is released before the transformer's weights
+come in): anonymous RSS plus pinned bytes, each pinned buffer rounded up to a power of two as torch's pinned host
+allocator does (``host_memory="pinned"``), or a bounded staging ring read from the safetensors files
+(``host_memory="disk"``; the page cache is file-backed and not counted). The planned figures ship in
+``weight_streaming_budgets.json`` (written by ``bench_memory --write_budgets``; a test keeps it equal to the plan),
+so a budget is checked from the table, not from a trace at run time. Units: GB = 10^9 bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from typing import Dict, Iterable, Optional
+
+
+__all__ = ["HOST_MEMORY_MODES", "available_host_bytes", "check_streaming_budget", "streaming_budgets"]
+
+
+HOST_MEMORY_MODES = ("pinned", "disk")
+BUDGETS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weight_streaming_budgets.json")
+_GB = 10**9
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def streaming_budgets() -> dict:
+    """The shipped table: ``{"recipes": {"24": {...}, "32": {...}}, ...}``, each recipe with its ``card_gb``,
+    ``stages`` (``{name: {"peak_GB", "used", ...}}``), ``required_stages`` and ``host_ram_GB`` per host-memory mode.
+    """
+    return _load(BUDGETS_FILE)
+
+
+def available_host_bytes() -> int:
+    """Host memory the OS can give without swapping: ``MemAvailable`` of ``/proc/meminfo`` (Linux), else the free
+    physical pages (``os.sysconf``).
+
+    Raises:
+        OSError: neither can be read on this system.
+    """
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError) as error:
+        raise OSError("cannot read the available host memory (no /proc/meminfo MemAvailable, no sysconf)") from error
+
+
+def _recipe(table: dict, vram_gb: float) -> dict:
+    """The largest planned recipe whose card is no larger than ``vram_gb`` (the smallest one below all)."""
+    recipes = sorted(table["recipes"].values(), key=lambda r: r["card_gb"])
+    fitting = [r for r in recipes if r["card_gb"] <= vram_gb]
+    return fitting[-1] if fitting else recipes[0]
+
+
+def check_streaming_budget(
+    vram_gb: float,
+    host_memory: str = "pinned",
+    stages: Optional[Iterable[str]] = None,
+    *,
+    host_bytes: Optional[int] = None,
+) -> Dict[str, float]:
+    """Refuse a weight-streaming budget the plan says cannot work, before any weight moves.
+
+    Args:
+        vram_gb: the device memory the run may use, in GB (10^9 bytes; a positive number).
+        host_memory: ``"pinned"`` (every block's weights in pinned host buffers) or ``"disk"`` (read from the
+            safetensors files into a bounded staging ring).
+        stages: plan stage names to check (e.g. ``("text_encode", "preview_540p", "turbovae_decode_540p")``);
+            ``None``: the recipe's ``required_stages``, those every generation runs (text encoding, the 272p preview
+            step, the audio decode).
+        host_bytes: the host memory available, in bytes; ``None``: read from the OS (:func:`available_host_bytes`).
+
+    Returns:
+        ``{stage: planned peak in GB}`` of the checked stages, and ``"host_ram_GB"``: the mode's planned host peak.
+
+    Raises:
+        ValueError: ``vram_gb`` not a positive number, an unknown ``host_memory`` or stage name, a stage the recipe
+            does not run, a ``vram_gb`` below a checked stage's planned peak (naming the stage with the largest
+            planned peak and that peak), or less host memory than the mode's planned peak (naming the disk mode).
+    """
+    if (
+        isinstance(vram_gb, bool)
+        or not isinstance(vram_gb, (int, float))
+        or not math.isfinite(vram_gb)
+        or vram_gb <= 0
+    ):
+        raise ValueError(f"vram_gb must be a positive number of GB; got {vram_gb!r}")
+    if host_memory not in HOST_MEMORY_MODES:
+        raise ValueError(f"host_memory must be one of {HOST_MEMORY_MODES}; got {host_memory!r}")
+    recipe = _recipe(streaming_budgets(), vram_gb)
+    planned = recipe["stages"]
+    names = list(recipe["required_stages"] if stages is None else stages)
+    if isinstance(stages, str) or not names:
+        raise ValueError(f"stages must be a non-empty list of stage names; got {stages!r}")
+    unknown = [n for n in names if n not in planned]
+    if unknown:
+        raise ValueError(f"unknown stages {unknown}; the plan has {sorted(planned)}")
+    skipped = [n for n in names if not planned[n]["used"]]
+    if skipped:
+        raise ValueError(
+            f"the {recipe['card_gb']} GB recipe does not run {skipped} ({planned[skipped[0]].get('why_unused', '')})"
+        )
+    largest = max(names, key=lambda n: planned[n]["peak_GB"])
+    peak = planned[largest]["peak_GB"]
+    if vram_gb < peak:
+        raise ValueError(
+            f"vram_gb={vram_gb} is below the planned peak of stage {largest!r}: {peak} GB (the {recipe['card_gb']} "
+            f"GB recipe); raise vram_gb to at least {peak}"
+        )
+    need = recipe["host_ram_GB"][host_memory]
+    have = available_host_bytes() if host_bytes is None else int(host_bytes)
+    if have < need * _GB:
+        hint = (
+            f"host_memory='disk' reads the weights from the safetensors files instead and needs "
+            f"{recipe['host_ram_GB']['disk']} GB"
+            if host_memory == "pinned"
+            else "the disk mode is the smallest host-memory mode; free host memory or use a larger host"
+        )
+        raise ValueError(
+            f"the host has {have / _GB:.2f} GB of memory available; host_memory={host_memory!r} needs {need} GB "
+            f"(the {recipe['card_gb']} GB recipe's planned host peak); {hint}"
+        )
+    result = {n: planned[n]["peak_GB"] for n in names}
+    result["host_ram_GB"] = need
+    return result

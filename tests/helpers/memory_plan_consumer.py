@@ -1,0 +1,312 @@
+"""The 24 GB and 32 GB recipes of the memory plan, stage by stage (``bench_memory --gpu_gb 24|32``): the streamed
+stages of :mod:`helpers.memory_plan_streaming` on the activations traced by :mod:`helpers.memory_plan`,
+:mod:`helpers.memory_plan_codecs` and :mod:`helpers.memory_plan_training`.
+
+Recipes. 24 GB (RTX 4090, 3090): a 540p clip; text encoder and preview transformer streamed (int4 experts,
+FP8-stored dense weights), the TurboVAE decode and the audio decode resident; no refiner, no training. 32 GB
+(RTX 5090): the same plus the 1080p refiner (streamed, its MLP and attention chunked), the tiled TurboVAE decode at
+1080p and a 272p LoRA step (block inputs in pinned host memory). The Wan2.2 VAE decode is in the plan but not used
+(the recipes decode with the TurboVAE). Targets: every used stage <= ``card - 2`` GB.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Optional
+
+import torch
+
+from .memory_plan import (
+    DEFAULT_TEXT_TOKENS,
+    GB,
+    LATENT_FRAMES,
+    PLAN_RESOLUTIONS,
+    plan_preview_step,
+    plan_refiner_step,
+)
+from .memory_plan_codecs import (
+    TEXT_ENCODER_HIDDEN,
+    plan_audio_decode,
+    plan_image_encode,
+    plan_text_encode,
+    plan_video_decode,
+    plan_wan_decode,
+)
+from .memory_plan_streaming import (
+    CARDS,
+    PROCESS_BYTES,
+    TEXT_ENCODER_VOCAB,
+    StreamedStage,
+    pinned_bytes,
+    preview_step_flops,
+    preview_streamed_weights,
+    refiner_step_flops,
+    refiner_streamed_weights,
+    text_encoder_streamed_weights,
+    time_model,
+)
+from .memory_plan_training import plan_lora_training_step
+
+
+__all__ = ["CONSUMER_CARDS", "REFINER_CHUNK", "plan_consumer", "plan_per_rank_24gb"]
+
+
+CONSUMER_CARDS = (24, 32)
+FP8 = torch.float8_e4m3fn
+#: The refiner's token chunk on a 32 GB card (``enable_forward_chunking``).
+REFINER_CHUNK = 16384
+_TEXT_TOKENS = 7000  # the text encoder row's longest prompt
+
+
+@functools.lru_cache(maxsize=None)
+def _traced(kind: str, *args):
+    """Each traced row once per process (the recipes share them)."""
+    if kind == "preview":
+        resolution, cp, ep = args
+        return plan_preview_step(resolution, "int4", storage_dtype=FP8, cp_degree=cp, ep_degree=ep)
+    if kind == "refiner":
+        chunk, cp = args
+        return plan_refiner_step(forward_chunk_size=chunk, cp_degree=cp)
+    if kind == "turbovae":
+        resolution, tiled = args
+        return plan_video_decode(resolution, tiled=tiled)
+    if kind == "wan":
+        return plan_wan_decode(args[0])
+    if kind == "lora":
+        return plan_lora_training_step("272p", "int4", storage_dtype=FP8, offload_block_inputs=True)
+    if kind == "text":
+        return plan_text_encode(_TEXT_TOKENS)
+    if kind == "image":
+        return plan_image_encode("540p")
+    if kind == "audio":
+        return plan_audio_decode()
+    raise ValueError(kind)
+
+
+def _resident(name: str, row, *, used: bool = True, why: Optional[str] = None, notes=()) -> StreamedStage:
+    """A stage whose model sits on the device whole (loaded through host memory, then moved)."""
+    host = PROCESS_BYTES + row.weights
+    return StreamedStage(
+        name, row.stage, row.weights, 0, row.activations, host, host, used, why, streams=False,
+        peak_at=row.peak_at, notes=list(row.notes) + list(notes),
+    )  # fmt: skip
+
+
+def _streamed(name, what, weights, row, card_gb, flops, *, extra_host=0, passes=1, used=True, why=None, notes=()):
+    """A stage whose blocks stream through the ring ``passes`` times a step; ``extra_host``: anonymous host bytes it
+    adds (both modes)."""
+    h2d = passes * weights.streamed
+    timing = time_model(h2d, flops, card_gb, disk_bytes=h2d)
+    return StreamedStage(
+        name, what, weights.resident, weights.ring, row.activations,
+        PROCESS_BYTES + weights.host_pinned + extra_host, PROCESS_BYTES + weights.host_staging + extra_host,
+        used, why, h2d, timing, row.peak_at, notes=list(row.notes) + list(notes), disk_read=h2d,
+    )  # fmt: skip
+
+
+def _text_stage(card_gb: int) -> StreamedStage:
+    weights = text_encoder_streamed_weights()
+    row = _traced("text")
+    embedding = text_encoder_embedding_bytes()
+    flops = 2 * sum(weights.blocks) / 2 * _TEXT_TOKENS  # bf16: 2 bytes per parameter
+    stage = _streamed(
+        "text_encode", "text encoding, Qwen3.5-27B bf16 streamed by layer (estimate)", weights, row, card_gb, flops,
+        extra_host=embedding, notes=["the embedding table in host memory; released before the transformer loads",
+                                     "h2d and time per prompt (once per generation)"],
+    )  # fmt: skip
+    return stage
+
+
+def text_encoder_embedding_bytes() -> int:
+    """Bytes of the text encoder's embedding table (bf16), kept in host memory."""
+    return TEXT_ENCODER_VOCAB * TEXT_ENCODER_HIDDEN * 2
+
+
+def _preview_stage(resolution: str, card_gb: int) -> StreamedStage:
+    weights = preview_streamed_weights("int4", FP8)
+    row = _traced("preview", resolution, 1, 1)
+    what = f"preview step {resolution} with CFG, int4 experts, FP8-stored dense weights, streamed by block"
+    return _streamed(f"preview_{resolution}", what, weights, row, card_gb, preview_step_flops(resolution))
+
+
+def _refiner_stage(card_gb: int, used: bool) -> StreamedStage:
+    weights = refiner_streamed_weights()
+    row = _traced("refiner", REFINER_CHUNK, 1)
+    why = None if used else "the 24 GB recipe stops at 540p"
+    what = f"refiner step 1080p, bf16, streamed by block, token chunks of {REFINER_CHUNK}"
+    notes = ["peak: one CFG branch; h2d and time: both branches (two passes over the blocks)"]
+    return _streamed(
+        "refiner_1080p", what, weights, row, card_gb, 2 * refiner_step_flops(), passes=2, used=used, why=why,
+        notes=notes,
+    )  # fmt: skip
+
+
+def _lora_stage(card_gb: int, used: bool) -> StreamedStage:
+    """272p LoRA step: forward and the checkpointed recompute each stream the blocks; the block inputs wait in
+    pinned host memory (one pinned tensor per layer) and come back for the backward."""
+    weights = preview_streamed_weights("int4", FP8)
+    row = _traced("lora")
+    plain = preview_streamed_weights("int4", FP8)
+    lora_resident = row.weights - (plain.resident + plain.streamed)  # LoRA weights + AdamW moments stay resident
+    height, width = PLAN_RESOLUTIONS["272p"]
+    tokens = LATENT_FRAMES * (height // 16) * (width // 16) + 250 + DEFAULT_TEXT_TOKENS
+    block_input = tokens * 4 * 3072 * 2  # [N, n*C] bf16
+    layers = len(weights.blocks)
+    inputs_host = layers * pinned_bytes(block_input)
+    h2d = 2 * weights.streamed + layers * block_input
+    flops = 3 * preview_step_flops("272p") / 2  # one half (no CFG): forward, recompute, input gradients
+    timing = time_model(h2d, flops, card_gb, disk_bytes=2 * weights.streamed)
+    why = None if used else "the 24 GB recipe does not train (its host memory would exceed 80 GB)"
+    return StreamedStage(
+        "lora_train_272p", "LoRA training step 272p, int4 experts, FP8-stored dense weights, streamed forward and "
+        "recompute", weights.resident + lora_resident, weights.ring, row.activations,
+        PROCESS_BYTES + weights.host_pinned + inputs_host, PROCESS_BYTES + weights.host_staging + inputs_host,
+        used, why, h2d, timing, row.peak_at,
+        notes=list(row.notes) + ["h2d: the blocks twice (forward, recompute) + the 40 block inputs back"],
+        disk_read=2 * weights.streamed,
+    )  # fmt: skip
+
+
+def plan_consumer(card_gb: int) -> Dict[str, object]:
+    """The recipe of a ``card_gb`` card (24 or 32): ``{"stages": [StreamedStage...], "host_ram": ...}``.
+
+    Raises:
+        ValueError: a card the plan has no recipe for.
+    """
+    if card_gb not in CONSUMER_CARDS:
+        raise ValueError(f"the streamed plan has recipes for {CONSUMER_CARDS} GB cards; got {card_gb!r}")
+    big = card_gb >= 32
+    decode_res = "1080p" if big else "540p"
+    stages: List[StreamedStage] = [_text_stage(card_gb)]
+    stages.append(_resident("image_encode_540p", _traced("image"), notes=["I2V only"]))
+    stages += [_preview_stage(res, card_gb) for res in ("272p", "540p")]
+    stages.append(_refiner_stage(card_gb, used=big))
+    stages.append(_resident(f"turbovae_decode_{decode_res}", _traced("turbovae", decode_res, big)))
+    for res in ("540p", "1080p") if big else ("540p",):
+        stages.append(
+            _resident(f"wan_decode_{res}", _traced("wan", res), used=False, why="the recipe decodes with the TurboVAE")
+        )
+    stages.append(_resident("audio_decode", _traced("audio")))
+    stages.append(_lora_stage(card_gb, used=big))
+    return {"stages": stages}
+
+
+def host_ram_gb(rows, mode: str) -> float:
+    """The generation's peak host memory in ``mode`` (``"pinned"`` or ``"disk"``), GB: its largest used stage's, from
+    the JSON rows (a LoRA training run is a process of its own: its row shows its own host memory)."""
+    key = "host_GB" if mode == "pinned" else "host_disk_mode_GB"
+    return max(r[key] for r in rows if r["used"] and not r["stage"].startswith("lora_train"))
+
+
+def plan_per_rank_24gb() -> List[dict]:
+    """Per-rank rows of 8 x 24 GB cards, CP8 x EP4 x 2 (int4 experts, FP8-stored dense weights): each stage resident
+    when it fits ``22`` GB whole, else streamed."""
+    rows = []
+    for res in ("272p", "540p"):
+        row = _traced("preview", res, 8, 4)
+        weights = preview_streamed_weights("int4", FP8, ep_degree=4)
+        whole = weights.resident + weights.streamed + row.activations
+        streams = whole > 22 * GB
+        peak = weights.resident + weights.ring + row.activations if streams else whole
+        rows.append({
+            "stage": f"preview_{res}", "layout": "CP8 x EP4 x 2, per rank", "streams": streams,
+            "peak_GB": round(peak / GB, 2), "resident_whole_GB": round(whole / GB, 2),
+            "weights_GB": round((weights.resident + weights.streamed) / GB, 2),
+            "activations_GB": round(row.activations / GB, 2),
+            "host_GB_per_rank": round((PROCESS_BYTES + (weights.host_pinned if streams else 0)) / GB, 2),
+            "h2d_GB_per_step": round(weights.streamed / GB, 2) if streams else 0.0,
+        })  # fmt: skip
+    refiner = _traced("refiner", REFINER_CHUNK, 8)
+    weights = refiner_streamed_weights()
+    whole = weights.resident + weights.streamed + refiner.activations
+    streams = whole > 22 * GB
+    rows.append({
+        "stage": "refiner_1080p", "layout": "CP8, per rank", "streams": streams,
+        "peak_GB": round((weights.resident + weights.ring + refiner.activations if streams else whole) / GB, 2),
+        "resident_whole_GB": round(whole / GB, 2), "activations_GB": round(refiner.activations / GB, 2),
+    })  # fmt: skip
+    text = _text_stage(24)
+    rows.append(
+        {
+            "stage": "text_encode",
+            "layout": "rank 0",
+            "streams": True,
+            "peak_GB": round(text.peak / GB, 2),
+            "resident_whole_GB": round((sum(text_encoder_streamed_weights().blocks) + text.activations) / GB, 2),
+        }
+    )
+    decode = _traced("turbovae", "1080p", True)
+    rows.append(
+        {
+            "stage": "turbovae_decode_1080p",
+            "layout": "rank 0, tiled",
+            "streams": False,
+            "peak_GB": round(decode.total / GB, 2),
+        }
+    )
+    return rows
+
+
+def summary(card_gb: int, rows) -> dict:
+    """The card's name, peak and its source, and the generation's host memory per mode (from the JSON rows)."""
+    name, peak, source = CARDS[card_gb]
+    generation = [r for r in rows if r["used"] and not r["stage"].startswith("lora_train")]
+    return {
+        "card": name,
+        "bf16_peak_TFLOPs": peak / 1e12,
+        "bf16_peak_source": source,
+        "host_ram_GB": host_ram_gb(rows, "pinned"),
+        "host_ram_disk_mode_GB": host_ram_gb(rows, "disk"),
+        "largest_host_stage": max(generation, key=lambda r: r["host_GB"])["stage"],
+        "target_GB": card_gb - 2,
+        "all_used_stages_fit": all(r["peak_GB"] <= card_gb - 2 for r in rows if r["used"]),
+    }
+
+
+#: Host memory, as the plan counts it.
+HOST_MEMORY = (
+    "anonymous RSS + pinned bytes (each pinned buffer rounded up to a power of two, torch's pinned host allocator) "
+    "+ 2 GB assumed for Python, torch and the CUDA context; the generation's largest stage's, not the sum: the text "
+    "encoder is released before the transformer's weights come in, then the refiner and the decoders in turn (a LoRA "
+    "training run is a process of its own). File-backed pages (the disk mode's page cache of the safetensors files, "
+    "disk_read_GB_per_step) are not counted"
+)
+#: Stages every generation runs, checked by default before weights move.
+REQUIRED_STAGES = ("text_encode", "preview_272p", "audio_decode")
+
+
+def consumer_result(card_gb: int) -> dict:
+    """``bench_memory --gpu_gb 24|32 --json``'s object."""
+    rows = [s.as_json() for s in plan_consumer(card_gb)["stages"]]
+    result = {"stages": rows, **summary(card_gb, rows), "host_memory": HOST_MEMORY}
+    if card_gb == 24:
+        result["per_rank_8x24GB"] = plan_per_rank_24gb()
+    return result
+
+
+_BUDGET_KEYS = ("used", "peak_GB", "resident_GB", "ring_GB", "activations_GB", "host_GB", "host_disk_mode_GB")
+
+
+def budget_table(results: Optional[Dict[int, dict]] = None) -> dict:
+    """The package's ``weight_streaming_budgets.json``, from the recipes' results (default: planned now)."""
+    results = results or {card: consumer_result(card) for card in CONSUMER_CARDS}
+    recipes = {}
+    for card, result in results.items():
+        stages = {}
+        for row in result["stages"]:
+            stages[row["stage"]] = {k: row[k] for k in _BUDGET_KEYS}
+            if not row["used"]:
+                stages[row["stage"]]["why_unused"] = row["why_unused"]
+        recipes[str(card)] = {
+            "card_gb": card,
+            "card": result["card"],
+            "stages": stages,
+            "required_stages": list(REQUIRED_STAGES),
+            "host_ram_GB": {"pinned": result["host_ram_GB"], "disk": result["host_ram_disk_mode_GB"]},
+        }
+    return {
+        "generated_by": "python -m tests.benchmarks.bench_memory --write_budgets",
+        "units": "GB = 10^9 bytes",
+        "host_memory": HOST_MEMORY,
+        "recipes": recipes,
+    }

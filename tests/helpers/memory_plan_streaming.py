@@ -1,0 +1,319 @@
+"""Memory and time plan of MAGI-2 on one 24 GB or 32 GB card with its weights streamed from host memory
+(``bench_memory --gpu_gb 24|32``), built on the traced stages of :mod:`helpers.memory_plan`.
+
+A streamed model keeps its non-block weights on the device and its transformer blocks in host memory; each block's
+weights (int4 codes and scales, FP8-stored dense weights, fp32 islands) are copied into a ring of ``RING_DEPTH``
+preallocated device buffers, each the size of the largest block. A stage's device peak is::
+
+    peak = resident (non-block) weights + RING_DEPTH x largest block + activations (traced, as the 80 GB plan)
+
+Host memory is anonymous RSS plus pinned bytes, each pinned allocation rounded up to a power of two (torch's pinned
+host allocator), plus ``PROCESS_BYTES`` for Python, torch and the CUDA context (assumed; not measured on a GPU).
+``host_memory="pinned"`` packs the blocks' flat buffers into a few pinned arenas of consecutive blocks, sized so the
+rounding costs least (the streamer's rule; one allocation per block would round a 1.67 GB MoE block up to 2.15 GB);
+``"disk"`` holds a pinned staging ring of the same depth
+and reads the blocks from the safetensors files every step (the page cache is file-backed: reported apart, not
+counted). Stages run one after the other (the text encoder is released before the transformer's weights come in),
+so a run's host memory is its largest stage's.
+
+Time per step: copy ``h2d / bandwidth`` at 25 GB/s (PCIe Gen4 x16) and 56 GB/s (Gen5), or ``h2d / DISK_GBPS`` in the
+disk mode, against compute ``flops / card peak``, where ``flops = 2 x active parameters x tokens`` (a multimodal
+layer's modality-specific weights counted once per token, the routed experts ``top_k / num_experts`` of theirs) plus
+dense attention ``4 x S^2 x Hq x D`` per CFG half and layer. The copy hides when it is no longer than the compute.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .memory_plan import (
+    DEFAULT_TEXT_TOKENS,
+    GB,
+    PLAN_RESOLUTIONS,
+    REFINER_LATENT_FRAMES,
+    build_traced_preview,
+    preview_block_bytes,
+    preview_kinds,
+    preview_token_counts,
+)
+from .memory_plan_codecs import TEXT_ENCODER_HIDDEN, TEXT_ENCODER_LAYERS, TEXT_ENCODER_PARAMETERS
+from .memory_trace import module_bytes
+
+
+__all__ = [
+    "CARDS",
+    "DISK_GBPS",
+    "PCIE_GBPS",
+    "PROCESS_BYTES",
+    "RING_DEPTH",
+    "StreamedStage",
+    "StreamedWeights",
+    "pinned_arena_bytes",
+    "pinned_bytes",
+    "preview_step_flops",
+    "preview_streamed_weights",
+    "refiner_step_flops",
+    "refiner_streamed_weights",
+    "text_encoder_streamed_weights",
+    "time_model",
+]
+
+
+RING_DEPTH = 3
+PCIE_GBPS = (25.0, 56.0)
+#: NVMe sequential read of the disk mode (PCIe Gen4 NVMe, assumed).
+DISK_GBPS = 7.0
+#: Python, torch and the CUDA context's host memory (assumed).
+PROCESS_BYTES = 2 * GB
+#: Cards: name, dense bf16 tensor peak with fp32 accumulation (FLOP/s), its source.
+CARDS = {
+    24: ("RTX 4090", 165.2e12, "NVIDIA Ada Lovelace architecture whitepaper (FP16/BF16 tensor, FP32 accumulate)"),
+    32: (
+        "RTX 5090",
+        209.5e12,
+        "NVIDIA RTX Blackwell architecture whitepaper (FP16/BF16 tensor, FP32 accumulate, dense: 838.4 sparse "
+        "FP16-accumulate / 4)",
+    ),
+}
+#: Qwen3.5-27B's vocabulary (assumed: its config is not in this repository); its embedding stays in host memory.
+TEXT_ENCODER_VOCAB = 248_320
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Bytes torch's pinned host allocator takes for ``nbytes``: the next power of two."""
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
+def pinned_arena_bytes(blocks: List[int]) -> int:
+    """Pinned bytes of ``blocks`` packed into arenas of consecutive blocks, the streamer's rule: for each arena
+    capacity from the largest block's power of two upward (doubling), fill arenas in order without passing it; keep
+    the capacity whose rounded arenas cost least."""
+    best = None
+    cap = pinned_bytes(max(blocks))
+    while True:
+        arenas = [0]
+        for n in blocks:
+            if arenas[-1] and arenas[-1] + n > cap:
+                arenas.append(0)
+            arenas[-1] += n
+        cost = sum(pinned_bytes(a) for a in arenas)
+        best = cost if best is None else min(best, cost)
+        if len(arenas) == 1:
+            return best
+        cap *= 2
+
+
+@dataclass
+class StreamedWeights:
+    """A streamed model's weight bytes: ``resident`` (kept on the device) and one entry per block (streamed)."""
+
+    resident: int
+    blocks: List[int]
+
+    @property
+    def ring(self) -> int:
+        """Device bytes of the ring: ``RING_DEPTH`` buffers of the largest block."""
+        return RING_DEPTH * max(self.blocks)
+
+    @property
+    def streamed(self) -> int:
+        """Bytes copied host -> device by one pass over the blocks."""
+        return sum(self.blocks)
+
+    @property
+    def host_pinned(self) -> int:
+        """Pinned host bytes of the blocks, packed into arenas (:func:`pinned_arena_bytes`), rounded."""
+        return pinned_arena_bytes(self.blocks)
+
+    @property
+    def host_staging(self) -> int:
+        """Pinned host bytes of the disk mode's staging ring."""
+        return RING_DEPTH * pinned_bytes(max(self.blocks))
+
+
+def preview_streamed_weights(
+    expert_dtype: Optional[str] = "int4",
+    storage_dtype: Optional[torch.dtype] = torch.float8_e4m3fn,
+    *,
+    transformer_config: Optional[dict] = None,
+    ep_degree: int = 1,
+    compute_dtype: torch.dtype = torch.bfloat16,
+) -> StreamedWeights:
+    """:class:`StreamedWeights` of the preview transformer: the adapters resident, each layer's block streamed (the
+    dense weights stored in ``storage_dtype`` by layerwise casting, the routed experts split among ``ep_degree``)."""
+    sizes = []
+
+    def measure(meta_model):
+        model = meta_model
+        if storage_dtype is not None:
+            model = copy.deepcopy(meta_model)
+            model.enable_layerwise_casting(storage_dtype=storage_dtype, compute_dtype=compute_dtype)
+        sizes.append(preview_block_bytes(model, kinds, ep_degree))
+        sizes.append(module_bytes(model.pre_adapter) + module_bytes(model.post_adapter))
+
+    kinds, per_layer = preview_kinds(transformer_config)
+    build_traced_preview(
+        transformer_config,
+        expert_dtype,
+        compute_dtype,
+        fake_mode=FakeTensorMode(allow_non_fake_inputs=True),
+        prepare=measure,
+    )
+    block_bytes, resident = sizes
+    return StreamedWeights(resident, [block_bytes[k] for k in per_layer])
+
+
+def _meta_refiner(compute_dtype: torch.dtype = torch.bfloat16):
+    from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
+
+    from .memory_trace import default_dtype
+
+    with torch.device("meta"), default_dtype(compute_dtype):  # its linears take the default dtype (islands: fp32)
+        return Magi2RefinerTransformer3DModel()
+
+
+def refiner_streamed_weights() -> StreamedWeights:
+    """:class:`StreamedWeights` of the released refiner in bf16 (fp32 islands): adapters resident, blocks streamed."""
+    model = _meta_refiner()
+    resident = module_bytes(model.pre_adapter) + module_bytes(model.post_adapter)
+    return StreamedWeights(resident, [module_bytes(b) for b in model.transformer_blocks])
+
+
+def refiner_step_flops(text_tokens: int = DEFAULT_TEXT_TOKENS) -> float:
+    """FLOPs of one 1080p refiner forward (one CFG branch): linear layers by their active parameters, block-window
+    attention over each query's window (its blocks within the radius, clipped at the latent's edges)."""
+    model = _meta_refiner()
+    cfg = model.config
+    t, h, w = REFINER_LATENT_FRAMES, *(s // 16 for s in PLAN_RESOLUTIONS["1080p"])
+    tokens = t * h * w + text_tokens
+    linear = 0
+    for block in model.transformer_blocks:
+        linear += sum(p.numel() for p in block.parameters()) / block.attention.num_modality
+    kv = 1.0
+    for size, block, radius in zip((t, h, w), cfg.window_block_size, cfg.window_radius):
+        n = math.ceil(size / block)
+        kv *= block * sum(min(n - 1, i + radius) - max(0, i - radius) + 1 for i in range(n)) / n
+    attention = len(model.transformer_blocks) * 4 * tokens * kv * cfg.num_attention_heads * cfg.attention_head_dim
+    return 2 * tokens * linear + attention
+
+
+def text_encoder_streamed_weights() -> StreamedWeights:
+    """Qwen3.5-27B in bf16 streamed layer by layer (an estimate from its size): the embedding table in host memory
+    (the lookup runs there), the 64 layers share the other parameters equally; no LM head."""
+    embedding = TEXT_ENCODER_VOCAB * TEXT_ENCODER_HIDDEN
+    layer = (TEXT_ENCODER_PARAMETERS - embedding) * 2 // TEXT_ENCODER_LAYERS
+    return StreamedWeights(0, [layer] * TEXT_ENCODER_LAYERS)
+
+
+def preview_step_flops(
+    resolution: str, transformer_config: Optional[dict] = None, text_tokens: int = DEFAULT_TEXT_TOKENS
+) -> float:
+    """FLOPs of one CFG preview step (module docstring): linear layers by their active parameters, dense attention
+    within each CFG half."""
+    counts = preview_token_counts(resolution, text_tokens)
+    tokens = sum(counts.values())
+    half = tokens // 2
+    model, kinds, per_layer = build_traced_preview(
+        transformer_config, None, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)
+    )
+    active = {}
+    for kind, block in zip(kinds, model.transformer_blocks):
+        routed = 0
+        moe = getattr(block.mlp, "moe_mlp", None)
+        if moe is not None:
+            routed = sum(getattr(moe, n).numel() for n in ("W_gate", "W_up", "W_down"))
+        rest = sum(p.numel() for p in block.parameters()) - routed
+        experts = routed * moe.top_k / moe.num_experts if moe is not None else 0
+        active[kind] = rest / block.num_modality + experts
+    adapters = sum(p.numel() for p in list(model.pre_adapter.parameters()) + list(model.post_adapter.parameters()))
+    linear = 2 * tokens * (sum(active[k] for k in per_layer) + adapters / 3)
+    heads_width = model.config.num_attention_heads * model.config.attention_head_dim
+    attention = len(per_layer) * 2 * 4 * half**2 * heads_width
+    return linear + attention
+
+
+def time_model(h2d_bytes: int, flops: float, card_gb: int, disk_bytes: int = 0) -> dict:
+    """Per-step copy and compute estimates (seconds) and whether the copy hides behind the compute."""
+    name, peak, _ = CARDS[card_gb]
+    compute = flops / peak
+    out = {"card": name, "compute_s": round(compute, 2), "flops": float(f"{flops:.4g}")}
+    for gbps in PCIE_GBPS:
+        copy_s = h2d_bytes / (gbps * GB)
+        out[f"copy_s_at_{gbps:.0f}GBps"] = round(copy_s, 2)
+        out[f"hides_at_{gbps:.0f}GBps"] = copy_s <= compute
+    if disk_bytes:
+        read_s = disk_bytes / (DISK_GBPS * GB)
+        out["disk_read_s"] = round(read_s, 2)
+        out["disk_hides"] = read_s <= compute
+        out["disk_step_s"] = round(max(read_s, compute), 2)
+    return out
+
+
+@dataclass
+class StreamedStage:
+    """One stage of a streamed recipe: device peak parts, host memory per mode, copies and time per step."""
+
+    name: str
+    what: str
+    resident: int
+    ring: int
+    activations: int
+    host_pinned: int
+    host_disk: int
+    used: bool = True
+    why_unused: Optional[str] = None
+    h2d: Optional[int] = None
+    timing: Optional[dict] = None
+    peak_at: Optional[str] = None
+    streams: bool = True
+    notes: List[str] = field(default_factory=list)
+    disk_read: Optional[int] = None
+
+    @property
+    def peak(self) -> int:
+        """Device peak bytes."""
+        return self.resident + self.ring + self.activations
+
+    def as_json(self) -> dict:
+        """The plan's JSON row (GB = 10^9 bytes)."""
+        row = {
+            "stage": self.name,
+            "used": self.used,
+            "peak_GB": round(self.peak / GB, 2),
+            "resident_GB": round(self.resident / GB, 2),
+            "ring_GB": round(self.ring / GB, 2),
+            "activations_GB": round(self.activations / GB, 2),
+            "host_GB": round(self.host_pinned / GB, 2),
+            "host_disk_mode_GB": round(self.host_disk / GB, 2),
+            "streams": self.streams,
+            "what": self.what,
+        }
+        if not self.used:
+            row["why_unused"] = self.why_unused
+        if self.h2d is not None:
+            row["h2d_GB_per_step"] = round(self.h2d / GB, 2)
+        if self.timing is not None:
+            row["time_per_step"] = self.timing
+        if self.disk_read is not None:
+            row["disk_read_GB_per_step"] = round(self.disk_read / GB, 2)
+        if self.peak_at:
+            row["peak_at"] = self.peak_at
+        if self.notes:
+            row["notes"] = list(self.notes)
+        return row
+
+
+def fits(stage: StreamedStage, limit_gb: float) -> bool:
+    """Whether a used stage's peak is within ``limit_gb`` (an unused stage always passes)."""
+    return not stage.used or stage.peak <= limit_gb * GB
+
+
+def ceil_gb(nbytes: int) -> float:
+    """``nbytes`` in GB rounded up to 0.01 (a budget never below the plan)."""
+    return math.ceil(nbytes / GB * 100) / 100
