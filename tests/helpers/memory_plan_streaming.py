@@ -10,7 +10,8 @@ preallocated device buffers, each the size of the largest block. A stage's devic
 Host memory is anonymous RSS plus pinned bytes, each pinned allocation rounded up to a power of two (torch's pinned
 host allocator), plus ``PROCESS_BYTES`` for Python, torch and the CUDA context (assumed; not measured on a GPU).
 ``host_memory="pinned"`` packs the blocks' flat buffers into a few pinned arenas of consecutive blocks, sized so the
-rounding costs least (the streamer's rule; one allocation per block would round a 1.67 GB MoE block up to 2.15 GB);
+rounding costs least (``diffusers_magi2.models.weight_streaming``'s rule; one allocation per block would round a
+1.67 GB MoE block up to 2.15 GB);
 ``"disk"`` holds a pinned staging ring of the same depth
 and reads the blocks from the safetensors files every step (the page cache is file-backed: reported apart, not
 counted). Stages run one after the other (the text encoder is released before the transformer's weights come in),
@@ -31,6 +32,8 @@ from typing import List, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from diffusers_magi2.models.weight_streaming import pinned_bytes as arena_pinned_bytes
 
 from .memory_plan import (
     DEFAULT_TEXT_TOKENS,
@@ -54,7 +57,6 @@ __all__ = [
     "RING_DEPTH",
     "StreamedStage",
     "StreamedWeights",
-    "pinned_arena_bytes",
     "pinned_bytes",
     "preview_step_flops",
     "preview_streamed_weights",
@@ -90,25 +92,6 @@ def pinned_bytes(nbytes: int) -> int:
     return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
 
 
-def pinned_arena_bytes(blocks: List[int]) -> int:
-    """Pinned bytes of ``blocks`` packed into arenas of consecutive blocks, the streamer's rule: for each arena
-    capacity from the largest block's power of two upward (doubling), fill arenas in order without passing it; keep
-    the capacity whose rounded arenas cost least."""
-    best = None
-    cap = pinned_bytes(max(blocks))
-    while True:
-        arenas = [0]
-        for n in blocks:
-            if arenas[-1] and arenas[-1] + n > cap:
-                arenas.append(0)
-            arenas[-1] += n
-        cost = sum(pinned_bytes(a) for a in arenas)
-        best = cost if best is None else min(best, cost)
-        if len(arenas) == 1:
-            return best
-        cap *= 2
-
-
 @dataclass
 class StreamedWeights:
     """A streamed model's weight bytes: ``resident`` (kept on the device) and one entry per block (streamed)."""
@@ -128,8 +111,8 @@ class StreamedWeights:
 
     @property
     def host_pinned(self) -> int:
-        """Pinned host bytes of the blocks, packed into arenas (:func:`pinned_arena_bytes`), rounded."""
-        return pinned_arena_bytes(self.blocks)
+        """Pinned host bytes of the blocks packed into the streamer's arenas, rounded (its own rule)."""
+        return arena_pinned_bytes(self.blocks)
 
     @property
     def host_staging(self) -> int:

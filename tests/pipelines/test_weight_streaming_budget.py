@@ -13,7 +13,6 @@ from helpers.memory_plan import GB
 from helpers.memory_plan_consumer import REQUIRED_STAGES
 from helpers.memory_plan_streaming import (
     PROCESS_BYTES,
-    pinned_arena_bytes,
     refiner_streamed_weights,
     text_encoder_streamed_weights,
 )
@@ -157,11 +156,3 @@ def test_text_encoder_and_refiner_weight_parts_equal_a_recomputation():
         assert stages["refiner_1080p"]["ring_GB"] == round(refiner.ring / GB, 2)
         assert stages["refiner_1080p"]["resident_GB"] == round(refiner.resident / GB, 2)
     assert _recipe(32)["stages"]["refiner_1080p"]["host_GB"] == round((PROCESS_BYTES + refiner.host_pinned) / GB, 2)
-
-
-def test_pinned_arenas_round_less_than_one_allocation_per_block():
-    blocks = [int(1.67 * GB)] * 36
-    per_block = 36 * 2**31
-    assert pinned_arena_bytes(blocks) < 0.85 * per_block
-    assert pinned_arena_bytes(blocks) >= sum(blocks)
-    assert pinned_arena_bytes([2**30]) == 2**30 and pinned_arena_bytes([2**30 + 1]) == 2**31
