@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from diffusers.hooks.layerwise_casting import _LAYERWISE_CASTING_HOOK
 
 from ..moe.activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT, swiglu7_interleaved  # re-exported
+from .fp8_storage_magi2 import fp8_storage_compute_dtype
 
 
 __all__ = [
@@ -306,9 +307,11 @@ def modality_linear(
 
 
 def linear_compute_dtype(linear: nn.Module) -> torch.dtype:
-    """The dtype ``linear`` computes in: layerwise casting's compute dtype, else the weight's (through PEFT)."""
+    """The dtype ``linear`` computes in: layerwise casting's or FP8 storage's compute dtype, else the weight's
+    (through PEFT)."""
     while hasattr(linear, "base_layer"):
         linear = linear.base_layer
     registry = getattr(linear, "_diffusers_hook", None)
     hook = registry.get_hook(_LAYERWISE_CASTING_HOOK) if registry is not None else None
-    return hook.compute_dtype if hook is not None else linear.weight.dtype
+    stored = fp8_storage_compute_dtype(linear)
+    return hook.compute_dtype if hook is not None else stored if stored is not None else linear.weight.dtype

@@ -32,6 +32,7 @@ from ..utils.fp32_islands import is_fp32_island
 from .attention_magi2 import check_attention_kwargs, check_transformer_geometry
 from .cache_magi2 import Magi2CacheMixin
 from .context_parallel_magi2 import Magi2ContextParallelMixin
+from .fp8_storage_magi2 import fp8_storage_compute_dtype
 from .modality import Magi2ModalityGroupedLinear
 from .weight_streaming import Magi2WeightStreamingMixin
 
@@ -92,23 +93,50 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         return is_fp32_island(name, self._keep_in_fp32_modules)
 
     def _apply(self, fn, recurse=True):
-        # islands are told apart by identity; the list keeps them alive so their ids stay unique
-        islands = []
+        # islands (and FP8-stored weights) are told apart by identity; the dict keeps them alive so ids stay unique
+        kept = {}
         for name, param in self.named_parameters():
             if param.is_floating_point() and self.is_fp32_island(name):
-                islands += [param] if param.grad is None else [param, param.grad]
-        islands += [b for n, b in self.named_buffers() if b.is_floating_point() and self.is_fp32_island(n)]
-        if not islands:
+                kept |= {id(t): (t, torch.float32) for t in (param, param.grad) if t is not None}
+        kept |= {
+            id(b): (b, torch.float32)
+            for n, b in self.named_buffers()
+            if b.is_floating_point() and self.is_fp32_island(n)
+        }
+        for module in self.modules():
+            if fp8_storage_compute_dtype(module) is not None:
+                kept[id(module.weight)] = (module.weight, module.weight.dtype)
+        if not kept:
             return super()._apply(fn, recurse)
-        island_ids = {id(t) for t in islands}
 
-        def keep_islands(tensor):
+        def keep_dtypes(tensor):
             out = fn(tensor)
-            if id(tensor) in island_ids and out.dtype != tensor.dtype:
-                return tensor.to(device=out.device, dtype=torch.float32)
+            if id(tensor) in kept and out.dtype != tensor.dtype:
+                return tensor.to(device=out.device, dtype=kept[id(tensor)][1])
             return out
 
-        return super()._apply(keep_islands, recurse)
+        return super()._apply(keep_dtypes, recurse)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """``ModelMixin.dtype``; with FP8-stored dense weights (:meth:`enable_fp8_storage`) their compute dtype."""
+        for module in self.modules():
+            compute = fp8_storage_compute_dtype(module)
+            if compute is not None:
+                return compute
+        return super().dtype
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """``ModelMixin.from_pretrained``; a repo whose config records ``dense_storage_dtype="float8_e4m3fn"``
+        keeps its stored FP8 weights and scales as they are and computes in ``torch_dtype`` (the loader casts the
+        FP8 values to it, exactly, and they go back to FP8 here)."""
+        loaded = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if model.config.get("dense_storage_dtype") is not None:
+            dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
+            model.enable_fp8_storage(dtype if isinstance(dtype, torch.dtype) else torch.float32)
+        return loaded
 
     def to(self, *args, **kwargs):
         """``ModelMixin.to``; a dtype leaves the fp32 islands fp32."""
@@ -185,35 +213,72 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
             skip_modules_pattern: regexes of module names to leave alone, replacing the defaults.
             skip_modules_classes, non_blocking: as in diffusers.
         """
-        import re
-
-        from diffusers.hooks.layerwise_casting import (
-            DEFAULT_SKIP_MODULES_PATTERN,
-            apply_layerwise_casting,
-            apply_layerwise_casting_hook,
-        )
-        from diffusers.utils import is_peft_available
+        from diffusers.hooks.layerwise_casting import apply_layerwise_casting, apply_layerwise_casting_hook
 
         if skip_modules_pattern is None:
-            patterns = list(DEFAULT_SKIP_MODULES_PATTERN)
-            patterns += [rf"(^|\.){re.escape(m)}(\.|$)" for m in self._keep_in_fp32_modules or ()]
-            patterns += list(self._skip_layerwise_casting_patterns or ())
-            if is_peft_available():
-                from peft.tuners.lora.layer import LoraLayer
-
-                patterns += list(LoraLayer.adapter_layer_names)
-            skip_modules_pattern = tuple(dict.fromkeys(patterns))
+            skip_modules_pattern = self._default_skip_patterns()
         if compute_dtype is None:
             compute_dtype = self.dtype
         apply_layerwise_casting(
             self, storage_dtype, compute_dtype, skip_modules_pattern, skip_modules_classes, non_blocking
         )
-        for name, module in self.named_modules():
-            skipped = any(re.search(p, name) for p in skip_modules_pattern) or (
-                skip_modules_classes is not None and isinstance(module, skip_modules_classes)
-            )
-            if isinstance(module, Magi2ModalityGroupedLinear) and not skipped:
+        for _, module in self._dense_projections(skip_modules_pattern, skip_modules_classes):
+            if isinstance(module, Magi2ModalityGroupedLinear):
                 apply_layerwise_casting_hook(module, storage_dtype, compute_dtype, non_blocking)
+
+    def enable_fp8_storage(self, compute_dtype: torch.dtype | None = None) -> None:
+        """Store the dense projections in FP8 with one fp32 scale per output channel and run each in
+        ``compute_dtype`` (:mod:`.fp8_storage_magi2`; a hook per projection, on diffusers' ``HookRegistry``).
+
+        The projections are those :meth:`enable_layerwise_casting` stores (the islands, the routed experts and PEFT's
+        adapter layers keep their dtype); each ``weight [O, I]`` becomes ``float8_e4m3fn`` beside a ``weight_scale
+        [O]`` (fp32). The config records ``dense_storage_dtype="float8_e4m3fn"``, so ``save_pretrained`` writes the
+        stored tensors and ``from_pretrained`` restores them as they are. Calling it again only changes the compute
+        dtype. The model keeps working with ``.to()``, ``enable_model_cpu_offload``, group offload and LoRA; unlike
+        layerwise casting, ``.to(dtype)`` leaves the stored weights in FP8.
+
+        Args:
+            compute_dtype: dtype of each projection's call; ``None``: the dtype the model computes in now.
+
+        Raises:
+            ValueError: a weight holds a NaN or inf (naming it); nothing is stored then.
+        """
+        from .fp8_storage_magi2 import apply_fp8_storage, quantize_rows_fp8
+
+        compute_dtype = compute_dtype or self.compute_dtype
+        targets = self._dense_projections()
+        for name, module in targets:  # every weight checked before the first is replaced
+            if "weight_scale" not in module._buffers and not module.weight.is_meta:
+                quantize_rows_fp8(module.weight, f"{name}.weight")
+        for name, module in targets:
+            apply_fp8_storage(module, compute_dtype, f"{name}.weight")
+        self.register_to_config(dense_storage_dtype="float8_e4m3fn")
+
+    def _default_skip_patterns(self) -> tuple[str, ...]:
+        """The module-name regexes layerwise casting and FP8 storage leave alone: diffusers' defaults, the islands
+        (as name components), ``_skip_layerwise_casting_patterns`` and PEFT's adapter layers."""
+        from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+        from diffusers.utils import is_peft_available
+
+        patterns = list(DEFAULT_SKIP_MODULES_PATTERN)
+        patterns += [rf"(^|\.){re.escape(m)}(\.|$)" for m in self._keep_in_fp32_modules or ()]
+        patterns += list(self._skip_layerwise_casting_patterns or ())
+        if is_peft_available():
+            from peft.tuners.lora.layer import LoraLayer
+
+            patterns += list(LoraLayer.adapter_layer_names)
+        return tuple(dict.fromkeys(patterns))
+
+    def _dense_projections(self, skip_modules_pattern=None, skip_modules_classes=None) -> list:
+        """``[(name, module)]`` of the linear and modality-grouped projections outside the skip patterns."""
+        patterns = self._default_skip_patterns() if skip_modules_pattern is None else skip_modules_pattern
+        return [
+            (name, module)
+            for name, module in self.named_modules()
+            if isinstance(module, (torch.nn.Linear, Magi2ModalityGroupedLinear))
+            and not any(re.search(p, name) for p in patterns)
+            and not (skip_modules_classes is not None and isinstance(module, skip_modules_classes))
+        ]
 
     def modality_grouped_linear_names(self) -> list[str]:
         """Names of the modality-grouped projections (LoRA wraps them with ``Magi2GroupedLoraLinear``)."""
@@ -303,8 +368,14 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         the weights up to fp32 rounding.
 
         Raises:
-            ValueError: ``safe_fusing`` and a merged weight would not be finite; nothing is fused then.
+            ValueError: ``safe_fusing`` and a merged weight would not be finite, or the dense weights are stored in
+                FP8 (:meth:`enable_fp8_storage`); nothing is fused then.
         """
+        if any(fp8_storage_compute_dtype(m) is not None for m in self.modules()):
+            raise ValueError(
+                "fuse_lora into FP8-stored dense weights (enable_fp8_storage) is not supported: the LoRA runs beside "
+                "them unfused; fuse it before enable_fp8_storage"
+            )
         if safe_fusing:
             self.check_lora_fusable(lora_scale, adapter_names)
         return super().fuse_lora(lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)

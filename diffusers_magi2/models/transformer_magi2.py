@@ -45,6 +45,7 @@ from .attention_magi2 import (
 from .cache_magi2 import register_block_for_caching_hooks
 from .embeddings_magi2 import check_rope_coords
 from .feedforward_magi2 import Magi2FeedForward, Magi2MoEFeedForward, check_chunk_size
+from .fp8_storage_magi2 import check_dense_storage_dtype
 from .lora_magi2 import lora_scale_for_call, lora_scale_from_attention_kwargs
 from .mhc import Magi2HyperConnection, mhc_hyper_connect, mhc_reduce_streams
 from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, Modality
@@ -195,9 +196,12 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
             codes, bf16 scales per group of ``expert_int4_group_size`` rows; :mod:`diffusers_magi2.moe.quantize_int4`).
         expert_int4_group_size: int4 experts: rows of each expert matrix's contraction dim per scale (128).
         expert_int4_packing: int4 experts: the code and packing of the stored banks; only ``"nf4_pairs_along_n"``.
+        dense_storage_dtype: storage of the dense projections: ``None`` (the load dtype) or ``"float8_e4m3fn"``
+            (fp32 scales per output channel, :meth:`enable_fp8_storage`).
 
     Raises:
-        ValueError: inconsistent geometry, ``expert_dtype`` outside ``(None, "float8_e4m3fn", "int4")``, or with int4
+        ValueError: inconsistent geometry, a ``dense_storage_dtype`` outside ``(None, "float8_e4m3fn")``,
+            ``expert_dtype`` outside ``(None, "float8_e4m3fn", "int4")``, or with int4
             experts an ``expert_int4_packing`` other than ``"nf4_pairs_along_n"`` or an ``expert_int4_group_size``
             that does not divide the MoE head width and expert width (each error names the config key).
 
@@ -220,6 +224,7 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
         "gate",
         "router",
         *_FP8_SCALE_NAMES,
+        "weight_scale",  # FP8-stored dense projections' per-channel scales
     ]
     ignore_for_config = ["params_dtype"]
 
@@ -253,8 +258,10 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
         expert_dtype: Optional[str] = None,
         expert_int4_group_size: int = INT4_GROUP_SIZE,
         expert_int4_packing: str = INT4_PACKING,
+        dense_storage_dtype: Optional[str] = None,
     ) -> None:
         super().__init__()
+        check_dense_storage_dtype(dense_storage_dtype)
         if parse_expert_dtype(expert_dtype) is not None and not isinstance(expert_dtype, str):
             self.register_to_config(expert_dtype=EXPERT_DTYPES[1])  # a torch dtype given: the config stores its name
         if expert_dtype == INT4:
@@ -304,6 +311,8 @@ class Magi2Transformer3DModel(ExpertParallelLoaderMixin, Magi2TransformerBase):
         self.transformer_blocks = nn.ModuleList(blocks)
         self.gradient_checkpointing = False
         self.enable_forward_chunking(DEFAULT_FORWARD_CHUNK_SIZE)
+        if dense_storage_dtype is not None:
+            self.enable_fp8_storage()
 
     def enable_forward_chunking(self, chunk_size: Optional[int] = None, dim: int = 0) -> None:
         """Run each block's per-token work ``chunk_size`` tokens at a time (default

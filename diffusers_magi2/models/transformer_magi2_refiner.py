@@ -30,6 +30,7 @@ from .attention_magi2 import (
 from .cache_magi2 import register_block_for_caching_hooks
 from .embeddings_magi2 import check_rope_coords
 from .feedforward_magi2 import Magi2FeedForward, check_chunk_size
+from .fp8_storage_magi2 import check_dense_storage_dtype
 from .lora_magi2 import lora_scale_from_attention_kwargs
 from .modality import Magi2ModalityDispatch, Modality
 from .modeling_magi2 import Magi2TransformerBase
@@ -123,6 +124,8 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
         attention_gating: per-head sigmoid output gate (``linear_g``).
         mlp_intermediate_size: swiglu7 width; ``None`` -> :func:`refiner_mlp_intermediate_size`.
         norm_eps: RMSNorm epsilon.
+        dense_storage_dtype: storage of the dense projections: ``None`` (the load dtype) or ``"float8_e4m3fn"``
+            (fp32 scales per output channel, :meth:`enable_fp8_storage`); anything else raises ``ValueError``.
 
     Runtime switches: ``set_attn_processor(Magi2WindowAttnProcessor(backend=...))`` (the window kernel),
     ``set_attention_backend`` (dense layers), :meth:`enable_forward_chunking` (the MLP token chunk).
@@ -130,7 +133,7 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
 
     _no_split_modules = ["Magi2RefinerTransformerBlock"]
     _repeated_blocks = ["Magi2RefinerTransformerBlock"]
-    _keep_in_fp32_modules = ["pre_adapter", "post_adapter", "pre_norm", "q_norm", "k_norm"]
+    _keep_in_fp32_modules = ["pre_adapter", "post_adapter", "pre_norm", "q_norm", "k_norm", "weight_scale"]
 
     @register_to_config
     def __init__(
@@ -149,8 +152,10 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
         attention_gating: bool = True,
         mlp_intermediate_size: Optional[int] = None,
         norm_eps: float = 1e-6,
+        dense_storage_dtype: Optional[str] = None,
     ) -> None:
         super().__init__()
+        check_dense_storage_dtype(dense_storage_dtype)
         self._check_geometry("multimodal_layers", "window_attention_layers")
         Magi2WindowGeometry((1, 1, 1), tuple(window_block_size), tuple(window_radius))
 
@@ -173,6 +178,8 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
         )
         self.post_adapter = Magi2PostAdapter(hidden, in_channels, audio_in_channels, eps=norm_eps)
         self.gradient_checkpointing = False
+        if dense_storage_dtype is not None:
+            self.enable_fp8_storage()
 
     def window_geometry(
         self, num_frames: int, height: int, width: int, num_context_tokens: int

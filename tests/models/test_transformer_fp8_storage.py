@@ -1,14 +1,25 @@
-"""FP8 storage for the dense weights (diffusers' ``enable_layerwise_casting``) beside quantised routed experts: the
-80 GB recipe's transformer. The casting stores every dense projection (attention, dense MLP, shared experts,
+"""FP8 storage for the dense weights beside quantised routed experts: ``enable_fp8_storage`` (per-output-channel
+scales, the 80 GB recipe's transformer) and diffusers' ``enable_layerwise_casting`` (unscaled).
+
+``enable_fp8_storage``: each dense projection becomes e4m3 codes with an fp32 ``weight_scale`` of ``amax / 448`` per
+output channel, and the model computes exactly as the same model with its weights rounded so by hand; the islands
+and the routed experts stay bit for bit; ``.to(dtype)``, group offload and a LoRA keep the stored tensors; a saved
+model reloads them as they are (fp32 and bf16 loads); a bad ``dense_storage_dtype`` or a NaN weight is refused
+before anything is stored.
+
+``enable_layerwise_casting``: The casting stores every dense projection (attention, dense MLP, shared experts,
 split/merge) in FP8 and runs it in bf16; the fp32 islands and the quantised expert banks and their scales are left
 as they are; at the released size on meta the weights shrink by the dense bytes' half (int4 experts: 66.7 -> 61.6 GB,
 within the 64 GB the 80 GB plan allows)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from helpers.tiny_transformer import TINY, tiny_inputs
+from helpers.tiny_transformer import TINY, tiny_inputs, tiny_model
+from safetensors.torch import load_file
 
 from diffusers_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.models.modality import Magi2ModalityGroupedLinear
@@ -93,3 +104,124 @@ def test_released_size_with_fp8_storage_for_the_dense_weights_on_meta(expert_dty
     assert before["dense"] > 10e9
     if expert_dtype == "int4":  # the 80 GB recipe's transformer
         assert sum(before.values()) <= 70e9 and total <= 64e9
+
+
+# ------------------------------------------------------------------------------------------------ enable_fp8_storage
+
+
+def _dense(model) -> dict:
+    """``{name: module}`` of the dense projections (the tiny model's empty dense MLP of layer 0 left out)."""
+    return {n: m for n, m in model._dense_projections() if m.weight.numel()}
+
+
+def _rounded_by_hand(model):
+    """A copy of ``model`` with every dense weight rounded to e4m3 at ``amax / 448`` per row, kept in its dtype."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in _dense(model).values():
+            w = module.weight.float()
+            s = w.abs().amax(dim=1, keepdim=True) / 448
+            module.weight.copy_((w / torch.where(s > 0, s, torch.ones_like(s))).to(FP8).float() * s)
+    return model
+
+
+@pytest.mark.parametrize("expert_dtype", [None, "float8_e4m3fn"])
+def test_fp8_storage_scales_each_output_channel_and_computes_as_the_weights_rounded_by_hand(expert_dtype):
+    model = tiny_model(expert_dtype=expert_dtype) if expert_dtype else tiny_model()
+    by_hand = _rounded_by_hand(model)
+    experts = {n: t.clone() for n, t in _expert_tensors(model).items()}
+    islands = {n: t.clone() for n, t in model.state_dict().items() if model.is_fp32_island(n)}
+    amax = {n: m.weight.detach().abs().amax(dim=1) for n, m in _dense(model).items()}
+    model.enable_fp8_storage()
+
+    assert model.config.dense_storage_dtype == "float8_e4m3fn" and model.dtype == torch.float32
+    dense = _dense(model)
+    assert dense and len(dense) == len(amax)
+    assert all(m.weight.dtype == FP8 and not m.weight.requires_grad for m in dense.values())
+    assert all(torch.equal(m.weight_scale, amax[n] / 448) for n, m in dense.items())  # fp32, amax / 448 per row
+    banks = ("W_gate", "W_up", "W_down")
+    stored = {n for n, t in model.named_parameters() if t.dtype == FP8 and not n.endswith(banks)}
+    assert stored == {f"{n}.weight" for n, _ in model._dense_projections()}
+    with torch.no_grad():
+        out, want = model(**tiny_inputs()).sample, by_hand(**tiny_inputs()).sample
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    assert all(m.weight.dtype == FP8 for m in dense.values())  # stored again after the call
+    state = model.state_dict()
+    assert all(torch.equal(state[n], t) for n, t in islands.items())
+    after = _expert_tensors(model)
+    assert all(torch.equal(_bits(after[n]), _bits(t)) for n, t in experts.items())
+
+    model.to(torch.bfloat16)  # a dtype move: the stored codes and their scales stay as they are
+    assert all(m.weight.dtype == FP8 and m.weight_scale.dtype == torch.float32 for m in dense.values())
+    assert all(model.state_dict()[n].dtype == torch.float32 for n in islands)
+
+
+def test_fp8_storage_with_group_offload_and_a_lora_keeps_the_stored_tensors():
+    """Group offload (block level) gives the same output; a LoRA added on top wraps the stored projections, trains
+    (gradients reach its factors, none the stored weights) and computes as the LoRA over the weights rounded by
+    hand."""
+    from peft import LoraConfig
+
+    model = tiny_model()
+    model.enable_fp8_storage()
+    with torch.no_grad():
+        reference = model(**tiny_inputs()).sample
+    offloaded = copy.deepcopy(model)
+    offloaded.enable_group_offload(torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(**tiny_inputs()).sample, reference, atol=0, rtol=0)
+
+    by_hand = _rounded_by_hand(tiny_model())
+    config = LoraConfig(r=4, target_modules=["linear_qkv", "linear_proj"], init_lora_weights=False)
+    for m in (model, by_hand):
+        torch.manual_seed(7)
+        m.add_adapter(config, "default")
+    lora = {n: p for n, p in model.named_parameters() if ".lora_" in n}
+    assert lora and all(p.dtype == torch.float32 and p.requires_grad for p in lora.values())
+    out = model(**tiny_inputs()).sample  # (both with autograd on: the same kernels)
+    torch.testing.assert_close(out, by_hand(**tiny_inputs()).sample, atol=0, rtol=0)
+    out.square().mean().backward()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in lora.values())
+    assert all(m.weight.grad is None and m.weight.dtype == FP8 for m in _dense(model).values())
+
+
+@pytest.mark.parametrize("torch_dtype", [torch.float32, torch.bfloat16])
+def test_a_saved_fp8_stored_model_reloads_its_codes_and_scales_as_they_are(tmp_path, torch_dtype):
+    """The file holds each stored ``weight`` in e4m3 beside its fp32 ``weight_scale`` and the config records
+    ``dense_storage_dtype``; ``from_pretrained`` (any ``torch_dtype``) gives back the same keys and bits, computing
+    in ``torch_dtype``."""
+    model = tiny_model()
+    model.enable_fp8_storage()
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "diffusion_pytorch_model.safetensors"))
+    names = [n for n, m in model._dense_projections()]
+    assert {saved[f"{n}.weight"].dtype for n in names} == {FP8}
+    assert {saved[f"{n}.weight_scale"].dtype for n in names} == {torch.float32}
+
+    loaded = Magi2Transformer3DModel.from_pretrained(tmp_path, torch_dtype=torch_dtype)
+    state = loaded.state_dict()
+    assert loaded.config.dense_storage_dtype == "float8_e4m3fn" and loaded.dtype == torch_dtype
+    assert set(state) == set(saved)
+    for n in names:
+        assert state[f"{n}.weight"].dtype == FP8 and torch.equal(
+            _bits(state[f"{n}.weight"]), _bits(saved[f"{n}.weight"])
+        )
+        assert torch.equal(state[f"{n}.weight_scale"], saved[f"{n}.weight_scale"])
+    if torch_dtype == torch.float32:
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(**tiny_inputs()).sample, model(**tiny_inputs()).sample, atol=0, rtol=0)
+
+
+def test_bad_dense_storage_dtype_and_a_nan_weight_are_refused_before_anything_is_stored():
+    with pytest.raises(
+        ValueError, match=r"dense_storage_dtype must be one of \(None, 'float8_e4m3fn'\); got 'float8_e5m2'"
+    ):
+        Magi2Transformer3DModel(**TINY, dense_storage_dtype="float8_e5m2")
+    model = tiny_model()
+    name = "transformer_blocks.1.attention.linear_proj"
+    with torch.no_grad():
+        model.get_submodule(name).weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=rf"{name}\.weight holds a non-finite weight \(nan\)"):
+        model.enable_fp8_storage()
+    assert all(m.weight.dtype == torch.float32 and "weight_scale" not in m._buffers for m in _dense(model).values())
+    assert model.config.get("dense_storage_dtype") is None
