@@ -9,6 +9,10 @@ Examples::
     magi2-convert --checkpoint_root /ckpt --output_path MAGI-2-preview-fp8 --dtype bf16 --expert_dtype fp8_e4m3
     magi2-convert --checkpoint_root /ckpt --output_path MAGI-2-preview-int4 --dtype bf16 --expert_dtype int4
 
+    # the 80 GB recipe's repo: int4 experts, dense projections in FP8 with per-channel scales
+    magi2-convert --checkpoint_root /ckpt --output_path MAGI-2-preview-int4-fp8 --dtype bf16 --expert_dtype int4 \
+        --dense_storage_dtype fp8_e4m3
+
     # only the transformer, from its own folder and config; plan only
     magi2-convert --preview_dir /ckpt/preview --config magi2_preview.json \\
         --output_path out --components transformer --dry_run
@@ -29,7 +33,7 @@ import sys
 from pathlib import Path
 
 from ..utils.byte_sizes import parse_size
-from ..utils.dtype_names import DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
+from ..utils.dtype_names import DENSE_STORAGE_DTYPE_CHOICES, DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
 from .release_layout import ALL_COMPONENTS, RELEASE_LAYOUT
 from .request import ConversionRequest, ConversionRequestError, request_problems
 
@@ -114,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --expert_dtype int4: rows of each expert matrix's contraction dim per scale (default: 128)",
     )
+    p.add_argument(
+        "--dense_storage_dtype",
+        choices=tuple(DENSE_STORAGE_DTYPE_CHOICES),
+        default=None,
+        help="store the transformer's and the refiner's dense projections in FP8 e4m3 with fp32 scales per output "
+        "channel (what enable_fp8_storage keeps; default: as --dtype)",
+    )
     p.add_argument("--max_shard_size", default="5GB", help="output shard size limit, e.g. 5GB, 500MB (default: 5GB)")
     p.add_argument(
         "--dry_run", action="store_true", help="read headers only, print the key plan and shard layout, write nothing"
@@ -188,6 +199,7 @@ def request_from_args(args: argparse.Namespace, log=print):
         dtype=args.dtype,
         expert_dtype=args.expert_dtype,
         expert_int4_group_size=args.expert_int4_group_size,
+        dense_storage_dtype=args.dense_storage_dtype,
         max_shard_size=max_shard_size,
         overwrite=args.overwrite,
         dry_run=args.dry_run,

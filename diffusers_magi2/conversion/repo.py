@@ -21,6 +21,7 @@ from ..pipelines.modular_files import write_modular_files
 from ..utils.dtype_utils import EXPERT_DTYPE_CHOICES
 from . import components
 from .convert_transformer import PreparedTransformer, prepare_transformer_conversion, write_transformer
+from .dense_fp8 import store_dense_weights_fp8
 from .model_card import COMPONENTS, components_table, model_summary, render_model_card
 from .release_layout import ALL_COMPONENTS, RELEASE_LAYOUT
 from .request import ConversionRequest, ConversionRequestError, request_problems
@@ -194,6 +195,8 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
     if req.dry_run:
         for comp, prep in prepared.items():
             log(prep.describe())
+            if req.dense_storage_dtype is not None:
+                log(f"[{comp}] would store the dense projections in FP8 e4m3 with per-channel scales")
         for comp in component_fns:
             log(f"[{comp}] would convert {req.inputs[comp]} with components.{COMPONENT_FUNCTIONS[comp]}")
         if "scheduler" in req.components:
@@ -213,6 +216,8 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
         for comp, prep in prepared.items():
             log(f"[{comp}] writing {len(prep.plan.entries)} tensors into {len(prep.layouts)} shard(s)")
             write_transformer(prep, tmp / comp, log=log)
+            if req.dense_storage_dtype is not None:
+                store_dense_weights_fp8(tmp / comp, log=log)
             written[comp] = MODEL_INDEX_ENTRIES[comp]
         for comp, fn in component_fns.items():
             log(f"[{comp}] converting {req.inputs[comp]}")
@@ -260,7 +265,13 @@ def _render_card(req: ConversionRequest, components: list[str], transformer: Pre
             "repo_id": repo_id,
             "components_table": components_table(components),
             "converter_version": __version__,
-            "dtype": req.dtype if req.expert_dtype is None else f"{req.dtype}, routed experts {req.expert_dtype}",
+            "dtype": req.dtype
+            + (f", routed experts {req.expert_dtype}" if req.expert_dtype else "")
+            + (
+                f", dense projections {req.dense_storage_dtype} with per-channel scales"
+                if req.dense_storage_dtype
+                else ""
+            ),
         }
     )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..utils.dtype_names import DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
+from ..utils.dtype_names import DENSE_STORAGE_DTYPE_CHOICES, DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
 from .release_layout import ALL_COMPONENTS
 
 
@@ -27,6 +27,8 @@ class ConversionRequest:
         expert_dtype: ``None``, ``"fp8_e4m3"`` (the routed experts in FP8 with fp32 scales) or ``"int4"`` (NF4
             codes with bf16 group scales).
         expert_int4_group_size: with ``expert_dtype="int4"``: rows of the contraction dim per scale (``None``: 128).
+        dense_storage_dtype: ``None`` or ``"fp8_e4m3"`` (the transformer's and the refiner's dense projections in FP8
+            with fp32 scales per output channel).
         max_shard_size: output shard size limit in bytes.
         overwrite: replace an existing non-empty ``OUT``.
         dry_run: validate and print the plan only.
@@ -41,6 +43,7 @@ class ConversionRequest:
     dtype: str = "keep"
     expert_dtype: str | None = None
     expert_int4_group_size: int | None = None
+    dense_storage_dtype: str | None = None
     max_shard_size: int = 5 * 10**9
     overwrite: bool = False
     dry_run: bool = False
@@ -79,6 +82,14 @@ def request_problems(req: ConversionRequest) -> list[str]:
     if req.expert_int4_group_size is not None and req.expert_dtype != "int4":
         problems.append(
             f"--expert_int4_group_size applies to --expert_dtype int4; got --expert_dtype {req.expert_dtype}"
+        )
+    if req.dense_storage_dtype is not None and req.dense_storage_dtype not in DENSE_STORAGE_DTYPE_CHOICES:
+        problems.append(
+            f"--dense_storage_dtype must be one of {', '.join(DENSE_STORAGE_DTYPE_CHOICES)}, got {req.dense_storage_dtype!r}"
+        )
+    elif req.dense_storage_dtype is not None and not {"transformer", "refiner"} & set(req.components):
+        problems.append(
+            "--dense_storage_dtype applies to the transformer's and the refiner's dense projections; neither is converted"
         )
     for comp in req.components:
         if comp == "scheduler" or comp not in ALL_COMPONENTS:

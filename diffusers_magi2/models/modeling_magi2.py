@@ -246,7 +246,7 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         from .fp8_storage_magi2 import apply_fp8_storage, quantize_rows_fp8
 
         compute_dtype = compute_dtype or self.compute_dtype
-        targets = self._dense_projections()
+        targets = [(name, module) for name, module in self._dense_projections() if module.weight.numel()]
         for name, module in targets:  # every weight checked before the first is replaced
             if "weight_scale" not in module._buffers and not module.weight.is_meta:
                 quantize_rows_fp8(module.weight, f"{name}.weight")

@@ -141,7 +141,7 @@ def test_fp8_storage_scales_each_output_channel_and_computes_as_the_weights_roun
     assert all(torch.equal(m.weight_scale, amax[n] / 448) for n, m in dense.items())  # fp32, amax / 448 per row
     banks = ("W_gate", "W_up", "W_down")
     stored = {n for n, t in model.named_parameters() if t.dtype == FP8 and not n.endswith(banks)}
-    assert stored == {f"{n}.weight" for n, _ in model._dense_projections()}
+    assert stored == {f"{n}.weight" for n in dense}
     with torch.no_grad():
         out, want = model(**tiny_inputs()).sample, by_hand(**tiny_inputs()).sample
     torch.testing.assert_close(out, want, atol=0, rtol=0)
@@ -194,7 +194,7 @@ def test_a_saved_fp8_stored_model_reloads_its_codes_and_scales_as_they_are(tmp_p
     model.enable_fp8_storage()
     model.save_pretrained(tmp_path)
     saved = load_file(str(tmp_path / "diffusion_pytorch_model.safetensors"))
-    names = [n for n, m in model._dense_projections()]
+    names = list(_dense(model))
     assert {saved[f"{n}.weight"].dtype for n in names} == {FP8}
     assert {saved[f"{n}.weight_scale"].dtype for n in names} == {torch.float32}
 
