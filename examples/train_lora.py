@@ -21,10 +21,13 @@ any ``expert_dtype`` the model takes: ``float8_e4m3fn`` or ``int4``, read from a
 reading, at ``--expert_int4_group_size`` rows per scale); the LoRA parameters (``cast_training_params``) and the optimizer are fp32. Quantized experts are frozen,
 and the expert op's backward makes no gradient for them (only the input's and the router's). ``--storage_dtype
 float8_e4m3fn`` stores the frozen dense weights in FP8 between calls (the transformer's ``enable_layerwise_casting``,
-each layer cast to ``--dtype`` for its call; the fp32 islands, the routed experts and the LoRA keep their dtypes).
+each layer cast to ``--dtype`` for its call; the fp32 islands, the routed experts and the LoRA keep their dtypes);
+``float8_e4m3fn_scaled`` stores them in e4m3 with one fp32 scale per output channel (``enable_fp8_storage``, about
+half the unscaled rounding error at the released size).
 ``--gradient_checkpointing`` recomputes each block; with ``--offload_block_inputs`` each block's saved input waits
 in host memory for its backward (``enable_gradient_checkpointing(offload_block_inputs=True)``). One 80 GB GPU at
-272p takes ``--expert_dtype int4 --storage_dtype float8_e4m3fn --gradient_checkpointing --offload_block_inputs``.
+272p takes ``--expert_dtype int4 --storage_dtype float8_e4m3fn_scaled --gradient_checkpointing
+--offload_block_inputs``.
 
 The loop is diffusers' training-script form on ``accelerate.Accelerator``: ``accelerator.accumulate`` over
 ``--gradient_accumulation_steps`` micro-batches, ``accelerator.backward``, an LR schedule (``--lr_scheduler``,
@@ -57,8 +60,9 @@ from pathlib import Path
 EXAMPLES = Path(__file__).resolve().parent
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm")
 CACHE_SUFFIX = ".magi2.safetensors"
-#: ``--storage_dtype`` values: FP8 formats ``enable_layerwise_casting`` stores weights in.
-STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+#: ``--storage_dtype`` values: FP8 formats ``enable_layerwise_casting`` stores weights in, and e4m3 with one fp32
+#: scale per output channel (``enable_fp8_storage``).
+STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fn_scaled")
 TARGETS = {
     "linear_qkv": ["linear_qkv"],
     "linear_proj": ["linear_proj"],
@@ -107,7 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--storage_dtype",
         default=None,
         choices=STORAGE_DTYPES,
-        help="store the frozen dense weights in this dtype between calls (layerwise casting; computed in --dtype)",
+        help="store the frozen dense weights in this dtype between calls, computed in --dtype (layerwise casting; "
+        "float8_e4m3fn_scaled: e4m3 with one fp32 scale per output channel, enable_fp8_storage)",
     )
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument(
@@ -386,11 +391,14 @@ def add_lora(transformer, args):
 
 def store_dense_weights(transformer, args) -> None:
     """``--storage_dtype``: the frozen dense weights stored in it between calls, each layer run in the frozen
-    weights' dtype (``enable_layerwise_casting``, after :func:`add_lora`; it leaves the fp32 islands, the routed
-    experts and the LoRA layers alone)."""
+    weights' dtype (``enable_layerwise_casting``; ``float8_e4m3fn_scaled``: ``enable_fp8_storage``, e4m3 with one
+    fp32 scale per output channel; after :func:`add_lora`; both leave the fp32 islands, the routed experts and the
+    LoRA layers alone)."""
     import torch
 
-    if args.storage_dtype is not None:
+    if args.storage_dtype == "float8_e4m3fn_scaled":
+        transformer.enable_fp8_storage(compute_dtype=transformer.compute_dtype)
+    elif args.storage_dtype is not None:
         compute_dtype = transformer.compute_dtype
         transformer.enable_layerwise_casting(
             storage_dtype=getattr(torch, args.storage_dtype), compute_dtype=compute_dtype
@@ -565,7 +573,7 @@ def find_checkpoint(output_dir: Path, resume: str) -> tuple[Path, int]:
 
 def estimate_memory(args) -> list[dict]:
     """Per-GPU bytes at the released size (the default config built on the meta device): frozen non-expert
-    weights (bf16, fp32 islands; with ``--storage_dtype`` as the model's layerwise casting stores them), this
+    weights (bf16, fp32 islands; with ``--storage_dtype`` as it stores them), this
     rank's routed experts (bf16, FP8 or int4 with its group scales: 4.125 bits a weight; ``1/E`` of them), and the
     fp32 LoRA parameters with their gradients and AdamW moments (16 bytes each); activations are not included.
     One row per EP degree and expert storage."""

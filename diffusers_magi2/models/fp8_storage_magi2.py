@@ -6,16 +6,17 @@ channel) is stored as ``weight = round_e4m3(W / s)`` (``float8_e4m3fn``) beside 
     s[o] = max_i |W[o, i]| / 448,        W ~= weight * s,
 
 as the FP8 routed experts are (:func:`~diffusers_magi2.moe.quantize.quantize_fp8`; a row of zeros keeps ``s = 0``).
-For each call the hook (:class:`Magi2FP8StorageHook`, a diffusers ``ModelHook``) puts ``(weight * s)`` in the
-compute dtype (the module's ``compute_dtype`` attribute, which PEFT also reads, so a LoRA on it is made in that
-dtype) in the weight's place (fp32 product, one rounding) and the FP8 tensor back after it (also when the call
-raises), as diffusers' layerwise casting does with its storage dtype; nothing is held between calls, so ``.to()``, model CPU
-offload and group offload move the stored tensors. PEFT's LoRA layers wrap the projection and call it.
+For each call the hook (:class:`Magi2FP8StorageHook`, a diffusers ``ModelHook``) puts ``weight * s`` in the
+compute dtype in the weight's place (the module's ``compute_dtype`` attribute, which PEFT also reads, so a LoRA on
+it is made in that dtype; the product is taken in fp32 and rounded once, into one compute-dtype copy, the memory
+layerwise casting's cast takes) and the FP8 tensor back after the call (also when it raises). Nothing is held
+between calls, so ``.to()``, model CPU offload and group offload move the stored tensors; PEFT's LoRA layers wrap
+the projection and call it.
 
 Why a scale: e4m3 has 3 mantissa bits and its smallest normal is ``2^-6``; unscaled (``enable_layerwise_casting``),
 weights below that lose relative precision (subnormal steps of ``2^-9``), which the released model's weights
 (``N(0, ~1/sqrt(5120))``) mostly are. Scaled, every row spans the normal range and each weight errs by at most
-``2^-4`` relative. That mantissa bound stays: FP8 weights err about 16 times more than bf16 weights do.
+``2^-4`` relative. That mantissa bound stays: a weight errs up to 16 times more than in bf16 (``2^-8``).
 """
 
 from __future__ import annotations
@@ -69,11 +70,10 @@ class Magi2FP8StorageHook(ModelHook):
     """Puts ``weight * weight_scale`` in the module's ``compute_dtype`` in its ``weight`` for its call and the FP8
     tensor back after it (module docstring)."""
 
-    _is_stateful = False
-
     def new_forward(self, module: nn.Module, *args, **kwargs):
         stored = module.weight.data
-        module.weight.data = (stored.float() * module.weight_scale.unsqueeze(1)).to(module.compute_dtype)
+        weight = stored.to(module.compute_dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
+        module.weight.data = weight.mul_(module.weight_scale.unsqueeze(1))  # in fp32, rounded once, in place
         try:
             return self.fn_ref.original_forward(*args, **kwargs)
         finally:  # also when the call raises

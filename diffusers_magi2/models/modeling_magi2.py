@@ -133,7 +133,7 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         FP8 values to it, exactly, and they go back to FP8 here)."""
         loaded = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
-        if model.config.get("dense_storage_dtype") is not None:
+        if isinstance(model, Magi2ModelMixin) and model.config.get("dense_storage_dtype") is not None:
             dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
             model.enable_fp8_storage(dtype if isinstance(dtype, torch.dtype) else torch.float32)
         return loaded

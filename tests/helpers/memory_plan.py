@@ -37,6 +37,7 @@ import torch
 from diffusers.hooks.layerwise_casting import _LAYERWISE_CASTING_HOOK
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from diffusers_magi2.models.fp8_storage_magi2 import FP8_STORAGE_HOOK
 from diffusers_magi2.models.modality import Modality
 from diffusers_magi2.models.transformer_magi2 import DEFAULT_FORWARD_CHUNK_SIZE, Magi2Transformer3DModel
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
@@ -324,15 +325,20 @@ class _StoredWeights:
 
 
 def stored_weights(model, kinds, per_layer, storage_dtype, compute_dtype, ep_degree: int = 1) -> _StoredWeights:
-    """:class:`_StoredWeights` of ``model`` (on meta) under ``enable_layerwise_casting(storage_dtype,
-    compute_dtype)``, read from a cast copy. The trace itself runs the layers in the compute dtype (diffusers' hook
-    moves the module, which fake parameters refuse), so the copies are added to its peak: an upper bound."""
+    """:class:`_StoredWeights` of ``model`` (on meta) with its dense weights stored in ``storage_dtype``:
+    ``enable_fp8_storage(compute_dtype)`` for e4m3 (the 80 GB recipe: the codes and their fp32 per-channel scales),
+    ``enable_layerwise_casting(storage_dtype, compute_dtype)`` otherwise; read from a stored copy. The trace itself
+    runs the layers in the compute dtype (the hooks replace the weights, which fake parameters refuse), so each
+    layer's compute-dtype copy is added to its peak: an upper bound."""
     stored = copy.deepcopy(model)
-    stored.enable_layerwise_casting(storage_dtype=storage_dtype, compute_dtype=compute_dtype)
+    if storage_dtype == torch.float8_e4m3fn:
+        stored.enable_fp8_storage(compute_dtype=compute_dtype)
+    else:
+        stored.enable_layerwise_casting(storage_dtype=storage_dtype, compute_dtype=compute_dtype)
 
-    def copies(module) -> int:  # a module the casting hooks: its own tensors are cast to the compute dtype
+    def copies(module) -> int:  # a module a hook stores: its weights are made in the compute dtype for its call
         registry = getattr(module, "_diffusers_hook", None)
-        if registry is None or registry.get_hook(_LAYERWISE_CASTING_HOOK) is None:
+        if registry is None or not any(registry.get_hook(h) for h in (_LAYERWISE_CASTING_HOOK, FP8_STORAGE_HOOK)):
             return 0
         return sum(t.numel() for t in module.parameters(recurse=False)) * compute_dtype.itemsize
 
@@ -370,8 +376,8 @@ def trace_preview_forward(
         count_inputs: count the packed inputs, handed over as ``forward`` does (``forward_packed`` frees
             ``hidden_states`` once embedded); ``False``: the caller holds them and they are not counted
             (``forward_packed`` called directly).
-        storage_dtype: ``enable_layerwise_casting(storage_dtype, compute_dtype)`` on the dense weights (``None``:
-            off): the weights in that dtype, and the largest layer's compute-dtype copy added to the peak.
+        storage_dtype: the dense weights stored in that dtype (:func:`stored_weights`; ``None``: off): the weights
+            so stored, and the largest layer's compute-dtype copy added to the peak.
 
     Raises:
         ValueError: unknown ``kernels``, bad degrees, or segments not summing to the tokens.
@@ -550,7 +556,7 @@ def plan_preview_step(
         text_tokens: text tokens per CFG half.
         forward_chunk_size: ``Magi2Transformer3DModel.enable_forward_chunking`` chunk (default: the model's;
             ``None``: off).
-        storage_dtype: FP8 storage of the dense weights (``enable_layerwise_casting``), or ``None``.
+        storage_dtype: FP8 storage of the dense weights (:func:`stored_weights`), or ``None``.
         capacity: device bytes (default: an H200, 141 GB, on one GPU; an 80 GB GPU per rank).
         margin: bytes to keep free.
 

@@ -81,7 +81,7 @@ def trace_lora_training_step(
         video_shape: latent ``(T, H, W)``; expert_dtype: as :func:`trace_preview_forward`.
         transformer_config: ``Magi2Transformer3DModel`` arguments (default: released).
         rank, targets: the script's ``--rank`` and ``--targets``.
-        storage_dtype: FP8 storage of the frozen dense weights (``enable_layerwise_casting``), or ``None``: the
+        storage_dtype: FP8 storage of the frozen dense weights (``stored_weights``), or ``None``: the
             weights in that dtype, and the compute-dtype copies of the largest block's layers added to the peak.
         gradient_checkpointing: the script's ``--gradient_checkpointing``.
         offload_block_inputs: the script's ``--offload_block_inputs`` (``enable_gradient_checkpointing(

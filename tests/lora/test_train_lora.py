@@ -428,15 +428,9 @@ def test_offload_block_inputs_without_gradient_checkpointing_is_refused_before_a
     assert "--offload_block_inputs" in err and "add --gradient_checkpointing" in err
 
 
-def test_fp8_storage_stores_the_dense_weights_in_fp8_and_gives_the_loss_of_fp8_rounded_weights(tmp_path):
-    """``--storage_dtype float8_e4m3fn`` (the transformer's ``enable_layerwise_casting``): every dense projection
-    of the blocks is stored in FP8 between calls; the fp32 islands, the routed experts and the LoRA keep fp32; the
-    loss equals the same model's with those weights rounded to FP8 by hand; a training run keeps them so."""
-    from diffusers_magi2.models.modality import Magi2ModalityGroupedLinear
-    from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
-
-    fp8 = torch.float8_e4m3fn
-    args = script.parse_args(argv(tmp_path, tmp_path / "o", "--storage_dtype", "float8_e4m3fn"))
+def stored_and_reference(args) -> list:
+    """``[(model, trainable), (reference, its trainable)]``: two tiny transformers with the same random LoRA
+    (``--targets`` of ``args``), the first with its dense weights stored as ``--storage_dtype`` says."""
     models = []
     for stored in (True, False):
         model = build_tiny_default_pipeline().transformer
@@ -447,7 +441,19 @@ def test_fp8_storage_stores_the_dense_weights_in_fp8_and_gives_the_loss_of_fp8_r
         if stored:
             script.store_dense_weights(model, args)
         models.append((model, trainable))
-    (model, trainable), (reference, _) = models
+    return models
+
+
+def test_fp8_storage_stores_the_dense_weights_in_fp8_and_gives_the_loss_of_fp8_rounded_weights(tmp_path):
+    """``--storage_dtype float8_e4m3fn`` (the transformer's ``enable_layerwise_casting``): every dense projection
+    of the blocks is stored in FP8 between calls; the fp32 islands, the routed experts and the LoRA keep fp32; the
+    loss equals the same model's with those weights rounded to FP8 by hand; a training run keeps them so."""
+    from diffusers_magi2.models.modality import Magi2ModalityGroupedLinear
+    from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
+
+    fp8 = torch.float8_e4m3fn
+    args = script.parse_args(argv(tmp_path, tmp_path / "o", "--storage_dtype", "float8_e4m3fn"))
+    (model, trainable), (reference, _) = stored_and_reference(args)
     sample = script.load_cache(synthetic_clip(tmp_path / "d") / "clip.magi2.safetensors", reference)
     kept = {n: p.dtype for n, p in model.named_parameters() if p.dtype != fp8}
     stored_names = {n for n, p in model.named_parameters() if p.dtype == fp8}
@@ -546,3 +552,26 @@ def test_a_bad_expert_int4_group_size_is_refused_before_any_work(tmp_path, tiny_
         script.main(["--data_dir", str(tmp_path), "--output_dir", str(out), "--model", str(tiny_repo), *extra])
     err = capsys.readouterr().err
     assert "error: --expert_int4_group_size" in err and message in err and not out.exists()
+
+
+def test_scaled_fp8_storage_gives_the_loss_of_weights_rounded_per_output_channel(tmp_path):
+    """``--storage_dtype float8_e4m3fn_scaled`` (``enable_fp8_storage``): the dense projections are e4m3 codes beside
+    fp32 per-channel scales, the LoRA stays fp32 and trains, and the loss equals the same model's with each weight
+    row rounded to e4m3 at ``amax / 448`` by hand."""
+    args = script.parse_args(argv(tmp_path, tmp_path / "o", "--storage_dtype", "float8_e4m3fn_scaled"))
+    (model, trainable), (reference, _) = stored_and_reference(args)
+    scales = {n.removesuffix("_scale"): b for n, b in model.named_buffers() if n.endswith(".weight_scale")}
+    assert scales and all(model.get_parameter(n).dtype == torch.float8_e4m3fn for n in scales)
+    with torch.no_grad():
+        for name in scales:
+            w = reference.get_parameter(name)
+            s = w.abs().amax(dim=1, keepdim=True) / 448
+            w.copy_((w / torch.where(s > 0, s, torch.ones_like(s))).to(torch.float8_e4m3fn).float() * s)
+    sample = script.load_cache(synthetic_clip(tmp_path / "d") / "clip.magi2.safetensors", reference)
+    cpu = torch.device("cpu")
+    losses = [script.training_loss(m, sample, torch.Generator().manual_seed(0), cpu) for m in (model, reference)]
+    assert torch.equal(losses[0], losses[1])
+    losses[0].backward()
+    assert all(
+        p.dtype == torch.float32 and p.grad is not None and bool(p.grad.abs().sum() > 0) for p in trainable.values()
+    )

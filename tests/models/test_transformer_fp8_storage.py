@@ -225,3 +225,20 @@ def test_bad_dense_storage_dtype_and_a_nan_weight_are_refused_before_anything_is
         model.enable_fp8_storage()
     assert all(m.weight.dtype == torch.float32 and "weight_scale" not in m._buffers for m in _dense(model).values())
     assert model.config.get("dense_storage_dtype") is None
+
+
+def test_released_size_with_scaled_fp8_storage_on_meta():
+    """The 80 GB recipe's transformer (int4 experts, ``enable_fp8_storage``) on meta: the dense weights take half
+    their bf16 bytes plus 4 bytes per output channel (the fp32 scales), and the whole is within 64 GB."""
+    with torch.device("meta"):
+        model = Magi2Transformer3DModel(params_dtype=torch.bfloat16, expert_dtype="int4")
+    dense = [m for n, m in model._dense_projections() if m.weight.numel()]
+    bf16 = sum(m.weight.numel() * 2 for m in dense)
+    total_before = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    model.enable_fp8_storage(compute_dtype=torch.bfloat16)
+    stored = sum(m.weight.numel() * m.weight.element_size() + m.weight_scale.numel() * 4 for m in dense)
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    print(f"\nreleased transformer, int4 experts, scaled FP8 dense weights, on meta: {total / 1e9:.2f} GB")
+    assert stored == bf16 // 2 + 4 * sum(m.weight.shape[0] for m in dense)
+    assert total == total_before - bf16 + stored and total <= 64e9
+    assert model.dtype == torch.bfloat16
