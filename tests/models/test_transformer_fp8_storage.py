@@ -242,3 +242,16 @@ def test_released_size_with_scaled_fp8_storage_on_meta():
     assert stored == bf16 // 2 + 4 * sum(m.weight.shape[0] for m in dense)
     assert total == total_before - bf16 + stored and total <= 64e9
     assert model.dtype == torch.bfloat16
+
+
+def test_weight_streaming_streams_the_stored_codes_and_gives_the_resident_output():
+    """``enable_weight_streaming`` (CPU ring) over an FP8-stored model copies the e4m3 codes and their scales and
+    gives the resident model's output bit for bit."""
+    model = tiny_model()
+    model.enable_fp8_storage()
+    with torch.no_grad():
+        resident = model(**tiny_inputs()).sample
+    model.enable_weight_streaming(device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**tiny_inputs()).sample, resident, atol=0, rtol=0)
+    assert all(m.weight.dtype == FP8 for m in _dense(model).values())
