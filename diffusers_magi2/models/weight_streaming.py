@@ -292,6 +292,7 @@ class WeightStreamingHook(ModelHook):
         self.streamer = streamer
         self.index = index
 
+    @torch.compiler.disable  # the swaps run eagerly; a compiled block sees its weights as inputs
     def pre_forward(self, module, *args, **kwargs):
         if torch.is_grad_enabled():
             raise RuntimeError(
@@ -301,6 +302,7 @@ class WeightStreamingHook(ModelHook):
         self.streamer.acquire(self.index)
         return args, kwargs
 
+    @torch.compiler.disable
     def post_forward(self, module, output):
         self.streamer.release(self.index)
         return output
