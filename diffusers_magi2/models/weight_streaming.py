@@ -438,6 +438,12 @@ class Magi2WeightStreamingMixin:
         resident = sum(t.nbytes for t in [*self.parameters(), *self.buffers()] if id(t) not in block_ids)
         return resident + ring_size * max(blocks)
 
+    def weight_streaming_host_nbytes(self, pinned: bool = True) -> int:
+        """Host bytes of the streamed blocks: their packed buffers, with the pinned allocator's rounding when
+        ``pinned`` (CUDA)."""
+        sizes = [_layout(b, i).nbytes for i, b in enumerate(self.transformer_blocks)]
+        return pinned_bytes(sizes) if pinned else sum(sizes)
+
     def _apply(self, fn, recurse=True):
         if getattr(self, "_weight_streamer", None) is not None:
             raise RuntimeError(
