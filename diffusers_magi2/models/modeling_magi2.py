@@ -1,12 +1,14 @@
 """``Magi2ModelMixin``: what both MAGI-2 models add to diffusers' ``ModelMixin``; ``Magi2TransformerBase``: the
 mixins and forward pieces both MAGI-2 transformers are built from.
 
-* dtype moves (``to``, ``half``, a pipeline's ``to(dtype)``) keep the fp32 islands fp32 (the FP8 experts' scales
-  included; FP8 banks keep their dtype in ``Magi2MultiHeadMoE._apply``): they all end in ``_apply(fn)``, which lets
-  an island follow only its device move;
+* dtype moves (``to``, ``half``, a pipeline's ``to(dtype)``) keep the fp32 islands fp32 (the FP8 experts' and the
+  FP8-stored projections' scales included; FP8 banks keep their dtype in ``Magi2MultiHeadMoE._apply``, FP8-stored
+  projection weights here): they all end in ``_apply(fn)``, which lets an island follow only its device move;
 * ``save_pretrained`` keeps other variants' shards, which diffusers 0.42's save deletes;
 * ``enable_layerwise_casting`` matches islands as name components (diffusers matches substrings, so ``"gate"``
-  would skip ``up_gate_proj``) and casts the modality-grouped linears too;
+  would skip ``up_gate_proj``) and casts the modality-grouped linears too; ``enable_fp8_storage`` stores the same
+  projections as e4m3 with per-channel scales (:mod:`.fp8_storage_magi2`), and ``from_pretrained`` keeps a repo
+  stored so as it is;
 * LoRA (``PeftAdapterMixin``) on every projection and router gate (:mod:`.lora_magi2`): PEFT's layers, ours for
   the modality-grouped projections; one load path for every file layout; ``safe_fusing`` is all or nothing.
 """
