@@ -6,7 +6,9 @@ A ``d``-second clip at ``fps`` has video latents ``[B, C, T, H/s, W/s]`` with
 
 and audio latents ``[B, L, A]`` with ``L = round(d audio_latent_fps)`` (250). ``C``, ``s`` (pixels per latent
 cell) and ``r`` (frames per latent frame after the first) come from the Wan2.2 VAE's config, else TurboVAED's,
-else 48 / 16 / 4; ``A`` from the Oobleck decoder's ``decoder_input_channels``, else 64.
+else 48 / 16 / 4; ``A`` from the Oobleck decoder's ``decoder_input_channels``, else 64. The scales and channels
+need no clip (:func:`video_latent_sizes`), so a pipeline built without ``duration_s`` (diffusers' text-only
+construction passes ``None`` for it) still has its ``vae_scale_factor_spatial``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-__all__ = ["Magi2LatentGeometry", "Magi2LatentGeometryMixin", "latent_geometry"]
+__all__ = ["Magi2LatentGeometry", "Magi2LatentGeometryMixin", "latent_geometry", "video_latent_sizes"]
 
 #: ``(vae config key, video_decoder config key, default)`` of each video latent size.
 _VIDEO_KEYS = {
@@ -45,6 +47,20 @@ class Magi2LatentGeometry:
     num_audio_latents: int
 
 
+def video_latent_sizes(vae=None, video_decoder=None) -> dict[str, int]:
+    """``{"spatial_scale", "temporal_scale", "channels"}`` of the video latents, from ``vae``'s config (read first),
+    else ``video_decoder``'s, else 16 / 4 / 48 (module docstring); either may be ``None``."""
+    sizes = {}
+    for name, (vae_key, decoder_key, default) in _VIDEO_KEYS.items():
+        if vae is not None:
+            sizes[name] = int(getattr(vae.config, vae_key))
+        elif video_decoder is not None and decoder_key in video_decoder.config:
+            sizes[name] = int(getattr(video_decoder.config, decoder_key))
+        else:
+            sizes[name] = default
+    return sizes
+
+
 def latent_geometry(
     vae=None,
     video_decoder=None,
@@ -63,15 +79,18 @@ def latent_geometry(
 
     Returns:
         :class:`Magi2LatentGeometry`.
+
+    Raises:
+        ValueError: ``duration_s``, ``fps`` or ``audio_latent_fps`` is not a positive number (e.g. ``None``), naming it.
     """
-    sizes = {}
-    for name, (vae_key, decoder_key, default) in _VIDEO_KEYS.items():
-        if vae is not None:
-            sizes[name] = int(getattr(vae.config, vae_key))
-        elif video_decoder is not None and decoder_key in video_decoder.config:
-            sizes[name] = int(getattr(video_decoder.config, decoder_key))
-        else:
-            sizes[name] = default
+    clip = {"duration_s": duration_s, "fps": fps, "audio_latent_fps": audio_latent_fps}
+    for name, value in clip.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(
+                f"the pipeline config's {name} must be a number > 0 to size the clip's latents; got {value!r} (set it "
+                f"with Magi2Pipeline(..., {name}=...) or pipe.register_to_config({name}=...))"
+            )
+    sizes = video_latent_sizes(vae, video_decoder)
     audio_channels = 64 if audio_vae is None else int(audio_vae.config.decoder_input_channels)
     frames = int(round(float(duration_s) * float(fps) * 2))
     return Magi2LatentGeometry(
@@ -99,20 +118,23 @@ class Magi2LatentGeometryMixin:
             audio_latent_fps=cfg["audio_latent_fps"],
         )
 
+    def _video_latent_sizes(self) -> dict[str, int]:
+        return video_latent_sizes(getattr(self, "vae", None), getattr(self, "video_decoder", None))
+
     @property
     def vae_scale_factor_spatial(self) -> int:
-        """Pixels per latent cell along H and W (16 for Wan2.2 / TurboVAED)."""
-        return self.latent_geometry().spatial_scale
+        """Pixels per latent cell along H and W (16 for Wan2.2 / TurboVAED); needs no ``duration_s``."""
+        return self._video_latent_sizes()["spatial_scale"]
 
     @property
     def vae_scale_factor_temporal(self) -> int:
         """Frames per latent frame after the first (4)."""
-        return self.latent_geometry().temporal_scale
+        return self._video_latent_sizes()["temporal_scale"]
 
     @property
     def num_channels_latents(self) -> int:
         """Video latent channels (48), from the VAE / video decoder config."""
-        return self.latent_geometry().channels
+        return self._video_latent_sizes()["channels"]
 
     @property
     def num_channels_audio_latents(self) -> int:

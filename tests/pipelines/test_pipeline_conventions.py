@@ -144,6 +144,28 @@ def test_encode_prompt_works_in_isolation(tiny):
     assert torch.equal(alone.frames, full.frames) and torch.equal(alone.audio, full.audio)
 
 
+def test_text_only_construction_with_duration_s_none_encodes_and_a_call_names_duration_s(tiny):
+    """diffusers' text-only construction passes ``None`` for every other argument, ``duration_s`` included: the
+    pipeline builds (its spatial scale needs no clip), encodes as the full one does, and a call that needs the clip
+    refuses ``None`` naming ``duration_s`` before any work."""
+    components = {name: None for name in tiny.components if name not in ("tokenizer", "text_encoder")}
+    text_only = Magi2Pipeline(tokenizer=tiny.tokenizer, text_encoder=tiny.text_encoder, **components, duration_s=None)
+    text_only.set_progress_bar_config(disable=True)
+    assert text_only.vae_scale_factor_spatial == 16
+    for got, want in zip(text_only.encode_prompt("a cat", device="cpu"), tiny.encode_prompt("a cat", device="cpu")):
+        assert torch.equal(got, want)
+
+    no_clip = Magi2Pipeline(**tiny.components, duration_s=None)
+    text_encoder_calls = []
+    hook = tiny.text_encoder.register_forward_pre_hook(lambda *_: text_encoder_calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"duration_s must be a number > 0 .* got None"):
+            no_clip("a cat", height=32, width=32, num_inference_steps=1)
+    finally:
+        hook.remove()
+    assert text_encoder_calls == []
+
+
 def test_i2v_image_embeds_are_the_documented_figure_token(tiny):
     """``__call__`` passes the transformer the ``<Figure 1>`` token that ``encode_prompt``'s docstring
     describes: ``encode_text(add_figure_reference(prompt), figure_target="<Figure 1>")``."""
