@@ -30,7 +30,7 @@ from ..pipelines.presets_magi2 import (
 from ..pipelines.refiner_stage import resolve_refiner_stage_config
 from ..pipelines.sampling_magi2 import check_scheduler, flow_schedulers, prepare_latents, unshifted_sigmas
 from ..pipelines.validation_magi2 import check_call_inputs, check_component_fits, warn_untrained_sizes
-from .guidance import GUIDER_NAMES, check_guiders
+from .guidance import GUIDER_NAMES, MOVED_SCALES, check_guiders, refuse_moved_scales
 from .utils import (
     CALL_STATE,
     Magi2Block,
@@ -105,6 +105,7 @@ _DESCRIPTIONS = {
     "output_height": "bilinear resize of the decoded frames",
     "output_width": "bilinear resize of the decoded frames",
     "num_videos_per_prompt": "videos per prompt, each from its own noise",
+    "enable_prompt_enhancement": "rewrite each prompt once with the prompt_enhancer before encoding",
 }
 
 
@@ -134,7 +135,9 @@ def first_rank(components) -> bool:
 class Magi2InputStep(Magi2Block):
     """The call's checks and plan: resolution preset, ``check_call_inputs`` against the components the pipeline
     holds (every bad argument raises before any work), the stage sizes and the refiner settings; resets the call
-    state (``interrupt`` ...). It declares no component: it reads the ones the other blocks declare."""
+    state (``interrupt`` ...). It declares no component: it reads the ones the other blocks declare. It declares
+    ``Magi2Pipeline``'s guidance scales too, and refuses them (the guiders carry them), so that diffusers'
+    ``ModularPipeline``, which only warns about an undeclared input, does not guide at another scale than asked."""
 
     description = (
         "Input step: applies `resolution`, checks every argument against the pipeline's components (as "
@@ -145,7 +148,11 @@ class Magi2InputStep(Magi2Block):
 
     @property
     def inputs(self) -> list[InputParam]:
-        return [call_input(n) for n in CALL_DEFAULTS]
+        moved = [
+            InputParam(name, description=f"refused: the scale is the {guider}'s (guider.new(guidance_scale=...))")
+            for name, guider in MOVED_SCALES.items()
+        ]
+        return [*(call_input(n) for n in CALL_DEFAULTS), *moved]
 
     @property
     def intermediate_outputs(self) -> list[OutputParam]:
@@ -159,6 +166,7 @@ class Magi2InputStep(Magi2Block):
         ]
 
     def run(self, components, bs) -> None:
+        refuse_moved_scales({name: getattr(bs, name) for name in MOVED_SCALES})
         check_repo_files(components)
         if isinstance(bs.callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             bs.callback_on_step_end_tensor_inputs = bs.callback_on_step_end.tensor_inputs

@@ -22,13 +22,34 @@ from .utils import GUIDER_SCALES
 __all__ = [
     "GUIDER_INPUT_FIELDS",
     "GUIDER_NAMES",
+    "MOVED_SCALES",
     "check_guiders",
+    "refuse_moved_scales",
     "combine_passes",
     "guidance_passes",
     "uses_negative_prompt",
 ]
 
 GUIDER_NAMES = tuple(GUIDER_SCALES)
+
+#: ``Magi2Pipeline.__call__``'s guidance scales -> the guider that carries each in a modular pipeline.
+MOVED_SCALES = {"guidance_scale": "guider", "audio_guidance_scale": "audio_guider"}
+
+
+def refuse_moved_scales(values: dict) -> None:
+    """Refuse a :data:`MOVED_SCALES` call argument that is set (``values``: name -> value or ``None``); a modular
+    pipeline would otherwise ignore it and guide at its guider's scale.
+
+    Raises:
+        ValueError: naming the argument and the ``update_components`` call that sets the scale.
+    """
+    for name, guider in MOVED_SCALES.items():
+        if values.get(name) is not None:
+            raise ValueError(
+                f"{name} is not an input of a MAGI-2 modular pipeline: the scale is the {guider}'s; set it with "
+                f"pipe.update_components({guider}=pipe.{guider}.new(guidance_scale={values[name]!r}))"
+            )
+
 
 #: The model argument each pass sets, from the block state (``pred_cond``: the first name, ``pred_uncond``: the second).
 GUIDER_INPUT_FIELDS = {

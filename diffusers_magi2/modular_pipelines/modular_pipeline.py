@@ -73,18 +73,23 @@ class Magi2ModularPipeline(Magi2LatentGeometryMixin, ModularPipeline, Magi2LoraL
         super().__init__(blocks, *args, **kwargs)
 
     def __call__(self, state=None, output=None, **kwargs):
-        """``ModularPipeline.__call__`` (the blocks' inputs by keyword; ``output`` picks values of the state).
+        """``ModularPipeline.__call__`` (the blocks' inputs by keyword; ``output`` picks values of the state), but a
+        name that no block takes is refused rather than ignored with diffusers' warning.
 
         Raises:
-            ValueError: ``guidance_scale`` or ``audio_guidance_scale``, which the guiders carry (diffusers would
-                ignore them with a warning), naming the update that sets them.
+            ValueError: an argument no block declares, listing the inputs; ``guidance_scale`` or
+                ``audio_guidance_scale``, which the guiders carry, naming the update that sets them (the input step's
+                refusal, which diffusers' own ``ModularPipeline`` runs too).
         """
-        for name, guider in (("guidance_scale", "guider"), ("audio_guidance_scale", "audio_guider")):
-            if name in kwargs:
-                raise ValueError(
-                    f"{name} is not an input of {type(self).__name__}: the scale is the {guider}'s; set it with "
-                    f"pipe.update_components({guider}=pipe.{guider}.new(guidance_scale={kwargs[name]!r}))"
-                )
+        declared = {param.name for param in self._blocks.inputs} | {
+            param.kwargs_type for param in self._blocks.inputs if param.kwargs_type
+        }
+        unknown = sorted(set(kwargs) - declared)
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__} got {unknown}, which none of its blocks takes (diffusers' ModularPipeline "
+                f"would ignore them with a warning); its inputs are {sorted(n for n in declared if n)}"
+            )
         return super().__call__(state, output, **kwargs)
 
     def latent_geometry(self) -> Magi2LatentGeometry:

@@ -164,3 +164,45 @@ def test_modular_files_that_disagree_with_model_index_are_refused(saved, tmp_pat
     with pytest.raises(ValueError, match="modular files disagree with its model_index.json") as error:
         Magi2ModularPipeline.from_pretrained(copy)
     assert needle in str(error.value) and "modular_model_index.json" in str(error.value)
+
+
+@pytest.mark.parametrize("loader", ["ModularPipeline", "Magi2ModularPipeline"])
+def test_both_loaders_refuse_a_guidance_scale_before_any_work(saved, loader):
+    """The guidance scales are the guiders': the input step declares them and refuses them, so diffusers' own
+    ``ModularPipeline`` (remote code) refuses ``guidance_scale=1.0`` as ``Magi2ModularPipeline`` does, naming the
+    update, before the text encoder runs; another name no block takes is diffusers' warning there (the call goes on)
+    and refused by ``Magi2ModularPipeline``."""
+    import warnings
+
+    from diffusers.modular_pipelines import ModularPipeline
+
+    folder, reference = saved
+    if loader == "ModularPipeline":
+        pipe = ModularPipeline.from_pretrained(folder, trust_remote_code=True)
+    else:
+        pipe = Magi2ModularPipeline.from_pretrained(folder)
+    pipe.load_components()
+    pipe.set_progress_bar_config(disable=True)
+    calls = []
+    hook = pipe.text_encoder.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        for name, guider in (("guidance_scale", "guider"), ("audio_guidance_scale", "audio_guider")):
+            with pytest.raises(
+                ValueError, match=rf"^{name} is not an input .*\({guider}=pipe\.{guider}\.new\(guidance_scale=1\.0\)\)"
+            ):
+                pipe(prompt=PROMPT, **{name: 1.0}, **T2V)
+        assert calls == []
+        if loader == "Magi2ModularPipeline":
+            with pytest.raises(ValueError, match=r"got \['num_frames'\], which none of its blocks takes"):
+                pipe(prompt=PROMPT, num_frames=9, **T2V)
+            assert calls == []
+        else:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                frames = pipe(prompt=PROMPT, num_frames=9, generator=torch.Generator().manual_seed(9), **T2V).get(
+                    "videos"
+                )
+            assert any("num_frames" in str(w.message) and "ignored" in str(w.message) for w in caught)
+            np.testing.assert_array_equal(frames, reference.frames)
+    finally:
+        hook.remove()
