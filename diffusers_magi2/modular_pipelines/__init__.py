@@ -18,10 +18,11 @@ from .denoise import (
     Magi2RefinerDenoiseStep,
     Magi2RefinerLoopDenoiser,
 )
-from .encoders import Magi2ImageEncoderStep, Magi2TextEncoderStep
+from .encoders import Magi2ImageEncoderStep, Magi2PromptEnhancerStep, Magi2TextEncoderStep
 from .modular_blocks_magi2 import (
     Magi2AutoBlocks,
     Magi2AutoImageEncoderStep,
+    Magi2AutoPromptEnhancerStep,
     Magi2AutoRefinerStep,
     Magi2CoreDenoiseStep,
     Magi2DecodeStep,
@@ -33,6 +34,7 @@ __all__ = [
     "Magi2AudioDecoderStep",
     "Magi2AutoBlocks",
     "Magi2AutoImageEncoderStep",
+    "Magi2AutoPromptEnhancerStep",
     "Magi2AutoRefinerStep",
     "Magi2BroadcastConditioningStep",
     "Magi2CoreDenoiseStep",
@@ -46,6 +48,7 @@ __all__ = [
     "Magi2LoopDenoiser",
     "Magi2ModularPipeline",
     "Magi2PrepareLatentsStep",
+    "Magi2PromptEnhancerStep",
     "Magi2RefinerDenoiseStep",
     "Magi2RefinerLoopDenoiser",
     "Magi2SetTimestepsStep",

@@ -1,4 +1,5 @@
-"""Encoder blocks of MAGI-2: the text (prompt and negative prompt; SandAI ``Qwen35TextEncoder.encode`` with
+"""Encoder blocks of MAGI-2: the prompt enhancer (``enable_prompt_enhancement``: each prompt rewritten once into
+MAGI-2's structured caption, :func:`~diffusers_magi2.pipelines.enhancement_magi2.enhance_prompts`), the text (prompt and negative prompt; SandAI ``Qwen35TextEncoder.encode`` with
 the reference's templates, ``hidden_states[-3]``) and the I2V reference image (the Wan2.2 VAE mean latent,
 normalised ``(mu - mean) / std``).
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
 
+from ..pipelines.enhancement_magi2 import PROMPT_ENHANCER, enhance_prompts, prompt_enhancement_group
 from ..pipelines.image_processing_magi2 import (
     encode_reference_image,
     preprocess_reference_image,
@@ -26,7 +28,7 @@ from .guidance import uses_negative_prompt
 from .utils import Magi2Block, pipeline_config, pipeline_geometry, planned_inputs
 
 
-__all__ = ["Magi2ImageEncoderStep", "Magi2TextEncoderStep"]
+__all__ = ["Magi2ImageEncoderStep", "Magi2PromptEnhancerStep", "Magi2TextEncoderStep"]
 
 _TEXT_OUTPUTS = (
     ("prompt_embeds", "[B n, Lt, C] text features"),
@@ -35,6 +37,33 @@ _TEXT_OUTPUTS = (
     ("negative_prompt_attention_mask", "[B n, Lt] bool"),
     ("image_embeds", "[B n, C] <Figure 1> token embedding (I2V)"),
 )
+
+
+class Magi2PromptEnhancerStep(Magi2Block):
+    """Each prompt rewritten once by the ``prompt_enhancer`` (``enhance_prompts``) into MAGI-2's structured caption,
+    for the text encoder step after it; under context or expert parallelism the first rank asks and every rank
+    gets its texts, or its error. The input step has already refused a call without an enhancer or with
+    ``prompt_embeds``."""
+
+    description = (
+        "Prompt enhancer step: rewrites each prompt once into MAGI-2's structured Markdown caption with the "
+        "prompt_enhancer (an OpenAI-compatible endpoint or a local model; the image-to-video task with `image`)"
+    )
+
+    component_names = (PROMPT_ENHANCER,)
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [call_input("prompt", required=True), *call_inputs("image", "enable_prompt_enhancement")]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return [OutputParam("prompt", type_hint=list, description="the rewritten prompts (raw text before)")]
+
+    def run(self, components, bs) -> None:
+        prompts = [bs.prompt] if isinstance(bs.prompt, str) else list(bs.prompt)
+        group = prompt_enhancement_group(getattr(components, "transformer", None))
+        bs.prompt = enhance_prompts(getattr(components, PROMPT_ENHANCER), prompts, bs.image, group)
 
 
 class Magi2TextEncoderStep(Magi2Block):

@@ -1,6 +1,6 @@
 """MAGI-2's block compositions: :class:`Magi2AutoBlocks` picks text-to-video, image-to-video (``image``) and the
 two-stage 1080p path (``height x width`` 1088 x 1920, ``resolution="1080p"`` or a ``preview_height``) from the
-call's inputs, in ``Magi2Pipeline.__call__``'s order: checks, image, text, (CP broadcast), schedule, noise,
+call's inputs, in ``Magi2Pipeline.__call__``'s order: checks, (prompt enhancement), image, text, (CP broadcast), schedule, noise,
 preview loop, refiner stage, decoding.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 
-from diffusers.modular_pipelines import AutoPipelineBlocks, SequentialPipelineBlocks
+from diffusers.modular_pipelines import AutoPipelineBlocks, ConditionalPipelineBlocks, SequentialPipelineBlocks
 from diffusers.modular_pipelines.modular_pipeline_utils import OutputParam
 
 from .before_denoise import (
@@ -19,12 +19,13 @@ from .before_denoise import (
 )
 from .decoders import Magi2AudioDecoderStep, Magi2VideoDecoderStep
 from .denoise import Magi2DenoiseStep, Magi2RefinerDenoiseStep
-from .encoders import Magi2ImageEncoderStep, Magi2TextEncoderStep
+from .encoders import Magi2ImageEncoderStep, Magi2PromptEnhancerStep, Magi2TextEncoderStep
 
 
 __all__ = [
     "Magi2AutoBlocks",
     "Magi2AutoImageEncoderStep",
+    "Magi2AutoPromptEnhancerStep",
     "Magi2AutoRefinerStep",
     "Magi2CoreDenoiseStep",
     "Magi2DecodeStep",
@@ -47,6 +48,18 @@ class Magi2AutoImageEncoderStep(_Magi2StepBlocks, AutoPipelineBlocks):
     block_classes = [Magi2ImageEncoderStep]
     block_names = ["image_encoder"]
     block_trigger_inputs = ["image"]
+
+
+class Magi2AutoPromptEnhancerStep(_Magi2StepBlocks, ConditionalPipelineBlocks):
+    """Prompt enhancer step, run when `enable_prompt_enhancement` is true (skipped otherwise): each prompt rewritten
+    once by the `prompt_enhancer` before the text encoder (LTX-2.5's `LTX2AutoPromptEnhancerStep` form)."""
+
+    block_classes = [Magi2PromptEnhancerStep]
+    block_names = ["prompt_enhancer"]
+    block_trigger_inputs = ["enable_prompt_enhancement"]
+
+    def select_block(self, enable_prompt_enhancement=False) -> str | None:
+        return "prompt_enhancer" if enable_prompt_enhancement else None
 
 
 class Magi2CoreDenoiseStep(_Magi2StepBlocks, SequentialPipelineBlocks):
@@ -83,13 +96,14 @@ class Magi2AutoBlocks(SequentialPipelineBlocks):
     model_name = "magi2"
     block_classes = [
         Magi2InputStep,
+        Magi2AutoPromptEnhancerStep,
         Magi2AutoImageEncoderStep,
         Magi2TextEncoderStep,
         Magi2CoreDenoiseStep,
         Magi2AutoRefinerStep,
         Magi2DecodeStep,
     ]
-    block_names = ["input", "image_encoder", "text_encoder", "denoise", "refiner", "decode"]
+    block_names = ["input", "prompt_enhancer", "image_encoder", "text_encoder", "denoise", "refiner", "decode"]
 
     @property
     def description(self) -> str:

@@ -15,7 +15,7 @@ import inspect
 from typing import Any
 
 import torch
-from diffusers.configuration_utils import FrozenDict
+from diffusers.configuration_utils import ConfigMixin, FrozenDict
 from diffusers.modular_pipelines import ModularPipeline, ModularPipelineBlocks
 from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, ConfigSpec, InputParam
 from diffusers.utils import logging
@@ -82,6 +82,7 @@ def component_spec(name: str) -> ComponentSpec:
         "vae": (AutoencoderKLWan, "Wan2.2 VAE: I2V encoder, video decoder without video_decoder"),
         "video_decoder": (Magi2TurboVAEDecoder, "TurboVAED, the default video decoder"),
         "refiner": (Magi2RefinerTransformer3DModel, "the 1080p refiner DiT"),
+        "prompt_enhancer": (ConfigMixin, "Magi2PromptEnhancer: rewrites prompts (enable_prompt_enhancement)"),
     }
     type_hint, description = types[name]
     return ComponentSpec(name, type_hint, description=description)

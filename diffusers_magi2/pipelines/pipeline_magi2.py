@@ -43,6 +43,7 @@ from .decoding_magi2 import (
     postprocess_video_frames,
     resize_video_frames,
 )
+from .enhancement_magi2 import PROMPT_ENHANCER, Magi2PromptEnhancementMixin, pop_prompt_enhancer
 from .geometry_magi2 import Magi2LatentGeometryMixin
 from .image_processing_magi2 import (
     encode_reference_image,
@@ -97,6 +98,7 @@ def _call_state(name: str, doc: str) -> property:
 
 
 class Magi2Pipeline(
+    Magi2PromptEnhancementMixin,
     Magi2ModularFilesMixin,
     Magi2PipelineChecksMixin,
     Magi2PromptEncodingMixin,
@@ -118,6 +120,8 @@ class Magi2Pipeline(
         video_decoder (`Magi2TurboVAEDecoder`, optional): the default video decoder (TurboVAED).
         refiner (`Magi2RefinerTransformer3DModel`, optional): the 1080p stage, run for 1088 x 1920 or an
             explicit ``preview_height``/``preview_width``.
+        prompt_enhancer (`Magi2PromptEnhancer`, optional): rewrites each prompt into MAGI-2's structured caption
+            with ``enable_prompt_enhancement=True`` (:meth:`enhance_prompt`); saved into ``prompt_enhancer/``.
 
     Construction raises ``ValueError`` when a component's latent or text width does not fit the models
     (:data:`~diffusers_magi2.pipelines.validation_magi2.COMPONENT_FITS`). The reference's dtypes::
@@ -135,7 +139,7 @@ class Magi2Pipeline(
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->refiner->video_decoder->vae->audio_vae"
-    _optional_components = ["vae", "video_decoder", "refiner"]
+    _optional_components = ["vae", "video_decoder", "refiner", PROMPT_ENHANCER]
     _callback_tensor_inputs = list(CALLBACK_TENSOR_INPUTS)
 
     @classmethod
@@ -146,6 +150,7 @@ class Magi2Pipeline(
             expert_parallel: ``Magi2ExpertParallelConfig(ep_degree=E)``: load only this rank's routed experts.
             context_parallel: ``diffusers.ContextParallelConfig(ulysses_degree=N)`` (N = world size, ``E | N``):
                 :meth:`enable_context_parallel` after loading.
+            prompt_enhancer: a ``Magi2PromptEnhancer`` or ``None`` (default: the repo's, if it saved one).
 
         Raises:
             ValueError: a bad degree, before the weights load.
@@ -153,12 +158,15 @@ class Magi2Pipeline(
         expert_parallel = kwargs.pop("expert_parallel", None)
         context_parallel = kwargs.pop("context_parallel", None)
         check_parallel_degrees(expert_parallel, context_parallel)  # before any weight loads
+        enhancer = pop_prompt_enhancer(cls, pretrained_model_name_or_path, kwargs)
         if expert_parallel is not None:
             pipe = load_pipeline_with_expert_parallel(
                 cls, pretrained_model_name_or_path, expert_parallel=expert_parallel, **kwargs
             )
         else:
             pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        if enhancer is not None:
+            pipe.register_modules(**{PROMPT_ENHANCER: enhancer})
         if context_parallel is not None:
             pipe.enable_context_parallel(context_parallel)
         return pipe
@@ -192,6 +200,7 @@ class Magi2Pipeline(
         refiner_guidance_scale: float = 2.0,
         refiner_shift: float = 5.0,
         refiner_noise_value: int = 220,
+        prompt_enhancer: Any = None,
     ):
         super().__init__()
         if tokenizer is not None:
@@ -205,6 +214,7 @@ class Magi2Pipeline(
             vae=vae,
             video_decoder=video_decoder,
             refiner=refiner,
+            prompt_enhancer=prompt_enhancer,
         )
         self.register_to_config(
             negative_prompt=negative_prompt,
@@ -392,6 +402,7 @@ class Magi2Pipeline(
         output_height: int | None = None,
         output_width: int | None = None,
         num_videos_per_prompt: int = 1,
+        enable_prompt_enhancement: bool = False,
     ):
         r"""Generate a 10 s clip (125 frames at 12.5 fps; 249 at 25 fps with the refiner) with 44.1 kHz stereo audio.
 
@@ -425,6 +436,8 @@ class Magi2Pipeline(
             output_height, output_width: bilinear resize of the decoded frames (both or neither; e.g.
                 1080x1920), as the reference's ``--output-height/--output-width``.
             num_videos_per_prompt: videos per prompt (>= 1), each from its own noise, a prompt's videos adjacent.
+            enable_prompt_enhancement: rewrite each prompt once with ``prompt_enhancer`` before encoding
+                (:meth:`enhance_prompt`; not the negative prompt; not with ``prompt_embeds``).
 
         Returns:
             :class:`Magi2PipelineOutput` ``(frames, audio, audio_sample_rate, fps)`` (``fps`` 25 on the refiner path).
@@ -467,6 +480,7 @@ class Magi2Pipeline(
             attention_kwargs=attention_kwargs,
             num_videos_per_prompt=num_videos_per_prompt,
             generator=generator,
+            enable_prompt_enhancement=enable_prompt_enhancement,
         )
         check_scheduler(self.scheduler)
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
@@ -485,6 +499,8 @@ class Magi2Pipeline(
         # 1. batch size
         if prompt is not None:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            if enable_prompt_enhancement:  # every rank together: the first asks, all get its texts or its error
+                prompts = self.enhance_prompt(prompts, image)
             batch_size = len(prompts)
         else:
             prompts = None

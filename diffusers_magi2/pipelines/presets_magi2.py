@@ -19,7 +19,7 @@ __all__ = [
     "resolve_stage_sizes",
 ]
 
-#: The pipeline's components, in ``Magi2Pipeline.__init__``'s order (the last three are optional).
+#: The pipeline's components, in ``Magi2Pipeline.__init__``'s order (the last four are optional).
 COMPONENT_NAMES = (
     "tokenizer",
     "text_encoder",
@@ -29,6 +29,7 @@ COMPONENT_NAMES = (
     "vae",
     "video_decoder",
     "refiner",
+    "prompt_enhancer",
 )
 
 #: The step tensors ``callback_on_step_end_tensor_inputs`` may name (both pipelines' ``_callback_tensor_inputs``).

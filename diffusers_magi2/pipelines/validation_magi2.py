@@ -17,6 +17,7 @@ import PIL.Image
 from diffusers.utils import logging
 
 from ..models.attention_magi2 import check_attention_kwargs
+from .enhancement_magi2 import check_prompt_enhancement
 from .geometry_magi2 import latent_geometry
 from .image_processing_magi2 import IMAGE_TYPES
 from .presets_magi2 import (
@@ -263,6 +264,7 @@ def check_call_inputs(
     attention_kwargs=None,
     num_videos_per_prompt=1,
     generator=None,
+    enable_prompt_enhancement=False,
 ) -> None:
     """Reject a bad MAGI-2 call (``Magi2Pipeline.__call__``'s arguments, same names and defaults, but the guidance
     scales: :func:`check_guidance_scales`) with a ``ValueError`` before any work starts.
@@ -307,6 +309,7 @@ def check_call_inputs(
     check_sampling_inputs(num_inference_steps, num_videos_per_prompt)
     _check_output_inputs(output_type, callback_on_step_end_tensor_inputs, callback_tensor_inputs)
     check_prompt_inputs(prompt, prompt_embeds, prompt_attention_mask)
+    check_prompt_enhancement(components.get("prompt_enhancer"), enable_prompt_enhancement, prompt_embeds)
     check_negative_prompt_inputs(
         negative_prompt, negative_prompt_embeds, negative_prompt_attention_mask, prompt_embeds
     )

@@ -73,3 +73,45 @@ def refiner_stage_latents(rank: int, world: int) -> dict:
         "a red fox in the snow", **TWO_STAGE, generator=torch.Generator("cpu").manual_seed(3), output_type="latent"
     )
     return {"latents": out.frames, "refiner_flops": counter.get_total_flops(), "refiner_calls": calls}
+
+
+def enhanced_prompt_call(rank: int, world: int) -> dict:
+    """A text-to-video call with ``enable_prompt_enhancement=True`` under CP ``world`` (or alone), then one whose
+    enhancer fails on every rank that asks it: this rank's enhancer calls, the texts its text encoder received, the
+    latents, ``enhance_prompt``'s text, and the failing call's error (type, message)."""
+    from unittest import mock
+
+    from diffusers_magi2.pipelines import text_conditioning
+
+    from .enhancer_stubs import ScriptedPromptEnhancer
+
+    pipe = build_tiny_default_pipeline(dtype=torch.float32)
+    pipe.register_to_config(duration_s=2.0)
+    pipe.set_progress_bar_config(disable=True)
+    if world > 1:
+        pipe.enable_context_parallel(ContextParallelConfig(ulysses_degree=world))
+    pipe.prompt_enhancer = ScriptedPromptEnhancer()
+    encoded = []
+    encode = text_conditioning.encode_prompt_text
+
+    def spy(tokenizer, text_encoder, text, *args, **kwargs):
+        encoded.append(text)
+        return encode(tokenizer, text_encoder, text, *args, **kwargs)
+
+    call = {"height": 32, "width": 32, "num_inference_steps": 1, "output_type": "latent"}
+    with mock.patch.object(text_conditioning, "encode_prompt_text", spy):
+        out = pipe(
+            "a cat on a piano", **call, enable_prompt_enhancement=True, generator=torch.Generator().manual_seed(7)
+        )
+    enhanced = pipe.enhance_prompt("a cat on a piano")
+    result = {"enhancer_calls": pipe.prompt_enhancer.calls, "encoded": encoded, "latents": out.frames}
+    result["enhanced"] = enhanced
+    pipe.prompt_enhancer = ScriptedPromptEnhancer(failure="the endpoint http://127.0.0.1:9/v1 could not be reached")
+    transformer_calls = []
+    pipe.transformer.register_forward_pre_hook(lambda *_: transformer_calls.append(1))
+    try:
+        pipe("a cat on a piano", **call, enable_prompt_enhancement=True)
+    except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
+        result["error"] = (type(error).__name__, str(error))
+    result["forwards_after_failure"] = len(transformer_calls)
+    return result

@@ -20,6 +20,8 @@ from diffusers_magi2.modular_pipelines import Magi2AutoBlocks, Magi2DecodeStep
 #: every block of Magi2AutoBlocks by path (loop sub-blocks included) and its class
 EXPECTED_BLOCKS = {
     "input": "Magi2InputStep",
+    "prompt_enhancer": "Magi2AutoPromptEnhancerStep",
+    "prompt_enhancer.prompt_enhancer": "Magi2PromptEnhancerStep",
     "image_encoder": "Magi2AutoImageEncoderStep",
     "image_encoder.image_encoder": "Magi2ImageEncoderStep",
     "text_encoder": "Magi2TextEncoderStep",
@@ -51,7 +53,9 @@ def _walk(block, prefix=""):
 
 def test_sub_blocks_list_every_block():
     blocks = Magi2AutoBlocks()
-    assert list(blocks.sub_blocks) == ["input", "image_encoder", "text_encoder", "denoise", "refiner", "decode"]
+    assert list(blocks.sub_blocks) == [
+        "input", "prompt_enhancer", "image_encoder", "text_encoder", "denoise", "refiner", "decode"
+    ]  # fmt: skip
     assert {path: type(b).__name__ for path, b in _walk(blocks)} == EXPECTED_BLOCKS
 
 
@@ -79,6 +83,7 @@ def test_printed_docs_name_every_block_input_and_output():
 #: the components each leaf step declares (the guiders are created from their config: nothing loads)
 DECLARED_COMPONENTS = {
     "input": [],
+    "prompt_enhancer.prompt_enhancer": ["prompt_enhancer"],
     "image_encoder.image_encoder": ["vae"],
     "text_encoder": ["audio_guider", "guider", "text_encoder", "tokenizer"],
     "denoise.broadcast": [],
