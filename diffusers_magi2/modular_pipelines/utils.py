@@ -15,7 +15,7 @@ import inspect
 from typing import Any
 
 import torch
-from diffusers.configuration_utils import ConfigMixin, FrozenDict
+from diffusers.configuration_utils import FrozenDict
 from diffusers.modular_pipelines import ModularPipeline, ModularPipelineBlocks
 from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, ConfigSpec, InputParam
 from diffusers.utils import logging
@@ -72,6 +72,7 @@ def component_spec(name: str) -> ComponentSpec:
     from ..models.transformer_magi2 import Magi2Transformer3DModel
     from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
     from ..models.turbo_vae import Magi2TurboVAEDecoder
+    from ..pipelines.prompt_enhancement import Magi2PromptEnhancer
 
     types = {
         "tokenizer": (PreTrainedTokenizerBase, "Qwen3.5 tokenizer"),
@@ -82,7 +83,7 @@ def component_spec(name: str) -> ComponentSpec:
         "vae": (AutoencoderKLWan, "Wan2.2 VAE: I2V encoder, video decoder without video_decoder"),
         "video_decoder": (Magi2TurboVAEDecoder, "TurboVAED, the default video decoder"),
         "refiner": (Magi2RefinerTransformer3DModel, "the 1080p refiner DiT"),
-        "prompt_enhancer": (ConfigMixin, "Magi2PromptEnhancer: rewrites prompts (enable_prompt_enhancement)"),
+        "prompt_enhancer": (Magi2PromptEnhancer, "rewrites each prompt (enable_prompt_enhancement)"),
     }
     type_hint, description = types[name]
     return ComponentSpec(name, type_hint, description=description)

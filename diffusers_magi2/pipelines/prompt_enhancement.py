@@ -251,6 +251,8 @@ class Magi2PromptEnhancer(ConfigMixin):
         pretrained_model_name_or_path: str | os.PathLike,
         subfolder: str | None = None,
         api_key: str | None = None,
+        revision: str | None = None,
+        variant: str | None = None,
         **kwargs,
     ) -> "Magi2PromptEnhancer":
         """Loads a saved enhancer from a local folder (or a Hub repository's ``subfolder``).
@@ -259,6 +261,8 @@ class Magi2PromptEnhancer(ConfigMixin):
             pretrained_model_name_or_path (`str` or `os.PathLike`): The folder (or Hub id).
             subfolder (`str`, *optional*): E.g. ``"prompt_enhancer"`` in a pipeline's repository.
             api_key (`str`, *optional*): The endpoint's key (never saved); else ``OPENAI_API_KEY``.
+            revision (`str`, *optional*): The Hub revision. variant: unused (an enhancer has no weights); taken
+                because diffusers' modular ``load_components`` passes both to every component.
             kwargs: Overrides of the class's arguments (``base_url=``, ``model=``, ``timeout=``, ``template=``,
                 ``local_model=``, ...).
 
@@ -270,7 +274,11 @@ class Magi2PromptEnhancer(ConfigMixin):
             from huggingface_hub import snapshot_download
 
             pattern = f"{subfolder}/*" if subfolder else "*"
-            folder = Path(snapshot_download(os.fspath(pretrained_model_name_or_path), allow_patterns=[pattern]))
+            folder = Path(
+                snapshot_download(
+                    os.fspath(pretrained_model_name_or_path), allow_patterns=[pattern], revision=revision
+                )
+            )
         if subfolder:
             folder = folder / subfolder
         config = {key: value for key, value in cls.load_config(folder).items() if not key.startswith("_")}

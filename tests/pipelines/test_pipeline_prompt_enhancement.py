@@ -12,9 +12,11 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
+from helpers.chat_completions_stub import ChatCompletionsStub
 from helpers.enhancer_stubs import ScriptedPromptEnhancer
+from helpers.fixtures import golden_text
 
-from diffusers_magi2 import Magi2Pipeline, build_tiny_default_pipeline
+from diffusers_magi2 import Magi2Pipeline, Magi2PromptEnhancer, build_tiny_default_pipeline
 from diffusers_magi2.pipelines import text_conditioning
 
 
@@ -22,6 +24,8 @@ CALL = {"height": 32, "width": 32, "num_inference_steps": 1, "output_type": "lat
 IMAGE = np.random.default_rng(0).integers(0, 256, (40, 64, 3), dtype=np.uint8)
 #: SandAI's figure reference, appended to a non-JSON I2V prompt with no separator
 FIGURE_REFERENCE = "reference_layer:The first frame refers to <Figure 1>"
+#: the ``model_index.json`` entry of a saved ``Magi2PromptEnhancer``
+ENTRY = ("diffusers_magi2.pipelines.prompt_enhancement", "Magi2PromptEnhancer")
 
 
 def rewrite(prompt: str, task: str = "t2v") -> str:
@@ -60,6 +64,32 @@ def enhancer(tiny):
 
 def _seed():
     return torch.Generator().manual_seed(3)
+
+
+@pytest.mark.parametrize("case", ["t2v_fox_snow", "i2v_street_night"])
+def test_the_endpoints_reply_rendered_is_exactly_what_the_text_encoder_receives(tiny, encoded_texts, case):
+    """The real enhancer and ``openai`` client against a chat-completions server on 127.0.0.1 answering a fixture
+    reply: the text encoder receives SandAI's rendering byte for byte (T2V: the Markdown; I2V: the Markdown with the
+    ``<Figure 1>`` reference, ``.with_figure_reference.txt``), and the server was asked once, for the call's task."""
+    reply = golden_text(f"prompt_enhancement/{case}.input.json")
+    i2v = case.startswith("i2v")
+    want = golden_text(f"prompt_enhancement/{case}.{'with_figure_reference.txt' if i2v else 'render_markdown.md'}")
+    call = {**CALL, "height": 64, "width": 64, "image": IMAGE} if i2v else CALL
+    with ChatCompletionsStub(reply=reply) as server:
+        tiny.prompt_enhancer = Magi2PromptEnhancer.from_endpoint(
+            server.base_url, model="stub", timeout=0.9, max_retries=0
+        )
+        try:
+            tiny(
+                "a quiet street", enable_prompt_enhancement=True, guidance_scale=1.0, audio_guidance_scale=1.0, **call
+            )
+        finally:
+            tiny.prompt_enhancer = None
+    assert encoded_texts == [want]
+    assert len(server.requests) == 1
+    assert server.requests[0]["response_format"]["json_schema"]["name"] == (
+        "I2VEnhanceResult" if i2v else "T2VEnhanceResult"
+    )
 
 
 def test_each_prompt_is_enhanced_once_and_its_rewrite_is_what_the_text_encoder_receives(tiny, enhancer, encoded_texts):
@@ -144,16 +174,18 @@ def test_the_prompt_enhancer_is_an_optional_component_saved_and_loaded(tiny, tmp
     plain_index = json.loads((plain / "model_index.json").read_text())
     assert tiny.prompt_enhancer is None and plain_index["prompt_enhancer"] == [None, None]
 
-    enhancer = ScriptedPromptEnhancer(reply="# saved\n{prompt}")
+    enhancer = Magi2PromptEnhancer.from_endpoint(
+        "http://127.0.0.1:9/v1", model="m", template="Caption: {user_input_text}", max_retries=0
+    )
     tiny.prompt_enhancer = enhancer
     try:
         tiny.save_pretrained(tmp_path / "with")
         assert tiny.prompt_enhancer is enhancer
-        assert tiny.config.prompt_enhancer == ("helpers.enhancer_stubs", "ScriptedPromptEnhancer")
+        assert tiny.config.prompt_enhancer == ENTRY
     finally:
         tiny.prompt_enhancer = None
     index = json.loads((tmp_path / "with" / "model_index.json").read_text())
-    assert index["prompt_enhancer"] == ["helpers.enhancer_stubs", "ScriptedPromptEnhancer"]
+    assert index["prompt_enhancer"] == list(ENTRY)
     assert {k: v for k, v in index.items() if k != "prompt_enhancer"} == {
         k: v for k, v in plain_index.items() if k != "prompt_enhancer"
     }
@@ -161,8 +193,13 @@ def test_the_prompt_enhancer_is_an_optional_component_saved_and_loaded(tiny, tmp
     assert modular["prompt_enhancer"][:2] == index["prompt_enhancer"]
 
     loaded = Magi2Pipeline.from_pretrained(tmp_path / "with")
-    assert isinstance(loaded.prompt_enhancer, ScriptedPromptEnhancer)
-    assert loaded.enhance_prompt("a cat") == "# saved\na cat"
+    assert isinstance(loaded.prompt_enhancer, Magi2PromptEnhancer)
+    keys = ("kind", "base_url", "model", "timeout", "max_retries")
+    assert [loaded.prompt_enhancer.config[k] for k in keys] == ["endpoint", "http://127.0.0.1:9/v1", "m", 180.0, 0]
+    assert loaded.prompt_enhancer.templates == {
+        "t2v": "Caption: {user_input_text}",
+        "i2v": "Caption: {user_input_text}",
+    }
     assert Magi2Pipeline.from_pretrained(tmp_path / "with", prompt_enhancer=None).prompt_enhancer is None
     other = ScriptedPromptEnhancer()
     assert Magi2Pipeline.from_pretrained(plain, prompt_enhancer=other).prompt_enhancer is other
