@@ -11,6 +11,9 @@ machine. With ``--model`` it loads a converted diffusers repo (local folder or H
     # 1080p: preview at 512x896, then the refiner stage (a repo converted with the refiner), 25 fps
     python examples/generate.py --model ./magi2-preview-diffusers --prompt "..." --resolution 1080p \
         --output_height 1080 --output_width 1920 --output clip_1080p.mp4
+    # prompt enhancement through an OpenAI-compatible server; the enhanced prompt is printed and kept in clip.prompt.md
+    python examples/generate.py --model ./magi2-preview-diffusers --prompt "a fox in the snow" --enhance_prompt \
+        --pe_base_url http://127.0.0.1:8000/v1 --pe_model Qwen/Qwen3-32B --output clip.mp4
 
 Structure: argparse -> build/load the pipeline -> call -> export on rank 0. The wall time (script
 start to file written, imports included) is printed at the end.
@@ -160,6 +163,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --vram_gb: where the streamed weights live (default pinned: held once in page-locked host "
         "memory; disk is not built yet)",
     )
+    pe = parser.add_argument_group("prompt enhancement (an OpenAI-compatible chat-completions endpoint)")
+    pe.add_argument(
+        "--enhance_prompt",
+        action="store_true",
+        help="rewrite --prompt into MAGI-2's structured caption first; print it and save it beside the clip as "
+        "<output without .mp4>.prompt.md (with a remote endpoint the prompt and the image leave this machine)",
+    )
+    pe.add_argument(
+        "--pe_base_url", default=None, help="the endpoint, e.g. http://127.0.0.1:8000/v1 (default: $OPENAI_BASE_URL)"
+    )
+    pe.add_argument(
+        "--pe_model", default=None, help="the model name the endpoint serves (needed with --enhance_prompt)"
+    )
+    pe.add_argument("--pe_api_key", default=None, help="the endpoint's key (default: $OPENAI_API_KEY, else none)")
     args = parser.parse_args(argv)
     check_args(args)
     return args
@@ -190,6 +207,53 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--host_memory goes with --vram_gb (it says where the streamed weights live)")
     if args.host_memory == "disk":
         raise ValueError("--host_memory disk is not built yet; use --host_memory pinned (the default)")
+    check_prompt_enhancement_flags(args)
+
+
+def check_prompt_enhancement_flags(args: argparse.Namespace) -> None:
+    """``--pe_*`` only with ``--enhance_prompt``, which needs ``--pe_model``.
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    given = [f"--{name}" for name in ("pe_base_url", "pe_model", "pe_api_key") if getattr(args, name) is not None]
+    if given and not args.enhance_prompt:
+        raise ValueError(f"{', '.join(given)} configure --enhance_prompt; pass --enhance_prompt too, or drop them")
+    if args.enhance_prompt and not args.pe_model:
+        raise ValueError("--enhance_prompt needs --pe_model, the name of the model the endpoint serves")
+
+
+def enhanced_prompt_path(output: str) -> str:
+    """Where ``--enhance_prompt`` keeps the enhanced prompt: beside the clip, ``clip.mp4`` -> ``clip.prompt.md``."""
+    return os.path.splitext(output)[0] + ".prompt.md"
+
+
+def enhance_and_save_prompt(pipe, args: argparse.Namespace) -> str:
+    """``--enhance_prompt``: the prompt rewritten by the endpoint (``pipe.enhance_prompt``, every rank together: rank
+    0 asks, all get its text); rank 0 prints it and writes it to :func:`enhanced_prompt_path` (a temporary file
+    renamed into place), before any generation, so it can be reused and edited as ``--prompt``.
+
+    Raises:
+        ValueError: the endpoint's error (unreachable, timeout, HTTP error, a reply that is not the schema's JSON),
+            naming it.
+    """
+    from diffusers_magi2 import Magi2PromptEnhancer
+
+    pipe.prompt_enhancer = Magi2PromptEnhancer.from_endpoint(
+        base_url=args.pe_base_url, model=args.pe_model, api_key=args.pe_api_key
+    )
+    try:
+        prompt = pipe.enhance_prompt(args.prompt, image=args.image)
+    except RuntimeError as err:  # the endpoint's failure is a bad setting of this run: one error line, exit 2
+        raise ValueError(f"--enhance_prompt: {err}") from err
+    if int(os.environ.get("RANK", "0")) == 0:
+        path = enhanced_prompt_path(args.output)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as file:
+            file.write(prompt)
+        os.replace(tmp, path)
+        print(f"enhanced prompt (saved to {path}):\n{prompt}")
+    return prompt
 
 
 def check_launch_degrees(ep_degree, ulysses_degree) -> None:
@@ -434,9 +498,10 @@ def main(argv=None) -> int:
         width = args.width if args.width is not None else defaults["width"]
     steps = args.num_inference_steps if args.num_inference_steps is not None else defaults["num_inference_steps"]
     generator = torch.Generator("cpu").manual_seed(args.seed)
+    prompt = enhance_and_save_prompt(pipe, args) if args.enhance_prompt else args.prompt
 
     output = pipe(
-        prompt=args.prompt,
+        prompt=prompt,
         negative_prompt=args.negative_prompt,
         image=args.image,
         height=height,

@@ -65,6 +65,11 @@ def _cases(tmp_path):
         "host_memory disk": (base + ["--vram_gb", "24", "--host_memory", "disk"], "--host_memory disk is not built"),
         "vram_gb 0": (base + ["--vram_gb", "0"], "--vram_gb: must be an integer >= 1"),
         "no prompt": (["--output", out], "the following arguments are required: --prompt"),
+        "pe flags without --enhance_prompt": (
+            base + ["--pe_model", "m", "--pe_api_key", "k"],
+            "--pe_model, --pe_api_key configure --enhance_prompt",
+        ),
+        "enhance_prompt without a model": (base + ["--enhance_prompt"], "--enhance_prompt needs --pe_model"),
     }
 
 
