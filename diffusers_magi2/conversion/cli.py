@@ -94,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="SandAI JSON (preview or refiner; 'extends' resolved) for transformer/refiner; default: the released configs",
     )
+    src.add_argument(
+        "--sandai_code_dir",
+        type=Path,
+        help="SandAI's code folder (a clone of SandAI-org/MAGI-2-preview): its prompt-enhancement templates "
+        "(prompts/t2v.md, i2v.md) and endpoint defaults become the repo's prompt_enhancer/, which "
+        "Magi2Pipeline.from_pretrained loads (the API key from OPENAI_API_KEY at use)",
+    )
     p.add_argument("--output_path", type=Path, required=True, help="repository folder to create")
     p.add_argument(
         "--components",
@@ -204,6 +211,7 @@ def request_from_args(args: argparse.Namespace, log=print):
         overwrite=args.overwrite,
         dry_run=args.dry_run,
         repo_id=args.repo_id,
+        sandai_code_dir=args.sandai_code_dir,
         component_options={"audio_vae": {"audio_encoder": args.audio_vae_encoder}}
         if "audio_vae" in components
         else {},

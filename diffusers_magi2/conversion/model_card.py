@@ -38,6 +38,11 @@ COMPONENTS: dict[str, tuple[str, str, str]] = {
     "text_encoder": ("transformers", "Qwen3_5TextModel", "`text_encoder/` (Qwen3.5-27B)"),
     "tokenizer": ("transformers", "PreTrainedTokenizerFast", "`text_encoder/`"),
     "scheduler": ("diffusers", "UniPCMultistepScheduler", "flow prediction, shift 7"),
+    "prompt_enhancer": (
+        "diffusers_magi2.pipelines.prompt_enhancement",
+        "Magi2PromptEnhancer",
+        "SandAI's `prompts/t2v.md`, `i2v.md` and endpoint defaults (`--sandai_code_dir`)",
+    ),
 }
 
 

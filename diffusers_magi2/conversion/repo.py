@@ -25,6 +25,7 @@ from .dense_fp8 import store_dense_weights_fp8
 from .model_card import COMPONENTS, components_table, model_summary, render_model_card
 from .release_layout import ALL_COMPONENTS, RELEASE_LAYOUT
 from .request import ConversionRequest, ConversionRequestError, request_problems
+from .sandai_prompt_enhancer import write_sandai_prompt_enhancer
 
 
 __all__ = [
@@ -201,6 +202,8 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
             log(f"[{comp}] would convert {req.inputs[comp]} with components.{COMPONENT_FUNCTIONS[comp]}")
         if "scheduler" in req.components:
             log("[scheduler] would write UniPCMultistepScheduler (flow prediction, shift 7)")
+        if req.sandai_code_dir is not None:
+            log(f"[prompt_enhancer] would copy SandAI's templates from {req.sandai_code_dir}")
         if out.is_dir() and any(out.iterdir()):
             log(f"note: {out} exists and is not empty; a real run needs --overwrite")
         log("dry run: headers only (shard data not checked), nothing written")
@@ -237,12 +240,17 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
         if "scheduler" in req.components:
             default_scheduler().save_pretrained(tmp / "scheduler")
             written["scheduler"] = MODEL_INDEX_ENTRIES["scheduler"]
+        if req.sandai_code_dir is not None:
+            log(f"[prompt_enhancer] copying SandAI's templates and endpoint defaults from {req.sandai_code_dir}")
+            written["prompt_enhancer"] = write_sandai_prompt_enhancer(tmp, req.sandai_code_dir)
         (tmp / "model_index.json").write_text(json.dumps(model_index_dict(written, settings), indent=2) + "\n")
         # the Modular Diffusers files: components named by the Hub id if given, else by subfolder
         write_modular_files(tmp, repo=req.repo_id)
         (tmp / "README.md").write_text(
             _render_card(
-                req, [c for c in ALL_COMPONENTS + ("tokenizer",) if c in written], prepared.get("transformer")
+                req,
+                [c for c in ALL_COMPONENTS + ("tokenizer", "prompt_enhancer") if c in written],
+                prepared.get("transformer"),
             )
         )
         _move_into_place(tmp, out)

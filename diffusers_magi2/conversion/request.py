@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..utils.dtype_names import DENSE_STORAGE_DTYPE_CHOICES, DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
 from .release_layout import ALL_COMPONENTS
+from .sandai_prompt_enhancer import sandai_code_problems
 
 
 __all__ = ["ConversionRequest", "ConversionRequestError", "request_problems"]
@@ -33,6 +34,8 @@ class ConversionRequest:
         overwrite: replace an existing non-empty ``OUT``.
         dry_run: validate and print the plan only.
         repo_id: Hub id of the model card snippet and ``push_to_hub``.
+        sandai_code_dir: SandAI's code folder, whose prompt-enhancement templates and endpoint defaults become the
+            repo's ``prompt_enhancer/`` (:mod:`~.sandai_prompt_enhancer`; ``None``: no enhancer).
         component_options: component -> extra keyword arguments of its converter.
     """
 
@@ -48,6 +51,7 @@ class ConversionRequest:
     overwrite: bool = False
     dry_run: bool = False
     repo_id: str | None = None
+    sandai_code_dir: Path | None = None
     component_options: dict[str, dict] = field(default_factory=dict)
 
 
@@ -99,6 +103,8 @@ def request_problems(req: ConversionRequest) -> list[str]:
             problems.append(f"component {comp!r} was requested but no input was given for it")
         elif not Path(src).exists():
             problems.append(f"{comp}: input {src} does not exist")
+    if req.sandai_code_dir is not None:
+        problems += sandai_code_problems(req.sandai_code_dir)
     if req.config is not None and not Path(req.config).exists():
         problems.append(f"--config {req.config} does not exist")
     out = Path(req.output_path)
