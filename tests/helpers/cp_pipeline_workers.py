@@ -76,21 +76,24 @@ def refiner_stage_latents(rank: int, world: int) -> dict:
 
 
 def enhanced_prompt_call(rank: int, world: int) -> dict:
-    """A text-to-video call with ``enable_prompt_enhancement=True`` under CP ``world`` (or alone), then one whose
-    enhancer fails on every rank that asks it: this rank's enhancer calls, the texts its text encoder received, the
-    latents, ``enhance_prompt``'s text, and the failing call's error (type, message)."""
+    """A text-to-video call with ``enable_prompt_enhancement=True`` under CP ``world`` (or alone), each rank's
+    ``Magi2PromptEnhancer`` pointing at its own chat-completions server on 127.0.0.1 that answers a fixture reply;
+    then a call whose server answers HTTP 400. Returns the requests this rank's server got, the texts this rank's
+    text encoder received, the latents, ``enhance_prompt``'s text, the failing call's error (type, message), this
+    rank's server URLs and the transformer forwards after the failure."""
     from unittest import mock
 
+    from diffusers_magi2 import Magi2PromptEnhancer
     from diffusers_magi2.pipelines import text_conditioning
 
-    from .enhancer_stubs import ScriptedPromptEnhancer
+    from .chat_completions_stub import ChatCompletionsStub
+    from .fixtures import golden_text
 
     pipe = build_tiny_default_pipeline(dtype=torch.float32)
     pipe.register_to_config(duration_s=2.0)
     pipe.set_progress_bar_config(disable=True)
     if world > 1:
         pipe.enable_context_parallel(ContextParallelConfig(ulysses_degree=world))
-    pipe.prompt_enhancer = ScriptedPromptEnhancer()
     encoded = []
     encode = text_conditioning.encode_prompt_text
 
@@ -99,19 +102,21 @@ def enhanced_prompt_call(rank: int, world: int) -> dict:
         return encode(tokenizer, text_encoder, text, *args, **kwargs)
 
     call = {"height": 32, "width": 32, "num_inference_steps": 1, "output_type": "latent"}
-    with mock.patch.object(text_conditioning, "encode_prompt_text", spy):
-        out = pipe(
-            "a cat on a piano", **call, enable_prompt_enhancement=True, generator=torch.Generator().manual_seed(7)
-        )
-    enhanced = pipe.enhance_prompt("a cat on a piano")
-    result = {"enhancer_calls": pipe.prompt_enhancer.calls, "encoded": encoded, "latents": out.frames}
-    result["enhanced"] = enhanced
-    pipe.prompt_enhancer = ScriptedPromptEnhancer(failure="the endpoint http://127.0.0.1:9/v1 could not be reached")
+    result = {"encoded": encoded}
+    with ChatCompletionsStub(reply=golden_text("prompt_enhancement/t2v_fox_snow.input.json")) as server:
+        pipe.prompt_enhancer = Magi2PromptEnhancer.from_endpoint(server.base_url, "stub", timeout=0.9, max_retries=0)
+        with mock.patch.object(text_conditioning, "encode_prompt_text", spy):
+            out = pipe("a fox", **call, enable_prompt_enhancement=True, generator=torch.Generator().manual_seed(7))
+        result["enhanced"] = pipe.enhance_prompt("a fox")
+    result.update(requests=len(server.requests), latents=out.frames, urls=[server.base_url])
     transformer_calls = []
     pipe.transformer.register_forward_pre_hook(lambda *_: transformer_calls.append(1))
-    try:
-        pipe("a cat on a piano", **call, enable_prompt_enhancement=True)
-    except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
-        result["error"] = (type(error).__name__, str(error))
-    result["forwards_after_failure"] = len(transformer_calls)
+    with ChatCompletionsStub(status=400) as failing:
+        pipe.prompt_enhancer = Magi2PromptEnhancer.from_endpoint(failing.base_url, "stub", timeout=0.9, max_retries=0)
+        try:
+            pipe("a fox", **call, enable_prompt_enhancement=True)
+        except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
+            result["error"] = (type(error).__name__, str(error))
+    result.update(failing_requests=len(failing.requests), forwards_after_failure=len(transformer_calls))
+    result["urls"].append(failing.base_url)
     return result

@@ -50,22 +50,26 @@ def test_refiner_stage_splits_across_ranks(fixtures_dir):
         torch.testing.assert_close(r["latents"], single["latents"], atol=1e-4, rtol=0)
 
 
-def test_prompt_enhancement_asks_on_rank_0_only_and_an_error_raises_on_every_rank():
-    """Under CP 2 the first rank alone asks the enhancer; its text is what is encoded (on CP rank 0, which encodes
-    for both) and what ``enhance_prompt`` returns on both ranks, and the latents equal one process's. An enhancer
-    error on rank 0 raises the same error on both ranks before any transformer forward (no rank waits)."""
+def test_prompt_enhancement_asks_on_rank_0_only_and_an_endpoint_error_raises_on_every_rank():
+    """Under CP 2 each rank's enhancer points at its own server on 127.0.0.1: only rank 0's is asked; its reply,
+    rendered, is what is encoded (on CP rank 0, which encodes for both) and what ``enhance_prompt`` returns on both
+    ranks, and the latents equal one process's. An HTTP error of rank 0's endpoint raises the same error, naming
+    that endpoint, on both ranks before any transformer forward (no rank waits)."""
     from helpers.cp_pipeline_workers import enhanced_prompt_call
+    from helpers.fixtures import golden_text
 
-    rewrite = "# t2v\n\nsubject:a cat on a piano\n"  # ScriptedPromptEnhancer's reply
+    markdown = golden_text("prompt_enhancement/t2v_fox_snow.render_markdown.md")
     single = enhanced_prompt_call(0, 1)
-    assert single["enhancer_calls"] == [("a cat on a piano", None)] * 2  # the call, then enhance_prompt
-    assert single["encoded"][0] == rewrite
+    assert single["requests"] == 2 and single["encoded"][0] == markdown  # the call, then enhance_prompt
     ranks = run_on_ranks(enhanced_prompt_call, 2, deadline_s=240.0)
-    assert ranks[0]["enhancer_calls"] == single["enhancer_calls"] and ranks[1]["enhancer_calls"] == []
+    assert [r["requests"] for r in ranks] == [2, 0] and [r["failing_requests"] for r in ranks] == [1, 0]
     assert ranks[0]["encoded"] == single["encoded"] and ranks[1]["encoded"] == []
-    assert ranks[0]["enhanced"] == ranks[1]["enhanced"] == rewrite
+    assert ranks[0]["enhanced"] == ranks[1]["enhanced"] == markdown
     assert torch.equal(ranks[0]["latents"], ranks[1]["latents"])
     torch.testing.assert_close(ranks[0]["latents"], single["latents"], atol=1e-4, rtol=0)
-    want = ("RuntimeError", "the endpoint http://127.0.0.1:9/v1 could not be reached")
-    assert single["error"] == ranks[0]["error"] == ranks[1]["error"] == want
+    kind, message = ranks[0]["error"]
+    assert ranks[1]["error"] == (kind, message) and kind == "RuntimeError"
+    assert (
+        message.startswith(f"Prompt enhancement failed: the endpoint {ranks[0]['urls'][1]}") and "HTTP 400" in message
+    )
     assert [r["forwards_after_failure"] for r in (single, *ranks)] == [0, 0, 0]
