@@ -274,11 +274,8 @@ class Magi2PromptEnhancer(ConfigMixin):
             from huggingface_hub import snapshot_download
 
             pattern = f"{subfolder}/*" if subfolder else "*"
-            folder = Path(
-                snapshot_download(
-                    os.fspath(pretrained_model_name_or_path), allow_patterns=[pattern], revision=revision
-                )
-            )
+            hub = {"revision": revision} if revision is not None else {}
+            folder = Path(snapshot_download(os.fspath(pretrained_model_name_or_path), allow_patterns=[pattern], **hub))
         if subfolder:
             folder = folder / subfolder
         config = {key: value for key, value in cls.load_config(folder).items() if not key.startswith("_")}
