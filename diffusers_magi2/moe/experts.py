@@ -2,8 +2,9 @@
 
 The math is :mod:`diffusers_magi2.moe.reference` (SandAI ``_mh_moe_fwd_kernel``, with its rounding points).
 ``"torch"`` computes the same bits with reused buffers and ``out=`` GEMMs, reading the expert offsets on the host
-once per call. Quantized banks are dequantized just in time (:mod:`.dequantize`), never the whole layer: FP8 per
-expert, int4 one head's bank at a time into reused fp32 buffers (``"torch"``) or per head (``"torch_grouped"``).
+once per call. The banks reach the math through their storage (:mod:`.expert_formats`, looked up once per call):
+quantized banks are dequantized just in time, never the whole layer (FP8 per expert, int4 one head's bank at a time
+into reused fp32 buffers, for ``"torch"``; one head's bank at a time for ``"torch_grouped"``).
 ``"torch_grouped"`` has no host sync (for context parallelism): per head, one grouped GEMM
 (:data:`~.experts_backward.grouped_mm`) per projection over that head's experts with device-side offsets, the ``k``
 routes of each (token, head) summed in ascending expert id; it needs top-k routes, and its one-block swiglu7 may
@@ -21,10 +22,9 @@ import torch
 from torch import Tensor
 
 from .activation import swiglu7
-from .dequantize import dequantize_bank, dequantize_expert, is_int4
 from .expert_checks import check_expert_inputs, check_expert_tensors
+from .expert_formats import storage_of
 from .experts_backward import experts_backward, grad_like, grouped_mm
-from .reference import hidden_dtype
 
 
 __all__ = ["check_expert_inputs", "mh_moe_experts", "mh_moe_experts_backward", "torch_mh_moe_forward"]
@@ -111,12 +111,10 @@ def _forward_inference(
 ) -> torch.Tensor:
     """Per head and expert: gate/up GEMMs and swiglu7 in two reused buffers, down GEMM into the head's fp32 block."""
     num_tokens, num_heads, head_dim = x.shape
-    w_gate, w_up, w_down = weights
-    int4 = is_int4(w_gate)
-    num_experts, expert_dim = len(head_counts[0]), w_gate.shape[2] * (2 if int4 else 1)
+    storage = storage_of(weights, scales)
+    num_experts, expert_dim = len(head_counts[0]), storage.logical_shape(weights[0].shape)[2]
     f32 = torch.float32
-    upcast_weights = w_gate.dtype != f32
-    round_to = hidden_dtype(w_down.dtype, x.dtype)
+    round_to = storage.hidden_dtype(x.dtype)
     max_block = max(sum(c) for c in head_counts)
     max_rows = max(max(c) for c in head_counts)
     x_rows = torch.empty(max_block, head_dim, dtype=f32, device=x.device)  # gathered rows of one head, fp32
@@ -125,23 +123,14 @@ def _forward_inference(
     down_rows = torch.empty(max_block, head_dim, dtype=f32, device=x.device)  # one head's route rows, CSR order
     head_sum = torch.empty(num_tokens, head_dim, dtype=x.dtype, device=x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if int4:  # one head's three banks at a time, dequantized into reused fp32 buffers
-        bank_bufs = [torch.empty(num_experts, w.shape[1], 2 * w.shape[2], dtype=f32, device=x.device) for w in weights]
-    else:  # per-expert weight views once (tuple indexing in the loop costs no torch dispatch)
-        weight_rows = [w.unbind(0) for w in weights]
-        scale_rows = [(None,) * w_gate.shape[0]] * 3 if scales is None else [s.unbind(0) for s in scales]
+    matrices = storage.expert_matrices(weights, scales)  # fp32 per expert, never the whole bank
     for head, counts in enumerate(head_counts):
         base = offsets[head * num_experts]
         block = sum(counts)
         if block == 0:
             out[:, head].zero_()
             continue
-        if int4:
-            experts = slice(head * num_experts, (head + 1) * num_experts)
-            head_rows = [
-                dequantize_bank(w[experts], s[experts], out=buf).unbind(0)
-                for w, s, buf in zip(weights, scales, bank_bufs)
-            ]
+        matrices.load_head(slice(head * num_experts, (head + 1) * num_experts))
         tokens = token_ids[base : base + block]
         if x.dtype == f32:
             x_head = torch.index_select(x[:, head], 0, tokens, out=x_rows[:block])
@@ -157,12 +146,7 @@ def _forward_inference(
             if temps is None:  # views of the expert buffers, sliced once per distinct expert size
                 temps = expert_temps[rows] = tuple(buf[:rows] for buf in expert_bufs)
             g = head * num_experts + e
-            if int4:
-                wg, wu, wd = (rows_[e] for rows_ in head_rows)
-            else:
-                wg, wu, wd = (w[g] for w in weight_rows)
-            if upcast_weights and not int4:  # per-expert upcast (exact) or FP8 dequantization; never the whole bank
-                wg, wu, wd = (dequantize_expert(w, s[g]) for w, s in zip((wg, wu, wd), scale_rows))
+            wg, wu, wd = (rows_[g] for rows_ in matrices)
             # gate/up with fp32 accumulation, swiglu7 in fp32, rounded to the hidden dtype, down in fp32, x prob
             # (while the rows are still in cache)
             scratch, hidden_buf = temps
@@ -205,7 +189,7 @@ def _grouped_experts(x, routes, weights, scales=None) -> torch.Tensor:
     Raises:
         ValueError: ``T`` is not a multiple of ``S·H`` (not top-k routes).
     """
-    (gather_ids, probs, expert_offsets), (w_gate, _, w_down) = routes, weights
+    (gather_ids, probs, expert_offsets), w_gate = routes, weights[0]
     num_tokens, num_heads, head_dim = x.shape
     num_routes = gather_ids.numel()
     if num_routes == 0 or num_tokens == 0:
@@ -218,18 +202,13 @@ def _grouped_experts(x, routes, weights, scales=None) -> torch.Tensor:
     top_k = num_routes // (num_tokens * num_heads)
     per_head, num_experts = num_tokens * top_k, w_gate.shape[0] // num_heads
     f32 = torch.float32
-    round_to = hidden_dtype(w_down.dtype, x.dtype)
-    scales = (None, None, None) if scales is None else scales
+    storage = storage_of(weights, scales)
+    round_to = storage.hidden_dtype(x.dtype)
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    bufs = [None] * 3
-    if is_int4(w_gate):  # reused across heads
-        bufs = [torch.empty(num_experts, w.shape[1], 2 * w.shape[2], dtype=f32, device=x.device) for w in weights]
+    scratch = [None] * 3  # buffers a storage dequantizes into, reused across heads
     for h in range(num_heads):
         lo, experts = h * per_head, slice(h * num_experts, (h + 1) * num_experts)
-        wg, wu, wd = (
-            dequantize_bank(w[experts], None if s is None else s[experts], out=b)
-            for w, s, b in zip(weights, scales, bufs)
-        )
+        wg, wu, wd = storage.head_banks(weights, scales, experts, f32, scratch)
         offs = (expert_offsets[experts.start + 1 : experts.stop + 1] - lo).to(torch.int32)
         tokens = gather_ids[lo : lo + per_head].to(torch.int64)
         rows = x[tokens, h].to(f32)  # [S·k, Dh], this head's CSR block (upcast exact)
@@ -311,7 +290,9 @@ def mh_moe_experts_backward(
 
 @mh_moe_experts_backward.register_fake
 def _mh_moe_experts_backward_fake(grad_out, x, routes, weights, scales, needs, top_k_routes):
-    return tuple(grad_like(t, need) for t, need in zip((x, routes[1], *weights), needs))
+    storage = storage_of(weights, scales or None)
+    dtypes = [x.dtype, routes[1].dtype] + [storage.grad_dtype()] * 3
+    return tuple(grad_like(t, need, dtype) for t, need, dtype in zip((x, routes[1], *weights), needs, dtypes))
 
 
 def _mh_moe_experts_setup_context(ctx, inputs, output) -> None:

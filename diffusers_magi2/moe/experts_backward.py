@@ -13,8 +13,8 @@ For a route ``r`` of expert ``g`` (head ``h``, token ``s``, weight ``p``) the fo
 compute: a gradient not asked for is an empty ``(0,)`` tensor and none of its work is done (frozen experts: no
 weight-gradient buffer, no weight-gradient GEMM; only ``x`` and ``probs`` asked: no ``u^T`` products).
 
-Per head, one head's bank at a time (quantized banks dequantized into reused buffers, as the forward's torch paths
-do), each projection is one ``torch.nn.functional.grouped_mm`` over the head's experts with device-side offsets, on
+Per head, one head's bank at a time (its storage's :meth:`~.expert_storage.ExpertStorage.head_banks`: quantized
+banks dequantized, int4 into reused buffers, as the forward's torch paths do), each projection is one ``torch.nn.functional.grouped_mm`` over the head's experts with device-side offsets, on
 :data:`BACKWARD_ROWS` routes at a time (bounding the ``[rows, De]`` temporaries; a route block cut mid-expert just
 splits that expert's group, and weight gradients add up over the blocks). Top-k routes (``T = S*H*k``, every head's
 ``S*k`` routes contiguous, as :func:`~diffusers_magi2.moe.routing.global_sort_routes` lays them out) read nothing on
@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 
 from .activation import swiglu7, swiglu7_backward
-from .dequantize import dequantize_bank, is_int4
 from .expert_checks import top_k_layout_poison
-from .reference import hidden_dtype
+from .expert_formats import storage_of
+from .expert_storage import ExpertStorage
 
 
 __all__ = ["BACKWARD_ROWS", "device_kernels", "experts_backward", "grouped_mm"]
@@ -46,44 +46,17 @@ grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_
 BACKWARD_ROWS = 16384
 
 
-def _triton_dequantize(packed: Tensor, scale: Tensor, out: Tensor) -> Tensor:
-    """int4 codes into ``out`` by the Triton kernel."""
-    from .dequantize_triton import dequantize_int4_triton  # Triton is imported on first use
-
-    return dequantize_int4_triton(packed, scale, out=out)
-
-
-def _torch_dequantize(packed: Tensor, scale: Tensor, out: Tensor) -> Tensor:
-    """int4 codes into ``out`` (fp32) by torch ops."""
-    return dequantize_bank(packed, scale, out=out)
-
-
 def device_kernels(
-    device_type: str, dtype: torch.dtype
-) -> tuple[torch.dtype, Callable[[Tensor, Tensor, Tensor], Tensor]]:
-    """``(GEMM operand dtype, int4 dequantizer (codes, scales, out) -> out)`` of the backward for activations of
-    ``dtype`` on a ``device_type`` device: on CUDA the Triton dequantizer (straight into the buffer's dtype), with
-    bf16 GEMMs for bf16 activations; elsewhere fp32 GEMMs and the torch dequantizer."""
+    device_type: str, dtype: torch.dtype, storage: Optional[ExpertStorage] = None
+) -> tuple[torch.dtype, Optional[Callable]]:
+    """``(GEMM operand dtype, dequantizer (stored, scales, out) -> out or None)`` of the backward for activations of
+    ``dtype`` on a ``device_type`` device: on CUDA ``storage``'s device dequantizer (straight into the buffer's
+    dtype), with bf16 GEMMs for bf16 activations; elsewhere fp32 GEMMs and the storage's own torch dequantization
+    (``None``)."""
     if device_type != "cuda":
-        return torch.float32, _torch_dequantize
-    return (torch.bfloat16 if dtype == torch.bfloat16 else torch.float32), _triton_dequantize
-
-
-def _head_banks(weights, scales, experts: slice, dtype: torch.dtype, scratch: list, dequantize_int4) -> list[Tensor]:
-    """One head's three banks ``[E, K, N]`` in ``dtype``; int4 is dequantized by ``dequantize_int4`` into the reused
-    ``scratch`` buffers."""
-    banks = []
-    for i, (weight, scale) in enumerate(zip(weights, scales)):
-        weight = weight[experts]
-        if scale is None:
-            banks.append(weight.to(dtype))  # a view when the bank is stored in dtype
-        elif not is_int4(weight):
-            banks.append(dequantize_bank(weight, scale[experts]).to(dtype))
-        else:
-            if scratch[i] is None:
-                scratch[i] = torch.empty(*weight.shape[:2], 2 * weight.shape[2], dtype=dtype, device=weight.device)
-            banks.append(dequantize_int4(weight, scale[experts], scratch[i]))
-    return banks
+        return torch.float32, None
+    dequantizer = None if storage is None else storage.device_dequantizer()
+    return (torch.bfloat16 if dtype == torch.bfloat16 else torch.float32), dequantizer
 
 
 def experts_backward(
@@ -104,27 +77,27 @@ def experts_backward(
     ``chunk_rows`` routes per grouped-GEMM step, ``kernels`` as :func:`device_kernels` returns them (default:
     ``x``'s device's; the memory plan traces the CUDA choice on CPU). Each gradient is in its input's dtype (fp32
     for FP8 banks), or ``(0,)`` when not asked for."""
-    (gather_ids, probs, expert_offsets), (w_gate, _, w_down) = routes, weights
+    (gather_ids, probs, expert_offsets), w_gate = routes, weights[0]
     want_x, want_p, *want_w = (bool(n) for n in needs)
     num_tokens, num_heads, head_dim = x.shape
     num_routes, num_experts = gather_ids.numel(), w_gate.shape[0] // num_heads
-    scales = (None, None, None) if not scales else scales
+    scales = scales or None
+    storage = storage_of(weights, scales)
     device, f32 = x.device, torch.float32
     grad_x = torch.zeros(x.shape, dtype=f32, device=device) if want_x else None
     grad_p = torch.zeros(num_routes, dtype=f32, device=device) if want_p else None
-    grad_w = [
-        torch.zeros(w.shape, dtype=_grad_dtype(w), device=device) if n else None for w, n in zip(weights, want_w)
-    ]
+    grad_dtype = storage.grad_dtype()
+    grad_w = [torch.zeros(w.shape, dtype=grad_dtype, device=device) if n else None for w, n in zip(weights, want_w)]
     if num_routes and num_tokens and (want_x or want_p or any(want_w)):
-        compute, dequantize_int4 = kernels or device_kernels(x.device.type, x.dtype)
-        round_hidden = hidden_dtype(w_down.dtype, x.dtype)
+        compute, dequantize_into = kernels or device_kernels(x.device.type, x.dtype, storage)
+        round_hidden = storage.hidden_dtype(x.dtype)
         blocks, poison = _head_blocks(expert_offsets, num_tokens, num_heads, num_experts, num_routes, top_k_routes)
         scratch, accum = [None] * 3, [None] * 3
         for head, (lo, count) in enumerate(blocks):
             if count == 0:
                 continue
             experts = slice(head * num_experts, (head + 1) * num_experts)
-            wg, wu, wd = _head_banks(weights, scales, experts, compute, scratch, dequantize_int4)
+            wg, wu, wd = storage.head_banks(weights, scales, experts, compute, scratch, dequantize_into)
             for i, w in enumerate(weights):  # per-head fp32 weight-gradient sums (the bank's own rows if fp32)
                 if want_w[i]:
                     if grad_w[i].dtype == f32:
@@ -169,7 +142,8 @@ def experts_backward(
                 grad.add_(poison)
     grads = [None if grad_x is None else grad_x.to(x.dtype), None if grad_p is None else grad_p.to(probs.dtype)]
     grads += grad_w
-    return [grad_like(t, False) if g is None else g for g, t in zip(grads, (x, probs, *weights))]
+    dtypes = (x.dtype, probs.dtype, grad_dtype, grad_dtype, grad_dtype)
+    return [grad_like(t, False, d) if g is None else g for g, t, d in zip(grads, (x, probs, *weights), dtypes)]
 
 
 def _head_blocks(expert_offsets, num_tokens: int, num_heads: int, num_experts: int, num_routes: int, top_k: bool):
@@ -185,11 +159,6 @@ def _head_blocks(expert_offsets, num_tokens: int, num_heads: int, num_experts: i
     return [(h * per_head, per_head) for h in range(num_heads)], poison
 
 
-def _grad_dtype(t: Tensor) -> torch.dtype:
-    """The dtype of ``t``'s gradient: its own, fp32 for FP8 (and int4) storage."""
-    return t.dtype if t.is_floating_point() and t.element_size() > 1 else torch.float32
-
-
-def grad_like(t: Tensor, needed: bool) -> Tensor:
-    """An empty tensor of ``t``'s gradient shape and dtype, or ``(0,)`` when it is not asked for (the op's fake)."""
-    return t.new_empty(tuple(t.shape) if needed else (0,), dtype=_grad_dtype(t))
+def grad_like(t: Tensor, needed: bool, dtype: torch.dtype) -> Tensor:
+    """An empty ``dtype`` tensor of ``t``'s gradient shape, or ``(0,)`` when it is not asked for (the op's fake)."""
+    return t.new_empty(tuple(t.shape) if needed else (0,), dtype=dtype)

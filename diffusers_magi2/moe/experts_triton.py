@@ -48,11 +48,11 @@ from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from .activation import SWIGLU7_ALPHA, SWIGLU7_LIMIT
-from .dequantize_triton import dequantize_int4_into
 from .expert_checks import check_expert_inputs, top_k_layout_poison
-from .quantize import FP8_DTYPE
-from .quantize_int4 import INT4_PACKED_DTYPE
-from .reference import hidden_dtype
+from .expert_formats import storage_of
+from .expert_storage import check_kernel_device as check_storage_device
+from .expert_storage_fp8 import check_fp8_capability, check_fp8_device
+from .expert_storage_int4 import check_int4_capability, check_int4_device
 from .triton_rounding import INTERPRET, round_to, rounding_mode
 
 
@@ -63,8 +63,8 @@ __all__ = [
     "check_fp8_device",
     "check_int4_capability",
     "check_int4_device",
+    "check_storage_device",
     "check_triton_dims",
-    "check_weight_device",
     "device_key",
     "launch_result",
     "launch_specs",
@@ -85,30 +85,6 @@ class TileConfig:
     block_de: int
     num_warps: int
     num_stages: int
-
-
-def check_fp8_device(device: torch.device) -> None:
-    """Raise ``ValueError`` if the kernel cannot run FP8 experts on ``device`` (CUDA below compute capability 8.9;
-    the interpreter handles FP8)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        check_fp8_capability(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
-
-
-def check_int4_device(device: torch.device) -> None:
-    """Raise ``ValueError`` if the kernel cannot run int4 experts on ``device`` (CUDA below compute capability 8.0;
-    the interpreter handles int4)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        check_int4_capability(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
-
-
-def check_weight_device(weight_dtype: torch.dtype, device: torch.device) -> None:
-    """:func:`check_fp8_device` for FP8 experts, :func:`check_int4_device` for int4 ones, nothing for others."""
-    if weight_dtype == FP8_DTYPE:
-        check_fp8_device(device)
-    elif weight_dtype == INT4_PACKED_DTYPE:
-        check_int4_device(device)
 
 
 def check_triton_dims(head_dim: int, expert_dim: int) -> None:
@@ -182,7 +158,7 @@ def _mh_moe_fwd_kernel(
     DH_PAD: tl.constexpr,
     EVEN: tl.constexpr,
     UPCAST: tl.constexpr,
-    W_FP8: tl.constexpr,
+    W_SCALED: tl.constexpr,
     HID_ROUND: tl.constexpr,
     OUT_ROUND: tl.constexpr,
     DETERMINISTIC: tl.constexpr,
@@ -239,13 +215,13 @@ def _mh_moe_fwd_kernel(
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
             wd = wd.to(tl.float32)
-        if W_FP8:  # e4m3 -> fp32 -> activation dtype is exact; the scale is applied to the accumulator below
+        if W_SCALED:  # e4m3 -> fp32 -> activation dtype is exact; the scale is applied to the accumulator below
             # (through fp32: Triton 3.6 lowers e4m3 -> bf16 via a bf16.f16 cvt that ptxas refuses below sm_90)
             wg = wg.to(tl.float32).to(xt.dtype)
             wu = wu.to(tl.float32).to(xt.dtype)
         gate = tl.dot(xt, wg, input_precision="ieee")
         up = tl.dot(xt, wu, input_precision="ieee")
-        if W_FP8:  # per output channel: x @ (q * s) == (x @ q) * s
+        if W_SCALED:  # per output channel: x @ (q * s) == (x @ q) * s
             gate = gate * tl.load(sg_ptr + g * EXPERT_DIM + cols_n, mask=nmask, other=0.0)[None, :]
             up = up * tl.load(su_ptr + g * EXPERT_DIM + cols_n, mask=nmask, other=0.0)[None, :]
             hid = round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), x_ptr, HID_ROUND)
@@ -253,7 +229,7 @@ def _mh_moe_fwd_kernel(
         else:
             hid = round_to(_swiglu7(gate, up, SWIGLU_LIMIT, SWIGLU_ALPHA), w_down_ptr, HID_ROUND)
         acc = tl.dot(hid, wd, acc, input_precision="ieee")
-    if W_FP8:
+    if W_SCALED:
         acc = acc * tl.load(sd_ptr + g * HEAD_DIM + cols_k, mask=kmask, other=0.0)[None, :]
 
     # Route weights and destinations are (re)loaded here, not kept live across the loop (register pressure).
@@ -431,7 +407,7 @@ class LaunchSpec:
     """Everything one kernel launch needs but the tile config (built without reading tensor values, so meta
     tensors work: the GPU-target compile check builds from it). ``num_routes`` bounds the launch's routes (its
     grid); ``prepare``, if set, runs before the launch (int4: dequantize the head's banks); ``out`` is the call's
-    output, which every launch of a call shares."""
+    output, which every launch of a call shares; ``per_head``: the call launches once per head."""
 
     make_args: Callable[[Tensor], tuple]
     constants: dict
@@ -439,26 +415,7 @@ class LaunchSpec:
     offsets: Tensor
     num_routes: int
     prepare: Optional[Callable[[], None]] = None
-
-
-def check_fp8_capability(capability: Optional[tuple[int, int]], name: str = "this GPU") -> None:
-    """Raise ``ValueError`` for FP8 experts on a CUDA ``capability`` below 8.9 (``None``: the interpreter, fine)."""
-    if capability is not None and tuple(capability) < (8, 9):
-        raise ValueError(
-            f"FP8 (float8_e4m3fn) experts need a GPU with compute capability >= 8.9 for the Triton kernel; {name} "
-            f"has {capability[0]}.{capability[1]}, without FP8 conversions or FP8 tensor cores. Load the experts in bf16 "
-            '(expert_dtype=None) or int4 (expert_dtype="int4") on this GPU.'
-        )
-
-
-def check_int4_capability(capability: Optional[tuple[int, int]], name: str = "this GPU") -> None:
-    """Raise ``ValueError`` for int4 experts on a CUDA ``capability`` below 8.0 (``None``: the interpreter, fine)."""
-    if capability is not None and tuple(capability) < (8, 0):
-        raise ValueError(
-            f"int4 experts need a GPU with compute capability >= 8.0 for the Triton kernel (it runs one head's "
-            f"experts dequantized to bf16 on the tensor cores); {name} has {capability[0]}.{capability[1]}. Run them "
-            "with set_moe_backend('torch') on this GPU."
-        )
+    per_head: bool = False
 
 
 def launch_specs(
@@ -483,27 +440,29 @@ def launch_specs(
     Raises:
         ValueError: FP8 experts for a capability below 8.9, int4 experts below 8.0.
     """
-    (gather_ids, probs, expert_offsets), (w_gate, _, w_down) = routes, weights
-    fp8, int4 = w_gate.dtype == FP8_DTYPE, w_gate.dtype == INT4_PACKED_DTYPE
-    if fp8:
-        check_fp8_capability(capability)
-    if int4:
-        check_int4_capability(capability)
+    (gather_ids, probs, expert_offsets), w_gate = routes, weights[0]
+    storage = storage_of(weights, scales)
+    storage.check_capability(capability)
+    per_head, scaled = storage.per_head_kernel, storage.scaled_kernel
     interpret = capability is None
     num_tokens, num_heads, head_dim = x.shape
     num_flat = w_gate.shape[0]
     num_experts = num_flat // num_heads
     num_routes = gather_ids.numel()
     device, act_dtype = x.device, x.dtype
-    if int4:  # one head's banks at a time, in the activation dtype (the kernel then runs as for those experts)
-        banks = [torch.empty(num_experts, w.shape[1], 2 * w.shape[2], device=device, dtype=act_dtype) for w in weights]
+    tile_dtype = storage.kernel_dtype(act_dtype)
+    if per_head:  # one head's banks at a time, in the activation dtype (the kernel then runs as for those experts)
+        banks = [
+            torch.empty(num_experts, *storage.logical_shape(w.shape)[1:], device=device, dtype=tile_dtype)
+            for w in weights
+        ]
     else:
         banks = list(weights)
     expert_dim = banks[0].shape[2]
     # The interpreter mishandles bf16 (dot on raw bits, truncating casts, no atomics): upcast its tiles and emulate
     # the roundings. Mixed activation/weight dtypes are upcast too (tl.dot needs equal operand dtypes).
-    interp_bf16 = interpret and torch.bfloat16 in (act_dtype, banks[0].dtype)
-    upcast = interp_bf16 or (act_dtype != banks[0].dtype and not fp8)  # FP8 tiles convert to the activation dtype
+    interp_bf16 = interpret and torch.bfloat16 in (act_dtype, tile_dtype)
+    upcast = interp_bf16 or (act_dtype != tile_dtype and not scaled)  # scaled tiles convert to the activation dtype
     native = not (interpret and act_dtype == torch.bfloat16)  # native casts round to nearest even
     # bf16 atomic adds: none in the interpreter, compare-and-swap loops below sm_90. There contributions are
     # rounded to bf16, then summed in an fp32 buffer (native fp32 atomics) and cast once.
@@ -520,7 +479,7 @@ def launch_specs(
         dest = gather_ids  # unused
         out = torch.zeros(num_tokens, num_heads, head_dim, device=device, dtype=out_dtype)
         stride_os, stride_oh = out.stride(0), out.stride(1)
-    launch_flat = num_experts if int4 else num_flat
+    launch_flat = num_experts if per_head else num_flat
     constants = {
         "NUM_EXPERTS": num_experts,
         "NUM_FLAT": launch_flat,
@@ -529,8 +488,8 @@ def launch_specs(
         "EXPERT_DIM": expert_dim,
         "DH_PAD": _next_pow2(head_dim),
         "UPCAST": upcast,
-        "W_FP8": fp8,
-        "HID_ROUND": rounding_mode(hidden_dtype(w_down.dtype, act_dtype), native_ok=not upcast),
+        "W_SCALED": scaled,
+        "HID_ROUND": rounding_mode(storage.hidden_dtype(act_dtype), native_ok=not upcast),
         "OUT_ROUND": rounding_mode(act_dtype, native_ok=store_native),
         "DETERMINISTIC": deterministic,
         "SWIGLU_LIMIT": SWIGLU7_LIMIT,
@@ -539,16 +498,16 @@ def launch_specs(
     probs32 = probs.to(torch.float32)
     w_strides = (*banks[0].stride(), *banks[1].stride(), *banks[2].stride())
     strides = (x.stride(0), x.stride(1), *w_strides, stride_os, stride_oh)
-    scale_args = tuple(s.contiguous() for s in scales) if fp8 else (probs32,) * 3  # unused without FP8
+    scale_args = tuple(s.contiguous() for s in scales) if scaled else (probs32,) * 3  # unused unless scaled
 
     def spec(x_launch, offsets_launch, out_launch, bound, prepare=None) -> LaunchSpec:
         def make_args(tile_offsets: torch.Tensor) -> tuple:
             pointers = (x_launch, *banks, gather_ids, probs32, offsets_launch, tile_offsets, dest, out_launch)
             return (*pointers, *scale_args, *strides)
 
-        return LaunchSpec(make_args, constants, out, offsets_launch, bound, prepare)
+        return LaunchSpec(make_args, constants, out, offsets_launch, bound, prepare, per_head)
 
-    if not int4:
+    if not per_head:
         return [spec(x, offsets, out, num_routes)]
     top_k_routes = bool(top_k_routes and num_tokens * num_heads and num_routes % (num_tokens * num_heads) == 0)
     per_head = num_routes // num_heads if top_k_routes else num_routes
@@ -557,8 +516,7 @@ def launch_specs(
         rows = slice(head * num_experts, (head + 1) * num_experts)
 
         def prepare(rows: slice = rows) -> None:
-            for w, s, bank in zip(weights, scales, banks):
-                dequantize_int4_into(w[rows], s[rows], bank)
+            storage.head_banks(weights, scales, rows, tile_dtype, banks, storage.device_dequantizer())
 
         # the head's x and output columns as [S, 1, Dh] views: inside the launch it is head 0 of E experts
         out_launch = out if deterministic else out[:, head : head + 1]
@@ -611,7 +569,8 @@ def triton_mh_moe_forward(
     routes, weights = (gather_ids, probs, expert_offsets), (w_gate, w_up, w_down)
     num_tokens, num_heads, head_dim, num_experts, expert_dim = check_expert_inputs(x, routes, weights, scales)
     check_triton_dims(head_dim, expert_dim)
-    check_weight_device(w_gate.dtype, x.device)
+    storage = storage_of(weights, scales)
+    check_storage_device(storage, x.device)
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
     if tile_config is not None and not isinstance(tile_config, TileConfig):
@@ -643,8 +602,7 @@ def triton_mh_moe_forward(
         capability=capability,
         top_k_routes=top_k_routes,
     )
-    kernel_weights = x.dtype if w_gate.dtype == INT4_PACKED_DTYPE else w_gate.dtype  # int4: the dequantized banks
-    cache_key = (keys, head_dim, expert_dim, x.dtype, kernel_weights, deterministic)
+    cache_key = (keys, head_dim, expert_dim, x.dtype, storage.kernel_dtype(x.dtype), deterministic)
     if tile_config is not None:
         configs = (tile_config,)
     else:
@@ -675,7 +633,7 @@ def launch_result(
     out = specs[0].out
     out = _deterministic_reduce(out, num_heads, num_tokens, x.dtype) if deterministic else out.to(x.dtype)
     num_routes = gather_ids.numel()
-    if w_gate.dtype == INT4_PACKED_DTYPE and top_k_routes and num_routes % (num_tokens * num_heads) == 0:
+    if specs[0].per_head and top_k_routes and num_routes % (num_tokens * num_heads) == 0:
         num_experts = w_gate.shape[0] // num_heads
         out += top_k_layout_poison(expert_offsets, num_experts, num_routes // num_heads).to(out.dtype)
     return out

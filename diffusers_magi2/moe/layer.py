@@ -29,29 +29,15 @@ from ..parallel.expert_parallel import ep_head_layout
 from ..utils.backends import check_backend, resolve_backend
 from ..utils.dtype_utils import parse_dtype
 from ..utils.safetensors_io import take_rows
+from .expert_formats import expert_storage
+from .expert_storage import BANKS as _BANKS
 from .experts import mh_moe_experts
-from .quantize import FP8_DTYPE, FP8_SCALE_NAMES, INT4, parse_expert_dtype, quantize_fp8
-from .quantize_int4 import (
-    INT4_GROUP_SIZE,
-    INT4_PACKED_DTYPE,
-    INT4_SCALE_DTYPE,
-    INT4_SCALE_NAMES,
-    check_int4_banks,
-    int4_shapes,
-    quantize_int4,
-)
+from .quantize import FP8_DTYPE, INT4, parse_expert_dtype
+from .quantize_int4 import INT4_GROUP_SIZE
 from .routing import NonFiniteLogitsFlag, RoutingScore, global_sort_routes, topk_probs_and_indices
 
 
 __all__ = ["Magi2MultiHeadMoEConfig", "Magi2MultiHeadMoE", "moe_tensors_on_meta"]
-
-_BANKS = ("W_gate", "W_up", "W_down")
-
-
-def _bank_shapes(rows: int, dh: int, de: int) -> tuple[tuple[int, int, int], ...]:
-    """``[R, K, N]`` of ``W_gate``, ``W_up``, ``W_down``."""
-    return (rows, dh, de), (rows, dh, de), (rows, de, dh)
-
 
 # set by moe_tensors_on_meta: Magi2MultiHeadMoE builds its tensors on the meta device
 _TENSORS_ON_META: contextvars.ContextVar[bool] = contextvars.ContextVar("magi2_moe_tensors_on_meta", default=False)
@@ -138,27 +124,35 @@ class Magi2MultiHeadMoEConfig:
         object.__setattr__(self, "route_scale", float(self.route_scale))
         object.__setattr__(self, "expert_dtype", parse_expert_dtype(self.expert_dtype))
         _positive_int("int4_group_size", self.int4_group_size)
-        if self.expert_dtype == INT4:
-            check_int4_banks(self.head_dim, self.expert_intermediate_size, self.int4_group_size, "int4_group_size")
+        self.storage().check_banks(self.head_dim, self.expert_intermediate_size, "int4_group_size")
 
     @property
     def head_dim(self) -> int:
         """MoE head width ``Dh = hidden_size // num_heads`` (not the attention head dim)."""
         return self.hidden_size // self.num_heads
 
+    def storage(self):
+        """The :class:`~diffusers_magi2.moe.expert_storage.ExpertStorage` of ``expert_dtype``
+        (:func:`~diffusers_magi2.moe.expert_formats.expert_storage`)."""
+        return expert_storage(self.expert_dtype, self.params_dtype, self.int4_group_size)
+
 
 class _Magi2RouterBuffers(nn.Module):
-    """Holds the persistent router biases so their keys read ``router.expert_bias(_ema)`` as in SandAI's files."""
+    """Holds the router biases, frozen fp32 parameters (``requires_grad=False``, as the seed's), so their keys read
+    ``router.expert_bias(_ema)`` as in SandAI's files: ``expert_bias_ema`` steers the routing (SandAI's EMA bias,
+    the pair of the EMA weights), ``expert_bias`` is kept beside it (a converter or loader writes it from the EMA
+    one; whatever updates the bias updates ``expert_bias_ema``)."""
 
     def __init__(self, num_rows: int, device: Optional[str] = None) -> None:
         super().__init__()
         for name in ("expert_bias", "expert_bias_ema"):
-            self.register_buffer(name, torch.zeros(num_rows, dtype=torch.float32, device=device), persistent=True)
+            bias = torch.zeros(num_rows, dtype=torch.float32, device=device)
+            self.register_parameter(name, nn.Parameter(bias, requires_grad=False))
 
 
 class Magi2MultiHeadMoE(nn.Module):
-    """Multi-head routed MoE core ``[S, C] -> [S, C]`` (module docstring); routing reads ``router.expert_bias``,
-    which a SandAI checkpoint fills from ``expert_bias_ema``. The EP head layout is ``ep_layout``
+    """Multi-head routed MoE core ``[S, C] -> [S, C]`` (module docstring); routing reads
+    ``router.expert_bias_ema``. The EP head layout is ``ep_layout``
     (:func:`diffusers_magi2.parallel.expert_parallel.ep_head_layout`); row ``h_local E + e`` is global head
     ``local_head_start + h_local``.
 
@@ -228,27 +222,16 @@ class Magi2MultiHeadMoE(nn.Module):
         rows, dh, de = self.local_flatten_num_experts, self.head_dim, self.expert_intermediate_size
         device = "meta" if _TENSORS_ON_META.get() else None
         self.gate = nn.Parameter(torch.empty(rows, dh, dtype=torch.float32, device=device))
+        #: how the expert banks are stored (:mod:`diffusers_magi2.moe.expert_storage`), chosen once: it creates the
+        #: banks and their scales here, quantizes, dequantizes for the backends and keeps the dtypes on moves
+        self.expert_storage = config.storage()
         self.fp8_experts = config.expert_dtype == FP8_DTYPE
         self.int4_experts = config.expert_dtype == INT4
         self.int4_group_size = config.int4_group_size
         #: the scale buffers beside ``W_gate``/``W_up``/``W_down`` (FP8: fp32 ``*_scale``; int4: bf16
         #: ``*_group_scale``; none for unquantized experts)
-        self.expert_scale_names = (
-            FP8_SCALE_NAMES if self.fp8_experts else INT4_SCALE_NAMES if self.int4_experts else ()
-        )
-        for name, scale_name, shape in zip(_BANKS, self.expert_scale_names or (None,) * 3, _bank_shapes(rows, dh, de)):
-            if self.int4_experts:
-                (bank_shape, scale_shape), bank_dtype = int4_shapes(shape, self.int4_group_size), INT4_PACKED_DTYPE
-                scale_dtype = INT4_SCALE_DTYPE
-            else:
-                bank_shape, scale_shape, scale_dtype = shape, (rows, shape[2]), torch.float32
-                bank_dtype = FP8_DTYPE if self.fp8_experts else config.params_dtype
-            bank = nn.Parameter(
-                torch.empty(bank_shape, dtype=bank_dtype, device=device), requires_grad=scale_name is None
-            )
-            setattr(self, name, bank)
-            if scale_name is not None:
-                self.register_buffer(scale_name, torch.empty(scale_shape, dtype=scale_dtype, device=device))
+        self.expert_scale_names = self.expert_storage.scale_names
+        self.expert_storage.create_banks(self, rows, dh, de, device)
         self.router = _Magi2RouterBuffers(rows, device)
         self.reset_parameters()
 
@@ -270,26 +253,11 @@ class Magi2MultiHeadMoE(nn.Module):
         real_rows = self.local_real_num_heads * self.num_experts
         self.gate[real_rows:].zero_()
         stds = (self.head_dim**-0.5, self.head_dim**-0.5, self.expert_intermediate_size**-0.5)
-        for name, scale_name, std in zip(_BANKS, self.expert_scale_names or (None,) * 3, stds):
-            bank = getattr(self, name)
-            if scale_name is None:
-                bank.normal_(0.0, std)
-                bank[real_rows:].zero_()
-                continue
-            # quantized: drawn in fp32 and quantized, chunk by chunk
-            scale, chunk, quantize = getattr(self, scale_name), 64, self._quantize_bank
-            if bank.is_meta:  # built for loading (meta banks, real scales): the loader fills both
-                scale.zero_()
-                continue
-            shape = (bank.shape[1], scale.shape[-1])  # [K, N] of one expert (int4 codes pack N)
-            for start in range(0, bank.shape[0], chunk):
-                block = torch.empty(bank[start : start + chunk].shape[0], *shape, device=bank.device).normal_(0.0, std)
-                block[max(0, real_rows - start) :].zero_()
-                bank[start : start + chunk], scale[start : start + chunk] = quantize(block)
+        self.expert_storage.init_banks(self, real_rows, stds)
 
     def _quantize_bank(self, bank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(stored bank, scale)`` of a float bank ``[R, K, N]`` in this module's expert storage (FP8 or int4)."""
-        return quantize_int4(bank, self.int4_group_size) if self.int4_experts else quantize_fp8(bank)
+        """``(stored bank, scale)`` of a float bank ``[R, K, N]`` in this module's expert storage."""
+        return self.expert_storage.quantize(bank)
 
     def set_backend(self, backend: str = "auto", *, deterministic: bool = False) -> None:
         """Choose the expert backend once for this module.
@@ -309,10 +277,10 @@ class Magi2MultiHeadMoE(nn.Module):
         if not isinstance(deterministic, bool):
             raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
         if backend == "triton":
-            from .experts_triton import check_triton_dims, check_weight_device  # ImportError if Triton is missing
+            from .experts_triton import check_storage_device, check_triton_dims  # ImportError if Triton is missing
 
             check_triton_dims(self.head_dim, self.expert_intermediate_size)
-            check_weight_device(self.W_gate.dtype, self.W_gate.device)
+            check_storage_device(self.expert_storage, self.W_gate.device)
         self._backend = backend
         self._deterministic = deterministic
 
@@ -437,7 +405,7 @@ class Magi2MultiHeadMoE(nn.Module):
             logits,
             self.top_k,
             self.config.score_func,
-            self.router.expert_bias[: num_real * self.num_experts],
+            self.router.expert_bias_ema[: num_real * self.num_experts],
             self.config.route_norm,
         )
         return probs * self.config.route_scale, indices
@@ -477,12 +445,12 @@ class Magi2MultiHeadMoE(nn.Module):
         )
 
     def _apply(self, fn, recurse=True):
-        # quantized banks and their scales (FP8 with fp32, int4 with bf16) keep their dtypes through dtype moves;
-        # they follow device moves only. fn is first applied to an empty tensor of the same dtype and device, so a
-        # kept tensor is never converted (a transient copy of the whole bank) only to be discarded
-        if not self.expert_scale_names:
+        # banks and scales of a storage that keeps its dtypes (quantized) follow device moves only. fn is first
+        # applied to an empty tensor of the same dtype and device, so a kept tensor is never converted (a
+        # transient copy of the whole bank) only to be discarded
+        if not self.expert_storage.keeps_dtype:
             return super()._apply(fn, recurse)
-        kept = {id(getattr(self, name)) for name in _BANKS + self.expert_scale_names}
+        kept = {id(getattr(self, name)) for name in self.expert_storage.layer_tensors()}
 
         def keep_storage_dtype(tensor):
             if id(tensor) in kept:
@@ -497,7 +465,5 @@ class Magi2MultiHeadMoE(nn.Module):
         return (
             f"heads={self.num_heads}, experts={self.num_experts}, top_k={self.top_k}, head_dim={self.head_dim}, "
             f"expert_dim={self.expert_intermediate_size}, ep_rank={self.ep_rank}, ep_size={self.ep_size}, "
-            f"local_heads={self.local_num_heads}"
-            + (", expert_dtype=float8_e4m3fn" if self.fp8_experts else "")
-            + (f", expert_dtype=int4, group_size={self.int4_group_size}" if self.int4_experts else "")
+            f"local_heads={self.local_num_heads}" + self.expert_storage.describe()
         )

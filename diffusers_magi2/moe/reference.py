@@ -6,7 +6,8 @@ For every route ``r`` of global expert ``g = h*E + e`` (rows ``expert_offsets[g]
     y[s, h] += cast_act(p * (cast_w(swiglu7(x[s,h] @ W_gate[g], x[s,h] @ W_up[g])) @ W_down[g]))
 
 GEMMs accumulate in fp32; ``cast_w`` rounds to the ``W_down`` dtype (to the activation dtype for FP8 and int4
-experts, whose weights are their dequantized values in fp32, :mod:`~diffusers_magi2.moe.dequantize`), ``cast_act``
+experts, whose weights are their dequantized values in fp32: the storage's
+:meth:`~diffusers_magi2.moe.expert_storage.ExpertStorage.hidden_dtype`), ``cast_act``
 to the activation dtype, and the sum runs in the activation dtype in ascending ``g`` (SandAI ``_mh_moe_fwd_kernel``
 with its deterministic scatter). Written for clarity, not speed; differentiable.
 """
@@ -16,18 +17,10 @@ from __future__ import annotations
 import torch
 
 from .activation import swiglu7
-from .dequantize import dequantize_expert
-from .quantize import FP8_DTYPE
-from .quantize_int4 import INT4_PACKED_DTYPE
+from .expert_formats import storage_of
 
 
-__all__ = ["expert_route_blocks", "hidden_dtype", "reference_mh_moe_forward"]
-
-
-def hidden_dtype(weight_dtype: torch.dtype, act_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the swiglu7 output is rounded to: the ``W_down`` dtype, or the activation dtype for FP8 and int4
-    experts."""
-    return act_dtype if weight_dtype in (FP8_DTYPE, INT4_PACKED_DTYPE) else weight_dtype
+__all__ = ["expert_route_blocks", "reference_mh_moe_forward"]
 
 
 def expert_route_blocks(x, gather_ids, expert_offsets, num_flat: int):
@@ -50,11 +43,12 @@ def reference_mh_moe_forward(
     """The formula of the module docstring; arguments and result as
     :func:`diffusers_magi2.moe.experts.torch_mh_moe_forward` (no input checks)."""
     weights = (w_gate, w_up, w_down)
+    storage = storage_of(weights, scales)
     out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     scales = (None, None, None) if scales is None else scales
     for g, head, span, tokens, rows in expert_route_blocks(x, gather_ids, expert_offsets, w_down.shape[0]):
-        wg, wu, wd = (dequantize_expert(w[g], None if s is None else s[g]) for w, s in zip(weights, scales))
-        hidden = swiglu7(rows @ wg, rows @ wu).to(hidden_dtype(w_down.dtype, x.dtype))
+        wg, wu, wd = (storage.dequantize(w[g], None if s is None else s[g]) for w, s in zip(weights, scales))
+        hidden = swiglu7(rows @ wg, rows @ wu).to(storage.hidden_dtype(x.dtype))
         down = (hidden.float() @ wd) * probs[span, None].float()
         out[tokens, head] = out[tokens, head] + down.to(x.dtype)
     return out

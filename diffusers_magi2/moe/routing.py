@@ -1,17 +1,23 @@
 """Per-head top-k routing and the CSR route layout of MAGI-2's multi-head MoE (pure torch).
 
-Per head: ``scores = sigmoid(logits)`` (or softmax), top-k of ``scores + expert_bias`` (the bias steers the choice
-only), weights the unbiased scores, L1-normalised with ``route_norm``. Routes are then sorted expert-major (CSR)
-over global ids ``g = h*E + e``. SandAI ``flash_mh_moe`` (``compute_topk_probs_and_indices``,
-``flash_mh_moe_global_sort``); the routing itself has no host sync, so it runs in a CUDA graph or ``torch.compile``.
+Per head, in the logits' dtype::
 
-Non-finite logits (a NaN or inf in the MoE input or the gate) are refused, not routed: a NaN row gives NaN weights
-that poison every expert output it reaches. :func:`compute_topk_probs_and_indices` checks its argument with one host
-read and raises a ``ValueError`` naming the head and token, on every device. The MoE layer's own path has no host
-read and raises nowhere: it ORs "some logit was not finite" into a device flag
-(:class:`NonFiniteLogitsFlag`), and the model's caller reads the flags once per step, on every rank
-together (:func:`diffusers_magi2.models.finite_checks_magi2.check_router_inputs_finite`). No device-side assert is
-issued: on CUDA one would leave the context unusable for the next request.
+    scores    = sigmoid(logits)            (or softmax over the head's experts)
+    selection = scores + expert_bias.view(H, 1, -1)       (the bias steers the choice only; [H] broadcasts)
+    indices   = topk(selection, k, sorted=True).indices
+    probs     = scores[indices] / max(sum |scores[indices]|, eps)     (with route_norm)
+
+Routes are then sorted expert-major (CSR) over global ids ``g = h*E + e``. SandAI ``flash_mh_moe``
+(``compute_topk_probs_and_indices``, ``flash_mh_moe_global_sort``) and vLLM-Omni's ``mh_moe``; the routing has no
+host sync, so it runs in a CUDA graph or ``torch.compile``.
+
+Non-finite logits are routed as the seed routes them: a NaN ranks first (as in ``torch.topk``) and makes its row's
+weights NaN, which poison every expert output they reach; nothing here raises or reads the host. The MoE layer ORs
+"some logit was not finite" into a device flag (:class:`NonFiniteLogitsFlag`), and the model's caller reads the
+flags once per step, on every rank together
+(:func:`diffusers_magi2.models.finite_checks_magi2.check_router_inputs_finite`), so a pipeline still refuses the
+step. :func:`check_finite_router_logits` refuses non-finite logits with one host read for a caller that wants it. No
+device-side assert is issued: on CUDA one would leave the context unusable for the next request.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ __all__ = [
 #: The router's score functions (``score_func``): per-expert sigmoid, or softmax over a head's experts.
 RoutingScore = Literal["softmax", "sigmoid"]
 _SCORE_FUNCS = get_args(RoutingScore)
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _NON_FINITE = "MoE router logits are not finite (NaN/inf in the MoE layer's input or gate weights); refusing to route"
 
 
@@ -111,49 +118,59 @@ def compute_topk_probs_and_indices(
     """The top-k experts of every (head, token) and their weights (module docstring; ``route_scale`` not applied).
 
     Args:
-        router_logits: ``[H, S, E]`` float32.
+        router_logits: ``[H, S, E]``, float32, bfloat16, float16 or float64; the routing runs in this dtype.
         top_k: experts per (head, token), ``1 <= top_k <= E``.
         score_func: ``"sigmoid"`` or ``"softmax"``.
-        expert_bias: optional selection bias, ``[H, E]`` or ``[H*E]``.
+        expert_bias: optional selection bias, ``[H, E]`` or ``[H*E]`` per expert, or ``[H]``, ``[H, 1]`` or
+            ``[H, 1, 1]`` per head (broadcast over the experts); added as ``scores + expert_bias.view(H, 1, -1)``
+            (type promotion included).
         route_norm: L1-normalise the chosen weights, ``p / max(sum |p|, norm_eps)``.
         norm_eps: lower clamp of the L1 norm.
 
     Returns:
-        ``(probs [H, S, top_k] float32, indices [H, S, top_k] int64)``, in descending biased score.
+        ``(probs [H, S, top_k]`` in the logits' dtype, ``indices [H, S, top_k] int64)``, in descending biased
+        score; a row with a NaN logit has NaN weights (the NaN ranks first, as in ``torch.topk``).
 
     Raises:
-        ValueError: ``router_logits`` is not a 3-D float32 tensor, ``top_k`` is outside ``[1, E]``,
-            ``score_func`` is unknown, ``expert_bias`` does not hold ``H*E`` values, or a logit is not finite
-            (:func:`check_finite_router_logits`).
+        ValueError: ``router_logits`` is not a 3-D floating-point tensor, ``top_k`` is outside ``[1, E]``,
+            ``score_func`` is unknown, or ``expert_bias`` is not a floating-point tensor of one of the shapes above.
     """
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 3:
         raise ValueError(
             "router_logits must be a 3-D tensor [H, S, E]; got "
             f"{tuple(router_logits.shape) if isinstance(router_logits, torch.Tensor) else type(router_logits)}"
         )
-    if router_logits.dtype != torch.float32:
-        raise ValueError(f"router_logits must be float32 (routing runs in fp32); got {router_logits.dtype}")
+    if not router_logits.is_floating_point() or router_logits.dtype not in _LOGIT_DTYPES:
+        raise ValueError(f"router_logits must be one of {_LOGIT_DTYPES}; got {router_logits.dtype}")
     num_heads, _, num_experts = router_logits.shape
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be an int in [1, {num_experts}] (E = router_logits.shape[-1]); got {top_k!r}")
     if score_func not in _SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {_SCORE_FUNCS}; got {score_func!r}")
     if expert_bias is not None:
-        if not isinstance(expert_bias, torch.Tensor) or not expert_bias.is_floating_point():
-            raise ValueError("expert_bias must be a floating-point tensor of shape [H, E] or [H*E]")
-        if expert_bias.numel() != num_heads * num_experts or expert_bias.dim() not in (1, 2):
+        shapes = _bias_shapes(num_heads, num_experts)
+        if (
+            not isinstance(expert_bias, torch.Tensor)
+            or not expert_bias.is_floating_point()
+            or tuple(expert_bias.shape) not in shapes
+        ):
+            got = tuple(expert_bias.shape) if isinstance(expert_bias, torch.Tensor) else type(expert_bias).__name__
             raise ValueError(
-                f"expert_bias must have shape [{num_heads}, {num_experts}] or [{num_heads * num_experts}] "
-                f"(H, E from router_logits); got {tuple(expert_bias.shape)}"
+                f"expert_bias must be a floating-point tensor of shape {' or '.join(str(list(s)) for s in shapes)} "
+                f"(H, E from router_logits); got {got}"
             )
-    check_finite_router_logits(router_logits)
     return topk_probs_and_indices(router_logits, top_k, score_func, expert_bias, route_norm, norm_eps)
+
+
+def _bias_shapes(num_heads: int, num_experts: int) -> tuple[tuple[int, ...], ...]:
+    """The ``expert_bias`` shapes routing takes: per expert, or per head (broadcast over the experts)."""
+    return (num_heads, num_experts), (num_heads * num_experts,), (num_heads,), (num_heads, 1), (num_heads, 1, 1)
 
 
 def topk_probs_and_indices(router_logits, top_k, score_func, expert_bias, route_norm, norm_eps=1e-12):
     """:func:`compute_topk_probs_and_indices` (same arguments, all positional) without its checks, for callers that
     made them (the MoE layer): non-finite logits give NaN weights (never an out-of-range index), no host read."""
-    num_heads, _, num_experts = router_logits.shape
+    num_heads = router_logits.shape[0]
     if score_func == "sigmoid":
         scores = sigmoid(router_logits)
     else:
@@ -162,8 +179,7 @@ def topk_probs_and_indices(router_logits, top_k, score_func, expert_bias, route_
     if expert_bias is None:
         selection = scores
     else:
-        bias = expert_bias.to(device=scores.device, dtype=torch.float32).reshape(num_heads, 1, num_experts)
-        selection = scores + bias
+        selection = scores + expert_bias.to(device=scores.device).reshape(num_heads, 1, -1)
     _, indices = torch.topk(selection, top_k, dim=-1, largest=True, sorted=True)
     probs = torch.gather(scores, -1, indices)
     if route_norm:

@@ -66,7 +66,7 @@ def build_module(model: str, layer: int, params_dtype: torch.dtype) -> Magi2Mult
     state["router.expert_bias"] = weights["router.expert_bias_ema"]
     with torch.no_grad():
         for name, tensor in state.items():
-            target = module.get_parameter(name) if "." not in name else module.get_buffer(name)
+            target = module.get_parameter(name)
             target.copy_(tensor.to(target.dtype))
     return module
 

@@ -42,9 +42,10 @@ def tiny_model(seed: int = 0, **overrides) -> Magi2Transformer3DModel:
                 p.fill_(0.5)
             elif name.endswith(("W_gate", "W_up", "W_down", "moe_mlp.gate")):
                 p.copy_(torch.randn(p.shape, generator=g) * p.shape[-2] ** -0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):
+        for name, b in model.named_parameters():
+            if name.endswith("expert_bias"):  # the router's bias, which it routes with as expert_bias_ema
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+                model.get_parameter(name + "_ema").copy_(b)
     return model.eval()
 
 

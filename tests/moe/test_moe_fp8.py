@@ -190,10 +190,10 @@ def test_fp8_where_the_kernel_cannot_run_it_raises(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))  # RTX 5090
     check_fp8_device(torch.device("cuda", 0))
 
-    def refuse(device):
+    def refuse(storage, device):
         raise ValueError("FP8 refused")
 
-    monkeypatch.setattr(experts_triton, "check_fp8_device", refuse)
+    monkeypatch.setattr(experts_triton, "check_storage_device", refuse)
     module = fp8_copy(Magi2MultiHeadMoE(tiny_config(num_heads=2, num_experts=2, head_dim=16, expert_dim=16)))
     with pytest.raises(ValueError, match="FP8 refused"):
         module.set_backend("triton")

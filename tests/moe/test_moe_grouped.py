@@ -74,23 +74,23 @@ def test_grouped_backend_empty_and_bad_input() -> None:
 
 def test_grouped_backend_upcasts_one_heads_experts_at_a_time(monkeypatch) -> None:
     """Never the whole bank in fp32: each upcast holds the ``E`` experts of one head (FP8 dequantized likewise)."""
-    import diffusers_magi2.moe.experts as experts
+    from diffusers_magi2.moe.expert_storage_fp8 import Fp8ExpertStorage
 
     num_heads, num_experts = 3, 5
     x, probs, idx, *weights = random_case(12, num_heads, num_experts, 2, 16, 24, torch.bfloat16)
     routes = global_sort_routes(probs, idx, num_experts)
     quantized = [quantize_fp8(w) for w in weights]
     upcast_rows = []
-    original = experts.dequantize_bank
+    original = Fp8ExpertStorage.dequantize
 
-    def recording(weight, scale, out=None):
+    def recording(self, weight, scale, out=None):
         upcast_rows.append(weight.shape[0])
-        return original(weight, scale, out=out)
+        return original(self, weight, scale, out=out)
 
-    monkeypatch.setattr(experts, "dequantize_bank", recording)
+    monkeypatch.setattr(Fp8ExpertStorage, "dequantize", recording)
     got = _experts("torch_grouped", x, routes, [q for q, _ in quantized], [s for _, s in quantized])
     assert upcast_rows == [num_experts] * (3 * num_heads)
-    monkeypatch.setattr(experts, "dequantize_bank", original)
+    monkeypatch.setattr(Fp8ExpertStorage, "dequantize", original)
     torch.testing.assert_close(got, _experts("torch", x, routes, [q for q, _ in quantized], [s for _, s in quantized]))
 
 

@@ -170,10 +170,10 @@ def test_int4_auto_picks_triton_on_cuda_and_a_gpu_below_sm80_is_refused(monkeypa
         x, routes, banks, scales = _meta_released_int4_call()
         launch_specs(x, routes, banks, scales=scales, deterministic=False, capability=(7, 5))
 
-    def refuse(device):
+    def refuse(storage, device):
         raise ValueError("int4 refused")
 
-    monkeypatch.setattr(experts_triton, "check_int4_device", refuse)
+    monkeypatch.setattr(experts_triton, "check_storage_device", refuse)
     module = _module()
     with pytest.raises(ValueError, match="int4 refused"):
         module.set_backend("triton")

@@ -24,7 +24,9 @@ def test_tensors_keys_shapes_and_dtypes() -> None:
     )
     state = module.state_dict()
     assert set(state) == {"gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema"}
-    assert {n for n, _ in module.named_parameters()} == {"gate", "W_gate", "W_up", "W_down"}
+    params = dict(module.named_parameters())
+    assert set(params) == set(state)  # the router biases are (frozen) parameters, as in the seed
+    assert [n for n, p in params.items() if not p.requires_grad] == ["router.expert_bias", "router.expert_bias_ema"]
     assert state["gate"].shape == (12, 16) and state["gate"].dtype == torch.float32
     assert state["W_gate"].shape == (12, 16, 32) and state["W_gate"].dtype == torch.bfloat16
     assert state["W_up"].shape == (12, 16, 32) and state["W_up"].dtype == torch.bfloat16

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusers_magi2.moe.routing import compute_topk_probs_and_indices, global_sort_routes
+from diffusers_magi2.moe.routing import check_finite_router_logits, compute_topk_probs_and_indices, global_sort_routes
 
 
 def oracle_route(logits, top_k, bias=None, score_func="sigmoid", route_norm=True, eps=1e-12):
@@ -119,7 +119,7 @@ def test_global_sort_empty_experts() -> None:
     ("kwargs", "match"),
     [
         ({"router_logits": torch.zeros(2, 3), "top_k": 1}, "router_logits must be a 3-D"),
-        ({"router_logits": torch.zeros(1, 2, 3, dtype=torch.float64), "top_k": 1}, "float32"),
+        ({"router_logits": torch.zeros(1, 2, 3, dtype=torch.int32), "top_k": 1}, "router_logits must be one of"),
         ({"router_logits": torch.zeros(1, 2, 3), "top_k": 0}, r"top_k must be an int in \[1, 3\]"),
         ({"router_logits": torch.zeros(1, 2, 3), "top_k": 4}, r"top_k must be an int in \[1, 3\]"),
         ({"router_logits": torch.zeros(1, 2, 3), "top_k": 1, "score_func": "relu"}, "score_func"),
@@ -145,7 +145,8 @@ def test_global_sort_bad_input() -> None:
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_non_finite_router_logits_are_refused_naming_head_and_token(bad) -> None:
+    """The check a caller may run before routing (the seed function itself routes them, as the seed does)."""
     logits = torch.randn(3, 5, 4)
     logits[2, 1] = bad
     with pytest.raises(ValueError, match=r"router logits are not finite.*head 2, token 1"):
-        compute_topk_probs_and_indices(logits, 2)
+        check_finite_router_logits(logits)
