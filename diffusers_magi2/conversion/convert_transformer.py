@@ -27,15 +27,9 @@ from ..loaders.original_checkpoint import (
     original_format,
 )
 from ..loaders.quantized_experts import expert_bank_names
-from ..moe.quantize import EXPERT_DTYPES, FP8_SCALE_NAMES, INT4, parse_expert_dtype, quantize_fp8
-from ..moe.quantize_int4 import (
-    INT4_GROUP_SIZE,
-    INT4_PACKING,
-    INT4_SCALE_NAMES,
-    check_int4_banks,
-    int4_shapes,
-    quantize_int4,
-)
+from ..moe.expert_formats import expert_storage
+from ..moe.expert_storage import BANKS
+from ..moe.quantize_int4 import INT4_GROUP_SIZE
 from ..utils.safetensors_io import (
     DTYPE_ITEMSIZE,
     DTYPE_TO_TORCH,
@@ -113,21 +107,18 @@ class PreparedTransformer:
     expert_dtype: str | None = None
     int4_group_size: int = INT4_GROUP_SIZE
 
+    def storage(self):
+        """The :class:`~diffusers_magi2.moe.expert_storage.ExpertStorage` the routed experts are written in."""
+        return expert_storage(self.expert_dtype, int4_group_size=self.int4_group_size)
+
     def describe(self) -> str:
         """Key plan plus output shard layout (the ``--dry_run`` report for this component)."""
         lines = [
             f"[{self.target.component}] {self.target.class_name} from {self.plan.source_dir} ({self.config_label})"
         ]
         lines.append(self.plan.describe())
-        if self.quantized_banks and self.expert_dtype == INT4:
-            lines.append(
-                f"routed experts in int4 (NF4, group size {self.int4_group_size}): {len(self.quantized_banks)} banks, "
-                "each with a bf16 _group_scale"
-            )
-        elif self.quantized_banks:
-            lines.append(
-                f"routed experts in FP8 (float8_e4m3fn): {len(self.quantized_banks)} banks, each with an fp32 _scale"
-            )
+        if self.quantized_banks:
+            lines.append(self.storage().describe_banks(len(self.quantized_banks)))
         total = sum(lay.data_size for lay in self.layouts)
         lines.append(f"output {self.target.component}/: {len(self.layouts)} shard(s), {total} bytes of tensor data")
         for lay in self.layouts:
@@ -168,18 +159,18 @@ def prepare_transformer_conversion(
     """
     if component not in TRANSFORMER_TARGETS:
         raise ValueError(f"component must be one of {sorted(TRANSFORMER_TARGETS)}, got {component!r}")
-    storage = parse_expert_dtype(expert_dtype)
+    storage = expert_storage(expert_dtype, int4_group_size=expert_int4_group_size)
     target = TRANSFORMER_TARGETS[component]
     cls = target.model_class()
     fmt = original_format(cls)
     cfg, label = fmt.resolve_config(config)
     model = build_meta_model(cls, fmt.model_kwargs(cfg))
-    banks = expert_bank_names(model) if storage is not None else {}
-    if storage is not None and not banks:
+    banks = expert_bank_names(model) if storage.scale_names else {}
+    if storage.scale_names and not banks:
         raise ValueError(f"expert_dtype applies to routed experts; the {component} ({cls.__name__}) has none")
-    if storage == INT4:
+    if banks:
         moe = next(iter(banks.values()))[0]
-        check_int4_banks(moe.head_dim, moe.expert_intermediate_size, expert_int4_group_size, "expert_int4_group_size")
+        storage.check_banks(moe.head_dim, moe.expert_intermediate_size, "expert_int4_group_size")
     expected = expected_specs_from_model(model, TORCH_TO_DTYPE[fmt.params_dtype(cfg)])
     source = read_source_checkpoint(source_dir, check_data=check_data)
     plan = build_key_plan(
@@ -189,22 +180,16 @@ def prepare_transformer_conversion(
     for t in plan.output_tensors():
         if t.name not in banks:
             outputs.append(t)
-        elif storage == INT4:
-            packed_shape, scale_shape = int4_shapes(t.shape, expert_int4_group_size)
-            outputs += [
-                OutputTensor(t.name, "U8", packed_shape),
-                OutputTensor(_scale_key(t.name, INT4), "BF16", scale_shape),
-            ]
         else:
+            bank_shape, bank_dtype, scale_shape, scale_dtype = storage.stored_layout(tuple(t.shape))
             outputs += [
-                OutputTensor(t.name, "F8_E4M3", t.shape),
-                OutputTensor(_scale_key(t.name, storage), "F32", (t.shape[0], t.shape[2])),
+                OutputTensor(t.name, TORCH_TO_DTYPE[bank_dtype], bank_shape),
+                OutputTensor(_scale_key(t.name, storage), TORCH_TO_DTYPE[scale_dtype], scale_shape),
             ]
     layouts = plan_shards(outputs, max_shard_size, WEIGHTS_NAME)
-    stored_as = None if storage is None else INT4 if storage == INT4 else EXPERT_DTYPES[1]  # the config's name
+    stored_as = storage.config_name  # the config's name (None: experts as dtype)
     if stored_as is not None:  # saved with the config: the repo loads with these experts
-        int4 = {"expert_int4_group_size": expert_int4_group_size, "expert_int4_packing": INT4_PACKING}
-        model.register_to_config(expert_dtype=stored_as, **(int4 if stored_as == INT4 else {}))
+        model.register_to_config(expert_dtype=stored_as, **storage.config_entries())
     return PreparedTransformer(
         target, plan, model, layouts, label, frozenset(banks), stored_as, expert_int4_group_size
     )
@@ -213,8 +198,7 @@ def prepare_transformer_conversion(
 def _scale_key(bank_name: str, storage) -> str:
     """The state-dict name of a quantized bank's scale (``W_gate`` -> ``W_gate_scale`` or ``W_gate_group_scale``)."""
     prefix, bank = bank_name.rsplit(".", 1)
-    names = INT4_SCALE_NAMES if storage == INT4 else FP8_SCALE_NAMES
-    return f"{prefix}.{names[('W_gate', 'W_up', 'W_down').index(bank)]}"
+    return f"{prefix}.{storage.scale_names[BANKS.index(bank)]}"
 
 
 def write_transformer(
@@ -264,7 +248,7 @@ def write_transformer(
                     start = header.data_start + info.data_offsets[0]
                     if e.target_key in prepared.quantized_banks:
                         quantize = _bank_quantizer(prepared, e, experts[e.target_key][0].num_experts)
-                        _write_quantized_bank(writer, e, fd, start, chunk_bytes, quantize, prepared.expert_dtype)
+                        _write_quantized_bank(writer, e, fd, start, chunk_bytes, quantize, prepared.storage())
                     elif e.source_dtype == e.target_dtype:  # stored bytes are the output bytes
                         writer.copy_bytes(e.target_key, fd, start, info.nbytes)
                     else:
@@ -278,11 +262,8 @@ def write_transformer(
 
 def _bank_quantizer(prepared: PreparedTransformer, entry, num_experts: int) -> Callable:
     """``rows [n, K, N], first -> (stored rows, their scales)`` for one bank (messages name the source tensor)."""
-    name = f"{entry.source_file}: {entry.source_key}"
-    if prepared.expert_dtype == INT4:
-        group = prepared.int4_group_size
-        return lambda rows, first: quantize_int4(rows, group, name=name, first_row=first, num_experts=num_experts)
-    return lambda rows, first: quantize_fp8(rows, name=name, first_row=first, num_experts=num_experts)
+    name, storage = f"{entry.source_file}: {entry.source_key}", prepared.storage()
+    return lambda rows, first: storage.quantize(rows, name=name, first_row=first, num_experts=num_experts)
 
 
 def _write_quantized_bank(

@@ -22,9 +22,11 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
+from ..moe.expert_formats import stored_format
+from ..moe.expert_storage import BANKS as _BANKS
+from ..moe.expert_storage import ExpertStorage
 from ..moe.layer import Magi2MultiHeadMoE
-from ..moe.quantize import EXPERT_DTYPES, FP8_DTYPE, parse_expert_dtype, quantize_fp8
-from ..moe.quantize_int4 import INT4_PACKED_DTYPE, INT4_SCALE_DTYPE, int4_shapes, quantize_int4
+from ..moe.quantize import EXPERT_DTYPES, parse_expert_dtype
 from ..parallel.distributed import first_failure_on_any_rank
 from ..parallel.expert_parallel import Magi2ExpertParallelGroup
 from ..utils.safetensors_io import DTYPE_TO_TORCH, check_safetensors_file, read_safetensors_header
@@ -32,12 +34,11 @@ from ..utils.safetensors_io import DTYPE_TO_TORCH, check_safetensors_file, read_
 
 __all__ = [
     "QuantizedExpertShards",
+    "check_checkpoint_bank",
     "check_quantized_expert_arguments",
     "expert_bank_names",
     "plan_quantized_expert_loading",
 ]
-
-_BANKS = ("W_gate", "W_up", "W_down")
 
 
 def expert_bank_names(model: nn.Module) -> dict[str, tuple[Magi2MultiHeadMoE, str]]:
@@ -140,94 +141,40 @@ def _tensor_infos(
     return infos
 
 
-def _describe(dtype: torch.dtype, shape) -> str:
-    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+def check_checkpoint_bank(
+    name: str, storage: ExpertStorage, scale_name: Optional[str], dtype, shape, full, infos
+) -> bool:
+    """Check checkpoint bank ``name`` (``dtype``, ``shape``; its neighbours in ``infos``) against a layer bank of
+    ``full [R, K, N]`` stored as ``storage``, before anything is read; returns whether it is quantized while read.
 
+    A bank stored in another quantized format is refused (a quantized repo loads only as stored); one stored in
+    this format is checked with its scale (:meth:`~diffusers_magi2.moe.expert_storage.ExpertStorage.check_stored_checkpoint`),
+    a float one is quantized while read; unquantized experts leave the rest to diffusers.
 
-def _check_fp8_bank(name: str, scale_name: str, dtype, shape, expected, infos) -> bool:
-    """Whether FP8 bank ``name`` is quantized while read (``False``: stored FP8, its scale checked)."""
-    if dtype == INT4_PACKED_DTYPE or f"{name}_group_scale" in infos:
-        raise ValueError(
-            f"{name} is stored as int4 codes (uint8 with {name}_group_scale) but the model's routed experts are FP8: "
-            "an int4 repo loads only as stored (its config.json has expert_dtype='int4'); drop expert_dtype, or load "
-            "a bf16 repo with expert_dtype='float8_e4m3fn'"
+    Raises:
+        ValueError: naming the tensor and what is allowed.
+    """
+    stored = stored_format(name, dtype, infos, storage)
+    if stored is not None and stored.scale_names and not isinstance(storage, stored):
+        how = (
+            f"{name} is stored {stored.stored_as.format(name=name)} but the model's routed experts are {storage.label}"
         )
-    if shape != expected:
-        raise ValueError(f"{name}: checkpoint shape {list(shape)}, the model expects {list(expected)}")
-    expected_scale = (expected[0], expected[2])
-    if dtype == FP8_DTYPE:
-        if scale_name not in infos:
+        if storage.scale_names:
             raise ValueError(
-                f"{name} is FP8 but the checkpoint has no {scale_name} (its fp32 scale "
-                f"{list(expected_scale)}, one per expert and output channel)"
+                f"{how}: {stored.repo_label} repo loads only as stored (its config.json has "
+                f"expert_dtype={stored.config_name!r}); drop expert_dtype, or load a bf16 repo with "
+                f"expert_dtype={storage.config_name!r}"
             )
-        scale_dtype, scale_shape = infos[scale_name]
-        if scale_shape != expected_scale or not scale_dtype.is_floating_point:
-            raise ValueError(
-                f"{scale_name}: checkpoint has {_describe(scale_dtype, scale_shape)}, expected "
-                f"float32{list(expected_scale)} (one scale per expert and output channel of {name})"
-            )
+        raise ValueError(f"{how}: load it with expert_dtype={stored.config_name!r}{stored.load_hint}")
+    if not storage.scale_names:
         return False
-    if dtype.is_floating_point and dtype.itemsize >= 2:
-        if scale_name in infos:
-            raise ValueError(f"{scale_name} is in the checkpoint but {name} is {dtype}, not float8_e4m3fn")
-        return True
-    raise ValueError(f"{name}: checkpoint dtype {dtype}; routed experts load from float8_e4m3fn or a float dtype")
-
-
-def _check_int4_bank(name: str, scale_name: str, module: Magi2MultiHeadMoE, bank: str, dtype, shape, infos) -> bool:
-    """Whether int4 bank ``name`` is quantized while read (``False``: stored int4, its group scale checked)."""
-    full = _full_shape(module, bank)
-    group = module.int4_group_size
-    packed_shape, scale_shape = int4_shapes(full, group)
-    if dtype == INT4_PACKED_DTYPE:
-        if shape != packed_shape:
-            raise ValueError(
-                f"{name}: checkpoint has uint8{list(shape)}, the model expects uint8{list(packed_shape)} (int4 codes "
-                f"of [H*E, K, N] = {list(full)}, two per byte along N)"
-            )
-        if scale_name not in infos:
-            raise ValueError(
-                f"{name} holds int4 codes but the checkpoint has no {scale_name} (its bf16 group scales "
-                f"{list(scale_shape)})"
-            )
-        scale_dtype, stored = infos[scale_name]
-        k = full[1]
-        if (
-            scale_dtype == INT4_SCALE_DTYPE
-            and len(stored) == 3
-            and (stored[0], stored[2]) == (scale_shape[0], scale_shape[2])
-            and 0 < stored[1] != scale_shape[1]
-            and k % stored[1] == 0
-        ):
-            raise ValueError(
-                f"{scale_name} {list(stored)} was written with expert_int4_group_size={k // stored[1]} "
-                f"(K={k} / {stored[1]} groups), but the model is built with expert_int4_group_size={group}: load the "
-                f"repo with the group size it was written with (its config.json; drop an expert_int4_group_size "
-                "argument), or quantize a bf16 repo at the size you want"
-            )
-        if (scale_dtype, stored) != (INT4_SCALE_DTYPE, scale_shape):
-            raise ValueError(
-                f"{scale_name}: checkpoint has {_describe(scale_dtype, stored)}, expected bfloat16{list(scale_shape)} "
-                f"(one scale per expert, group of {group} rows and output channel of {name})"
-            )
+    if stored is None:
+        storage.refuse_source_dtype(name, scale_name, dtype)
+    if isinstance(storage, stored):
+        storage.check_stored_checkpoint(name, scale_name, shape, full, infos)
         return False
-    if dtype == FP8_DTYPE or f"{name}_scale" in infos:
-        raise ValueError(
-            f"{name} is stored in FP8 (float8_e4m3fn with {name}_scale) but the model's routed experts are int4: an "
-            "FP8 repo loads only as stored (its config.json has expert_dtype='float8_e4m3fn'); drop expert_dtype, "
-            "or load a bf16 repo with expert_dtype='int4'"
-        )
-    if dtype.is_floating_point and dtype.itemsize >= 2:
-        if shape != full:
-            raise ValueError(f"{name}: checkpoint shape {list(shape)}, the model expects {list(full)}")
-        if scale_name in infos:
-            raise ValueError(f"{scale_name} is in the checkpoint but {name} is {dtype}, not int4 codes (uint8)")
-        return True
-    raise ValueError(
-        f"{name}: checkpoint dtype {dtype}; int4 routed experts load from int4 codes (uint8 with {scale_name}) or "
-        "a float dtype (bf16, fp16, fp32: quantized while read)"
-    )
+    storage.check_float_checkpoint(name, scale_name, dtype, shape, full, infos)
+    return True
 
 
 def plan_quantized_expert_loading(
@@ -258,25 +205,9 @@ def plan_quantized_expert_loading(
         if name not in infos:
             continue  # a missing key: diffusers' (and the EP loader's) missing-key report names it
         dtype, shape = infos[name]
-        if module.int4_experts:
-            scale_name = _scale_name(name, module, bank)
-            to_quantize = _check_int4_bank(name, scale_name, module, bank, dtype, shape, infos)
-        elif module.fp8_experts:
-            scale_name = _scale_name(name, module, bank)
-            to_quantize = _check_fp8_bank(name, scale_name, dtype, shape, _full_shape(module, bank), infos)
-        else:
-            if dtype == FP8_DTYPE or f"{name}_scale" in infos:
-                raise ValueError(
-                    f"{name} is stored in FP8 (float8_e4m3fn with {name}_scale) but the model's routed experts are "
-                    f"not: load it with expert_dtype='float8_e4m3fn' (the FP8 repo's config.json says so)"
-                )
-            if dtype == INT4_PACKED_DTYPE or f"{name}_group_scale" in infos:
-                raise ValueError(
-                    f"{name} is stored as int4 codes (uint8 with {name}_group_scale) but the model's routed experts "
-                    f"are not: load it with expert_dtype='int4' and the repo's expert_int4_group_size (its "
-                    "config.json says so)"
-                )
-            continue
+        storage = module.expert_storage
+        scale_name = _scale_name(name, module, bank) if storage.scale_names else None
+        to_quantize = check_checkpoint_bank(name, storage, scale_name, dtype, shape, _full_shape(module, bank), infos)
         if to_quantize:
             quantized.add(name)
             filled.add(scale_name)
@@ -336,10 +267,8 @@ class QuantizedExpertShards(Sequence):
     def _quantize(self, name: str, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(stored bank, scale)`` of float bank ``name`` (under expert parallelism: this rank's rows)."""
         module = self.banks[name][0]
-        where = {"name": name, "first_row": module.local_head_start * module.num_experts}
-        if module.int4_experts:
-            return quantize_int4(value, module.int4_group_size, num_experts=module.num_experts, **where)
-        return quantize_fp8(value, num_experts=module.num_experts, **where)
+        first_row = module.local_head_start * module.num_experts
+        return module.expert_storage.quantize(value, name=name, first_row=first_row, num_experts=module.num_experts)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         from diffusers.models.model_loading_utils import load_state_dict

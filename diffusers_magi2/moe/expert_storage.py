@@ -98,6 +98,14 @@ class ExpertStorage:
     per_head_kernel = False
     #: the scale dtypes the expert paths accept
     kernel_scale_dtypes: tuple = ()
+    #: for messages and configs: the config's name of this format, what the model's experts are, what a repo of
+    #: them is, how a bank ``{name}`` of them is stored, and what else loading one takes
+    config_name: Optional[str] = None
+    label = "not"
+    stored_label = ""
+    repo_label = ""
+    stored_as = ""
+    load_hint = ""
 
     # ------------------------------------------------------------------ format (per subclass)
 
@@ -156,6 +164,39 @@ class ExpertStorage:
             raise ValueError(
                 f"{name}: checkpoint has {_describe(dtype, shape)}, expected {_describe(scale_dtype, scale_shape)}"
             )
+
+    def check_stored_checkpoint(self, name: str, scale_name: str, shape, full, infos) -> None:
+        """Check a checkpoint bank ``name`` stored in this format, and its scale in ``infos`` (``{name: (dtype,
+        shape)}``), against a layer bank of ``full [R, K, N]``.
+
+        Raises:
+            ValueError: naming the tensor, what the checkpoint has and what is expected.
+        """
+
+    def check_float_checkpoint(self, name: str, scale_name: str, dtype, shape, full, infos) -> None:
+        """Check a float checkpoint bank ``name`` that loading quantizes into this format (no scale of its own may
+        sit beside it).
+
+        Raises:
+            ValueError: naming the tensor.
+        """
+        self.check_bank(name, shape, full)
+        if scale_name in infos:
+            raise ValueError(f"{scale_name} is in the checkpoint but {name} is {dtype}, not {self.stored_label}")
+
+    def refuse_source_dtype(self, name: str, scale_name: str, dtype) -> None:
+        """Refuse a checkpoint bank in a dtype this format neither stores nor quantizes from."""
+        raise ValueError(
+            f"{name}: checkpoint dtype {dtype}; routed experts load from {self.stored_label} or a float dtype"
+        )
+
+    def config_entries(self) -> dict:
+        """What a converted repo's ``config.json`` records for this format besides ``expert_dtype``."""
+        return {}
+
+    def describe_banks(self, count: int) -> str:
+        """The converter's dry-run line for ``count`` banks written in this format."""
+        return f"routed experts in {self.config_name}: {count} banks"
 
     def check_kernel_banks(self, weights: Sequence[Tensor], scales, head_dim: int) -> int:
         """Check ``w_down`` and the scales against ``w_gate`` (already checked: 3-D, ``[H*E, Dh, ...]``) for the

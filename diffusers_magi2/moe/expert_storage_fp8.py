@@ -41,6 +41,12 @@ class Fp8ExpertStorage(ExpertStorage):
     keeps_dtype = True
     scaled_kernel = True
     kernel_scale_dtypes = (torch.float32,)
+    config_name = "float8_e4m3fn"
+    stored_label = "float8_e4m3fn"
+    label = "FP8"
+    repo_label = "an FP8"
+    stored_as = "in FP8 (float8_e4m3fn with {name}_scale)"
+    load_hint = " (the FP8 repo's config.json says so)"
 
     def __repr__(self) -> str:
         return "float8_e4m3fn"
@@ -54,6 +60,24 @@ class Fp8ExpertStorage(ExpertStorage):
 
     def dequantize(self, bank: Tensor, scale: Optional[Tensor], *, out: Optional[Tensor] = None) -> Tensor:
         return bank.float().mul_(scale.unsqueeze(-2))
+
+    def check_stored_checkpoint(self, name, scale_name, shape, full, infos) -> None:
+        self.check_bank(name, shape, full)
+        expected_scale = [full[0], full[2]]
+        if scale_name not in infos:
+            raise ValueError(
+                f"{name} is FP8 but the checkpoint has no {scale_name} (its fp32 scale {expected_scale}, one per "
+                "expert and output channel)"
+            )
+        scale_dtype, scale_shape = infos[scale_name]
+        if list(scale_shape) != expected_scale or not scale_dtype.is_floating_point:
+            raise ValueError(
+                f"{scale_name}: checkpoint has {str(scale_dtype).removeprefix('torch.')}{list(scale_shape)}, expected "
+                f"float32{expected_scale} (one scale per expert and output channel of {name})"
+            )
+
+    def describe_banks(self, count: int) -> str:
+        return f"routed experts in FP8 (float8_e4m3fn): {count} banks, each with an fp32 _scale"
 
     def check_capability(self, capability, name: str = "this GPU") -> None:
         check_fp8_capability(capability, name)

@@ -19,6 +19,7 @@ from .expert_storage import ExpertMatrices, ExpertStorage, check_kernel_device
 from .quantize_int4 import (
     INT4_GROUP_SIZE,
     INT4_PACKED_DTYPE,
+    INT4_PACKING,
     INT4_SCALE_DTYPE,
     INT4_SCALE_NAMES,
     check_int4_bank_shape,
@@ -55,6 +56,12 @@ class Int4ExpertStorage(ExpertStorage):
     keeps_dtype = True
     per_head_kernel = True
     kernel_scale_dtypes = (torch.bfloat16, torch.float16)
+    config_name = "int4"
+    stored_label = "int4 codes (uint8)"
+    label = "int4"
+    repo_label = "an int4"
+    stored_as = "as int4 codes (uint8 with {name}_group_scale)"
+    load_hint = " and the repo's expert_int4_group_size (its config.json says so)"
 
     def __init__(self, group_size: int = INT4_GROUP_SIZE) -> None:
         self.group_size = group_size
@@ -132,6 +139,54 @@ class Int4ExpertStorage(ExpertStorage):
 
     def kernel_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
         return act_dtype  # the dequantized banks
+
+    def check_stored_checkpoint(self, name, scale_name, shape, full, infos) -> None:
+        packed_shape, _, scale_shape, _ = self.stored_layout(full)
+        if tuple(shape) != packed_shape:
+            raise ValueError(
+                f"{name}: checkpoint has uint8{list(shape)}, the model expects uint8{list(packed_shape)} (int4 codes "
+                f"of [H*E, K, N] = {list(full)}, two per byte along N)"
+            )
+        if scale_name not in infos:
+            raise ValueError(
+                f"{name} holds int4 codes but the checkpoint has no {scale_name} (its bf16 group scales "
+                f"{list(scale_shape)})"
+            )
+        scale_dtype, stored = infos[scale_name]
+        k, group = full[1], self.group_size
+        if (
+            scale_dtype == INT4_SCALE_DTYPE
+            and len(stored) == 3
+            and (stored[0], stored[2]) == (scale_shape[0], scale_shape[2])
+            and 0 < stored[1] != scale_shape[1]
+            and k % stored[1] == 0
+        ):
+            raise ValueError(
+                f"{scale_name} {list(stored)} was written with expert_int4_group_size={k // stored[1]} "
+                f"(K={k} / {stored[1]} groups), but the model is built with expert_int4_group_size={group}: load the "
+                f"repo with the group size it was written with (its config.json; drop an expert_int4_group_size "
+                "argument), or quantize a bf16 repo at the size you want"
+            )
+        if (scale_dtype, tuple(stored)) != (INT4_SCALE_DTYPE, scale_shape):
+            raise ValueError(
+                f"{scale_name}: checkpoint has {str(scale_dtype).removeprefix('torch.')}{list(stored)}, expected "
+                f"bfloat16{list(scale_shape)} (one scale per expert, group of {group} rows and output channel of "
+                f"{name})"
+            )
+
+    def refuse_source_dtype(self, name: str, scale_name: str, dtype) -> None:
+        raise ValueError(
+            f"{name}: checkpoint dtype {dtype}; int4 routed experts load from int4 codes (uint8 with {scale_name}) or "
+            "a float dtype (bf16, fp16, fp32: quantized while read)"
+        )
+
+    def config_entries(self) -> dict:
+        return {"expert_int4_group_size": self.group_size, "expert_int4_packing": INT4_PACKING}
+
+    def describe_banks(self, count: int) -> str:
+        return (
+            f"routed experts in int4 (NF4, group size {self.group_size}): {count} banks, each with a bf16 _group_scale"
+        )
 
     def check_capability(self, capability, name: str = "this GPU") -> None:
         check_int4_capability(capability, name)
