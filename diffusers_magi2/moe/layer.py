@@ -9,8 +9,8 @@ SandAI ``CoreMultiHeadMoE``: ``x [S, C]`` is viewed as ``[S, H, Dh]``; head ``h`
 experts) -> ``exchange.combine`` -> merge heads; the exchange (:mod:`diffusers_magi2.parallel.exchanges`) moves
 nothing in one process. Tensors (``L`` local heads):
 ``gate [L E, Dh]`` fp32, ``W_gate``/``W_up [L E, Dh, De]``, ``W_down [L E, De, Dh]`` (``params_dtype``; or FP8 with
-fp32 ``W_*_scale``; or int4 codes with bf16 ``W_*_group_scale``, :mod:`.quantize_int4`), ``router.expert_bias(_ema)
-[L E]`` fp32.
+fp32 ``W_*_scale``; or int4 codes with bf16 ``W_*_group_scale``: the layer's :attr:`expert_storage`,
+:mod:`.expert_storage`), ``router.expert_bias(_ema) [L E]`` fp32 frozen parameters (routing reads the EMA one).
 """
 
 from __future__ import annotations
@@ -225,6 +225,7 @@ class Magi2MultiHeadMoE(nn.Module):
         #: how the expert banks are stored (:mod:`diffusers_magi2.moe.expert_storage`), chosen once: it creates the
         #: banks and their scales here, quantizes, dequantizes for the backends and keeps the dtypes on moves
         self.expert_storage = config.storage()
+        #: kept for callers: whether the experts are FP8 or int4, and the int4 group size (the storage holds the rest)
         self.fp8_experts = config.expert_dtype == FP8_DTYPE
         self.int4_experts = config.expert_dtype == INT4
         self.int4_group_size = config.int4_group_size
@@ -254,10 +255,6 @@ class Magi2MultiHeadMoE(nn.Module):
         self.gate[real_rows:].zero_()
         stds = (self.head_dim**-0.5, self.head_dim**-0.5, self.expert_intermediate_size**-0.5)
         self.expert_storage.init_banks(self, real_rows, stds)
-
-    def _quantize_bank(self, bank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(stored bank, scale)`` of a float bank ``[R, K, N]`` in this module's expert storage."""
-        return self.expert_storage.quantize(bank)
 
     def set_backend(self, backend: str = "auto", *, deterministic: bool = False) -> None:
         """Choose the expert backend once for this module.

@@ -124,3 +124,20 @@ def test_both_router_biases_are_frozen_parameters_under_the_same_keys() -> None:
     x = torch.randn(5, 64).bfloat16().requires_grad_(True)
     moe(x).float().sum().backward()
     assert moe.router.expert_bias.grad is None and moe.router.expert_bias_ema.grad is None
+
+
+def test_router_biases_stay_fp32_parameters_in_a_model_and_build_on_meta() -> None:
+    """In a transformer the router is an fp32 island: a bf16 move keeps both biases fp32 frozen parameters; under
+    ``moe_tensors_on_meta`` they are built on the meta device like the rest of the layer."""
+    from helpers.tiny_transformer import tiny_model
+
+    from diffusers_magi2.moe.layer import moe_tensors_on_meta
+
+    model = tiny_model().to(torch.bfloat16)
+    biases = {n: p for n, p in model.named_parameters() if ".router.expert_bias" in n}
+    assert len(biases) == 2 and all(p.dtype == torch.float32 and not p.requires_grad for p in biases.values())
+    ema = next(p for n, p in biases.items() if n.endswith("_ema"))
+    assert torch.equal(ema, next(p for n, p in biases.items() if not n.endswith("_ema")))  # as a converter writes
+    with moe_tensors_on_meta():
+        moe = _layer()
+    assert moe.router.expert_bias_ema.is_meta and isinstance(moe.router.expert_bias_ema, torch.nn.Parameter)
