@@ -6,6 +6,10 @@ same reduced-width model, read from ``torch.profiler``'s memory events (every al
 """
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -19,6 +23,7 @@ from helpers.memory_plan import (
     trace_preview_forward,
     trace_refiner_forward,
 )
+from helpers.memory_plan_streaming import preview_streamed_weights
 from helpers.memory_plan_training import plan_lora_training_step, trace_lora_training_step
 from helpers.memory_trace import triton_expert_allocations
 from helpers.memory_tracking import LiveStorageTracker, cpu_allocator_peak
@@ -312,3 +317,78 @@ def test_the_80gb_recipe_keeps_its_previews_and_lora_step_within_76_gb():
     rows.append(plan_lora_training_step("272p", "int4", offload_block_inputs=True, **recipe))
     for row in rows:
         assert row.weights < 62 * GB and row.total <= 76 * GB, (row.stage, row.total / GB)
+
+
+def test_streamed_model_adds_nothing_to_the_planned_activations_and_its_ring_is_the_planned_ring():
+    # the 24/32 GB plan's device peak: resident + 3 x the largest block + the traced activations; on the CPU the
+    # streamer's ring is host memory, its copies land in the preallocated slots, so the forward allocates only the
+    # activations the trace plans
+    inputs = _packed_inputs()
+    model = _reduced_model(CHUNK)
+    streamer = model.enable_weight_streaming("cpu", ring_size=3)
+    measured = _measured_peak(model, inputs)
+    counts = {k: 2 * v for k, v in HALF.items()}
+    seg = sum(HALF.values())
+    plan = trace_preview_forward(
+        counts, (seg, seg), REDUCED, kernels="cpu", forward_chunk_size=CHUNK, count_inputs=False
+    )
+    weights = preview_streamed_weights(None, None, transformer_config=REDUCED)
+    print(f"streamed: measured {measured} B, planned {plan.activations} B; ring {streamer.ring_nbytes} B")
+    assert abs(plan.activations - measured) <= 0.10 * measured
+    assert weights.ring <= streamer.ring_nbytes <= 1.10 * weights.ring  # (the streamer aligns each tensor)
+    assert abs(streamer.host_nbytes - weights.streamed) <= 0.10 * weights.streamed
+
+
+HOST_CONFIG = dict(
+    REDUCED, num_layers=6, attention_head_dim=64, moe_layers=(1, 2, 3, 4, 5), moe_num_experts=16,
+    moe_expert_intermediate_size=512,
+)  # fmt: skip
+_HOST_SCRIPT = """
+import gc, json, sys, torch
+from diffusers_magi2 import Magi2Transformer3DModel
+
+def anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+config = json.loads(sys.argv[1])
+
+
+def streamed_forward(config):
+    model = Magi2Transformer3DModel(**config, params_dtype=torch.bfloat16)
+    model.set_moe_backend("torch_grouped")
+    model.enable_weight_streaming("cpu", ring_size=3)
+    n = 16  # one forward of a few tokens: every ring slot written once (untouched pages are not resident)
+    coords = torch.cat([torch.zeros(n, 3), torch.ones(n, 6)], dim=1)
+    with torch.no_grad():
+        model.forward_packed(
+            torch.randn(n, config["text_in_channels"]), coords, torch.zeros(n, dtype=torch.int32),
+            torch.tensor([0, n], dtype=torch.int32), torch.randn(n, 64),
+        )
+    return model
+
+
+streamed_forward(dict(config, moe_num_experts=4, moe_expert_intermediate_size=64))  # torch's lazy set-up, not counted
+gc.collect()
+before = anon()
+model = streamed_forward(config)
+gc.collect()
+print(anon() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc (Linux)")
+def test_streamed_host_memory_matches_a_fresh_process_within_10_percent():
+    # the plan's host memory of a streamed model (on the CPU: the resident weights, the blocks held once, the ring,
+    # none of it pinned) against the anonymous RSS a fresh process gains building and streaming it; six layers, so
+    # that every slot of the 3-block ring has held a largest block (pages never written are not resident)
+    weights = preview_streamed_weights(None, None, transformer_config=HOST_CONFIG)
+    planned = weights.resident + weights.streamed + weights.ring
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")  # glibc: no dynamic threshold, frees go back to the OS
+    out = subprocess.run(
+        [sys.executable, "-c", _HOST_SCRIPT, json.dumps(HOST_CONFIG)], check=True, capture_output=True, text=True,
+        env=env,
+    )  # fmt: skip
+    measured = int(out.stdout.split()[-1])
+    print(f"host: measured {measured} B, planned {planned} B (x{planned / measured:.3f})")
+    assert abs(planned - measured) <= 0.10 * measured
