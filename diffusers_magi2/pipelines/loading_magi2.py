@@ -11,9 +11,15 @@ import torch
 from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..parallel.context_parallel import resolve_context_parallel
 from ..parallel.expert_parallel import Magi2ExpertParallelConfig, ep_device
+from .enhancement_magi2 import PROMPT_ENHANCER, pop_prompt_enhancer
 
 
-__all__ = ["check_parallel_degrees", "enable_context_parallel", "load_pipeline_with_expert_parallel"]
+__all__ = [
+    "Magi2PipelineLoadingMixin",
+    "check_parallel_degrees",
+    "enable_context_parallel",
+    "load_pipeline_with_expert_parallel",
+]
 
 
 def check_parallel_degrees(expert_parallel: Magi2ExpertParallelConfig | None, context_parallel) -> None:
@@ -70,3 +76,40 @@ def load_pipeline_with_expert_parallel(
         **transformer_kwargs,
     )
     return pipeline_cls.from_pretrained(pretrained_model_name_or_path, transformer=transformer, **kwargs)
+
+
+class Magi2PipelineLoadingMixin:
+    """``Magi2Pipeline``'s ``from_pretrained`` (parallel options, the prompt enhancer) and ``enable_context_parallel``."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """``DiffusionPipeline.from_pretrained`` with two parallel options.
+
+        Args:
+            expert_parallel: ``Magi2ExpertParallelConfig(ep_degree=E)``: load only this rank's routed experts.
+            context_parallel: ``diffusers.ContextParallelConfig(ulysses_degree=N)`` (N = world size, ``E | N``):
+                :meth:`enable_context_parallel` after loading.
+            prompt_enhancer: a ``Magi2PromptEnhancer`` or ``None`` (default: the repo's, if it saved one).
+
+        Raises:
+            ValueError: a bad degree, before the weights load.
+        """
+        expert_parallel = kwargs.pop("expert_parallel", None)
+        context_parallel = kwargs.pop("context_parallel", None)
+        check_parallel_degrees(expert_parallel, context_parallel)  # before any weight loads
+        enhancer = pop_prompt_enhancer(cls, pretrained_model_name_or_path, kwargs)
+        if expert_parallel is not None:
+            pipe = load_pipeline_with_expert_parallel(
+                cls, pretrained_model_name_or_path, expert_parallel=expert_parallel, **kwargs
+            )
+        else:
+            pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        if enhancer is not None:
+            pipe.register_modules(**{PROMPT_ENHANCER: enhancer})
+        if context_parallel is not None:
+            pipe.enable_context_parallel(context_parallel)
+        return pipe
+
+    def enable_context_parallel(self, config) -> None:
+        """``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))`` on the transformer and the refiner."""
+        enable_context_parallel(self, config)

@@ -43,7 +43,7 @@ from .decoding_magi2 import (
     postprocess_video_frames,
     resize_video_frames,
 )
-from .enhancement_magi2 import PROMPT_ENHANCER, Magi2PromptEnhancementMixin, pop_prompt_enhancer
+from .enhancement_magi2 import PROMPT_ENHANCER, Magi2PromptEnhancementMixin
 from .geometry_magi2 import Magi2LatentGeometryMixin
 from .image_processing_magi2 import (
     encode_reference_image,
@@ -51,7 +51,7 @@ from .image_processing_magi2 import (
     preprocess_reference_image,
     reference_image_processor,
 )
-from .loading_magi2 import check_parallel_degrees, enable_context_parallel, load_pipeline_with_expert_parallel
+from .loading_magi2 import Magi2PipelineLoadingMixin
 from .modular_files import Magi2ModularFilesMixin
 from .pipeline_output import Magi2PipelineOutput
 from .presets_magi2 import (
@@ -98,6 +98,7 @@ def _call_state(name: str, doc: str) -> property:
 
 
 class Magi2Pipeline(
+    Magi2PipelineLoadingMixin,
     Magi2PromptEnhancementMixin,
     Magi2ModularFilesMixin,
     Magi2PipelineChecksMixin,
@@ -141,39 +142,6 @@ class Magi2Pipeline(
     model_cpu_offload_seq = "text_encoder->transformer->refiner->video_decoder->vae->audio_vae"
     _optional_components = ["vae", "video_decoder", "refiner", PROMPT_ENHANCER]
     _callback_tensor_inputs = list(CALLBACK_TENSOR_INPUTS)
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """``DiffusionPipeline.from_pretrained`` with two parallel options.
-
-        Args:
-            expert_parallel: ``Magi2ExpertParallelConfig(ep_degree=E)``: load only this rank's routed experts.
-            context_parallel: ``diffusers.ContextParallelConfig(ulysses_degree=N)`` (N = world size, ``E | N``):
-                :meth:`enable_context_parallel` after loading.
-            prompt_enhancer: a ``Magi2PromptEnhancer`` or ``None`` (default: the repo's, if it saved one).
-
-        Raises:
-            ValueError: a bad degree, before the weights load.
-        """
-        expert_parallel = kwargs.pop("expert_parallel", None)
-        context_parallel = kwargs.pop("context_parallel", None)
-        check_parallel_degrees(expert_parallel, context_parallel)  # before any weight loads
-        enhancer = pop_prompt_enhancer(cls, pretrained_model_name_or_path, kwargs)
-        if expert_parallel is not None:
-            pipe = load_pipeline_with_expert_parallel(
-                cls, pretrained_model_name_or_path, expert_parallel=expert_parallel, **kwargs
-            )
-        else:
-            pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        if enhancer is not None:
-            pipe.register_modules(**{PROMPT_ENHANCER: enhancer})
-        if context_parallel is not None:
-            pipe.enable_context_parallel(context_parallel)
-        return pipe
-
-    def enable_context_parallel(self, config) -> None:
-        """``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))`` on the transformer and the refiner."""
-        enable_context_parallel(self, config)
 
     def __init__(
         self,
