@@ -328,10 +328,18 @@ def check_image_path(image: str) -> None:
         raise ValueError(f"--image {image!r} is not an image file PIL can read ({err})") from None
 
 
+#: seconds a rank other than 0 waits after an error before it exits: rank 0, refusing the same input, prints its line
+#: and ends the launch meanwhile (a launcher stops every rank once one exits, rank 0 too if it has not printed yet)
+OTHER_RANK_EXIT_DELAY_S = 5.0
+
+
 def report_error(message) -> None:
-    """Print ``error: <message>`` as one line on stderr, from rank 0 only (``RANK`` unset counts as rank 0)."""
+    """Print ``error: <message>`` as one line on stderr from rank 0 only (``RANK`` unset counts as rank 0); another
+    rank prints nothing and waits :data:`OTHER_RANK_EXIT_DELAY_S`, so that its exit cannot stop rank 0 first."""
     if os.environ.get("RANK", "0") == "0":
         print("error: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
+    else:
+        time.sleep(OTHER_RANK_EXIT_DELAY_S)
 
 
 def check_device(device: str) -> None:

@@ -169,3 +169,22 @@ def test_early_launch_check_agrees_with_the_library_rules(monkeypatch, world, ep
         )
     )
     assert verdict(lambda: generate.check_launch_degrees(ep, ulysses)) == library
+
+
+def test_a_rank_other_than_0_waits_before_exiting_so_rank_0_prints_first(monkeypatch, capsys):
+    """Under a launcher only rank 0 prints; another rank waits before it exits, since a launcher stops every rank once
+    one exits, and rank 0 (slower to start under load) would otherwise be stopped before it prints."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("magi2_generate_report", GENERATE)
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    waits = []
+    monkeypatch.setattr(generate.time, "sleep", waits.append)
+    monkeypatch.setenv("RANK", "1")
+    generate.report_error("bad")
+    assert waits == [generate.OTHER_RANK_EXIT_DELAY_S] and generate.OTHER_RANK_EXIT_DELAY_S >= 5
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    generate.report_error("--image  'x.png'\n does not exist")
+    assert len(waits) == 1 and capsys.readouterr().err == "error: --image 'x.png' does not exist\n"
