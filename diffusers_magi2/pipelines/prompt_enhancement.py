@@ -139,7 +139,7 @@ class Magi2PromptEnhancer(ConfigMixin):
             max_retries (`int`, defaults to 2): Retries of a failed connection, timeout or 408/409/429/5xx answer.
 
         Raises:
-            ValueError: No model name, bad timeout or retries, a bad template. ImportError: without ``openai``.
+            ValueError: No model name, bad timeout or retries, a bad template. ImportError: without ``openai``, at the first request.
         """
         return cls(
             kind="endpoint",

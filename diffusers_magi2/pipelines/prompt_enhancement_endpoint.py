@@ -61,7 +61,7 @@ class EndpointClient:
 
     Raises:
         ValueError: No model name, a timeout that is not positive, a negative ``max_retries``.
-        ImportError: Without the ``openai`` package.
+        ImportError: Without the ``openai`` package, at the first request (building the client needs no package).
     """
 
     def __init__(self, base_url: str | None, model: str | None, api_key: str | None, timeout: float, max_retries: int):
@@ -74,17 +74,27 @@ class EndpointClient:
             raise ValueError(f"timeout is the seconds one request may take, a number > 0; got {timeout!r}.")
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries is an int >= 0; got {max_retries!r}.")
-        openai = _openai()
         self.model = model
         self.timeout = float(timeout)
-        self._client = openai.OpenAI(
-            base_url=base_url,
-            api_key=api_key or os.environ.get("OPENAI_API_KEY") or PLACEHOLDER_API_KEY,
-            timeout=self.timeout,
-            max_retries=max_retries,
-        )
-        #: The endpoint requests go to (``base_url`` or what the ``openai`` package resolved).
-        self.base_url = str(self._client.base_url)
+        self._settings = {
+            "base_url": base_url,
+            "api_key": api_key or os.environ.get("OPENAI_API_KEY") or PLACEHOLDER_API_KEY,
+            "timeout": self.timeout,
+            "max_retries": max_retries,
+        }
+        self._openai_client = None
+
+    @property
+    def _client(self):
+        """The ``openai`` client, built on first use: a saved endpoint enhancer loads without the package."""
+        if self._openai_client is None:
+            self._openai_client = _openai().OpenAI(**self._settings)
+        return self._openai_client
+
+    @property
+    def base_url(self) -> str:
+        """The endpoint requests go to (``base_url`` or what the ``openai`` package resolves)."""
+        return str(self._client.base_url)
 
     @property
     def source(self) -> str:

@@ -153,7 +153,14 @@ def test_bad_endpoint_arguments_are_refused_when_built():
         Magi2PromptEnhancer.from_endpoint("http://127.0.0.1:9/v1", model="m", max_retries=-1)
 
 
-def test_without_the_openai_package_building_says_which_extra_to_install(monkeypatch):
+def test_without_the_openai_package_a_saved_enhancer_loads_and_its_first_request_names_the_extra(
+    monkeypatch, tmp_path
+):
+    """A repo that saved an endpoint enhancer loads for users who never enhance; asking for a rewrite without the
+    package is the error that says which extra to install."""
     monkeypatch.setitem(sys.modules, "openai", None)  # what `import openai` meets where it is not installed
+    Magi2PromptEnhancer.from_endpoint("http://127.0.0.1:9/v1", model="m").save_pretrained(tmp_path / "enhancer")
+    loaded = Magi2PromptEnhancer.from_pretrained(tmp_path / "enhancer")
+    assert loaded.client.model == "m"
     with pytest.raises(ImportError, match=r"pip install 'diffusers-magi2\[enhance\]'"):
-        Magi2PromptEnhancer.from_endpoint("http://127.0.0.1:9/v1", model="m")
+        loaded("a fox")
