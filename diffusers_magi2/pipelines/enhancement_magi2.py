@@ -137,7 +137,9 @@ def enhance_prompts(
     return shared["prompts"]
 
 
-def load_saved_prompt_enhancer(pretrained_model_name_or_path: str | os.PathLike, config_dict: dict) -> Any:
+def load_saved_prompt_enhancer(
+    pretrained_model_name_or_path: str | os.PathLike, config_dict: dict, hub_options: dict | None = None
+) -> Any:
     """The enhancer a saved pipeline holds, or ``None``: the ``model_index.json`` entry ``[module, class]`` of
     :data:`PROMPT_ENHANCER` names the class, whose ``from_pretrained(path, subfolder="prompt_enhancer")`` reads
     it (a saved endpoint enhancer holds no API key: ``OPENAI_API_KEY`` gives it).
@@ -145,13 +147,15 @@ def load_saved_prompt_enhancer(pretrained_model_name_or_path: str | os.PathLike,
     Args:
         pretrained_model_name_or_path: the pipeline's folder or Hub id.
         config_dict: its ``model_index.json``.
+        hub_options: the pipeline's Hub options (``revision``, ``token``, ``cache_dir``, ``local_files_only``, ...).
     """
     entry = config_dict.get(PROMPT_ENHANCER)
     if not isinstance(entry, (list, tuple)) or len(entry) != 2 or entry[0] is None:
         return None
     module, class_name = entry
     cls = getattr(importlib.import_module(module), class_name)
-    return cls.from_pretrained(pretrained_model_name_or_path, subfolder=PROMPT_ENHANCER)
+    hub = {key: value for key, value in (hub_options or {}).items() if key != "proxies"}  # (no snapshot option)
+    return cls.from_pretrained(pretrained_model_name_or_path, subfolder=PROMPT_ENHANCER, **hub)
 
 
 def pop_prompt_enhancer(pipeline_cls: type, pretrained_model_name_or_path, kwargs: dict) -> Any:
@@ -163,7 +167,7 @@ def pop_prompt_enhancer(pipeline_cls: type, pretrained_model_name_or_path, kwarg
     else:
         hub = {k: kwargs[k] for k in _HUB_OPTIONS if k in kwargs}
         config = pipeline_cls.load_config(pretrained_model_name_or_path, **hub)
-        enhancer = load_saved_prompt_enhancer(pretrained_model_name_or_path, config)
+        enhancer = load_saved_prompt_enhancer(pretrained_model_name_or_path, config, hub)
     kwargs[PROMPT_ENHANCER] = None
     return enhancer
 

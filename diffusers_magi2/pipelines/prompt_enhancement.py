@@ -253,6 +253,10 @@ class Magi2PromptEnhancer(ConfigMixin):
         api_key: str | None = None,
         revision: str | None = None,
         variant: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        force_download: bool = False,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
         **kwargs,
     ) -> "Magi2PromptEnhancer":
         """Loads a saved enhancer from a local folder (or a Hub repository's ``subfolder``).
@@ -263,6 +267,8 @@ class Magi2PromptEnhancer(ConfigMixin):
             api_key (`str`, *optional*): The endpoint's key (never saved); else ``OPENAI_API_KEY``.
             revision (`str`, *optional*): The Hub revision. variant: unused (an enhancer has no weights); taken
                 because diffusers' modular ``load_components`` passes both to every component.
+            cache_dir, force_download, local_files_only, token: ``huggingface_hub.snapshot_download``'s, for a Hub
+                id (a pipeline's ``from_pretrained`` passes its own).
             kwargs: Overrides of the class's arguments (``base_url=``, ``model=``, ``timeout=``, ``template=``,
                 ``local_model=``, ...).
 
@@ -274,8 +280,16 @@ class Magi2PromptEnhancer(ConfigMixin):
             from huggingface_hub import snapshot_download
 
             pattern = f"{subfolder}/*" if subfolder else "*"
-            hub = {"revision": revision} if revision is not None else {}
-            folder = Path(snapshot_download(os.fspath(pretrained_model_name_or_path), allow_patterns=[pattern], **hub))
+            hub = {"revision": revision, "cache_dir": cache_dir, "token": token}
+            folder = Path(
+                snapshot_download(
+                    os.fspath(pretrained_model_name_or_path),
+                    allow_patterns=[pattern],
+                    force_download=force_download,
+                    local_files_only=local_files_only,
+                    **{key: value for key, value in hub.items() if value is not None},
+                )
+            )
         if subfolder:
             folder = folder / subfolder
         config = {key: value for key, value in cls.load_config(folder).items() if not key.startswith("_")}

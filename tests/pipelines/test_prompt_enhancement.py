@@ -100,17 +100,30 @@ def test_bad_kind_bad_prompt_and_unknown_arguments_are_refused(tmp_path):
         Magi2PromptEnhancer.from_pretrained(tmp_path, unknown=1)
 
 
-def test_a_hub_id_downloads_only_the_enhancer_subfolder(tmp_path, monkeypatch):
+def test_a_hub_id_downloads_only_the_enhancer_subfolder_with_the_pipelines_hub_options(tmp_path, monkeypatch):
     import huggingface_hub
+
+    from diffusers_magi2.pipelines.enhancement_magi2 import load_saved_prompt_enhancer
 
     Magi2PromptEnhancer.from_endpoint("http://127.0.0.1:9/v1", model="m").save_pretrained(tmp_path / "prompt_enhancer")
     asked = []
 
-    def snapshot_download(repo_id, allow_patterns):
-        asked.append((repo_id, allow_patterns))
+    def snapshot_download(repo_id, allow_patterns, **options):
+        asked.append((repo_id, allow_patterns, options))
         return str(tmp_path)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     loaded = Magi2PromptEnhancer.from_pretrained("org/magi2-repo", subfolder="prompt_enhancer")
-    assert asked == [("org/magi2-repo", ["prompt_enhancer/*"])]
+    assert asked == [("org/magi2-repo", ["prompt_enhancer/*"], {"force_download": False, "local_files_only": False})]
+    # a pipeline loaded at a revision, offline, with a token: the enhancer comes from the same place
+    index = {"prompt_enhancer": ["diffusers_magi2.pipelines.prompt_enhancement", "Magi2PromptEnhancer"]}
+    hub = {"revision": "v1", "local_files_only": True, "token": "t", "cache_dir": str(tmp_path), "proxies": {}}
+    load_saved_prompt_enhancer("org/magi2-repo", index, hub)
+    assert asked[1][2] == {
+        "force_download": False,
+        "local_files_only": True,
+        "revision": "v1",
+        "cache_dir": str(tmp_path),
+        "token": "t",
+    }
     assert loaded.client.model == "m"
