@@ -1,0 +1,124 @@
+"""``examples/train_lora.py``'s data: the videos and captions of ``--data_dir`` checked, encoded once into
+``<stem>.magi2.safetensors`` caches (normalised Wan latents and text states, written to a temp path then renamed),
+and read back checked against the transformer's widths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+__all__ = ["CACHE_SUFFIX", "VIDEO_SUFFIXES", "encode_dataset", "load_cache", "read_video", "scan_dataset"]
+
+VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm")
+CACHE_SUFFIX = ".magi2.safetensors"
+
+
+def scan_dataset(data_dir: Path, want_videos: bool) -> list[Path]:
+    """The caches (or, with ``want_videos``, the videos) of ``data_dir``, checked; raises ``ValueError`` naming the
+    first bad file (a video without a caption, an empty folder)."""
+    if not data_dir.is_dir():
+        raise ValueError(f"--data_dir {str(data_dir)!r} is not a folder")
+    videos = sorted(p for p in data_dir.iterdir() if p.suffix.lower() in VIDEO_SUFFIXES)
+    if want_videos:
+        if not videos:
+            raise ValueError(
+                f"{data_dir}: --cache needs videos ({', '.join(VIDEO_SUFFIXES)}) with <stem>.txt captions"
+            )
+        for video in videos:
+            caption = video.with_suffix(".txt")
+            if not caption.is_file() or not caption.read_text(encoding="utf-8").strip():
+                raise ValueError(f"{video}: missing or empty caption {caption.name}")
+        return videos
+    caches = sorted(p for p in data_dir.iterdir() if p.name.endswith(CACHE_SUFFIX))
+    if not caches:
+        hint = " (run with --cache to encode the videos)" if videos else ""
+        raise ValueError(f"{data_dir}: no {CACHE_SUFFIX} caches{hint}")
+    return caches
+
+
+def read_video(path: Path, scale: int = 16):
+    """``[3, T, H, W]`` float pixels in [-1, 1] (``T`` cut to ``4k + 1``); ``ValueError`` naming ``path`` for an
+    unreadable file or a height/width that is not a multiple of ``scale``."""
+    import av
+    import numpy as np
+    import torch
+
+    try:
+        with av.open(str(path)) as container:
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    except (av.error.FFmpegError, ValueError, IndexError) as error:
+        raise ValueError(f"{path}: unreadable video ({error})") from None
+    if not frames:
+        raise ValueError(f"{path}: unreadable video (no frames)")
+    h, w = frames[0].shape[:2]
+    if h % scale or w % scale:
+        raise ValueError(f"{path}: {w}x{h} frames; the VAE takes heights and widths that are multiples of {scale}")
+    frames = frames[: (len(frames) - 1) // 4 * 4 + 1]
+    x = torch.from_numpy(np.stack(frames)).permute(3, 0, 1, 2).float()
+    return x / 127.5 - 1.0
+
+
+def encode_dataset(pipe, videos: list[Path], device) -> None:
+    """Write ``<stem>.magi2.safetensors`` for each video: its normalised Wan latent and its caption's text states
+    (every video is read and checked before the first is encoded). The VAE and the text encoder run on ``device``
+    and go back to host memory afterwards (the transformer trains alone on the device)."""
+    for name, what in (("vae", "Wan VAE"), ("text_encoder", "text encoder")):
+        if getattr(pipe, name, None) is None:
+            raise ValueError(f"--cache needs the pipeline's {what} (the repo has no {name} component)")
+    scale = pipe.vae_scale_factor_spatial
+    pixels = {v: read_video(v, scale) for v in videos}
+    encoders = [pipe.vae, pipe.text_encoder]
+    for encoder in encoders:
+        encoder.to(device)
+    try:
+        _encode_videos(pipe, pixels, device)
+    finally:
+        for encoder in encoders:
+            encoder.to("cpu")
+
+
+def _encode_videos(pipe, pixels: dict, device) -> None:
+    """:func:`encode_dataset`'s caches of the read videos ``{path: pixels}``, the encoders on ``device``."""
+    import torch
+    from safetensors.torch import save_file
+
+    from diffusers_magi2.pipelines.decoding_magi2 import wan_latent_stats
+
+    for video, x in pixels.items():
+        with torch.no_grad():
+            vae = pipe.vae
+            mu = vae.encode(x[None].to(device=vae.device, dtype=vae.dtype)).latent_dist.mode().float()
+            mean, inv_std = wan_latent_stats(vae, mu.device)
+            latents = ((mu - mean) * inv_std)[0]
+            embeds, mask, _ = pipe.encode_text([video.with_suffix(".txt").read_text(encoding="utf-8").strip()], device)
+        out = {"latents": latents.cpu().contiguous(), "text_states": embeds[0][mask[0]].float().cpu().contiguous()}
+        target = video.parent / (video.stem + CACHE_SUFFIX)
+        tmp = target.with_name(target.name + ".tmp")
+        save_file(out, str(tmp))
+        os.replace(tmp, target)
+
+
+def load_cache(path: Path, transformer) -> dict:
+    """A cache's tensors, checked against the transformer's widths; ``ValueError`` naming ``path`` otherwise."""
+    import torch
+    from safetensors.torch import load_file
+
+    try:
+        d = load_file(str(path))
+    except Exception as error:  # noqa: BLE001  (safetensors raises several types)
+        raise ValueError(f"{path}: unreadable cache ({error})") from None
+    cfg = transformer.config
+    lat, text = d.get("latents"), d.get("text_states")
+    if lat is None or lat.dim() != 4 or lat.shape[0] != cfg.in_channels:
+        raise ValueError(f"{path}: latents must be [{cfg.in_channels}, T, H, W], got {getattr(lat, 'shape', None)}")
+    if text is None or text.dim() != 2 or text.shape[1] != cfg.text_in_channels:
+        raise ValueError(
+            f"{path}: text_states must be [Lt, {cfg.text_in_channels}], got {getattr(text, 'shape', None)}"
+        )
+    audio = d.get("audio_latents")
+    if audio is None:
+        audio = torch.zeros(max(1, 2 * lat.shape[1]), cfg.audio_in_channels)
+    if audio.dim() != 2 or audio.shape[1] != cfg.audio_in_channels:
+        raise ValueError(f"{path}: audio_latents must be [La, {cfg.audio_in_channels}], got {tuple(audio.shape)}")
+    return {"latents": lat.float(), "text_states": text.float(), "audio_latents": audio.float()}
