@@ -312,8 +312,8 @@ def check_weight_streaming_args(device, ring_size: int, host_memory: str, use_st
     """Resolve and check :func:`apply_weight_streaming`'s arguments before anything moves: ``(device, use_stream)``.
 
     Raises:
-        ValueError: ``host_memory`` not in :data:`HOST_MEMORY_MODES`, ``ring_size`` below 2, or a side stream asked
-            for on a device that is not CUDA.
+        ValueError: ``host_memory`` not in :data:`HOST_MEMORY_MODES`, ``ring_size`` below 2, a CUDA device where
+            torch sees none, or a side stream asked for on a device that is not CUDA.
         NotImplementedError: ``host_memory="disk"`` (not built yet).
     """
     if host_memory not in HOST_MEMORY_MODES:
@@ -326,6 +326,11 @@ def check_weight_streaming_args(device, ring_size: int, host_memory: str, use_st
     if not isinstance(ring_size, int) or ring_size < 2:
         raise ValueError(f"ring_size must be an int >= 2 (one slot computes while the next loads), got {ring_size!r}")
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "weight streaming onto a CUDA device, but this torch sees no CUDA device; pass device='cpu' to run the "
+            "same ring in host memory (what the CPU tests do)"
+        )
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if use_stream is None:

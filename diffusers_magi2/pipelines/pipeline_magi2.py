@@ -104,9 +104,9 @@ class Magi2Pipeline(
     Magi2PipelineChecksMixin,
     Magi2PromptEncodingMixin,
     Magi2LatentGeometryMixin,
+    Magi2WeightStreamingPipelineMixin,  # (before DiffusionPipeline: its ``to`` refuses while streaming)
     DiffusionPipeline,
     Magi2LoraLoaderMixin,
-    Magi2WeightStreamingPipelineMixin,
 ):
     r"""MAGI-2 Preview: a 10 s video with a stereo soundtrack from a prompt, optionally conditioned on an image.
 

@@ -77,3 +77,25 @@ class Magi2WeightStreamingPipelineMixin:
             getattr(self, name).to(device)
         for name in streamed:
             getattr(self, name).enable_weight_streaming(device, ring_size=ring_size, host_memory=host_memory)
+
+    def disable_weight_streaming(self) -> None:
+        """Stop streaming the transformer's and the refiner's blocks: their weights become resident on the device
+        they streamed to; the pipeline can then be moved or cast again."""
+        for name in STREAMED_COMPONENTS:
+            component = getattr(self, name, None)
+            if component is not None:
+                component.disable_weight_streaming()
+
+    def to(self, *args, **kwargs):
+        """``DiffusionPipeline.to``, refused before any component moves while weights are streamed.
+
+        Raises:
+            RuntimeError: :meth:`enable_weight_streaming` is on (call :meth:`disable_weight_streaming` first).
+        """
+        streaming = [n for n in STREAMED_COMPONENTS if getattr(getattr(self, n, None), "_weight_streamer", None)]
+        if streaming:
+            raise RuntimeError(
+                f"the {' and '.join(streaming)} block weights are streamed (enable_weight_streaming): moving or "
+                "casting the pipeline would copy every block to the device; call pipe.disable_weight_streaming() first"
+            )
+        return super().to(*args, **kwargs)

@@ -42,8 +42,14 @@ def test_two_stage_call_streamed_equals_resident_bit_for_bit():
     # every block of both models ran from the ring: (cond + uncond) x steps x blocks releases
     assert released["transformer"] % len(pipe.transformer.transformer_blocks) == 0 < released["transformer"]
     assert released["refiner"] % len(pipe.refiner.transformer_blocks) == 0 < released["refiner"]
-    with pytest.raises(RuntimeError, match=r"block weights are streamed .* call disable_weight_streaming\(\) first"):
-        pipe.to("cpu")
+    # refused before any component moves or is cast; the pipeline's disable then lets it move
+    dtypes = {n: c.dtype for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    with pytest.raises(RuntimeError, match=r"block weights are streamed .* call pipe.disable_weight_streaming\(\)"):
+        pipe.to(torch.float16)
+    assert {n: c.dtype for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)} == dtypes
+    pipe.disable_weight_streaming()
+    assert pipe.transformer._weight_streamer is None and pipe.refiner._weight_streamer is None
+    pipe.to("cpu")
 
 
 def test_budgets_and_arguments_are_refused_before_any_weight_moves():
@@ -63,5 +69,8 @@ def test_budgets_and_arguments_are_refused_before_any_weight_moves():
         pipe.enable_weight_streaming(vram_gb=0, device="cpu")
     with pytest.raises(NotImplementedError, match=r'host_memory="disk"'):
         pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu")
+    if not torch.cuda.is_available():  # the default device is CUDA: a clear error, not torch's assertion
+        with pytest.raises(ValueError, match=r"sees no CUDA device; pass device='cpu'"):
+            pipe.enable_weight_streaming(vram_gb=24)
     assert [t.data_ptr() for t in pipe.transformer.parameters()] == before
     assert getattr(pipe.transformer, "_weight_streamer", None) is None
