@@ -54,14 +54,35 @@ def common_parser(description: str) -> OneLineParser:
     p.add_argument("--max_train_steps", type=positive_int, required=True)
     p.add_argument("--train_batch_size", type=positive_int, default=8)
     p.add_argument("--learning_rate", type=positive_float, default=1e-3)
+    p.add_argument(
+        "--lr_scheduler",
+        default="constant",
+        choices=("constant", "constant_with_warmup", "cosine", "linear"),
+        help="diffusers.optimization.get_scheduler's name",
+    )
+    p.add_argument("--lr_warmup_steps", type=int, default=0, help="steps of linear warm-up (>= 0)")
     p.add_argument("--checkpointing_steps", type=positive_int, default=100)
     p.add_argument("--resume_from_checkpoint", default=None, help="'latest' or a checkpoint-<step> folder")
     return p
 
 
+def lr_scheduler(args, optimizer):
+    """``diffusers.optimization.get_scheduler`` for ``--lr_scheduler`` over ``--max_train_steps``."""
+    from diffusers.optimization import get_scheduler
+
+    return get_scheduler(
+        args.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=args.lr_warmup_steps,
+        num_training_steps=args.max_train_steps,
+    )
+
+
 def check_resume(parser: OneLineParser, args, checkpoints_dir: Path | None = None) -> tuple[Path, int] | None:
     """The checkpoint ``--resume_from_checkpoint`` names, as ``(folder, step)``, ``latest`` looking in
     ``checkpoints_dir`` (default ``--output_dir``); a usage error if there is none."""
+    if args.lr_warmup_steps < 0:
+        parser.error(f"--lr_warmup_steps must be >= 0, got {args.lr_warmup_steps}")
     if args.resume_from_checkpoint is None:
         return None
     output_dir = Path(checkpoints_dir or args.output_dir)

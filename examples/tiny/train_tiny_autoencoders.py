@@ -38,6 +38,7 @@ from tiny_training import (  # noqa: E402
     check_resume,
     common_parser,
     encode_world_video,
+    lr_scheduler,
     positive_int,
     print_times,
     save_checkpoint,
@@ -107,7 +108,8 @@ def train(args, resume):
         window = torch.hann_window(1024)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    schedule = lr_scheduler(args, optimizer)
+    model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
     start = 0
     if resume is not None:
         folder, start = resume
@@ -133,6 +135,7 @@ def train(args, resume):
             loss = (out - audio).abs().mean() + (spec[0] - spec[1]).abs().mean()
         accelerator.backward(loss)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad()
         bar.set_postfix(loss=f"{loss.item():.4f}")
         if (step + 1) % args.checkpointing_steps == 0 or step + 1 == args.max_train_steps:

@@ -41,6 +41,7 @@ from tiny_training import (  # noqa: E402
     check_resume,
     common_parser,
     encode_world_video,
+    lr_scheduler,
     positive_float,
     positive_int,
     print_times,
@@ -115,7 +116,8 @@ def train(args, resume):
 
     model = pipe.transformer.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    schedule = lr_scheduler(args, optimizer)
+    model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     start = 0
@@ -147,6 +149,7 @@ def train(args, resume):
         loss = VIDEO_WEIGHT * loss_v + AUDIO_WEIGHT * loss_a
         accelerator.backward(loss)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad()
         bar.set_postfix(video=f"{loss_v.item():.4f}", audio=f"{loss_a.item():.4f}")
         if (step + 1) % args.checkpointing_steps == 0 or step + 1 == args.max_train_steps:

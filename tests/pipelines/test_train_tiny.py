@@ -21,6 +21,8 @@ def _refused(main, argv, capsys, match):
         (["--component", "video_decoder", "--max_train_steps", "0"], "must be an integer >= 1"),
         (["--component", "audio_vae", "--learning_rate", "nan"], "finite number > 0"),
         (["--component", "audio_vae", "--resume_from_checkpoint", "latest"], "no checkpoint-<step> folder"),
+        (["--component", "audio_vae", "--lr_warmup_steps", "-1"], "--lr_warmup_steps must be >= 0"),
+        (["--component", "audio_vae", "--lr_scheduler", "exponential"], "invalid choice"),
     ],
 )
 def test_autoencoder_script_refuses_bad_flags(tmp_path, capsys, extra, match):
