@@ -153,8 +153,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--vram_gb",
         type=_positive_int,
         default=None,
-        help="stream both transformers' blocks from host memory through a small ring on the GPU, for a card of this "
-        "many GB (e.g. 24 or 32); the other components stay resident (Magi2Pipeline.enable_weight_streaming)",
+        help="stream the text encoder's layers and both transformers' blocks from host memory through a small ring "
+        "on the GPU, for a card of this many GB (e.g. 24 or 32), one model's weights held at a time when loaded from "
+        "files; the other components stay resident (Magi2Pipeline.enable_weight_streaming)",
     )
     parser.add_argument(
         "--host_memory",

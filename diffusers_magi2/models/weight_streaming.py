@@ -166,37 +166,78 @@ class WeightStreamer:
         ring_nbytes: bytes of the device ring.
     """
 
-    def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device, ring_size: int, use_stream: bool):
+    def __init__(
+        self,
+        blocks: Sequence[torch.nn.Module],
+        device: torch.device,
+        ring_size: int,
+        use_stream: bool,
+        allocate: bool = True,
+    ):
         self.device = device
         self.blocks = [_layout(b, i) for i, b in enumerate(blocks)]
         sizes = [b.nbytes for b in self.blocks]
-        pinned = device.type == "cuda"
-        arenas = plan_pinned_arenas(sizes) if pinned else [[i] for i in range(len(sizes))]
+        self.pinned = device.type == "cuda"
         self.host_nbytes = sum(sizes)
-        self.host_reserved_nbytes = pinned_bytes(sizes) if pinned else self.host_nbytes
-        for group in arenas:
-            arena = torch.empty(sum(sizes[i] for i in group), dtype=torch.uint8, pin_memory=pinned)
-            offset = 0
-            for i in group:
-                self._pack(self.blocks[i], arena.narrow(0, offset, sizes[i]))
-                offset += sizes[i]
-        slot_nbytes = max(sizes)
-        self.slots = [_Slot(torch.empty(slot_nbytes, dtype=torch.uint8, device=device)) for _ in range(ring_size)]
-        self.ring_nbytes = slot_nbytes * ring_size
+        self.host_reserved_nbytes = pinned_bytes(sizes) if self.pinned else self.host_nbytes
+        self.ring_size = ring_size
+        self.ring_nbytes = max(sizes) * ring_size
         self.stream = torch.cuda.Stream(device) if use_stream else None
-        if use_stream:
-            for slot in self.slots:
-                slot.ready, slot.free = torch.cuda.Event(), torch.cuda.Event()
+        self.slots: List[_Slot] = []
         #: called with each slot as it is released (tests poison it here)
         self.on_release: Optional[Callable[[torch.Tensor], None]] = None
+        if allocate:
+            self.allocate()
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the host buffers and the ring exist (see :meth:`free`)."""
+        return bool(self.slots)
+
+    def allocate(self, read: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
+        """Allocate the host buffers and the device ring. Each tensor's host view is filled by ``read(tensor, view)``
+        (default: a copy of the tensor's current data, which is then freed) and the tensor pointed at it."""
+        sizes = [b.nbytes for b in self.blocks]
+        arenas = plan_pinned_arenas(sizes) if self.pinned else [[i] for i in range(len(sizes))]
+        for group in arenas:
+            arena = torch.empty(sum(sizes[i] for i in group), dtype=torch.uint8, pin_memory=self.pinned)
+            offset = 0
+            for i in group:
+                self._pack(self.blocks[i], arena.narrow(0, offset, sizes[i]), read)
+                offset += sizes[i]
+        self.slots = [
+            _Slot(torch.empty(max(sizes), dtype=torch.uint8, device=self.device)) for _ in range(self.ring_size)
+        ]
+        if self.stream is not None:
+            for slot in self.slots:
+                slot.ready, slot.free = torch.cuda.Event(), torch.cuda.Event()
+
+    def free(self) -> None:
+        """Free the host buffers and the device ring: every block tensor becomes empty until :meth:`allocate`.
+
+        Raises:
+            RuntimeError: a block is running (its slot in use).
+        """
+        if any(s.in_use for s in self.slots):
+            raise RuntimeError("weight streaming: cannot free the buffers while a block runs")
+        if self.stream is not None:
+            self.stream.synchronize()
+        for block in self.blocks:
+            for e in block.entries:
+                e.tensor.data = torch.empty(0, dtype=e.dtype)
+            block.host, block.host_views = None, []
+        self.slots = []
 
     @staticmethod
-    def _pack(block: _StreamedBlock, host: torch.Tensor) -> None:
-        """Copy the block's tensors into ``host`` and point them at their views there (the originals are freed)."""
-        block.host = host
+    def _pack(block: _StreamedBlock, host: torch.Tensor, read=None) -> None:
+        """Fill ``host`` with the block's tensors and point them at their views there (the originals are freed)."""
+        block.host, block.host_views = host, []
         for e in block.entries:
             view = e.view(host)
-            view.copy_(e.tensor.data)
+            if read is None:
+                view.copy_(e.tensor.data)
+            else:
+                read(e.tensor, view)
             e.tensor.data = view
             block.host_views.append(view)
 
@@ -347,6 +388,7 @@ def apply_weight_streaming(
     ring_size: int = 2,
     host_memory: str = "pinned",
     use_stream: Optional[bool] = None,
+    allocate: bool = True,
 ) -> WeightStreamer:
     """Stream ``blocks``' weights through a ``ring_size``-slot device ring; move the rest of ``model`` to ``device``.
 
@@ -357,6 +399,8 @@ def apply_weight_streaming(
         ring_size: slots in the device ring (2 or 3: one computes while the others load).
         host_memory: ``"pinned"`` (the weights held once in host memory, pinned on CUDA) or ``"disk"`` (not built).
         use_stream: copy on a side CUDA stream (``None``: on CUDA).
+        allocate: build the host buffers and the ring now; ``False`` leaves the blocks' tensors as they are until
+            :meth:`WeightStreamer.allocate` (which must run before the first block does).
 
     Returns:
         The :class:`WeightStreamer` (held by the model; its sizes say what the host and the device hold).
@@ -372,16 +416,25 @@ def apply_weight_streaming(
         for t in [*model.parameters(), *model.buffers()]:
             if id(t) not in block_ids:
                 t.data = t.data.to(device)
-        for b in blocks:  # the blocks' tensors on the host first (a model on the device comes back block by block)
+        for b in blocks if allocate else ():  # the blocks' tensors on the host first (block by block)
             for t in _block_tensors(b):
                 if t.device.type != "cpu":
                     t.data = t.data.cpu()
-        streamer = WeightStreamer(blocks, device, ring_size, use_stream)
+        streamer = WeightStreamer(blocks, device, ring_size, use_stream, allocate)
     for i, b in enumerate(blocks):
         HookRegistry.check_if_exists_or_initialize(b).register_hook(
             WeightStreamingHook(streamer, i), WEIGHT_STREAMING_HOOK
         )
     return streamer
+
+
+def streaming_device_nbytes(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], ring_size: int = 2) -> int:
+    """Device bytes of ``model``'s weights with ``blocks`` streamed: everything outside them plus ``ring_size``
+    slots of the largest block."""
+    sizes = [_layout(b, i).nbytes for i, b in enumerate(blocks)]
+    block_ids = {id(t) for b in blocks for t in _block_tensors(b)}
+    resident = sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if id(t) not in block_ids)
+    return resident + ring_size * max(sizes)
 
 
 def remove_weight_streaming(streamer: WeightStreamer) -> None:
@@ -438,10 +491,7 @@ class Magi2WeightStreamingMixin:
 
     def weight_streaming_device_nbytes(self, ring_size: int = 2) -> int:
         """Device bytes of the weights under streaming: everything outside the blocks plus ``ring_size`` slots."""
-        blocks = [_layout(b, i).nbytes for i, b in enumerate(self.transformer_blocks)]
-        block_ids = {id(t) for b in self.transformer_blocks for t in _block_tensors(b)}
-        resident = sum(t.nbytes for t in [*self.parameters(), *self.buffers()] if id(t) not in block_ids)
-        return resident + ring_size * max(blocks)
+        return streaming_device_nbytes(self, self.transformer_blocks, ring_size)
 
     def weight_streaming_host_nbytes(self, pinned: bool = True) -> int:
         """Host bytes of the streamed blocks: their packed buffers, with the pinned allocator's rounding when

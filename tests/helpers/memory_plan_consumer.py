@@ -25,7 +25,6 @@ from .memory_plan import (
     plan_refiner_step,
 )
 from .memory_plan_codecs import (
-    TEXT_ENCODER_HIDDEN,
     plan_audio_decode,
     plan_image_encode,
     plan_text_encode,
@@ -34,8 +33,8 @@ from .memory_plan_codecs import (
 )
 from .memory_plan_streaming import (
     CARDS,
+    DISK_GBPS,
     PROCESS_BYTES,
-    TEXT_ENCODER_VOCAB,
     StreamedStage,
     pinned_bytes,
     preview_step_flops,
@@ -92,41 +91,37 @@ def _resident(name: str, row, *, used: bool = True, why: Optional[str] = None, n
     )  # fmt: skip
 
 
-def _streamed(name, what, weights, row, card_gb, flops, *, extra_host=0, passes=1, used=True, why=None, notes=()):
-    """A stage whose blocks stream through the ring ``passes`` times a step; ``extra_host``: anonymous host bytes it
-    adds (both modes)."""
+def _streamed(name, model, what, weights, row, card_gb, flops, *, passes=1, used=True, why=None, notes=()):
+    """A stage of the pipeline component ``model`` whose blocks stream through the ring ``passes`` times a step (the
+    model re-read from its files once per generation)."""
     h2d = passes * weights.streamed
     timing = time_model(h2d, flops, card_gb, disk_bytes=h2d)
     return StreamedStage(
         name, what, weights.resident, weights.ring, row.activations,
-        PROCESS_BYTES + weights.host_pinned + extra_host, PROCESS_BYTES + weights.host_staging + extra_host,
+        PROCESS_BYTES + weights.host_pinned, PROCESS_BYTES + weights.host_staging,
         used, why, h2d, timing, row.peak_at, notes=list(row.notes) + list(notes), disk_read=h2d,
+        model=model, reread=weights.resident + weights.streamed,
     )  # fmt: skip
 
 
 def _text_stage(card_gb: int) -> StreamedStage:
     weights = text_encoder_streamed_weights()
     row = _traced("text")
-    embedding = text_encoder_embedding_bytes()
     flops = 2 * sum(weights.blocks) / 2 * _TEXT_TOKENS  # bf16: 2 bytes per parameter
-    stage = _streamed(
-        "text_encode", "text encoding, Qwen3.5-27B bf16 streamed by layer (estimate)", weights, row, card_gb, flops,
-        extra_host=embedding, notes=["the embedding table in host memory; released before the transformer loads",
-                                     "h2d and time per prompt (once per generation)"],
+    return _streamed(
+        "text_encode", "text_encoder", "text encoding, Qwen3.5-27B bf16 streamed by layer (estimate)", weights, row,
+        card_gb, flops, notes=["the token embedding resident on the device; freed before the transformer's stage",
+                               "h2d and time per prompt (once per generation)"],
     )  # fmt: skip
-    return stage
-
-
-def text_encoder_embedding_bytes() -> int:
-    """Bytes of the text encoder's embedding table (bf16), kept in host memory."""
-    return TEXT_ENCODER_VOCAB * TEXT_ENCODER_HIDDEN * 2
 
 
 def _preview_stage(resolution: str, card_gb: int) -> StreamedStage:
     weights = preview_streamed_weights("int4", FP8)
     row = _traced("preview", resolution, 1, 1)
     what = f"preview step {resolution} with CFG, int4 experts, FP8-stored dense weights, streamed by block"
-    return _streamed(f"preview_{resolution}", what, weights, row, card_gb, preview_step_flops(resolution))
+    return _streamed(
+        f"preview_{resolution}", "transformer", what, weights, row, card_gb, preview_step_flops(resolution)
+    )
 
 
 def _refiner_stage(card_gb: int, used: bool) -> StreamedStage:
@@ -136,7 +131,7 @@ def _refiner_stage(card_gb: int, used: bool) -> StreamedStage:
     what = f"refiner step 1080p, bf16, streamed by block, token chunks of {REFINER_CHUNK}"
     notes = ["peak: one CFG branch; h2d and time: both branches (two passes over the blocks)"]
     return _streamed(
-        "refiner_1080p", what, weights, row, card_gb, 2 * refiner_step_flops(), passes=2, used=used, why=why,
+        "refiner_1080p", "refiner", what, weights, row, card_gb, 2 * refiner_step_flops(), passes=2, used=used, why=why,
         notes=notes,
     )  # fmt: skip
 
@@ -232,7 +227,9 @@ def plan_per_rank_24gb() -> List[dict]:
             "layout": "rank 0",
             "streams": True,
             "peak_GB": round(text.peak / GB, 2),
-            "resident_whole_GB": round((sum(text_encoder_streamed_weights().blocks) + text.activations) / GB, 2),
+            "resident_whole_GB": round(
+                (text.resident + sum(text_encoder_streamed_weights().blocks) + text.activations) / GB, 2
+            ),
         }
     )
     decode = _traced("turbovae", "1080p", True)
@@ -258,17 +255,27 @@ def summary(card_gb: int, rows) -> dict:
         "host_ram_GB": host_ram_gb(rows, "pinned"),
         "host_ram_disk_mode_GB": host_ram_gb(rows, "disk"),
         "largest_host_stage": max(generation, key=lambda r: r["host_GB"])["stage"],
+        "reread_per_generation": reread_per_generation(generation),
         "target_GB": card_gb - 2,
         "all_used_stages_fit": all(r["peak_GB"] <= card_gb - 2 for r in rows if r["used"]),
     }
 
 
+def reread_per_generation(rows) -> dict:
+    """What a generation re-reads from the files (each streamed model once, its stages freed in turn): GB and
+    seconds at ``DISK_GBPS``, per model and in all."""
+    models = {r["model"]: r["reread_GB_per_generation"] for r in rows if r.get("model")}
+    total = round(sum(models.values()), 2)
+    return {"models_GB": models, "GB": total, f"s_at_{DISK_GBPS:.0f}GBps": round(total / DISK_GBPS, 2)}
+
+
 #: Host memory, as the plan counts it.
 HOST_MEMORY = (
     "anonymous RSS + pinned bytes (each pinned buffer rounded up to a power of two, torch's pinned host allocator) "
-    "+ 2 GB assumed for Python, torch and the CUDA context; the generation's largest stage's, not the sum: the text "
-    "encoder is released before the transformer's weights come in, then the refiner and the decoders in turn (a LoRA "
-    "training run is a process of its own). File-backed pages (the disk mode's page cache of the safetensors files, "
+    "+ 2 GB assumed for Python, torch and the CUDA context; the generation's largest stage's, not the sum: each "
+    "streamed model (text encoder, transformer, refiner) is freed when the next one's stage begins and re-read from "
+    "its files when its own begins (reread_per_generation; a LoRA training run is a process of its own). File-backed "
+    "pages (the disk mode's page cache of the safetensors files, "
     "disk_read_GB_per_step) are not counted"
 )
 #: Stages every generation runs, checked by default before weights move.

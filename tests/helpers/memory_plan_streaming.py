@@ -17,6 +17,12 @@ and reads the blocks from the safetensors files every step (the page cache is fi
 counted). Stages run one after the other (the text encoder is released before the transformer's weights come in),
 so a run's host memory is its largest stage's.
 
+Stages run one after the other, and a streamed model's weights are freed when the next streamed model's stage
+begins and re-read from its safetensors files when its own begins again
+(``enable_weight_streaming(release_between_stages=...)``), so every generation reads each streamed model once:
+``reread_s = (resident + blocks) / DISK_GBPS`` per model (the files assumed to hold the storage dtypes the
+streamer holds: int4 experts, FP8 dense weights as the converter writes them).
+
 Time per step: copy ``h2d / bandwidth`` at 25 GB/s (PCIe Gen4 x16) and 56 GB/s (Gen5), or ``h2d / DISK_GBPS`` in the
 disk mode, against compute ``flops / card peak``, where ``flops = 2 x active parameters x tokens`` (a multimodal
 layer's modality-specific weights counted once per token, the routed experts ``top_k / num_experts`` of theirs) plus
@@ -186,12 +192,17 @@ def refiner_step_flops(text_tokens: int = DEFAULT_TEXT_TOKENS) -> float:
     return 2 * tokens * linear + attention
 
 
-def text_encoder_streamed_weights() -> StreamedWeights:
-    """Qwen3.5-27B in bf16 streamed layer by layer (an estimate from its size): the embedding table in host memory
-    (the lookup runs there), the 64 layers share the other parameters equally; no LM head."""
-    embedding = TEXT_ENCODER_VOCAB * TEXT_ENCODER_HIDDEN
-    layer = (TEXT_ENCODER_PARAMETERS - embedding) * 2 // TEXT_ENCODER_LAYERS
-    return StreamedWeights(0, [layer] * TEXT_ENCODER_LAYERS)
+def text_encoder_streamed_weights(
+    parameters: int = TEXT_ENCODER_PARAMETERS,
+    hidden: int = TEXT_ENCODER_HIDDEN,
+    layers: int = TEXT_ENCODER_LAYERS,
+    vocab: int = TEXT_ENCODER_VOCAB,
+) -> StreamedWeights:
+    """Qwen3.5-27B in bf16 streamed layer by layer (an estimate from its size; other sizes for the tests): the token
+    embedding and the final norm resident on the device (``Magi2Pipeline.enable_weight_streaming`` streams the
+    decoder layers only), the layers share the other parameters equally; no LM head."""
+    resident = vocab * hidden + hidden
+    return StreamedWeights(resident * 2, [(parameters - resident) * 2 // layers] * layers)
 
 
 def preview_step_flops(
@@ -257,6 +268,8 @@ class StreamedStage:
     streams: bool = True
     notes: List[str] = field(default_factory=list)
     disk_read: Optional[int] = None
+    model: Optional[str] = None  # the streamed pipeline component (re-read once per generation)
+    reread: Optional[int] = None  # its bytes in the files
 
     @property
     def peak(self) -> int:
@@ -285,6 +298,10 @@ class StreamedStage:
             row["time_per_step"] = self.timing
         if self.disk_read is not None:
             row["disk_read_GB_per_step"] = round(self.disk_read / GB, 2)
+        if self.reread is not None:
+            row["model"] = self.model
+            row["reread_GB_per_generation"] = round(self.reread / GB, 2)
+            row["reread_s_per_generation"] = round(self.reread / (DISK_GBPS * GB), 2)
         if self.peak_at:
             row["peak_at"] = self.peak_at
         if self.notes:

@@ -24,11 +24,18 @@ def _call(pipe):
     return out.frames, out.audio
 
 
+def _encode(pipe):
+    with torch.no_grad():
+        return pipe.encode_prompt(KWARGS["prompt"], negative_prompt="blurry", device="cpu")
+
+
 def test_two_stage_call_streamed_equals_resident_bit_for_bit():
     pipe, _ = tiny_pipelines(with_refiner=True)
-    resident = _call(pipe)
+    resident, resident_text = _call(pipe), _encode(pipe)
     pipe.enable_weight_streaming(vram_gb=24, device="cpu")
-    released = {"transformer": 0, "refiner": 0}
+    # built in memory: nothing to re-read, so every streamed model stays held
+    assert pipe._weight_streaming_stages.parts == {}
+    released = {"text_encoder": 0, "transformer": 0, "refiner": 0}
     for name in released:
         streamer = getattr(pipe, name)._weight_streamer
 
@@ -37,8 +44,13 @@ def test_two_stage_call_streamed_equals_resident_bit_for_bit():
             released[name] += 1
 
         streamer.on_release = poison
+    for a, b in zip(_encode(pipe), resident_text):
+        assert torch.equal(a, b)
+    layers = len(pipe.text_encoder.layers)
+    assert released["text_encoder"] == 2 * layers  # the prompt and the negative prompt, every layer from the ring
     for a, b in zip(_call(pipe), resident):
         assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    assert released["text_encoder"] % layers == 0 and released["text_encoder"] > 2 * layers
     # every block of both models ran from the ring: (cond + uncond) x steps x blocks releases
     assert released["transformer"] % len(pipe.transformer.transformer_blocks) == 0 < released["transformer"]
     assert released["refiner"] % len(pipe.refiner.transformer_blocks) == 0 < released["refiner"]
@@ -48,8 +60,20 @@ def test_two_stage_call_streamed_equals_resident_bit_for_bit():
         pipe.to(torch.float16)
     assert {n: c.dtype for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)} == dtypes
     pipe.disable_weight_streaming()
-    assert pipe.transformer._weight_streamer is None and pipe.refiner._weight_streamer is None
+    assert all(getattr(pipe, n)._weight_streamer is None for n in released)
     pipe.to("cpu")
+
+
+def _device_bytes(pipe, name, ring_size=2):
+    """A component's weights on the device under streaming: all of it, or outside its blocks + ``ring_size`` blocks."""
+    model = getattr(pipe, name, None)
+    if not isinstance(model, torch.nn.Module):
+        return 0
+    nbytes = lambda m: sum(t.nbytes for t in [*m.parameters(), *m.buffers()])  # noqa: E731
+    if name not in ("text_encoder", "transformer", "refiner"):
+        return nbytes(model)
+    blocks = model.layers if name == "text_encoder" else model.transformer_blocks
+    return nbytes(model) - sum(nbytes(b) for b in blocks) + ring_size * max(nbytes(b) for b in blocks)
 
 
 def test_budgets_and_arguments_are_refused_before_any_weight_moves():
@@ -57,20 +81,20 @@ def test_budgets_and_arguments_are_refused_before_any_weight_moves():
     before = [t.data_ptr() for t in pipe.transformer.parameters()]
     largest = max(
         ("text_encoder", "transformer", "refiner", "audio_vae", "vae", "video_decoder"),
-        key=lambda n: (
-            sum(t.nbytes for t in [*getattr(pipe, n).parameters(), *getattr(pipe, n).buffers()])
-            if isinstance(getattr(pipe, n, None), torch.nn.Module)
-            else 0
-        ),
+        key=lambda n: _device_bytes(pipe, n),
     )
     with pytest.raises(ValueError, match=rf"vram_gb=0.001: the device would hold .* the largest is {largest} at"):
         pipe.enable_weight_streaming(vram_gb=0.001, device="cpu")
     with pytest.raises(ValueError, match=r"vram_gb must be a positive number of GB \(e.g. 24 or 32\), got 0"):
         pipe.enable_weight_streaming(vram_gb=0, device="cpu")
+    with pytest.raises(ValueError, match=r"release_between_stages must be True, False or None, got 'yes'"):
+        pipe.enable_weight_streaming(vram_gb=24, device="cpu", release_between_stages="yes")
+    with pytest.raises(ValueError, match=r"release_between_stages=True: text_encoder was not loaded from a folder"):
+        pipe.enable_weight_streaming(vram_gb=24, device="cpu", release_between_stages=True)
     with pytest.raises(NotImplementedError, match=r'host_memory="disk"'):
         pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu")
     if not torch.cuda.is_available():  # the default device is CUDA: a clear error, not torch's assertion
         with pytest.raises(ValueError, match=r"sees no CUDA device; pass device='cpu'"):
             pipe.enable_weight_streaming(vram_gb=24)
     assert [t.data_ptr() for t in pipe.transformer.parameters()] == before
-    assert getattr(pipe.transformer, "_weight_streamer", None) is None
+    assert all(getattr(getattr(pipe, n), "_weight_streamer", None) is None for n in ("text_encoder", "transformer"))
