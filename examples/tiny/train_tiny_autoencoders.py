@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train the tiny MAGI-2's decoders on the tiny world (``diffusers_magi2.pipelines.tiny_world``).
+"""Train the tiny MAGI-2's autoencoders on the tiny world (``diffusers_magi2.pipelines.tiny_world``).
 
 ``--component video_decoder``: the Wan2.2 VAE (``AutoencoderKLWan``) keeps its seeded random init and serves as a
 fixed encoder (its causal 3-D convolutions cost ~1 s per clip and step on a CPU, too slow to train here); its
@@ -13,9 +13,20 @@ TurboVAE decoder the pipeline decodes with is then trained to map those normalis
 ``--component audio_vae``: likewise the Oobleck audio VAE's encoder keeps its seeded random init (its posterior
 mean defines the audio latents) and its decoder is trained on random crops of ``--audio_crop_latents`` latents of
 the world's tones, at the decoder's own rate (2048 samples per latent, 25 latents/s: 51.2 kHz; the pipeline
-resamples by 441/512 to 44.1 kHz)::
+resamples by 441/512 to 44.1 kHz). The decoder's transposed convolutions start at unit gain: torch's default init
+sizes a ``ConvTranspose1d``'s weights by ``out x kernel`` while each output sample sees ``in x kernel / stride`` of
+them, so every x8 upsampling shrinks the signal ~5x and the random decoder's output hardly depends on its latents
+(weights scaled by ``sqrt(3 stride out / in)``)::
 
-    loss = |D(z) - a|_1 + |log(1 + |STFT D(z)|) - log(1 + |STFT a|)|_1          (STFT: 1024-point Hann, hop 256)
+    loss = spectral(D(z), a)
+
+    spectral(y, a) = sum over n in (2048, 1024, 512) of  ||S_n y| - |S_n a||_F / ||S_n a||_F
+                                                + mean |log(1 + |S_n y|) - log(1 + |S_n a|)|
+    (S_n: the n-point Hann STFT, hop n / 4; a multi-resolution spectral loss, blind to phase)
+
+The loss compares magnitude spectra only (the tones start at a random phase, and a waveform loss trains a decoder
+that misses the phase to output silence, its L1-optimal guess); its log term has a floor of 1 (a floor far below
+the noise level makes every near-empty bin of a pure tone's spectrum pull the decoder to silence too).
 
 Both start from the tiny model's seeded random weights (``build_tiny_random_pipeline(TINY_TRAINED_CONFIG)``, seed
 ``--seed``) and write ``<output_dir>/<component>/`` (and ``vae/`` with the measured statistics) in diffusers' format; checkpoints
@@ -48,6 +59,32 @@ from tiny_training import (  # noqa: E402
 
 
 COMPONENTS = ("video_decoder", "audio_vae")
+#: The STFT sizes of the audio decoder's multi-resolution spectral loss (module docstring).
+SPECTRAL_FFT_SIZES = (2048, 1024, 512)
+
+
+def rescale_transposed_convolutions(decoder) -> bool:
+    """Scale each ``ConvTranspose1d`` of ``decoder`` by ``sqrt(3 stride out / in)``, to unit gain (module docstring)."""
+    import torch
+
+    for module in decoder.modules():
+        if isinstance(module, torch.nn.ConvTranspose1d):
+            scale = (3 * module.stride[0] * module.out_channels / module.in_channels) ** 0.5
+            with torch.no_grad():
+                getattr(module, "weight_g", module.weight).mul_(scale)
+    return True
+
+
+def spectral_loss(output, target, windows):
+    """The multi-resolution spectral loss of the module docstring on waveforms ``[N, S]``."""
+    import torch
+
+    loss = 0.0
+    for n, window in windows.items():
+        mag = [torch.stft(x, n, n // 4, window=window, return_complex=True).abs() for x in (output, target)]
+        loss = loss + torch.linalg.norm(mag[0] - mag[1]) / torch.linalg.norm(mag[1]).clamp_min(1e-8)
+        loss = loss + (mag[0].log1p() - mag[1].log1p()).abs().mean()
+    return loss
 
 
 def parse_args(argv=None):
@@ -104,8 +141,8 @@ def train(args, resume):
         waves = world_audio(SEEN, range(args.num_seeds), num_samples, sr)
         with torch.no_grad():
             audio_latents = torch.cat([pipe.audio_vae.encode(w).latent_dist.mean for w in waves.split(16)])
-        model = pipe.audio_vae.decoder.train()
-        window = torch.hann_window(1024)
+        model = rescale_transposed_convolutions(pipe.audio_vae.decoder) and pipe.audio_vae.decoder.train()
+        windows = {n: torch.hann_window(n) for n in SPECTRAL_FFT_SIZES}
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     schedule = lr_scheduler(args, optimizer)
@@ -125,14 +162,10 @@ def train(args, resume):
         else:
             idx = torch.randint(len(waves), (args.train_batch_size,), generator=generator)
             crop = args.audio_crop_latents
-            first = int(torch.randint(0, audio_latents.shape[-1] - crop + 1, (1,), generator=generator))
+            first = int(torch.randint(0, num_samples // 2048 - crop + 1, (1,), generator=generator))
             audio = waves[idx, :, first * 2048 : (first + crop) * 2048]
             out = model(audio_latents[idx, :, first : first + crop])
-            spec = [
-                torch.stft(x.reshape(-1, crop * 2048), 1024, 256, window=window, return_complex=True).abs().log1p()
-                for x in (out, audio)
-            ]
-            loss = (out - audio).abs().mean() + (spec[0] - spec[1]).abs().mean()
+            loss = spectral_loss(out.reshape(-1, crop * 2048), audio.reshape(-1, crop * 2048), windows)
         accelerator.backward(loss)
         optimizer.step()
         schedule.step()

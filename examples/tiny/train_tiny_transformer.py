@@ -21,8 +21,8 @@ unconditional branch feeds. Routers: no load-balancing update; the routers learn
 ``expert_bias`` / ``expert_bias_ema`` stay 0 (the CPU expert path has no capacity limit, so an unbalanced expert
 costs time, never tokens).
 
-``--autoencoders_dir`` holds ``video_decoder/``, ``vae/`` and ``audio_vae/`` from ``train_tiny_autoencoders.py``;
-with ``--pipeline_output_dir`` the trained pipeline (those components, this transformer, the tiny tokenizer and
+``--autoencoders_dir`` (required) holds ``video_decoder/``, ``vae/`` and ``audio_vae/`` from
+``train_tiny_autoencoders.py``; with ``--pipeline_output_dir`` the trained pipeline (those components, this transformer, the tiny tokenizer and
 text encoder, the scheduler, ``duration_s = 2``) is written there with ``save_pretrained`` (under a temporary
 name, then renamed).
 """
@@ -58,19 +58,16 @@ def parse_args(argv=None):
     p = common_parser(__doc__.split("\n")[1])
     p.add_argument("--num_seeds", type=positive_int, default=6, help="jitter seeds per seen triple (>= 4)")
     p.add_argument("--cfg_dropout", type=positive_float, default=0.1, help="probability of the negative prompt")
-    p.add_argument("--autoencoders_dir", default=None, help="train_tiny_autoencoders.py's --output_dir")
+    p.add_argument("--autoencoders_dir", required=True, help="train_tiny_autoencoders.py's --output_dir")
     p.add_argument("--pipeline_output_dir", default=None, help="write the trained pipeline here")
     args = p.parse_args(argv)
     if args.num_seeds < STATS_SEEDS:
         p.error(f"--num_seeds must be >= {STATS_SEEDS} (the latent statistics' clips), got {args.num_seeds}")
     if not args.cfg_dropout < 1:
         p.error(f"--cfg_dropout must be < 1, got {args.cfg_dropout}")
-    if args.pipeline_output_dir and not args.autoencoders_dir:
-        p.error("--pipeline_output_dir needs --autoencoders_dir (the trained decoders)")
-    if args.autoencoders_dir:
-        for name in ("video_decoder", "vae", "audio_vae"):
-            if not (Path(args.autoencoders_dir) / name / "config.json").is_file():
-                p.error(f"--autoencoders_dir {args.autoencoders_dir}: no {name}/config.json")
+    for name in ("video_decoder", "vae", "audio_vae"):
+        if not (Path(args.autoencoders_dir) / name / "config.json").is_file():
+            p.error(f"--autoencoders_dir {args.autoencoders_dir}: no {name}/config.json")
     return args, check_resume(p, args)
 
 
@@ -106,7 +103,7 @@ def train(args, resume):
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     set_seed(args.seed)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    pipe = build_tiny_random_pipeline(TINY_TRAINED_CONFIG)
+    pipe = assemble(build_tiny_random_pipeline(TINY_TRAINED_CONFIG), Path(args.autoencoders_dir))
     video, audio, index, captions = build_dataset(pipe, args.num_seeds)
     with torch.no_grad():
         cond, cond_mask, neg, neg_mask = pipe.encode_prompt(captions, device="cpu")
@@ -158,14 +155,13 @@ def train(args, resume):
     pipe.transformer = accelerator.unwrap_model(model).eval()
     write_folder(pipe.transformer.save_pretrained, output_dir / "transformer")
     if args.pipeline_output_dir:
-        write_folder(lambda folder: assemble(pipe, Path(args.autoencoders_dir)).save_pretrained(folder),
-                     Path(args.pipeline_output_dir))  # fmt: skip
+        write_folder(pipe.save_pretrained, Path(args.pipeline_output_dir))
     print_times(time.perf_counter() - start_wall, time.process_time() - start_cpu, "transformer training")
     return pipe
 
 
 def assemble(pipe, autoencoders_dir: Path):
-    """``pipe`` with the trained decoders of ``autoencoders_dir`` (and the VAE carrying the statistics)."""
+    """``pipe`` with the trained autoencoders of ``autoencoders_dir`` (the video VAE carrying the statistics)."""
     from diffusers import AutoencoderKLWan, AutoencoderOobleck
 
     from diffusers_magi2.models.turbo_vae import Magi2TurboVAEDecoder

@@ -35,9 +35,9 @@ def test_autoencoder_script_refuses_bad_flags(tmp_path, capsys, extra, match):
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (["--num_seeds", "2"], "--num_seeds must be >= 4"),
-        (["--cfg_dropout", "1.5"], "--cfg_dropout must be < 1"),
-        (["--pipeline_output_dir", "out"], "needs --autoencoders_dir"),
+        (["--autoencoders_dir", ".", "--num_seeds", "2"], "--num_seeds must be >= 4"),
+        (["--autoencoders_dir", ".", "--cfg_dropout", "1.5"], "--cfg_dropout must be < 1"),
+        (["--pipeline_output_dir", "out"], "the following arguments are required: --autoencoders_dir"),
         (["--autoencoders_dir", "."], "no video_decoder/config.json"),
     ],
 )
