@@ -3,15 +3,17 @@
 * **Shape mask**: pixels with HSV saturation ≥ 0.45 and value ≥ 0.35 (the background is grey and dark).
 * **Colour**: over the frames whose mask holds 0.5 %–40 % of the pixels, the circular mean hue of the mask pixels;
   it names the colour of :data:`~.tiny_world.COLOURS` with the nearest hue, if the hues agree (mean resultant length
-  ``R ≥ 0.7``) and are within 35° of it, else ``None``. Random noise has hues spread over the circle (``R ≈ 0``).
+  ``R ≥ 0.7``) and are within 35° of it, else the colour of :data:`~.tiny_world.NEW_COLOURS` within 35° of it (so
+  the new colours change no verdict on the trained ones), else ``None``. Random noise has hues spread over the
+  circle (``R ≈ 0``).
 * **Motion**: the mask's centroid per frame, fitted by a line in time; the net displacement over the clip
   ``(Δx, Δy)`` (fractions of the width / height) names the motion of the dominant axis if it is at least 0.15 and
   at least twice the other axis, else ``None``.
 * **Shape**: the mask's area over its bounding box's, median over frames: a disc fills π/4 ≈ 0.79, a square 1;
   the threshold is 0.89.
 * **Sound**: the mono mix's magnitude spectrum between 100 Hz and 2 kHz; its peak names the colour whose tone
-  (:data:`~.tiny_world.TONES_HZ`) is within a semitone and a half of it, if the peak stands at least 20 times
-  above the band's median magnitude, else ``None``.
+  (:data:`~.tiny_world.TONES_HZ`, :data:`~.tiny_world.NEW_TONES_HZ`; any two at least 7 semitones apart) is within a
+  semitone and a half of it, if the peak stands at least 20 times above the band's median magnitude, else ``None``.
 * **Flicker**: the mean absolute change of the background (pixels outside the mask in two consecutive frames) from
   one frame to the next, on the [0, 1] scale (0 for the world, whose background is still).
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tiny_world import COLOURS, MOTIONS, TONES_HZ, parse_caption
+from .tiny_world import COLOURS, MOTIONS, NEW_COLOURS, NEW_TONES_HZ, TONES_HZ, parse_caption
 
 
 __all__ = ["judge_clip", "judge_colour", "judge_motion", "judge_shape", "judge_tone", "flicker", "shape_mask"]
@@ -48,7 +50,18 @@ def _usable(mask: np.ndarray) -> np.ndarray:
     return (share >= 0.005) & (share <= 0.40)
 
 
-_COLOUR_HUES = {name: _hsv(np.asarray(rgb, np.float32)[None, None, None])[0].item() for name, rgb in COLOURS.items()}
+def _hues(colours: dict) -> dict:
+    return {name: _hsv(np.asarray(rgb, np.float32)[None, None, None])[0].item() for name, rgb in colours.items()}
+
+
+_COLOUR_HUES, _NEW_COLOUR_HUES = _hues(COLOURS), _hues(NEW_COLOURS)
+
+
+def _nearest_hue(hue_deg: float, hues: dict) -> str | None:
+    """The name in ``hues`` whose hue is nearest ``hue_deg``, if within 35°, else ``None``."""
+    distances = {name: abs((hue_deg - h + 180.0) % 360.0 - 180.0) for name, h in hues.items()}
+    best = min(distances, key=distances.get)
+    return best if distances[best] <= 35.0 else None
 
 
 def judge_colour(frames: np.ndarray) -> str | None:
@@ -63,9 +76,7 @@ def judge_colour(frames: np.ndarray) -> str | None:
     if abs(mean) < 0.7:
         return None
     mean_deg = np.rad2deg(np.angle(mean)) % 360.0
-    distances = {name: abs((mean_deg - h + 180.0) % 360.0 - 180.0) for name, h in _COLOUR_HUES.items()}
-    best = min(distances, key=distances.get)
-    return best if distances[best] <= 35.0 else None
+    return _nearest_hue(mean_deg, _COLOUR_HUES) or _nearest_hue(mean_deg, _NEW_COLOUR_HUES)
 
 
 def judge_motion(frames: np.ndarray) -> str | None:
@@ -114,7 +125,7 @@ def judge_tone(audio: np.ndarray, sample_rate: int) -> str | None:
     if not band.any() or spectrum[band].max() < 20.0 * max(np.median(spectrum[band]), 1e-12):
         return None
     peak = freqs[band][np.argmax(spectrum[band])]
-    semitones = {name: abs(12.0 * np.log2(peak / hz)) for name, hz in TONES_HZ.items()}
+    semitones = {name: abs(12.0 * np.log2(peak / hz)) for name, hz in {**TONES_HZ, **NEW_TONES_HZ}.items()}
     best = min(semitones, key=semitones.get)
     return best if semitones[best] <= 1.5 else None
 

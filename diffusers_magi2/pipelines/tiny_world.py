@@ -11,7 +11,9 @@ radius (±10 %), the phase ``φ`` and the amplitude (±10 %); everything else is
 what a judge (:mod:`.tiny_judge`) must see and hear.
 
 :data:`HELD_OUT` holds four colour × shape × motion triples no training clip shows (each colour, shape and motion
-still appears in training); :data:`SEEN` is the other 28.
+still appears in training); :data:`SEEN` is the other 28. :data:`NEW_COLOURS` (purple, hue 292.5°, halfway between
+the hue windows the judge gives red and blue; its tone :data:`NEW_TONES_HZ` a fifth above yellow's) renders and
+parses like the others but is in no training triple: a concept for a LoRA to teach.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ __all__ = [
     "COLOURS",
     "HELD_OUT",
     "MOTIONS",
+    "NEW_COLOURS",
+    "NEW_TONES_HZ",
     "SEEN",
     "SHAPES",
     "TONES_HZ",
@@ -49,6 +53,11 @@ MOTIONS = {"moves left": (-1, 0), "moves right": (1, 0), "moves up": (0, -1), "m
 #: Pitch of the tone of each colour, Hz (a fifth apart: the nearest other tone is 1.5x away).
 TONES_HZ = {"red": 220.0, "green": 330.0, "blue": 495.0, "yellow": 742.5}
 BACKGROUND = (0.08, 0.08, 0.10)
+#: Colours outside the training triples (module docstring), RGB in [0, 1], and their tones in Hz.
+NEW_COLOURS = {"purple": (0.83, 0.18, 0.92)}
+NEW_TONES_HZ = {"purple": 1113.75}
+_RGB = {**COLOURS, **NEW_COLOURS}
+_HZ = {**TONES_HZ, **NEW_TONES_HZ}
 
 _ALL = tuple(itertools.product(COLOURS, SHAPES, MOTIONS))
 HELD_OUT = (
@@ -66,7 +75,7 @@ def caption(colour: str, shape: str, motion: str) -> str:
 
 
 _CAPTION = re.compile(
-    rf"\ba\s+({'|'.join(COLOURS)})\s+({'|'.join(SHAPES)})\s+(moves\s+(?:{'|'.join(m.split()[1] for m in MOTIONS)}))",
+    rf"\ba\s+({'|'.join(_RGB)})\s+({'|'.join(SHAPES)})\s+(moves\s+(?:{'|'.join(m.split()[1] for m in MOTIONS)}))",
     re.IGNORECASE,
 )
 
@@ -91,7 +100,7 @@ def render_frames(
     """The clip's frames (module docstring).
 
     Args:
-        colour, shape, motion: keys of :data:`COLOURS`, :data:`SHAPES`, :data:`MOTIONS`.
+        colour, shape, motion: keys of :data:`COLOURS` (or :data:`NEW_COLOURS`), :data:`SHAPES`, :data:`MOTIONS`.
         height, width: pixels (>= 16 each); num_frames: ``F >= 2``.
         seed: the jitter's seed.
 
@@ -101,9 +110,9 @@ def render_frames(
     Raises:
         ValueError: an unknown word, or a size below the minimum.
     """
-    if colour not in COLOURS or shape not in SHAPES or motion not in MOTIONS:
+    if colour not in _RGB or shape not in SHAPES or motion not in MOTIONS:
         raise ValueError(
-            f"unknown triple {(colour, shape, motion)!r}; colours {list(COLOURS)}, shapes {list(SHAPES)}, "
+            f"unknown triple {(colour, shape, motion)!r}; colours {list(_RGB)}, shapes {list(SHAPES)}, "
             f"motions {list(MOTIONS)}"
         )
     if height < 16 or width < 16 or num_frames < 2:
@@ -122,7 +131,7 @@ def render_frames(
     xs = np.arange(width, dtype=np.float32)[None, :] + 0.5
     frames = np.empty((num_frames, height, width, 3), dtype=np.float32)
     frames[:] = np.asarray(BACKGROUND, dtype=np.float32)
-    fill = np.asarray(COLOURS[colour], dtype=np.float32)
+    fill = np.asarray(_RGB[colour], dtype=np.float32)
     for f in range(num_frames):
         if shape == "circle":
             inside = (xs - cx[f]) ** 2 + (ys - cy[f]) ** 2 <= radius**2
@@ -138,13 +147,13 @@ def render_audio(colour: str, *, num_samples: int, sample_rate: int, seed: int =
     Raises:
         ValueError: an unknown colour, or a sample rate below twice the tone's pitch.
     """
-    if colour not in COLOURS:
-        raise ValueError(f"unknown colour {colour!r}; colours {list(COLOURS)}")
-    if sample_rate < 2 * TONES_HZ[colour]:
-        raise ValueError(f"sample_rate {sample_rate} is below the Nyquist rate of a {TONES_HZ[colour]} Hz tone")
+    if colour not in _RGB:
+        raise ValueError(f"unknown colour {colour!r}; colours {list(_RGB)}")
+    if sample_rate < 2 * _HZ[colour]:
+        raise ValueError(f"sample_rate {sample_rate} is below the Nyquist rate of a {_HZ[colour]} Hz tone")
     rng = _jitter(seed)
     rng.uniform(size=3)  # the frames' draws, so that the audio's do not repeat them
     phase, gain = rng.uniform(0, 2 * np.pi), 0.3 * rng.uniform(0.9, 1.1)
     t = np.arange(num_samples, dtype=np.float64) / sample_rate
-    wave = (gain * np.sin(2 * np.pi * TONES_HZ[colour] * t + phase)).astype(np.float32)
+    wave = (gain * np.sin(2 * np.pi * _HZ[colour] * t + phase)).astype(np.float32)
     return np.stack([wave, wave])

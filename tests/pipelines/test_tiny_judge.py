@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import colorsys
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,16 @@ from diffusers_magi2.pipelines.tiny_judge import (
     judge_shape,
     judge_tone,
 )
-from diffusers_magi2.pipelines.tiny_world import HELD_OUT, SEEN, caption, render_audio, render_frames
+from diffusers_magi2.pipelines.tiny_world import (
+    COLOURS,
+    HELD_OUT,
+    MOTIONS,
+    NEW_COLOURS,
+    SEEN,
+    caption,
+    render_audio,
+    render_frames,
+)
 
 
 def test_the_worlds_own_clips_score_one():
@@ -45,3 +56,25 @@ def test_a_still_shape_has_no_motion_and_a_wrong_prompt_scores_false():
     assert not (score["colour"] or score["shape"] or score["motion"]) and score["sound"] is None
     with pytest.raises(ValueError, match="not a caption of the tiny world"):
         judge_clip(frames, None, None, "a fox")
+
+
+def test_new_colours_are_judged_and_change_no_verdict_on_the_trained_ones():
+    rate = 8000
+    for i, motion in enumerate(MOTIONS):
+        frames = render_frames("purple", "square", motion, height=32, width=32, num_frames=7, seed=i)
+        audio = render_audio("purple", num_samples=rate // 2, sample_rate=rate, seed=i)
+        score = judge_clip(frames, audio, rate, f"a purple square {motion}")
+        assert (score["colour"], score["shape"], score["motion"], score["sound"]) == (True,) * 4, (motion, score)
+    # every hue a trained colour's 35° window held is still named by it (an oracle over the trained hues only)
+    trained = {c: 360.0 * colorsys.rgb_to_hsv(*rgb)[0] for c, rgb in COLOURS.items()}
+    for hue in np.arange(0.0, 360.0, 0.5):
+        rgb = colorsys.hsv_to_rgb(hue / 360.0, 0.8, 0.9)
+        frames = np.zeros((3, 20, 20, 3), np.float32)
+        frames[:, 5:12, 5:12] = rgb
+        distance = {c: abs((hue - h + 180.0) % 360.0 - 180.0) for c, h in trained.items()}
+        nearest = min(distance, key=distance.get)
+        got = judge_colour(frames)
+        if distance[nearest] <= 34.0:
+            assert got == nearest, hue
+        elif got is not None and distance[nearest] > 36.0:
+            assert got in NEW_COLOURS, (hue, got)

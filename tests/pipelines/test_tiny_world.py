@@ -10,6 +10,8 @@ from diffusers_magi2.pipelines.tiny_world import (
     COLOURS,
     HELD_OUT,
     MOTIONS,
+    NEW_COLOURS,
+    NEW_TONES_HZ,
     SEEN,
     SHAPES,
     caption,
@@ -67,3 +69,13 @@ def test_audio_is_the_colours_tone():
 def test_bad_input_is_refused(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_new_colours_render_and_parse_but_are_in_no_training_triple():
+    assert not set(NEW_COLOURS) & set(COLOURS) and set(NEW_TONES_HZ) == set(NEW_COLOURS)
+    assert not {t[0] for t in SEEN + HELD_OUT} & set(NEW_COLOURS)
+    assert parse_caption("a purple square moves left") == ("purple", "square", "moves left")
+    frames = render_frames("purple", "circle", "moves up", height=32, width=32, num_frames=5, seed=2)
+    assert np.all(frames == np.asarray(NEW_COLOURS["purple"], np.float32), axis=-1).sum() > 50
+    audio = render_audio("purple", num_samples=8000, sample_rate=8000, seed=1)
+    assert abs(np.argmax(np.abs(np.fft.rfft(audio[0]))) - 1113.75) <= 1  # 1 s at 8 kHz: bin k is k Hz

@@ -1,0 +1,158 @@
+"""A LoRA that teaches the trained tiny MAGI-2 a colour it never saw (not collected by pytest): judge accuracy on the
+new colour and on the old concepts, before and after, and the LoRA's training time.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m tests.benchmarks.bench_tiny_lora_concept --model FOLDER \\
+        [--max_steps 400] [--learning_rate 1e-3] [--rank 16] [--out lora_concept.json]
+
+The concept: purple (``tiny_world.NEW_COLOURS``; hue 292.5°, which the judge names apart from the four trained
+colours), a colour of no training caption. The data folder, written as a user would write one for
+``examples/train_lora.py`` (videos and ``<stem>.txt`` captions, encoded by its ``--cache``): the world's clips of
+``"a purple {shape} {motion}"`` for both shapes and the four motions at ``--clips_per_triple`` jitter seeds, plus one
+clip of each of the 8 seen prompts of ``bench_tiny_prompt_following`` (so that the LoRA keeps the old colours), as
+2 s clips at 32x32 and 12.5 fps (lossless H.264, 4:4:4). ``train_lora.py`` runs in a subprocess with one thread
+(``OMP_NUM_THREADS=1``) and its defaults otherwise (LoRA on ``linear_qkv`` and ``linear_proj``, fp32, uniform sigma,
+video loss only); its time is the child's CPU time.
+
+Prompt sets, noise seed 0, 16 steps, CFG 5: "purple set", the 8 purple triples; "old set", the benchmark's 8 seen
+and 4 held-out prompts. The base pipeline is scored, then the same pipeline with the LoRA loaded
+(``pipe.load_lora_weights(output_dir)``).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+from diffusers_magi2.pipelines.tiny_world import MOTIONS, NEW_COLOURS, SHAPES, caption, parse_caption, render_frames
+from tests.benchmarks.tiny_quality import (
+    HELD_OUT_PROMPTS,
+    JUDGED,
+    SEEN_PROMPTS,
+    common_parser,
+    generate,
+    load_pipeline,
+    mean_scores,
+    pipeline_folder,
+    print_table,
+    write_json,
+)
+
+
+STEPS, GUIDANCE = 16, 5.0
+FPS, NUM_FRAMES, SIZE = Fraction(25, 2), 25, 32
+TRAIN_LORA = Path(__file__).resolve().parents[2] / "examples" / "train_lora.py"
+COLOUR = next(iter(NEW_COLOURS))
+PURPLE_PROMPTS = [caption(COLOUR, shape, motion) for shape in SHAPES for motion in MOTIONS]
+
+
+def write_video(path: Path, frames: np.ndarray) -> None:
+    """Frames ``[F, H, W, 3]`` in [0, 1] as a lossless H.264 (4:4:4) ``.mp4`` at :data:`FPS`."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=FPS, options={"crf": "0"})
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv444p"
+        for frame in np.round(np.clip(frames, 0.0, 1.0) * 255.0).astype(np.uint8):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
+def write_dataset(folder: Path, clips_per_triple: int) -> int:
+    """The LoRA's data folder (module docstring); returns the number of clips."""
+    captions = [(p, 1000 + s) for p in PURPLE_PROMPTS for s in range(clips_per_triple)]
+    captions += [(p, 2000) for p in SEEN_PROMPTS]
+    for i, (text, seed) in enumerate(captions):
+        frames = render_frames(*parse_caption(text), height=SIZE, width=SIZE, num_frames=NUM_FRAMES, seed=seed)
+        write_video(folder / f"clip{i:03d}.mp4", frames)
+        (folder / f"clip{i:03d}.txt").write_text(text + "\n", encoding="utf-8")
+    return len(captions)
+
+
+def train_lora(model: str, data_dir: Path, output_dir: Path, args) -> dict:
+    """Run ``examples/train_lora.py`` (module docstring); its CPU and wall seconds."""
+    command = [
+        sys.executable,
+        str(TRAIN_LORA),
+        "--model",
+        model,
+        "--data_dir",
+        str(data_dir),
+        "--cache",
+        "--output_dir",
+        str(output_dir),
+        "--max_steps",
+        str(args.max_steps),
+        "--checkpoint_every",
+        str(args.max_steps),
+        "--learning_rate",
+        str(args.learning_rate),
+        "--rank",
+        str(args.rank),
+        "--seed",
+        "0",
+    ]
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return {"cpu_seconds": cpu, "wall_seconds": time.perf_counter() - start, "command": command[1:]}
+
+
+def score(pipe) -> dict:
+    """Judge scores on the purple set and on the old set's seen and held-out prompts."""
+    return {
+        name: mean_scores([generate(pipe, p, 0, STEPS, GUIDANCE) for p in prompts])
+        for name, prompts in (("purple", PURPLE_PROMPTS), ("seen", SEEN_PROMPTS), ("held_out", HELD_OUT_PROMPTS))
+    }
+
+
+def main(argv=None) -> int:
+    p = common_parser(__doc__)
+    p.add_argument("--clips_per_triple", type=int, default=3, help="training clips per purple triple")
+    p.add_argument("--max_steps", type=int, default=400)
+    p.add_argument("--learning_rate", type=float, default=1e-3)
+    p.add_argument("--rank", type=int, default=16)
+    args = p.parse_args(argv)
+    if args.clips_per_triple < 1 or args.max_steps < 1 or args.rank < 1:
+        p.error("--clips_per_triple, --max_steps and --rank must be >= 1")
+    with pipeline_folder(args.model) as folder, tempfile.TemporaryDirectory(prefix="lora-concept-") as work:
+        data_dir, output_dir = Path(work) / "data", Path(work) / "lora"
+        data_dir.mkdir()
+        clips = write_dataset(data_dir, args.clips_per_triple)
+        training = train_lora(folder, data_dir, output_dir, args)
+        pipe = load_pipeline(folder)
+        before = score(pipe)
+        pipe.load_lora_weights(str(output_dir))
+        after = score(pipe)
+    results = {
+        "model": args.model or "random control",
+        "training": {**training, "clips": clips, "max_steps": args.max_steps, "rank": args.rank},
+        "before": before,
+        "after": after,
+    }
+    print(
+        f"model: {results['model']}; LoRA: {clips} clips, {args.max_steps} steps, rank {args.rank}, lr "
+        f"{args.learning_rate}: {training['cpu_seconds']:.0f} CPU s ({training['wall_seconds']:.0f} s wall)"
+    )
+    rows = [
+        [name, *(r["purple"][k] for k in ("colour", "shape", "motion"))]
+        + [*(r["seen"][k] for k in JUDGED), r["held_out"]["colour"], r["held_out"]["motion"]]
+        for name, r in (("base", before), ("base + LoRA", after))
+    ]
+    columns = ["model", "purple: colour", "purple: shape", "purple: motion"]
+    columns += [f"old seen: {k}" for k in JUDGED] + ["old held-out: colour", "old held-out: motion"]
+    print_table(columns, rows)
+    write_json(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""Retrain the tiny MAGI-2 from its seed and compare its judge scores with the shipped weights' (not collected by
+pytest): the training is reproducible when every accuracy is within ±0.05 of the shipped model's.
+
+    .venv/bin/python -m tests.benchmarks.bench_tiny_retrain [--shipped FOLDER] [--threads 2] [--seeds 3] \\
+        [--workdir DIR] [--out retrain.json]
+
+It runs the recipe the shipped weights were trained with (:data:`RECIPE`: ``examples/tiny/``'s scripts, seed 0),
+each script in a subprocess with ``--threads`` threads (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``), into ``--workdir``
+(default: a temporary folder, removed afterwards), then scores the retrained pipeline and the shipped one (``--shipped``,
+default ``build_tiny_default_pipeline()``) on the prompt-following set (the 8 seen and 4 held-out prompts of
+``bench_tiny_prompt_following`` x noise seeds ``0 .. --seeds - 1``, 16 steps, CFG 5) and prints both with their
+differences. The exit status is 1 when a difference exceeds the tolerance.
+
+About an hour of two cores for the full recipe. ``--video_decoder_steps``, ``--audio_vae_steps`` and
+``--transformer_steps`` override its step counts, to check the benchmark itself in minutes (the scores are then
+those of an untrained model).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.benchmarks.tiny_quality import (
+    JUDGED,
+    common_parser,
+    generate,
+    load_pipeline,
+    mean_scores,
+    print_table,
+    prompt_set,
+    write_json,
+)
+
+
+STEPS, GUIDANCE, TOLERANCE = 16, 5.0, 0.05
+TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny"
+#: The shipped weights' recipe: (script, flags); ``{ae}``, ``{tr}``, ``{pipeline}`` are folders of the work dir and
+#: ``{video_decoder_steps}`` ... the step counts.
+RECIPE = (
+    (
+        "train_tiny_autoencoders.py",
+        "--component video_decoder --output_dir {ae} --max_train_steps {video_decoder_steps} "
+        "--checkpointing_steps 500 --seed 0",
+    ),
+    (
+        "train_tiny_autoencoders.py",
+        "--component audio_vae --output_dir {ae} --max_train_steps {audio_vae_steps} --checkpointing_steps 250 --seed 0",
+    ),
+    (
+        "train_tiny_transformer.py",
+        "--output_dir {tr} --autoencoders_dir {ae} --pipeline_output_dir {pipeline} "
+        "--max_train_steps {transformer_steps} --train_batch_size 16 --learning_rate 1e-3 --lr_scheduler cosine "
+        "--lr_warmup_steps 200 --checkpointing_steps 1000 --seed 0",
+    ),
+)
+DEFAULT_STEPS = {"video_decoder_steps": 3000, "audio_vae_steps": 1500, "transformer_steps": 7500}
+
+
+def retrain(workdir: Path, threads: int, steps: dict) -> tuple[Path, list[dict]]:
+    """Run :data:`RECIPE` into ``workdir``; the trained pipeline folder and each script's command and seconds."""
+    folders = {"ae": workdir / "autoencoders", "tr": workdir / "transformer", "pipeline": workdir / "pipeline"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    runs = []
+    for script, flags in RECIPE:
+        command = [sys.executable, str(TINY / script), *flags.format(**folders, **steps).split()]
+        print("+", " ".join(command[1:]), flush=True)
+        start = time.perf_counter()
+        subprocess.run(command, check=True, env=env)
+        runs.append({"command": command[1:], "seconds": time.perf_counter() - start})
+    return folders["pipeline"], runs
+
+
+def score(pipe, prompts: tuple[list[str], list[str]], seeds: int) -> dict:
+    """Judge scores of the seen and the held-out prompts over noise seeds ``0 .. seeds - 1``."""
+    return {
+        split: mean_scores([generate(pipe, p, seed, STEPS, GUIDANCE) for p in group for seed in range(seeds)])
+        for split, group in zip(("seen", "held_out"), prompts)
+        if group
+    }
+
+
+def main(argv=None) -> int:
+    p = common_parser(__doc__)
+    p.add_argument(
+        "--shipped", default=None, help="the shipped pipeline folder (default: build_tiny_default_pipeline)"
+    )
+    p.add_argument("--threads", type=int, default=2, help="threads of each training script")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--workdir", default=None, help="keep the retrained run here (default: a temporary folder)")
+    for name, value in DEFAULT_STEPS.items():
+        p.add_argument(f"--{name}", type=int, default=value)
+    args = p.parse_args(argv)
+    prompts = prompt_set(p, args)
+    if args.threads < 1 or args.seeds < 1 or any(getattr(args, n) < 1 for n in DEFAULT_STEPS):
+        p.error("--threads, --seeds and the step counts must be >= 1")
+    if args.model:
+        p.error("--model is not used here: the retrained model is compared with --shipped")
+    steps = {n: getattr(args, n) for n in DEFAULT_STEPS}
+    with tempfile.TemporaryDirectory(prefix="tiny-retrain-") as tmp:
+        workdir = Path(args.workdir or tmp)
+        folder, runs = retrain(workdir, args.threads, steps)
+        retrained = score(load_pipeline(str(folder)), prompts, args.seeds)
+    if args.shipped:
+        shipped_pipe = load_pipeline(args.shipped)
+    else:
+        from diffusers_magi2 import build_tiny_default_pipeline
+
+        shipped_pipe = build_tiny_default_pipeline()
+        shipped_pipe.set_progress_bar_config(disable=True)
+    shipped = score(shipped_pipe, prompts, args.seeds)
+    rows, worst = [], 0.0
+    for split in retrained:
+        for k in JUDGED:
+            diff = retrained[split][k] - shipped[split][k]
+            worst = max(worst, abs(diff))
+            rows.append([split, k, shipped[split][k], retrained[split][k], f"{diff:+.2f}"])
+    ok = worst <= TOLERANCE
+    results = {"steps": steps, "threads": args.threads, "runs": runs, "shipped": shipped, "retrained": retrained}
+    results.update(worst_difference=worst, within_tolerance=ok)
+    print(f"recipe steps {steps}, {args.threads} threads; {args.seeds} seed(s) per prompt")
+    print_table(["prompts", "judge", "shipped", "retrained", "difference"], rows)
+    print(f"largest difference {worst:.3f}: {'within' if ok else 'OUTSIDE'} ±{TOLERANCE}")
+    write_json(args.out, results)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
