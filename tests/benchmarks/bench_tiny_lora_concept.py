@@ -13,8 +13,8 @@ clip of each of the 8 seen prompts of ``bench_tiny_prompt_following`` (so that t
 (``OMP_NUM_THREADS=1``) and its defaults otherwise (LoRA on ``linear_qkv`` and ``linear_proj``, fp32, uniform sigma,
 video loss only); its time is the child's CPU time.
 
-Prompt sets, noise seed 0, 16 steps, CFG 5: "purple set", the 8 purple triples; "old set", the benchmark's 8 seen
-and 4 held-out prompts. The base pipeline is scored, then the same pipeline with the LoRA loaded
+Prompt sets, noise seed 0, 16 steps, CFG 5: "purple set", the 8 purple triples; "old set", the first ``--seen`` (8)
+seen and ``--held_out`` (4) held-out prompts of the benchmark. The base pipeline is scored, then the same pipeline with the LoRA loaded
 (``pipe.load_lora_weights(output_dir)``).
 """
 
@@ -33,7 +33,6 @@ import numpy as np
 
 from diffusers_magi2.pipelines.tiny_world import MOTIONS, NEW_COLOURS, SHAPES, caption, parse_caption, render_frames
 from tests.benchmarks.tiny_quality import (
-    HELD_OUT_PROMPTS,
     JUDGED,
     SEEN_PROMPTS,
     common_parser,
@@ -42,6 +41,7 @@ from tests.benchmarks.tiny_quality import (
     mean_scores,
     pipeline_folder,
     print_table,
+    prompt_set,
     write_json,
 )
 
@@ -106,11 +106,12 @@ def train_lora(model: str, data_dir: Path, output_dir: Path, args) -> dict:
     return {"cpu_seconds": cpu, "wall_seconds": time.perf_counter() - start, "command": command[1:]}
 
 
-def score(pipe) -> dict:
-    """Judge scores on the purple set and on the old set's seen and held-out prompts."""
+def score(pipe, seen: list[str], held_out: list[str]) -> dict:
+    """Judge scores on the purple set and on the old set's ``seen`` and ``held_out`` prompts."""
+    nothing = dict.fromkeys((*JUDGED, "flicker"), float("nan"))
     return {
-        name: mean_scores([generate(pipe, p, 0, STEPS, GUIDANCE) for p in prompts])
-        for name, prompts in (("purple", PURPLE_PROMPTS), ("seen", SEEN_PROMPTS), ("held_out", HELD_OUT_PROMPTS))
+        name: mean_scores([generate(pipe, p, 0, STEPS, GUIDANCE) for p in prompts]) if prompts else nothing
+        for name, prompts in (("purple", PURPLE_PROMPTS), ("seen", seen), ("held_out", held_out))
     }
 
 
@@ -121,6 +122,7 @@ def main(argv=None) -> int:
     p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--rank", type=int, default=16)
     args = p.parse_args(argv)
+    seen, held_out = prompt_set(p, args)
     if args.clips_per_triple < 1 or args.max_steps < 1 or args.rank < 1:
         p.error("--clips_per_triple, --max_steps and --rank must be >= 1")
     with pipeline_folder(args.model) as folder, tempfile.TemporaryDirectory(prefix="lora-concept-") as work:
@@ -129,9 +131,9 @@ def main(argv=None) -> int:
         clips = write_dataset(data_dir, args.clips_per_triple)
         training = train_lora(folder, data_dir, output_dir, args)
         pipe = load_pipeline(folder)
-        before = score(pipe)
+        before = score(pipe, seen, held_out)
         pipe.load_lora_weights(str(output_dir))
-        after = score(pipe)
+        after = score(pipe, seen, held_out)
     results = {
         "model": args.model or "random control",
         "training": {**training, "clips": clips, "max_steps": args.max_steps, "rank": args.rank},

@@ -49,7 +49,7 @@ RECIPE = (
     ),
     (
         "train_tiny_autoencoders.py",
-        "--component audio_vae --output_dir {ae} --max_train_steps {audio_vae_steps} --checkpointing_steps 250 --seed 0",
+        "--component audio_vae --output_dir {ae} --max_train_steps {audio_vae_steps} --checkpointing_steps 100 --seed 0",
     ),
     (
         "train_tiny_transformer.py",
@@ -58,7 +58,7 @@ RECIPE = (
         "--lr_warmup_steps 200 --checkpointing_steps 1000 --seed 0",
     ),
 )
-DEFAULT_STEPS = {"video_decoder_steps": 3000, "audio_vae_steps": 1500, "transformer_steps": 7500}
+DEFAULT_STEPS = {"video_decoder_steps": 3000, "audio_vae_steps": 600, "transformer_steps": 7500}
 
 
 def retrain(workdir: Path, threads: int, steps: dict) -> tuple[Path, list[dict]]:
