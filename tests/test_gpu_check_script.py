@@ -51,7 +51,7 @@ def test_gpu_check_dry_run_runs_every_cpu_section(tmp_path):
     )
     summary = (out / "summary.txt").read_text()
     assert proc.returncode == 0, summary + proc.stderr
-    for name in ("environment", "attention_sinks", "bench_moe_int4", "gpu_block", "preview_step"):
+    for name in ("environment", "attention_sinks", "bench_moe_int4", "gpu_block", "preview_step", "streaming_24gb"):
         line = next(line for line in summary.splitlines() if line.startswith(name))
         assert " ok " in line, line
     assert "skipped (GPU_CHECK_SKIP)" in next(line for line in summary.splitlines() if line.startswith("bench_moe "))
@@ -62,3 +62,5 @@ def test_gpu_check_dry_run_runs_every_cpu_section(tmp_path):
     recipes = json.loads((out / "preview_step.json").read_text())["recipes"]
     assert set(recipes) == {"fp8", "80gb"}  # the 141 GB and the 80 GB recipe
     assert all(abs(r["planned_over_measured"] - 1) <= 0.10 for r in recipes.values()), recipes
+    streaming = json.loads((out / "streaming_24gb.json").read_text())  # the CPU ring: same output, planned peak
+    assert streaming["bit_equal"] and not streaming["failures"], streaming
