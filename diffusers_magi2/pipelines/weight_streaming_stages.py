@@ -16,7 +16,8 @@ enable by name, shape and dtype, and byte for byte (after the cast) on the first
 weight outside the blocks. A pipeline built in memory has no files: its streamed models stay held (host memory is
 their sum). A tensor the files lack (a non-persistent buffer, e.g. rotary ``inv_freq``) is kept: outside the
 blocks it stays where it is; inside a block, as a host copy. Released weights are not held at all between stages,
-so the first forward of each stage pays its read.
+so the first forward of each stage pays its read. The stage begins in the model's ``forward`` (what the pipeline
+calls); a direct call to another entry point (e.g. ``forward_packed``) finds the model's weights freed.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class Reread:
 
         self.streamer.allocate(read)
         for o in self.outside:
-            o.tensor.data = load(o.key).to(device=o.tensor.device, dtype=o.tensor.dtype)
+            # a copy: on the CPU safetensors hands out views of the mapped file
+            o.tensor.data = load(o.key).to(device=o.tensor.device, dtype=o.tensor.dtype, copy=True)
         handles.clear()
         self.held = True
 

@@ -4,8 +4,14 @@ bit for bit; weights that are not the files' are refused before anything moves."
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from helpers.memory_plan_streaming import preview_streamed_weights, text_encoder_streamed_weights
 from helpers.modular_testing_utils import tiny_pipelines
 
 from diffusers_magi2 import Magi2Pipeline
@@ -95,3 +101,99 @@ def test_weights_not_the_files_are_refused_or_held(saved):
     pipe.enable_weight_streaming(vram_gb=24, device="cpu")  # default: release what can be re-read, hold the rest
     assert set(pipe._weight_streaming_stages.parts) == {"text_encoder", "refiner"}
     assert _holds(pipe, "transformer") and not _holds(pipe, "text_encoder")
+
+
+# a reduced text encoder (4 equal decoder layers, 105 MB in bf16) and a reduced MoE transformer (115 MB): each a
+# tenth of the other's host memory or more, so holding both would miss the one-stage figure by over 10 %
+TEXT_CONFIG = {
+    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 4, "layer_types": ["full_attention"] * 4,
+    "full_attention_interval": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+    "vocab_size": 8192, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                            "mrope_section": [4, 4, 8], "mrope_interleaved": True},
+}  # fmt: skip
+TRANSFORMER_CONFIG = {
+    "num_layers": 6, "num_attention_heads": 4, "attention_head_dim": 64, "num_key_value_heads": 4,
+    "text_in_channels": 256, "multimodal_layers": (0,), "moe_layers": (1, 2, 3, 4, 5), "moe_num_heads": 2,
+    "moe_num_experts": 16, "moe_top_k": 2, "moe_expert_intermediate_size": 512, "shared_expert_intermediate_size": 64,
+    "modality_specific_expert_intermediate_size": 64, "intermediate_factor": 2,
+}  # fmt: skip
+_STAGES_SCRIPT = """
+import gc, json, sys, tempfile, torch
+from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
+from diffusers_magi2 import Magi2Transformer3DModel
+from diffusers_magi2.models.weight_streaming import apply_weight_streaming
+from diffusers_magi2.pipelines.weight_streaming_pipeline import streamed_blocks
+from diffusers_magi2.pipelines.weight_streaming_stages import StagedHostMemory, plan_reread
+
+def anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+text_config, transformer_config = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+folder = tempfile.mkdtemp()
+Qwen3_5TextModel(Qwen3_5TextConfig(**text_config)).to(torch.bfloat16).save_pretrained(folder + "/text_encoder")
+Magi2Transformer3DModel(**transformer_config, params_dtype=torch.bfloat16).save_pretrained(folder + "/transformer")
+gc.collect()
+models = {
+    "text_encoder": Qwen3_5TextModel.from_pretrained(folder + "/text_encoder", dtype=torch.bfloat16),
+    "transformer": Magi2Transformer3DModel.from_pretrained(folder + "/transformer", torch_dtype=torch.bfloat16),
+}
+models["transformer"].set_moe_backend("torch_grouped")
+parts = {}
+for name, model in models.items():
+    blocks = streamed_blocks(name, model)
+    parts[name] = plan_reread(name, model, blocks)
+    parts[name].streamer = apply_weight_streaming(model, list(blocks), "cpu", ring_size=3, allocate=False)
+stages = StagedHostMemory(parts, models)
+stages.install()
+
+
+def run(name):
+    with torch.no_grad():
+        if name == "text_encoder":
+            models[name](input_ids=torch.arange(16)[None])
+        else:  # through forward, where the stage begins
+            config = models[name].config
+            models[name](
+                hidden_states=torch.randn(1, config.in_channels, 1, 4, 4), timestep=torch.tensor([500.0]),
+                encoder_hidden_states=torch.randn(1, 3, config.text_in_channels),
+                audio_hidden_states=torch.randn(1, 2, config.audio_in_channels),
+            )
+
+
+for name in models:  # torch's lazy set-up, not counted
+    run(name)
+stages.parts[stages.held].free()
+stages.held = None
+gc.collect()
+before = anon()
+measured = []
+for name in models:
+    run(name)
+    gc.collect()
+    measured.append(anon() - before)
+print(*measured)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc (Linux)")
+def test_host_memory_is_the_largest_stage_in_a_fresh_process_within_10_percent():
+    # the plan's host memory of each streamed stage on the CPU (its weights outside the blocks, its blocks held
+    # once, its ring) against the anonymous RSS a fresh process holds in that stage, the other model released
+    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
+
+    config = Qwen3_5TextConfig(**TEXT_CONFIG)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in Qwen3_5TextModel(config).parameters())
+    text = text_encoder_streamed_weights(parameters, config.hidden_size, config.num_hidden_layers, config.vocab_size)
+    transformer = preview_streamed_weights(None, None, transformer_config=TRANSFORMER_CONFIG)
+    planned = [w.resident + w.streamed + w.ring for w in (text, transformer)]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1")  # frees go back to the OS
+    args = [json.dumps(TEXT_CONFIG), json.dumps(TRANSFORMER_CONFIG)]
+    out = subprocess.run(
+        [sys.executable, "-c", _STAGES_SCRIPT, *args], check=True, capture_output=True, text=True, env=env
+    )
+    measured = [int(v) for v in out.stdout.split()[-2:]]
+    print(f"host per stage: measured {measured} B, planned {planned} B")
+    for m, p in zip(measured, planned):
+        assert abs(p - m) <= 0.10 * m
