@@ -6,32 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.modular_testing_utils import tiny_pipelines
-
-
-KWARGS = {
-    "prompt": "A red fox trots through fresh snow",
-    "height": 64,
-    "width": 96,
-    "preview_height": 32,
-    "preview_width": 48,
-    "num_inference_steps": 1,
-    "output_type": "latent",
-}
-
-
-def _call(pipe):
-    out = pipe(**KWARGS, generator=torch.Generator().manual_seed(0))
-    return out.frames, out.audio
+from helpers.streaming_calls import TWO_STAGE_CALL, two_stage_call
 
 
 def _encode(pipe):
     with torch.no_grad():
-        return pipe.encode_prompt(KWARGS["prompt"], negative_prompt="blurry", device="cpu")
+        return pipe.encode_prompt(TWO_STAGE_CALL["prompt"], negative_prompt="blurry", device="cpu")
 
 
 def test_two_stage_call_streamed_equals_resident_bit_for_bit():
     pipe, _ = tiny_pipelines(with_refiner=True)
-    resident, resident_text = _call(pipe), _encode(pipe)
+    resident, resident_text = two_stage_call(pipe), _encode(pipe)
     pipe.enable_weight_streaming(vram_gb=24, device="cpu")
     # built in memory: nothing to re-read, so every streamed model stays held
     assert pipe._weight_streaming_stages.parts == {}
@@ -48,7 +33,7 @@ def test_two_stage_call_streamed_equals_resident_bit_for_bit():
         assert torch.equal(a, b)
     layers = len(pipe.text_encoder.layers)
     assert released["text_encoder"] == 2 * layers  # the prompt and the negative prompt, every layer from the ring
-    for a, b in zip(_call(pipe), resident):
+    for a, b in zip(two_stage_call(pipe), resident):
         assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
     assert released["text_encoder"] % layers == 0 and released["text_encoder"] > 2 * layers
     # every block of both models ran from the ring: (cond + uncond) x steps x blocks releases

@@ -13,21 +13,13 @@ import pytest
 import torch
 from helpers.memory_plan_streaming import preview_streamed_weights, text_encoder_streamed_weights
 from helpers.modular_testing_utils import tiny_pipelines
+from helpers.streaming_calls import two_stage_call
 
 from diffusers_magi2 import Magi2Pipeline
 from diffusers_magi2.pipelines.weight_streaming_pipeline import streamed_blocks
 from diffusers_magi2.pipelines.weight_streaming_stages import plan_reread
 
 
-KWARGS = {
-    "prompt": "A red fox trots through fresh snow",
-    "height": 64,
-    "width": 96,
-    "preview_height": 32,
-    "preview_width": 48,
-    "num_inference_steps": 1,
-    "output_type": "latent",
-}
 STREAMED = ("text_encoder", "transformer", "refiner")
 
 
@@ -45,11 +37,6 @@ def _load(folder):
     return pipe
 
 
-def _call(pipe):
-    out = pipe(**KWARGS, generator=torch.Generator().manual_seed(0))
-    return out.frames, out.audio
-
-
 def _holds(pipe, name) -> bool:
     """Whether a streamed model holds weights: any tensor, in its blocks or outside them, not empty."""
     model = getattr(pipe, name)
@@ -58,7 +45,7 @@ def _holds(pipe, name) -> bool:
 
 def test_one_streamed_model_held_at_a_time_and_calls_equal_resident(saved):
     pipe = _load(saved)
-    resident = _call(pipe)
+    resident = two_stage_call(pipe)
     file_nbytes = {n: sum(t.nbytes for t in getattr(pipe, n).state_dict().values()) for n in STREAMED}
     pipe.enable_weight_streaming(vram_gb=24, device="cpu", release_between_stages=True)
     stages = pipe._weight_streaming_stages
@@ -73,14 +60,14 @@ def test_one_streamed_model_held_at_a_time_and_calls_equal_resident(saved):
 
     stages.enter = record
     for _ in range(2):  # the second call re-reads every model from its files
-        for a, b in zip(_call(pipe), resident):
+        for a, b in zip(two_stage_call(pipe), resident):
             assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
     assert entered == [(n, [n]) for n in STREAMED] * 2
     # each re-read reads every tensor of the model from its files once (fp32 as saved)
     assert {n: p.file_nbytes for n, p in stages.parts.items()} == file_nbytes
     pipe.disable_weight_streaming()  # every model read back and resident again
     assert all(_holds(pipe, n) for n in STREAMED)
-    for a, b in zip(_call(pipe), resident):
+    for a, b in zip(two_stage_call(pipe), resident):
         assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
 
 
