@@ -27,7 +27,9 @@ half the unscaled rounding error at the released size).
 ``--gradient_checkpointing`` recomputes each block; with ``--offload_block_inputs`` each block's saved input waits
 in host memory for its backward (``enable_gradient_checkpointing(offload_block_inputs=True)``). One 80 GB GPU at
 272p takes ``--expert_dtype int4 --storage_dtype float8_e4m3fn_scaled --gradient_checkpointing
---offload_block_inputs``.
+--offload_block_inputs``; one 32 GB GPU adds ``--vram_gb 32``: the blocks' frozen weights stay in host memory and
+stream through a ring of device buffers (``enable_weight_streaming``), in order for the forward and in reverse order
+for the recomputes of the backward, while the LoRA parameters stay on the device.
 
 The loop is diffusers' training-script form on ``accelerate.Accelerator``: ``accelerator.accumulate`` over
 ``--gradient_accumulation_steps`` micro-batches, ``accelerator.backward``, an LR schedule (``--lr_scheduler``,
@@ -128,6 +130,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="with --gradient_checkpointing: keep each block's saved input in host memory until its backward",
     )
+    p.add_argument(
+        "--vram_gb",
+        type=float,
+        default=None,
+        help="with --gradient_checkpointing, one process: stream the transformer's block weights through a ring "
+        "of device buffers for a card of this many GB (e.g. 32), each block again in reverse order for its "
+        "recompute in the backward; the LoRA stays on the device (Magi2Transformer3DModel.enable_weight_streaming)",
+    )
     p.add_argument("--ep_degree", type=int, default=None, help="expert-parallel ranks (default: all launched)")
     p.add_argument("--fixed_noise", action="store_true", help="one sigma and noise for every step (overfit check)")
     p.add_argument("--device", default=None)
@@ -143,6 +153,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(
             "--offload_block_inputs moves the inputs that gradient checkpointing saves: add --gradient_checkpointing"
         )
+    if args.vram_gb is not None:
+        if not args.gradient_checkpointing:
+            p.error(
+                "--vram_gb streams each block again for its recompute in the backward: add --gradient_checkpointing"
+            )
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            p.error("--vram_gb streams the weights of one process's GPU: launch one process")
+        if args.vram_gb <= 0:
+            p.error(f"--vram_gb must be > 0; got {args.vram_gb}")
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown or not targets:
@@ -548,7 +567,10 @@ def train(args):
 
     params = list(add_lora(pipe.transformer, args).values())
     store_dense_weights(pipe.transformer, args)
-    pipe.transformer.to(device)  # alone on the device: the encoders and decoders wait in host memory
+    if args.vram_gb is None:
+        pipe.transformer.to(device)  # alone on the device: the encoders and decoders wait in host memory
+    else:  # the blocks' frozen weights stream through a device ring; the rest, the LoRA included, moves to the device
+        pipe.transformer.enable_weight_streaming(device, vram_gb=args.vram_gb)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
     # diffusers' convention: the prepared schedule steps once per process at each optimizer step
     lr_scheduler = get_scheduler(

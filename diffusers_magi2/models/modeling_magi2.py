@@ -452,7 +452,7 @@ class Magi2TransformerBase(
     def _run_block(self, block: torch.nn.Module, hidden_states: torch.Tensor, context) -> torch.Tensor:
         """``block(hidden_states, context)``, recomputed in backward when gradient checkpointing is on."""
         if torch.is_grad_enabled() and self.gradient_checkpointing:
-            return self._gradient_checkpointing_func(block, hidden_states, context)
+            return self._gradient_checkpointing_func(self._checkpointed_block(block), hidden_states, context)
         return block(hidden_states, context)
 
 

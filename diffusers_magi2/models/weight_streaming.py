@@ -1,8 +1,9 @@
 """Streamed block weights: a model's transformer blocks live in host memory and pass through a small device ring.
 
 Every tensor a block registers (parameters and buffers, whatever their dtype: int4 codes and their group scales,
-FP8 or bf16 dense weights, fp32 islands, LoRA adapters loaded before streaming starts) is packed by bytes into one
-flat host buffer per block, each tensor at an offset aligned to :data:`ALIGNMENT` bytes; the block's tensors then
+FP8 or bf16 dense weights, fp32 islands) is packed by bytes into one flat host buffer per block, except the
+parameters of PEFT adapter layers (LoRA factors), which stay resident on the device (small, and trainable: their
+gradients accumulate there); each tensor at an offset aligned to :data:`ALIGNMENT` bytes; the block's tensors then
 become views into that buffer, so host memory holds the weights once. On CUDA the buffers are pinned, packed into
 a few arenas (torch's pinned host allocator rounds each allocation up to a power of two, so one allocation per
 block could cost up to 2x; :func:`plan_pinned_arenas` chooses arenas whose rounding is small).
@@ -16,7 +17,8 @@ diffusers :class:`~diffusers.hooks.ModelHook` on each block, before the block ru
 
 and after it: ``params(i) <- views of host(i)``, slot(i) released (on CUDA, with an event the next copy into the
 slot waits for). So the device holds at most ``ring_size`` blocks' weights; everything outside the blocks
-(embedders, adapters, final projections) stays resident on the device. On the CPU the ring is host memory and the
+(embedders, adapters, final projections) stays resident on the device. Training (per-block gradient checkpointing,
+the backward prefetching in reverse order) is :mod:`.weight_streaming_training`. On the CPU the ring is host memory and the
 copies are synchronous, so the suite runs the same mechanism.
 
 diffusers' ``enable_group_offload`` is not used: with ``use_stream=True`` it pins a second copy of every tensor
@@ -31,6 +33,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
+
+from .weight_streaming_training import StreamedCheckpointCall, check_streamed_training
 
 
 #: Byte alignment of every tensor inside a block's buffer (a CUDA allocation's alignment; Triton's 16 divides it).
@@ -75,6 +79,27 @@ def plan_pinned_arenas(block_nbytes: Sequence[int]) -> List[List[int]]:
 def pinned_bytes(block_nbytes: Sequence[int]) -> int:
     """Bytes torch's pinned host allocator reserves for :func:`plan_pinned_arenas`' arenas."""
     return sum(_next_pow2(sum(block_nbytes[i] for i in g)) for g in plan_pinned_arenas(block_nbytes))
+
+
+def _adapter_ids(block: torch.nn.Module) -> set:
+    """``id`` of every parameter of the PEFT adapter layers in ``block`` (LoRA factors): kept resident."""
+    if not any(hasattr(m, "adapter_layer_names") for m in block.modules()):
+        return set()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return {
+        id(p)
+        for m in block.modules()
+        if isinstance(m, BaseTunerLayer)
+        for name in m.adapter_layer_names
+        for p in getattr(m, name).parameters()
+    }
+
+
+def _streamed_tensors(block: torch.nn.Module) -> List[torch.Tensor]:
+    """:func:`_block_tensors` less the adapters' parameters."""
+    resident = _adapter_ids(block)
+    return [t for t in _block_tensors(block) if id(t) not in resident]
 
 
 def _block_tensors(block: torch.nn.Module) -> List[torch.Tensor]:
@@ -128,6 +153,7 @@ class _StreamedBlock:
     module: torch.nn.Module
     entries: List[_Entry]
     nbytes: int
+    resident: set = field(default_factory=set)  # ids of the adapters' parameters, not streamed
     host: Optional[torch.Tensor] = None  # uint8 [nbytes], a view into its arena
     host_views: List[torch.Tensor] = field(default_factory=list)
 
@@ -135,13 +161,13 @@ class _StreamedBlock:
 def _layout(block: torch.nn.Module, index: int) -> _StreamedBlock:
     """Offsets of every tensor of ``block`` in its flat buffer (nothing is copied yet)."""
     entries, offset = [], 0
-    for t in _block_tensors(block):
+    for t in _streamed_tensors(block):
         if not _dense(t):
             raise ValueError(f"block {index}: a tensor of shape {tuple(t.shape)} overlaps itself; it cannot be packed")
         nbytes = _span_nbytes(t)
         entries.append(_Entry(t, offset, nbytes, t.dtype, t.shape, t.stride()))
         offset = _align(offset + nbytes)
-    return _StreamedBlock(index, block, entries, offset)
+    return _StreamedBlock(index, block, entries, offset, _adapter_ids(block))
 
 
 @dataclass
@@ -149,6 +175,7 @@ class _Slot:
     buffer: torch.Tensor  # uint8 [slot_nbytes] on the device
     block: Optional[int] = None
     in_use: bool = False
+    held: bool = False  # recomputed for the backward: kept until the next block is acquired
     ready: Optional[object] = None  # CUDA event: the copy into this slot finished
     free: Optional[object] = None  # CUDA event: the compute that read this slot finished
     views: dict = field(default_factory=dict)  # block index -> its tensors' views into this slot
@@ -186,6 +213,9 @@ class WeightStreamer:
         self.slots: List[_Slot] = []
         #: called with each slot as it is released (tests poison it here)
         self.on_release: Optional[Callable[[torch.Tensor], None]] = None
+        #: ``None`` outside a checkpointed block call, else ``"forward"`` or ``"recompute"``
+        #: (:class:`~.weight_streaming_training.StreamedCheckpointCall` sets it)
+        self.phase: Optional[str] = None
         if allocate:
             self.allocate()
 
@@ -218,6 +248,7 @@ class WeightStreamer:
         Raises:
             RuntimeError: a block is running (its slot in use).
         """
+        self.release_held()
         if any(s.in_use for s in self.slots):
             raise RuntimeError("weight streaming: cannot free the buffers while a block runs")
         if self.stream is not None:
@@ -265,15 +296,19 @@ class WeightStreamer:
         slot.block = index
         return slot
 
-    def acquire(self, index: int) -> None:
-        """Point block ``index``'s tensors at a ring slot holding its weights; prefetch the blocks after it."""
+    def acquire(self, index: int, step: int = 1, hold: bool = False) -> None:
+        """Point block ``index``'s tensors at a ring slot holding its weights; prefetch the next blocks in call order
+        (``step``: 1 in the forward, -1 in the backward's recomputes). With ``hold`` (a recompute) the slot stays
+        taken until the next acquire, which releases it first (by then that block's backward has run)."""
+        self.release_held()
         block = self.blocks[index]
         self._check_unchanged(block)
-        window = range(index, min(index + len(self.slots), len(self.blocks)))
+        end = index + step * len(self.slots)
+        window = range(index, min(end, len(self.blocks)) if step > 0 else max(end, -1), step)
         slot = self._find(index) or self._load(index, window)
         if slot is None:
             raise RuntimeError(f"weight streaming: no free ring slot for block {index} (a block did not finish)")
-        slot.in_use = True
+        slot.in_use, slot.held = True, hold
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
         views = slot.views.get(index)
@@ -284,6 +319,13 @@ class WeightStreamer:
         for j in window[1:]:
             if self._find(j) is None and self._load(j, window) is None:
                 break
+
+    def release_held(self) -> None:
+        """Release the slots :meth:`acquire` held for a recomputed block's backward (run by now)."""
+        for slot in self.slots:
+            if slot.held:
+                slot.held = False
+                self.release(slot.block)
 
     def release(self, index: int) -> None:
         """Point block ``index``'s tensors back at the host and free its slot for the next copy."""
@@ -301,8 +343,8 @@ class WeightStreamer:
     def _check_unchanged(self, block: _StreamedBlock) -> None:
         """Refuse a block whose tensors were replaced or added after streaming started (e.g. a LoRA loaded later)."""
         current = _block_tensors(block.module)
-        known = {id(e.tensor) for e in block.entries}
-        if len(current) != len(block.entries) or any(id(t) not in known for t in current):
+        known = {id(e.tensor) for e in block.entries} | block.resident
+        if len(current) != len(known) or any(id(t) not in known for t in current):
             raise RuntimeError(
                 f"block {block.index}'s tensors changed after enable_weight_streaming (an adapter loaded, fused or "
                 "deleted, or a weight replaced); call disable_weight_streaming() first and enable it again after"
@@ -326,7 +368,8 @@ class WeightStreamer:
 
 
 class WeightStreamingHook(ModelHook):
-    """Before the block runs, its weights come into a ring slot; after it, the slot is released."""
+    """Before the block runs, its weights come into a ring slot; after it, the slot is released (a recomputed block's
+    is held for its backward, :mod:`.weight_streaming_training`)."""
 
     def __init__(self, streamer: WeightStreamer, index: int) -> None:
         super().__init__()
@@ -335,17 +378,17 @@ class WeightStreamingHook(ModelHook):
 
     @torch.compiler.disable  # the swaps run eagerly; a compiled block sees its weights as inputs
     def pre_forward(self, module, *args, **kwargs):
+        phase = self.streamer.phase
         if torch.is_grad_enabled():
-            raise RuntimeError(
-                "weight streaming runs inference only (torch.no_grad() or torch.inference_mode()): autograd would keep "
-                "views of a ring slot that the next blocks overwrite"
-            )
-        self.streamer.acquire(self.index)
+            check_streamed_training(self.streamer.blocks[self.index], phase)
+        recompute = phase == "recompute"
+        self.streamer.acquire(self.index, step=-1 if recompute else 1, hold=recompute)
         return args, kwargs
 
     @torch.compiler.disable
     def post_forward(self, module, output):
-        self.streamer.release(self.index)
+        if self.streamer.phase != "recompute":  # a recomputed block's slot stays for its backward
+            self.streamer.release(self.index)
         return output
 
 
@@ -411,13 +454,13 @@ def apply_weight_streaming(
     device, use_stream = check_weight_streaming_args(device, ring_size, host_memory, use_stream)
     if any(HookRegistry.check_if_exists_or_initialize(b).get_hook(WEIGHT_STREAMING_HOOK) for b in blocks):
         raise ValueError("weights are streamed already; call disable_weight_streaming() first")
-    block_ids = {id(t) for b in blocks for t in _block_tensors(b)}
+    block_ids = {id(t) for b in blocks for t in _streamed_tensors(b)}
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             if id(t) not in block_ids:
                 t.data = t.data.to(device)
         for b in blocks if allocate else ():  # the blocks' tensors on the host first (block by block)
-            for t in _block_tensors(b):
+            for t in _streamed_tensors(b):
                 if t.device.type != "cpu":
                     t.data = t.data.cpu()
         streamer = WeightStreamer(blocks, device, ring_size, use_stream, allocate)
@@ -432,7 +475,7 @@ def streaming_device_nbytes(model: torch.nn.Module, blocks: Sequence[torch.nn.Mo
     """Device bytes of ``model``'s weights with ``blocks`` streamed: everything outside them plus ``ring_size``
     slots of the largest block."""
     sizes = [_layout(b, i).nbytes for i, b in enumerate(blocks)]
-    block_ids = {id(t) for b in blocks for t in _block_tensors(b)}
+    block_ids = {id(t) for b in blocks for t in _streamed_tensors(b)}
     resident = sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if id(t) not in block_ids)
     return resident + ring_size * max(sizes)
 
@@ -458,7 +501,9 @@ class Magi2WeightStreamingMixin:
     ) -> WeightStreamer:
         """Keep the ``transformer_blocks``' weights in host memory, held once, and copy each block into a ring of
         ``ring_size`` preallocated device buffers just before it runs (the next block's copy overlapping this one's
-        compute on a side CUDA stream); everything else moves to ``device`` and stays there. Inference only.
+        compute on a side CUDA stream); everything else (the blocks' LoRA factors included) moves to ``device`` and
+        stays there. Inference, or training the LoRA factors with :meth:`enable_gradient_checkpointing` (each block
+        streamed again, in reverse order, for its recompute in the backward: :mod:`.weight_streaming_training`).
 
         Args:
             device: the compute device (``"cpu"`` runs the same ring in host memory, with synchronous copies).
@@ -498,6 +543,12 @@ class Magi2WeightStreamingMixin:
         ``pinned`` (CUDA)."""
         sizes = [_layout(b, i).nbytes for i, b in enumerate(self.transformer_blocks)]
         return pinned_bytes(sizes) if pinned else sum(sizes)
+
+    def _checkpointed_block(self, block: torch.nn.Module):
+        """What gradient checkpointing calls for ``block``: the block, or under streaming a
+        :class:`~.weight_streaming_training.StreamedCheckpointCall` that tells the streamer forward from recompute."""
+        streamer = getattr(self, "_weight_streamer", None)
+        return block if streamer is None else StreamedCheckpointCall(streamer, block)
 
     def _apply(self, fn, recurse=True):
         if getattr(self, "_weight_streamer", None) is not None:

@@ -3,7 +3,7 @@ into a fresh pipeline, gradients reach exactly the LoRA parameters, gradient acc
 gradients, the LR schedule warms up, it resumes exactly (``accelerator.save_state`` / ``load_state``), CP2 x EP2
 over two gloo processes trains like one process, a LoRA trains over frozen FP8 and int4 experts (int4: with the
 gradients of the dequantized model), ``--expert_dtype`` takes the model's values, ``--offload_block_inputs`` keeps
-the losses, ``--storage_dtype`` stores the dense weights in FP8 with the loss of FP8-rounded ones, and bad datasets
+the losses, ``--vram_gb`` (weights streamed) keeps the losses and the LoRA, ``--storage_dtype`` stores the dense weights in FP8 with the loss of FP8-rounded ones, and bad datasets
 and switches stop it before training."""
 
 from __future__ import annotations
@@ -426,6 +426,33 @@ def test_offload_block_inputs_without_gradient_checkpointing_is_refused_before_a
         script.parse_args(["--data_dir", "d", "--output_dir", "o", "--offload_block_inputs"])
     err = capsys.readouterr().err
     assert "--offload_block_inputs" in err and "add --gradient_checkpointing" in err
+
+
+def test_vram_gb_streams_the_blocks_and_trains_the_losses_and_lora_of_the_resident_run(tmp_path):
+    """``--vram_gb`` (with ``--gradient_checkpointing --offload_block_inputs``, the 32 GB recipe): the transformer's
+    blocks stream through the ring (here the CPU's), and the per-step losses and the LoRA file written equal the
+    resident run's bit for bit (same seed)."""
+    data = synthetic_clip(tmp_path / "data")
+    runs = []
+    for extra in ((), ("--vram_gb", "32")):
+        out = tmp_path / f"out{len(extra)}"
+        args = script.parse_args(
+            argv(data, out, "--max_steps", "3", "--gradient_checkpointing", "--offload_block_inputs", *extra)
+        )
+        losses, pipe = script.train(args)
+        streamed = getattr(pipe.transformer, "_weight_streamer", None) is not None
+        runs.append((losses, load_file(str(out / "pytorch_lora_weights.safetensors")), streamed))
+    (resident, resident_lora, was_streamed), (losses, lora, is_streamed) = runs
+    assert not was_streamed and is_streamed
+    assert len(losses) == 3 and losses == resident
+    assert lora.keys() == resident_lora.keys() and all(torch.equal(lora[k], resident_lora[k]) for k in lora)
+
+
+def test_vram_gb_without_gradient_checkpointing_is_refused_before_any_work(capsys):
+    with pytest.raises(SystemExit):
+        script.parse_args(["--data_dir", "d", "--output_dir", "o", "--vram_gb", "32"])
+    err = capsys.readouterr().err
+    assert "--vram_gb" in err and "add --gradient_checkpointing" in err
 
 
 def stored_and_reference(args) -> list:
