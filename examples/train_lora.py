@@ -88,7 +88,11 @@ TARGETS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="converted repo (default: the tiny default pipeline, random)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="converted repo or saved pipeline folder (default: the tiny random model, build_tiny_random_pipeline)",
+    )
     p.add_argument("--data_dir", help="videos + <stem>.txt captions, or <stem>.magi2.safetensors (required)")
     p.add_argument("--output_dir", help="LoRA and checkpoints (required)")
     p.add_argument("--cache", action="store_true", help="encode the videos and captions into caches first")
@@ -180,7 +184,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--lr_scheduler {args.lr_scheduler!r}: choose from {allowed}")
     if args.expert_dtype is not None:
         if args.model is None:
-            p.error("--expert_dtype applies to the routed experts of --model (the tiny default is built in --dtype)")
+            p.error(
+                "--expert_dtype applies to the routed experts of --model (the tiny random model is built in --dtype)"
+            )
         from diffusers_magi2.moe.quantize import parse_expert_dtype
 
         try:
@@ -235,12 +241,12 @@ def lora_config(args):
 
 
 def load_pipeline(args):
-    """``(pipe, device)``: the tiny default or ``--model`` in host memory, with EP/CP over the launched ranks."""
+    """``(pipe, device)``: the tiny random model or ``--model`` in host memory, with EP/CP over the launched ranks."""
     import torch
 
     from diffusers_magi2 import Magi2Pipeline
     from diffusers_magi2.parallel.expert_parallel import ep_device
-    from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+    from diffusers_magi2.pipelines.tiny_default import build_tiny_random_pipeline
     from diffusers_magi2.utils.dtype_utils import parse_dtype
 
     if str(EXAMPLES) not in sys.path:  # launch_rules.py beside this script, also when it is loaded by path
@@ -253,7 +259,7 @@ def load_pipeline(args):
     device = torch.device(args.device) if args.device else ep_device(expert_parallel)
     dtype = parse_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if args.model is None:
-        pipe = build_tiny_default_pipeline(dtype=dtype)
+        pipe = build_tiny_random_pipeline(dtype=dtype)
         if expert_parallel is not None:
             pipe.transformer.enable_expert_parallel(expert_parallel)
         if context_parallel is not None:

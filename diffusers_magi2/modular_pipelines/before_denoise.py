@@ -76,6 +76,7 @@ PLAN_CONFIG = (
     "duration_s",
     "fps",
     "audio_latent_fps",
+    "trained_resolutions",
 )
 
 _DESCRIPTIONS = {
@@ -202,7 +203,9 @@ class Magi2InputStep(Magi2Block):
                 bs.refiner_num_inference_steps,
                 bs.refiner_guidance_scale,
             )
-        warn_untrained_sizes(bs.refine, bs.height, bs.width, bs.denoise_height, bs.denoise_width)
+        warn_untrained_sizes(
+            bs.refine, bs.height, bs.width, bs.denoise_height, bs.denoise_width, config["trained_resolutions"]
+        )
         for name in CALL_STATE:
             setattr(components, name, None)
         components._attention_kwargs = bs.attention_kwargs

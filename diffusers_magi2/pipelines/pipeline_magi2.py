@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import PIL.Image
@@ -75,7 +75,7 @@ from .sampling_magi2 import (
 )
 from .text_conditioning import Magi2PromptEncodingMixin, encode_text_conditioning
 from .text_encoding import DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SKIP_LAYERS, apply_cjk_pre_tokenizer_split
-from .validation_magi2 import Magi2PipelineChecksMixin, warn_untrained_sizes
+from .validation_magi2 import Magi2PipelineChecksMixin, check_trained_resolutions, warn_untrained_sizes
 from .weight_streaming_pipeline import Magi2WeightStreamingPipelineMixin
 
 
@@ -136,7 +136,9 @@ class Magi2Pipeline(
     ``duration_s`` (10), ``audio_latent_fps`` (25), ``audio_resample_ratio`` (441/512),
     ``reference_image_dtype`` ("bfloat16"), ``preview_height`` x ``preview_width`` (512 x 896),
     ``refiner_num_inference_steps`` (5), ``refiner_guidance_scale`` (2.0), ``refiner_shift`` (5.0),
-    ``refiner_noise_value`` (220).
+    ``refiner_noise_value`` (220); ``trained_resolutions`` (``[[256, 448], [512, 896]]``): the (height, width)
+    sizes the preview was trained at; ``__call__`` warns of lower quality at any other (a model trained at other sizes,
+    such as the shipped tiny one, saves its own).
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->refiner->video_decoder->vae->audio_vae"
@@ -169,6 +171,7 @@ class Magi2Pipeline(
         refiner_shift: float = 5.0,
         refiner_noise_value: int = 220,
         prompt_enhancer: Any = None,
+        trained_resolutions: Sequence[Sequence[int]] = TRAINED_RESOLUTIONS,
     ):
         super().__init__()
         if tokenizer is not None:
@@ -200,6 +203,7 @@ class Magi2Pipeline(
             refiner_guidance_scale=refiner_guidance_scale,
             refiner_shift=refiner_shift,
             refiner_noise_value=refiner_noise_value,
+            trained_resolutions=check_trained_resolutions(trained_resolutions),
         )
         self._check_components()
         if transformer is not None:
@@ -455,7 +459,7 @@ class Magi2Pipeline(
         refiner_config = None
         if refine:
             refiner_config = self.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale)
-        warn_untrained_sizes(refine, height, width, denoise_height, denoise_width)
+        warn_untrained_sizes(refine, height, width, denoise_height, denoise_width, self.config.trained_resolutions)
 
         self._guidance_scale = float(guidance_scale)
         self._audio_guidance_scale = float(audio_guidance_scale)

@@ -7,6 +7,7 @@ and the tokenizer is a byte-level BPE trained here; ``examples/generate.py`` run
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,11 +18,14 @@ from .decoding_magi2 import WAN22_VAE_CONFIG
 __all__ = [
     "TINY_DEFAULT_CONFIG",
     "TINY_TRAINED_CONFIG",
+    "TINY_TRAINED_DIR",
+    "TINY_WEIGHTS",
     "build_tiny_default_pipeline",
     "build_tiny_random_pipeline",
     "cast_pipeline_to_compute_dtype",
     "build_tiny_tokenizer",
     "init_tiny_weights",
+    "load_tiny_trained_pipeline",
 ]
 
 #: Everything the tiny default is made of. ``call`` holds the defaults ``examples/generate.py`` uses
@@ -108,11 +112,12 @@ TINY_DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 #: The trained tiny model's overrides of :data:`TINY_DEFAULT_CONFIG` (the shapes its weights were trained at): a
-#: 2 s clip at 32x32 pixels (``pipeline.duration_s``), and 8 audio latent channels (the 64 of the random model need an
+#: 2 s clip at 32x32 pixels (``pipeline.duration_s``; ``pipeline.trained_resolutions`` keeps the pipeline from
+#: warning at that size), and 8 audio latent channels (the 64 of the random model need an
 #: audio encoder 128 channels wide at the full sample rate, too slow to train on a CPU).
 TINY_TRAINED_CONFIG: dict[str, Any] = {
     "call": {"height": 32, "width": 32, "num_inference_steps": 16},
-    "pipeline": {"duration_s": 2.0},
+    "pipeline": {"duration_s": 2.0, "trained_resolutions": [[32, 32]]},
     "transformer": {"audio_in_channels": 8},
     "audio_vae": {
         "encoder_hidden_size": 16,
@@ -215,20 +220,85 @@ def cast_pipeline_to_compute_dtype(pipe, dtype: torch.dtype):
     return pipe
 
 
-def build_tiny_default_pipeline(config: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):
-    """Build the tiny default ``Magi2Pipeline`` in memory (random weights, offline, deterministic).
+#: The trained tiny ``Magi2Pipeline`` shipped in the package: a diffusers repo folder (``model_index.json``, one
+#: sub-folder per component) trained on the tiny world at :data:`TINY_TRAINED_CONFIG`'s shapes.
+TINY_TRAINED_DIR = Path(__file__).with_name("tiny_trained")
+#: ``weights=`` values of :func:`build_tiny_default_pipeline`.
+TINY_WEIGHTS = ("trained", "random")
+#: What :func:`build_tiny_default_pipeline` builds without ``config`` or ``weights`` (the random model until the
+#: trained folder ships in the package).
+_DEFAULT_WEIGHTS = "random"
+
+
+def load_tiny_trained_pipeline(dtype: torch.dtype = torch.float32):
+    """Load the shipped trained tiny pipeline (:data:`TINY_TRAINED_DIR`) offline.
 
     Args:
-        config: overrides merged over :data:`TINY_DEFAULT_CONFIG` (per component, shallow).
         dtype: compute dtype of the models (:func:`cast_pipeline_to_compute_dtype`).
 
     Returns:
-        a ``Magi2Pipeline`` on CPU; its tiny call defaults are in ``pipe.tiny_call_defaults``.
+        a ``Magi2Pipeline`` on CPU with ``pipe.tiny_call_defaults`` from :data:`TINY_TRAINED_CONFIG`.
 
     Raises:
         ValueError: ``dtype`` is not a floating-point ``torch.dtype``.
+        FileNotFoundError: the folder is not in this installation.
     """
-    return build_tiny_random_pipeline(config, dtype)
+    _check_dtype(dtype)
+    if not (TINY_TRAINED_DIR / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"the trained tiny pipeline is not in this installation (no model_index.json in {TINY_TRAINED_DIR}): "
+            "install the package with its data (pip install .), or pass weights='random' for the seeded random "
+            "model"
+        )
+    from .pipeline_magi2 import Magi2Pipeline
+
+    pipe = Magi2Pipeline.from_pretrained(TINY_TRAINED_DIR, local_files_only=True)
+    if dtype != torch.float32:
+        cast_pipeline_to_compute_dtype(pipe, dtype)
+    pipe.tiny_call_defaults = dict(TINY_TRAINED_CONFIG["call"])
+    return pipe
+
+
+def build_tiny_default_pipeline(
+    config: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32, weights: str | None = None
+):
+    """The tiny default ``Magi2Pipeline``, offline: the trained tiny model shipped in the package
+    (:func:`load_tiny_trained_pipeline`), or with a shape override or ``weights="random"`` the seeded random model
+    (:func:`build_tiny_random_pipeline`).
+
+    Args:
+        config: overrides merged over :data:`TINY_DEFAULT_CONFIG` (per component, shallow); builds the random
+            model.
+        dtype: compute dtype of the models (:func:`cast_pipeline_to_compute_dtype`).
+        weights: ``"trained"`` or ``"random"``; default ``"random"`` with a ``config``, else
+            :data:`_DEFAULT_WEIGHTS`.
+
+    Returns:
+        a ``Magi2Pipeline`` on CPU; its tiny call defaults (``height``, ``width``, ``num_inference_steps``) are in
+        ``pipe.tiny_call_defaults``.
+
+    Raises:
+        ValueError: ``dtype`` is not a floating-point ``torch.dtype``, ``weights`` is not one of
+            :data:`TINY_WEIGHTS`, or ``weights="trained"`` with a ``config`` (the trained weights have fixed shapes).
+        FileNotFoundError: ``"trained"`` and the shipped folder is missing (e.g. a source tree without it).
+    """
+    if weights is None:
+        weights = "random" if config is not None else _DEFAULT_WEIGHTS
+    if weights not in TINY_WEIGHTS:
+        raise ValueError(f"weights must be one of {TINY_WEIGHTS}, got {weights!r}")
+    if weights == "random":
+        return build_tiny_random_pipeline(config, dtype)
+    if config is not None:
+        raise ValueError(
+            "weights='trained' takes no config: the trained tiny model has fixed shapes (TINY_TRAINED_CONFIG); "
+            "pass weights='random' to build the random model with overrides"
+        )
+    return load_tiny_trained_pipeline(dtype)
+
+
+def _check_dtype(dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
 
 
 def build_tiny_random_pipeline(config: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32):
@@ -245,8 +315,7 @@ def build_tiny_random_pipeline(config: dict[str, Any] | None = None, dtype: torc
     Raises:
         ValueError: ``dtype`` is not a floating-point ``torch.dtype``.
     """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    _check_dtype(dtype)
     from diffusers import AutoencoderKLWan, AutoencoderOobleck, UniPCMultistepScheduler
     from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
 

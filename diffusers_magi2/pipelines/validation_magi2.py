@@ -47,6 +47,7 @@ __all__ = [
     "check_prompt_inputs",
     "check_sampling_inputs",
     "check_sizes",
+    "check_trained_resolutions",
 ]
 
 
@@ -184,11 +185,35 @@ def _batch_source(prompt) -> str:
     return "len(prompt)" if prompt is not None else "prompt_embeds.shape[0]"
 
 
-def warn_untrained_sizes(refine: bool, height: int, width: int, denoise_height: int, denoise_width: int) -> None:
-    """Warn (not raise) when the denoised size is not a trained resolution, or the refiner output not 1088x1920."""
-    if (denoise_height, denoise_width) not in TRAINED_RESOLUTIONS:
+def check_trained_resolutions(trained_resolutions) -> list[list[int]]:
+    """The ``trained_resolutions`` config value as ``[[height, width], ...]``; raises ``ValueError`` unless it is a
+    non-empty sequence of (height, width) pairs of positive ints."""
+    try:
+        pairs = [[int(h), int(w)] for h, w in trained_resolutions]
+    except (TypeError, ValueError):
+        pairs = []
+    if not pairs or any(v <= 0 for pair in pairs for v in pair) or isinstance(trained_resolutions, str):
+        raise ValueError(
+            f"trained_resolutions must be a non-empty sequence of (height, width) pairs of positive ints, e.g. "
+            f"{[list(r) for r in TRAINED_RESOLUTIONS]}; got {trained_resolutions!r}"
+        )
+    return pairs
+
+
+def warn_untrained_sizes(
+    refine: bool,
+    height: int,
+    width: int,
+    denoise_height: int,
+    denoise_width: int,
+    trained_resolutions=TRAINED_RESOLUTIONS,
+) -> None:
+    """Warn (not raise) when the denoised size is not one of ``trained_resolutions`` (the pipeline's config value),
+    or the refiner output not 1088x1920."""
+    trained = [tuple(pair) for pair in check_trained_resolutions(trained_resolutions)]
+    if (denoise_height, denoise_width) not in trained:
         logger.warning(
-            f"{denoise_height}x{denoise_width} is outside the trained resolutions {TRAINED_RESOLUTIONS}; "
+            f"{denoise_height}x{denoise_width} is outside the trained resolutions {tuple(trained)}; "
             "expect lower quality."
         )
     if refine and (height, width) != REFINER_RESOLUTION:

@@ -1,4 +1,4 @@
-"""Per-rank body of ``test_cp_first_block_cache.py``: FirstBlockCache on the tiny default transformer, alone or under
+"""Per-rank body of ``test_cp_first_block_cache.py``: FirstBlockCache on the tiny random transformer, alone or under
 CP N, over three forwards of a two-segment batch in one cache context: the first computes every block, the second
 changes segment 1 only (which, on two ranks, lies on rank 1 alone), the third repeats the second."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from diffusers import ContextParallelConfig, FirstBlockCacheConfig
 
-from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+from diffusers_magi2.pipelines.tiny_default import build_tiny_random_pipeline
 
 
 #: Far below the second forward's relative change of the first block's residual (~0.3) and above the third's (0).
@@ -15,7 +15,7 @@ THRESHOLD = 0.01
 
 
 def first_block_cache_forwards(rank: int, world: int) -> dict:
-    model = build_tiny_default_pipeline(dtype=torch.float32).transformer
+    model = build_tiny_random_pipeline(dtype=torch.float32).transformer
     model.enable_cache(FirstBlockCacheConfig(threshold=THRESHOLD))
     if world > 1:
         model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))

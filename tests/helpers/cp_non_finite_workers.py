@@ -1,4 +1,4 @@
-"""Per-rank body of ``test_cp_non_finite.py``: three calls of the tiny default pipeline under CP N (or alone) on one
+"""Per-rank body of ``test_cp_non_finite.py``: three calls of the tiny random pipeline under CP N (or alone) on one
 process group; the middle one has a NaN in the prompt's text embeddings only, whose tokens (the prompt's half of the
 ``[cond; uncond]`` batch, two segments of equal length) lie on CP rank 0 alone."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from diffusers import ContextParallelConfig
 
-from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+from diffusers_magi2.pipelines.tiny_default import build_tiny_random_pipeline
 
 
 def calls_around_a_non_finite_prompt(rank: int, world: int) -> dict:
-    pipe = build_tiny_default_pipeline(dtype=torch.float32)
+    pipe = build_tiny_random_pipeline(dtype=torch.float32)
     if world > 1:
         pipe.enable_context_parallel(ContextParallelConfig(ulysses_degree=world))
     embeds, mask, _, _ = pipe.encode_prompt("a cat on a piano", do_classifier_free_guidance=False)

@@ -1,4 +1,4 @@
-"""Per-rank bodies of ``test_cp_pipeline.py``: the tiny default pipeline's I2V call under CP N (or alone), counting
+"""Per-rank bodies of ``test_cp_pipeline.py``: the tiny random pipeline's I2V call under CP N (or alone), counting
 the text-encoder and image-encoder calls of this rank; and the two-stage tiny pipeline (``magi2_tiny`` preview and
 refiner) with its 1080p-style refiner stage under CP N, counting the refiner's FLOPs on this rank."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from diffusers import ContextParallelConfig
 
-from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+from diffusers_magi2.pipelines.tiny_default import build_tiny_random_pipeline
 
 from .fixtures import fixtures_root
 from .flop_counter import register_cpu_sdpa_flop_formula
@@ -19,7 +19,7 @@ IMAGE = np.random.default_rng(0).integers(0, 256, (40, 64, 3), dtype=np.uint8)
 
 
 def i2v_latents(rank: int, world: int) -> dict:
-    pipe = build_tiny_default_pipeline(dtype=torch.float32)
+    pipe = build_tiny_random_pipeline(dtype=torch.float32)
     if world > 1:
         pipe.enable_context_parallel(ContextParallelConfig(ulysses_degree=world))
     calls = {"text_encoder": 0, "image_encoder": 0}
@@ -89,7 +89,7 @@ def enhanced_prompt_call(rank: int, world: int) -> dict:
     from .chat_completions_stub import ChatCompletionsStub
     from .fixtures import golden_text
 
-    pipe = build_tiny_default_pipeline(dtype=torch.float32)
+    pipe = build_tiny_random_pipeline(dtype=torch.float32)
     pipe.register_to_config(duration_s=2.0)
     pipe.set_progress_bar_config(disable=True)
     if world > 1:

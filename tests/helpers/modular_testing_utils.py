@@ -1,4 +1,4 @@
-"""Shared set-up of the modular tests: the tiny default pipeline (with a tiny refiner for the two-stage path)
+"""Shared set-up of the modular tests: the tiny random pipeline (with a tiny refiner for the two-stage path)
 and its ``Magi2ModularPipeline`` over the same components."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffusers_magi2 import Magi2RefinerTransformer3DModel, build_tiny_default_pipeline
+from diffusers_magi2 import Magi2RefinerTransformer3DModel, build_tiny_random_pipeline
 from diffusers_magi2.modular_pipelines import Magi2ModularPipeline
 from diffusers_magi2.pipelines.tiny_default import TINY_DEFAULT_CONFIG, init_tiny_weights
 
@@ -31,7 +31,7 @@ TWO_STAGE = {
 
 
 def tiny_refiner() -> Magi2RefinerTransformer3DModel:
-    """A two-layer refiner with the tiny default's widths (video 48, audio 64, text 64 channels)."""
+    """A two-layer refiner with the tiny random model's widths (video 48, audio 64, text 64 channels)."""
     cfg = TINY_DEFAULT_CONFIG["transformer"]
     refiner = Magi2RefinerTransformer3DModel(
         num_layers=2,
@@ -48,9 +48,9 @@ def tiny_refiner() -> Magi2RefinerTransformer3DModel:
 
 
 def tiny_pipelines(with_refiner: bool = False, duration_s: float = 2.0):
-    """``(Magi2Pipeline, Magi2ModularPipeline)`` sharing the tiny default's components and config (no progress
+    """``(Magi2Pipeline, Magi2ModularPipeline)`` sharing the tiny random model's components and config (no progress
     bars); a ``duration_s`` clip (2 s: 7 latent frames, 50 audio latents) keeps the calls short."""
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     pipe.register_to_config(duration_s=duration_s)
     if with_refiner:
         pipe.register_modules(refiner=tiny_refiner())

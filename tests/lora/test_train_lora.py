@@ -1,4 +1,4 @@
-"""``examples/train_lora.py`` on the tiny default pipeline (CPU): it overfits one synthetic clip, its LoRA loads
+"""``examples/train_lora.py`` on the tiny random pipeline (CPU): it overfits one synthetic clip, its LoRA loads
 into a fresh pipeline, gradients reach exactly the LoRA parameters, gradient accumulation averages the micro-batch
 gradients, the LR schedule warms up, it resumes exactly (``accelerator.save_state`` / ``load_state``), CP2 x EP2
 over two gloo processes trains like one process, a LoRA trains over frozen FP8 and int4 experts (int4: with the
@@ -18,14 +18,14 @@ from helpers.ep_spawn_utils import run_on_ranks
 from helpers.train_workers import load_train_script, train_on_rank
 from safetensors.torch import load_file, save_file
 
-from diffusers_magi2 import build_tiny_default_pipeline  # noqa: E402
+from diffusers_magi2 import build_tiny_random_pipeline  # noqa: E402
 
 
 script = load_train_script()
 
 
 def synthetic_clip(folder: Path, seed: int = 0, frames: int = 2) -> Path:
-    """One cached clip for the tiny default: latents ``[48, T, 2, 2]``, 5 text states of width 64."""
+    """One cached clip for the tiny random model: latents ``[48, T, 2, 2]``, 5 text states of width 64."""
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     save_file(
@@ -63,7 +63,7 @@ def test_overfits_one_clip_and_its_lora_changes_a_fresh_pipeline(tmp_path):
     assert len(losses) == 30 and losses[-1] <= 0.5 * losses[0]
     assert (out / "checkpoint-30" / "pytorch_lora_weights.safetensors").is_file()
 
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     clip = load_file(str(data / "clip.magi2.safetensors"))
     inputs = {
         "hidden_states": clip["latents"][None],
@@ -94,7 +94,7 @@ def test_gradients_reach_every_lora_parameter_and_no_frozen_weight(tmp_path):
     args = script.parse_args(
         argv(tmp_path, tmp_path / "o", "--targets", "linear_qkv,linear_proj,router,shared_experts")
     )
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     trainable = script.add_lora(pipe.transformer, args)
     kinds = {type(m).__name__ for m in pipe.transformer.modules() if hasattr(m, "lora_A")}
     assert kinds == {"Linear", "Magi2GroupedLoraLinear", "ParamWrapper"}
@@ -203,7 +203,7 @@ def test_gradient_checkpointing_gives_the_same_lora_gradients(tmp_path):
             ("--gradient_checkpointing",) if checkpointing else ()
         )
         args = script.parse_args(argv(tmp_path, tmp_path / "o", *extra))
-        pipe = build_tiny_default_pipeline()
+        pipe = build_tiny_random_pipeline()
         trainable = script.add_lora(pipe.transformer, args)
         with torch.no_grad():
             for name, p in trainable.items():
@@ -225,7 +225,7 @@ def test_bf16_training_with_frozen_fp8_experts_reaches_every_lora_parameter(tmp_
     from diffusers_magi2 import Magi2Transformer3DModel
     from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 
-    build_tiny_default_pipeline().transformer.save_pretrained(tmp_path / "bf16")
+    build_tiny_random_pipeline().transformer.save_pretrained(tmp_path / "bf16")
     model = Magi2Transformer3DModel.from_pretrained(
         tmp_path / "bf16", expert_dtype="float8_e4m3fn", torch_dtype=torch.bfloat16
     )
@@ -260,7 +260,7 @@ def test_lora_trains_over_frozen_int4_experts_with_the_gradients_of_the_dequanti
     from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
     from diffusers_magi2.moe.reference import reference_mh_moe_forward
 
-    model = int4_transformer(build_tiny_default_pipeline().transformer, 16)
+    model = int4_transformer(build_tiny_random_pipeline().transformer, 16)
     args = script.parse_args(argv(tmp_path, tmp_path / "o", "--targets", "linear_qkv,linear_proj,shared_experts"))
     trainable = script.add_lora(model, args)
     with torch.no_grad():  # B starts at zero, which would leave A without gradient
@@ -308,7 +308,7 @@ def test_gradient_accumulation_averages_the_micro_batch_gradients(tmp_path):
     micro-batch gives on its own (same noise draws)."""
     from accelerate import Accelerator
 
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     params = list(script.add_lora(pipe.transformer, script.parse_args(argv(tmp_path, tmp_path / "o"))).values())
     with torch.no_grad():  # B starts at zero, which would leave A without gradient
         for p in params:
@@ -338,7 +338,7 @@ def test_a_nan_sample_is_refused_before_its_backward_and_nothing_is_updated(tmp_
     rank does together under CP) before the backward, so no LoRA parameter gets a gradient or an update."""
     from accelerate import Accelerator
 
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     params = list(script.add_lora(pipe.transformer, script.parse_args(argv(tmp_path, tmp_path / "o"))).values())
     before = [p.detach().clone() for p in params]
     sample = script.load_cache(synthetic_clip(tmp_path / "d") / "clip.magi2.safetensors", pipe.transformer)
@@ -359,7 +359,7 @@ def test_a_nan_seen_before_the_step_does_not_fail_the_step(tmp_path):
     its forward, so the step runs and updates the LoRA parameters."""
     from accelerate import Accelerator
 
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     params = list(script.add_lora(pipe.transformer, script.parse_args(argv(tmp_path, tmp_path / "o"))).values())
     before = [p.detach().clone() for p in params]
     sample = script.load_cache(synthetic_clip(tmp_path / "d") / "clip.magi2.safetensors", pipe.transformer)
@@ -460,7 +460,7 @@ def stored_and_reference(args) -> list:
     (``--targets`` of ``args``), the first with its dense weights stored as ``--storage_dtype`` says."""
     models = []
     for stored in (True, False):
-        model = build_tiny_default_pipeline().transformer
+        model = build_tiny_random_pipeline().transformer
         trainable = script.add_lora(model, args)
         with torch.no_grad():  # B starts at zero, which would leave the LoRA out of the loss
             for name, p in trainable.items():
@@ -527,9 +527,9 @@ def test_fp8_storage_stores_the_dense_weights_in_fp8_and_gives_the_loss_of_fp8_r
 
 @pytest.fixture(scope="module")
 def tiny_repo(tmp_path_factory):
-    """The tiny default pipeline saved as a repo (bf16-style experts: quantized while reading)."""
+    """The tiny random pipeline saved as a repo (bf16-style experts: quantized while reading)."""
     folder = tmp_path_factory.mktemp("tiny_repo")
-    build_tiny_default_pipeline().save_pretrained(folder)
+    build_tiny_random_pipeline().save_pretrained(folder)
     return folder
 
 
@@ -549,7 +549,7 @@ def test_two_runs_with_the_same_flags_write_the_same_lora_bit_for_bit(tmp_path, 
 
 
 def test_expert_int4_group_size_trains_over_int4_experts_of_a_small_model(tmp_path, tiny_repo):
-    """``--expert_dtype int4 --expert_int4_group_size 32`` on the tiny default's repo (whose 64-wide experts the
+    """``--expert_dtype int4 --expert_int4_group_size 32`` on the tiny random model's repo (whose 64-wide experts the
     default group of 128 does not divide): every MoE layer holds int4 experts with one scale per 32 rows, and
     ``main`` trains a LoRA over them."""
     flags = argv(synthetic_clip(tmp_path / "data"), tmp_path / "out", "--max_steps", "1", "--model", str(tiny_repo))

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
 from diffusers_magi2.models.mhc import Magi2HyperConnection
 from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
-from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+from diffusers_magi2.pipelines.tiny_default import build_tiny_random_pipeline
 
 
 REFINER = "magi2_tiny/refiner"
@@ -189,7 +189,7 @@ def test_dtype_move_does_not_warn_about_fp32_modules():
 
 
 def test_pipeline_to_dtype_keeps_the_transformer_fp32_islands():
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     before = {n: t.clone() for n, t in _floating(pipe.transformer).items()}
     islands = _island_names(pipe.transformer)
     pipe.to(torch.bfloat16)
@@ -199,7 +199,7 @@ def test_pipeline_to_dtype_keeps_the_transformer_fp32_islands():
     }
     assert all(torch.equal(after[n], before[n]) for n in islands)
     # the tiny default's own bf16 build is the same move
-    built = build_tiny_default_pipeline(dtype=torch.bfloat16).transformer.state_dict()
+    built = build_tiny_random_pipeline(dtype=torch.bfloat16).transformer.state_dict()
     assert all(
         t.dtype == built[n].dtype and torch.equal(t, built[n]) for n, t in pipe.transformer.state_dict().items()
     )
@@ -272,7 +272,7 @@ def test_saving_one_variant_keeps_the_other_variants_files(model_and_call, tmp_p
 def test_pipeline_save_forwards_variant_shard_size_and_serialization(tmp_path):
     from diffusers_magi2 import Magi2Pipeline
 
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     pipe.save_pretrained(tmp_path / "sharded", variant="bf16", max_shard_size="200KB")
     folder = tmp_path / "sharded" / "transformer"
     assert len(_shards(folder, "bf16")) >= 2 and not _shards(folder)

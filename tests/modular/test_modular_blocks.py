@@ -216,3 +216,31 @@ def test_bad_call_argument_raises_before_any_work(pipes):
     _, modular = pipes
     with pytest.raises(ValueError, match="height must be a positive multiple of 16"):
         modular(prompt=PROMPT, height=30, width=32)
+
+
+def test_input_step_reads_the_trained_resolutions_from_the_config(pipes, caplog):
+    """The modular input step warns outside the pipeline's ``trained_resolutions`` config value, as the classic."""
+    import logging
+
+    from diffusers.utils import logging as dlogging
+
+    from diffusers_magi2.modular_pipelines.before_denoise import Magi2InputStep
+
+    pipe, modular = pipes
+    assert modular.config["trained_resolutions"] == pipe.config.trained_resolutions == [[256, 448], [512, 896]]
+    texts = []
+    for trained in (None, [[32, 32]]):
+        step = Magi2InputStep().init_pipeline()
+        step.update_components(**{k: v for k, v in pipe.components.items() if k in step.component_names})
+        if trained is not None:
+            step.update_components(trained_resolutions=trained)
+        dlogging.enable_propagation()
+        try:
+            with caplog.at_level(logging.WARNING):
+                caplog.clear()
+                step(prompt=PROMPT, **T2V)
+        finally:
+            dlogging.disable_propagation()
+        texts.append(caplog.text)
+    assert "32x32 is outside the trained resolutions ((256, 448), (512, 896))" in texts[0]
+    assert "outside the trained resolutions" not in texts[1]

@@ -1,4 +1,4 @@
-"""Decode the tiny default pipeline's frames under the launch rules of ``examples/generate.py`` (CP = EP = the
+"""Decode the tiny random pipeline's frames under the launch rules of ``examples/generate.py`` (CP = EP = the
 number of processes under ``accelerate launch --multi_gpu``, nothing parallel when run alone) and let rank 0 save
 the uint8 frames, before any video encoding, to ``--out`` (``.npy``). Run by ``test_cp_launch.py``."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+from diffusers_magi2.pipelines.tiny_default import build_tiny_random_pipeline
 
 
 # the example script's teardown, not a copy of it
@@ -32,7 +32,7 @@ args = parser.parse_args()
 _rules.init_distributed_from_launch()
 expert_parallel = _rules.expert_parallel_from_launch(None)
 context_parallel = _rules.context_parallel_from_launch(None)
-pipe = build_tiny_default_pipeline(dtype=torch.float32)
+pipe = build_tiny_random_pipeline(dtype=torch.float32)
 if expert_parallel is not None:
     pipe.transformer.enable_expert_parallel(expert_parallel)
 if context_parallel is not None:

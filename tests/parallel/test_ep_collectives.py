@@ -97,9 +97,9 @@ def test_ep_loading_names_a_truncated_or_missing_shard_before_building_the_model
     import json
 
     from diffusers_magi2 import Magi2Transformer3DModel
-    from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+    from diffusers_magi2.pipelines.tiny_default import build_tiny_random_pipeline
 
-    build_tiny_default_pipeline().transformer.save_pretrained(tmp_path, max_shard_size="200KB")
+    build_tiny_random_pipeline().transformer.save_pretrained(tmp_path, max_shard_size="200KB")
     index = json.loads((tmp_path / "diffusion_pytorch_model.safetensors.index.json").read_text())
     shard = tmp_path / sorted(set(index["weight_map"].values()))[1]
     data = shard.read_bytes()

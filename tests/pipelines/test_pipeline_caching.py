@@ -19,7 +19,7 @@ from diffusers import (
 from diffusers.hooks import HookRegistry
 from helpers.pipeline_stubs import tiny_two_stage_pipeline
 
-from diffusers_magi2 import build_tiny_default_pipeline  # noqa: E402
+from diffusers_magi2 import build_tiny_random_pipeline  # noqa: E402
 
 
 STEPS = 6
@@ -35,7 +35,7 @@ def count_attention_work(model) -> list:
 
 @pytest.fixture(scope="module")
 def preview():
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     pipe.set_progress_bar_config(disable=True)
     calls = count_attention_work(pipe.transformer)
     g = torch.Generator().manual_seed(1)

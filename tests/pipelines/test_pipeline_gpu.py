@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
+from diffusers_magi2.pipelines.tiny_default import build_tiny_random_pipeline
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def test_schedule_and_step_on_cuda():
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     video, audio, timesteps = pipe.prepare_timesteps(100, "cuda")
     assert timesteps[:5].tolist() == [999, 998, 996, 995, 993] and timesteps[-3:].tolist() == [177, 124, 65]
     sample = torch.randn(1, 48, 2, 2, 3, device="cuda")
@@ -23,7 +23,7 @@ def test_schedule_and_step_on_cuda():
 
 
 def test_model_cpu_offload_runs_and_returns_components_to_cpu():
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     pipe.enable_model_cpu_offload()
     out = pipe(
         "a red fox in the snow", height=32, width=48, num_inference_steps=2, generator=torch.Generator().manual_seed(0)

@@ -16,7 +16,7 @@ from helpers.chat_completions_stub import ChatCompletionsStub
 from helpers.enhancer_stubs import ScriptedPromptEnhancer
 from helpers.fixtures import golden_text
 
-from diffusers_magi2 import Magi2Pipeline, Magi2PromptEnhancer, build_tiny_default_pipeline
+from diffusers_magi2 import Magi2Pipeline, Magi2PromptEnhancer, build_tiny_random_pipeline
 from diffusers_magi2.pipelines import text_conditioning
 
 
@@ -35,7 +35,7 @@ def rewrite(prompt: str, task: str = "t2v") -> str:
 
 @pytest.fixture(scope="module")
 def tiny():
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     pipe.register_to_config(duration_s=2.0)
     pipe.set_progress_bar_config(disable=True)
     return pipe

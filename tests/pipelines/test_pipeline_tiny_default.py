@@ -13,6 +13,7 @@ from diffusers_magi2.pipelines.text_encoding import has_cjk_pre_tokenizer_split
 from diffusers_magi2.pipelines.tiny_default import (
     TINY_DEFAULT_CONFIG,
     TINY_TRAINED_CONFIG,
+    TINY_WEIGHTS,
     build_tiny_default_pipeline,
     build_tiny_random_pipeline,
     build_tiny_tokenizer,
@@ -28,15 +29,15 @@ def test_tiny_tokenizer_is_deterministic_and_offline():
     assert a.convert_ids_to_tokens(a("A red fox")["input_ids"]) == ["A", "Ġred", "Ġfox"]  # merges learned
 
 
-def test_tiny_default_pipeline_structure_and_determinism():
-    pipe = build_tiny_default_pipeline()
+def test_tiny_random_pipeline_structure_and_determinism():
+    pipe = build_tiny_random_pipeline()
     assert has_cjk_pre_tokenizer_split(pipe.tokenizer)
     assert pipe.num_channels_latents == 48 and pipe.num_channels_audio_latents == 64
     assert pipe.num_latent_frames() == 32 and pipe.num_audio_latents() == 250
     assert pipe.vae_scale_factor_spatial == 16
     call = pipe.tiny_call_defaults
     assert call["height"] % 16 == 0 and call["width"] % 16 == 0 and call["num_inference_steps"] >= 1
-    again = build_tiny_default_pipeline()
+    again = build_tiny_random_pipeline()
     for (name, p), (_, q) in zip(pipe.transformer.state_dict().items(), again.transformer.state_dict().items()):
         assert torch.equal(p, q), name
     assert all(torch.isfinite(p).all() for p in pipe.transformer.parameters())
@@ -134,8 +135,54 @@ def test_tiny_default_bf16_keeps_transformer_fp32_islands():
 
 
 def test_tiny_default_rejects_non_float_dtype():
-    with pytest.raises(ValueError, match="floating-point torch.dtype"):
-        build_tiny_default_pipeline(dtype=torch.int8)
+    for weights in TINY_WEIGHTS:
+        with pytest.raises(ValueError, match="floating-point torch.dtype"):
+            build_tiny_default_pipeline(dtype=torch.int8, weights=weights)
+
+
+def test_tiny_default_refuses_bad_weights_before_building(monkeypatch, tmp_path):
+    import diffusers_magi2.pipelines.tiny_default as tiny_default
+
+    with pytest.raises(ValueError, match=r"weights must be one of \('trained', 'random'\), got 'noise'"):
+        build_tiny_default_pipeline(weights="noise")
+    with pytest.raises(ValueError, match="weights='trained' takes no config"):
+        build_tiny_default_pipeline(config={"seed": 1}, weights="trained")
+    monkeypatch.setattr(tiny_default, "TINY_TRAINED_DIR", tmp_path / "tiny_trained")
+    with pytest.raises(
+        FileNotFoundError, match=r"trained tiny pipeline is not in this installation .*weights='random'"
+    ):
+        build_tiny_default_pipeline(weights="trained")
+
+
+def test_tiny_default_loads_the_trained_folder_and_overrides_build_the_random_model(monkeypatch, tmp_path):
+    """``weights="trained"`` loads the pipeline folder at ``TINY_TRAINED_DIR`` (here one saved from the random model
+    at the trained shapes) with the trained call defaults; a ``config`` or ``weights="random"`` builds the seeded
+    random model."""
+    import diffusers_magi2.pipelines.tiny_default as tiny_default
+
+    saved = build_tiny_random_pipeline(TINY_TRAINED_CONFIG)
+    saved.save_pretrained(tmp_path / "tiny_trained")
+    monkeypatch.setattr(tiny_default, "TINY_TRAINED_DIR", tmp_path / "tiny_trained")
+    loaded = build_tiny_default_pipeline(weights="trained")
+    assert (
+        loaded.tiny_call_defaults
+        == TINY_TRAINED_CONFIG["call"]
+        == {"height": 32, "width": 32, "num_inference_steps": 16}
+    )
+    assert loaded.config.trained_resolutions == [[32, 32]] and loaded.config.duration_s == 2.0
+    for name in ("transformer", "text_encoder", "vae", "video_decoder", "audio_vae"):
+        want, got = getattr(saved, name).state_dict(), getattr(loaded, name).state_dict()
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
+    bf16 = build_tiny_default_pipeline(dtype=torch.bfloat16, weights="trained")
+    assert bf16.text_encoder.dtype == torch.bfloat16 and bf16.audio_vae.dtype == torch.float32
+
+    override = build_tiny_default_pipeline(config={"seed": 7}, weights="random")
+    reference = build_tiny_random_pipeline({"seed": 7})
+    assert override.tiny_call_defaults == TINY_DEFAULT_CONFIG["call"]
+    assert torch.equal(
+        override.transformer.post_adapter.final_linear_video.weight,
+        reference.transformer.post_adapter.final_linear_video.weight,
+    )
 
 
 def test_pipeline_from_pretrained_bf16_keeps_transformer_fp32_islands(tmp_path):

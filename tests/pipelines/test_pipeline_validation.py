@@ -213,3 +213,55 @@ def test_untrained_resolution_warns_but_runs(pipe, caplog):
         dlogging.disable_propagation()
     assert "outside the trained resolutions" in caplog.text
     assert out.frames.shape == (1, 48, 32, 2, 3)
+
+
+def _warnings_of_a_32x48_call(pipe, caplog) -> str:
+    import logging
+
+    from diffusers.utils import logging as dlogging
+
+    dlogging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            caplog.clear()
+            pipe(
+                **embeds(),
+                negative_prompt_embeds=torch.randn(1, 2, 8),
+                negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
+                height=32,
+                width=48,
+                num_inference_steps=1,
+                output_type="latent",
+                latents=torch.randn(1, 48, 32, 2, 3),
+                audio_latents=torch.randn(1, 250, 64),
+            )
+    finally:
+        dlogging.disable_propagation()
+    return caplog.text
+
+
+def test_a_pipeline_trained_at_its_size_does_not_warn(pipe, caplog):
+    """``trained_resolutions`` is the pipeline's config value: a model trained at 32x48 saves it and stays silent
+    there, the released model's list (the default) warns."""
+    assert pipe.config.trained_resolutions == [[256, 448], [512, 896]]
+    assert "outside the trained resolutions ((256, 448), (512, 896))" in _warnings_of_a_32x48_call(pipe, caplog)
+    pipe.register_to_config(trained_resolutions=[[32, 48]])
+    assert "outside the trained resolutions" not in _warnings_of_a_32x48_call(pipe, caplog)
+    pipe.register_to_config(trained_resolutions=[[32, 32]])
+    assert "32x48 is outside the trained resolutions ((32, 32),)" in _warnings_of_a_32x48_call(pipe, caplog)
+
+
+@pytest.mark.parametrize("value", [[], [[32]], [[32, 0]], "32x32", [["a", 32]], 32])
+def test_bad_trained_resolutions_refused_at_construction(pipe, value):
+    with pytest.raises(ValueError, match=r"trained_resolutions must be a non-empty sequence of \(height, width\)"):
+        Magi2Pipeline(**pipe.components, trained_resolutions=value)
+
+
+def test_trained_resolutions_round_trip_through_model_index(pipe, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    saved = Magi2Pipeline(**pipe.components, trained_resolutions=((32, 32), (64, 96)))
+    saved.save_config(tmp_path)
+    loaded = DiffusionPipeline.load_config(tmp_path)["trained_resolutions"]
+    assert loaded == [[32, 32], [64, 96]]
+    assert Magi2Pipeline(**pipe.components, trained_resolutions=loaded).config.trained_resolutions == loaded
