@@ -53,7 +53,8 @@ __all__ = ["{MODULAR_BLOCKS_CLASS}"]
 
 
 def _is_component_entry(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and len(value) == 2
+    """``[library, class]`` (names or ``None``), not a config value that is a pair (``trained_resolutions``)."""
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(v is None or isinstance(v, str) for v in value)
 
 
 def modular_index_dict(model_index: dict, repo: str | None) -> dict:

@@ -70,12 +70,13 @@ def test_save_pretrained_writes_the_modular_files(saved):
     for name, entry in index.items():
         if name.startswith("_"):
             continue
-        if isinstance(entry, list) and entry[0] is not None:
+        component = isinstance(entry, list) and len(entry) == 2 and all(v is None or isinstance(v, str) for v in entry)
+        if component and entry[0] is not None:
             library, cls, spec = modular[name]
             assert [library, cls] == entry and spec["type_hint"] == entry and spec["subfolder"] == name
             assert spec["pretrained_model_name_or_path"] is None  # no Hub id given: the subfolder alone
-        elif not isinstance(entry, list):
-            assert modular[name] == entry, name  # config values, e.g. duration_s
+        elif not component:
+            assert modular[name] == entry, name  # config values, e.g. duration_s and trained_resolutions (a list)
     assert "refiner" not in modular  # [null, null] in model_index.json
     for name in ("modular_model_index.json", "modular_config.json"):
         assert str(folder.parent) not in (folder / name).read_text(), name  # nothing names the writer's folder
