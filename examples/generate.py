@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""MAGI-2 main job: prompt (and optional image) -> 10 s mp4 with sound.
+"""MAGI-2 main job: prompt (and optional image) -> mp4 with sound (10 s with the released model).
 
-Without ``--model`` it runs the embedded tiny default (random weights, built offline by
-``diffusers_magi2``; resolution and step count from its config), which checks the whole chain on any
-machine. With ``--model`` it loads a converted diffusers repo (local folder or Hub id)::
+Without ``--model`` it runs the embedded tiny default (``build_tiny_default_pipeline``: the tiny model trained on
+the synthetic world of ``diffusers_magi2.pipelines.tiny_world`` and shipped in the package, offline; a 2 s clip at
+its ``tiny_call_defaults`` resolution and step count), which runs the whole chain on any machine and draws what a
+world caption asks. With ``--model`` it loads a converted diffusers repo (local folder or Hub id)::
 
-    python examples/generate.py --prompt "A red fox trots through fresh snow" --output fox.mp4
+    python examples/generate.py --prompt "a red circle moves right" --output circle.mp4
     python examples/generate.py --model ./magi2-preview-diffusers --prompt "..." \
         --height 512 --width 896 --num_inference_steps 100 --output clip.mp4
     # 1080p: preview at 512x896, then the refiner stage (a repo converted with the refiner), 25 fps
@@ -543,7 +544,7 @@ def main(argv=None) -> int:
             f"({info['video_duration_s']:.2f} s), audio {info.get('audio_sample_rate')} Hz x "
             f"{info.get('audio_channels')} ch ({info.get('audio_stream_duration_s', 0.0):.2f} s), "
             f"{steps} step{'' if steps == 1 else 's'}, "
-            f"model {'tiny default (random weights)' if args.model is None else args.model}"
+            f"model {'tiny default (trained on the tiny world)' if args.model is None else args.model}"
         )
         if args.expert_parallel is not None:
             print(f"expert parallel: routed experts split over {args.expert_parallel.ep_degree} ranks")

@@ -85,3 +85,18 @@ def test_package_imports_without_triton():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "RAISED" in res.stdout
+
+
+def test_the_trained_tiny_folder_ships_as_package_data():
+    """Every file of the trained tiny pipeline folder matches ``pyproject.toml``'s package-data globs (setuptools
+    expands them with the same recursive glob from the package folder), and the folder stays under 25 MB."""
+    from diffusers_magi2.pipelines.tiny_default import TINY_TRAINED_DIR
+
+    package = REPO_ROOT / "diffusers_magi2"
+    globs = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {path for pattern in globs["diffusers_magi2"] for path in package.glob(pattern) if path.is_file()}
+    files = {path for path in TINY_TRAINED_DIR.rglob("*") if path.is_file()}
+    names = {path.relative_to(TINY_TRAINED_DIR).as_posix() for path in files}
+    assert {"model_index.json", "tokenizer/tokenizer.json", "transformer/diffusion_pytorch_model.safetensors"} <= names
+    assert files <= shipped, sorted(p.relative_to(package).as_posix() for p in files - shipped)
+    assert sum(path.stat().st_size for path in files) <= 25 * 2**20

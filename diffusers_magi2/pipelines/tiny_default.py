@@ -1,7 +1,12 @@
-"""The embedded tiny default: a complete ``Magi2Pipeline`` with random weights, built offline in code.
+"""The embedded tiny MAGI-2 pipelines (``Magi2Pipeline`` with tiny widths), built or loaded offline.
 
-Every component has the real structure and channel interfaces but tiny widths (:data:`TINY_DEFAULT_CONFIG`),
-and the tokenizer is a byte-level BPE trained here; ``examples/generate.py`` runs it when no ``--model`` is given.
+* The tiny random model (:func:`build_tiny_random_pipeline`): every component has the real structure and channel
+  interfaces but tiny widths (:data:`TINY_DEFAULT_CONFIG`), seeded random weights built in code, and a byte-level
+  BPE tokenizer trained here.
+* The trained tiny model (:func:`load_tiny_trained_pipeline`, the default of :func:`build_tiny_default_pipeline`
+  and of ``examples/generate.py`` without ``--model``): the same classes at :data:`TINY_TRAINED_CONFIG`'s shapes,
+  trained by ``examples/tiny/`` on the synthetic world of :mod:`.tiny_world`, shipped in the package as a diffusers
+  repo folder (:data:`TINY_TRAINED_DIR`).
 """
 
 from __future__ import annotations
@@ -225,9 +230,6 @@ def cast_pipeline_to_compute_dtype(pipe, dtype: torch.dtype):
 TINY_TRAINED_DIR = Path(__file__).with_name("tiny_trained")
 #: ``weights=`` values of :func:`build_tiny_default_pipeline`.
 TINY_WEIGHTS = ("trained", "random")
-#: What :func:`build_tiny_default_pipeline` builds without ``config`` or ``weights`` (the random model until the
-#: trained folder ships in the package).
-_DEFAULT_WEIGHTS = "random"
 
 
 def load_tiny_trained_pipeline(dtype: torch.dtype = torch.float32):
@@ -270,8 +272,7 @@ def build_tiny_default_pipeline(
         config: overrides merged over :data:`TINY_DEFAULT_CONFIG` (per component, shallow); builds the random
             model.
         dtype: compute dtype of the models (:func:`cast_pipeline_to_compute_dtype`).
-        weights: ``"trained"`` or ``"random"``; default ``"random"`` with a ``config``, else
-            :data:`_DEFAULT_WEIGHTS`.
+        weights: ``"trained"`` or ``"random"``; default ``"random"`` with a ``config``, else ``"trained"``.
 
     Returns:
         a ``Magi2Pipeline`` on CPU; its tiny call defaults (``height``, ``width``, ``num_inference_steps``) are in
@@ -283,7 +284,7 @@ def build_tiny_default_pipeline(
         FileNotFoundError: ``"trained"`` and the shipped folder is missing (e.g. a source tree without it).
     """
     if weights is None:
-        weights = "random" if config is not None else _DEFAULT_WEIGHTS
+        weights = "random" if config is not None else "trained"
     if weights not in TINY_WEIGHTS:
         raise ValueError(f"weights must be one of {TINY_WEIGHTS}, got {weights!r}")
     if weights == "random":

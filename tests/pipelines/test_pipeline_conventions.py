@@ -22,7 +22,7 @@ from helpers.pipeline_stubs import (
 import diffusers_magi2  # noqa: E402
 from diffusers_magi2 import Magi2Pipeline  # noqa: E402
 from diffusers_magi2.pipelines.text_encoding import add_figure_reference  # noqa: E402
-from diffusers_magi2.pipelines.tiny_default import TINY_DEFAULT_CONFIG  # noqa: E402
+from diffusers_magi2.pipelines.tiny_default import TINY_TRAINED_CONFIG  # noqa: E402
 
 
 def stub_pipe(refiner=False):
@@ -41,7 +41,7 @@ embeds = stub_embeds
 
 @pytest.fixture(scope="module")
 def tiny():
-    pipe = diffusers_magi2.build_tiny_default_pipeline()
+    pipe = diffusers_magi2.build_tiny_random_pipeline()
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -257,7 +257,7 @@ def test_interrupt_stops_the_refiner_stage_and_the_preview():
 
 
 def test_every_stage_shows_progress(capsys):
-    pipe = diffusers_magi2.build_tiny_default_pipeline()
+    pipe = diffusers_magi2.build_tiny_random_pipeline()
     pipe.register_modules(refiner=StandInRefiner())
     pipe.refiner.register_to_config(text_in_channels=64)
     capsys.readouterr()
@@ -289,8 +289,8 @@ def test_tiny_default_is_public_with_dtype_and_call_defaults():
     pipe = diffusers_magi2.build_tiny_default_pipeline(dtype=torch.bfloat16)
     assert (
         pipe.tiny_call_defaults
-        == TINY_DEFAULT_CONFIG["call"]
-        == {"height": 128, "width": 224, "num_inference_steps": 8}
+        == TINY_TRAINED_CONFIG["call"]
+        == {"height": 32, "width": 32, "num_inference_steps": 16}
     )
     assert pipe.text_encoder.dtype == torch.bfloat16
     assert pipe.transformer.transformer_blocks[0].attention.linear_qkv.weight.dtype == torch.bfloat16
@@ -301,7 +301,7 @@ def test_tiny_default_is_public_with_dtype_and_call_defaults():
         output_type="latent",
         generator=torch.Generator().manual_seed(0),
     )
-    assert out.frames.shape == (1, 48, 32, 128 // 16, 224 // 16) and torch.isfinite(out.frames).all()
+    assert out.frames.shape == (1, 48, 7, 32 // 16, 32 // 16) and torch.isfinite(out.frames).all()
 
 
 # ------------------------------------------------------------------------------ component fit
@@ -394,12 +394,12 @@ def test_the_latents_leave_the_pipeline_module_only_to_start_the_refiner_and_to_
     stage's ``prepare_refiner_latents`` and the decoder's ``decode_video_latents``, and no code outside
     ``pipeline_magi2.py`` calls back into it (the loop, the guidance, callbacks and cache contexts are inline)."""
     import diffusers_magi2.pipelines as pipelines
-    from diffusers_magi2 import build_tiny_default_pipeline
+    from diffusers_magi2 import build_tiny_random_pipeline
 
     folder = str(Path(pipelines.__file__).parent)
     pipeline_file = str(Path(folder) / "pipeline_magi2.py")
     handed, called_back = set(), set()
-    pipe = build_tiny_default_pipeline()
+    pipe = build_tiny_random_pipeline()
     pipe.register_modules(refiner=StandInRefiner())
     channels = pipe.num_channels_latents
 

@@ -43,13 +43,13 @@ def test_tiny_random_pipeline_structure_and_determinism():
     assert all(torch.isfinite(p).all() for p in pipe.transformer.parameters())
 
 
-def test_generate_main_job_writes_a_10s_clip(tmp_path, capsys):
+def test_generate_main_job_writes_the_trained_tiny_models_2s_clip(tmp_path, capsys):
     generate = load_generate()
     out = tmp_path / "tiny.mp4"
     rc = generate.main(
         [
             "--prompt",
-            "A red fox trots through fresh snow at dawn",
+            "a red circle moves right",
             "--output",
             str(out),
             "--height",
@@ -63,10 +63,10 @@ def test_generate_main_job_writes_a_10s_clip(tmp_path, capsys):
         ]
     )
     assert rc == 0
-    info = probe_streams(out)
-    assert info["video_frames"] == 125 and info["fps"] == Fraction(25, 2)
+    info = probe_streams(out)  # 2 s: 7 latent frames, 4 (7 - 1) + 1 = 25 video frames at 12.5 fps
+    assert info["video_frames"] == 25 and info["fps"] == Fraction(25, 2)
     assert info["audio_sample_rate"] == 44_100 and info["audio_channels"] == 2
-    assert abs(info["audio_stream_duration_s"] - 10.0) <= 0.08 and abs(info["video_stream_duration_s"] - 10.0) <= 0.08
+    assert abs(info["audio_stream_duration_s"] - 2.0) <= 0.08 and abs(info["video_stream_duration_s"] - 2.0) <= 0.08
     printed = capsys.readouterr().out
     assert "main job wall time:" in printed and "tiny default" in printed
 
@@ -303,7 +303,7 @@ def test_generate_tiny_default_in_bf16_writes_a_clip(tmp_path):
     )
     assert rc == 0
     info = probe_streams(out)
-    assert info["video_frames"] == 125 and info["audio_channels"] == 2
+    assert info["video_frames"] == 25 and info["audio_channels"] == 2
 
 
 def test_expert_parallel_loading_resolves_a_per_component_dtype(monkeypatch):
