@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import PIL.Image
@@ -171,7 +171,7 @@ class Magi2Pipeline(
         refiner_shift: float = 5.0,
         refiner_noise_value: int = 220,
         prompt_enhancer: Any = None,
-        trained_resolutions: Sequence[Sequence[int]] = TRAINED_RESOLUTIONS,
+        trained_resolutions: list[list[int]] | tuple = TRAINED_RESOLUTIONS,
     ):
         super().__init__()
         if tokenizer is not None:
