@@ -190,7 +190,8 @@ def test_decoding_needs_a_decoder(pipe):
     assert pipe.transformer.calls == []
 
 
-def test_untrained_resolution_warns_but_runs(pipe, caplog):
+def _warnings_of_a_32x48_call(pipe, caplog):
+    """``(the warnings logged, the output)`` of a one-step 32x48 call on given latents."""
     import logging
 
     from diffusers.utils import logging as dlogging
@@ -198,6 +199,7 @@ def test_untrained_resolution_warns_but_runs(pipe, caplog):
     dlogging.enable_propagation()
     try:
         with caplog.at_level(logging.WARNING):
+            caplog.clear()
             out = pipe(
                 **embeds(),
                 negative_prompt_embeds=torch.randn(1, 2, 8),
@@ -211,44 +213,24 @@ def test_untrained_resolution_warns_but_runs(pipe, caplog):
             )
     finally:
         dlogging.disable_propagation()
-    assert "outside the trained resolutions" in caplog.text
+    return caplog.text, out
+
+
+def test_untrained_resolution_warns_but_runs(pipe, caplog):
+    text, out = _warnings_of_a_32x48_call(pipe, caplog)
+    assert "outside the trained resolutions" in text
     assert out.frames.shape == (1, 48, 32, 2, 3)
-
-
-def _warnings_of_a_32x48_call(pipe, caplog) -> str:
-    import logging
-
-    from diffusers.utils import logging as dlogging
-
-    dlogging.enable_propagation()
-    try:
-        with caplog.at_level(logging.WARNING):
-            caplog.clear()
-            pipe(
-                **embeds(),
-                negative_prompt_embeds=torch.randn(1, 2, 8),
-                negative_prompt_attention_mask=torch.ones(1, 2, dtype=torch.bool),
-                height=32,
-                width=48,
-                num_inference_steps=1,
-                output_type="latent",
-                latents=torch.randn(1, 48, 32, 2, 3),
-                audio_latents=torch.randn(1, 250, 64),
-            )
-    finally:
-        dlogging.disable_propagation()
-    return caplog.text
 
 
 def test_a_pipeline_trained_at_its_size_does_not_warn(pipe, caplog):
     """``trained_resolutions`` is the pipeline's config value: a model trained at 32x48 saves it and stays silent
     there, the released model's list (the default) warns."""
     assert pipe.config.trained_resolutions == [[256, 448], [512, 896]]
-    assert "outside the trained resolutions ((256, 448), (512, 896))" in _warnings_of_a_32x48_call(pipe, caplog)
+    assert "outside the trained resolutions ((256, 448), (512, 896))" in _warnings_of_a_32x48_call(pipe, caplog)[0]
     pipe.register_to_config(trained_resolutions=[[32, 48]])
-    assert "outside the trained resolutions" not in _warnings_of_a_32x48_call(pipe, caplog)
+    assert "outside the trained resolutions" not in _warnings_of_a_32x48_call(pipe, caplog)[0]
     pipe.register_to_config(trained_resolutions=[[32, 32]])
-    assert "32x48 is outside the trained resolutions ((32, 32),)" in _warnings_of_a_32x48_call(pipe, caplog)
+    assert "32x48 is outside the trained resolutions ((32, 32),)" in _warnings_of_a_32x48_call(pipe, caplog)[0]
 
 
 @pytest.mark.parametrize("value", [[], [[32]], [[32, 0]], "32x32", [["a", 32]], 32])
