@@ -3,6 +3,7 @@
 Run from the repository root::
 
     python -m tests.benchmarks.bench_weight_streaming [--layers 4] [--small] [--compile]
+    python -m tests.benchmarks.bench_weight_streaming --recipe_24gb [--cap_gb 24] [--small] [--out report.json]
 
 On CUDA: a released-width model of ``--layers`` MoE blocks (C 3072, 12 MoE heads x 256 experts, FP8 routed experts;
 8,192 tokens, :func:`~tests.benchmarks.bench_gpu_block.inputs`) is timed resident on the GPU, then streamed through
