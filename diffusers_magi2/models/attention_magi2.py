@@ -20,13 +20,20 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 from diffusers.models.attention import AttentionModuleMixin
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from ..parallel.exchanges import Magi2AttentionShard, Magi2LocalAttentionExchange
 from ..utils.backends import check_backend, resolve_backend
 from ..utils.elementwise import sigmoid
 from .attention_sinks_magi2 import SINK_ATTENTION_PATHS, magi2_attention_with_sinks, sink_attention_path
 from .embeddings_magi2 import apply_magi2_rotary_emb
-from .modality import Magi2ModalityDispatch, Magi2MultiModalityRMSNorm, linear_compute_dtype, modality_linear
+from .modality import (
+    Magi2ModalityDispatch,
+    Magi2MultiModalityRMSNorm,
+    chunk_group_sizes,
+    linear_compute_dtype,
+    modality_linear,
+)
 from .window_attention import (
     DEFAULT_MAX_DENSE_MASK_ELEMENTS,
     Magi2WindowGeometry,
@@ -103,14 +110,84 @@ class Magi2ForwardContext:
 
 
 class _Magi2AttnProcessorBase:
-    """The steps both processors share; subclasses give :meth:`attend` (packed order)."""
+    """The steps both processors share; subclasses give :meth:`attend` (packed order).
+
+    Besides the whole-sequence ``__call__``, a processor attends a sequence in chunks of query rows (the refiner's
+    token-chunked block, one process): :meth:`project` gives the roped q, k, v and the gate logits of every row,
+    written chunk by chunk into whole ``[N, ...]`` tensors; :meth:`attend_rows` then attends one chunk of query rows
+    over every key and projects its output. Only the inputs, k, v, q and the gate logits are sequence-wide (in the
+    compute dtype; the gate in ``linear_g``'s); every other activation has the chunk's rows. The rows and the math
+    are those of ``__call__``, so chunked and whole differ only where a GEMM or kernel rounds a row differently by
+    the number of rows it is given.
+    """
 
     _attention_backend = None
 
-    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask, heads=None) -> torch.Tensor:
-        """``[N, Hq, D]``, ``[N, Hkv, D]`` x2 -> ``[N, Hq, D]``; ``heads``: the query heads this rank computes
-        under context parallelism (``None``: all)."""
+    def attend(
+        self, attn, query, key, value, attention_mask: Magi2AttentionMask, heads=None, query_start: int = 0
+    ) -> torch.Tensor:
+        """``[Nq, Hq, D]``, ``[N, Hkv, D]`` x2 -> ``[Nq, Hq, D]``; ``heads``: the query heads this rank computes
+        under context parallelism (``None``: all); ``query_start``: the packed row of ``query[0]`` (``Nq < N``: a
+        chunk of the queries, one segment; its rows from :meth:`query_chunks`)."""
         raise NotImplementedError
+
+    def query_chunks(self, attention_mask: Magi2AttentionMask, num_tokens: int, chunk_size: int) -> list:
+        """``[(start, stop), ...]`` query rows of at most ``chunk_size`` (one process, one segment)."""
+        return [(a, min(a + chunk_size, num_tokens)) for a in range(0, num_tokens, chunk_size)]
+
+    def _project_rows(self, attn, hidden_states, group_sizes, dispatch, rotary_emb):
+        """``(u, q, k, v)`` of modality-sorted rows: ``u`` the normed input, q/k normed and roped, all three in the
+        compute dtype and packed order."""
+        n = hidden_states.shape[0]
+        dtype = attn.compute_dtype
+        u = attn.pre_norm(hidden_states, group_sizes)
+        q, k, v = torch.split(attn.linear_qkv(u, group_sizes), [attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = attn.q_norm(q.reshape(n, attn.heads, attn.head_dim), group_sizes)
+        k = attn.k_norm(k.reshape(n, attn.kv_heads, attn.head_dim), group_sizes)
+        v = v.reshape(n, attn.kv_heads, attn.head_dim)
+        q = dispatch.unsort(q)  # one at a time: each sorted copy (and then qkv) is freed at once
+        k = dispatch.unsort(k)
+        v = dispatch.unsort(v)
+        q = apply_magi2_rotary_emb(q, rotary_emb).to(dtype)
+        k = apply_magi2_rotary_emb(k, rotary_emb).to(dtype)
+        return u, q, k, v.to(dtype)
+
+    def _output_rows(self, attn, out, gate_logits, group_sizes):
+        """Gate and ``linear_proj`` of modality-sorted attention output rows ``[n, Hq, D]``."""
+        n, dtype = out.shape[0], attn.compute_dtype
+        if gate_logits is not None:
+            g = gate_logits.float() if attn.gate_in_fp32 else gate_logits.to(out.dtype)
+            out = out * sigmoid(g).unsqueeze(-1)
+        return attn.linear_proj(out.reshape(n, attn.q_size).to(dtype), group_sizes)
+
+    def project(self, attn, hidden_states: torch.Tensor, context: Magi2ForwardContext, chunks) -> tuple:
+        """``(q, k, v, gate_logits)`` of every row, computed ``chunks`` (``[(start, stop), ...]``) at a time:
+        ``[N, Hq, D]``, ``[N, Hkv, D]`` x2 in the compute dtype and ``[N, Hq]`` (``None`` ungated). Needs the identity
+        modality dispatch (sorted = packed order)."""
+        n, dtype = hidden_states.shape[0], attn.compute_dtype
+        query = hidden_states.new_empty((n, attn.heads, attn.head_dim), dtype=dtype)
+        key = hidden_states.new_empty((n, attn.kv_heads, attn.head_dim), dtype=dtype)
+        value = torch.empty_like(key)
+        gate = None
+        for a, b in chunks:
+            gs = chunk_group_sizes(context.dispatch.group_sizes, a, b) if attn.num_modality > 1 else None
+            u, query[a:b], key[a:b], value[a:b] = self._project_rows(
+                attn, hidden_states[a:b], gs, context.dispatch, context.rotary_emb[a:b]
+            )
+            if attn.linear_g is not None:
+                g = attn.linear_g(u, gs)
+                if gate is None:
+                    gate = g.new_empty((n,) + tuple(g.shape[1:]))
+                gate[a:b] = g
+        return query, key, value, gate
+
+    def attend_rows(self, attn, projected: tuple, context: Magi2ForwardContext, start: int, stop: int):
+        """The attention output ``[stop - start, C]`` (compute dtype) of query rows ``[start, stop)`` (one of
+        :meth:`query_chunks`) over every key; ``projected`` is :meth:`project`'s."""
+        query, key, value, gate = projected
+        gs = chunk_group_sizes(context.dispatch.group_sizes, start, stop) if attn.num_modality > 1 else None
+        out = self.attend(attn, query[start:stop], key, value, context.attention_mask, query_start=start)
+        return self._output_rows(attn, out.to(attn.compute_dtype), None if gate is None else gate[start:stop], gs)
 
     def _attend_shard(self, attn, shard: Magi2AttentionShard, attention_mask: Magi2AttentionMask) -> torch.Tensor:
         """:meth:`attend` over the shard's heads; a shard of no query head attends to nothing (``[N, 0, D]``)."""
@@ -121,27 +198,21 @@ class _Magi2AttnProcessorBase:
     def __call__(self, attn: "Magi2Attention", hidden_states: torch.Tensor, context: Magi2ForwardContext):
         dispatch, mask = context.dispatch, context.attention_mask
         gs = dispatch.group_sizes if attn.num_modality > 1 else None
-        n = hidden_states.shape[0]
-        dtype = attn.compute_dtype
-        u = attn.pre_norm(hidden_states, gs)
-        q, k, v = torch.split(attn.linear_qkv(u, gs), [attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q = attn.q_norm(q.reshape(n, attn.heads, attn.head_dim), gs)
-        k = attn.k_norm(k.reshape(n, attn.kv_heads, attn.head_dim), gs)
-        v = v.reshape(n, attn.kv_heads, attn.head_dim)
-        q = dispatch.unsort(q)  # one at a time: each sorted copy (and then qkv) is freed at once
-        k = dispatch.unsort(k)
-        v = dispatch.unsort(v)
-        q = apply_magi2_rotary_emb(q, context.rotary_emb).to(dtype)
-        k = apply_magi2_rotary_emb(k, context.rotary_emb).to(dtype)
+        u, q, k, v = self._project_rows(attn, hidden_states, gs, dispatch, context.rotary_emb)
         # the installed exchange brings the tokens and heads this rank attends over (one process: all, here)
-        shard, handle = attn.exchange.dispatch(q, k, v.to(dtype), context.shard_plan)
+        shard, handle = attn.exchange.dispatch(q, k, v, context.shard_plan)
         out = attn.exchange.combine(self._attend_shard(attn, shard, mask), handle)
-        out = dispatch.sort(out.to(dtype))
-        if attn.linear_g is not None:
-            g = attn.linear_g(u, gs)
-            g = g.float() if attn.gate_in_fp32 else g.to(out.dtype)
-            out = out * sigmoid(g).unsqueeze(-1)
-        return attn.linear_proj(out.reshape(n, attn.q_size).to(dtype), gs)
+        out = dispatch.sort(out.to(attn.compute_dtype))
+        return self._output_rows(attn, out, None if attn.linear_g is None else attn.linear_g(u, gs), gs)
+
+
+def _attend_rows_densely(query, key, value, scale, backend) -> torch.Tensor:
+    """A chunk of one segment's query rows ``[Nq, Hq, D]`` over all its keys, through the kernel the whole segment
+    takes (``dispatch_attention_fn``, k/v at ``Hq`` heads)."""
+    rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    out = dispatch_attention_fn(query[None], key[None], value[None], scale=scale, backend=backend)
+    return out[0].to(query.dtype)
 
 
 class Magi2AttnProcessor(_Magi2AttnProcessorBase):
@@ -154,12 +225,14 @@ class Magi2AttnProcessor(_Magi2AttnProcessorBase):
     def __init__(self, upcast_off_cuda: bool = True) -> None:
         self.upcast_off_cuda = upcast_off_cuda
 
-    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask, heads=None) -> torch.Tensor:
+    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask, heads=None, query_start=0):
         sinks = attn.sinks
         if heads is not None and sinks is not None:
             sinks = sinks[:, heads.start : heads.stop]
         if self.upcast_off_cuda and not query.is_cuda and query.dtype != torch.float32:
             query, key, value = query.float(), key.float(), value.float()
+        if query.shape[0] != key.shape[0]:  # a chunk of one segment's queries (the refiner's dense layers: no sinks)
+            return _attend_rows_densely(query, key, value, attn.scale, self._attention_backend)
         return magi2_attention_with_sinks(
             query,
             key,
@@ -185,13 +258,24 @@ class Magi2WindowAttnProcessor(_Magi2AttnProcessorBase):
         self.backend = check_backend("window_attn", backend)
         self.max_dense_mask_elements = int(max_dense_mask_elements)
 
-    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask, heads=None) -> torch.Tensor:
+    def query_chunks(self, attention_mask, num_tokens, chunk_size):
+        """Query rows of at most ``chunk_size`` that start and end on window-block borders (a block larger than
+        ``chunk_size`` is a chunk of its own), then the context rows."""
+        geometry = attention_mask.window
+        if geometry is None or attention_mask.dense_mask is not None:
+            return super().query_chunks(attention_mask, num_tokens, chunk_size)
+        return attention_mask.cached(("query_chunks", chunk_size), lambda: _block_chunks(geometry, chunk_size))
+
+    def attend(self, attn, query, key, value, attention_mask: Magi2AttentionMask, heads=None, query_start=0):
         mask = attention_mask
         backend, max_dense, geometry = self.backend, self.max_dense_mask_elements, mask.window
         if mask.dense_mask is not None:
             return block_window_attention(
-                query, key, value, None, dense_mask=mask.dense_mask, backend=backend, scale=attn.scale
-            )
+                query, key, value, None, dense_mask=mask.dense_mask, backend=backend, scale=attn.scale,
+                query_start=query_start,
+            )  # fmt: skip
+        if geometry is None and query.shape[0] != key.shape[0]:
+            return _attend_rows_densely(query, key, value, attn.scale, self._attention_backend)
         if geometry is None:
             return magi2_attention_with_sinks(
                 query,
@@ -212,8 +296,13 @@ class Magi2WindowAttnProcessor(_Magi2AttnProcessorBase):
                 ("dense", geometry, str(device), max_dense),
                 lambda: geometry.dense_mask(device, max_elements=max_dense),
             )
-        elif backend == "flex":
+        elif backend == "flex" and query.shape[0] == key.shape[0]:
             block = mask.cached(("flex", geometry, str(device)), lambda: cached_flex_block_mask(geometry, device))
+        elif backend == "flex":  # a chunk of the queries: its own block mask, once per forward
+            rows = (query_start, query_start + query.shape[0])
+            block = mask.cached(
+                ("flex", geometry, str(device), rows), lambda: geometry.flex_block_mask(device, None, rows)
+            )
         return block_window_attention(
             query,
             key,
@@ -224,7 +313,24 @@ class Magi2WindowAttnProcessor(_Magi2AttnProcessorBase):
             scale=attn.scale,
             block_mask=block,
             max_dense_elements=max_dense,
+            query_start=query_start,
         )
+
+
+def _block_chunks(geometry: Magi2WindowGeometry, chunk_size: int) -> list:
+    """``[(start, stop), ...]``: the video rows cut on window-block borders, at most ``chunk_size`` rows a chunk
+    unless one block is larger; then the context rows in chunks of ``chunk_size``."""
+    chunks, start = [], 0
+    ends = geometry.block_ranges()[:, 1].tolist()
+    for previous, end in zip([0] + ends[:-1], ends):
+        if end - start > chunk_size and previous > start:
+            chunks.append((start, previous))
+            start = previous
+    nv, n = geometry.num_video_tokens, geometry.num_tokens
+    if nv > start:
+        chunks.append((start, nv))
+    chunks += [(a, min(a + chunk_size, n)) for a in range(nv, n, chunk_size)]
+    return chunks
 
 
 @dataclass(frozen=True)

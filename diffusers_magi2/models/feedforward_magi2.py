@@ -19,6 +19,7 @@ from ..moe.layer import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
 from .modality import (
     Magi2ModalityDispatch,
     Magi2MultiModalityRMSNorm,
+    chunk_group_sizes,
     modality_linear,
     swiglu7_interleaved,
 )
@@ -98,18 +99,10 @@ def run_token_chunks(fn, hidden_states: torch.Tensor, group_sizes, chunk: Option
     n = hidden_states.shape[0]
     if chunk is None or n <= chunk:
         return fn(hidden_states, group_sizes)
-    starts = [0]
-    for g in group_sizes or (n,):
-        starts.append(starts[-1] + int(g))
     out = None
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
-        part = (
-            None
-            if group_sizes is None
-            else tuple(max(0, min(b, starts[m + 1]) - max(a, starts[m])) for m in range(len(group_sizes)))
-        )
-        y = fn(hidden_states[a:b], part)
+        y = fn(hidden_states[a:b], None if group_sizes is None else chunk_group_sizes(group_sizes, a, b))
         if out is None:
             out = y.new_empty((n,) + tuple(y.shape[1:]), dtype=out_dtype or y.dtype)
         out[a:b] = y

@@ -30,6 +30,7 @@ __all__ = [
     "Magi2MultiModalityRMSNorm",
     "Magi2ModalityGroupedLinear",
     "Magi2Linear",
+    "chunk_group_sizes",
     "linear_compute_dtype",
     "modality_linear",
     "swiglu7_interleaved",
@@ -140,6 +141,16 @@ class Magi2ModalityDispatch:
             self.group_sizes,
             self.sorted_modality_ids.to(device),
         )
+
+
+def chunk_group_sizes(group_sizes: Sequence[int], start: int, stop: int) -> tuple[int, ...]:
+    """Tokens per modality among modality-sorted rows ``[start, stop)`` of a sequence of ``group_sizes``."""
+    sizes, lo = [], 0
+    for g in group_sizes:
+        hi = lo + int(g)
+        sizes.append(max(0, min(stop, hi) - max(start, lo)))
+        lo = hi
+    return tuple(sizes)
 
 
 def _check_groups(num_tokens: int, group_sizes: Optional[Sequence[int]], num_modality: int, what: str):

@@ -5,6 +5,18 @@ a swiglu7 MLP of width ``int(4C * 2/3) // 4 * 4``, block-window attention in the
 are SandAI's with ``block.layers.{i}.`` -> ``transformer_blocks.{i}.``. Adapters, norms and rope are fp32
 islands; attention runs in the compute dtype with an fp32 gate; the MLP returns fp32, so the residual is fp32
 from layer 0's MLP on.
+
+Token-chunked layers (:meth:`Magi2RefinerTransformer3DModel.enable_forward_chunking`). Only attention mixes tokens,
+and only through its keys and values, so a layer can run its query rows ``Q_c`` a chunk at a time::
+
+    q, k, v, g = project(h)                     # every row, computed chunk by chunk
+    for each chunk c:  a_c = h_c + proj(attend(q_c, k, v) * sigmoid(g_c));  out_c = a_c + mlp(a_c)
+
+Sequence-wide stay the layer's input ``h`` and output (the residual, ``[N, C]``, fp32 after layer 0), ``q``
+(``[N, Hq*D]``), ``k`` and ``v`` (``[N, Hkv*D]``, compute dtype) and the gate logits ``[N, Hq]``; every other
+activation (the attention output, the MLP's ``[Q_c, 2I]`` intermediate, norms, rope) has the chunk's rows. Chunks
+of the window layers start and end on window-block borders. The same rows meet the same math, so chunked equals
+whole up to how a GEMM rounds a row for a given number of rows.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from .embeddings_magi2 import check_rope_coords
 from .feedforward_magi2 import Magi2FeedForward, check_chunk_size
 from .fp8_storage_magi2 import check_dense_storage_dtype
 from .lora_magi2 import lora_scale_from_attention_kwargs
-from .modality import Magi2ModalityDispatch, Modality
+from .modality import Magi2ModalityDispatch, Modality, chunk_group_sizes
 from .modeling_magi2 import Magi2TransformerBase
 from .packing_magi2 import check_transformer_inputs, pack_refiner_sample, unpack_refiner_sample
 from .window_attention import DEFAULT_MAX_DENSE_MASK_ELEMENTS, Magi2WindowGeometry, ranges_to_dense_mask
@@ -98,11 +110,42 @@ class Magi2RefinerTransformerBlock(nn.Module):
             chunk_size=DEFAULT_MLP_CHUNK_SIZE,
         )
 
+        #: query tokens per chunk of the whole layer (module docstring; ``enable_forward_chunking``), ``None``: the
+        #: attention over every token at once
+        self.chunk_size: Optional[int] = None
+
     def forward(self, hidden_states: torch.Tensor, context: Magi2ForwardContext) -> torch.Tensor:
         """``hidden_states`` ``[N, C]`` modality-sorted -> ``[N, C]`` (fp32 after layer 0's MLP); ``context`` is the
-        forward's :class:`~.attention_magi2.Magi2ForwardContext`."""
-        hidden_states = hidden_states + self.attention(hidden_states, context)
-        return hidden_states + self.mlp(hidden_states, context.dispatch, context.shard_plan)
+        forward's :class:`~.attention_magi2.Magi2ForwardContext`. In token chunks where :attr:`chunk_size` is set
+        and the attention's exchange allows it (one process; under context parallelism the MLP alone chunks)."""
+        chunk = self.attention.exchange.token_chunk(self.chunk_size)
+        if chunk is None or hidden_states.shape[0] <= chunk:
+            hidden_states = hidden_states + self.attention(hidden_states, context)
+            return hidden_states + self.mlp(hidden_states, context.dispatch, context.shard_plan)
+        return self._forward_chunked(hidden_states, context, chunk)
+
+    def _forward_chunked(self, hidden_states: torch.Tensor, context: Magi2ForwardContext, chunk: int):
+        attn = self.attention
+        registry = getattr(attn, "_diffusers_hook", None)
+        if registry is not None and registry.hooks:
+            raise RuntimeError(
+                f"token-chunked layers run the attention's processor directly, past the hooks on it "
+                f"({list(registry.hooks)}); call disable_forward_chunking() to use them"
+            )
+        n, processor = hidden_states.shape[0], attn.processor
+        chunks = processor.query_chunks(context.attention_mask, n, chunk)
+        projected = processor.project(attn, hidden_states, context, chunks)
+        out = None
+        for a, b in chunks:
+            x = hidden_states[a:b] + processor.attend_rows(attn, projected, context, a, b)
+            rows = Magi2ModalityDispatch.from_sorted_group_sizes(
+                chunk_group_sizes(context.dispatch.group_sizes, a, b), x.device
+            )
+            x = x + self.mlp(x, rows)
+            if out is None:
+                out = x.new_empty((n,) + tuple(x.shape[1:]))
+            out[a:b] = x
+        return out
 
 
 class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
@@ -128,7 +171,8 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
             (fp32 scales per output channel, :meth:`enable_fp8_storage`); anything else raises ``ValueError``.
 
     Runtime switches: ``set_attn_processor(Magi2WindowAttnProcessor(backend=...))`` (the window kernel),
-    ``set_attention_backend`` (dense layers), :meth:`enable_forward_chunking` (the MLP token chunk).
+    ``set_attention_backend`` (dense layers), :meth:`enable_forward_chunking` (token-chunked layers; by default only
+    the MLP runs in chunks of 65,536 tokens).
     """
 
     _no_split_modules = ["Magi2RefinerTransformerBlock"]
@@ -193,21 +237,28 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
         )
 
     def enable_forward_chunking(self, chunk_size: Optional[int] = None, dim: int = 0) -> None:
-        """Run every MLP ``chunk_size`` tokens at a time (default 65,536).
+        """Run every layer ``chunk_size`` query tokens at a time (default 65,536): its attention over all keys and
+        its MLP, chunk by chunk, so that the activations beside the residual, q, k and v scale with the chunk
+        (module docstring; window layers cut their chunks on window-block borders). Under context parallelism the
+        attention runs whole and the MLP in chunks. The same result up to GEMM rounding; inference and training.
+
+        Args:
+            chunk_size: query tokens per chunk, a positive int (``None``: 65,536).
+            dim: the token dim, 0 (diffusers' signature).
 
         Raises:
             ValueError: ``dim`` other than 0 (tokens are dim 0) or a non-positive ``chunk_size``.
         """
         if dim != 0:
-            raise ValueError(f"the refiner chunks its MLP over tokens (dim 0), got dim={dim}")
+            raise ValueError(f"the refiner chunks its layers over tokens (dim 0), got dim={dim}")
         chunk_size = check_chunk_size(DEFAULT_MLP_CHUNK_SIZE if chunk_size is None else chunk_size)
         for block in self.transformer_blocks:
-            block.mlp.chunk_size = chunk_size
+            block.chunk_size = block.mlp.chunk_size = chunk_size
 
     def disable_forward_chunking(self) -> None:
-        """Run every MLP over all tokens at once."""
+        """Run every layer over all tokens at once (its MLP included)."""
         for block in self.transformer_blocks:
-            block.mlp.chunk_size = None
+            block.chunk_size = block.mlp.chunk_size = None
 
     @lora_scale_from_attention_kwargs
     def forward_packed(
@@ -256,6 +307,11 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
             raise ValueError(f"x has {x.shape[1]} channels, the present modalities need {need}")
         if window_geometry is not None and (q_ranges is not None or k_ranges is not None):
             raise ValueError("pass either window_geometry or q_ranges/k_ranges, not both")
+        if any(b.chunk_size is not None for b in self.transformer_blocks) and bool((ids[1:] < ids[:-1]).any()):
+            raise ValueError(
+                "token-chunked layers (enable_forward_chunking) need modality_mapping in modality order (video, "
+                "audio, text), as the refiner packs its samples; call disable_forward_chunking() for another order"
+            )
         dense_mask = None
         if q_ranges is not None or k_ranges is not None:
             if q_ranges is None or k_ranges is None:

@@ -14,6 +14,7 @@ kernel, which gathers each query block's key window (exact, ``O(chunk x window)`
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -199,8 +200,9 @@ class Magi2WindowGeometry:
         mask[:nv, :nv] = ((bc[:, None, :] - bc[None, :, :]).abs() <= r).all(-1)
         return mask
 
-    def flex_mask_mod(self, device: Optional[torch.device] = None):
-        """``mask_mod(b, h, q_idx, kv_idx)`` for ``flex_attention`` (per-axis block-index lookups, ``[N]`` each)."""
+    def flex_mask_mod(self, device: Optional[torch.device] = None, query_start: int = 0):
+        """``mask_mod(b, h, q_idx, kv_idx)`` for ``flex_attention`` (per-axis block-index lookups, ``[N]`` each);
+        ``q_idx`` counts from packed row ``query_start`` (a chunk of the queries)."""
         nv, n = self.num_video_tokens, self.num_tokens
         coords = torch.zeros(n, 3, dtype=torch.int32, device=device)
         coords[:nv] = self.token_block_coords(device).to(torch.int32)
@@ -210,6 +212,7 @@ class Magi2WindowGeometry:
         rt, rh, rw = self.radius
 
         def mask_mod(b, h, q_idx, kv_idx):
+            q_idx = q_idx + query_start
             local = (
                 ((bt[q_idx] - bt[kv_idx]).abs() <= rt)
                 & ((bh[q_idx] - bh[kv_idx]).abs() <= rh)
@@ -219,12 +222,18 @@ class Magi2WindowGeometry:
 
         return mask_mod
 
-    def flex_block_mask(self, device: Optional[torch.device] = None, compile_mask: Optional[bool] = None):
+    def flex_block_mask(
+        self,
+        device: Optional[torch.device] = None,
+        compile_mask: Optional[bool] = None,
+        query_rows: Optional[tuple[int, int]] = None,
+    ):
         """``BlockMask`` for ``torch.nn.attention.flex_attention`` over the packed sequence.
 
         Args:
             device: device of the attention inputs.
             compile_mask: ``create_block_mask(_compile=True)`` (never materialises the dense mask); default on CUDA.
+            query_rows: ``(start, stop)``: the mask of those packed query rows over every key (``None``: all rows).
         """
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -232,9 +241,11 @@ class Magi2WindowGeometry:
         if compile_mask is None:
             compile_mask = device.type == "cuda"
         n = self.num_tokens
+        start, stop = (0, n) if query_rows is None else query_rows
         return create_block_mask(
-            self.flex_mask_mod(device), B=None, H=None, Q_LEN=n, KV_LEN=n, device=device, _compile=compile_mask
-        )
+            self.flex_mask_mod(device, start), B=None, H=None, Q_LEN=stop - start, KV_LEN=n, device=device,
+            _compile=compile_mask,
+        )  # fmt: skip
 
 
 def ranges_to_dense_mask(
@@ -285,20 +296,26 @@ def _gather_window_attention(
     geometry: Magi2WindowGeometry,
     scale: float,
     blocks_per_chunk: int,
+    query_start: int = 0,
 ) -> torch.Tensor:
-    """Exact block-window attention by gathering each query block's key window."""
+    """Exact block-window attention by gathering each query block's key window; ``query`` holds the packed rows
+    from ``query_start`` on, which start and end on block borders within the video tokens."""
     nv, n = geometry.num_video_tokens, geometry.num_tokens
     device = query.device
+    q0, q1 = query_start, query_start + query.shape[0]
     out = torch.empty_like(query)
-    if n > nv:
-        out[nv:] = _sdpa_bnhd(query[None, nv:], key[None], value[None], None, scale)[0]
-    if nv == 0:
+    if q1 > nv:
+        c0 = max(q0, nv)
+        out[c0 - q0 :] = _sdpa_bnhd(query[None, c0 - q0 :], key[None], value[None], None, scale)[0]
+    if nv == 0 or q0 >= nv:
         return out
     nt, nh, nw = geometry.block_grid
     rt, rh, rw = geometry.radius
     br = geometry.block_ranges(device)
     counts = br[:, 1] - br[:, 0]
-    qmax = int(counts.max())
+    qmax = int(counts.max())  # padded shapes from every block: a chunk's blocks are padded as the whole's
+    starts = br[:, 0].tolist()
+    first, last = _block_span(starts, nv, q0, min(q1, nv))
     kslot = qmax  # every neighbour block gets a slot of the largest block size
     offsets = torch.arange(-rt, rt + 1, device=device)
     dts, dhs, dws = torch.meshgrid(
@@ -309,12 +326,12 @@ def _gather_window_attention(
     ar_q = torch.arange(qmax, device=device)
     ar_k = torch.arange(kslot, device=device)
     rep = query.shape[1] // key.shape[1]
-    for b0 in range(0, geometry.num_blocks, blocks_per_chunk):
-        b = torch.arange(b0, min(b0 + blocks_per_chunk, geometry.num_blocks), device=device)
+    for b0 in range(first, last, blocks_per_chunk):
+        b = torch.arange(b0, min(b0 + blocks_per_chunk, last), device=device)
         bt, bh, bw = b // (nh * nw), (b // nw) % nh, b % nw
         q_idx = br[b, :1] + ar_q[None, :]  # [nb, qmax]
         q_valid = ar_q[None, :] < counts[b, None]
-        q_idx = torch.where(q_valid, q_idx, torch.zeros_like(q_idx))
+        q_idx = torch.where(q_valid, q_idx, torch.full_like(q_idx, q0))
         kt, kh, kw = bt[:, None] + dts, bh[:, None] + dhs, bw[:, None] + dws  # [nb, Nnei]
         nb_ok = (kt >= 0) & (kt < nt) & (kh >= 0) & (kh < nh) & (kw >= 0) & (kw < nw)
         kb = torch.where(nb_ok, (kt * nh + kh) * nw + kw, torch.zeros_like(kt))
@@ -325,15 +342,29 @@ def _gather_window_attention(
         if n > nv:
             k_idx = torch.cat([k_idx, ctx_idx.expand(b.numel(), -1)], dim=1)
             k_valid = torch.cat([k_valid, torch.ones(b.numel(), n - nv, dtype=torch.bool, device=device)], dim=1)
-        qb = query[q_idx]  # [nb, qmax, Hq, D]
+        qb = query[q_idx - q0]  # [nb, qmax, Hq, D]
         kb_ = key[k_idx]
         vb = value[k_idx]
         if rep > 1:  # explicit GQA expansion: masked SDPA kernels need equal head counts
             kb_ = kb_.repeat_interleave(rep, dim=2)
             vb = vb.repeat_interleave(rep, dim=2)
         ob = _sdpa_bnhd(qb, kb_, vb, k_valid[:, None, None, :], scale)  # [nb, qmax, Hq, D]
-        out[q_idx[q_valid]] = ob[q_valid]
+        out[q_idx[q_valid] - q0] = ob[q_valid]
     return out
+
+
+def _block_span(starts: list, num_video_tokens: int, lo: int, hi: int) -> tuple[int, int]:
+    """The blocks ``[first, last)`` covering packed video rows ``[lo, hi)`` exactly (``starts``: each block's first
+    row).
+
+    Raises:
+        ValueError: ``lo`` or ``hi`` inside a block.
+    """
+    bounds = starts + [num_video_tokens]
+    first, last = bisect.bisect_left(bounds, lo), bisect.bisect_left(bounds, hi)
+    if bounds[first] != lo or bounds[last] != hi:
+        raise ValueError(f"query rows [{lo}, {hi}) must start and end on window-block borders for the gather kernel")
+    return first, last
 
 
 _compiled_flex = None
@@ -375,23 +406,28 @@ def block_window_attention(
     block_mask=None,
     max_dense_elements: int = DEFAULT_MAX_DENSE_MASK_ELEMENTS,
     blocks_per_chunk: int = 64,
+    query_start: int = 0,
 ) -> torch.Tensor:
     """Bidirectional attention of one packed refiner sample under its block-window mask.
 
     Args:
-        query: ``[N, Hq, D]``; key, value: ``[N, Hkv, D]``, ``Hq % Hkv == 0``, one dtype, packed order.
+        query: ``[Nq, Hq, D]``, the packed rows ``[query_start, query_start + Nq)`` (``Nq = N``: every row); key,
+            value: ``[N, Hkv, D]``, ``Hq % Hkv == 0``, one dtype, packed order.
         geometry: the sample's :class:`Magi2WindowGeometry`; ``None`` (without ``dense_mask``) = full attention.
         dense_mask: explicit bool ``[N, N]`` mask (True = attend), for ``"sdpa"``/``"auto"`` only.
         backend: ``"sdpa"``, ``"flex"`` (compiled on CUDA), ``"gather"`` (``blocks_per_chunk`` query blocks at
             a time) or ``"auto"`` (the ``window_attn`` row of :mod:`~diffusers_magi2.utils.backends`).
         scale: softmax scale, default ``D ** -0.5``.
-        block_mask: a prebuilt ``BlockMask`` for ``"flex"`` (built from ``geometry`` if omitted).
+        block_mask: a prebuilt ``BlockMask`` of the query rows for ``"flex"`` (built from ``geometry`` if omitted).
+        query_start: the packed row of ``query[0]``: a chunk of the queries attends over every key (for
+            ``"gather"`` the chunk starts and ends on window-block borders of the video tokens).
 
     Returns:
-        ``[N, Hq, D]`` in the query dtype.
+        ``[Nq, Hq, D]`` in the query dtype.
 
     Raises:
-        ValueError: unknown backend, shape mismatch, or a dense mask that would be too large.
+        ValueError: unknown backend, shape mismatch, query rows outside ``[0, N]`` (or off the block borders for
+            ``"gather"``), or a dense mask that would be too large.
     """
     check_backend("window_attn", backend)
     if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape:
@@ -399,10 +435,13 @@ def block_window_attention(
             f"expected query [N, Hq, D] and key/value [N, Hkv, D], got {tuple(query.shape)}, "
             f"{tuple(key.shape)}, {tuple(value.shape)}"
         )
-    n, hq, d = query.shape
-    if key.shape[0] != n or key.shape[2] != d or hq % key.shape[1]:
+    nq, hq, d = query.shape
+    n = key.shape[0]
+    q0, q1 = int(query_start), int(query_start) + nq
+    if key.shape[2] != d or hq % key.shape[1] or not 0 <= q0 <= q1 <= n:
         raise ValueError(
-            f"key/value {tuple(key.shape)} incompatible with query {tuple(query.shape)} (same N and D, Hq % Hkv == 0)"
+            f"key/value {tuple(key.shape)} incompatible with query {tuple(query.shape)} from row {query_start} (query "
+            "rows inside the keys' N, the same D, Hq % Hkv == 0)"
         )
     if geometry is not None and geometry.num_tokens != n:
         raise ValueError(f"geometry describes {geometry.num_tokens} tokens but query has {n}")
@@ -413,7 +452,7 @@ def block_window_attention(
             raise ValueError(f"an explicit dense_mask can only be used with backend 'sdpa', got {backend!r}")
         if dense_mask.shape != (n, n) or dense_mask.dtype != torch.bool:
             raise ValueError(f"dense_mask must be bool [{n}, {n}], got {dense_mask.dtype} {tuple(dense_mask.shape)}")
-        return _sdpa_bnhd(query[None], key[None], value[None], dense_mask.to(query.device), scale)[0]
+        return _sdpa_bnhd(query[None], key[None], value[None], dense_mask[q0:q1].to(query.device), scale)[0]
     if geometry is None:
         return _sdpa_bnhd(query[None], key[None], value[None], None, scale)[0]
 
@@ -422,10 +461,10 @@ def block_window_attention(
     )
     if backend == "sdpa":
         mask = geometry.dense_mask(query.device, max_elements=max_dense_elements)
-        return _sdpa_bnhd(query[None], key[None], value[None], mask, scale)[0]
+        return _sdpa_bnhd(query[None], key[None], value[None], mask[q0:q1], scale)[0]
     if backend == "gather":
-        return _gather_window_attention(query, key, value, geometry, scale, blocks_per_chunk)
+        return _gather_window_attention(query, key, value, geometry, scale, blocks_per_chunk, q0)
     # flex
     if block_mask is None:
-        block_mask = geometry.flex_block_mask(query.device)
+        block_mask = geometry.flex_block_mask(query.device, query_rows=None if nq == n else (q0, q1))
     return _flex(query[None], key[None], value[None], block_mask, scale)[0]

@@ -312,9 +312,18 @@ class Magi2AttentionExchange(abc.ABC):
     def combine(self, output: torch.Tensor, handle: Any) -> torch.Tensor:
         """The attention output of the shard's heads -> this rank's tokens ``[S, Hq, D]`` (the q/k/v dtype)."""
 
+    def token_chunk(self, chunk_size: Optional[int]) -> Optional[int]:
+        """Query tokens per chunk the layer may attend in: ``None`` (whole) where every rank must join each exchange
+        once."""
+        return None
+
 
 class Magi2LocalAttentionExchange(Magi2AttentionExchange):
     """Every token here: the attention sees all query heads."""
+
+    def token_chunk(self, chunk_size):
+        """``chunk_size``: every key is here."""
+        return chunk_size
 
     def dispatch(self, query, key, value, shard_plan=None):
         """``shard_plan`` is not read."""

@@ -33,6 +33,9 @@ __all__ = ["Magi2WeightStreamingPipelineMixin", "streamed_blocks"]
 
 #: The components whose blocks stream (any may be absent), in the order a call runs them.
 STREAMED_COMPONENTS = ("text_encoder", "transformer", "refiner")
+#: Query tokens per chunk of the streamed refiner's layers (``enable_forward_chunking``): its 1080p activations
+#: within a 32 GB card, as ``bench_memory --gpu_gb 32`` plans them.
+STREAMED_REFINER_CHUNK_SIZE = 16384
 
 
 def _weight_nbytes(module: torch.nn.Module) -> int:
@@ -71,7 +74,8 @@ class Magi2WeightStreamingPipelineMixin:
         """Stream the text encoder's decoder layers and the transformer's and the refiner's blocks from host memory
         through a ring of ``ring_size`` device buffers each (:func:`~diffusers_magi2.models.weight_streaming.
         apply_weight_streaming`; their other weights, e.g. the token embedding, resident on ``device``); move every
-        other component to ``device``. Call it instead of ``pipe.to(device)``; inference only.
+        other component to ``device``; run the refiner's layers in token chunks of :data:`STREAMED_REFINER_CHUNK_SIZE`
+        (``enable_forward_chunking``). Call it instead of ``pipe.to(device)``; inference only.
 
         Args:
             vram_gb: the card's memory in GB (10^9 bytes), e.g. 24 or 32.
@@ -136,6 +140,8 @@ class Magi2WeightStreamingPipelineMixin:
             logger.info(f"weight streaming: {name} stays held between stages ({why})")
         self._weight_streaming_stages = StagedHostMemory(rereads, {n: models[n] for n in rereads})
         self._weight_streaming_stages.install()
+        if "refiner" in blocks:
+            models["refiner"].enable_forward_chunking(STREAMED_REFINER_CHUNK_SIZE)
 
     def disable_weight_streaming(self) -> None:
         """Stop streaming: the streamed models' weights become resident on the device they streamed to (a released

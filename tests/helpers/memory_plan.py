@@ -488,6 +488,10 @@ def trace_refiner_forward(
     set_kernels(model, kernels)
     if forward_chunk_size is not None:
         model.enable_forward_chunking(forward_chunk_size)
+        for block in model.transformer_blocks if cp_degree > 1 else ():
+            block.chunk_size = (
+                None  # under context parallelism the attention runs whole (its exchange), the MLP chunks
+            )
     block_bytes = {k: module_bytes(b) for k, b in zip(kinds, model.transformer_blocks)}
     weights = module_bytes(model.pre_adapter) + module_bytes(model.post_adapter)
     weights += sum(block_bytes[k] for k in per_layer)

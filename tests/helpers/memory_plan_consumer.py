@@ -16,6 +16,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_REFINER_CHUNK_SIZE
+
 from .memory_plan import (
     DEFAULT_TEXT_TOKENS,
     GB,
@@ -52,8 +54,8 @@ __all__ = ["CONSUMER_CARDS", "REFINER_CHUNK", "plan_consumer", "plan_per_rank_24
 
 CONSUMER_CARDS = (24, 32)
 FP8 = torch.float8_e4m3fn
-#: The refiner's token chunk on a 32 GB card (``enable_forward_chunking``).
-REFINER_CHUNK = 16384
+#: The refiner's token chunk under weight streaming (``enable_forward_chunking``, set by ``enable_weight_streaming``).
+REFINER_CHUNK = STREAMED_REFINER_CHUNK_SIZE
 _TEXT_TOKENS = 7000  # the text encoder row's longest prompt
 
 

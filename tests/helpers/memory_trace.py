@@ -203,7 +203,7 @@ class _FlashAttentionAllocations(Magi2AttnProcessor):
     """``kernels="cuda"``: attention as :class:`_FlashAttentionKernel`, then the sink correction
     ``out * sigmoid(lse - sink)`` (set on the traced model with ``set_attn_processor``)."""
 
-    def attend(self, attn, query, key, value, attention_mask, heads=None) -> torch.Tensor:
+    def attend(self, attn, query, key, value, attention_mask, heads=None, query_start=0) -> torch.Tensor:
         out, lse = _FlashAttentionKernel.apply(query, key, value)
         sinks = getattr(attn, "sinks", None)
         if sinks is not None:

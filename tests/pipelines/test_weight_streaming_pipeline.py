@@ -8,6 +8,8 @@ import torch
 from helpers.modular_testing_utils import tiny_pipelines
 from helpers.streaming_calls import TWO_STAGE_CALL, two_stage_call
 
+from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_REFINER_CHUNK_SIZE
+
 
 def _encode(pipe):
     with torch.no_grad():
@@ -20,6 +22,7 @@ def test_two_stage_call_streamed_equals_resident_bit_for_bit():
     pipe.enable_weight_streaming(vram_gb=24, device="cpu")
     # built in memory: nothing to re-read, so every streamed model stays held
     assert pipe._weight_streaming_stages.parts == {}
+    assert {b.chunk_size for b in pipe.refiner.transformer_blocks} == {STREAMED_REFINER_CHUNK_SIZE}  # the plan's
     released = {"text_encoder": 0, "transformer": 0, "refiner": 0}
     for name in released:
         streamer = getattr(pipe, name)._weight_streamer

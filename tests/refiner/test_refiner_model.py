@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
 from safetensors.torch import load_file
 
 from diffusers_magi2.models.attention_magi2 import Magi2WindowAttnProcessor
@@ -235,24 +236,84 @@ def test_save_load_roundtrip_keeps_fp32_islands(model_bf16, bf16_case, tmp_path)
     assert torch.equal(a.sample, b.sample)
 
 
+def _rows_seen(model):
+    """Hooks recording how many rows each layer's MLP is handed (a chunked layer hands it one chunk)."""
+    rows = []
+    hooks = [
+        b.mlp.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0])) for b in model.transformer_blocks
+    ]
+    return rows, hooks
+
+
 @pytest.mark.parametrize("model_name", ["model_fp32", "model_bf16"])
-def test_mlp_token_chunking_is_exact(request, fp32_case, model_name):
-    """Chunking the MLP over tokens (bounded memory at 1080p) gives the same result up to GEMM rounding,
-    also when chunks straddle modality borders."""
+def test_token_chunked_layers_equal_the_whole_layers(request, fp32_case, model_name):
+    """``enable_forward_chunking(c)``: every layer's attention (queries over all keys) and MLP run ``c`` tokens at a
+    time, on window-block borders (8 tokens here; 7 gives one block a chunk), also across modality borders. The
+    rows meet the same math, so only a GEMM's rounding of a row given fewer rows can differ: fp32 to its rounding
+    level, bf16 to a few bf16 roundings of the output's scale."""
     model = request.getfixturevalue(model_name)
     try:
         model.disable_forward_chunking()
         full = _diffusers_call(model, fp32_case, "")
-        model.enable_forward_chunking(7)
-        chunked = _diffusers_call(model, fp32_case, "")
+        for chunk in (7, 24):
+            model.enable_forward_chunking(chunk)
+            assert all(b.chunk_size == chunk == b.mlp.chunk_size for b in model.transformer_blocks)
+            rows, hooks = _rows_seen(model)
+            chunked = _diffusers_call(model, fp32_case, "")
+            for hook in hooks:
+                hook.remove()
+            assert max(rows) == max(chunk, 8) and sum(rows) == 4 * fp32_case["model.x"].shape[0]  # 4 layers
+            tol = 2e-5 if model_name == "model_fp32" else 2e-3 * full.sample.abs().max().item()
+            assert (chunked.sample - full.sample).abs().max().item() <= tol
+            assert (chunked.audio_sample - full.audio_sample).abs().max().item() <= tol
     finally:
         model.enable_forward_chunking()
-    # identical math; only the GEMM blocking over rows can differ (fp32 rounding level)
-    tol = 2e-5 if model_name == "model_fp32" else 2e-3 * full.sample.abs().max().item()
-    assert (chunked.sample - full.sample).abs().max().item() <= tol
-    assert (chunked.audio_sample - full.audio_sample).abs().max().item() <= tol
     with pytest.raises(ValueError, match="positive int"):
         model.enable_forward_chunking(0)
+
+
+def test_token_chunked_layers_train_as_the_whole_layers(model_fp32, fp32_case):
+    """The gradients of a chunked forward (the input's and a weight's) equal the whole forward's (fp32 rounding)."""
+    d = fp32_case
+
+    def grads():
+        latent = d["pipeline.latent"].clone().requires_grad_(True)
+        model_fp32.zero_grad()
+        out = model_fp32(latent, d["pipeline.txt_feat"], d["pipeline.audio_latent"]).sample
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return latent.grad, model_fp32.transformer_blocks[1].attention.linear_qkv.weight.grad.clone()
+
+    try:
+        model_fp32.disable_forward_chunking()
+        whole = grads()
+        model_fp32.enable_forward_chunking(16)
+        chunked = grads()
+    finally:
+        model_fp32.zero_grad(set_to_none=True)
+        model_fp32.enable_forward_chunking()
+    for a, b in zip(chunked, whole):
+        assert ((a - b).norm() / b.norm()).item() <= 1e-5
+
+
+def test_token_chunked_layers_refuse_what_they_cannot_serve(model_fp32, fp32_case):
+    """Chunks need the packed modality order (``forward_packed`` refuses another order before any work) and run the
+    attention's processor directly (a hook on the attention would be passed by: refused)."""
+    d = fp32_case
+    x, coords, ids = d["model.x"], d["model.coords_mapping"], d["model.modality_mapping"]
+    perm = torch.cat([torch.arange(1, ids.numel()), torch.tensor([0])])  # one video token moved behind the text
+    try:
+        model_fp32.enable_forward_chunking(16)
+        with pytest.raises(ValueError, match="modality order"):
+            model_fp32.forward_packed(x[perm], coords[perm], ids[perm])
+        registry = HookRegistry.check_if_exists_or_initialize(model_fp32.transformer_blocks[0].attention)
+        registry.register_hook(ModelHook(), "probe")
+        try:
+            with pytest.raises(RuntimeError, match="disable_forward_chunking"):
+                _diffusers_call(model_fp32, d, "")
+        finally:
+            registry.remove_hook("probe")
+    finally:
+        model_fp32.enable_forward_chunking()
 
 
 def test_converter_roundtrip_equals_original_loader(refiner_root, model_bf16, tmp_path):

@@ -137,3 +137,24 @@ def test_bad_geometry_raises():
         geom = Magi2WindowGeometry((2, 2, 2), (1, 1, 1), (1, 1, 1))
         x = torch.randn(8, 2, 8)
         block_window_attention(x, x, x, geom, backend="dense")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "gather", "flex"])
+def test_a_chunk_of_query_rows_attends_as_those_rows_of_the_whole(backend):
+    """``query_start``: the query rows ``[a, b)`` over every key give rows ``[a, b)`` of the whole attention (the
+    refiner's token-chunked layers), on block borders, across the video/context border and in the context."""
+    torch.manual_seed(0)
+    geom = Magi2WindowGeometry((5, 6, 7), (2, 4, 3), (1, 1, 1), 5)  # partial blocks on every axis
+    n, nv = geom.num_tokens, geom.num_video_tokens
+    q, k, v = torch.randn(n, 6, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16)
+    whole = block_window_attention(q, k, v, geom, backend=backend)
+    starts = geom.block_ranges()[:, 0].tolist()
+    cuts = [0, starts[3], starts[11], nv + 2, n]
+    for a, b in zip(cuts, cuts[1:]):
+        part = block_window_attention(q[a:b], k, v, geom, backend=backend, query_start=a, blocks_per_chunk=5)
+        torch.testing.assert_close(part, whole[a:b], rtol=0, atol=1e-6)
+    if backend == "gather":
+        with pytest.raises(ValueError, match="window-block borders"):
+            block_window_attention(q[1 : starts[3]], k, v, geom, backend=backend, query_start=1)
+    with pytest.raises(ValueError, match="query rows inside"):
+        block_window_attention(q[:8], k, v, geom, backend=backend, query_start=n - 4)
