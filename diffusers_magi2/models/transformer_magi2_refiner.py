@@ -239,7 +239,8 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
     def enable_forward_chunking(self, chunk_size: Optional[int] = None, dim: int = 0) -> None:
         """Run every layer ``chunk_size`` query tokens at a time (default 65,536): its attention over all keys and
         its MLP, chunk by chunk, so that the activations beside the residual, q, k and v scale with the chunk
-        (module docstring; window layers cut their chunks on window-block borders). Under context parallelism the
+        (module docstring; window layers cut their chunks on window-block borders); the output adapter's fp32 norm
+        and the input adapter of ``forward_packed`` too. Under context parallelism the
         attention runs whole and the MLP in chunks. The same result up to GEMM rounding; inference and training.
 
         Args:
@@ -252,11 +253,13 @@ class Magi2RefinerTransformer3DModel(Magi2TransformerBase):
         if dim != 0:
             raise ValueError(f"the refiner chunks its layers over tokens (dim 0), got dim={dim}")
         chunk_size = check_chunk_size(DEFAULT_MLP_CHUNK_SIZE if chunk_size is None else chunk_size)
+        self.pre_adapter.chunk_size = self.post_adapter.chunk_size = chunk_size
         for block in self.transformer_blocks:
             block.chunk_size = block.mlp.chunk_size = chunk_size
 
     def disable_forward_chunking(self) -> None:
-        """Run every layer over all tokens at once (its MLP included)."""
+        """Run every layer and the adapters over all tokens at once (the MLP included)."""
+        self.pre_adapter.chunk_size = self.post_adapter.chunk_size = None
         for block in self.transformer_blocks:
             block.chunk_size = block.mlp.chunk_size = None
 
