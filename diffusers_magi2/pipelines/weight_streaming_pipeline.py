@@ -35,7 +35,7 @@ __all__ = ["Magi2WeightStreamingPipelineMixin", "streamed_blocks"]
 STREAMED_COMPONENTS = ("text_encoder", "transformer", "refiner")
 #: Query tokens per chunk of the streamed refiner's layers (``enable_forward_chunking``): its 1080p activations
 #: within a 32 GB card, as ``bench_memory --gpu_gb 32`` plans them.
-STREAMED_REFINER_CHUNK_SIZE = 16384
+STREAMED_REFINER_CHUNK_SIZE = 8192
 
 
 def _weight_nbytes(module: torch.nn.Module) -> int:
