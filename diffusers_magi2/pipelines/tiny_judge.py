@@ -8,7 +8,8 @@
   circle (``R ≈ 0``).
 * **Motion**: the mask's centroid per frame, fitted by a line in time; the net displacement over the clip
   ``(Δx, Δy)`` (fractions of the width / height) names the motion of the dominant axis if it is at least 0.15 and
-  at least twice the other axis, else ``None``.
+  at least twice the other axis, else "stays still" (:data:`~.tiny_world.NEW_MOTIONS`) if both are below 0.05,
+  else ``None``.
 * **Shape**: the mask's area over its bounding box's, median over frames: a disc fills π/4 ≈ 0.79, a square 1;
   the threshold is 0.89.
 * **Sound**: the mono mix's magnitude spectrum between 100 Hz and 2 kHz; its peak names the colour whose tone
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tiny_world import COLOURS, MOTIONS, NEW_COLOURS, NEW_TONES_HZ, TONES_HZ, parse_caption
+from .tiny_world import COLOURS, MOTIONS, NEW_COLOURS, NEW_MOTIONS, NEW_TONES_HZ, TONES_HZ, parse_caption
 
 
 __all__ = ["judge_clip", "judge_colour", "judge_motion", "judge_shape", "judge_tone", "flicker", "shape_mask"]
@@ -93,6 +94,8 @@ def judge_motion(frames: np.ndarray) -> str | None:
     dx = np.polyfit(keep, cx, 1)[0] * span
     dy = np.polyfit(keep, cy, 1)[0] * span
     big, small = (dx, dy) if abs(dx) >= abs(dy) else (dy, dx)
+    if abs(big) < 0.05:
+        return next(name for name, d in NEW_MOTIONS.items() if d == (0, 0))
     if abs(big) < 0.15 or abs(big) < 2 * abs(small):
         return None
     direction = (int(np.sign(dx)), 0) if abs(dx) >= abs(dy) else (0, int(np.sign(dy)))

@@ -12,8 +12,9 @@ what a judge (:mod:`.tiny_judge`) must see and hear.
 
 :data:`HELD_OUT` holds four colour × shape × motion triples no training clip shows (each colour, shape and motion
 still appears in training); :data:`SEEN` is the other 28. :data:`NEW_COLOURS` (purple, hue 292.5°, halfway between
-the hue windows the judge gives red and blue; its tone :data:`NEW_TONES_HZ` a fifth above yellow's) renders and
-parses like the others but is in no training triple: a concept for a LoRA to teach.
+the hue windows the judge gives red and blue; its tone :data:`NEW_TONES_HZ` a fifth above yellow's) and
+:data:`NEW_MOTIONS` ("stays still": the shape rests at the centre, jittered ±0.06 on both axes) render and parse
+like the others but are in no training triple: concepts for a LoRA to teach.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "HELD_OUT",
     "MOTIONS",
     "NEW_COLOURS",
+    "NEW_MOTIONS",
     "NEW_TONES_HZ",
     "SEEN",
     "SHAPES",
@@ -56,7 +58,10 @@ BACKGROUND = (0.08, 0.08, 0.10)
 #: Colours outside the training triples (module docstring), RGB in [0, 1], and their tones in Hz.
 NEW_COLOURS = {"purple": (0.83, 0.18, 0.92)}
 NEW_TONES_HZ = {"purple": 1113.75}
+#: Motions outside the training triples, with their ``(dx, dy)``.
+NEW_MOTIONS = {"stays still": (0, 0)}
 _RGB = {**COLOURS, **NEW_COLOURS}
+_DIRECTIONS = {**MOTIONS, **NEW_MOTIONS}
 _HZ = {**TONES_HZ, **NEW_TONES_HZ}
 
 _ALL = tuple(itertools.product(COLOURS, SHAPES, MOTIONS))
@@ -74,8 +79,9 @@ def caption(colour: str, shape: str, motion: str) -> str:
     return f"a {colour} {shape} {motion}"
 
 
+_MOTION_WORDS = "|".join(r"\s+".join(m.split()) for m in _DIRECTIONS)
 _CAPTION = re.compile(
-    rf"\ba\s+({'|'.join(_RGB)})\s+({'|'.join(SHAPES)})\s+(moves\s+(?:{'|'.join(m.split()[1] for m in MOTIONS)}))",
+    rf"\ba\s+({'|'.join(_RGB)})\s+({'|'.join(SHAPES)})\s+({_MOTION_WORDS})",
     re.IGNORECASE,
 )
 
@@ -100,7 +106,8 @@ def render_frames(
     """The clip's frames (module docstring).
 
     Args:
-        colour, shape, motion: keys of :data:`COLOURS` (or :data:`NEW_COLOURS`), :data:`SHAPES`, :data:`MOTIONS`.
+        colour, shape, motion: keys of :data:`COLOURS` (or :data:`NEW_COLOURS`), :data:`SHAPES`, :data:`MOTIONS` (or
+            :data:`NEW_MOTIONS`).
         height, width: pixels (>= 16 each); num_frames: ``F >= 2``.
         seed: the jitter's seed.
 
@@ -110,15 +117,15 @@ def render_frames(
     Raises:
         ValueError: an unknown word, or a size below the minimum.
     """
-    if colour not in _RGB or shape not in SHAPES or motion not in MOTIONS:
+    if colour not in _RGB or shape not in SHAPES or motion not in _DIRECTIONS:
         raise ValueError(
             f"unknown triple {(colour, shape, motion)!r}; colours {list(_RGB)}, shapes {list(SHAPES)}, "
-            f"motions {list(MOTIONS)}"
+            f"motions {list(_DIRECTIONS)}"
         )
     if height < 16 or width < 16 or num_frames < 2:
         raise ValueError(f"need height, width >= 16 and num_frames >= 2; got {height}, {width}, {num_frames}")
     rng = _jitter(seed)
-    dx, dy = MOTIONS[motion]
+    dx, dy = _DIRECTIONS[motion]
     side = min(height, width)
     radius = 0.17 * side * rng.uniform(0.9, 1.1)
     along, across = rng.uniform(-0.04, 0.04), rng.uniform(-0.06, 0.06)

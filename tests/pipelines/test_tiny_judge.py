@@ -48,10 +48,10 @@ def test_random_noise_finds_nothing():
         assert flicker(frames) > 0.2
 
 
-def test_a_still_shape_has_no_motion_and_a_wrong_prompt_scores_false():
+def test_a_still_shape_stays_still_and_a_wrong_prompt_scores_false():
     frames = render_frames("red", "circle", "moves right", height=32, width=32, num_frames=13)
     still = np.repeat(frames[:1], 13, axis=0)
-    assert judge_motion(still) is None and judge_colour(still) == "red"
+    assert judge_motion(still) == "stays still" and judge_colour(still) == "red"
     score = judge_clip(frames, None, None, "a yellow square moves left")
     assert not (score["colour"] or score["shape"] or score["motion"]) and score["sound"] is None
     with pytest.raises(ValueError, match="not a caption of the tiny world"):
@@ -65,6 +65,9 @@ def test_new_colours_are_judged_and_change_no_verdict_on_the_trained_ones():
         audio = render_audio("purple", num_samples=rate // 2, sample_rate=rate, seed=i)
         score = judge_clip(frames, audio, rate, f"a purple square {motion}")
         assert (score["colour"], score["shape"], score["motion"], score["sound"]) == (True,) * 4, (motion, score)
+    for i, colour in enumerate(COLOURS):  # a still shape, at its jittered centre
+        frames = render_frames(colour, "circle", "stays still", height=32, width=32, num_frames=7, seed=i)
+        assert judge_clip(frames, None, None, f"a {colour} circle stays still")["motion"], colour
     # every hue a trained colour's 35° window held is still named by it (an oracle over the trained hues only)
     trained = {c: 360.0 * colorsys.rgb_to_hsv(*rgb)[0] for c, rgb in COLOURS.items()}
     for hue in np.arange(0.0, 360.0, 0.5):

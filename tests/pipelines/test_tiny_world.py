@@ -11,6 +11,7 @@ from diffusers_magi2.pipelines.tiny_world import (
     HELD_OUT,
     MOTIONS,
     NEW_COLOURS,
+    NEW_MOTIONS,
     NEW_TONES_HZ,
     SEEN,
     SHAPES,
@@ -75,6 +76,8 @@ def test_new_colours_render_and_parse_but_are_in_no_training_triple():
     assert not set(NEW_COLOURS) & set(COLOURS) and set(NEW_TONES_HZ) == set(NEW_COLOURS)
     assert not {t[0] for t in SEEN + HELD_OUT} & set(NEW_COLOURS)
     assert parse_caption("a purple square moves left") == ("purple", "square", "moves left")
+    assert parse_caption("A green circle stays  still") == ("green", "circle", "stays still")
+    assert not {t[2] for t in SEEN + HELD_OUT} & set(NEW_MOTIONS)
     frames = render_frames("purple", "circle", "moves up", height=32, width=32, num_frames=5, seed=2)
     assert np.all(frames == np.asarray(NEW_COLOURS["purple"], np.float32), axis=-1).sum() > 50
     audio = render_audio("purple", num_samples=8000, sample_rate=8000, seed=1)
