@@ -32,7 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from diffusers_magi2.pipelines.tiny_world import COLOURS, NEW_MOTIONS, SHAPES, caption, parse_caption, render_frames
+from diffusers_magi2.pipelines.tiny_world import (
+    COLOURS,
+    NEW_MOTIONS,
+    SHAPES,
+    caption,
+    parse_caption,
+    render_audio,
+    render_frames,
+)
 from tests.benchmarks.tiny_quality import (
     JUDGED,
     SEEN_PROMPTS,
@@ -66,19 +74,39 @@ def write_video(path: Path, frames: np.ndarray) -> None:
         container.mux(stream.encode())
 
 
-def write_dataset(folder: Path, clips_per_triple: int) -> int:
-    """The LoRA's data folder (module docstring); returns the number of clips."""
+def write_dataset(folder: Path, clips_per_triple: int) -> list[tuple[str, int]]:
+    """The LoRA's data folder (module docstring); returns each clip's caption and jitter seed."""
     captions = [(p, 1000 + s) for p in CONCEPT_PROMPTS for s in range(clips_per_triple)]
     captions += [(p, 2000) for p in SEEN_PROMPTS]
     for i, (text, seed) in enumerate(captions):
         frames = render_frames(*parse_caption(text), height=SIZE, width=SIZE, num_frames=NUM_FRAMES, seed=seed)
         write_video(folder / f"clip{i:03d}.mp4", frames)
         (folder / f"clip{i:03d}.txt").write_text(text + "\n", encoding="utf-8")
-    return len(captions)
+    return captions
 
 
-def train_lora(model: str, data_dir: Path, output_dir: Path, args) -> dict:
+def add_audio_latents(model: str, folder: Path, captions: list[tuple[str, int]]) -> None:
+    """Write each clip's audio latents (the Oobleck encoder's posterior mean of the world's tone, as the base model
+    was trained on) into the caches ``train_lora.py --cache`` wrote."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    pipe = load_pipeline(model)
+    rate = 2048 * int(pipe.config.audio_latent_fps)  # the audio VAE's own rate, as the tiny training's
+    samples = pipe.latent_geometry().num_audio_latents * 2048
+    for i, (text, seed) in enumerate(captions):
+        wave = torch.from_numpy(render_audio(parse_caption(text)[0], num_samples=samples, sample_rate=rate, seed=seed))
+        with torch.no_grad():
+            latents = pipe.audio_vae.encode(wave[None]).latent_dist.mean[0].T.contiguous()
+        path = folder / f"clip{i:03d}.magi2.safetensors"
+        tensors = {**load_file(str(path)), "audio_latents": latents}
+        save_file(tensors, str(path) + ".tmp")
+        os.replace(str(path) + ".tmp", path)
+
+
+def train_lora(model: str, data_dir: Path, output_dir: Path, args, cache: bool = True, max_steps=None) -> dict:
     """Run ``examples/train_lora.py`` (module docstring); its CPU and wall seconds."""
+    max_steps = max_steps or args.max_steps
     command = [
         sys.executable,
         str(TRAIN_LORA),
@@ -86,13 +114,13 @@ def train_lora(model: str, data_dir: Path, output_dir: Path, args) -> dict:
         model,
         "--data_dir",
         str(data_dir),
-        "--cache",
+        *(["--cache"] if cache else []),
         "--output_dir",
         str(output_dir),
         "--max_steps",
-        str(args.max_steps),
+        str(max_steps),
         "--checkpoint_every",
-        str(args.max_steps),
+        str(max_steps),
         "--learning_rate",
         str(args.learning_rate),
         "--rank",
@@ -122,6 +150,11 @@ def main(argv=None) -> int:
     p.add_argument("--max_steps", type=int, default=400)
     p.add_argument("--learning_rate", type=float, default=5e-4)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument(
+        "--audio_latents",
+        action="store_true",
+        help="train with the clips' audio latents in the caches (default: none, train_lora.py's zeros)",
+    )
     args = p.parse_args(argv)
     seen, held_out = prompt_set(p, args)
     if args.clips_per_triple < 1 or args.max_steps < 1 or args.rank < 1:
@@ -129,8 +162,16 @@ def main(argv=None) -> int:
     with pipeline_folder(args.model) as folder, tempfile.TemporaryDirectory(prefix="lora-concept-") as work:
         data_dir, output_dir = Path(work) / "data", Path(work) / "lora"
         data_dir.mkdir()
-        clips = write_dataset(data_dir, args.clips_per_triple)
-        training = train_lora(folder, data_dir, output_dir, args)
+        captions = write_dataset(data_dir, args.clips_per_triple)
+        clips = len(captions)
+        if args.audio_latents:  # --cache on a 1-step run, the audio latents added, then the training run
+            encoding = train_lora(folder, data_dir, Path(work) / "encode", args, max_steps=1)
+            add_audio_latents(folder, data_dir, captions)
+            training = train_lora(folder, data_dir, output_dir, args, cache=False)
+            for key in ("cpu_seconds", "wall_seconds"):
+                training[key] += encoding[key]
+        else:
+            training = train_lora(folder, data_dir, output_dir, args)
         pipe = load_pipeline(folder)
         before = score(pipe, seen, held_out)
         pipe.load_lora_weights(str(output_dir))
@@ -138,11 +179,13 @@ def main(argv=None) -> int:
     results = {
         "model": args.model or "random control",
         "training": {**training, "clips": clips, "max_steps": args.max_steps, "rank": args.rank},
+        "audio_latents": args.audio_latents,
         "before": before,
         "after": after,
     }
     print(
-        f"model: {results['model']}; LoRA: {clips} clips, {args.max_steps} steps, rank {args.rank}, lr "
+        f"model: {results['model']}; LoRA: {clips} clips (audio latents: {args.audio_latents}), {args.max_steps} "
+        f"steps, rank {args.rank}, lr "
         f"{args.learning_rate}: {training['cpu_seconds']:.0f} CPU s ({training['wall_seconds']:.0f} s wall)"
     )
     rows = [
