@@ -163,7 +163,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["pinned", "disk"],
         default=None,
         help="with --vram_gb: where the streamed weights live (default pinned: held once in page-locked host "
-        "memory; disk is not built yet)",
+        "memory; disk: read from --model's safetensors files through a staging ring of a few blocks)",
     )
     pe = parser.add_argument_group("prompt enhancement (an OpenAI-compatible chat-completions endpoint)")
     pe.add_argument(
@@ -190,7 +190,7 @@ def check_args(args: argparse.Namespace) -> None:
     Allowed: ``--resolution`` or ``--height``/``--width``, not both; ``--output_height`` with ``--output_width``;
     ``--model`` an existing folder holding ``model_index.json`` (a ``magi2-convert`` output) or a Hub id
     ``org/name``; ``--image`` an existing image file or an http(s) URL; ``--output`` see :func:`check_output_path`.
-    ``--host_memory`` only with ``--vram_gb``, and only ``pinned`` (``disk`` is not built yet).
+    ``--host_memory`` only with ``--vram_gb``; ``disk`` only with ``--model`` (it reads that repo's files).
 
     Raises:
         ValueError: naming the argument, what was wrong and what is allowed.
@@ -207,8 +207,11 @@ def check_args(args: argparse.Namespace) -> None:
     check_launch_degrees(args.ep_degree, args.ulysses_degree)
     if args.host_memory is not None and args.vram_gb is None:
         raise ValueError("--host_memory goes with --vram_gb (it says where the streamed weights live)")
-    if args.host_memory == "disk":
-        raise ValueError("--host_memory disk is not built yet; use --host_memory pinned (the default)")
+    if args.host_memory == "disk" and args.model is None:
+        raise ValueError(
+            "--host_memory disk reads the streamed weights from the safetensors files of --model; pass --model (a "
+            "magi2-convert folder or a Hub id), or use --host_memory pinned (the default)"
+        )
     check_prompt_enhancement_flags(args)
 
 

@@ -43,6 +43,7 @@ from ..utils.safetensors_io import (
     read_index,
     read_rows,
     read_safetensors_header,
+    record_loaded_files,
     take_rows,
 )
 from .quantized_experts import QuantizedExpertShards, check_quantized_expert_arguments, plan_quantized_expert_loading
@@ -313,6 +314,7 @@ class ExpertParallelLoaderMixin:
         # diffusers 0.42's per-shard loading step: the hook point (the model is built on meta, the files resolved).
         # Expert parallelism cuts the shards to this rank's rows first; quantized experts then take their tensors
         # out of each (already cut) shard (:mod:`diffusers_magi2.loaders.quantized_experts`).
+        record_loaded_files(model, resolved_model_file)  # before the wrappers below (weight streaming's disk mode)
         ep = _LOADING_EP_GROUP.get()
         if ep is not None:
             fingerprint = {

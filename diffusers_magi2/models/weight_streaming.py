@@ -21,6 +21,10 @@ slot waits for). So the device holds at most ``ring_size`` blocks' weights; ever
 the backward prefetching in reverse order) is :mod:`.weight_streaming_training`. On the CPU the ring is host memory and the
 copies are synchronous, so the suite runs the same mechanism.
 
+With ``host_memory="disk"`` host memory holds no block weights: :class:`DiskWeightStreamer` reads each block from
+the safetensors files the model was loaded from into a staging buffer per slot, then copies it into the slot as
+above (:mod:`.weight_streaming_disk`).
+
 diffusers' ``enable_group_offload`` is not used: with ``use_stream=True`` it pins a second copy of every tensor
 (power-of-two rounded, tensor by tensor) and assigns each onload a new device tensor; there is no reused device
 buffer to bound the device's share, and no single host copy.
@@ -34,6 +38,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
+from ..utils.safetensors_io import record_loaded_files
+from .weight_streaming_disk import BlockFileReader, extra_host_nbytes, plan_file_sources
 from .weight_streaming_training import StreamedCheckpointCall, check_streamed_training
 
 
@@ -154,7 +160,8 @@ class _StreamedBlock:
     entries: List[_Entry]
     nbytes: int
     resident: set = field(default_factory=set)  # ids of the adapters' parameters, not streamed
-    host: Optional[torch.Tensor] = None  # uint8 [nbytes], a view into its arena
+    tensor_ids: frozenset = frozenset()  # every parameter and buffer object of the block
+    host: Optional[torch.Tensor] = None  # uint8 [nbytes], a view into its arena (pinned mode)
     host_views: List[torch.Tensor] = field(default_factory=list)
 
 
@@ -167,10 +174,14 @@ def _layout(block: torch.nn.Module, index: int) -> _StreamedBlock:
         nbytes = _span_nbytes(t)
         entries.append(_Entry(t, offset, nbytes, t.dtype, t.shape, t.stride()))
         offset = _align(offset + nbytes)
-    return _StreamedBlock(index, block, entries, offset, _adapter_ids(block))
+    return _StreamedBlock(index, block, entries, offset, _adapter_ids(block), _tensor_ids(block))
 
 
-@dataclass
+def _tensor_ids(block: torch.nn.Module) -> frozenset:
+    return frozenset(id(t) for t in [*block.parameters(), *block.buffers()])
+
+
+@dataclass(eq=False)
 class _Slot:
     buffer: torch.Tensor  # uint8 [slot_nbytes] on the device
     block: Optional[int] = None
@@ -259,6 +270,14 @@ class WeightStreamer:
             block.host, block.host_views = None, []
         self.slots = []
 
+    def _copy_in(self, slot: _Slot, block: _StreamedBlock, non_blocking: bool) -> None:
+        """Copy ``block``'s weights into ``slot`` (on the current stream)."""
+        slot.buffer.narrow(0, 0, block.nbytes).copy_(block.host, non_blocking=non_blocking)
+
+    def _host_bytes(self, block: _StreamedBlock) -> torch.Tensor:
+        """A host buffer holding ``block``'s weights as its slot lays them out."""
+        return block.host
+
     @staticmethod
     def _pack(block: _StreamedBlock, host: torch.Tensor, read=None) -> None:
         """Fill ``host`` with the block's tensors and point them at their views there (the originals are freed)."""
@@ -285,13 +304,12 @@ class WeightStreamer:
             return None
         slot = next((s for s in free if s.block is None), free[0])
         block = self.blocks[index]
-        dst = slot.buffer.narrow(0, 0, block.nbytes)
         if self.stream is None:
-            dst.copy_(block.host)
+            self._copy_in(slot, block, non_blocking=False)
         else:
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(slot.free)  # the compute that last read this slot is done
-                dst.copy_(block.host, non_blocking=True)
+                self._copy_in(slot, block, non_blocking=True)
                 slot.ready.record(self.stream)
         slot.block = index
         return slot
@@ -342,9 +360,7 @@ class WeightStreamer:
 
     def _check_unchanged(self, block: _StreamedBlock) -> None:
         """Refuse a block whose tensors were replaced or added after streaming started (e.g. a LoRA loaded later)."""
-        current = _block_tensors(block.module)
-        known = {id(e.tensor) for e in block.entries} | block.resident
-        if len(current) != len(known) or any(id(t) not in known for t in current):
+        if _tensor_ids(block.module) != block.tensor_ids:
             raise RuntimeError(
                 f"block {block.index}'s tensors changed after enable_weight_streaming (an adapter loaded, fused or "
                 "deleted, or a weight replaced); call disable_weight_streaming() first and enable it again after"
@@ -361,10 +377,66 @@ class WeightStreamer:
         if self.stream is not None:
             self.stream.synchronize()
         for block in self.blocks:
-            for e, view in zip(block.entries, block.host_views):
-                e.tensor.data = view.to(self.device, copy=True)
+            host = self._host_bytes(block)
+            for e in block.entries:
+                e.tensor.data = e.view(host).to(self.device, copy=True)
             block.host, block.host_views = None, []
         self.slots = []
+
+
+class DiskWeightStreamer(WeightStreamer):
+    """:class:`WeightStreamer` of ``host_memory="disk"``: each block read from the safetensors files
+    (:mod:`.weight_streaming_disk`) into a staging ring of ``ring_size`` host buffers, one per slot (pinned on CUDA),
+    then copied into its slot; between uses the block's tensors point at a one-element placeholder of 0xFF bytes
+    (NaN in every float dtype) broadcast to their shapes.
+
+    Attributes (besides the base's):
+        staging: the staging buffers (uint8, each the largest block's bytes).
+        reader: the :class:`~.weight_streaming_disk.BlockFileReader` (its ``cast_buffer``, the tensors it holds).
+    """
+
+    def __init__(self, blocks, device, ring_size: int, use_stream: bool, sources):
+        self.sources = sources
+        super().__init__(blocks, device, ring_size, use_stream)
+
+    def allocate(self, read=None) -> None:
+        """Allocate the staging ring and the device ring; the block tensors' weights are dropped (read back from the
+        files before each use)."""
+        slot, ring_size, pinned = max(b.nbytes for b in self.blocks), self.ring_size, self.pinned
+        self.staging = [torch.empty(slot, dtype=torch.uint8, pin_memory=pinned) for _ in range(ring_size)]
+        self.reader = BlockFileReader([b.entries for b in self.blocks], self.sources)
+        placeholders = {}
+        for block in self.blocks:
+            for e in block.entries:
+                if e.dtype not in placeholders:
+                    placeholders[e.dtype] = torch.full((e.tensor.element_size(),), 0xFF, dtype=torch.uint8)
+                view = placeholders[e.dtype].view(e.dtype)[0].expand(e.shape)
+                e.tensor.data = view
+                block.host_views.append(view)
+        self.host_nbytes = ring_size * slot + self.reader.extra_nbytes
+        self.host_reserved_nbytes = ring_size * (_next_pow2(slot) if pinned else slot) + self.reader.extra_nbytes
+        self.slots = [_Slot(torch.empty(slot, dtype=torch.uint8, device=self.device)) for _ in range(ring_size)]
+        if self.stream is not None:
+            for s in self.slots:
+                s.ready, s.free = torch.cuda.Event(), torch.cuda.Event()
+
+    def _copy_in(self, slot: _Slot, block: _StreamedBlock, non_blocking: bool) -> None:
+        staging = self.staging[self.slots.index(slot)]
+        if self.stream is not None:
+            slot.ready.synchronize()  # the last copy out of this staging buffer finished
+        self.reader.read(block.index, block.entries, staging)
+        slot.buffer.narrow(0, 0, block.nbytes).copy_(staging.narrow(0, 0, block.nbytes), non_blocking=non_blocking)
+
+    def _host_bytes(self, block: _StreamedBlock) -> torch.Tensor:
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.reader.read(block.index, block.entries, self.staging[0])
+        return self.staging[0]
+
+    def restore(self) -> None:
+        super().restore()
+        self.reader.close()
+        self.staging = []
 
 
 class WeightStreamingHook(ModelHook):
@@ -398,15 +470,9 @@ def check_weight_streaming_args(device, ring_size: int, host_memory: str, use_st
     Raises:
         ValueError: ``host_memory`` not in :data:`HOST_MEMORY_MODES`, ``ring_size`` below 2, a CUDA device where
             torch sees none, or a side stream asked for on a device that is not CUDA.
-        NotImplementedError: ``host_memory="disk"`` (not built yet).
     """
     if host_memory not in HOST_MEMORY_MODES:
         raise ValueError(f"host_memory must be one of {HOST_MEMORY_MODES}, got {host_memory!r}")
-    if host_memory == "disk":
-        raise NotImplementedError(
-            'host_memory="disk" (reading each block from the repo\'s safetensors into a pinned staging ring) is not '
-            'built yet; use host_memory="pinned", which holds the streamed weights once in host memory'
-        )
     if not isinstance(ring_size, int) or ring_size < 2:
         raise ValueError(f"ring_size must be an int >= 2 (one slot computes while the next loads), got {ring_size!r}")
     device = torch.device(device)
@@ -440,7 +506,8 @@ def apply_weight_streaming(
         blocks: the modules streamed, in call order (each called once per forward).
         device: where the blocks compute (a CUDA device, or ``"cpu"``: the same ring in host memory).
         ring_size: slots in the device ring (2 or 3: one computes while the others load).
-        host_memory: ``"pinned"`` (the weights held once in host memory, pinned on CUDA) or ``"disk"`` (not built).
+        host_memory: ``"pinned"`` (the weights held once in host memory, pinned on CUDA) or ``"disk"`` (read from
+            the safetensors files ``model`` was loaded from, :mod:`.weight_streaming_disk`).
         use_stream: copy on a side CUDA stream (``None``: on CUDA).
         allocate: build the host buffers and the ring now; ``False`` leaves the blocks' tensors as they are until
             :meth:`WeightStreamer.allocate` (which must run before the first block does).
@@ -449,12 +516,15 @@ def apply_weight_streaming(
         The :class:`WeightStreamer` (held by the model; its sizes say what the host and the device hold).
 
     Raises:
-        ValueError, NotImplementedError: see :func:`check_weight_streaming_args`; or weights streamed already.
+        ValueError: see :func:`check_weight_streaming_args` and, for ``"disk"``,
+            :func:`~.weight_streaming_disk.plan_file_sources`; or weights streamed already.
     """
     device, use_stream = check_weight_streaming_args(device, ring_size, host_memory, use_stream)
     if any(HookRegistry.check_if_exists_or_initialize(b).get_hook(WEIGHT_STREAMING_HOOK) for b in blocks):
         raise ValueError("weights are streamed already; call disable_weight_streaming() first")
-    block_ids = {id(t) for b in blocks for t in _streamed_tensors(b)}
+    tensors = {id(b): _streamed_tensors(b) for b in blocks}
+    sources = plan_file_sources(model, list(tensors.values())) if host_memory == "disk" else None
+    block_ids = {id(t) for ts in tensors.values() for t in ts}
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             if id(t) not in block_ids:
@@ -463,12 +533,33 @@ def apply_weight_streaming(
             for t in _streamed_tensors(b):
                 if t.device.type != "cpu":
                     t.data = t.data.cpu()
-        streamer = WeightStreamer(blocks, device, ring_size, use_stream, allocate)
+        if sources is None:
+            streamer = WeightStreamer(blocks, device, ring_size, use_stream, allocate)
+        else:
+            streamer = DiskWeightStreamer(blocks, device, ring_size, use_stream, sources)
     for i, b in enumerate(blocks):
         HookRegistry.check_if_exists_or_initialize(b).register_hook(
             WeightStreamingHook(streamer, i), WEIGHT_STREAMING_HOOK
         )
     return streamer
+
+
+def streaming_host_nbytes(
+    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], host_memory: str, ring_size: int, pinned: bool
+) -> int:
+    """Host bytes streaming ``blocks`` holds, with the pinned allocator's rounding when ``pinned`` (CUDA):
+    ``"pinned"``: their packed buffers; ``"disk"``: the staging ring of ``ring_size`` buffers, the block tensors the
+    files do not hold and a cast buffer.
+
+    Raises:
+        ValueError: ``"disk"`` for a model it cannot stream (:func:`~.weight_streaming_disk.plan_file_sources`).
+    """
+    sizes = [_layout(b, i).nbytes for i, b in enumerate(blocks)]
+    if host_memory == "disk":
+        tensors = [_streamed_tensors(b) for b in blocks]
+        staging = _next_pow2(max(sizes)) if pinned else max(sizes)
+        return ring_size * staging + extra_host_nbytes(tensors, plan_file_sources(model, tensors))
+    return pinned_bytes(sizes) if pinned else sum(sizes)
 
 
 def streaming_device_nbytes(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], ring_size: int = 2) -> int:
@@ -510,17 +601,18 @@ class Magi2WeightStreamingMixin:
             vram_gb: the card's memory in GB (10^9 bytes): refused when the resident weights plus the ring exceed it
                 (activations are not counted here).
             ring_size: device slots, each the largest block's bytes (2 or 3).
-            host_memory: ``"pinned"`` (page-locked on CUDA; on the CPU there is nothing to pin) or ``"disk"`` (not
-                built yet: raises ``NotImplementedError``).
+            host_memory: ``"pinned"`` (page-locked on CUDA; on the CPU there is nothing to pin) or ``"disk"`` (each
+                block read from the safetensors files this model was loaded from into a staging ring of
+                ``ring_size`` host buffers, :mod:`.weight_streaming_disk`; needs a model from ``from_pretrained``).
             use_stream: copy on a side CUDA stream (default: on CUDA).
 
         Returns:
             The :class:`WeightStreamer`: ``host_nbytes``, ``host_reserved_nbytes``, ``ring_nbytes``.
 
         Raises:
-            ValueError: bad arguments, a side stream without CUDA, streaming enabled already, or ``vram_gb`` below the
-                resident weights plus the ring (before any weight moves).
-            NotImplementedError: ``host_memory="disk"``.
+            ValueError: bad arguments, a side stream without CUDA, streaming enabled already, ``vram_gb`` below the
+                resident weights plus the ring, or (disk) a model without files or whose block tensors differ from
+                what the files store (:func:`~.weight_streaming_disk.plan_file_sources`), all before any weight moves.
         """
         check_weight_streaming_args(device, ring_size, host_memory, use_stream)
         if vram_gb is not None:
@@ -538,17 +630,29 @@ class Magi2WeightStreamingMixin:
         """Device bytes of the weights under streaming: everything outside the blocks plus ``ring_size`` slots."""
         return streaming_device_nbytes(self, self.transformer_blocks, ring_size)
 
-    def weight_streaming_host_nbytes(self, pinned: bool = True) -> int:
-        """Host bytes of the streamed blocks: their packed buffers, with the pinned allocator's rounding when
-        ``pinned`` (CUDA)."""
-        sizes = [_layout(b, i).nbytes for i, b in enumerate(self.transformer_blocks)]
-        return pinned_bytes(sizes) if pinned else sum(sizes)
+    def weight_streaming_host_nbytes(
+        self, pinned: bool = True, host_memory: str = "pinned", ring_size: int = 2
+    ) -> int:
+        """Host bytes streaming holds for the blocks, with the pinned allocator's rounding when ``pinned`` (CUDA):
+        ``host_memory="pinned"``: their packed buffers; ``"disk"``: the staging ring of ``ring_size`` buffers, the
+        block tensors the files do not hold (adapters) and a cast buffer.
+
+        Raises:
+            ValueError: ``"disk"`` for a model it cannot stream (:func:`~.weight_streaming_disk.plan_file_sources`).
+        """
+        return streaming_host_nbytes(self, list(self.transformer_blocks), host_memory, ring_size, pinned)
 
     def _checkpointed_block(self, block: torch.nn.Module):
         """What gradient checkpointing calls for ``block``: the block, or under streaming a
         :class:`~.weight_streaming_training.StreamedCheckpointCall` that tells the streamer forward from recompute."""
         streamer = getattr(self, "_weight_streamer", None)
         return block if streamer is None else StreamedCheckpointCall(streamer, block)
+
+    @classmethod
+    def _load_pretrained_model(cls, model, state_dict, resolved_model_file, *args, **kwargs):
+        # diffusers' loading step, where the checkpoint files are resolved: recorded for host_memory="disk"
+        record_loaded_files(model, resolved_model_file)
+        return super()._load_pretrained_model(model, state_dict, resolved_model_file, *args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         if getattr(self, "_weight_streamer", None) is not None:

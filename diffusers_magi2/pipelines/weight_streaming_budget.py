@@ -22,12 +22,40 @@ import os
 from typing import Dict, Iterable, Optional
 
 
-__all__ = ["HOST_MEMORY_MODES", "available_host_bytes", "check_streaming_budget", "streaming_budgets"]
+__all__ = [
+    "HOST_MEMORY_MODES",
+    "PLANNED_CONFIG_KEYS",
+    "available_host_bytes",
+    "check_streaming_budget",
+    "check_streaming_vram",
+    "plan_applies",
+    "streaming_budgets",
+]
 
 
 HOST_MEMORY_MODES = ("pinned", "disk")
 BUDGETS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weight_streaming_budgets.json")
 _GB = 10**9
+#: the transformer config fields the table records under ``planned_for`` (the geometry the peaks were planned for)
+PLANNED_CONFIG_KEYS = (
+    "num_layers",
+    "num_attention_heads",
+    "attention_head_dim",
+    "num_key_value_heads",
+    "in_channels",
+    "audio_in_channels",
+    "text_in_channels",
+    "intermediate_factor",
+    "multimodal_layers",
+    "moe_layers",
+    "num_streams",
+    "moe_num_heads",
+    "moe_num_experts",
+    "moe_top_k",
+    "moe_expert_intermediate_size",
+    "shared_expert_intermediate_size",
+    "modality_specific_expert_intermediate_size",
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,6 +91,13 @@ def available_host_bytes() -> int:
         raise OSError("cannot read the available host memory (no /proc/meminfo MemAvailable, no sysconf)") from error
 
 
+def plan_applies(transformer_config) -> bool:
+    """Whether the table's peaks apply to a preview transformer of ``transformer_config`` (a mapping): its
+    :data:`PLANNED_CONFIG_KEYS` equal those the plan was made for (the released Preview; lists and tuples alike)."""
+    planned = streaming_budgets()["planned_for"]["transformer"]
+    return all(json.loads(json.dumps(transformer_config.get(k))) == planned[k] for k in PLANNED_CONFIG_KEYS)
+
+
 def _recipe(table: dict, vram_gb: float) -> dict:
     """The largest planned recipe whose card is no larger than ``vram_gb`` (the smallest one below all)."""
     recipes = sorted(table["recipes"].values(), key=lambda r: r["card_gb"])
@@ -96,6 +131,34 @@ def check_streaming_budget(
             does not run, a ``vram_gb`` below a checked stage's planned peak (naming the stage with the largest
             planned peak and that peak), or less host memory than the mode's planned peak (naming the disk mode).
     """
+    if host_memory not in HOST_MEMORY_MODES:
+        raise ValueError(f"host_memory must be one of {HOST_MEMORY_MODES}; got {host_memory!r}")
+    result = check_streaming_vram(vram_gb, stages)
+    recipe = _recipe(streaming_budgets(), vram_gb)
+    need = recipe["host_ram_GB"][host_memory]
+    have = available_host_bytes() if host_bytes is None else int(host_bytes)
+    if have < need * _GB:
+        hint = (
+            f"host_memory='disk' reads the weights from the safetensors files instead and needs "
+            f"{recipe['host_ram_GB']['disk']} GB"
+            if host_memory == "pinned"
+            else "the disk mode is the smallest host-memory mode; free host memory or use a larger host"
+        )
+        raise ValueError(
+            f"the host has {have / _GB:.2f} GB of memory available; host_memory={host_memory!r} needs {need} GB "
+            f"(the {recipe['card_gb']} GB recipe's planned host peak); {hint}"
+        )
+    result["host_ram_GB"] = need
+    return result
+
+
+def check_streaming_vram(vram_gb: float, stages: Optional[Iterable[str]] = None) -> Dict[str, float]:
+    """The device half of :func:`check_streaming_budget`: ``{stage: planned peak in GB}`` of the checked stages.
+
+    Raises:
+        ValueError: ``vram_gb`` not a positive number, an unknown stage name, a stage the recipe does not run, or a
+            ``vram_gb`` below a checked stage's planned peak (naming the stage with the largest planned peak).
+    """
     if (
         isinstance(vram_gb, bool)
         or not isinstance(vram_gb, (int, float))
@@ -103,8 +166,6 @@ def check_streaming_budget(
         or vram_gb <= 0
     ):
         raise ValueError(f"vram_gb must be a positive number of GB; got {vram_gb!r}")
-    if host_memory not in HOST_MEMORY_MODES:
-        raise ValueError(f"host_memory must be one of {HOST_MEMORY_MODES}; got {host_memory!r}")
     recipe = _recipe(streaming_budgets(), vram_gb)
     planned = recipe["stages"]
     names = list(recipe["required_stages"] if stages is None else stages)
@@ -125,19 +186,4 @@ def check_streaming_budget(
             f"vram_gb={vram_gb} is below the planned peak of stage {largest!r}: {peak} GB (the {recipe['card_gb']} "
             f"GB recipe); raise vram_gb to at least {peak}"
         )
-    need = recipe["host_ram_GB"][host_memory]
-    have = available_host_bytes() if host_bytes is None else int(host_bytes)
-    if have < need * _GB:
-        hint = (
-            f"host_memory='disk' reads the weights from the safetensors files instead and needs "
-            f"{recipe['host_ram_GB']['disk']} GB"
-            if host_memory == "pinned"
-            else "the disk mode is the smallest host-memory mode; free host memory or use a larger host"
-        )
-        raise ValueError(
-            f"the host has {have / _GB:.2f} GB of memory available; host_memory={host_memory!r} needs {need} GB "
-            f"(the {recipe['card_gb']} GB recipe's planned host peak); {hint}"
-        )
-    result = {n: planned[n]["peak_GB"] for n in names}
-    result["host_ram_GB"] = need
-    return result
+    return {n: planned[n]["peak_GB"] for n in names}

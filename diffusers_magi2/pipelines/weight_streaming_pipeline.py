@@ -3,12 +3,24 @@ streamed through a device ring (:mod:`~diffusers_magi2.models.weight_streaming`)
 the device; with ``release_between_stages``, one streamed model holds its weights at a time
 (:mod:`~diffusers_magi2.pipelines.weight_streaming_stages`).
 
-The weights the device holds, checked against ``vram_gb`` before any weight moves::
+Checked before any weight moves, in this order:
 
-    sum over held streamed models (weights outside the blocks + ring_size * largest block)
-    + max over released streamed models (the same)  + sum of the other components
+* ``vram_gb`` against the planned stage peaks shipped in the package
+  (:func:`~.weight_streaming_budget.check_streaming_vram`: the stages every generation runs), when the transformer
+  has the geometry the plan was made for (:func:`~.weight_streaming_budget.plan_applies`: the released Preview; the
+  table records it). The peaks include activations, which only the plan knows.
+* ``vram_gb`` against the weights the device holds, for any model::
 
-Activations are not counted here.
+      sum over held streamed models (weights outside the blocks + ring_size * largest block)
+      + max over released streamed models (the same)  + sum of the other components
+
+
+      sum over streamed models (weights outside the blocks + ring_size * largest block) + sum of the other components
+
+* the host: what the mode holds for the streamed models, from their own bytes
+  (``weight_streaming_host_nbytes``: the packed blocks in the pinned mode, the staging ring in the disk mode)
+  against the memory the OS says is available plus the streamed block weights now in host memory (streaming
+  replaces them). The table's host figures are not used here: they count the released model and the text encoder.
 """
 
 from __future__ import annotations
@@ -23,7 +35,9 @@ from ..models.weight_streaming import (
     check_weight_streaming_args,
     remove_weight_streaming,
     streaming_device_nbytes,
+    streaming_host_nbytes,
 )
+from .weight_streaming_budget import available_host_bytes, check_streaming_vram, plan_applies
 from .weight_streaming_stages import StagedHostMemory, plan_reread
 
 
@@ -80,7 +94,8 @@ class Magi2WeightStreamingPipelineMixin:
         Args:
             vram_gb: the card's memory in GB (10^9 bytes), e.g. 24 or 32.
             host_memory: ``"pinned"`` (the streamed weights held once in page-locked host memory) or ``"disk"``
-                (not built yet: raises ``NotImplementedError``).
+                (each block read from the safetensors files the pipeline was loaded from into a staging ring of
+                ``ring_size`` host buffers; a pipeline from ``Magi2Pipeline.from_pretrained``).
             device: the compute device (default ``"cuda"``; ``"cpu"`` runs the same ring in host memory).
             ring_size: device slots per streamed model (2 or 3).
             release_between_stages: ``True``: a streamed model's weights (host buffers, ring, resident weights)
@@ -92,21 +107,32 @@ class Magi2WeightStreamingPipelineMixin:
 
         Raises:
             ValueError: ``vram_gb`` not positive, bad streaming arguments (see
-                :func:`~diffusers_magi2.models.weight_streaming.check_weight_streaming_args`), the weights the device
-                would hold above ``vram_gb`` (naming the largest component), or ``release_between_stages=True`` with
-                a streamed model that cannot be re-read (naming it and why), all before any weight moves.
-            NotImplementedError: ``host_memory="disk"``.
+                :func:`~diffusers_magi2.models.weight_streaming.check_weight_streaming_args`), a ``vram_gb`` below
+                the planned peak of a stage every generation runs (the released model; naming the stage and its
+                peak), the weights the device would hold above ``vram_gb`` (naming the largest component),
+                ``release_between_stages=True`` with a streamed model that cannot be re-read (naming it and why) or
+                with ``host_memory="disk"``, less host memory available than the mode needs (naming the disk
+                mode), or a disk mode the models cannot stream (no files, or block tensors unlike the files'), all
+                before any weight moves.
         """
         if not isinstance(vram_gb, (int, float)) or isinstance(vram_gb, bool) or not vram_gb > 0:
             raise ValueError(f"vram_gb must be a positive number of GB (e.g. 24 or 32), got {vram_gb!r}")
         if release_between_stages not in (None, True, False):
             raise ValueError(f"release_between_stages must be True, False or None, got {release_between_stages!r}")
         device = "cuda" if device is None else device
-        check_weight_streaming_args(device, ring_size, host_memory, None)
+        device_type = check_weight_streaming_args(device, ring_size, host_memory, None)[0].type
+        transformer = getattr(self, "transformer", None)
+        if transformer is not None and plan_applies(transformer.config):
+            check_streaming_vram(vram_gb)
+        if host_memory == "disk" and release_between_stages:
+            raise ValueError(
+                "release_between_stages=True with host_memory='disk': the disk mode holds no block weights in host "
+                "memory between uses, so there is nothing to release; leave release_between_stages unset"
+            )
         models = {n: c for n, c in self.components.items() if isinstance(c, torch.nn.Module)}
         blocks = {n: streamed_blocks(n, m) for n, m in models.items() if n in STREAMED_COMPONENTS}
         rereads, held_why = {}, {}
-        for name in blocks if release_between_stages is not False else ():
+        for name in blocks if release_between_stages is not False and host_memory != "disk" else ():
             try:
                 rereads[name] = plan_reread(name, models[name], blocks[name])
             except ValueError as error:
@@ -126,6 +152,7 @@ class Magi2WeightStreamingPipelineMixin:
                 f"{', '.join(blocks)} with {ring_size}-block rings, the other components resident); the largest is "
                 f"{largest[0]} at {largest[1] / 1e9:.2f} GB"
             )
+        self._check_streaming_host(models, blocks, rereads, host_memory, ring_size, pinned=device_type == "cuda")
         for name in models.keys() - blocks.keys():
             models[name].to(device)
         for name in STREAMED_COMPONENTS:
@@ -142,6 +169,39 @@ class Magi2WeightStreamingPipelineMixin:
         self._weight_streaming_stages.install()
         if "refiner" in blocks:
             models["refiner"].enable_forward_chunking(STREAMED_REFINER_CHUNK_SIZE)
+
+    def _check_streaming_host(self, models, blocks, rereads, host_memory: str, ring_size: int, pinned: bool) -> None:
+        """Refuse a host with less available memory than ``host_memory`` holds for the streamed ``blocks`` (the held
+        models' sum plus the largest released one's, as :class:`StagedHostMemory` holds them)."""
+
+        def need(mode: str) -> int:
+            each = {n: streaming_host_nbytes(models[n], b, mode, ring_size, pinned) for n, b in blocks.items()}
+            released = rereads if mode == "pinned" else {}  # (the disk mode releases nothing)
+            held = sum(v for n, v in each.items() if n not in released)
+            return held + max([each[n] for n in released], default=0)
+
+        needed = need(host_memory)
+        on_host = sum(
+            t.nbytes for b in blocks.values() for t in [*b.parameters(), *b.buffers()] if t.device.type == "cpu"
+        )
+        have = available_host_bytes() + on_host
+        if needed <= have:
+            return
+        if host_memory == "pinned":
+            try:
+                disk = need("disk")
+                hint = f"host_memory='disk' reads the blocks from the safetensors files and needs {disk / 1e9:.2f} GB"
+            except ValueError:
+                hint = (
+                    "host_memory='disk' reads the blocks from the safetensors files (a pipeline from from_pretrained)"
+                )
+        else:
+            hint = "the disk mode is the smallest host-memory mode; free host memory or use a larger host"
+        raise ValueError(
+            f"the host has {have / 1e9:.2f} GB of memory for the streamed {', '.join(blocks)} blocks (available "
+            f"now plus {on_host / 1e9:.2f} GB of their weights in host memory); host_memory={host_memory!r} needs "
+            f"{needed / 1e9:.2f} GB; {hint}"
+        )
 
     def disable_weight_streaming(self) -> None:
         """Stop streaming: the streamed models' weights become resident on the device they streamed to (a released

@@ -44,6 +44,7 @@ __all__ = [
     "read_index",
     "read_rows",
     "read_safetensors_header",
+    "record_loaded_files",
     "sort_metadata",
     "write_index",
 ]
@@ -602,3 +603,15 @@ class ShardWriter:
             self.close()
         else:
             self._close_fds()
+
+
+#: attribute of a loaded model: ``[(path, size, mtime_ns)]`` of the checkpoint files it was loaded from
+LOADED_FILES_ATTR = "_loaded_checkpoint_files"
+
+
+def record_loaded_files(model, files) -> None:
+    """Record on ``model`` (:data:`LOADED_FILES_ATTR`) the checkpoint files it is being loaded from, with their size
+    and modification time; ``files`` other than a list of paths (a shard wrapper, state dicts) records nothing."""
+    if isinstance(files, (list, tuple)) and files and all(isinstance(f, (str, os.PathLike)) for f in files):
+        stats = [os.stat(f) for f in files]
+        setattr(model, LOADED_FILES_ATTR, [(os.fspath(f), s.st_size, s.st_mtime_ns) for f, s in zip(files, stats)])

@@ -12,6 +12,7 @@ FP8-stored dense weights), the TurboVAE decode and the audio decode resident; no
 from __future__ import annotations
 
 import functools
+import json
 from typing import Dict, List, Optional
 
 import torch
@@ -317,5 +318,18 @@ def budget_table(results: Optional[Dict[int, dict]] = None) -> dict:
         "generated_by": "python -m tests.benchmarks.bench_memory --write_budgets",
         "units": "GB = 10^9 bytes",
         "host_memory": HOST_MEMORY,
+        "planned_for": {"transformer": planned_transformer_config()},
         "recipes": recipes,
     }
+
+
+def planned_transformer_config() -> dict:
+    """The released preview geometry the plan traces (``Magi2Transformer3DModel``'s defaults), as the table records
+    it (``PLANNED_CONFIG_KEYS``)."""
+    import inspect
+
+    from diffusers_magi2 import Magi2Transformer3DModel
+    from diffusers_magi2.pipelines.weight_streaming_budget import PLANNED_CONFIG_KEYS
+
+    defaults = inspect.signature(Magi2Transformer3DModel.__init__).parameters
+    return {k: json.loads(json.dumps(defaults[k].default)) for k in PLANNED_CONFIG_KEYS}

@@ -13,7 +13,7 @@ import torch
 from helpers.int4_models import int4_transformer
 from helpers.modular_testing_utils import tiny_refiner
 from helpers.tiny_transformer import tiny_inputs, tiny_model
-from peft import LoraConfig
+from helpers.weight_streaming_testing import assert_bitwise, run_model, with_lora
 
 from diffusers_magi2.models.finite_checks_magi2 import apply_router_input_check
 from diffusers_magi2.models.weight_streaming import _next_pow2, pinned_bytes, plan_pinned_arenas
@@ -27,36 +27,8 @@ def _bf16_model():
     return tiny_model(**LAYERS).to(torch.bfloat16)
 
 
-def _run(model, inputs):
-    with torch.no_grad():
-        out = model(**inputs)
-    return out.sample, out.audio_sample
-
-
-def _assert_bitwise(a, b):
-    for x, y in zip(a, b):
-        assert (x is None) == (y is None)
-        if x is None:
-            continue
-        assert x.dtype == y.dtype and torch.equal(x, y)
-
-
 def _block_tensors(model):
     return [t for b in model.transformer_blocks for t in [*b.parameters(), *b.buffers()]]
-
-
-def _with_lora(model):
-    model.add_adapter(
-        LoraConfig(
-            r=2, lora_alpha=4, target_modules=["linear_proj"], exclude_modules=model.modality_grouped_linear_names()
-        )
-    )
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
 
 
 @pytest.mark.parametrize("variant", ["bf16", "int4", "int4+fp8 storage", "bf16+lora"])
@@ -67,20 +39,20 @@ def test_streamed_output_equals_resident_bit_for_bit(variant):
     if variant.endswith("fp8 storage"):  # the 80 GB recipe's dense weights: FP8 in host memory and in the ring
         model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
     if variant.endswith("lora"):
-        model = _with_lora(model)
+        model = with_lora(model)
     inputs = tiny_inputs(dtype=torch.bfloat16)
-    resident = _run(model, inputs)
+    resident = run_model(model, inputs)
     n_lora = sum(".lora_" in n for n, _ in model.named_parameters())
     streamer = model.enable_weight_streaming("cpu")
     want = {"bf16": torch.bfloat16, "int4": torch.uint8, "int4+fp8 storage": torch.float8_e4m3fn}
     assert want.get(variant, torch.bfloat16) in {t.dtype for t in _block_tensors(model)}
-    _assert_bitwise(_run(model, inputs), resident)
-    _assert_bitwise(_run(model, inputs), resident)  # the ring's slots reused across calls
+    assert_bitwise(run_model(model, inputs), resident)
+    assert_bitwise(run_model(model, inputs), resident)  # the ring's slots reused across calls
     assert sum(".lora_" in n for n, _ in model.named_parameters()) == n_lora > 0 or not variant.endswith("lora")
     model.disable_weight_streaming()
     hosts = {b.host.data_ptr() for b in streamer.blocks if b.host is not None}
     assert not hosts and all(t.untyped_storage().nbytes() == t.nbytes for t in _block_tensors(model))
-    _assert_bitwise(_run(model, inputs), resident)
+    assert_bitwise(run_model(model, inputs), resident)
 
 
 def test_refiner_streamed_output_equals_resident_bit_for_bit():
@@ -91,15 +63,15 @@ def test_refiner_streamed_output_equals_resident_bit_for_bit():
         "hidden_states": torch.randn(1, cfg.in_channels, 2, 4, 4, generator=g).bfloat16(),
         "encoder_hidden_states": torch.randn(1, 3, cfg.text_in_channels, generator=g).bfloat16(),
     }
-    resident = _run(model, inputs)
+    resident = run_model(model, inputs)
     model.enable_weight_streaming("cpu")
-    _assert_bitwise(_run(model, inputs), resident)
+    assert_bitwise(run_model(model, inputs), resident)
 
 
 def test_poisoned_slots_between_uses_give_the_same_output():
     model = int4_transformer(_bf16_model(), 16)
     inputs = tiny_inputs(dtype=torch.bfloat16)
-    resident = _run(model, inputs)
+    resident = run_model(model, inputs)
     streamer = model.enable_weight_streaming("cpu")
     poisoned = []
 
@@ -108,12 +80,12 @@ def test_poisoned_slots_between_uses_give_the_same_output():
         poisoned.append(slot.data_ptr())
 
     streamer.on_release = poison
-    _assert_bitwise(_run(model, inputs), resident)
+    assert_bitwise(run_model(model, inputs), resident)
     assert len(poisoned) == len(model.transformer_blocks) and len(set(poisoned)) == len(streamer.slots) == 2
 
 
 def test_ring_holds_at_most_ring_size_blocks_and_the_host_holds_the_weights_once():
-    model = _with_lora(int4_transformer(_bf16_model(), 16))
+    model = with_lora(int4_transformer(_bf16_model(), 16))
     inputs = tiny_inputs(dtype=torch.bfloat16)
     lora = {id(p) for n, p in model.named_parameters() if ".lora_" in n}
 
@@ -146,7 +118,7 @@ def test_ring_holds_at_most_ring_size_blocks_and_the_host_holds_the_weights_once
 
     for b in blocks:
         b.attention.register_forward_pre_hook(inside_block)
-    _run(model, inputs)
+    run_model(model, inputs)
     # while block i computes, exactly its own weights point into the ring; the others stay on the host
     assert seen == [[sizes[i] if j == i else 0 for j in range(len(blocks))] for i in range(len(blocks))]
 
@@ -164,8 +136,8 @@ def test_pinned_arenas_keep_the_power_of_two_rounding_small_at_the_released_size
 def test_refusals_before_any_weight_moves():
     model = _bf16_model()
     before = [t.data_ptr() for t in _block_tensors(model)]
-    with pytest.raises(NotImplementedError, match=r'host_memory="disk" .* not built yet; use host_memory="pinned"'):
-        model.enable_weight_streaming("cpu", host_memory="disk")
+    with pytest.raises(ValueError, match=r"host_memory='disk' .* was not loaded with from_pretrained"):
+        model.enable_weight_streaming("cpu", host_memory="disk")  # (the disk mode's own tests: its test file)
     with pytest.raises(ValueError, match=r"host_memory must be one of \('pinned', 'disk'\), got 'ram'"):
         model.enable_weight_streaming("cpu", host_memory="ram")
     with pytest.raises(ValueError, match=r"a side stream for the weight copies needs a CUDA device, got device='cpu'"):
@@ -187,29 +159,29 @@ def test_an_adapter_loaded_after_streaming_started_is_refused():
     # (block 0 is multimodal: its grouped projections take no adapter here)
     model = _bf16_model()
     model.enable_weight_streaming("cpu")
-    _with_lora(model)
+    with_lora(model)
     with pytest.raises(RuntimeError, match=r"block 1's tensors changed after enable_weight_streaming"):
-        _run(model, tiny_inputs(dtype=torch.bfloat16))
+        run_model(model, tiny_inputs(dtype=torch.bfloat16))
 
 
 def test_router_check_hook_composes_with_streaming():
     model = _bf16_model()
     apply_router_input_check(model)
     inputs = tiny_inputs(dtype=torch.bfloat16)
-    resident = _run(model, inputs)
+    resident = run_model(model, inputs)
     weight = model.transformer_blocks[0].attention.linear_proj.weight
     original = weight[0, 0].item()
     with torch.no_grad():
         weight[0, 0] = float("nan")
     with pytest.raises(ValueError) as resident_error:
-        _run(model, inputs)
+        run_model(model, inputs)
     model.enable_weight_streaming("cpu")
     with pytest.raises(ValueError) as streamed_error:
-        _run(model, inputs)  # the NaN streamed with its block reaches the next MoE router
+        run_model(model, inputs)  # the NaN streamed with its block reaches the next MoE router
     assert str(streamed_error.value) == str(resident_error.value)
     with torch.no_grad():
         weight[0, 0] = original  # written into its host buffer, streamed from there
-    _assert_bitwise(_run(model, inputs), resident)
+    assert_bitwise(run_model(model, inputs), resident)
 
 
 RSS_WORKER = """

@@ -62,7 +62,10 @@ def _cases(tmp_path):
             "cannot create a file in '/proc'",
         ),
         "host_memory without vram_gb": (base + ["--host_memory", "pinned"], "--host_memory goes with --vram_gb"),
-        "host_memory disk": (base + ["--vram_gb", "24", "--host_memory", "disk"], "--host_memory disk is not built"),
+        "host_memory disk without model": (
+            base + ["--vram_gb", "24", "--host_memory", "disk"],
+            "--host_memory disk reads the streamed weights from the safetensors files of --model",
+        ),
         "vram_gb 0": (base + ["--vram_gb", "0"], "--vram_gb: must be an integer >= 1"),
         "no prompt": (["--output", out], "the following arguments are required: --prompt"),
         "pe flags without --enhance_prompt": (

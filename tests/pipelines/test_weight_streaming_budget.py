@@ -12,7 +12,7 @@ import sys
 import pytest
 from helpers import memory_plan_consumer as consumer
 from helpers.memory_plan import GB
-from helpers.memory_plan_consumer import CONSUMER_CARDS, REQUIRED_STAGES
+from helpers.memory_plan_consumer import CONSUMER_CARDS, REQUIRED_STAGES, planned_transformer_config
 from helpers.memory_plan_streaming import (
     PROCESS_BYTES,
     refiner_streamed_weights,
@@ -22,6 +22,8 @@ from helpers.memory_plan_streaming import (
 from diffusers_magi2.pipelines.weight_streaming_budget import (
     available_host_bytes,
     check_streaming_budget,
+    check_streaming_vram,
+    plan_applies,
     streaming_budgets,
 )
 
@@ -56,6 +58,21 @@ def test_the_budget_at_the_planned_peak_passes_and_returns_the_checked_peaks():
     result = check_streaming_budget(max(peak, 24), host_bytes=PLENTY)
     assert result[name] == peak and set(result) == {*REQUIRED_STAGES, "host_ram_GB"}
     assert result["host_ram_GB"] == _recipe(24)["host_ram_GB"]["pinned"]
+
+
+def test_the_device_half_refuses_the_same_budget_and_ignores_the_host():
+    name, peak = _largest(24)
+    with pytest.raises(ValueError, match=rf"stage '{name}': {peak} GB"):
+        check_streaming_vram(peak - 0.01)
+    assert check_streaming_vram(24) == {n: _recipe(24)["stages"][n]["peak_GB"] for n in REQUIRED_STAGES}
+
+
+def test_the_table_records_the_geometry_it_was_planned_for():
+    released = planned_transformer_config()
+    assert TABLE["planned_for"]["transformer"] == released and released["num_layers"] == 40
+    assert plan_applies({**released, "moe_layers": tuple(released["moe_layers"])})  # a config's tuples match
+    assert not plan_applies({**released, "num_layers": 4})
+    assert not plan_applies({})
 
 
 def test_a_stage_the_recipe_skips_is_refused():

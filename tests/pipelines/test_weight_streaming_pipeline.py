@@ -1,5 +1,6 @@
-"""``Magi2Pipeline.enable_weight_streaming`` on the CPU ring: the two-stage call equals the resident one bit for bit;
-budgets and moves refused before any weight moves."""
+"""``Magi2Pipeline.enable_weight_streaming`` on the CPU ring: the two-stage call equals the resident one bit for bit
+(host memory pinned, and read from the files); budgets (the planned stage peaks, the device's weights, the host's
+memory read from the OS) and moves refused before any weight moves."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import torch
 from helpers.modular_testing_utils import tiny_pipelines
 from helpers.streaming_calls import TWO_STAGE_CALL, two_stage_call
 
-from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_REFINER_CHUNK_SIZE
+import diffusers_magi2.pipelines.weight_streaming_pipeline as streaming_pipeline
+from diffusers_magi2.models.weight_streaming import streaming_host_nbytes
+from diffusers_magi2.pipelines.weight_streaming_budget import streaming_budgets
+from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_REFINER_CHUNK_SIZE, streamed_blocks
 
 
 def _encode(pipe):
@@ -79,10 +83,70 @@ def test_budgets_and_arguments_are_refused_before_any_weight_moves():
         pipe.enable_weight_streaming(vram_gb=24, device="cpu", release_between_stages="yes")
     with pytest.raises(ValueError, match=r"release_between_stages=True: text_encoder was not loaded from a folder"):
         pipe.enable_weight_streaming(vram_gb=24, device="cpu", release_between_stages=True)
-    with pytest.raises(NotImplementedError, match=r'host_memory="disk"'):
+    with pytest.raises(
+        ValueError, match=r"host_memory='disk' .* was not loaded with from_pretrained .*save_pretrained"
+    ):
         pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu")
     if not torch.cuda.is_available():  # the default device is CUDA: a clear error, not torch's assertion
         with pytest.raises(ValueError, match=r"sees no CUDA device; pass device='cpu'"):
             pipe.enable_weight_streaming(vram_gb=24)
     assert [t.data_ptr() for t in pipe.transformer.parameters()] == before
     assert all(getattr(getattr(pipe, n), "_weight_streamer", None) is None for n in ("text_encoder", "transformer"))
+
+
+def _from_files(pipe, tmp_path):
+    """``pipe`` with its streamed models loaded from their saved folders (what the disk mode reads)."""
+    for name in ("text_encoder", "transformer", "refiner"):
+        getattr(pipe, name).save_pretrained(tmp_path / name)
+        pipe.register_modules(**{name: type(getattr(pipe, name)).from_pretrained(tmp_path / name).eval()})
+    return pipe
+
+
+def test_two_stage_call_streamed_from_the_files_equals_resident_bit_for_bit(tmp_path):
+    pipe = _from_files(tiny_pipelines(with_refiner=True)[0], tmp_path)
+    resident = two_stage_call(pipe)
+    pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu")
+    assert type(pipe.refiner._weight_streamer).__name__ == "DiskWeightStreamer"
+    for a, b in zip(two_stage_call(pipe), resident):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    pipe.disable_weight_streaming()
+
+
+def test_a_budget_below_a_planned_stage_is_refused_for_the_released_geometry(monkeypatch):
+    pipe, _ = tiny_pipelines()
+    pipe.enable_weight_streaming(vram_gb=1, device="cpu")  # the tiny geometry: the planned peaks do not apply
+    pipe.disable_weight_streaming()
+    before = [t.data_ptr() for t in pipe.transformer.parameters()]
+    recipe = streaming_budgets()["recipes"]["24"]
+    stage = max(recipe["required_stages"], key=lambda n: recipe["stages"][n]["peak_GB"])
+    peak = recipe["stages"][stage]["peak_GB"]
+    seen = []
+    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: seen.append(config) or True)
+    with pytest.raises(
+        ValueError, match=rf"vram_gb={peak - 0.5} is below the planned peak of stage '{stage}': {peak}"
+    ):
+        pipe.enable_weight_streaming(vram_gb=peak - 0.5, device="cpu")
+    assert seen == [pipe.transformer.config]
+    assert [t.data_ptr() for t in pipe.transformer.parameters()] == before
+
+
+def test_a_host_short_of_the_mode_is_refused_naming_the_disk_mode(monkeypatch, tmp_path):
+    pipe = _from_files(tiny_pipelines(with_refiner=True)[0], tmp_path)
+    blocks = {n: streamed_blocks(n, getattr(pipe, n)) for n in ("text_encoder", "transformer", "refiner")}
+
+    def need(mode):  # every streamed model held (release_between_stages=False)
+        return sum(streaming_host_nbytes(getattr(pipe, n), b, mode, 2, False) for n, b in blocks.items())
+
+    on_host = sum(t.nbytes for b in blocks.values() for t in [*b.parameters(), *b.buffers()])
+    pinned, disk = need("pinned"), need("disk")
+    before = [t.data_ptr() for b in blocks.values() for t in b.parameters()]
+    # the OS's figure plus the block weights already in host memory, one byte short of each mode's need
+    monkeypatch.setattr(streaming_pipeline, "available_host_bytes", lambda: pinned - on_host - 1)
+    with pytest.raises(ValueError, match=rf"host_memory='pinned' needs .*; host_memory='disk' .* {disk / 1e9:.2f} GB"):
+        pipe.enable_weight_streaming(vram_gb=24, device="cpu", release_between_stages=False)
+    monkeypatch.setattr(streaming_pipeline, "available_host_bytes", lambda: disk - on_host - 1)
+    with pytest.raises(ValueError, match=r"host_memory='disk' needs .* the disk mode is the smallest"):
+        pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu")
+    assert [t.data_ptr() for b in blocks.values() for t in b.parameters()] == before
+    monkeypatch.setattr(streaming_pipeline, "available_host_bytes", lambda: disk - on_host)
+    pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu")

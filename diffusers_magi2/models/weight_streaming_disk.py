@@ -1,0 +1,225 @@
+"""The disk mode of weight streaming: each block's weights read from the safetensors files the model was loaded from,
+through a bounded staging ring in host memory, into the device ring.
+
+Host memory holds no block weights between uses: a block's tensors point at a one-element placeholder (every byte
+0xFF, broadcast to their shapes: NaN in every float dtype, so a read outside the hook shows). Before block *i* runs,
+its slot is filled as in the pinned mode, from a staging buffer instead of a packed host buffer::
+
+    staging(slot) <- the stored bytes of block i's tensors, read at their byte offsets in the files
+    slot <- copy_(staging(slot))            (on CUDA: non_blocking on the side stream, as the pinned mode)
+
+One staging buffer per device slot, each the largest block's bytes (pinned on CUDA, plain on the CPU), so host
+memory is ``ring_size x`` the largest block, plus the block tensors the files do not hold (LoRA adapters, buffers
+not saved) kept in host memory as they are. The reads are synchronous on the calling thread; on CUDA the kernels of
+the running block are already queued, so the read of the next block overlaps its compute. Before a staging buffer
+is refilled, the copy out of it has finished (its slot's event).
+
+Each tensor is read with ``readinto`` straight into its place in the staging buffer (safetensors' ``get_slice``
+would allocate a new tensor per read and cost a second copy). What the file stores must be what loading made of
+it: the same shape, and either the same dtype (int4 codes and group scales, FP8 experts and their scales, a
+``dense_storage_dtype`` repo's FP8 weights and ``weight_scale``, fp32 islands, all as stored) or two float dtypes,
+where the bytes are cast as ``from_pretrained``'s ``torch_dtype`` or a later ``.to(dtype)`` cast them. Anything
+else (experts quantized while loading, ``enable_fp8_storage`` after loading, a fused LoRA, expert parallelism) is
+refused before any weight moves, saying to ``save_pretrained`` the model and load the saved folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..utils.safetensors_io import DTYPE_TO_TORCH, LOADED_FILES_ATTR, read_safetensors_header
+
+
+__all__ = ["BlockFileReader", "FileSource", "extra_host_nbytes", "plan_file_sources"]
+
+_ADAPTER_NAME = re.compile(r"(^|\.)lora_[A-Za-z_]+(\.|$)")
+
+_HOW_TO_GET_FILES = (
+    "save it with model.save_pretrained(folder) and load it with from_pretrained(folder) (the pipeline: "
+    "pipe.save_pretrained, then Magi2Pipeline.from_pretrained), or use host_memory='pinned'"
+)
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """Where a block tensor's stored bytes are: ``path`` at byte ``offset``, ``nbytes`` long, in ``dtype``."""
+
+    path: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+
+
+def _saved_names(model: torch.nn.Module) -> Dict[int, str]:
+    """``{id(tensor): state-dict name}`` of the tensors ``save_pretrained`` writes (buffers not saved are absent)."""
+    return {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
+
+
+def _check_model(model: torch.nn.Module) -> list:
+    """The recorded files, after the model-level refusals."""
+    files = getattr(model, LOADED_FILES_ATTR, None)
+    folder = getattr(model, "name_or_path", None)  # a transformers model (text encoder) records its folder
+    if not files and folder and os.path.isdir(folder):
+        paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        files = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
+    if not files:
+        raise ValueError(
+            f"host_memory='disk' reads the block weights from the safetensors files the model was loaded from, but "
+            f"this {type(model).__name__} was not loaded with from_pretrained (built in memory, or from a single "
+            f"file or an original checkpoint); {_HOW_TO_GET_FILES}"
+        )
+    not_safetensors = [f for f, _, _ in files if not f.endswith(".safetensors")]
+    if not_safetensors:
+        raise ValueError(
+            f"host_memory='disk' reads safetensors files; this model was loaded from {not_safetensors[0]}; "
+            f"{_HOW_TO_GET_FILES}"
+        )
+    for path, size, mtime in files:
+        try:
+            stat = os.stat(path)
+        except OSError:
+            raise ValueError(f"host_memory='disk': {path}, which the model was loaded from, is gone") from None
+        if (stat.st_size, stat.st_mtime_ns) != (size, mtime):
+            raise ValueError(
+                f"host_memory='disk': {path} changed since the model was loaded from it; load the model again"
+            )
+    if any(getattr(m, "ep_size", 1) > 1 for m in model.modules()):
+        raise ValueError(
+            "host_memory='disk' does not stream an expert-parallel model (a rank holds only its experts' rows); "
+            "use host_memory='pinned'"
+        )
+    if any(getattr(m, "merged_adapters", None) for m in model.modules()):
+        raise ValueError(
+            "host_memory='disk' streams what the files hold, but a LoRA is fused into this model's weights in "
+            "memory; unfuse_lora() first (the adapter then streams beside the stored weights), or save the fused "
+            "model and load it"
+        )
+    return files
+
+
+def plan_file_sources(
+    model: torch.nn.Module, block_tensors: Sequence[Sequence[torch.Tensor]]
+) -> List[List[Optional[FileSource]]]:
+    """For each block's tensors (``model``'s parameters and buffers, in the streamer's packing order), where their
+    stored bytes are, or ``None`` for a tensor the files do not hold and host memory keeps (LoRA adapters, buffers not
+    saved).
+
+    Raises:
+        ValueError: the model has no recorded safetensors files (built in memory), a file changed or is gone, an
+            expert-parallel model, a fused LoRA, or block tensors whose stored form loading did not turn into the
+            in-memory one as a plain cast (missing from the files, another shape, or a non-float dtype change; the
+            first few named), all before any weight moves.
+    """
+    files = _check_model(model)
+    stored = {}
+    for path, _, _ in files:
+        header = read_safetensors_header(path)
+        for key, t in header.tensors.items():
+            begin, end = t.data_offsets
+            stored[key] = (FileSource(path, header.data_start + begin, end - begin, DTYPE_TO_TORCH[t.dtype]), t.shape)
+    names = _saved_names(model)
+    plan, problems = [], []
+    for tensors in block_tensors:
+        sources = []
+        for t in tensors:
+            name = names.get(id(t))
+            if name is None or _ADAPTER_NAME.search(name):
+                sources.append(None)
+                continue
+            key = name.replace(".base_layer.", ".")
+            found = stored.get(key)
+            if found is None:
+                problems.append(f"{key} is not in the files (made after loading?)")
+            elif tuple(found[1]) != tuple(t.shape):
+                problems.append(f"{key}: stored {list(found[1])}, in memory {list(t.shape)}")
+            elif found[0].dtype != t.dtype and not (found[0].dtype.is_floating_point and t.dtype.is_floating_point):
+                problems.append(f"{key}: stored {found[0].dtype}, in memory {t.dtype}")
+            sources.append(None if found is None else found[0])
+        plan.append(sources)
+    if problems:
+        raise ValueError(
+            f"host_memory='disk' reads each block tensor as the files store it, but {len(problems)} differ from the "
+            f"model in memory (e.g. experts quantized while loading, enable_fp8_storage after loading): "
+            f"{'; '.join(problems[:3])}; {_HOW_TO_GET_FILES}"
+        )
+    return plan
+
+
+def extra_host_nbytes(block_tensors: Sequence[Sequence[torch.Tensor]], sources) -> int:
+    """Host bytes of the disk mode besides the staging ring: the tensors the files do not hold, and the cast buffer
+    (the largest tensor read in another dtype or layout)."""
+    pairs = [(t, s) for ts, ss in zip(block_tensors, sources) for t, s in zip(ts, ss)]
+    held = sum(t.nbytes for t, s in pairs if s is None)
+    return held + max((s.nbytes for t, s in pairs if _needs_cast(t, s)), default=0)
+
+
+def _needs_cast(tensor: torch.Tensor, source: Optional[FileSource]) -> bool:
+    """Whether ``source`` is read through the cast buffer (another dtype, or a tensor not in C order)."""
+    return source is not None and (source.dtype != tensor.dtype or not tensor.is_contiguous())
+
+
+def _read_into(fh, offset: int, out: torch.Tensor) -> None:
+    """Read ``out.numel()`` bytes at ``offset`` of ``fh`` into the uint8 tensor ``out``."""
+    view, done = memoryview(out.numpy()), 0
+    fh.seek(offset)
+    while done < len(view):
+        n = fh.readinto(view[done:])
+        if not n:
+            raise OSError(f"{fh.name}: ends {len(view) - done} bytes early at offset {offset + done}")
+        done += n
+
+
+class BlockFileReader:
+    """Reads each streamed block's tensors from the files into a buffer laid out as its ring slot.
+
+    Built while the blocks' tensors still hold their weights (it keeps those the files do not hold).
+
+    Args:
+        block_entries: per block, its packing entries (``tensor``, ``offset``, ``shape``, ``view(buffer)``).
+        sources: :func:`plan_file_sources` of the same blocks.
+
+    Attributes:
+        cast_buffer: where a tensor stored in another dtype (or laid out other than in C order) is read first
+            (uint8, the largest such tensor's stored bytes; empty when there is none).
+        extra_nbytes: host bytes besides the staging ring (:func:`extra_host_nbytes`).
+    """
+
+    def __init__(self, block_entries, sources: List[List[Optional[FileSource]]]):
+        self.sources = sources
+        self.held = {}
+        self.cast = set()
+        for i, (entries, ss) in enumerate(zip(block_entries, sources)):
+            for k, (e, src) in enumerate(zip(entries, ss)):
+                if src is None:
+                    self.held[i, k] = e.tensor.data
+                elif _needs_cast(e.tensor, src):
+                    self.cast.add((i, k))
+        self.extra_nbytes = extra_host_nbytes([[e.tensor for e in entries] for entries in block_entries], sources)
+        cast = max((sources[i][k].nbytes for i, k in self.cast), default=0)
+        self.cast_buffer = torch.empty(cast, dtype=torch.uint8)
+        paths = {s.path for ss in sources for s in ss if s is not None}
+        self.files = {path: open(path, "rb", buffering=0) for path in paths}
+
+    def read(self, index: int, entries, out: torch.Tensor) -> None:
+        """Fill ``out`` (uint8) with block ``index``'s tensors at their ``entries``' offsets."""
+        for k, (e, src) in enumerate(zip(entries, self.sources[index])):
+            if src is None:
+                e.view(out).copy_(self.held[index, k])
+            elif (index, k) in self.cast:
+                raw = self.cast_buffer.narrow(0, 0, src.nbytes)
+                _read_into(self.files[src.path], src.offset, raw)
+                e.view(out).copy_(raw.view(src.dtype).view(e.shape))
+            elif src.nbytes:
+                _read_into(self.files[src.path], src.offset, out.narrow(0, e.offset, src.nbytes))
+
+    def close(self) -> None:
+        """Close the files and drop the held tensors."""
+        for fh in self.files.values():
+            fh.close()
+        self.files, self.held = {}, {}

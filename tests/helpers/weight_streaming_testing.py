@@ -1,0 +1,38 @@
+"""What the weight-streaming tests share: a no-grad forward, a bit-for-bit comparison and a LoRA with random
+factors."""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig
+
+
+def run_model(model, inputs):
+    """``(sample, audio_sample)`` of ``model(**inputs)`` under ``torch.no_grad()``."""
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.sample, out.audio_sample
+
+
+def assert_bitwise(a, b):
+    """The outputs ``a`` and ``b`` (tuples of tensors or ``None``) are equal bit for bit, dtypes included."""
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def with_lora(model):
+    """``model`` with a rank-2 LoRA on every ``linear_proj`` (the grouped projections excluded), factors drawn
+    from a seeded generator so the adapter changes the output."""
+    model.add_adapter(
+        LoraConfig(
+            r=2, lora_alpha=4, target_modules=["linear_proj"], exclude_modules=model.modality_grouped_linear_names()
+        )
+    )
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model

@@ -1,0 +1,175 @@
+"""The disk mode of weight streaming on the CPU ring: a model loaded with ``from_pretrained`` streams its blocks from
+its safetensors files bit for bit as the resident model computes (bf16 and int4 experts, FP8-stored dense weights,
+a LoRA, a cast on loading, the refiner), with poisoned slots and staging buffers; host memory is the staging ring,
+not the model; and the refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers.int4_models import int4_transformer
+from helpers.modular_testing_utils import tiny_refiner
+from helpers.tiny_transformer import tiny_inputs, tiny_model
+from helpers.weight_streaming_testing import assert_bitwise, run_model, with_lora
+
+from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
+
+
+LAYERS = {"num_layers": 4, "multimodal_layers": [0, 3], "moe_layers": [1, 2]}
+
+
+def _saved(model, tmp_path, cls=Magi2Transformer3DModel, **kwargs):
+    model.save_pretrained(tmp_path)
+    return cls.from_pretrained(tmp_path, **kwargs).eval()
+
+
+def _block_ptrs(model):
+    return [t.data_ptr() for b in model.transformer_blocks for t in [*b.parameters(), *b.buffers()]]
+
+
+@pytest.mark.parametrize("variant", ["bf16", "int4", "int4+fp8 storage", "bf16+lora", "fp32 file, bf16 model"])
+def test_disk_streamed_output_equals_resident_bit_for_bit(variant, tmp_path):
+    model = tiny_model(**LAYERS).to(torch.float32 if variant.startswith("fp32") else torch.bfloat16)
+    if variant.startswith("int4"):
+        model = int4_transformer(model, 16)
+    if variant.endswith("fp8 storage"):  # the dense weights stored as FP8 with per-channel scales in the files
+        model.enable_fp8_storage(torch.bfloat16)
+    model = _saved(model, tmp_path, torch_dtype=torch.bfloat16)
+    if variant.endswith("lora"):  # the adapter is not in the files: kept in host memory, streamed with its block
+        model = with_lora(model)
+    inputs = tiny_inputs(dtype=torch.bfloat16)
+    resident = run_model(model, inputs)
+    streamer = model.enable_weight_streaming("cpu", host_memory="disk")
+    # between uses no streamed block tensor holds its weights: each is a broadcast placeholder of NaN bytes (the LoRA
+    # factors are not streamed: resident on the device)
+    streamed = [t for b in model.transformer_blocks for n, t in b.named_parameters() if t.dim() and ".lora_" not in n]
+    assert all(t.stride() == (0,) * t.dim() for t in streamed)
+    assert_bitwise(run_model(model, inputs), resident)
+    assert_bitwise(run_model(model, inputs), resident)  # slots and staging buffers reused across calls
+    model.disable_weight_streaming()
+    assert not streamer.staging and all(t.stride() != (0,) for b in model.transformer_blocks for t in b.parameters())
+    assert_bitwise(run_model(model, inputs), resident)
+
+
+def test_refiner_disk_streamed_output_equals_resident_bit_for_bit(tmp_path):
+    model = _saved(tiny_refiner().to(torch.bfloat16), tmp_path, Magi2RefinerTransformer3DModel)
+    g = torch.Generator().manual_seed(0)
+    cfg = model.config
+    inputs = {
+        "hidden_states": torch.randn(1, cfg.in_channels, 2, 4, 4, generator=g).bfloat16(),
+        "encoder_hidden_states": torch.randn(1, 3, cfg.text_in_channels, generator=g).bfloat16(),
+    }
+    resident = run_model(model, inputs)
+    model.enable_weight_streaming("cpu", host_memory="disk")
+    assert_bitwise(run_model(model, inputs), resident)
+
+
+def test_poisoned_slots_and_staging_between_uses_give_the_same_output(tmp_path):
+    model = with_lora(_saved(int4_transformer(tiny_model(**LAYERS).to(torch.bfloat16), 16), tmp_path))
+    inputs = tiny_inputs(dtype=torch.bfloat16)
+    resident = run_model(model, inputs)
+    streamer = model.enable_weight_streaming("cpu", host_memory="disk")
+    poisoned = []
+
+    def poison(slot: torch.Tensor) -> None:
+        for buffer in [slot, *streamer.staging]:
+            buffer.fill_(0xFF)
+        poisoned.append(slot.data_ptr())
+
+    streamer.on_release = poison
+    assert_bitwise(run_model(model, inputs), resident)
+    assert len(poisoned) == len(model.transformer_blocks) and len(set(poisoned)) == len(streamer.staging) == 2
+
+
+def test_host_holds_the_staging_ring_and_the_adapters_not_the_blocks(tmp_path):
+    model = with_lora(_saved(int4_transformer(tiny_model(**LAYERS).to(torch.bfloat16), 16), tmp_path))
+    blocks = list(model.transformer_blocks)
+    adapters = sum(p.nbytes for b in blocks for n, p in b.named_parameters() if ".lora_" in n)
+    planned = model.weight_streaming_host_nbytes(pinned=False, host_memory="disk", ring_size=3)
+    streamer = model.enable_weight_streaming("cpu", ring_size=3, host_memory="disk")
+    slot = streamer.slots[0].buffer.nbytes
+    assert len(streamer.staging) == 3 and all(s.nbytes == slot for s in streamer.staging)
+    # (loaded without torch_dtype, some tensors are cast from their stored dtype: through the cast buffer, one by one)
+    cast = streamer.reader.cast_buffer.nbytes
+    assert 0 < cast <= max(t.nbytes for b in blocks for t in b.parameters())
+    # the LoRA factors are not streamed: they stay resident on the device (here the CPU), not in the host's count
+    assert adapters > 0 and streamer.host_nbytes == streamer.host_reserved_nbytes == 3 * slot + cast
+    assert streamer.host_nbytes == planned
+    # nothing of the blocks' weights stays in host memory between uses: the placeholders are one element per dtype
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for b in blocks for t in b.parameters()}
+    assert sum(storages.values()) - adapters <= 8 * len(storages)
+
+
+def test_refusals_before_any_weight_moves(tmp_path):
+    in_memory = tiny_model(**LAYERS).to(torch.bfloat16)
+    before = _block_ptrs(in_memory)
+    with pytest.raises(ValueError, match=r"was not loaded with from_pretrained .*save_pretrained\(folder\)"):
+        in_memory.enable_weight_streaming("cpu", host_memory="disk")
+    assert _block_ptrs(in_memory) == before
+    in_memory.save_pretrained(tmp_path)
+    # routed experts quantized while loading: the files hold bf16 banks, the model int4 codes and scales
+    quantized = Magi2Transformer3DModel.from_pretrained(tmp_path, expert_dtype="int4", expert_int4_group_size=16)
+    with pytest.raises(ValueError, match=r"differ from the model in memory .*W_gate: stored \[.*save_pretrained"):
+        quantized.enable_weight_streaming("cpu", host_memory="disk")
+    model = Magi2Transformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+    model.enable_fp8_storage(torch.bfloat16)  # FP8 and scales made after loading
+    with pytest.raises(ValueError, match=r"weight_scale is not in the files"):
+        model.enable_weight_streaming("cpu", host_memory="disk")
+    fused = with_lora(Magi2Transformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16))
+    fused.fuse_lora()
+    before = _block_ptrs(fused)
+    with pytest.raises(ValueError, match=r"a LoRA is fused into this model's weights in memory; unfuse_lora\(\)"):
+        fused.enable_weight_streaming("cpu", host_memory="disk")
+    assert _block_ptrs(fused) == before
+    loaded = Magi2Transformer3DModel.from_pretrained(tmp_path)
+    os.utime(tmp_path / "diffusion_pytorch_model.safetensors", ns=(0, 0))  # (as a later save_pretrained there would)
+    with pytest.raises(ValueError, match=r"changed since the model was loaded from it; load the model again"):
+        loaded.enable_weight_streaming("cpu", host_memory="disk")
+
+
+RSS_WORKER = """
+import gc, json, sys, torch
+from diffusers_magi2 import Magi2Transformer3DModel
+def anon():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+folder = sys.argv[1]
+if sys.argv[2] == "save":
+    Magi2Transformer3DModel(num_layers=6, num_attention_heads=8, attention_head_dim=64, num_key_value_heads=8,
+        in_channels=16, audio_in_channels=16, text_in_channels=64, multimodal_layers=[0], moe_layers=[1, 2, 3, 4, 5],
+        moe_num_heads=4, moe_num_experts=32, moe_top_k=2, moe_expert_intermediate_size=256,
+        shared_expert_intermediate_size=256, modality_specific_expert_intermediate_size=256,
+        params_dtype=torch.bfloat16).save_pretrained(folder)
+    sys.exit()
+gc.collect(); base = anon()
+model = Magi2Transformer3DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).eval()
+blocks = sum(t.nbytes for b in model.transformer_blocks for t in [*b.parameters(), *b.buffers()])
+host = model.weight_streaming_host_nbytes(pinned=False, host_memory="disk")
+plan = host + model.weight_streaming_device_nbytes(2)
+model.enable_weight_streaming("cpu", host_memory="disk")
+g = torch.Generator().manual_seed(0)
+with torch.no_grad():  # one forward touches every page of the ring and the staging buffers
+    model(hidden_states=torch.randn(1, 16, 1, 4, 4, generator=g), timestep=torch.tensor([500.0]),
+          encoder_hidden_states=torch.randn(1, 3, 64, generator=g), audio_hidden_states=torch.randn(1, 2, 16, generator=g))
+gc.collect()
+print(json.dumps({"measured": anon() - base, "plan": plan, "host": host, "blocks": blocks}))
+"""
+
+
+@pytest.mark.slow  # fresh interpreters: ~20 s of CPU, mostly imports
+def test_host_memory_of_a_fresh_process_matches_the_plan_within_10_percent(tmp_path):
+    """A reduced-width model (six layers, 170 MB of bf16 weights) loaded from its files and streamed from them on
+    the CPU ring: the fresh process's anonymous RSS growth is the resident non-block weights, the ring and the
+    staging ring, as planned before streaming (the page cache of the files is not anonymous); glibc told to return
+    every freed allocation over 64 KiB, so the loaded blocks freed by streaming leave the count."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    run = [sys.executable, "-c", RSS_WORKER, str(tmp_path)]
+    subprocess.run([*run, "save"], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([*run, "stream"], env=env, capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert abs(result["measured"] - result["plan"]) <= 0.1 * result["plan"], result
+    assert result["host"] < 0.5 * result["blocks"]  # the host holds two blocks' staging, not the six blocks
