@@ -1,7 +1,7 @@
 """Retrain the tiny MAGI-2 from its seed and compare its judge scores with the shipped weights' (not collected by
 pytest): the training is reproducible when every accuracy is within ±0.05 of the shipped model's.
 
-    .venv/bin/python -m tests.benchmarks.bench_tiny_retrain [--shipped FOLDER] [--threads 2] [--seeds 3] \\
+    .venv/bin/python -m tests.benchmarks.bench_tiny_retrain [--shipped FOLDER] [--threads 1] [--seeds 3] \\
         [--workdir DIR] [--out retrain.json]
 
 It runs the recipe the shipped weights were trained with (:data:`RECIPE`: ``examples/tiny/``'s scripts, seed 0),
@@ -11,8 +11,8 @@ default ``build_tiny_default_pipeline()``) on the prompt-following set (the 8 se
 ``bench_tiny_prompt_following`` x noise seeds ``0 .. --seeds - 1``, 16 steps, CFG 5) and prints both with their
 differences. The exit status is 1 when a difference exceeds the tolerance.
 
-About an hour of two cores for the full recipe. ``--video_decoder_steps``, ``--audio_vae_steps`` and
-``--transformer_steps`` override its step counts, to check the benchmark itself in minutes (the scores are then
+The full recipe takes as long as the README's tiny training commands. ``--video_decoder_steps``,
+``--audio_vae_steps`` and ``--transformer_steps`` override its step counts, to check the benchmark itself in minutes (the scores are then
 those of an untrained model).
 """
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--shipped", default=None, help="the shipped pipeline folder (default: build_tiny_default_pipeline)"
     )
-    p.add_argument("--threads", type=int, default=2, help="threads of each training script")
+    p.add_argument("--threads", type=int, default=1, help="threads of each training script (the recipe's: 1)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--workdir", default=None, help="keep the retrained run here (default: a temporary folder)")
     for name, value in DEFAULT_STEPS.items():
