@@ -1,5 +1,5 @@
-"""What the weight-streaming tests share: a no-grad forward, a bit-for-bit comparison and a LoRA with random
-factors."""
+"""What the weight-streaming tests share: a no-grad forward, a bit-for-bit comparison, a LoRA with random factors
+and the refiner's inputs."""
 
 from __future__ import annotations
 
@@ -36,3 +36,12 @@ def with_lora(model):
             if ".lora_A." in name or ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     return model
+
+
+def refiner_inputs(config) -> dict:
+    """Seeded bf16 inputs of a tiny refiner of ``config``: 2 latent frames of 4 x 4, 3 text tokens."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "hidden_states": torch.randn(1, config.in_channels, 2, 4, 4, generator=g).bfloat16(),
+        "encoder_hidden_states": torch.randn(1, 3, config.text_in_channels, generator=g).bfloat16(),
+    }

@@ -13,7 +13,7 @@ import torch
 from helpers.int4_models import int4_transformer
 from helpers.modular_testing_utils import tiny_refiner
 from helpers.tiny_transformer import tiny_inputs, tiny_model
-from helpers.weight_streaming_testing import assert_bitwise, run_model, with_lora
+from helpers.weight_streaming_testing import assert_bitwise, refiner_inputs, run_model, with_lora
 
 from diffusers_magi2.models.finite_checks_magi2 import apply_router_input_check
 from diffusers_magi2.models.weight_streaming import _next_pow2, pinned_bytes, plan_pinned_arenas
@@ -57,12 +57,7 @@ def test_streamed_output_equals_resident_bit_for_bit(variant):
 
 def test_refiner_streamed_output_equals_resident_bit_for_bit():
     model = tiny_refiner().to(torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    cfg = model.config
-    inputs = {
-        "hidden_states": torch.randn(1, cfg.in_channels, 2, 4, 4, generator=g).bfloat16(),
-        "encoder_hidden_states": torch.randn(1, 3, cfg.text_in_channels, generator=g).bfloat16(),
-    }
+    inputs = refiner_inputs(model.config)
     resident = run_model(model, inputs)
     model.enable_weight_streaming("cpu")
     assert_bitwise(run_model(model, inputs), resident)

@@ -15,7 +15,7 @@ import torch
 from helpers.int4_models import int4_transformer
 from helpers.modular_testing_utils import tiny_refiner
 from helpers.tiny_transformer import tiny_inputs, tiny_model
-from helpers.weight_streaming_testing import assert_bitwise, run_model, with_lora
+from helpers.weight_streaming_testing import assert_bitwise, refiner_inputs, run_model, with_lora
 
 from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
 
@@ -58,12 +58,7 @@ def test_disk_streamed_output_equals_resident_bit_for_bit(variant, tmp_path):
 
 def test_refiner_disk_streamed_output_equals_resident_bit_for_bit(tmp_path):
     model = _saved(tiny_refiner().to(torch.bfloat16), tmp_path, Magi2RefinerTransformer3DModel)
-    g = torch.Generator().manual_seed(0)
-    cfg = model.config
-    inputs = {
-        "hidden_states": torch.randn(1, cfg.in_channels, 2, 4, 4, generator=g).bfloat16(),
-        "encoder_hidden_states": torch.randn(1, 3, cfg.text_in_channels, generator=g).bfloat16(),
-    }
+    inputs = refiner_inputs(model.config)
     resident = run_model(model, inputs)
     model.enable_weight_streaming("cpu", host_memory="disk")
     assert_bitwise(run_model(model, inputs), resident)
