@@ -51,6 +51,7 @@ from .memory_trace import (
     default_dtype,
     module_bytes,
     on_fake_tensors,
+    part_peaks,
     set_kernels,
     tensor_bytes,
     traced,
@@ -426,7 +427,12 @@ def trace_preview_forward(
         args[2] = _modality_ids(local)
         args.insert(3, torch.tensor([0, n_loc]))
     del hidden, time_embedding
-    with traced(model, fake, kernels) as tracker:
+    parts = {
+        "attention": [b.attention for b in model.transformer_blocks],
+        "moe": [b.mlp.moe_mlp for b in model.transformer_blocks if hasattr(b.mlp, "moe_mlp")],
+        "adapters": [model.pre_adapter, model.post_adapter],
+    }
+    with traced(model, fake, kernels) as tracker, part_peaks(tracker, parts) as peaks:
         if count_inputs:
             tracker.count(inputs)
             inputs[0] = None  # forward hands the packed input over: forward_packed holds the last reference
@@ -440,7 +446,10 @@ def trace_preview_forward(
         del out
     for hook in hooks:
         hook.remove()
-    return Trace(weights, tracker.activations + (stored[0].layer_copy if stored else 0), tracker.peak_op)
+    layer_copy = stored[0].layer_copy if stored else 0  # the largest layer's compute-dtype copy, while any layer runs
+    return Trace(
+        weights, tracker.activations + layer_copy, tracker.peak_op, {k: v + layer_copy for k, v in peaks.items()}
+    )
 
 
 def _refiner_video_shape() -> tuple:
@@ -584,6 +593,12 @@ def plan_preview_step(
         capacity = H200_BYTES if cp_degree == 1 else H100_BYTES
     notes = [f"{sum(counts.values())} tokens (text {text_tokens} per CFG half)"]
     notes.append("chunking off" if forward_chunk_size is None else f"forward chunks of {forward_chunk_size} tokens")
+    notes.append(
+        "activations at their peak within the attention {:.2f} GB, the routed experts (router, per-route rows, the "
+        "expert kernel's buffers: int4's dequantized banks) {:.2f} GB, the adapters {:.2f} GB".format(
+            *(trace.parts[k] / GB for k in ("attention", "moe", "adapters"))
+        )
+    )
     res = "540p" if resolution == "1080p" else resolution
     what = EXPERT_NAMES[expert_dtype] + ("" if storage_dtype is None else ", FP8-stored dense weights")
     return stage_row(f"preview step {res}, {what}", f"preview_{res}", trace, capacity, margin, notes, layout)

@@ -20,8 +20,8 @@ attention, and the ``torch_grouped`` expert backend op by op.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -67,6 +67,8 @@ class Trace:
     weights: int
     activations: int
     peak_at: Optional[str]
+    #: the activations' peak while a module of each named part runs (:func:`part_peaks`)
+    parts: Dict[str, int] = field(default_factory=dict)
 
 
 def _written_tensors(func, args, kwargs) -> list:
@@ -235,6 +237,37 @@ def traced(model: torch.nn.Module, fake_mode: FakeTensorMode, kernels: str, grad
     tracker = _WeightsCounted(model)
     with torch.set_grad_enabled(grad), _IndexTensorsStayReal(fake_mode), tracker, _ExpertKernels(kernels):
         yield tracker
+
+
+@contextlib.contextmanager
+def part_peaks(tracker: "_WeightsCounted", parts: Dict[str, Sequence[torch.nn.Module]]):
+    """Yields ``{part: bytes}``: the activations' peak (above the model's own tensors) while a module of each part
+    runs, everything live then included; the tracker's own peak is left as it would be without."""
+    peaks = dict.fromkeys(parts, 0)
+    outer = []
+
+    def enter(module, args):
+        outer.append((tracker.peak, tracker.peak_op))
+        tracker.reset_peak()
+
+    def leave(name):
+        def hook(module, args, out):
+            peaks[name] = max(peaks[name], tracker.peak - tracker.base)
+            peak, op = outer.pop()
+            if peak > tracker.peak:
+                tracker.peak, tracker.peak_op = peak, op
+
+        return hook
+
+    handles = []
+    for name, modules in parts.items():
+        for module in modules:
+            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave(name))]
+    try:
+        yield peaks
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def set_kernels(model: torch.nn.Module, kernels: str) -> None:

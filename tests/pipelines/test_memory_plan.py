@@ -119,6 +119,9 @@ def test_plan_matches_the_measured_cpu_peak_of_a_reduced_model_within_10_percent
     print(f"measured {measured} B, planned {plan.activations} B (x{plan.activations / measured:.3f})")
     assert plan.weights == _bytes(model)
     assert abs(plan.activations - measured) <= 0.10 * measured
+    # the row's parts (attention, routed experts, adapters): each peaks within the forward's peak
+    assert set(plan.parts) == {"attention", "moe", "adapters"}
+    assert 0 < min(plan.parts.values()) and max(plan.parts.values()) <= plan.activations
 
 
 @torch.no_grad()
