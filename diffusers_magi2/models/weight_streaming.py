@@ -254,14 +254,10 @@ class WeightStreamer:
                 slot.ready, slot.free = torch.cuda.Event(), torch.cuda.Event()
 
     def free(self) -> None:
-        """Free the host buffers and the device ring: every block tensor becomes empty until :meth:`allocate`.
-
-        Raises:
-            RuntimeError: a block is running (its slot in use).
-        """
+        """Free the host buffers and the device ring: every block tensor becomes empty until :meth:`allocate` (a
+        slot a forward that raised left in use is released first)."""
         self.release_held()
-        if any(s.in_use for s in self.slots):
-            raise RuntimeError("weight streaming: cannot free the buffers while a block runs")
+        self.release_aborted()
         if self.stream is not None:
             self.stream.synchronize()
         for block in self.blocks:
@@ -319,6 +315,8 @@ class WeightStreamer:
         (``step``: 1 in the forward, -1 in the backward's recomputes). With ``hold`` (a recompute) the slot stays
         taken until the next acquire, which releases it first (by then that block's backward has run)."""
         self.release_held()
+        if step > 0 and index == 0:
+            self.release_aborted()
         block = self.blocks[index]
         self._check_unchanged(block)
         end = index + step * len(self.slots)
@@ -337,6 +335,13 @@ class WeightStreamer:
         for j in window[1:]:
             if self._find(j) is None and self._load(j, window) is None:
                 break
+
+    def release_aborted(self) -> None:
+        """Release the slots a forward that raised left in use (its block's hook never ran ``post_forward``): called
+        where no block of this model can be running, as the forward's first block starts or the buffers are freed."""
+        for slot in self.slots:
+            if slot.in_use and not slot.held:
+                self.release(slot.block)
 
     def release_held(self) -> None:
         """Release the slots :meth:`acquire` held for a recomputed block's backward (run by now)."""

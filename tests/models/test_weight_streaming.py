@@ -79,6 +79,27 @@ def test_poisoned_slots_between_uses_give_the_same_output():
     assert len(poisoned) == len(model.transformer_blocks) and len(set(poisoned)) == len(streamer.slots) == 2
 
 
+def test_a_forward_that_raised_inside_a_streamed_block_leaves_the_next_call_exact():
+    model = _bf16_model()
+    inputs = tiny_inputs(dtype=torch.bfloat16)
+    resident = run_model(model, inputs)
+    streamer = model.enable_weight_streaming("cpu")
+    inner = next(m for m in model.transformer_blocks[2].modules() if isinstance(m, torch.nn.Linear))
+
+    def raise_once(module, args, kwargs):  # e.g. an out-of-memory error inside the block
+        handle.remove()
+        raise RuntimeError("out of memory")
+
+    handle = inner.register_forward_pre_hook(raise_once, with_kwargs=True)  # inside the block, its slot taken
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_model(model, inputs)
+    assert any(s.in_use for s in streamer.slots)  # block 2's slot was left taken
+    assert_bitwise(run_model(model, inputs), resident)
+    assert not any(s.in_use for s in streamer.slots)
+    streamer.free()  # a stage release after an aborted call frees the buffers too
+    assert all(t.numel() == 0 for t in _block_tensors(model))
+
+
 def test_ring_holds_at_most_ring_size_blocks_and_the_host_holds_the_weights_once():
     model = with_lora(int4_transformer(_bf16_model(), 16))
     inputs = tiny_inputs(dtype=torch.bfloat16)
