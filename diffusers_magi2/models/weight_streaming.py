@@ -265,6 +265,18 @@ class WeightStreamer:
                 e.tensor.data = torch.empty(0, dtype=e.dtype)
             block.host, block.host_views = None, []
         self.slots = []
+        self._free_host_buffers()
+
+    def _free_host_buffers(self) -> None:
+        """Drop the host buffers nothing points into any more and return their pinned memory."""
+        self._return_pinned_memory()
+
+    def _return_pinned_memory(self) -> None:
+        """Hand the freed pinned buffers back to the OS: torch's pinned host allocator caches a freed block for its
+        next pinned allocation of that size, so without this a released stage keeps its arenas (called once the
+        copies out of them have finished and nothing points into them)."""
+        if self.pinned and torch.cuda.is_available():
+            torch._C._host_emptyCache()
 
     def _copy_in(self, slot: _Slot, block: _StreamedBlock, non_blocking: bool) -> None:
         """Copy ``block``'s weights into ``slot`` (on the current stream)."""
@@ -387,6 +399,7 @@ class WeightStreamer:
                 e.tensor.data = e.view(host).to(self.device, copy=True)
             block.host, block.host_views = None, []
         self.slots = []
+        self._free_host_buffers()
 
 
 class DiskWeightStreamer(WeightStreamer):
@@ -438,10 +451,13 @@ class DiskWeightStreamer(WeightStreamer):
         self.reader.read(block.index, block.entries, self.staging[0])
         return self.staging[0]
 
+    def _free_host_buffers(self) -> None:
+        self.staging = []
+        self._return_pinned_memory()
+
     def restore(self) -> None:
         super().restore()
         self.reader.close()
-        self.staging = []
 
 
 class WeightStreamingHook(ModelHook):

@@ -139,6 +139,23 @@ def test_ring_holds_at_most_ring_size_blocks_and_the_host_holds_the_weights_once
     assert seen == [[sizes[i] if j == i else 0 for j in range(len(blocks))] for i in range(len(blocks))]
 
 
+@pytest.mark.parametrize("pinned, cuda", [(True, True), (False, True), (True, False)])
+def test_freeing_or_restoring_returns_the_pinned_arenas_exactly_when_cuda_pinned_them(monkeypatch, pinned, cuda):
+    # torch's pinned host allocator caches a freed block; only its host empty-cache hands it back to the OS. On the
+    # CPU nothing is pinned, so the streamer is told it was (as on CUDA) and CUDA's presence is faked
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append(1), raising=False)
+    for release in ("free", "disable"):  # a stage's release (release_between_stages), disable_weight_streaming
+        model = _bf16_model()
+        streamer = model.enable_weight_streaming("cpu")
+        streamer.pinned = pinned
+        assert calls == []
+        streamer.free() if release == "free" else model.disable_weight_streaming()
+        assert calls == [1] * (pinned and cuda), release
+        calls.clear()
+
+
 def test_pinned_arenas_keep_the_power_of_two_rounding_small_at_the_released_sizes():
     # the released preview's blocks with int4 experts (GB): 2 dense multimodal, 36 MoE, 2 dense multimodal
     sizes = [int(0.26e9)] * 2 + [int(1.69e9)] * 36 + [int(0.26e9)] * 2
