@@ -1,16 +1,17 @@
 """Train a LoRA for MAGI-2's Preview transformer; run it with ``accelerate launch`` (or plain ``python``).
 
-Objective (SandAI's sampler predicts ``v = eps - x0`` and steps ``x0 = x - sigma * v``)::
-
-    sigma ~ U(1e-5, 1 - 1e-5)   (no shift)          x_t = (1 - sigma) x0 + sigma eps        eps ~ N(0, I)
-    timestep = floor(1000 sigma)  (0-1000 scale, as at inference)
-    loss = mean((v_theta(x_t, a_t, text, timestep) - (eps - x0))^2)    over the video latent only
-    a_t = (1 - sigma) a0 + sigma eps_a       the audio latent is noised at the video's sigma and takes no loss
+Objective (``train_lora_objective.py``): SandAI's flow matching, ``x_t = (1 - sigma) x0 + sigma eps`` with target
+``eps - x0`` at ``timestep = floor(1000 sigma)``, the audio latent noised at the video's sigma. By default sigma is
+uniform and only the video latent takes a loss; diffusers' ``--weighting_scheme`` (``logit_normal``, ``mode``,
+``sigma_sqrt``, ``cosmap``) and ``--flow_shift`` choose the sigmas (the sampler's scheduler shifts its own by its
+``flow_shift``), ``--audio_loss_weight`` adds the audio latent's loss and ``--cfg_dropout`` swaps in the pipeline's
+negative prompt (the unconditional branch of the sampler's classifier-free guidance).
 
 Data (``--data_dir``): either videos ``<stem>.mp4`` (``.mov``, ``.mkv``, ``.webm``) with captions ``<stem>.txt``,
-turned into caches by ``--cache`` (the pipeline's own Wan VAE and text encoder), or caches
-``<stem>.magi2.safetensors`` holding ``latents [48, T, H, W]`` (normalised as the pipeline's), ``text_states
-[Lt, 5120]`` and optionally ``audio_latents [La, 64]`` (zeros when absent). Every file is checked before training;
+turned into caches by ``--cache`` (the pipeline's own Wan VAE, audio VAE and text encoder: ``train_lora_data.py``),
+or caches ``<stem>.magi2.safetensors`` holding ``latents [48, T, H, W]`` (normalised as the pipeline's), ``text_states
+[Lt, 5120]`` and optionally ``audio_latents [La, 64]`` (zeros when absent, which a model trained with sound takes
+for a clip unlike any it saw). Every file is checked before training;
 a missing caption, an unreadable video or a size the VAE cannot take (height/width not multiples of 16) stops the
 run naming the file.
 
@@ -52,7 +53,6 @@ it); ``--resume latest`` (or a checkpoint folder) continues from one with ``acce
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import sys
@@ -64,10 +64,12 @@ if str(EXAMPLES) not in sys.path:  # the modules beside this script, also when i
     sys.path.insert(0, str(EXAMPLES))
 from train_lora_data import (  # noqa: E402
     encode_dataset,
+    encode_negative_prompt,
     load_cache,
     read_video,
     scan_dataset,
 )
+from train_lora_objective import WEIGHTING_SCHEMES, Objective, flow_matching_inputs  # noqa: E402
 
 
 #: ``--storage_dtype`` values: FP8 formats ``enable_layerwise_casting`` stores weights in, and e4m3 with one fp32
@@ -144,6 +146,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--ep_degree", type=int, default=None, help="expert-parallel ranks (default: all launched)")
     p.add_argument("--fixed_noise", action="store_true", help="one sigma and noise for every step (overfit check)")
+    p.add_argument(
+        "--weighting_scheme",
+        default="none",
+        choices=WEIGHTING_SCHEMES,
+        help="sigma density and loss weighting (diffusers' names; none: uniform sigma, weight 1)",
+    )
+    p.add_argument("--logit_mean", type=float, default=0.0, help="with --weighting_scheme logit_normal")
+    p.add_argument("--logit_std", type=float, default=1.0, help="with --weighting_scheme logit_normal")
+    p.add_argument("--mode_scale", type=float, default=1.29, help="with --weighting_scheme mode")
+    p.add_argument(
+        "--flow_shift",
+        type=float,
+        default=1.0,
+        help="shift the drawn sigmas as the scheduler shifts the sampler's, s u / (1 + (s - 1) u) (1: none)",
+    )
+    p.add_argument(
+        "--audio_loss_weight", type=float, default=0.0, help="weight of the audio latent's loss (0: video only)"
+    )
+    p.add_argument(
+        "--cfg_dropout",
+        type=float,
+        default=0.0,
+        help="probability of training a sample on the pipeline's negative prompt (the unconditional branch)",
+    )
     p.add_argument("--device", default=None)
     p.add_argument(
         "--estimate_memory",
@@ -176,6 +202,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1")
     if args.lr_warmup_steps < 0:
         p.error("--lr_warmup_steps must be >= 0")
+    try:  # the objective's own checks; the negative prompt's states come later
+        objective(args, negative_text_states=0 if args.cfg_dropout > 0 else None)
+    except ValueError as error:
+        p.error(f"--{error}")
     if args.lr_scheduler != "constant":  # diffusers is imported only to check another name
         from diffusers.optimization import SchedulerType
 
@@ -325,38 +355,35 @@ def store_dense_weights(transformer, args) -> None:
         )
 
 
-def flow_matching_inputs(sample: dict, generator, device, fixed: dict | None = None):
-    """``(x_t, a_t, timestep, target)`` of the module docstring's objective for one cached sample."""
-    import torch
-
-    x0 = sample["latents"][None].to(device)
-    a0 = sample["audio_latents"][None].to(device)
-    if fixed is not None:
-        sigma, eps, eps_a = fixed["sigma"], fixed["eps"], fixed["eps_a"]
-    else:
-        sigma = float(torch.rand((), generator=generator)) * (1 - 2e-5) + 1e-5
-        eps = torch.randn(x0.shape, generator=generator).to(device)
-        eps_a = torch.randn(a0.shape, generator=generator).to(device)
-    x_t = (1 - sigma) * x0 + sigma * eps
-    a_t = (1 - sigma) * a0 + sigma * eps_a
-    timestep = torch.full((1,), float(math.floor(1000 * sigma)), device=device)
-    return x_t, a_t, timestep, eps - x0
+def objective(args, negative_text_states=None) -> Objective:
+    """The :class:`Objective` of the flags (``negative_text_states``: the negative prompt's, for ``--cfg_dropout``)."""
+    names = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift", "audio_loss_weight")
+    return Objective(
+        **{n: getattr(args, n) for n in names},
+        cfg_dropout=args.cfg_dropout,
+        negative_text_states=negative_text_states,
+    )
 
 
-def training_loss(transformer, sample: dict, generator, device, fixed=None):
-    """The MSE of the module docstring on one sample (fp32)."""
+def training_loss(transformer, sample: dict, generator, device, fixed=None, objective: Objective | None = None):
+    """The objective's loss (``train_lora_objective.py``; default: the original one) on one sample (fp32)."""
     import torch.nn.functional as F
 
-    x_t, a_t, timestep, target = flow_matching_inputs(sample, generator, device, fixed)
+    objective = objective or Objective()
+    inputs = flow_matching_inputs(sample, generator, device, fixed, objective)
     dtype = transformer.compute_dtype
     out = transformer(
-        hidden_states=x_t.to(dtype),
-        timestep=timestep,
-        encoder_hidden_states=sample["text_states"][None].to(device=device, dtype=dtype),
-        audio_hidden_states=a_t.to(dtype),
+        hidden_states=inputs["x_t"].to(dtype),
+        timestep=inputs["timestep"],
+        encoder_hidden_states=inputs["text_states"].to(dtype),
+        audio_hidden_states=inputs["a_t"].to(dtype),
         return_dict=True,
-    ).sample
-    return F.mse_loss(out.float(), target.float())
+    )
+    loss = F.mse_loss(out.sample.float(), inputs["target"].float())
+    if objective.audio_loss_weight:
+        audio_loss = F.mse_loss(out.audio_sample.float(), inputs["audio_target"].float())
+        loss = loss + objective.audio_loss_weight * audio_loss
+    return inputs["weight"] * loss
 
 
 def average_gradients(accelerator, params) -> None:
@@ -371,7 +398,9 @@ def average_gradients(accelerator, params) -> None:
         param.grad = grad
 
 
-def train_step(accelerator, transformer, optimizer, lr_scheduler, params, samples, generator, device, fixed=None):
+def train_step(
+    accelerator, transformer, optimizer, lr_scheduler, params, samples, generator, device, fixed=None, objective=None
+):
     """One optimizer step over ``samples`` (``--gradient_accumulation_steps`` micro-batches): each loss goes
     through ``accelerator.backward`` inside ``accelerator.accumulate``; at the last one the gradients are averaged
     over the ranks and the optimizer and the LR schedule step. Returns the micro-batches' mean loss (fp32).
@@ -382,7 +411,7 @@ def train_step(accelerator, transformer, optimizer, lr_scheduler, params, sample
     total = 0.0
     for sample in samples:
         with accelerator.accumulate(transformer):
-            loss = training_loss(transformer, sample, generator, device, fixed)
+            loss = training_loss(transformer, sample, generator, device, fixed, objective)
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 average_gradients(accelerator, params)
@@ -570,6 +599,8 @@ def train(args):
         accelerator.wait_for_everyone()
     caches = scan_dataset(data_dir, want_videos=False)
     samples = [load_cache(p, pipe.transformer) for p in caches]
+    negative = encode_negative_prompt(pipe, device) if args.cfg_dropout > 0 else None
+    loss_objective = objective(args, negative)
 
     params = list(add_lora(pipe.transformer, args).values())
     store_dense_weights(pipe.transformer, args)
@@ -611,7 +642,16 @@ def train(args):
     for step in bar:
         batch = [samples[(step * k + i) % len(samples)] for i in range(k)]
         loss = train_step(
-            accelerator, pipe.transformer, optimizer, lr_scheduler, params, batch, noise.generator, device, fixed
+            accelerator,
+            pipe.transformer,
+            optimizer,
+            lr_scheduler,
+            params,
+            batch,
+            noise.generator,
+            device,
+            fixed,
+            loss_objective,
         )
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")

@@ -1,6 +1,15 @@
 """``examples/train_lora.py``'s data: the videos and captions of ``--data_dir`` checked, encoded once into
-``<stem>.magi2.safetensors`` caches (normalised Wan latents and text states, written to a temp path then renamed),
-and read back checked against the transformer's widths."""
+``<stem>.magi2.safetensors`` caches (normalised Wan latents, audio latents and text states, written to a temp path
+then renamed), and read back checked against the transformer's widths.
+
+A clip of ``F`` kept frames (``F = 4k + 1``) at ``fps`` lasts ``d = F / fps`` seconds (the pipeline's own clip: 25
+frames at 12.5 fps, 2 s) and has ``L = round(d * audio_latent_fps)`` audio latents (the pipeline's geometry). Its
+audio track is resampled (FFmpeg's resampler, through PyAV) to the audio VAE's own rate ``hop * audio_latent_fps``
+(``hop = prod(downsampling_ratios)`` samples per latent: 2048 x 25 = 51.2 kHz, the rate the pipeline's decode
+resamples from by ``audio_resample_ratio``) and its channel layout, cut or padded with silence to ``L * hop``
+samples, and encoded to the posterior mean of the pipeline's audio VAE (``AutoencoderOobleck.encode``), stored as
+``audio_latents [L, A]``. A video without an audio track is a silent clip: its latents are the encoding of silence.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +17,17 @@ import os
 from pathlib import Path
 
 
-__all__ = ["CACHE_SUFFIX", "VIDEO_SUFFIXES", "encode_dataset", "load_cache", "read_video", "scan_dataset"]
+__all__ = [
+    "CACHE_SUFFIX",
+    "VIDEO_SUFFIXES",
+    "encode_audio",
+    "encode_dataset",
+    "encode_negative_prompt",
+    "load_cache",
+    "read_audio",
+    "read_video",
+    "scan_dataset",
+]
 
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm")
 CACHE_SUFFIX = ".magi2.safetensors"
@@ -38,37 +57,61 @@ def scan_dataset(data_dir: Path, want_videos: bool) -> list[Path]:
 
 
 def read_video(path: Path, scale: int = 16):
-    """``[3, T, H, W]`` float pixels in [-1, 1] (``T`` cut to ``4k + 1``); ``ValueError`` naming ``path`` for an
-    unreadable file or a height/width that is not a multiple of ``scale``."""
+    """``([3, F, H, W] float pixels in [-1, 1], fps)`` (``F`` cut to ``4k + 1``; ``fps`` the stream's average frame
+    rate, a ``Fraction``); ``ValueError`` naming ``path`` for an unreadable file or a height/width that is not a
+    multiple of ``scale``."""
     import av
     import numpy as np
     import torch
 
     try:
         with av.open(str(path)) as container:
+            fps = container.streams.video[0].average_rate
             frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     except (av.error.FFmpegError, ValueError, IndexError) as error:
         raise ValueError(f"{path}: unreadable video ({error})") from None
-    if not frames:
-        raise ValueError(f"{path}: unreadable video (no frames)")
+    if not frames or not fps:
+        raise ValueError(f"{path}: unreadable video (no frames or no frame rate)")
     h, w = frames[0].shape[:2]
     if h % scale or w % scale:
         raise ValueError(f"{path}: {w}x{h} frames; the VAE takes heights and widths that are multiples of {scale}")
     frames = frames[: (len(frames) - 1) // 4 * 4 + 1]
     x = torch.from_numpy(np.stack(frames)).permute(3, 0, 1, 2).float()
-    return x / 127.5 - 1.0
+    return x / 127.5 - 1.0, fps
+
+
+def read_audio(path: Path, sample_rate: int, channels: int, num_samples: int):
+    """The audio track of ``path`` as float32 ``[channels, num_samples]`` at ``sample_rate`` (PyAV's
+    ``AudioResampler``: FFmpeg's resampling and channel mixing), cut or padded with silence to ``num_samples``;
+    ``None`` when the file has no audio track."""
+    import av
+    import numpy as np
+    import torch
+
+    layout = {1: "mono", 2: "stereo"}[channels]
+    resampler = av.AudioResampler(format="fltp", layout=layout, rate=sample_rate)
+    with av.open(str(path)) as container:
+        if not container.streams.audio:
+            return None
+        chunks = [f.to_ndarray() for frame in container.decode(audio=0) for f in resampler.resample(frame)]
+    chunks += [f.to_ndarray() for f in resampler.resample(None)]
+    wave = np.concatenate(chunks, axis=1) if chunks else np.zeros((channels, 0), np.float32)
+    out = np.zeros((channels, num_samples), np.float32)
+    out[:, : min(num_samples, wave.shape[1])] = wave[:, :num_samples]
+    return torch.from_numpy(out)
 
 
 def encode_dataset(pipe, videos: list[Path], device) -> None:
-    """Write ``<stem>.magi2.safetensors`` for each video: its normalised Wan latent and its caption's text states
-    (every video is read and checked before the first is encoded). The VAE and the text encoder run on ``device``
-    and go back to host memory afterwards (the transformer trains alone on the device)."""
-    for name, what in (("vae", "Wan VAE"), ("text_encoder", "text encoder")):
+    """Write ``<stem>.magi2.safetensors`` for each video: its normalised Wan latent, its audio latents (module
+    docstring) and its caption's text states (every video is read and checked before the first is encoded). The
+    VAEs and the text encoder run on ``device`` and go back to host memory afterwards (the transformer trains alone
+    on the device)."""
+    for name, what in (("vae", "Wan VAE"), ("audio_vae", "audio VAE"), ("text_encoder", "text encoder")):
         if getattr(pipe, name, None) is None:
             raise ValueError(f"--cache needs the pipeline's {what} (the repo has no {name} component)")
     scale = pipe.vae_scale_factor_spatial
     pixels = {v: read_video(v, scale) for v in videos}
-    encoders = [pipe.vae, pipe.text_encoder]
+    encoders = [pipe.vae, pipe.audio_vae, pipe.text_encoder]
     for encoder in encoders:
         encoder.to(device)
     try:
@@ -78,21 +121,61 @@ def encode_dataset(pipe, videos: list[Path], device) -> None:
             encoder.to("cpu")
 
 
+def encode_negative_prompt(pipe, device):
+    """``[Lt, C]`` fp32 text states of the pipeline's negative prompt (``config.negative_prompt``, what the
+    sampler's unconditional branch feeds), the text encoder on ``device`` for it and back in host memory after."""
+    import torch
+
+    if getattr(pipe, "text_encoder", None) is None or not pipe.config.get("negative_prompt"):
+        raise ValueError("--cfg_dropout needs the pipeline's text encoder and its config.negative_prompt")
+    pipe.text_encoder.to(device)
+    try:
+        with torch.no_grad():
+            embeds, mask, _ = pipe.encode_text([pipe.config.negative_prompt], device)
+    finally:
+        pipe.text_encoder.to("cpu")
+    return embeds[0][mask[0]].float().cpu()
+
+
+def encode_audio(pipe, video: Path, duration_s: float):
+    """``[L, A]`` fp32 audio latents of ``video``'s audio track (module docstring), the audio VAE where it is."""
+    import math
+
+    import torch
+
+    audio_vae = pipe.audio_vae
+    hop = math.prod(audio_vae.config.downsampling_ratios)
+    latent_fps = float(pipe.config.audio_latent_fps)
+    num_latents = max(1, round(duration_s * latent_fps))
+    channels = int(audio_vae.config.audio_channels)
+    wave = read_audio(video, round(hop * latent_fps), channels, num_latents * hop)
+    if wave is None:
+        print(f"{video.name}: no audio track; its audio latents encode silence")
+        wave = torch.zeros(channels, num_latents * hop)
+    with torch.no_grad():
+        posterior = audio_vae.encode(wave[None].to(device=audio_vae.device, dtype=audio_vae.dtype)).latent_dist
+    return posterior.mean[0].T.float()
+
+
 def _encode_videos(pipe, pixels: dict, device) -> None:
-    """:func:`encode_dataset`'s caches of the read videos ``{path: pixels}``, the encoders on ``device``."""
+    """:func:`encode_dataset`'s caches of the read videos ``{path: (pixels, fps)}``, the encoders on ``device``."""
     import torch
     from safetensors.torch import save_file
 
     from diffusers_magi2.pipelines.decoding_magi2 import wan_latent_stats
 
-    for video, x in pixels.items():
+    for video, (x, fps) in pixels.items():
         with torch.no_grad():
             vae = pipe.vae
             mu = vae.encode(x[None].to(device=vae.device, dtype=vae.dtype)).latent_dist.mode().float()
             mean, inv_std = wan_latent_stats(vae, mu.device)
             latents = ((mu - mean) * inv_std)[0]
             embeds, mask, _ = pipe.encode_text([video.with_suffix(".txt").read_text(encoding="utf-8").strip()], device)
-        out = {"latents": latents.cpu().contiguous(), "text_states": embeds[0][mask[0]].float().cpu().contiguous()}
+        out = {
+            "latents": latents.cpu().contiguous(),
+            "audio_latents": encode_audio(pipe, video, x.shape[1] / fps).cpu().contiguous(),
+            "text_states": embeds[0][mask[0]].float().cpu().contiguous(),
+        }
         target = video.parent / (video.stem + CACHE_SUFFIX)
         tmp = target.with_name(target.name + ".tmp")
         save_file(out, str(tmp))

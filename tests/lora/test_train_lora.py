@@ -183,16 +183,50 @@ def test_cache_encodes_videos_with_the_pipeline_vae_and_text_encoder(tmp_path, m
     losses, pipe = script.train(script.parse_args(argv(data, tmp_path / "out", "--cache", "--max_steps", "1")))
     cache = load_file(str(data / "clip.magi2.safetensors"))
     assert cache["latents"].shape == (48, 2, 2, 2) and cache["text_states"].shape[1] == 64
+    with torch.no_grad():  # no audio track: the encoding of 5 / 12 s of silence, 10 latents
+        silence = pipe.audio_vae.encode(torch.zeros(1, 2, 10 * 2048)).latent_dist.mean[0].T
+    assert torch.allclose(cache["audio_latents"], silence, rtol=0, atol=1e-6)
     assert len(losses) == 1 and np.isfinite(losses[0])
     names = {id(m): n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     moved = [(names[id(m)], str(to)) for m, to in moves if id(m) in names]
     assert moved == [
         ("vae", "cpu"),
+        ("audio_vae", "cpu"),
         ("text_encoder", "cpu"),
         ("vae", "cpu"),
+        ("audio_vae", "cpu"),
         ("text_encoder", "cpu"),
         ("transformer", "cpu"),
     ]
+
+
+def test_cache_stores_the_clips_audio_latents_and_training_uses_them(tmp_path, monkeypatch):
+    """``--cache`` on a 0.4 s clip (5 frames at 12.5 fps) with a 440 Hz tone as 44.1 kHz AAC: the cache holds 10
+    audio latents (0.4 s x 25 latents/s), the audio VAE's posterior mean of the tone rendered straight at the VAE's
+    own rate (51.2 kHz) to AAC and resampling error, far from zeros and from the encoding of silence; the training
+    step feeds exactly the cached latents."""
+    from diffusers_magi2 import export_to_video_with_audio
+
+    data = tmp_path / "data"
+    data.mkdir()
+    tone = lambda rate: (0.3 * np.sin(2 * np.pi * 440.0 * np.arange(rate * 2 // 5) / rate)).astype(np.float32)  # noqa: E731
+    export_to_video_with_audio(
+        np.zeros((5, 32, 32, 3)), data / "tone.mp4", audio=np.stack([tone(44_100)] * 2), fps=12.5
+    )
+    (data / "tone.txt").write_text("a caption")
+    fed = []
+    inputs = script.flow_matching_inputs
+    monkeypatch.setattr(script, "flow_matching_inputs", lambda sample, *a: fed.append(sample) or inputs(sample, *a))
+    losses, pipe = script.train(script.parse_args(argv(data, tmp_path / "out", "--cache", "--max_steps", "1")))
+    assert len(losses) == 1 and np.isfinite(losses[0])
+    with torch.no_grad():
+        waves = torch.from_numpy(np.stack([tone(51_200), np.zeros(10 * 2048, np.float32)]))
+        reference, silence = pipe.audio_vae.encode(waves[:, None].expand(2, 2, -1)).latent_dist.mean.transpose(1, 2)
+    cached = load_file(str(data / "tone.magi2.safetensors"))["audio_latents"]
+    assert cached.shape == (10, 64)
+    assert (cached - reference).norm() <= 0.01 * reference.norm()
+    assert (cached - silence).norm() >= 0.1 * reference.norm() and cached.norm() >= 0.5 * reference.norm()
+    assert len(fed) == 1 and torch.equal(fed[0]["audio_latents"], cached)
 
 
 def test_gradient_checkpointing_gives_the_same_lora_gradients(tmp_path):
