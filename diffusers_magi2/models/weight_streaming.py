@@ -25,9 +25,9 @@ With ``host_memory="disk"`` host memory holds no block weights: :class:`DiskWeig
 the safetensors files the model was loaded from into a staging buffer per slot, then copies it into the slot as
 above (:mod:`.weight_streaming_disk`).
 
-diffusers' ``enable_group_offload`` is not used: with ``use_stream=True`` it pins a second copy of every tensor
-(power-of-two rounded, tensor by tensor) and assigns each onload a new device tensor; there is no reused device
-buffer to bound the device's share, and no single host copy.
+diffusers' ``enable_group_offload`` is not used: it pins a second copy of every tensor (``use_stream=True``) and
+onloads into new device tensors, so neither a single host copy nor a bounded device share. Ending streaming:
+:mod:`.weight_streaming_restore`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from ..utils.safetensors_io import record_loaded_files
 from .weight_streaming_disk import BlockFileReader, extra_host_nbytes, plan_file_sources
+from .weight_streaming_restore import check_restore, return_pinned_memory
 from .weight_streaming_training import StreamedCheckpointCall, check_streamed_training
 
 
@@ -219,6 +220,8 @@ class WeightStreamer:
         self.host_nbytes = sum(sizes)
         self.host_reserved_nbytes = pinned_bytes(sizes) if self.pinned else self.host_nbytes
         self.ring_size = ring_size
+        #: the device budget streaming was enabled with, GB (checked when the weights are made resident again)
+        self.vram_gb: Optional[float] = None
         self.ring_nbytes = max(sizes) * ring_size
         self.stream = torch.cuda.Stream(device) if use_stream else None
         self.slots: List[_Slot] = []
@@ -229,11 +232,6 @@ class WeightStreamer:
         self.phase: Optional[str] = None
         if allocate:
             self.allocate()
-
-    @property
-    def allocated(self) -> bool:
-        """Whether the host buffers and the ring exist (see :meth:`free`)."""
-        return bool(self.slots)
 
     def allocate(self, read: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
         """Allocate the host buffers and the device ring. Each tensor's host view is filled by ``read(tensor, view)``
@@ -269,14 +267,7 @@ class WeightStreamer:
 
     def _free_host_buffers(self) -> None:
         """Drop the host buffers nothing points into any more and return their pinned memory."""
-        self._return_pinned_memory()
-
-    def _return_pinned_memory(self) -> None:
-        """Hand the freed pinned buffers back to the OS: torch's pinned host allocator caches a freed block for its
-        next pinned allocation of that size, so without this a released stage keeps its arenas (called once the
-        copies out of them have finished and nothing points into them)."""
-        if self.pinned and torch.cuda.is_available():
-            torch._C._host_emptyCache()
+        return_pinned_memory(self.pinned)
 
     def _copy_in(self, slot: _Slot, block: _StreamedBlock, non_blocking: bool) -> None:
         """Copy ``block``'s weights into ``slot`` (on the current stream)."""
@@ -389,17 +380,30 @@ class WeightStreamer:
                     "weight was replaced); call disable_weight_streaming() first and enable it again after"
                 )
 
-    def restore(self) -> None:
-        """Give every block its own resident tensors on the device again (the host buffers and the ring are freed)."""
+    def restore(self, device=None) -> None:
+        """Give every block its own tensors again, in host memory (``device=None``: block by block, each block's
+        host buffer freed once copied out) or on ``device`` (every copy made before any tensor points at it, so a
+        failure leaves streaming as it was); the ring is freed (:mod:`.weight_streaming_restore`)."""
         if self.stream is not None:
             self.stream.synchronize()
+        copies = []
         for block in self.blocks:
             host = self._host_bytes(block)
-            for e in block.entries:
-                e.tensor.data = e.view(host).to(self.device, copy=True)
-            block.host, block.host_views = None, []
+            views = [e.view(host).to("cpu" if device is None else device, copy=True) for e in block.entries]
+            if device is None:
+                self._point(block, views)
+            else:
+                copies.append(views)
+        for block, views in zip(self.blocks, copies):
+            self._point(block, views)
         self.slots = []
         self._free_host_buffers()
+
+    @staticmethod
+    def _point(block: _StreamedBlock, tensors: List[torch.Tensor]) -> None:
+        for e, t in zip(block.entries, tensors):
+            e.tensor.data = t
+        block.host, block.host_views = None, []
 
 
 class DiskWeightStreamer(WeightStreamer):
@@ -413,16 +417,17 @@ class DiskWeightStreamer(WeightStreamer):
         reader: the :class:`~.weight_streaming_disk.BlockFileReader` (its ``cast_buffer``, the tensors it holds).
     """
 
-    def __init__(self, blocks, device, ring_size: int, use_stream: bool, sources):
-        self.sources = sources
-        super().__init__(blocks, device, ring_size, use_stream)
+    def __init__(self, blocks, device, ring_size: int, use_stream: bool, sources, allocate: bool = True):
+        super().__init__(blocks, device, ring_size, use_stream, allocate=False)
+        self.reader = BlockFileReader([b.entries for b in self.blocks], sources)  # while the tensors hold weights
+        if allocate:
+            self.allocate()
 
     def allocate(self, read=None) -> None:
         """Allocate the staging ring and the device ring; the block tensors' weights are dropped (read back from the
-        files before each use)."""
+        files before each use; ``read`` is not used)."""
         slot, ring_size, pinned = max(b.nbytes for b in self.blocks), self.ring_size, self.pinned
         self.staging = [torch.empty(slot, dtype=torch.uint8, pin_memory=pinned) for _ in range(ring_size)]
-        self.reader = BlockFileReader([b.entries for b in self.blocks], self.sources)
         placeholders = {}
         for block in self.blocks:
             for e in block.entries:
@@ -453,10 +458,10 @@ class DiskWeightStreamer(WeightStreamer):
 
     def _free_host_buffers(self) -> None:
         self.staging = []
-        self._return_pinned_memory()
+        return_pinned_memory(self.pinned)
 
-    def restore(self) -> None:
-        super().restore()
+    def restore(self, device=None) -> None:
+        super().restore(device)
         self.reader.close()
 
 
@@ -557,7 +562,7 @@ def apply_weight_streaming(
         if sources is None:
             streamer = WeightStreamer(blocks, device, ring_size, use_stream, allocate)
         else:
-            streamer = DiskWeightStreamer(blocks, device, ring_size, use_stream, sources)
+            streamer = DiskWeightStreamer(blocks, device, ring_size, use_stream, sources, allocate)
     for i, b in enumerate(blocks):
         HookRegistry.check_if_exists_or_initialize(b).register_hook(
             WeightStreamingHook(streamer, i), WEIGHT_STREAMING_HOOK
@@ -579,7 +584,7 @@ def streaming_host_nbytes(
     if host_memory == "disk":
         tensors = [_streamed_tensors(b) for b in blocks]
         staging = _next_pow2(max(sizes)) if pinned else max(sizes)
-        return ring_size * staging + extra_host_nbytes(tensors, plan_file_sources(model, tensors))
+        return ring_size * staging + extra_host_nbytes(tensors, plan_file_sources(model, tensors, check_bytes=False))
     return pinned_bytes(sizes) if pinned else sum(sizes)
 
 
@@ -592,11 +597,12 @@ def streaming_device_nbytes(model: torch.nn.Module, blocks: Sequence[torch.nn.Mo
     return resident + ring_size * max(sizes)
 
 
-def remove_weight_streaming(streamer: WeightStreamer) -> None:
-    """Remove the hooks and put every block's weights back on the device, resident."""
+def remove_weight_streaming(streamer: WeightStreamer, device=None) -> None:
+    """Give every block its own tensors again, in host memory or on ``device`` (:meth:`WeightStreamer.restore`),
+    then remove the hooks (a failed restore leaves them)."""
+    streamer.restore(device)
     for block in streamer.blocks:
         HookRegistry.check_if_exists_or_initialize(block.module).remove_hook(WEIGHT_STREAMING_HOOK, recurse=False)
-    streamer.restore()
 
 
 class Magi2WeightStreamingMixin:
@@ -611,11 +617,9 @@ class Magi2WeightStreamingMixin:
         host_memory: str = "pinned",
         use_stream: Optional[bool] = None,
     ) -> WeightStreamer:
-        """Keep the ``transformer_blocks``' weights in host memory, held once, and copy each block into a ring of
-        ``ring_size`` preallocated device buffers just before it runs (the next block's copy overlapping this one's
-        compute on a side CUDA stream); everything else (the blocks' LoRA factors included) moves to ``device`` and
-        stays there. Inference, or training the LoRA factors with :meth:`enable_gradient_checkpointing` (each block
-        streamed again, in reverse order, for its recompute in the backward: :mod:`.weight_streaming_training`).
+        """Stream the ``transformer_blocks``' weights through a ring of ``ring_size`` device buffers (module
+        docstring); everything else (the blocks' LoRA factors included) moves to ``device``. Inference, or training
+        the LoRA factors with :meth:`enable_gradient_checkpointing` (:mod:`.weight_streaming_training`).
 
         Args:
             device: the compute device (``"cpu"`` runs the same ring in host memory, with synchronous copies).
@@ -645,6 +649,7 @@ class Magi2WeightStreamingMixin:
         self._weight_streamer = apply_weight_streaming(
             self, list(self.transformer_blocks), device, ring_size, host_memory, use_stream
         )
+        self._weight_streamer.vram_gb = vram_gb
         return self._weight_streamer
 
     def weight_streaming_device_nbytes(self, ring_size: int = 2) -> int:
@@ -654,13 +659,7 @@ class Magi2WeightStreamingMixin:
     def weight_streaming_host_nbytes(
         self, pinned: bool = True, host_memory: str = "pinned", ring_size: int = 2
     ) -> int:
-        """Host bytes streaming holds for the blocks, with the pinned allocator's rounding when ``pinned`` (CUDA):
-        ``host_memory="pinned"``: their packed buffers; ``"disk"``: the staging ring of ``ring_size`` buffers, the
-        block tensors the files do not hold (adapters) and a cast buffer.
-
-        Raises:
-            ValueError: ``"disk"`` for a model it cannot stream (:func:`~.weight_streaming_disk.plan_file_sources`).
-        """
+        """:func:`streaming_host_nbytes` of the ``transformer_blocks``."""
         return streaming_host_nbytes(self, list(self.transformer_blocks), host_memory, ring_size, pinned)
 
     def _checkpointed_block(self, block: torch.nn.Module):
@@ -683,9 +682,19 @@ class Magi2WeightStreamingMixin:
             )
         return super()._apply(fn, recurse)
 
-    def disable_weight_streaming(self) -> None:
-        """Stop streaming: every block's weights become resident on the streaming device again."""
+    def disable_weight_streaming(self, device=None) -> None:
+        """Stop streaming: the blocks' weights come back as plain host tensors (default, as diffusers leaves offloaded
+        weights when its hooks are removed; everything else stays where it is), or resident on ``device``.
+
+        Raises:
+            ValueError: ``device`` without room for the weights (:func:`~.weight_streaming_restore.check_restore`:
+                its free memory, the ``vram_gb`` streaming was enabled with), before any weight moves; streaming stays.
+        """
         streamer = getattr(self, "_weight_streamer", None)
-        if streamer is not None:
-            remove_weight_streaming(streamer)
-            self._weight_streamer = None
+        if streamer is None:
+            return
+        moved = sum(b.nbytes for b in streamer.blocks)
+        resident = sum(t.nbytes for t in {id(t): t for t in [*self.parameters(), *self.buffers()]}.values())
+        device = check_restore(device, moved, resident, streamer.vram_gb, streamer.device)
+        remove_weight_streaming(streamer, device)
+        self._weight_streamer = None

@@ -18,9 +18,11 @@ Each tensor is read with ``readinto`` straight into its place in the staging buf
 would allocate a new tensor per read and cost a second copy). What the file stores must be what loading made of
 it: the same shape, and either the same dtype (int4 codes and group scales, FP8 experts and their scales, a
 ``dense_storage_dtype`` repo's FP8 weights and ``weight_scale``, fp32 islands, all as stored) or two float dtypes,
-where the bytes are cast as ``from_pretrained``'s ``torch_dtype`` or a later ``.to(dtype)`` cast them. Anything
-else (experts quantized while loading, ``enable_fp8_storage`` after loading, a fused LoRA, expert parallelism) is
-refused before any weight moves, saying to ``save_pretrained`` the model and load the saved folder.
+where the bytes are cast as ``from_pretrained``'s ``torch_dtype`` or a later ``.to(dtype)`` cast them; and the
+same bytes after that cast, every block tensor compared once before streaming starts. Anything else (experts
+quantized while loading, ``enable_fp8_storage`` after loading, a fused LoRA, a LoRA fused then unloaded, weights
+trained or edited in memory, expert parallelism) is refused before any weight moves, naming the tensor and saying to
+``save_pretrained`` the model and load the saved folder.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 from ..utils.safetensors_io import DTYPE_TO_TORCH, LOADED_FILES_ATTR, read_safetensors_header
 
 
-__all__ = ["BlockFileReader", "FileSource", "extra_host_nbytes", "plan_file_sources"]
+__all__ = ["BlockFileReader", "FileSource", "check_file_bytes", "extra_host_nbytes", "plan_file_sources"]
 
 _ADAPTER_NAME = re.compile(r"(^|\.)lora_[A-Za-z_]+(\.|$)")
 
@@ -104,17 +106,19 @@ def _check_model(model: torch.nn.Module) -> list:
 
 
 def plan_file_sources(
-    model: torch.nn.Module, block_tensors: Sequence[Sequence[torch.Tensor]]
+    model: torch.nn.Module, block_tensors: Sequence[Sequence[torch.Tensor]], check_bytes: bool = True
 ) -> List[List[Optional[FileSource]]]:
     """For each block's tensors (``model``'s parameters and buffers, in the streamer's packing order), where their
     stored bytes are, or ``None`` for a tensor the files do not hold and host memory keeps (LoRA adapters, buffers not
-    saved).
+    saved). With ``check_bytes`` (all but sizing), every block tensor the files hold is compared with its stored bytes
+    cast as loading cast them (:func:`check_file_bytes`: one read of the block weights).
 
     Raises:
         ValueError: the model has no recorded safetensors files (built in memory), a file changed or is gone, an
-            expert-parallel model, a fused LoRA, or block tensors whose stored form loading did not turn into the
+            expert-parallel model, a fused LoRA, block tensors whose stored form loading did not turn into the
             in-memory one as a plain cast (missing from the files, another shape, or a non-float dtype change; the
-            first few named), all before any weight moves.
+            first few named), or (``check_bytes``) a block tensor whose bytes differ from the files' (changed in
+            memory after loading, e.g. a LoRA fused and unloaded; naming it), all before any weight moves.
     """
     files = _check_model(model)
     stored = {}
@@ -148,7 +152,33 @@ def plan_file_sources(
             f"model in memory (e.g. experts quantized while loading, enable_fp8_storage after loading): "
             f"{'; '.join(problems[:3])}; {_HOW_TO_GET_FILES}"
         )
+    if not check_bytes:
+        return plan
+    read = [(t, s) for ts, ss in zip(block_tensors, plan) for t, s in zip(ts, ss) if s is not None]
+    keys = {id(t): names[id(t)].replace(".base_layer.", ".") for t, _ in read}
+    files = {keys[id(t)]: s.path for t, s in read}
+    why = f"changed in memory after loading (fused, trained, quantized or edited), so the files no longer hold it; {_HOW_TO_GET_FILES}"
+    check_file_bytes(type(model).__name__, [t for t, _ in read], keys, files, names, why)
     return plan
+
+
+def check_file_bytes(owner: str, tensors, keys: Dict[int, str], files: Dict[str, str], names, why: str) -> None:
+    """Each of ``tensors`` equals its file counterpart (``keys[id(t)]`` in ``files[key]``) cast to its dtype, byte
+    for byte; else a ``ValueError`` naming ``owner``'s tensor (``names[id(t)]``), the file key and ``why``."""
+    from safetensors import safe_open
+
+    by_file: Dict[str, List[torch.Tensor]] = {}
+    for t in tensors:
+        by_file.setdefault(files[keys[id(t)]], []).append(t)
+    for path, group in by_file.items():
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for t in group:
+                held = t.detach().to("cpu").contiguous()
+                read = f.get_tensor(keys[id(t)]).to(held.dtype).contiguous()
+                if held.numel() and not torch.equal(held.view(torch.uint8), read.view(torch.uint8)):
+                    raise ValueError(
+                        f"{owner}'s {names[id(t)]} differs from {keys[id(t)]} in {path} cast to {held.dtype}: {why}"
+                    )
 
 
 def extra_host_nbytes(block_tensors: Sequence[Sequence[torch.Tensor]], sources) -> int:

@@ -4,6 +4,11 @@ A streamed stage's device peak, planned at the released size by ``tests/benchmar
 (the model code traced on fake tensors), is::
 
     peak = resident weights (non-block) + ring (3 x the largest block's weights) + activations of the stage
+    need = peak + what stays resident beside it (co_resident_GB: the pipeline's other components, per policy)
+
+where what stays resident is the plan's arithmetic on the recipe's rows: the resident components (the VAEs) and,
+unless each streamed model is freed when the next one's stage begins, the other streamed models' resident weights
+and rings; with release, a stage of a resident component also shares the device with the streamed model run last.
 
 and a recipe's host memory is its largest stage's (the text encoder is released before the transformer's weights
 come in): anonymous RSS plus pinned bytes, each pinned buffer rounded up to a power of two as torch's pinned host
@@ -111,6 +116,7 @@ def check_streaming_budget(
     stages: Optional[Iterable[str]] = None,
     *,
     host_bytes: Optional[int] = None,
+    release_between_stages: bool = True,
 ) -> Dict[str, float]:
     """Refuse a weight-streaming budget the plan says cannot work, before any weight moves.
 
@@ -122,18 +128,21 @@ def check_streaming_budget(
             ``None``: the recipe's ``required_stages``, those every generation runs (text encoding, the 272p preview
             step, the audio decode).
         host_bytes: the host memory available, in bytes; ``None``: read from the OS (:func:`available_host_bytes`).
+        release_between_stages: see :func:`check_streaming_vram`.
 
     Returns:
-        ``{stage: planned peak in GB}`` of the checked stages, and ``"host_ram_GB"``: the mode's planned host peak.
+        ``{stage: GB}`` of the checked stages (the planned peak plus what stays resident beside it), and
+        ``"host_ram_GB"``: the mode's planned host peak.
 
     Raises:
         ValueError: ``vram_gb`` not a positive number, an unknown ``host_memory`` or stage name, a stage the recipe
-            does not run, a ``vram_gb`` below a checked stage's planned peak (naming the stage with the largest
-            planned peak and that peak), or less host memory than the mode's planned peak (naming the disk mode).
+            does not run, a ``vram_gb`` below a checked stage's planned peak plus what stays resident beside it
+            (naming the stage, its planned peak and what stays resident), or less host memory than the mode's
+            planned peak (naming the disk mode).
     """
     if host_memory not in HOST_MEMORY_MODES:
         raise ValueError(f"host_memory must be one of {HOST_MEMORY_MODES}; got {host_memory!r}")
-    result = check_streaming_vram(vram_gb, stages)
+    result = check_streaming_vram(vram_gb, stages, release_between_stages)
     recipe = _recipe(streaming_budgets(), vram_gb)
     need = recipe["host_ram_GB"][host_memory]
     have = available_host_bytes() if host_bytes is None else int(host_bytes)
@@ -152,12 +161,22 @@ def check_streaming_budget(
     return result
 
 
-def check_streaming_vram(vram_gb: float, stages: Optional[Iterable[str]] = None) -> Dict[str, float]:
-    """The device half of :func:`check_streaming_budget`: ``{stage: planned peak in GB}`` of the checked stages.
+def check_streaming_vram(
+    vram_gb: float, stages: Optional[Iterable[str]] = None, release_between_stages: bool = True
+) -> Dict[str, float]:
+    """The device half of :func:`check_streaming_budget`: ``{stage: GB}``, each checked stage's planned peak plus
+    what stays resident on the device beside it (the table's ``co_resident_GB`` of the release policy: the
+    pipeline's other components, e.g. the VAEs, and the streamed models it holds).
+
+    Args:
+        vram_gb, stages: as :func:`check_streaming_budget`.
+        release_between_stages: whether each streamed model is freed when the next one's stage begins (the table's
+            ``"released"`` figures), or every component stays on the device (``"held"``).
 
     Raises:
         ValueError: ``vram_gb`` not a positive number, an unknown stage name, a stage the recipe does not run, or a
-            ``vram_gb`` below a checked stage's planned peak (naming the stage with the largest planned peak).
+            ``vram_gb`` below a checked stage's planned peak plus what stays resident (naming the stage with the
+            largest sum, its planned peak and each component that stays resident).
     """
     if (
         isinstance(vram_gb, bool)
@@ -179,11 +198,21 @@ def check_streaming_vram(vram_gb: float, stages: Optional[Iterable[str]] = None)
         raise ValueError(
             f"the {recipe['card_gb']} GB recipe does not run {skipped} ({planned[skipped[0]].get('why_unused', '')})"
         )
-    largest = max(names, key=lambda n: planned[n]["peak_GB"])
-    peak = planned[largest]["peak_GB"]
-    if vram_gb < peak:
-        raise ValueError(
-            f"vram_gb={vram_gb} is below the planned peak of stage {largest!r}: {peak} GB (the {recipe['card_gb']} "
-            f"GB recipe); raise vram_gb to at least {peak}"
+    policy = "released" if release_between_stages else "held"
+    beside = {n: planned[n]["co_resident_GB"][policy] for n in names}
+    need = {n: round(planned[n]["peak_GB"] + sum(beside[n].values()), 2) for n in names}
+    largest = max(names, key=need.get)
+    if vram_gb < need[largest]:
+        what = ", ".join(f"{c} {gb} GB" for c, gb in beside[largest].items()) or "nothing"
+        how = (
+            "each streamed model freed when the next one's stage begins"
+            if release_between_stages
+            else "every streamed model held"
         )
-    return {n: planned[n]["peak_GB"] for n in names}
+        raise ValueError(
+            f"vram_gb={vram_gb} is below the planned peak of stage {largest!r}: {planned[largest]['peak_GB']} GB, plus "
+            f"{round(need[largest] - planned[largest]['peak_GB'], 2)} GB that stays resident on the device meanwhile "
+            f"({what}; {how}) = {need[largest]} GB (the {recipe['card_gb']} GB recipe); raise vram_gb to at least "
+            f"{need[largest]}"
+        )
+    return need

@@ -5,17 +5,17 @@ the device; with ``release_between_stages``, one streamed model holds its weight
 
 Checked before any weight moves, in this order:
 
-* ``vram_gb`` against the planned stage peaks shipped in the package
-  (:func:`~.weight_streaming_budget.check_streaming_vram`: the stages every generation runs), when the transformer
-  has the geometry the plan was made for (:func:`~.weight_streaming_budget.plan_applies`: the released Preview; the
-  table records it). The peaks include activations, which only the plan knows.
+* the streamed models that can be re-read from their files (``release_between_stages``; refused for ``True``
+  where one cannot);
+* ``vram_gb`` against the planned stage peaks shipped in the package plus what stays resident on the device beside
+  each (:func:`~.weight_streaming_budget.check_streaming_vram`: the stages every generation runs; its ``"released"``
+  figures when every streamed model is released between stages, else ``"held"``), when the transformer has the
+  geometry the plan was made for (:func:`~.weight_streaming_budget.plan_applies`: the released Preview; the table
+  records it). The peaks include activations, which only the plan knows.
 * ``vram_gb`` against the weights the device holds, for any model::
 
       sum over held streamed models (weights outside the blocks + ring_size * largest block)
       + max over released streamed models (the same)  + sum of the other components
-
-
-      sum over streamed models (weights outside the blocks + ring_size * largest block) + sum of the other components
 
 * the host: what the mode holds for the streamed models, from their own bytes
   (``weight_streaming_host_nbytes``: the packed blocks in the pinned mode, the staging ring in the disk mode)
@@ -37,6 +37,7 @@ from ..models.weight_streaming import (
     streaming_device_nbytes,
     streaming_host_nbytes,
 )
+from ..models.weight_streaming_restore import check_restore
 from .weight_streaming_budget import available_host_bytes, check_streaming_vram, plan_applies
 from .weight_streaming_stages import StagedHostMemory, plan_reread
 
@@ -50,6 +51,10 @@ STREAMED_COMPONENTS = ("text_encoder", "transformer", "refiner")
 #: Query tokens per chunk of the streamed refiner's layers (``enable_forward_chunking``): its 1080p activations
 #: within a 32 GB card, as ``bench_memory --gpu_gb 32`` plans them.
 STREAMED_REFINER_CHUNK_SIZE = 8192
+
+
+def _streamer(pipe, name: str):
+    return getattr(getattr(pipe, name, None), "_weight_streamer", None)
 
 
 def _weight_nbytes(module: torch.nn.Module) -> int:
@@ -98,21 +103,22 @@ class Magi2WeightStreamingPipelineMixin:
                 ``ring_size`` host buffers; a pipeline from ``Magi2Pipeline.from_pretrained``).
             device: the compute device (default ``"cuda"``; ``"cpu"`` runs the same ring in host memory).
             ring_size: device slots per streamed model (2 or 3).
-            release_between_stages: ``True``: a streamed model's weights (host buffers, ring, resident weights)
-                are freed when the next streamed model runs and re-read from its safetensors files when it runs
-                again, so host memory is the largest model's, not the sum (each call reads every streamed model
-                once); needs a pipeline from ``from_pretrained`` whose streamed weights are the files' (or a cast
+            release_between_stages: ``True``: a streamed model's weights (host buffers or staging ring, device
+                ring, resident weights) are freed when the next streamed model runs and re-read from its safetensors
+                files when it runs again, so host memory is the largest model's, not the sum (the pinned mode reads
+                every streamed model once per call), and the device holds one streamed model's ring and resident
+                weights; needs a pipeline from ``from_pretrained`` whose streamed weights are the files' (or a cast
                 of them). ``False``: every streamed model stays held. ``None`` (default): release each streamed
                 model that can be re-read (a pipeline built in memory: none), logging the ones held.
 
         Raises:
             ValueError: ``vram_gb`` not positive, bad streaming arguments (see
                 :func:`~diffusers_magi2.models.weight_streaming.check_weight_streaming_args`), a ``vram_gb`` below
-                the planned peak of a stage every generation runs (the released model; naming the stage and its
-                peak), the weights the device would hold above ``vram_gb`` (naming the largest component),
-                ``release_between_stages=True`` with a streamed model that cannot be re-read (naming it and why) or
-                with ``host_memory="disk"``, less host memory available than the mode needs (naming the disk
-                mode), or a disk mode the models cannot stream (no files, or block tensors unlike the files'), all
+                the planned peak of a stage every generation runs plus what stays resident beside it (the released
+                model; naming the stage, its peak and what stays resident), the weights the device would hold above ``vram_gb`` (naming the largest component),
+                ``release_between_stages=True`` with a streamed model that cannot be re-read (naming it and why),
+                less host memory available than the mode needs (naming the disk
+                mode), or a disk mode the models cannot stream (no files, or block tensors unlike the files', naming them), all
                 before any weight moves.
         """
         if not isinstance(vram_gb, (int, float)) or isinstance(vram_gb, bool) or not vram_gb > 0:
@@ -120,19 +126,11 @@ class Magi2WeightStreamingPipelineMixin:
         if release_between_stages not in (None, True, False):
             raise ValueError(f"release_between_stages must be True, False or None, got {release_between_stages!r}")
         device = "cuda" if device is None else device
-        device_type = check_weight_streaming_args(device, ring_size, host_memory, None)[0].type
-        transformer = getattr(self, "transformer", None)
-        if transformer is not None and plan_applies(transformer.config):
-            check_streaming_vram(vram_gb)
-        if host_memory == "disk" and release_between_stages:
-            raise ValueError(
-                "release_between_stages=True with host_memory='disk': the disk mode holds no block weights in host "
-                "memory between uses, so there is nothing to release; leave release_between_stages unset"
-            )
+        streamed_to = check_weight_streaming_args(device, ring_size, host_memory, None)[0]
         models = {n: c for n, c in self.components.items() if isinstance(c, torch.nn.Module)}
         blocks = {n: streamed_blocks(n, m) for n, m in models.items() if n in STREAMED_COMPONENTS}
         rereads, held_why = {}, {}
-        for name in blocks if release_between_stages is not False and host_memory != "disk" else ():
+        for name in blocks if release_between_stages is not False else ():
             try:
                 rereads[name] = plan_reread(name, models[name], blocks[name])
             except ValueError as error:
@@ -142,6 +140,9 @@ class Magi2WeightStreamingPipelineMixin:
                         "as loaded, or pass release_between_stages=False (host memory is then the streamed models' sum)"
                     ) from error
                 held_why[name] = str(error)
+        transformer = getattr(self, "transformer", None)
+        if transformer is not None and plan_applies(transformer.config):
+            check_streaming_vram(vram_gb, release_between_stages=bool(blocks) and rereads.keys() == blocks.keys())
         need = {n: streaming_device_nbytes(models[n], b, ring_size) for n, b in blocks.items()}
         need.update({n: _weight_nbytes(m) for n, m in models.items() if n not in blocks})
         total = sum(v for n, v in need.items() if n not in rereads) + max([need[n] for n in rereads], default=0)
@@ -152,7 +153,8 @@ class Magi2WeightStreamingPipelineMixin:
                 f"{', '.join(blocks)} with {ring_size}-block rings, the other components resident); the largest is "
                 f"{largest[0]} at {largest[1] / 1e9:.2f} GB"
             )
-        self._check_streaming_host(models, blocks, rereads, host_memory, ring_size, pinned=device_type == "cuda")
+        self._check_streaming_host(models, blocks, rereads, host_memory, ring_size, pinned=streamed_to.type == "cuda")
+        self._weight_streaming_budget = (vram_gb, streamed_to, {n: _weight_nbytes(m) for n, m in models.items()})
         for name in models.keys() - blocks.keys():
             models[name].to(device)
         for name in STREAMED_COMPONENTS:
@@ -176,7 +178,7 @@ class Magi2WeightStreamingPipelineMixin:
 
         def need(mode: str) -> int:
             each = {n: streaming_host_nbytes(models[n], b, mode, ring_size, pinned) for n, b in blocks.items()}
-            released = rereads if mode == "pinned" else {}  # (the disk mode releases nothing)
+            released = rereads
             held = sum(v for n, v in each.items() if n not in released)
             return held + max([each[n] for n in released], default=0)
 
@@ -203,19 +205,31 @@ class Magi2WeightStreamingPipelineMixin:
             f"{needed / 1e9:.2f} GB; {hint}"
         )
 
-    def disable_weight_streaming(self) -> None:
-        """Stop streaming: the streamed models' weights become resident on the device they streamed to (a released
-        model's read back from its files first); the pipeline can then be moved or cast again."""
+    def disable_weight_streaming(self, device: Optional[str] = None) -> None:
+        """Stop streaming (a released model's weights read back from its files first): the streamed block weights come
+        back as plain host tensors (default, as diffusers leaves offloaded weights when its hooks are removed; every
+        other weight stays where it is), or resident on ``device``; the pipeline can then be moved or cast again.
+
+        Raises:
+            ValueError: ``device`` without room for them (:func:`~diffusers_magi2.models.weight_streaming_restore.
+                check_restore`: the device's free memory, or every component's weights above the ``vram_gb``
+                streaming was enabled with), before any weight moves; streaming stays as it was.
+        """
         stages = getattr(self, "_weight_streaming_stages", None)
-        for name in STREAMED_COMPONENTS:
-            model = getattr(self, name, None)
-            streamer = getattr(model, "_weight_streamer", None)
-            if streamer is None:
-                continue
-            if stages is not None and name in stages.parts:
+        streamers = {n: getattr(self, n)._weight_streamer for n in STREAMED_COMPONENTS if _streamer(self, n)}
+        if not streamers:
+            return
+        vram_gb, streamed_to, nbytes = self._weight_streaming_budget
+        moved = sum(nbytes[n] for n in streamers)
+        device = check_restore(device, moved, sum(nbytes.values()), vram_gb, streamed_to)
+        for name, streamer in streamers.items():
+            part = stages.parts.get(name) if stages is not None else None
+            if part is not None and not part.held:
+                part.refill()
+            remove_weight_streaming(streamer, device)
+            if part is not None:
                 stages.remove(name)
-            remove_weight_streaming(streamer)
-            model._weight_streamer = None
+            getattr(self, name)._weight_streamer = None
         self._weight_streaming_stages = None
 
     def to(self, *args, **kwargs):
@@ -224,7 +238,7 @@ class Magi2WeightStreamingPipelineMixin:
         Raises:
             RuntimeError: :meth:`enable_weight_streaming` is on (call :meth:`disable_weight_streaming` first).
         """
-        streaming = [n for n in STREAMED_COMPONENTS if getattr(getattr(self, n, None), "_weight_streamer", None)]
+        streaming = [n for n in STREAMED_COMPONENTS if _streamer(self, n)]
         if streaming:
             raise RuntimeError(
                 f"the {' and '.join(streaming)} block weights are streamed (enable_weight_streaming): moving or "

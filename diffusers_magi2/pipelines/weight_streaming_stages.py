@@ -31,6 +31,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
 from ..models.weight_streaming import WeightStreamer
+from ..models.weight_streaming_disk import check_file_bytes
 from ..utils.safetensors_io import DTYPE_TO_TORCH, read_safetensors_header
 
 
@@ -186,28 +187,10 @@ def plan_reread(name: str, model: torch.nn.Module, blocks: Sequence[torch.nn.Mod
         first_of_size.setdefault(sum(t.nbytes for t in _unique_tensors(b)), b)
     checked = [t for b in first_of_size.values() for t in _unique_tensors(b) if id(t) in keys]
     checked += [o.tensor for o in outside]
-    _check_bytes(name, checked, keys, files, names)
+    why = "it was transformed after loading (quantized, scaled, fused or trained), so it cannot be re-read"
+    check_file_bytes(name, checked, keys, files, names, why)
     file_nbytes = sum(_nbytes(headers[k]) for k in set(keys.values()))
     return Reread(name, folder, files, keys, outside, file_nbytes)
-
-
-def _check_bytes(name, tensors, keys, files, names) -> None:
-    """Each tensor equals its file counterpart cast to its dtype, byte for byte."""
-    from safetensors import safe_open
-
-    by_file: Dict[str, List[torch.Tensor]] = {}
-    for t in tensors:
-        by_file.setdefault(files[keys[id(t)]], []).append(t)
-    for path, group in by_file.items():
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for t in group:
-                held = t.detach().to("cpu").contiguous()
-                read = f.get_tensor(keys[id(t)]).to(held.dtype).contiguous()
-                if held.numel() and not torch.equal(held.view(torch.uint8), read.view(torch.uint8)):
-                    raise ValueError(
-                        f"{name}'s {names[id(t)]} differs from {keys[id(t)]} in {path} cast to {held.dtype}: it was "
-                        "transformed after loading (quantized, scaled, fused or trained), so it cannot be re-read"
-                    )
 
 
 class _StageHook(ModelHook):

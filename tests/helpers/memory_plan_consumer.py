@@ -85,12 +85,13 @@ def _traced(kind: str, *args):
     raise ValueError(kind)
 
 
-def _resident(name: str, row, *, used: bool = True, why: Optional[str] = None, notes=()) -> StreamedStage:
-    """A stage whose model sits on the device whole (loaded through host memory, then moved)."""
+def _resident(name: str, model: str, row, *, used: bool = True, why=None, notes=()) -> StreamedStage:
+    """A stage of the pipeline component ``model`` that sits on the device whole (loaded through host memory, then
+    moved)."""
     host = PROCESS_BYTES + row.weights
     return StreamedStage(
         name, row.stage, row.weights, 0, row.activations, host, host, used, why, streams=False,
-        peak_at=row.peak_at, notes=list(row.notes) + list(notes),
+        peak_at=row.peak_at, notes=list(row.notes) + list(notes), model=model,
     )  # fmt: skip
 
 
@@ -176,15 +177,17 @@ def plan_consumer(card_gb: int) -> Dict[str, object]:
     big = card_gb >= 32
     decode_res = "1080p" if big else "540p"
     stages: List[StreamedStage] = [_text_stage(card_gb)]
-    stages.append(_resident("image_encode_540p", _traced("image"), notes=["I2V only"]))
+    stages.append(_resident("image_encode_540p", "vae", _traced("image"), notes=["I2V only"]))
     stages += [_preview_stage(res, card_gb) for res in ("272p", "540p")]
     stages.append(_refiner_stage(card_gb, used=big))
-    stages.append(_resident(f"turbovae_decode_{decode_res}", _traced("turbovae", decode_res, big)))
+    stages.append(_resident(f"turbovae_decode_{decode_res}", "video_decoder", _traced("turbovae", decode_res, big)))
     for res in ("540p", "1080p") if big else ("540p",):
         stages.append(
-            _resident(f"wan_decode_{res}", _traced("wan", res), used=False, why="the recipe decodes with the TurboVAE")
+            _resident(
+                f"wan_decode_{res}", "vae", _traced("wan", res), used=False, why="the recipe decodes with the TurboVAE"
+            )
         )
-    stages.append(_resident("audio_decode", _traced("audio")))
+    stages.append(_resident("audio_decode", "audio_vae", _traced("audio")))
     stages.append(_lora_stage(card_gb, used=big))
     return {"stages": stages}
 
@@ -261,6 +264,9 @@ def summary(card_gb: int, rows) -> dict:
         "reread_per_generation": reread_per_generation(generation),
         "target_GB": card_gb - 2,
         "all_used_stages_fit": all(r["peak_GB"] <= card_gb - 2 for r in rows if r["used"]),
+        "over_target_with_resident": {
+            p: [r["stage"] for r in rows if r["used"] and with_resident_gb(r, p) > card_gb - 2] for p in POLICIES
+        },
     }
 
 
@@ -285,16 +291,63 @@ HOST_MEMORY = (
 REQUIRED_STAGES = ("text_encode", "preview_272p", "audio_decode")
 
 
+#: The release policies of ``enable_weight_streaming`` the plan counts what stays resident for.
+POLICIES = ("released", "held")
+
+
+def co_resident(rows: List[dict]) -> Dict[str, dict]:
+    """What ``enable_weight_streaming`` keeps on the device while each stage runs, besides the stage's own component,
+    from a recipe's JSON rows: ``{stage: {policy: {component: GB}}}``.
+
+    The recipe's components are those of its used generation stages; each one's device share is its largest used
+    row's resident weights plus ring. ``released`` (``release_between_stages``): each streamed model is freed when
+    the next one's stage begins, so a streamed stage shares the device with the resident components only, and any
+    other stage also with the streamed model that ran last (counted as the largest). ``held`` (a pipeline built in
+    memory): every component stays. A LoRA training step is a process of its own: nothing.
+    """
+    share, streamed = {}, set()
+    for r in rows:
+        if r["used"] and r.get("component") and not r["stage"].startswith("lora_train"):
+            c = r["component"]
+            share[c] = max(share.get(c, 0.0), round(r["resident_GB"] + r["ring_GB"], 2))
+            if r["streams"]:
+                streamed.add(c)
+    out = {}
+    for r in rows:
+        own = r.get("component")
+        if own is None or r["stage"].startswith("lora_train"):
+            out[r["stage"]] = {p: {} for p in POLICIES}
+            continue
+        held = {c: gb for c, gb in share.items() if c != own}
+        released = {c: gb for c, gb in held.items() if c not in streamed}
+        last = max((c for c in held if c in streamed), key=held.get, default=None)
+        if last is not None and not r["streams"]:
+            released[last] = held[last]
+        out[r["stage"]] = {"released": released, "held": held}
+    return out
+
+
+def with_resident_gb(row: dict, policy: str) -> float:
+    """A row's planned peak plus what stays resident beside it under ``policy``, GB."""
+    return round(row["peak_GB"] + sum(row["co_resident_GB"][policy].values()), 2)
+
+
 def consumer_result(card_gb: int) -> dict:
     """``bench_memory --gpu_gb 24|32 --json``'s object."""
     rows = [s.as_json() for s in plan_consumer(card_gb)["stages"]]
+    for row, (name, co) in zip(rows, co_resident(rows).items()):
+        row["co_resident_GB"] = co
+        row["with_resident_GB"] = {p: with_resident_gb(row, p) for p in POLICIES}
     result = {"stages": rows, **summary(card_gb, rows), "host_memory": HOST_MEMORY}
     if card_gb == 24:
         result["per_rank_8x24GB"] = plan_per_rank_24gb()
     return result
 
 
-_BUDGET_KEYS = ("used", "peak_GB", "resident_GB", "ring_GB", "activations_GB", "host_GB", "host_disk_mode_GB")
+_BUDGET_KEYS = (
+    "used", "peak_GB", "resident_GB", "ring_GB", "activations_GB", "host_GB", "host_disk_mode_GB", "streams",
+    "component", "co_resident_GB",
+)  # fmt: skip
 
 
 def budget_table(results: Optional[Dict[int, dict]] = None) -> dict:
@@ -304,7 +357,7 @@ def budget_table(results: Optional[Dict[int, dict]] = None) -> dict:
     for card, result in results.items():
         stages = {}
         for row in result["stages"]:
-            stages[row["stage"]] = {k: row[k] for k in _BUDGET_KEYS}
+            stages[row["stage"]] = {k: row[k] for k in _BUDGET_KEYS if k in row}
             if not row["used"]:
                 stages[row["stage"]]["why_unused"] = row["why_unused"]
         recipes[str(card)] = {

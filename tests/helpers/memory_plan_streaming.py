@@ -268,7 +268,7 @@ class StreamedStage:
     streams: bool = True
     notes: List[str] = field(default_factory=list)
     disk_read: Optional[int] = None
-    model: Optional[str] = None  # the streamed pipeline component (re-read once per generation)
+    model: Optional[str] = None  # the pipeline component whose weights the stage counts (a streamed one: re-read)
     reread: Optional[int] = None  # its bytes in the files
 
     @property
@@ -290,6 +290,8 @@ class StreamedStage:
             "streams": self.streams,
             "what": self.what,
         }
+        if self.model is not None:
+            row["component"] = self.model
         if not self.used:
             row["why_unused"] = self.why_unused
         if self.h2d is not None:

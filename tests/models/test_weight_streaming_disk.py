@@ -121,6 +121,26 @@ def test_refusals_before_any_weight_moves(tmp_path):
     with pytest.raises(ValueError, match=r"a LoRA is fused into this model's weights in memory; unfuse_lora\(\)"):
         fused.enable_weight_streaming("cpu", host_memory="disk")
     assert _block_ptrs(fused) == before
+    # a LoRA fused, then unloaded: no adapter left, each targeted weight (the first: block 1's; block 0's projections
+    # are grouped, left out) changed in memory, not in the files
+    unloaded = with_lora(Magi2Transformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16))
+    unloaded.fuse_lora()
+    unloaded.unload_lora()
+    assert not any(".lora_" in n for n, _ in unloaded.named_parameters())
+    before = _block_ptrs(unloaded)
+    with pytest.raises(
+        ValueError, match=r"transformer_blocks\.1\.attention\.linear_proj\.weight differs from .* changed in memory"
+    ):
+        unloaded.enable_weight_streaming("cpu", host_memory="disk")
+    assert _block_ptrs(unloaded) == before
+    edited = Magi2Transformer3DModel.from_pretrained(tmp_path)  # one tensor of the last block edited in place
+    name, weight = [(n, p) for n, p in edited.transformer_blocks[-1].named_parameters() if p.dim() == 2 and p.numel()][
+        -1
+    ]
+    with torch.no_grad():
+        weight[0, 0] += 1
+    with pytest.raises(ValueError, match=rf"transformer_blocks\.3\.{name} differs from"):
+        edited.enable_weight_streaming("cpu", host_memory="disk")
     loaded = Magi2Transformer3DModel.from_pretrained(tmp_path)
     os.utime(tmp_path / "diffusion_pytorch_model.safetensors", ns=(0, 0))  # (as a later save_pretrained there would)
     with pytest.raises(ValueError, match=r"changed since the model was loaded from it; load the model again"):
