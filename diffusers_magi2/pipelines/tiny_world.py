@@ -5,14 +5,17 @@ A clip of caption ``"a {colour} {shape} {motion}"`` (e.g. ``"a red circle moves 
 ``[F, H, W, 3]`` in [0, 1]: background :data:`BACKGROUND`, the shape (a disc of radius ``r`` or a square of half-side
 ``r``, ``r ≈ 0.17 min(H, W)``) filled with :data:`COLOURS` ``[colour]``, its centre moving linearly through
 ``c(t) = c0 + d · t/(F-1) · 0.5 (H or W)`` along the motion's direction ``d`` (:data:`MOTIONS`, image axes: +x right,
-+y down), starting a quarter of the way in. The stereo audio is ``0.3 sin(2π f t + φ)`` on both channels with
-``f = TONES_HZ[colour]``. A seed jitters the start (±0.06 of the frame across the motion, ±0.04 along it), the
-radius (±10 %), the phase ``φ`` and the amplitude (±10 %); everything else is fixed, so the caption determines
-what a judge (:mod:`.tiny_judge`) must see and hear.
++y down), starting a quarter of the way in. The stereo audio is ``0.3 sin(2π f t)`` on both channels with
+``f = TONES_HZ[colour]``, ``t`` from the clip's start. Every pitch is a multiple of 25 Hz, the audio latent rate, and
+the phase is locked to the start, so each 40 ms latent window holds the same waveform and a colour's audio latents
+are constant over the clip (a random phase gives a toy audio autoencoder nothing a waveform loss can learn, and a
+transformer nothing to predict but the phase-blind mean). A seed jitters the start (±0.06 of the frame across the
+motion, ±0.04 along it), the radius (±10 %) and the amplitude (±10 %); everything else is fixed, so the caption
+determines what a judge (:mod:`.tiny_judge`) must see and hear.
 
 :data:`HELD_OUT` holds four colour × shape × motion triples no training clip shows (each colour, shape and motion
 still appears in training); :data:`SEEN` is the other 28. :data:`NEW_COLOURS` (purple, hue 292.5°, halfway between
-the hue windows the judge gives red and blue; its tone :data:`NEW_TONES_HZ` a fifth above yellow's) and
+the hue windows the judge gives red and blue; its tone :data:`NEW_TONES_HZ` about a fifth above yellow's) and
 :data:`NEW_MOTIONS` ("stays still": the shape rests at the centre, jittered ±0.06 on both axes) render and parse
 like the others but are in no training triple: concepts for a LoRA to teach.
 """
@@ -52,12 +55,12 @@ COLOURS = {
 SHAPES = ("circle", "square")
 #: Direction ``(dx, dy)`` of each motion phrase in image axes (+x right, +y down).
 MOTIONS = {"moves left": (-1, 0), "moves right": (1, 0), "moves up": (0, -1), "moves down": (0, 1)}
-#: Pitch of the tone of each colour, Hz (a fifth apart: the nearest other tone is 1.5x away).
-TONES_HZ = {"red": 220.0, "green": 330.0, "blue": 495.0, "yellow": 742.5}
+#: Pitch of the tone of each colour, Hz (a fifth apart, multiples of 25 Hz: the nearest other tone is 1.5x away).
+TONES_HZ = {"red": 200.0, "green": 300.0, "blue": 450.0, "yellow": 675.0}
 BACKGROUND = (0.08, 0.08, 0.10)
 #: Colours outside the training triples (module docstring), RGB in [0, 1], and their tones in Hz.
 NEW_COLOURS = {"purple": (0.83, 0.18, 0.92)}
-NEW_TONES_HZ = {"purple": 1113.75}
+NEW_TONES_HZ = {"purple": 1025.0}
 #: Motions outside the training triples, with their ``(dx, dy)``.
 NEW_MOTIONS = {"stays still": (0, 0)}
 _RGB = {**COLOURS, **NEW_COLOURS}
@@ -160,7 +163,7 @@ def render_audio(colour: str, *, num_samples: int, sample_rate: int, seed: int =
         raise ValueError(f"sample_rate {sample_rate} is below the Nyquist rate of a {_HZ[colour]} Hz tone")
     rng = _jitter(seed)
     rng.uniform(size=3)  # the frames' draws, so that the audio's do not repeat them
-    phase, gain = rng.uniform(0, 2 * np.pi), 0.3 * rng.uniform(0.9, 1.1)
+    gain = 0.3 * rng.uniform(0.9, 1.1)
     t = np.arange(num_samples, dtype=np.float64) / sample_rate
-    wave = (gain * np.sin(2 * np.pi * _HZ[colour] * t + phase)).astype(np.float32)
+    wave = (gain * np.sin(2 * np.pi * _HZ[colour] * t)).astype(np.float32)
     return np.stack([wave, wave])

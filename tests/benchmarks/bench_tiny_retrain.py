@@ -58,7 +58,7 @@ RECIPE = (
         "--lr_warmup_steps 200 --checkpointing_steps 1000 --seed 0",
     ),
 )
-DEFAULT_STEPS = {"video_decoder_steps": 3000, "audio_vae_steps": 600, "transformer_steps": 7500}
+DEFAULT_STEPS = {"video_decoder_steps": 3000, "audio_vae_steps": 300, "transformer_steps": 4000}
 
 
 def retrain(workdir: Path, threads: int, steps: dict) -> tuple[Path, list[dict]]:
