@@ -56,7 +56,14 @@ def test_clips_are_seeded_and_show_the_caption():
 def test_audio_is_the_colours_tone():
     audio = render_audio("green", num_samples=8000, sample_rate=8000, seed=1)
     assert audio.shape == (2, 8000) and np.array_equal(audio[0], audio[1])
-    assert np.argmax(np.abs(np.fft.rfft(audio[0]))) == 330  # 1 s at 8 kHz: bin k is k Hz
+    assert np.argmax(np.abs(np.fft.rfft(audio[0]))) == 300  # 1 s at 8 kHz: bin k is k Hz
+
+
+@pytest.mark.parametrize("colour", [*COLOURS, *NEW_COLOURS])
+def test_every_audio_latent_window_holds_the_same_waveform(colour):
+    audio = render_audio(colour, num_samples=4 * 2048, sample_rate=51200, seed=3)  # 40 ms windows at 51.2 kHz
+    windows = audio[0].reshape(4, 2048)
+    assert audio[0, 0] == 0.0 and np.abs(windows - windows[0]).max() < 1e-5 < np.abs(windows[0]).max()
 
 
 @pytest.mark.parametrize(
