@@ -9,7 +9,8 @@ each script in a subprocess with ``--threads`` threads (``OMP_NUM_THREADS``, ``M
 (default: a temporary folder, removed afterwards), then scores the retrained pipeline and the shipped one (``--shipped``,
 default ``build_tiny_default_pipeline()``) on the prompt-following set (the 8 seen and 4 held-out prompts of
 ``bench_tiny_prompt_following`` x noise seeds ``0 .. --seeds - 1``, 16 steps, CFG 5) and prints both with their
-differences. The exit status is 1 when a difference exceeds the tolerance.
+differences, and each stage's CPU minutes against the budgets on 2 cores (:data:`BUDGETS_MIN`: the autoencoders
+together 30, the transformer 50). The exit status is 1 when a difference exceeds the tolerance.
 
 The full recipe takes as long as the README's tiny training commands. ``--video_decoder_steps``,
 ``--audio_vae_steps`` and ``--transformer_steps`` override its step counts, to check the benchmark itself in minutes (the scores are then
@@ -19,6 +20,7 @@ those of an untrained model).
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -59,20 +61,37 @@ RECIPE = (
     ),
 )
 DEFAULT_STEPS = {"video_decoder_steps": 3000, "audio_vae_steps": 300, "transformer_steps": 4000}
+#: CPU-minute budgets of the recipe on 2 CPU cores: the autoencoders together, the transformer.
+BUDGETS_MIN = {"autoencoders": 30.0, "transformer": 50.0}
 
 
 def retrain(workdir: Path, threads: int, steps: dict) -> tuple[Path, list[dict]]:
-    """Run :data:`RECIPE` into ``workdir``; the trained pipeline folder and each script's command and seconds."""
+    """Run :data:`RECIPE` into ``workdir``; the trained pipeline folder and each script's command, wall and CPU
+    seconds (the child's user + system time)."""
     folders = {"ae": workdir / "autoencoders", "tr": workdir / "transformer", "pipeline": workdir / "pipeline"}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     runs = []
     for script, flags in RECIPE:
         command = [sys.executable, str(TINY / script), *flags.format(**folders, **steps).split()]
         print("+", " ".join(command[1:]), flush=True)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _children_cpu_s()
         subprocess.run(command, check=True, env=env)
-        runs.append({"command": command[1:], "seconds": time.perf_counter() - start})
+        runs.append(
+            {"command": command[1:], "seconds": time.perf_counter() - start, "cpu_seconds": _children_cpu_s() - cpu}
+        )
     return folders["pipeline"], runs
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's finished children."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def budgets(runs: list[dict]) -> dict:
+    """CPU minutes of the autoencoders (every run but the last) and the transformer against :data:`BUDGETS_MIN`."""
+    used = {"autoencoders": sum(r["cpu_seconds"] for r in runs[:-1]) / 60, "transformer": runs[-1]["cpu_seconds"] / 60}
+    return {k: {"cpu_min": used[k], "budget_min": b, "within": used[k] <= b} for k, b in BUDGETS_MIN.items()}
 
 
 def score(pipe, prompts: tuple[list[str], list[str]], seeds: int) -> dict:
@@ -120,9 +139,13 @@ def main(argv=None) -> int:
             worst = max(worst, abs(diff))
             rows.append([split, k, shipped[split][k], retrained[split][k], f"{diff:+.2f}"])
     ok = worst <= TOLERANCE
-    results = {"steps": steps, "threads": args.threads, "runs": runs, "shipped": shipped, "retrained": retrained}
+    spent = budgets(runs)
+    results = {"steps": steps, "threads": args.threads, "runs": runs, "budgets": spent}
+    results.update(shipped=shipped, retrained=retrained)
     results.update(worst_difference=worst, within_tolerance=ok)
     print(f"recipe steps {steps}, {args.threads} threads; {args.seeds} seed(s) per prompt")
+    for k, v in spent.items():
+        print(f"{k}: {v['cpu_min']:.1f} CPU min, budget {v['budget_min']:.0f}: {'within' if v['within'] else 'OVER'}")
     print_table(["prompts", "judge", "shipped", "retrained", "difference"], rows)
     print(f"largest difference {worst:.3f}: {'within' if ok else 'OUTSIDE'} ±{TOLERANCE}")
     write_json(args.out, results)
