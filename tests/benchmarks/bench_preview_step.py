@@ -1,7 +1,7 @@
 """One 540p CFG preview denoising step: time and peak memory, against the memory plan's prediction for the same
 model in the same run (not collected by pytest), for each recipe: ``fp8`` (FP8 routed experts, bf16 elsewhere:
-the 141 GB H200 recipe) and ``80gb`` (int4 routed experts and FP8-stored dense weights through
-``enable_layerwise_casting``: the 80 GB recipe).
+the 141 GB H200 recipe) and ``80gb`` (int4 routed experts and FP8-stored dense weights with one scale per output
+channel, ``enable_fp8_storage``: the 80 GB recipe).
 
     .venv/bin/python -m tests.benchmarks.bench_preview_step [--small] [--recipes fp8 80gb] [--out step.json]
 
@@ -77,7 +77,7 @@ def run(small: bool, recipe: str = "fp8") -> dict:
     with torch.device(device):
         model = Magi2Transformer3DModel(**config, params_dtype=torch.bfloat16, expert_dtype=expert_dtype).eval()
     if storage_dtype is not None:
-        model.enable_layerwise_casting(storage_dtype=storage_dtype, compute_dtype=torch.bfloat16)
+        model.enable_fp8_storage(compute_dtype=torch.bfloat16)
     if not cuda:
         model.set_moe_backend("torch_grouped")
     chunk = gpu_chunk if cuda else 256
