@@ -471,8 +471,7 @@ class WeightStreamingHook(ModelHook):
 
     def __init__(self, streamer: WeightStreamer, index: int) -> None:
         super().__init__()
-        self.streamer = streamer
-        self.index = index
+        self.streamer, self.index = streamer, index
 
     @torch.compiler.disable  # the swaps run eagerly; a compiled block sees its weights as inputs
     def pre_forward(self, module, *args, **kwargs):
@@ -494,9 +493,8 @@ def check_weight_streaming_args(device, ring_size: int, host_memory: str, use_st
     """Resolve and check :func:`apply_weight_streaming`'s arguments before anything moves: ``(device, use_stream)``.
 
     Raises:
-        ValueError: ``host_memory`` not in :data:`HOST_MEMORY_MODES`, ``ring_size`` below 2, a CUDA device where
-            torch sees none, or a side stream asked for on a device that is not CUDA.
-    """
+        ValueError: an unknown ``host_memory``, ``ring_size`` below 2, CUDA where torch sees none, or a side stream
+            without CUDA."""
     if host_memory not in HOST_MEMORY_MODES:
         raise ValueError(f"host_memory must be one of {HOST_MEMORY_MODES}, got {host_memory!r}")
     if not isinstance(ring_size, int) or ring_size < 2:
@@ -524,6 +522,7 @@ def apply_weight_streaming(
     host_memory: str = "pinned",
     use_stream: Optional[bool] = None,
     allocate: bool = True,
+    sources=None,
 ) -> WeightStreamer:
     """Stream ``blocks``' weights through a ``ring_size``-slot device ring; move the rest of ``model`` to ``device``.
 
@@ -537,19 +536,21 @@ def apply_weight_streaming(
         use_stream: copy on a side CUDA stream (``None``: on CUDA).
         allocate: build the host buffers and the ring now; ``False`` leaves the blocks' tensors as they are until
             :meth:`WeightStreamer.allocate` (which must run before the first block does).
+        sources: ``"disk"``: :func:`plan_streamed_file_sources` of ``model`` and ``blocks``, if already checked.
 
     Returns:
         The :class:`WeightStreamer` (held by the model; its sizes say what the host and the device hold).
 
     Raises:
-        ValueError: see :func:`check_weight_streaming_args` and, for ``"disk"``,
-            :func:`~.weight_streaming_disk.plan_file_sources`; or weights streamed already.
+        ValueError: :func:`check_weight_streaming_args`' and (disk) :func:`plan_streamed_file_sources`' refusals, or
+            weights streamed already.
     """
     device, use_stream = check_weight_streaming_args(device, ring_size, host_memory, use_stream)
     if any(HookRegistry.check_if_exists_or_initialize(b).get_hook(WEIGHT_STREAMING_HOOK) for b in blocks):
         raise ValueError("weights are streamed already; call disable_weight_streaming() first")
     tensors = {id(b): _streamed_tensors(b) for b in blocks}
-    sources = plan_file_sources(model, list(tensors.values())) if host_memory == "disk" else None
+    if host_memory == "disk" and sources is None:
+        sources = plan_file_sources(model, list(tensors.values()))
     block_ids = {id(t) for ts in tensors.values() for t in ts}
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
@@ -559,7 +560,7 @@ def apply_weight_streaming(
             for t in _streamed_tensors(b):
                 if t.device.type != "cpu":
                     t.data = t.data.cpu()
-        if sources is None:
+        if host_memory != "disk":
             streamer = WeightStreamer(blocks, device, ring_size, use_stream, allocate)
         else:
             streamer = DiskWeightStreamer(blocks, device, ring_size, use_stream, sources, allocate)
@@ -570,16 +571,17 @@ def apply_weight_streaming(
     return streamer
 
 
+def plan_streamed_file_sources(model: torch.nn.Module, blocks: Sequence[torch.nn.Module]):
+    """:func:`~.weight_streaming_disk.plan_file_sources` (bytes checked) of the tensors ``blocks`` stream."""
+    return plan_file_sources(model, [_streamed_tensors(b) for b in blocks])
+
+
 def streaming_host_nbytes(
     model: torch.nn.Module, blocks: Sequence[torch.nn.Module], host_memory: str, ring_size: int, pinned: bool
 ) -> int:
     """Host bytes streaming ``blocks`` holds, with the pinned allocator's rounding when ``pinned`` (CUDA):
     ``"pinned"``: their packed buffers; ``"disk"``: the staging ring of ``ring_size`` buffers, the block tensors the
-    files do not hold and a cast buffer.
-
-    Raises:
-        ValueError: ``"disk"`` for a model it cannot stream (:func:`~.weight_streaming_disk.plan_file_sources`).
-    """
+    files do not hold and a cast buffer (a ``ValueError`` where the files cannot be streamed, bytes not checked)."""
     sizes = [_layout(b, i).nbytes for i, b in enumerate(blocks)]
     if host_memory == "disk":
         tensors = [_streamed_tensors(b) for b in blocks]
@@ -635,9 +637,8 @@ class Magi2WeightStreamingMixin:
             The :class:`WeightStreamer`: ``host_nbytes``, ``host_reserved_nbytes``, ``ring_nbytes``.
 
         Raises:
-            ValueError: bad arguments, a side stream without CUDA, streaming enabled already, ``vram_gb`` below the
-                resident weights plus the ring, or (disk) a model without files or whose block tensors differ from
-                what the files store (:func:`~.weight_streaming_disk.plan_file_sources`), all before any weight moves.
+            ValueError: bad arguments, streaming enabled already, ``vram_gb`` below the resident weights plus the
+                ring, or (disk) :func:`~.weight_streaming_disk.plan_file_sources`' refusals; before any weight moves.
         """
         check_weight_streaming_args(device, ring_size, host_memory, use_stream)
         if vram_gb is not None:

@@ -10,9 +10,11 @@ its slot is filled as in the pinned mode, from a staging buffer instead of a pac
 
 One staging buffer per device slot, each the largest block's bytes (pinned on CUDA, plain on the CPU), so host
 memory is ``ring_size x`` the largest block, plus the block tensors the files do not hold (LoRA adapters, buffers
-not saved) kept in host memory as they are. The reads are synchronous on the calling thread; on CUDA the kernels of
-the running block are already queued, so the read of the next block overlaps its compute. Before a staging buffer
-is refilled, the copy out of it has finished (its slot's event).
+not saved) kept in host memory as they are. Before a staging buffer is refilled, the copy out of it has finished
+(its slot's event). The reads are synchronous on the calling thread: block *i+1* is read in block *i*'s pre-forward
+hook, after block *i*'s weights point into its slot and before block *i*'s kernels are queued. So a read overlaps
+only the GPU work queued before it (block *i-1*'s kernels, as far as the CPU ran ahead of the GPU), not block *i*'s
+own compute; hiding the reads behind that compute would need a reader thread (not built; not measured on a GPU).
 
 Each tensor is read with ``readinto`` straight into its place in the staging buffer (safetensors' ``get_slice``
 would allocate a new tensor per read and cost a second copy). What the file stores must be what loading made of
@@ -66,7 +68,9 @@ def _saved_names(model: torch.nn.Module) -> Dict[int, str]:
 def _check_model(model: torch.nn.Module) -> list:
     """The recorded files, after the model-level refusals."""
     files = getattr(model, LOADED_FILES_ATTR, None)
-    folder = getattr(model, "name_or_path", None)  # a transformers model (text encoder) records its folder
+    # a transformers model loaded outside Magi2Pipeline.from_pretrained (which records the text encoder's files as
+    # loaded): its folder's files as they are now, so a change before this check goes unseen
+    folder = getattr(model, "name_or_path", None)
     if not files and folder and os.path.isdir(folder):
         paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
         files = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]

@@ -3,6 +3,7 @@ weight loads, the transformer loaded EP-sharded, the rest as usual; context para
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import Any, Union
 
@@ -11,6 +12,7 @@ import torch
 from ..models.transformer_magi2 import Magi2Transformer3DModel
 from ..parallel.context_parallel import resolve_context_parallel
 from ..parallel.expert_parallel import Magi2ExpertParallelConfig, ep_device
+from ..utils.safetensors_io import LOADED_FILES_ATTR, record_loaded_files
 from .enhancement_magi2 import PROMPT_ENHANCER, pop_prompt_enhancer
 
 
@@ -78,6 +80,15 @@ def load_pipeline_with_expert_parallel(
     return pipeline_cls.from_pretrained(pretrained_model_name_or_path, transformer=transformer, **kwargs)
 
 
+def _record_text_encoder_files(pipe) -> None:
+    """Record the text encoder's safetensors files as just loaded (transformers records none; diffusers models record
+    theirs while loading), so the disk mode of weight streaming refuses them if they change afterwards."""
+    model = getattr(pipe, "text_encoder", None)
+    folder = getattr(model, "name_or_path", None)
+    if folder and os.path.isdir(folder) and not getattr(model, LOADED_FILES_ATTR, None):
+        record_loaded_files(model, sorted(glob.glob(os.path.join(folder, "*.safetensors"))))
+
+
 class Magi2PipelineLoadingMixin:
     """``Magi2Pipeline``'s ``from_pretrained`` (parallel options, the prompt enhancer) and ``enable_context_parallel``."""
 
@@ -104,6 +115,7 @@ class Magi2PipelineLoadingMixin:
             )
         else:
             pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        _record_text_encoder_files(pipe)
         if enhancer is not None:
             pipe.register_modules(**{PROMPT_ENHANCER: enhancer})
         if context_parallel is not None:

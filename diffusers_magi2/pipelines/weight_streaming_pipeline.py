@@ -33,6 +33,7 @@ from diffusers.utils import logging
 from ..models.weight_streaming import (
     apply_weight_streaming,
     check_weight_streaming_args,
+    plan_streamed_file_sources,
     remove_weight_streaming,
     streaming_device_nbytes,
     streaming_host_nbytes,
@@ -155,12 +156,20 @@ class Magi2WeightStreamingPipelineMixin:
             )
         self._check_streaming_host(models, blocks, rereads, host_memory, ring_size, pinned=streamed_to.type == "cuda")
         self._weight_streaming_budget = (vram_gb, streamed_to, {n: _weight_nbytes(m) for n, m in models.items()})
+        # the disk mode: every streamed block tensor against the files' bytes, before anything moves
+        disk = {n: plan_streamed_file_sources(models[n], list(b)) for n, b in blocks.items() if host_memory == "disk"}
         for name in models.keys() - blocks.keys():
             models[name].to(device)
         for name in STREAMED_COMPONENTS:
             if name in blocks:
                 streamer = apply_weight_streaming(
-                    models[name], list(blocks[name]), device, ring_size, host_memory, allocate=name not in rereads
+                    models[name],
+                    list(blocks[name]),
+                    device,
+                    ring_size,
+                    host_memory,
+                    allocate=name not in rereads,
+                    sources=disk.get(name),
                 )
                 models[name]._weight_streamer = streamer
                 if name in rereads:

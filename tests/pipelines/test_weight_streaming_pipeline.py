@@ -4,6 +4,8 @@ memory read from the OS) and moves refused before any weight moves."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers.modular_testing_utils import tiny_pipelines
@@ -160,3 +162,25 @@ def test_a_host_short_of_the_mode_is_refused_naming_the_disk_mode(monkeypatch, t
     assert [t.data_ptr() for b in blocks.values() for t in b.parameters()] == before
     monkeypatch.setattr(streaming_pipeline, "available_host_bytes", lambda: disk - on_host)
     pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu", **held)
+
+
+def test_disk_mode_refuses_files_changed_since_loading_and_weights_unlike_them_before_anything_streams(tmp_path):
+    from diffusers_magi2 import Magi2Pipeline
+
+    tiny_pipelines()[0].save_pretrained(tmp_path / "saved")
+    # the text encoder's files are recorded as loaded (transformers records none): a later change is refused
+    pipe = Magi2Pipeline.from_pretrained(tmp_path / "saved")
+    (path, _, _), *_ = pipe.text_encoder._loaded_checkpoint_files
+    os.utime(path, ns=(0, 0))  # (as a later save_pretrained there would)
+    with pytest.raises(ValueError, match=rf"{path} changed since the model was loaded from it"):
+        pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu")
+    # a transformer block weight edited in memory: refused naming it, before the text encoder (streamed first) streams
+    pipe = Magi2Pipeline.from_pretrained(tmp_path / "saved")
+    blocks = pipe.transformer.transformer_blocks
+    name, weight = next((n, p) for n, p in blocks[-1].named_parameters() if p.dim() == 2 and p.numel())
+    name = f"transformer_blocks.{len(blocks) - 1}.{name}"
+    with torch.no_grad():
+        weight[0, 0] += 1
+    with pytest.raises(ValueError, match=rf"Magi2Transformer3DModel's {name} differs from"):
+        pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu", release_between_stages=False)
+    assert all(getattr(getattr(pipe, n), "_weight_streamer", None) is None for n in ("text_encoder", "transformer"))
