@@ -6,10 +6,9 @@ A clip of caption ``"a {colour} {shape} {motion}"`` (e.g. ``"a red circle moves 
 ``r``, ``r ≈ 0.17 min(H, W)``) filled with :data:`COLOURS` ``[colour]``, its centre moving linearly through
 ``c(t) = c0 + d · t/(F-1) · 0.5 (H or W)`` along the motion's direction ``d`` (:data:`MOTIONS`, image axes: +x right,
 +y down), starting a quarter of the way in. The stereo audio is ``0.3 sin(2π f t)`` on both channels with
-``f = TONES_HZ[colour]``, ``t`` from the clip's start. Every pitch is a multiple of 25 Hz, the audio latent rate, and
-the phase is locked to the start, so each 40 ms latent window holds the same waveform and a colour's audio latents
-are constant over the clip (a random phase gives a toy audio autoencoder nothing a waveform loss can learn, and a
-transformer nothing to predict but the phase-blind mean). A seed jitters the start (±0.06 of the frame across the
+``f = TONES_HZ[colour]``, ``t`` from the clip's start: every pitch is a multiple of the audio latent rate and the
+phase is locked to the start, so each 40 ms latent window holds the same waveform (why:
+``examples/tiny/train_tiny_autoencoders.py``). A seed jitters the start (±0.06 of the frame across the
 motion, ±0.04 along it), the radius (±10 %) and the amplitude (±10 %); everything else is fixed, so the caption
 determines what a judge (:mod:`.tiny_judge`) must see and hear.
 
@@ -55,7 +54,7 @@ COLOURS = {
 SHAPES = ("circle", "square")
 #: Direction ``(dx, dy)`` of each motion phrase in image axes (+x right, +y down).
 MOTIONS = {"moves left": (-1, 0), "moves right": (1, 0), "moves up": (0, -1), "moves down": (0, 1)}
-#: Pitch of the tone of each colour, Hz (a fifth apart, multiples of 25 Hz: the nearest other tone is 1.5x away).
+#: Pitch of the tone of each colour, Hz (a fifth apart: the nearest other tone is 1.5x away).
 TONES_HZ = {"red": 200.0, "green": 300.0, "blue": 450.0, "yellow": 675.0}
 BACKGROUND = (0.08, 0.08, 0.10)
 #: Colours outside the training triples (module docstring), RGB in [0, 1], and their tones in Hz.

@@ -17,17 +17,21 @@ latent, 25 latents/s: 51.2 kHz; the pipeline resamples by 441/512 to 44.1 kHz)::
 
     loss = mean |D(mu) - a|  +  0.01 mean_c (std_c(mu) - 1)^2      (std_c: channel c's std over the batch and time)
 
-The second term keeps each latent channel at the unit scale of the flow's noise (the transformer trains on ``mu``
-unnormalised). The world's tones are phase-locked multiples of the latent rate (:mod:`~diffusers_magi2.pipelines.tiny_world`),
-so the waveform loss has one answer per colour and ``mu`` settles constant over a clip. At the seeded random init
-the encoder separates the colours by ~1 % of its latents' spread, and a decoder trained alone on it learns one hum
-for every tone; trained together the two separate the four tones within ~100 steps. The decoder's transposed
+The second term keeps the latent channels near the unit scale of the flow's noise (the transformer trains on ``mu``
+unnormalised; the shipped channels' std is 0.5-1.2). The world's tones are multiples of the latent rate with their
+phase locked to the clip's start (:mod:`~diffusers_magi2.pipelines.tiny_world`), so every 40 ms window holds the
+same waveform: the waveform loss has one answer per colour, and ``mu`` is nearly constant over a clip away from its
+first and last two latents, which the transformer can predict from the caption. With a random phase, the L1-optimal
+decoder output is silence, and latents that carry the phase leave the transformer nothing to predict but their
+phase-blind mean. At the seeded random init the encoder separates the colours by ~1 % of its latents' spread, and a
+decoder trained alone on it learns one hum for every tone; trained together the two separate the four tones within
+~100 steps. The decoder's transposed
 convolutions start at unit gain: torch's default init sizes a ``ConvTranspose1d``'s weights by ``out x kernel``
 while each output sample sees ``in x kernel / stride`` of them, so every x8 upsampling shrinks the signal ~5x and the
 random decoder's output hardly depends on its latents (weights scaled by ``sqrt(3 stride out / in)``).
 
-Both start from the tiny model's seeded random weights (``build_tiny_random_pipeline(TINY_TRAINED_CONFIG)``, seed
-``--seed``) and write ``<output_dir>/<component>/`` (and ``vae/`` with the measured statistics) in diffusers' format; checkpoints
+Both start from the tiny model's seeded random weights (``build_tiny_random_pipeline(TINY_TRAINED_CONFIG)``, whose
+own seed sets them; ``--seed`` seeds the batches and crops) and write ``<output_dir>/<component>/`` (and ``vae/`` with the measured statistics) in diffusers' format; checkpoints
 go to ``<output_dir>/checkpoints/<component>/``.
 Training clips: the seen triples (``SEEN``) x ``--num_seeds`` jitter seeds; held-out triples are never shown.
 """
@@ -61,7 +65,7 @@ COMPONENTS = ("video_decoder", "audio_vae")
 AUDIO_SCALE_WEIGHT = 0.01
 
 
-def rescale_transposed_convolutions(decoder) -> bool:
+def rescale_transposed_convolutions(decoder) -> None:
     """Scale each ``ConvTranspose1d`` of ``decoder`` by ``sqrt(3 stride out / in)``, to unit gain (module docstring)."""
     import torch
 
@@ -70,7 +74,6 @@ def rescale_transposed_convolutions(decoder) -> bool:
             scale = (3 * module.stride[0] * module.out_channels / module.in_channels) ** 0.5
             with torch.no_grad():
                 getattr(module, "weight_g", module.weight).mul_(scale)
-    return True
 
 
 def audio_autoencoder_loss(vae, audio):
@@ -133,7 +136,8 @@ def train(args, resume):
         from diffusers_magi2.pipelines.tiny_world import SEEN
 
         waves = world_audio(SEEN, range(args.num_seeds), num_samples, sr)
-        model = rescale_transposed_convolutions(pipe.audio_vae.decoder) and pipe.audio_vae.train()
+        rescale_transposed_convolutions(pipe.audio_vae.decoder)
+        model = pipe.audio_vae.train()
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     schedule = lr_scheduler(args, optimizer)

@@ -3,8 +3,8 @@
 
 Data: the seen triples (``SEEN``; the held-out ones are never shown) x ``--num_seeds`` jitter seeds of 2 s clips at
 32x32: video latents from the Wan2.2 VAE (its seeded random init, a fixed encoder; normalised with the statistics
-``train_tiny_autoencoders.py`` measured, recomputed here the same way) and audio latents (the Oobleck encoder's
-posterior mean, also its seeded random init); captions ``"a {colour} {shape} {motion}"`` through the pipeline's own
+``train_tiny_autoencoders.py`` measured, recomputed here the same way) and audio latents (the posterior mean of the
+Oobleck encoder ``train_tiny_autoencoders.py`` trained, unnormalised); captions ``"a {colour} {shape} {motion}"`` through the pipeline's own
 text encoder, which stays at its seeded random init (frozen).
 
 Objective: the flow matching the sampler integrates (SandAI's ``v = eps - x0``; ``x0 = x - sigma v``)::

@@ -77,6 +77,7 @@ def run(small: bool, recipe: str = "fp8") -> dict:
     with torch.device(device):
         model = Magi2Transformer3DModel(**config, params_dtype=torch.bfloat16, expert_dtype=expert_dtype).eval()
     if storage_dtype is not None:
+        assert storage_dtype == torch.float8_e4m3fn, storage_dtype  # what enable_fp8_storage stores
         model.enable_fp8_storage(compute_dtype=torch.bfloat16)
     if not cuda:
         model.set_moe_backend("torch_grouped")

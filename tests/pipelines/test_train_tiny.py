@@ -54,3 +54,31 @@ def test_resume_latest_is_the_newest_complete_checkpoint(tmp_path):
         ["--output_dir", str(tmp_path), "--max_train_steps", "3", "--resume_from_checkpoint", "latest"]
     )
     assert training.check_resume(training.common_parser("x"), args) == (tmp_path / "checkpoint-10", 10)
+
+
+def test_audio_autoencoder_loss_is_the_waveform_error_plus_the_unit_scale_term():
+    """On a stand-in VAE (encoder: a fixed linear map to 3 latent channels per 4 samples; decoder: a fixed map back),
+    against the docstring's formula computed independently."""
+    import types
+
+    import torch
+
+    script = load_tiny_training("train_tiny_autoencoders")
+    generator = torch.Generator().manual_seed(0)
+    down, up = torch.randn(3, 8, generator=generator), torch.randn(8, 3, generator=generator)
+
+    def encode(audio):  # [N, 2, S] -> [N, 3, S / 4]
+        mu = torch.einsum("ck,nks->ncs", down, audio.unflatten(-1, (-1, 4)).permute(0, 1, 3, 2).flatten(1, 2))
+        return types.SimpleNamespace(latent_dist=types.SimpleNamespace(mean=mu))
+
+    def decode(mu):
+        frames = torch.einsum("kc,ncs->nks", up, mu).unflatten(1, (2, 4)).permute(0, 1, 3, 2).flatten(2)
+        return types.SimpleNamespace(sample=frames)
+
+    audio = torch.randn(5, 2, 24, generator=generator)
+    vae = types.SimpleNamespace(encode=encode, decode=decode)
+    mu = encode(audio).latent_dist.mean
+    stds = [mu[:, c].flatten().std().item() for c in range(3)]
+    expected = (decode(mu).sample - audio).abs().mean().item() + 0.01 * sum((s - 1) ** 2 for s in stds) / 3
+    assert abs(script.audio_autoencoder_loss(vae, audio).item() - expected) < 1e-5
+    assert abs(stds[0] - 1) > 0.1  # the scale term is not zero on this case
