@@ -214,12 +214,28 @@ def plan_quantized_expert_loading(
     return quantized, filled
 
 
+def place_as_stored(model: nn.Module, name: str, value: torch.Tensor, device_map, what: str) -> None:
+    """Put checkpoint tensor ``value`` into ``model`` as ``name`` in its own dtype (not the load dtype), where
+    diffusers' ``device_map`` puts it; on the CPU a view of the shard's memory map stays one (no copy).
+
+    Raises:
+        ValueError: the ``device_map`` offloads ``name`` to disk (``what`` names the kind of tensor).
+    """
+    from accelerate.utils import set_module_tensor_to_device
+    from diffusers.models.model_loading_utils import _determine_param_device
+
+    device = _determine_param_device(name, device_map)
+    if device == "disk":
+        raise ValueError(f"{name}: {what} cannot be offloaded to disk by device_map")
+    set_module_tensor_to_device(model, name, device, value=value, dtype=value.dtype)
+
+
 class QuantizedExpertShards(Sequence):
     """Checkpoint shards as diffusers' loader reads them, the quantized experts' tensors taken out and placed here.
 
     Each item is the shard's state dict without the quantized layers' banks and scales, which go into ``model``
     directly (a float bank quantized first, with the row of its first expert in the messages); the other tensors are
-    handed on as copies, so the shard's memory map is released.
+    handed on as copies where a bank was quantized from the shard, so its memory map is released, else as read.
 
     Under expert parallelism each rank quantizes its own rows, so a non-finite weight is seen by the rank that holds
     it only: after each shard with banks to quantize the ranks agree (one all-reduce of a flag,
@@ -255,14 +271,7 @@ class QuantizedExpertShards(Sequence):
         return len(self.shards)
 
     def _place(self, name: str, value: torch.Tensor) -> None:
-        from accelerate.utils import set_module_tensor_to_device
-        from diffusers.models.model_loading_utils import _determine_param_device
-
-        device = _determine_param_device(name, self.device_map)
-        if device == "disk":
-            raise ValueError(f"{name}: quantized routed experts cannot be offloaded to disk by device_map")
-        dtype = self.dtypes[name]
-        set_module_tensor_to_device(self.model, name, device, value=value.to(dtype), dtype=dtype)
+        place_as_stored(self.model, name, value.to(self.dtypes[name]), self.device_map, "quantized routed experts")
 
     def _quantize(self, name: str, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(stored bank, scale)`` of float bank ``name`` (under expert parallelism: this rank's rows)."""
@@ -277,10 +286,11 @@ class QuantizedExpertShards(Sequence):
         taken = [k for k in state if k in self.banks or k in self.scales]
         # the same names and dtypes on every EP rank (the same files, cut to rows): all agree on the same shards
         agree = self.ep is not None and any(k in self.banks and state[k].dtype != self.dtypes[k] for k in taken)
-        failure = None
+        failure, quantized = None, False
         for name in taken:
             value = state.pop(name)
             if name in self.banks and value.dtype != self.dtypes[name]:
+                quantized = True
                 try:
                     stored, scale = self._quantize(name, value)
                 except ValueError as err:  # a non-finite weight in this rank's rows
@@ -297,8 +307,9 @@ class QuantizedExpertShards(Sequence):
             failure = first_failure_on_any_rank(failure, self.ep.group, torch.device(self.ep.device_type))
             if failure is not None:
                 raise ValueError(failure)
-        if taken:
-            # the rest may be views of the shard's memory map, which would keep the pages of the banks just read
-            # (quantized: their bf16 bytes) resident for the model's lifetime: own copies release the map
+        if quantized:
+            # the rest may be views of the shard's memory map, which would keep the pages of the float banks just
+            # read and quantized resident for the model's lifetime: own copies release the map. Stored banks are
+            # themselves views of it, so then the rest stays views too (file-backed pages, no anonymous copy).
             state = {k: v.clone() for k, v in state.items()}
         return state

@@ -29,6 +29,7 @@ from diffusers.loaders.peft import PeftAdapterMixin
 from diffusers.models.attention import AttentionMixin
 from diffusers.models.modeling_utils import ModelMixin
 
+from ..loaders.dense_fp8_loading import StoredFP8Shards
 from ..loaders.original_checkpoint import FromOriginalCheckpointMixin
 from ..utils.fp32_islands import is_fp32_island
 from .attention_magi2 import check_attention_kwargs, check_transformer_geometry
@@ -129,10 +130,21 @@ class Magi2ModelMixin(ModelMixin, PeftAdapterMixin):
         return super().dtype
 
     @classmethod
+    def _load_pretrained_model(cls, model, state_dict, resolved_model_file, *args, **kwargs):
+        # diffusers' per-shard loading step (the model on meta): FP8-stored dense weights placed as stored, not cast
+        # to the load dtype and back (:mod:`~diffusers_magi2.loaders.dense_fp8_loading`)
+        names = {f"{n}.weight" for n, m in model.named_modules() if fp8_storage_compute_dtype(m) is not None}
+        if names:
+            shards = [state_dict] if state_dict is not None else resolved_model_file
+            resolved_model_file = StoredFP8Shards(shards, model, names, kwargs.get("device_map"))
+            state_dict, kwargs["is_parallel_loading_enabled"] = None, False  # one shard at a time, placed here
+        return super()._load_pretrained_model(model, state_dict, resolved_model_file, *args, **kwargs)
+
+    @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """``ModelMixin.from_pretrained``; a repo whose config records ``dense_storage_dtype="float8_e4m3fn"``
-        keeps its stored FP8 weights and scales as they are and computes in ``torch_dtype`` (the loader casts the
-        FP8 values to it, exactly, and they go back to FP8 here)."""
+        keeps its stored FP8 weights and scales as they are (placed as stored, not cast) and computes in
+        ``torch_dtype``."""
         loaded = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         if isinstance(model, Magi2ModelMixin) and model.config.get("dense_storage_dtype") is not None:

@@ -18,6 +18,7 @@ import copy
 
 import pytest
 import torch
+from helpers.file_mappings import file_mapped
 from helpers.tiny_transformer import TINY, tiny_inputs, tiny_model
 from safetensors.torch import load_file
 
@@ -212,6 +213,8 @@ def test_a_saved_fp8_stored_model_reloads_its_codes_and_scales_as_they_are(tmp_p
     if torch_dtype == torch.float32:
         with torch.no_grad():
             torch.testing.assert_close(loaded(**tiny_inputs()).sample, model(**tiny_inputs()).sample, atol=0, rtol=0)
+    # placed as stored, not cast to torch_dtype and back: views of the file's memory map, no anonymous copy
+    assert all(file_mapped({n: state[f"{n}.weight"] for n in names}).values())
 
 
 def test_bad_dense_storage_dtype_and_a_nan_weight_are_refused_before_anything_is_stored():

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from helpers.file_mappings import file_mapped
 from helpers.int4_models import BANKS, int4_transformer
 from helpers.tiny_transformer import TINY, tiny_inputs, tiny_model
 from safetensors.torch import load_file, save_file
@@ -146,6 +147,15 @@ def test_quantize_at_load_equals_quantize_int4_and_an_int4_repo_reloads_bit_for_
     loaded = Magi2Transformer3DModel.from_pretrained(repos["int4"], dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).sample, want(**inputs).sample)
+    # an int4 repo loaded in its stored dtypes is views of its files (file-backed pages, no anonymous copy); a bf16
+    # repo quantized at load keeps none of the map whose bank pages it read (its other tensors copied)
+    saved = load_file(str(repos["int4_single"] / "diffusion_pytorch_model.safetensors"))
+    single = Magi2Transformer3DModel.from_pretrained(repos["int4_single"], dtype=torch.bfloat16).state_dict()
+    assert all(file_mapped({k: t for k, t in single.items() if t.dtype == saved[k].dtype}).values())
+    index = json.loads((repos["bf16"] / "diffusion_pytorch_model.safetensors.index.json").read_text())["weight_map"]
+    bank_shards = {index[k] for k in index if k.split(".")[-1] in BANKS}
+    mapped = file_mapped(at_load.state_dict())
+    assert not any(mapped[k] for k in mapped if index.get(k) in bank_shards)
 
 
 def _config_edited(repo, folder, **changes):

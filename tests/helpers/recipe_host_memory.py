@@ -1,0 +1,179 @@
+"""The 24 GB recipe's host memory at reduced width, loading included: a repo saved as the recipe's (a bf16 text
+encoder, int4 routed experts and FP8-stored dense weights in the transformer, FP8-stored dense weights in the
+refiner, fp32 VAEs), then, in a fresh process, ``Magi2Pipeline.from_pretrained`` with the recipe's dtypes,
+``enable_weight_streaming(vram_gb=24, device="cpu", host_memory=...)`` and a forward of each streamed model in the
+order a call runs them (each begins its stage).
+
+Run as ``python -m helpers.recipe_host_memory FOLDER MODE...`` (``tests/`` on ``PYTHONPATH``): prints one JSON line,
+per mode the process's anonymous RSS (``/proc/self/status`` ``RssAnon``) above its level before loading: its peak
+while loading and while enabling (sampled every 1 ms by a forked process and read at the end of each), and what each
+stage holds after its forward (on the CPU a forward's activations are host memory too); its file-backed RSS
+(``RssFile``) after each, reported apart; and ``planned``, the host memory the package plans on the CPU, where the
+ring is host memory too (per streamed model, from
+:func:`~diffusers_magi2.models.weight_streaming.streaming_host_nbytes` and ``streaming_device_nbytes``)::
+
+    pinned:  max over the streamed models (packed blocks + weights outside the blocks + ring)
+    disk:    sum over the streamed models (staging ring + ring)   (the disk mode keeps every model's rings; the
+                                                                   weights outside the blocks stay views of the
+                                                                   files on the CPU: file-backed)
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+
+import torch
+
+from diffusers_magi2 import Magi2Pipeline
+from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
+from diffusers_magi2.models.weight_streaming import streaming_device_nbytes, streaming_host_nbytes
+from diffusers_magi2.pipelines.tiny_default import build_tiny_random_pipeline, init_tiny_weights
+from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_COMPONENTS, streamed_blocks
+
+from .int4_models import int4_transformer
+from .weight_streaming_testing import refiner_inputs
+
+
+# widths where the FP8-stored dense weights are most of the transformer and the refiner, as the text encoder's
+# layers are of it, so that holding every component's loaded copies at once would exceed any one stage
+TEXT_ENCODER = {
+    "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "layer_types": ["full_attention"] * 8,
+    "full_attention_interval": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+}  # fmt: skip
+TRANSFORMER = {
+    "num_layers": 6, "num_attention_heads": 8, "attention_head_dim": 64, "num_key_value_heads": 8,
+    "text_in_channels": 512, "multimodal_layers": [0], "moe_layers": [1, 2, 3, 4, 5], "moe_num_heads": 2,
+    "moe_num_experts": 8, "moe_top_k": 2, "moe_expert_intermediate_size": 256, "shared_expert_intermediate_size": 256,
+    "modality_specific_expert_intermediate_size": 256, "intermediate_factor": 4,
+}  # fmt: skip
+REFINER = {
+    "num_layers": 8, "num_attention_heads": 8, "attention_head_dim": 64, "num_key_value_heads": 8, "in_channels": 48,
+    "audio_in_channels": 64, "text_in_channels": 512, "multimodal_layers": [0], "mlp_intermediate_size": 2048,
+}  # fmt: skip
+#: ``from_pretrained``'s dtypes in the recipe
+RECIPE_DTYPES = ("bfloat16", "float32", "float32")  # default, vae, audio_vae
+INT4_GROUP_SIZE = 16
+
+
+def save_recipe_repo(folder: str) -> None:
+    """Write the reduced recipe repo to ``folder`` (module docstring)."""
+    pipe = build_tiny_random_pipeline(config={"text_encoder": TEXT_ENCODER, "transformer": TRANSFORMER})
+    transformer = int4_transformer(pipe.transformer.to(torch.bfloat16), INT4_GROUP_SIZE)
+    refiner = init_tiny_weights(Magi2RefinerTransformer3DModel(**REFINER), torch.Generator().manual_seed(5))
+    refiner.to(torch.bfloat16)
+    for model in (transformer, refiner):
+        model.enable_fp8_storage(torch.bfloat16)
+    pipe.register_modules(transformer=transformer, refiner=refiner.eval())
+    pipe.text_encoder.to(torch.bfloat16)
+    pipe.save_pretrained(folder)
+
+
+def _status() -> dict:
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon:", "RssFile:")))
+    return {k: int(v.split()[0]) * 1024 for k, v in fields.items()}
+
+
+class _AnonPeak:
+    """The largest ``RssAnon`` of this process, sampled every 1 ms by a forked process (a thread would take the
+    GIL from the work it measures), and read at :meth:`phase`'s calls."""
+
+    def __init__(self) -> None:
+        import multiprocessing as mp
+        import os
+
+        context = mp.get_context("fork")
+        self.peak, self.stop = context.Value("q", 0), context.Event()
+        self.process = context.Process(target=_sample, args=(os.getpid(), self.peak, self.stop), daemon=True)
+        self.process.start()
+
+    def phase(self) -> int:
+        """The peak since the last call (or the start), then a new peak from now."""
+        with self.peak.get_lock():
+            peak, self.peak.value = max(self.peak.value, _status()["RssAnon"]), 0
+        return peak
+
+    def close(self) -> None:
+        self.stop.set()
+        self.process.join()
+
+
+def _sample(pid: int, peak, stop) -> None:
+    path = f"/proc/{pid}/status"
+    while not stop.is_set():
+        with open(path) as f:
+            anon = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+        with peak.get_lock():
+            peak.value = max(peak.value, anon)
+        time.sleep(0.001)
+
+
+def _planned(pipe, mode: str, ring_size: int = 2) -> int:
+    per_model = []
+    for name in STREAMED_COMPONENTS:
+        model = getattr(pipe, name)
+        blocks = list(streamed_blocks(name, model))
+        host = streaming_host_nbytes(model, blocks, mode, ring_size, pinned=False)
+        ring = streaming_device_nbytes(model, blocks, ring_size) - streaming_device_nbytes(model, blocks, 0)
+        outside = streaming_device_nbytes(model, blocks, 0)
+        per_model.append(host + ring + (outside if mode == "pinned" else 0))
+    return max(per_model) if mode == "pinned" else sum(per_model)
+
+
+def _stage_forward(name: str, model) -> None:
+    """A no-grad forward of streamed model ``name`` on a few tokens: its stage begins and every block runs once."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        if name == "text_encoder":
+            model(input_ids=torch.arange(16)[None])
+        elif name == "refiner":
+            model(**refiner_inputs(model.config))
+        else:
+            config = model.config
+            model(
+                hidden_states=torch.randn(1, config.in_channels, 1, 4, 4, generator=g).bfloat16(),
+                timestep=torch.tensor([500.0]),
+                encoder_hidden_states=torch.randn(1, 3, config.text_in_channels, generator=g).bfloat16(),
+                audio_hidden_states=torch.randn(1, 2, config.audio_in_channels, generator=g).bfloat16(),
+            )
+
+
+def measure(folder: str, mode: str, dtypes: dict) -> dict:
+    """The recipe in ``mode`` from ``folder``: the anonymous RSS above the level before loading at its peak while
+    loading (``load``) and enabling (``enable``), and held after each stage's forward (``text_encoder``,
+    ``transformer``, ``refiner``); ``file_*`` the file-backed RSS after each; ``planned``."""
+    gc.collect()
+    base = _status()
+    peak = _AnonPeak()
+    result = {}
+
+    def phase(name: str, peaked: bool = True) -> None:
+        gc.collect()
+        now = _status()
+        result[name] = (peak.phase() if peaked else now["RssAnon"]) - base["RssAnon"]
+        result[f"file_{name}"] = now["RssFile"] - base["RssFile"]
+
+    pipe = Magi2Pipeline.from_pretrained(folder, dtype=dtypes)
+    pipe.transformer.set_moe_backend("torch_grouped")  # (the CPU's: "auto" takes Triton's interpreter)
+    phase("load")
+    result["planned"] = _planned(pipe, mode)
+    pipe.enable_weight_streaming(vram_gb=24, device="cpu", host_memory=mode)
+    phase("enable")
+    for name in STREAMED_COMPONENTS:  # the stages, in the order a call runs them; on the CPU a forward's
+        _stage_forward(name, getattr(pipe, name))  # activations are host memory too: held weights only
+        phase(name, peaked=False)
+    peak.close()
+    return result
+
+
+def main(folder: str, *modes: str) -> None:
+    dtypes = dict(zip(("default", "vae", "audio_vae"), (getattr(torch, d) for d in RECIPE_DTYPES)))
+    Magi2Pipeline.from_pretrained(folder, dtype=dtypes)  # its lazy imports and set-up, not counted (dropped)
+    print(json.dumps({mode: measure(folder, mode, dtypes) for mode in modes}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
