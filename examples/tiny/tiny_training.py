@@ -152,18 +152,22 @@ def world_audio(triples, seeds, num_samples: int, sample_rate: int):
 STATS_SEEDS = 4
 
 
-def encode_world_video(pipe, triples, num_seeds: int):
-    """Pixels ``[N, 3, F, H, W]`` and normalised latents ``[N, C, T, h, w]`` of ``triples`` x ``range(num_seeds)``
-    (``num_seeds >= STATS_SEEDS``) through ``pipe.vae``'s encoder (posterior mode); the per-channel mean and std of
-    the first :data:`STATS_SEEDS` seeds' latents are written into ``pipe.vae`` and ``pipe.video_decoder``'s configs
-    (``latents_mean`` / ``latents_std``) and normalise the latents."""
+def encode_world_video(pipe, triples, num_seeds: int, extra_triples=()):
+    """Pixels ``[N, 3, F, H, W]`` and normalised latents ``[N, C, T, h, w]`` of ``(triples + extra_triples)`` x
+    ``range(num_seeds)`` (``num_seeds >= STATS_SEEDS``) through ``pipe.vae``'s encoder (posterior mode); the
+    per-channel mean and std of ``triples``' first :data:`STATS_SEEDS` seeds' latents are written into ``pipe.vae``
+    and ``pipe.video_decoder``'s configs (``latents_mean`` / ``latents_std``) and normalise the latents."""
     import torch
 
     geometry = pipe.latent_geometry()
-    pixels = world_clips(triples, range(num_seeds), 4 * (geometry.num_frames - 1) + 1)
-    with torch.no_grad():
-        mu = torch.cat([pipe.vae.encode(chunk).latent_dist.mode() for chunk in pixels.split(32)])
-    stats = mu.view(len(triples), num_seeds, *mu.shape[1:])[:, :STATS_SEEDS].flatten(0, 1)
+    num_frames = 4 * (geometry.num_frames - 1) + 1
+    pixels, mu = [], []
+    for group in (triples, extra_triples) if extra_triples else (triples,):  # apart: the same batches as alone
+        pixels.append(world_clips(group, range(num_seeds), num_frames))
+        with torch.no_grad():
+            mu.append(torch.cat([pipe.vae.encode(chunk).latent_dist.mode() for chunk in pixels[-1].split(32)]))
+    stats = mu[0].view(len(triples), num_seeds, *mu[0].shape[1:])[:, :STATS_SEEDS].flatten(0, 1)
+    pixels, mu = torch.cat(pixels), torch.cat(mu)
     mean, std = stats.mean(dim=(0, 2, 3, 4)), stats.std(dim=(0, 2, 3, 4)).clamp_min(1e-4)
     for model in (pipe.vae, pipe.video_decoder):
         model.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())

@@ -33,7 +33,14 @@ random decoder's output hardly depends on its latents (weights scaled by ``sqrt(
 Both start from the tiny model's seeded random weights (``build_tiny_random_pipeline(TINY_TRAINED_CONFIG)``, whose
 own seed sets them; ``--seed`` seeds the batches and crops) and write ``<output_dir>/<component>/`` (and ``vae/`` with the measured statistics) in diffusers' format; checkpoints
 go to ``<output_dir>/checkpoints/<component>/``.
-Training clips: the seen triples (``SEEN``) x ``--num_seeds`` jitter seeds; held-out triples are never shown.
+Training clips: the seen triples (``SEEN``) x ``--num_seeds`` jitter seeds; held-out triples are never shown. A
+decoder trained on them alone draws only them: the latents of a purple clip (``NEW_COLOURS``) decode as blue, a
+still shape (``NEW_MOTIONS``) drifts as if it moved. ``--new_concepts`` adds the clips of the new concepts
+(:func:`new_concept_triples`) to the video decoder's, a codec that draws whatever the world shows, so that a LoRA
+can teach the transformer a concept the decoder can draw; their captions never reach the transformer, and the latent
+statistics stay the seen triples' (the transformer's latents are unchanged, so the decoder fits any transformer
+trained on them). ``--init_from FOLDER`` starts the video decoder from a trained one (e.g. to teach a trained
+decoder the new concepts).
 """
 
 from __future__ import annotations
@@ -91,7 +98,15 @@ def parse_args(argv=None):
         "--num_seeds", type=positive_int, default=STATS_SEEDS, help=f"jitter seeds per seen triple (>= {STATS_SEEDS})"
     )
     p.add_argument("--audio_crop_latents", type=positive_int, default=8, help="audio crop length in latents")
+    p.add_argument(
+        "--new_concepts", action="store_true", help="video decoder: also the new concepts' clips (module docstring)"
+    )
+    p.add_argument("--init_from", default=None, help="video decoder: start from this trained video_decoder folder")
     args = p.parse_args(argv)
+    if args.component != "video_decoder" and (args.new_concepts or args.init_from):
+        p.error(f"--new_concepts and --init_from apply to --component video_decoder, not {args.component}")
+    if args.init_from and not (Path(args.init_from) / "config.json").is_file():
+        p.error(f"--init_from {args.init_from}: no config.json (a video_decoder folder of this script)")
     if args.num_seeds < STATS_SEEDS:
         p.error(f"--num_seeds must be >= {STATS_SEEDS} (the latent statistics' clips), got {args.num_seeds}")
     return args, check_resume(p, args, checkpoints_dir(args))
@@ -102,11 +117,25 @@ def checkpoints_dir(args) -> Path:
     return Path(args.output_dir) / "checkpoints" / args.component
 
 
+def new_concept_triples() -> tuple:
+    """The triples with a new colour or a new motion (``tiny_world.NEW_COLOURS`` / ``NEW_MOTIONS``) and every
+    shape and other word: what no caption of the transformer's training shows."""
+    import itertools
+
+    from diffusers_magi2.pipelines.tiny_world import COLOURS, MOTIONS, NEW_COLOURS, NEW_MOTIONS, SHAPES
+
+    colours, motions = (*COLOURS, *NEW_COLOURS), (*MOTIONS, *NEW_MOTIONS)
+    triples = itertools.product(colours, SHAPES, motions)
+    return tuple(t for t in triples if t[0] in NEW_COLOURS or t[2] in NEW_MOTIONS)
+
+
 def _video_data(pipe, args):
-    """Normalised latents, pixels and shape masks of the seen triples' clips (the statistics written)."""
+    """Normalised latents, pixels and shape masks of the seen triples' clips and, with ``--new_concepts``, the new
+    concepts' (the seen triples' statistics written)."""
     from diffusers_magi2.pipelines.tiny_world import SEEN
 
-    pixels, latents = encode_world_video(pipe, SEEN, args.num_seeds)
+    extra = new_concept_triples() if args.new_concepts else ()
+    pixels, latents = encode_world_video(pipe, SEEN, args.num_seeds, extra)
     background = pixels.new_tensor([0.08, 0.08, 0.10]).mul(2).sub(1).view(1, 3, 1, 1, 1)
     mask = (pixels - background).abs().amax(1, keepdim=True) > 0.05
     return latents, pixels, mask.float()
@@ -128,6 +157,10 @@ def train(args, resume):
     checkpoints_dir(args).mkdir(parents=True, exist_ok=True)
 
     if args.component == "video_decoder":
+        if args.init_from:
+            from diffusers_magi2.models.turbo_vae import Magi2TurboVAEDecoder
+
+            pipe.video_decoder = Magi2TurboVAEDecoder.from_pretrained(args.init_from)
         latents, pixels, mask = _video_data(pipe, args)
         model = pipe.video_decoder.train()
     else:

@@ -23,6 +23,8 @@ def _refused(main, argv, capsys, match):
         (["--component", "audio_vae", "--resume_from_checkpoint", "latest"], "no checkpoint-<step> folder"),
         (["--component", "audio_vae", "--lr_warmup_steps", "-1"], "--lr_warmup_steps must be >= 0"),
         (["--component", "audio_vae", "--lr_scheduler", "exponential"], "invalid choice"),
+        (["--component", "audio_vae", "--new_concepts"], "apply to --component video_decoder"),
+        (["--component", "video_decoder", "--init_from", "nowhere"], "--init_from nowhere: no config.json"),
     ],
 )
 def test_autoencoder_script_refuses_bad_flags(tmp_path, capsys, extra, match):
@@ -82,3 +84,13 @@ def test_audio_autoencoder_loss_is_the_waveform_error_plus_the_unit_scale_term()
     expected = (decode(mu).sample - audio).abs().mean().item() + 0.01 * sum((s - 1) ** 2 for s in stds) / 3
     assert abs(script.audio_autoencoder_loss(vae, audio).item() - expected) < 1e-5
     assert abs(stds[0] - 1) > 0.1  # the scale term is not zero on this case
+
+
+def test_new_concept_triples_are_every_triple_with_a_new_colour_or_motion_and_no_training_triple():
+    from diffusers_magi2.pipelines.tiny_world import COLOURS, HELD_OUT, MOTIONS, SEEN, SHAPES
+
+    triples = load_tiny_training("train_tiny_autoencoders").new_concept_triples()
+    # purple x 2 shapes x (4 motions + stays still) + 4 colours x 2 shapes x stays still
+    assert len(triples) == len(set(triples)) == 1 * 2 * 5 + 4 * 2 * 1
+    assert not set(triples) & {*SEEN, *HELD_OUT}
+    assert all(t[0] not in COLOURS or t[2] not in MOTIONS for t in triples) and {t[1] for t in triples} == set(SHAPES)
