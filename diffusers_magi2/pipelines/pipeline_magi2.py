@@ -301,7 +301,8 @@ class Magi2Pipeline(
     def encode_reference_image(self, pixels: torch.Tensor) -> torch.Tensor:
         """Normalised fp32 mean latent ``[B, 48, 1, H/16, W/16]`` of ``pixels`` ``[B, 3, 1, H, W]`` in [-1, 1]
         (:func:`~.image_processing_magi2.encode_reference_image`)."""
-        return encode_reference_image(self.vae, pixels)
+        with self._autoencoder_stage("vae"):
+            return encode_reference_image(self.vae, pixels)
 
     # --- Latents
 
@@ -330,12 +331,15 @@ class Magi2Pipeline(
     @torch.no_grad()
     def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalised video latents ``[B, 48, T, h, w]`` -> pixels ``[B, 3, 4(T-1)+1, 16h, 16w]`` in [-1, 1]."""
-        return decode_video_latents(getattr(self, "video_decoder", None), getattr(self, "vae", None), latents)
+        video_decoder = getattr(self, "video_decoder", None)
+        with self._autoencoder_stage("vae" if video_decoder is None else "video_decoder"):
+            return decode_video_latents(video_decoder, getattr(self, "vae", None), latents)
 
     @torch.no_grad()
     def decode_audio(self, audio_latents: torch.Tensor) -> np.ndarray:
         """Audio latents ``[B, L, 64]`` -> stereo ``[B, 2, S]`` float32 numpy at ``audio_sample_rate``."""
-        return decode_audio_latents(self.audio_vae, audio_latents, float(self.config.audio_resample_ratio))
+        with self._autoencoder_stage("audio_vae"):
+            return decode_audio_latents(self.audio_vae, audio_latents, float(self.config.audio_resample_ratio))
 
     # --- Call
 

@@ -3,13 +3,13 @@
 A streamed stage's device peak, planned at the released size by ``tests/benchmarks/bench_memory.py --gpu_gb 24|32``
 (the model code traced on fake tensors), is::
 
-    peak = resident weights (non-block) + ring (3 x the largest block's weights) + activations of the stage
+    peak = resident weights (non-block) + ring (ring_size x the largest block's weights) + activations of the stage
     need = peak + what stays resident beside it (co_resident_GB: the pipeline's other components, per policy)
 
-where what stays resident is the plan's arithmetic on the recipe's rows: the resident components (the VAEs) and,
-unless each streamed model is freed when the next one's stage begins, the other streamed models' resident weights
-and rings; with release, a stage of a resident component also shares the device with the streamed model run last.
-
+with ``enable_weight_streaming``'s default ring of 2 slots. What stays resident is the plan's arithmetic on the
+recipe's rows: the autoencoders sit in host memory but for their own stage, and beside any stage stay the other
+streamed models' resident weights and rings, unless each streamed model is freed when the next one's stage begins
+(then a streamed stage is alone, and an autoencoder's stage shares the device with the streamed model run last);
 and a recipe's host memory is its largest stage's (the text encoder is released before the transformer's weights
 come in): anonymous RSS plus pinned bytes, each pinned buffer rounded up to a power of two as torch's pinned host
 allocator does (``host_memory="pinned"``), or a bounded staging ring read from the safetensors files

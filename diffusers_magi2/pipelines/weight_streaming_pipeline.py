@@ -1,6 +1,7 @@
 """``Magi2Pipeline.enable_weight_streaming``: the text encoder's decoder layers and both transformers' blocks
-streamed through a device ring (:mod:`~diffusers_magi2.models.weight_streaming`), every other component resident on
-the device; with ``release_between_stages``, one streamed model holds its weights at a time
+streamed through a device ring (:mod:`~diffusers_magi2.models.weight_streaming`), the autoencoders in host memory
+but for their own encode or decode (moved whole, ``module.to(device)``, as they read ``module.device``), every other
+component resident on the device; with ``release_between_stages``, one streamed model holds its weights at a time
 (:mod:`~diffusers_magi2.pipelines.weight_streaming_stages`).
 
 Checked before any weight moves, in this order:
@@ -15,7 +16,7 @@ Checked before any weight moves, in this order:
 * ``vram_gb`` against the weights the device holds, for any model::
 
       sum over held streamed models (weights outside the blocks + ring_size * largest block)
-      + max over released streamed models (the same)  + sum of the other components
+      + max over released streamed models (the same) + max over the autoencoders + sum of the other components
 
 * the host: what the mode holds for the streamed models, from their own bytes
   (``weight_streaming_host_nbytes``: the packed blocks in the pinned mode, the staging ring in the disk mode)
@@ -25,6 +26,7 @@ Checked before any weight moves, in this order:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -52,6 +54,11 @@ STREAMED_COMPONENTS = ("text_encoder", "transformer", "refiner")
 #: Query tokens per chunk of the streamed refiner's layers (``enable_forward_chunking``): its 1080p activations
 #: within a 32 GB card, as ``bench_memory --gpu_gb 32`` plans them.
 STREAMED_REFINER_CHUNK_SIZE = 8192
+#: Device slots per streamed model (``enable_weight_streaming``'s default ``ring_size``; the plan counts it).
+STREAMED_RING_SIZE = 2
+#: The autoencoders: kept in host memory while the streamed models run, each moved to the device for its own
+#: encode or decode only (``Magi2WeightStreamingPipelineMixin._autoencoder_stage``).
+AUTOENCODER_COMPONENTS = ("vae", "video_decoder", "audio_vae")
 
 
 def _streamer(pipe, name: str):
@@ -88,14 +95,16 @@ class Magi2WeightStreamingPipelineMixin:
         vram_gb: float,
         host_memory: str = "pinned",
         device: Optional[str] = None,
-        ring_size: int = 2,
+        ring_size: int = STREAMED_RING_SIZE,
         release_between_stages: Optional[bool] = None,
     ) -> None:
         """Stream the text encoder's decoder layers and the transformer's and the refiner's blocks from host memory
         through a ring of ``ring_size`` device buffers each (:func:`~diffusers_magi2.models.weight_streaming.
-        apply_weight_streaming`; their other weights, e.g. the token embedding, resident on ``device``); move every
-        other component to ``device``; run the refiner's layers in token chunks of :data:`STREAMED_REFINER_CHUNK_SIZE`
-        (``enable_forward_chunking``). Call it instead of ``pipe.to(device)``; inference only.
+        apply_weight_streaming`; their other weights, e.g. the token embedding, resident on ``device``); keep the
+        autoencoders (:data:`AUTOENCODER_COMPONENTS`) in host memory, each moved to ``device`` for its own encode or
+        decode and back after (dtypes unchanged); move every other component to ``device``; run the refiner's layers
+        in token chunks of :data:`STREAMED_REFINER_CHUNK_SIZE` (``enable_forward_chunking``). Call it instead of
+        ``pipe.to(device)``; inference only.
 
         Args:
             vram_gb: the card's memory in GB (10^9 bytes), e.g. 24 or 32.
@@ -146,7 +155,10 @@ class Magi2WeightStreamingPipelineMixin:
             check_streaming_vram(vram_gb, release_between_stages=bool(blocks) and rereads.keys() == blocks.keys())
         need = {n: streaming_device_nbytes(models[n], b, ring_size) for n, b in blocks.items()}
         need.update({n: _weight_nbytes(m) for n, m in models.items() if n not in blocks})
-        total = sum(v for n, v in need.items() if n not in rereads) + max([need[n] for n in rereads], default=0)
+        autoencoders = [n for n in AUTOENCODER_COMPONENTS if n in models]
+        one_at_a_time = [*rereads, *autoencoders]
+        total = sum(v for n, v in need.items() if n not in one_at_a_time)
+        total += max([need[n] for n in rereads], default=0) + max([need[n] for n in autoencoders], default=0)
         if total > vram_gb * 1e9:
             largest = max(need.items(), key=lambda kv: kv[1])
             raise ValueError(
@@ -159,7 +171,8 @@ class Magi2WeightStreamingPipelineMixin:
         # the disk mode: every streamed block tensor against the files' bytes, before anything moves
         disk = {n: plan_streamed_file_sources(models[n], list(b)) for n, b in blocks.items() if host_memory == "disk"}
         for name in models.keys() - blocks.keys():
-            models[name].to(device)
+            models[name].to("cpu" if name in autoencoders else device)
+        self._weight_streaming_autoencoders = (torch.device(device), autoencoders)
         for name in STREAMED_COMPONENTS:
             if name in blocks:
                 streamer = apply_weight_streaming(
@@ -180,6 +193,21 @@ class Magi2WeightStreamingPipelineMixin:
         self._weight_streaming_stages.install()
         if "refiner" in blocks:
             models["refiner"].enable_forward_chunking(STREAMED_REFINER_CHUNK_SIZE)
+
+    @contextlib.contextmanager
+    def _autoencoder_stage(self, name: str):
+        """While streaming, the autoencoder ``name`` on the streaming device for the ``with`` body, in host memory
+        after; otherwise nothing moves."""
+        device, autoencoders = getattr(self, "_weight_streaming_autoencoders", None) or (None, ())
+        module = getattr(self, name, None) if name in autoencoders else None
+        if module is None:
+            yield
+            return
+        module.to(device)
+        try:
+            yield
+        finally:
+            module.to("cpu")
 
     def _check_streaming_host(self, models, blocks, rereads, host_memory: str, ring_size: int, pinned: bool) -> None:
         """Refuse a host with less available memory than ``host_memory`` holds for the streamed ``blocks`` (the held
@@ -217,7 +245,8 @@ class Magi2WeightStreamingPipelineMixin:
     def disable_weight_streaming(self, device: Optional[str] = None) -> None:
         """Stop streaming (a released model's weights read back from its files first): the streamed block weights come
         back as plain host tensors (default, as diffusers leaves offloaded weights when its hooks are removed; every
-        other weight stays where it is), or resident on ``device``; the pipeline can then be moved or cast again.
+        other weight stays where it is, the autoencoders in host memory), or resident on ``device``; the pipeline can
+        then be moved or cast again.
 
         Raises:
             ValueError: ``device`` without room for them (:func:`~diffusers_magi2.models.weight_streaming_restore.
@@ -240,6 +269,7 @@ class Magi2WeightStreamingPipelineMixin:
                 stages.remove(name)
             getattr(self, name)._weight_streamer = None
         self._weight_streaming_stages = None
+        self._weight_streaming_autoencoders = None
 
     def to(self, *args, **kwargs):
         """``DiffusionPipeline.to``, refused before any component moves while weights are streamed.

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_REFINER_CHUNK_SIZE
+from diffusers_magi2.pipelines.weight_streaming_pipeline import AUTOENCODER_COMPONENTS, STREAMED_REFINER_CHUNK_SIZE
 
 from .memory_plan import (
     DEFAULT_TEXT_TOKENS,
@@ -300,10 +300,11 @@ def co_resident(rows: List[dict]) -> Dict[str, dict]:
     from a recipe's JSON rows: ``{stage: {policy: {component: GB}}}``.
 
     The recipe's components are those of its used generation stages; each one's device share is its largest used
-    row's resident weights plus ring. ``released`` (``release_between_stages``): each streamed model is freed when
-    the next one's stage begins, so a streamed stage shares the device with the resident components only, and any
-    other stage also with the streamed model that ran last (counted as the largest). ``held`` (a pipeline built in
-    memory): every component stays. A LoRA training step is a process of its own: nothing.
+    row's resident weights plus ring. The autoencoders (``AUTOENCODER_COMPONENTS``) sit in host memory except during
+    their own stage, so they are beside no other stage. ``released`` (``release_between_stages``): each streamed
+    model is freed when the next one's stage begins, so a streamed stage has the device to itself, and an autoencoder
+    stage shares it with the streamed model that ran last (counted as the largest). ``held`` (a pipeline built in
+    memory): every other streamed model stays. A LoRA training step is a process of its own: nothing.
     """
     share, streamed = {}, set()
     for r in rows:
@@ -318,7 +319,7 @@ def co_resident(rows: List[dict]) -> Dict[str, dict]:
         if own is None or r["stage"].startswith("lora_train"):
             out[r["stage"]] = {p: {} for p in POLICIES}
             continue
-        held = {c: gb for c, gb in share.items() if c != own}
+        held = {c: gb for c, gb in share.items() if c != own and c not in AUTOENCODER_COMPONENTS}
         released = {c: gb for c, gb in held.items() if c not in streamed}
         last = max((c for c in held if c in streamed), key=held.get, default=None)
         if last is not None and not r["streams"]:

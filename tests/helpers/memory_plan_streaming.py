@@ -40,6 +40,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from diffusers_magi2.models.weight_streaming import pinned_bytes as arena_pinned_bytes
+from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_RING_SIZE
 
 from .memory_plan import (
     DEFAULT_TEXT_TOKENS,
@@ -73,7 +74,8 @@ __all__ = [
 ]
 
 
-RING_DEPTH = 3
+#: Device slots per streamed model: ``enable_weight_streaming``'s default ``ring_size``, which the recipes use.
+RING_DEPTH = STREAMED_RING_SIZE
 PCIE_GBPS = (25.0, 56.0)
 #: NVMe sequential read of the disk mode (PCIe Gen4 NVMe, assumed).
 DISK_GBPS = 7.0

@@ -23,7 +23,7 @@ from helpers.memory_plan import (
     trace_preview_forward,
     trace_refiner_forward,
 )
-from helpers.memory_plan_streaming import preview_streamed_weights
+from helpers.memory_plan_streaming import RING_DEPTH, preview_streamed_weights
 from helpers.memory_plan_training import plan_lora_training_step, trace_lora_training_step
 from helpers.memory_trace import triton_expert_allocations
 from helpers.memory_tracking import LiveStorageTracker, cpu_allocator_peak
@@ -325,12 +325,12 @@ def test_the_80gb_recipe_keeps_its_previews_and_lora_step_within_76_gb():
 
 
 def test_streamed_model_adds_nothing_to_the_planned_activations_and_its_ring_is_the_planned_ring():
-    # the 24/32 GB plan's device peak: resident + 3 x the largest block + the traced activations; on the CPU the
+    # the 24/32 GB plan's device peak: resident + RING_DEPTH x the largest block + the traced activations; on the CPU the
     # streamer's ring is host memory, its copies land in the preallocated slots, so the forward allocates only the
     # activations the trace plans
     inputs = _packed_inputs()
     model = _reduced_model(CHUNK)
-    streamer = model.enable_weight_streaming("cpu", ring_size=3)
+    streamer = model.enable_weight_streaming("cpu", ring_size=RING_DEPTH)
     measured = _measured_peak(model, inputs)
     counts = {k: 2 * v for k, v in HALF.items()}
     seg = sum(HALF.values())
@@ -351,6 +351,7 @@ HOST_CONFIG = dict(
 _HOST_SCRIPT = """
 import gc, json, sys, torch
 from diffusers_magi2 import Magi2Transformer3DModel
+from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_RING_SIZE
 
 def anon():
     with open("/proc/self/status") as f:
@@ -362,7 +363,7 @@ config = json.loads(sys.argv[1])
 def streamed_forward(config):
     model = Magi2Transformer3DModel(**config, params_dtype=torch.bfloat16)
     model.set_moe_backend("torch_grouped")
-    model.enable_weight_streaming("cpu", ring_size=3)
+    model.enable_weight_streaming("cpu", ring_size=STREAMED_RING_SIZE)
     n = 16  # one forward of a few tokens: every ring slot written once (untouched pages are not resident)
     coords = torch.cat([torch.zeros(n, 3), torch.ones(n, 6)], dim=1)
     with torch.no_grad():
@@ -386,7 +387,7 @@ print(anon() - before)
 def test_streamed_host_memory_matches_a_fresh_process_within_10_percent():
     # the plan's host memory of a streamed model (on the CPU: the resident weights, the blocks held once, the ring,
     # none of it pinned) against the anonymous RSS a fresh process gains building and streaming it; six layers, so
-    # that every slot of the 3-block ring has held a largest block (pages never written are not resident)
+    # that every slot of the ring (the plan's RING_DEPTH slots) has held a largest block (pages never written are not resident)
     weights = preview_streamed_weights(None, None, transformer_config=HOST_CONFIG)
     planned = weights.resident + weights.streamed + weights.ring
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")  # glibc: no dynamic threshold, frees go back to the OS

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import PIL.Image
 import pytest
 import torch
 from helpers.modular_testing_utils import tiny_pipelines
@@ -184,3 +185,45 @@ def test_disk_mode_refuses_files_changed_since_loading_and_weights_unlike_them_b
     with pytest.raises(ValueError, match=rf"Magi2Transformer3DModel's {name} differs from"):
         pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu", release_between_stages=False)
     assert all(getattr(getattr(pipe, n), "_weight_streamer", None) is None for n in ("text_encoder", "transformer"))
+
+
+def test_autoencoders_are_on_the_device_only_for_their_own_stage():
+    # on the CPU ring the device is host memory, so where each module sits is read from the order of events: each
+    # autoencoder's .to() toggles it onto the device and back, and every stage's entry point records itself
+    pipe, _ = tiny_pipelines(with_refiner=True)
+    pipe.enable_weight_streaming(vram_gb=24, device="cpu")
+    autoencoders = [n for n in ("vae", "video_decoder", "audio_vae") if getattr(pipe, n, None) is not None]
+    assert set(autoencoders) == {"vae", "video_decoder", "audio_vae"}
+    dtypes = {n: {t.dtype for t in getattr(pipe, n).parameters()} for n in autoencoders}
+    events = []
+
+    def spy(name, fn, kind):
+        def wrapped(*args, **kwargs):
+            events.append((kind, name))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    for name in autoencoders:
+        module = getattr(pipe, name)
+        module.to = spy(name, module.to, "to")
+        for entry in ("encode", "decode"):
+            if hasattr(module, entry):
+                setattr(module, entry, spy(name, getattr(module, entry), "run"))
+    for name in ("text_encoder", "transformer", "refiner"):
+        getattr(pipe, name).register_forward_pre_hook(lambda *_, name=name: events.append(("run", name)))
+    call = {**TWO_STAGE_CALL, "output_type": "np", "image": PIL.Image.new("RGB", (48, 32), (90, 120, 30))}
+    pipe(**call, generator=torch.Generator().manual_seed(0))
+    on_device, ran = set(), set()
+    for kind, name in events:
+        if kind == "to":
+            on_device ^= {name}
+        else:
+            ran.add(name)
+            expected = {name} if name in autoencoders else set()
+            assert on_device == expected, (name, on_device)
+    assert on_device == set()  # each one back in host memory after its stage
+    assert ran == {"vae", "video_decoder", "audio_vae", "text_encoder", "transformer", "refiner"}
+    assert {n: {t.dtype for t in getattr(pipe, n).parameters()} for n in autoencoders} == dtypes  # fp32 stays fp32
+    assert all(t.device.type == "cpu" for n in autoencoders for t in getattr(pipe, n).parameters())
+    pipe.disable_weight_streaming()

@@ -109,7 +109,7 @@ import gc, json, sys, tempfile, torch
 from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
 from diffusers_magi2 import Magi2Transformer3DModel
 from diffusers_magi2.models.weight_streaming import apply_weight_streaming
-from diffusers_magi2.pipelines.weight_streaming_pipeline import streamed_blocks
+from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_RING_SIZE, streamed_blocks
 from diffusers_magi2.pipelines.weight_streaming_stages import StagedHostMemory, plan_reread
 
 def anon():
@@ -130,7 +130,7 @@ parts = {}
 for name, model in models.items():
     blocks = streamed_blocks(name, model)
     parts[name] = plan_reread(name, model, blocks)
-    parts[name].streamer = apply_weight_streaming(model, list(blocks), "cpu", ring_size=3, allocate=False)
+    parts[name].streamer = apply_weight_streaming(model, list(blocks), "cpu", ring_size=STREAMED_RING_SIZE, allocate=False)
 stages = StagedHostMemory(parts, models)
 stages.install()
 
