@@ -12,7 +12,11 @@ from diffusers_magi2.pipelines.prompt_enhancement import render_enhanced_prompt
 from diffusers_magi2.pipelines.text_encoding import add_figure_reference, normalize_prompt
 
 
-CASES = golden("prompt_enhancement/manifest.json")["cases"]
+try:
+    CASES = golden("prompt_enhancement/manifest.json")["cases"]
+    MISSING = None
+except FileNotFoundError as error:  # no fixtures: the coverage test below fails naming them, the rest has no cases
+    CASES, MISSING = [], error
 
 
 def _reply(case: str):
@@ -35,6 +39,8 @@ def test_image_to_video_cases_with_the_figure_reference_byte_for_byte(case):
 
 
 def test_both_tasks_are_covered_by_the_fixtures():
+    if MISSING is not None:
+        raise MISSING
     assert {case["task"] for case in CASES} == {"t2v", "i2v"}
 
 
