@@ -245,8 +245,13 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _apply_sink(out: torch.Tensor, lse: torch.Tensor, sink_logit: torch.Tensor) -> torch.Tensor:
     """``out [1, H, L, D]``, ``lse [1, H, L]``, ``sink_logit [H]`` -> ``out * w`` in ``out``'s dtype, computed in fp32
-    (fp64 inputs: fp64), ``w = exp(lse - logaddexp(lse, sink))``."""
+    (fp64 inputs: fp64), ``w = exp(lse - logaddexp(lse, sink))``.
+
+    ``lse`` is made contiguous first: a CPU kernel's SIMD body and its scalar remainder round ``exp`` and
+    ``logaddexp`` differently in the last bit, and which one a row takes follows the innermost dimension; the CPU
+    flash op returns ``lse`` head-innermost (strides ``(H L, 1, H)``), so a Ulysses rank holding fewer heads would
+    take the other one. Length-innermost, every head's row takes the same path whatever the number of heads."""
     acc = _accumulate_dtype(out.dtype)
-    lse = lse.to(acc)
+    lse = lse.to(acc).contiguous()
     w = torch.exp(lse - torch.logaddexp(lse, sink_logit.to(acc).view(1, -1, 1)))
     return (out.to(acc) * w.unsqueeze(-1)).to(out.dtype)

@@ -5,8 +5,8 @@ through ``aten._scaled_dot_product_flash_attention_for_cpu`` (so every CPU test 
 (``D + 8``, one extra key) stays for backends without an LSE. Checked: both paths agree on SandAI's tiny fixtures
 (h4, h3, t2v and i2v; fp32 within 1e-6, bf16 within the bf16 bound of the fixture), the kernel sees head dim ``D``,
 the gradients (q, k, v and the sinks; under autograd every backend takes the padded path) equal those of an explicit
-softmax with the sink as one more logit, LSE layouts of dispatched backends, and the refusal of a backend that can
-serve sinks neither way.
+softmax with the sink as one more logit, LSE layouts of dispatched backends, the refusal of a backend that can
+serve sinks neither way, and that each head's output is bit for bit that of a call holding more heads (Ulysses).
 """
 
 from __future__ import annotations
@@ -216,3 +216,18 @@ def test_backend_that_cannot_serve_sinks_raises_before_any_kernel(monkeypatch):
     assert calls == []
     magi2_attention_with_sinks(q, k, v, None, segments, scale, backend="sage_blackwell_hub")  # no sinks: its kernel
     assert len(calls) == 2
+
+
+def test_each_head_is_bit_for_bit_that_of_the_whole_call():
+    """A Ulysses rank attends a subset of the heads: each head's output must not depend on how many heads the call
+    holds. The CPU flash op returns the LSE head-innermost; without a contiguous LSE the sink correction's ``exp``
+    and ``logaddexp`` took the SIMD path for one head and the scalar path for several (last-bit differences)."""
+    gen = torch.Generator().manual_seed(0)
+    n, heads, d = 1024, 8, 32
+    q, k, v = (torch.randn(n, heads, d, generator=gen) for _ in range(3))
+    sinks = torch.randn(1, heads, generator=gen)
+    segments = [600, 424]
+    whole = magi2_attention_with_sinks(q, k, v, sinks, segments, d**-0.5)
+    for lo, hi in [(h, h + 1) for h in range(heads)] + [(0, 4), (4, 8)]:
+        part = magi2_attention_with_sinks(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], sinks[:, lo:hi], segments, d**-0.5)
+        assert torch.equal(part, whole[:, lo:hi]), f"heads [{lo}, {hi})"
