@@ -591,8 +591,7 @@ def streaming_host_nbytes(
 
 
 def streaming_device_nbytes(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], ring_size: int = 2) -> int:
-    """Device bytes of ``model``'s weights with ``blocks`` streamed: everything outside them plus ``ring_size``
-    slots of the largest block."""
+    """Device bytes of ``model``'s weights, ``blocks`` streamed: all else plus ``ring_size`` slots of the largest."""
     sizes = [_layout(b, i).nbytes for i, b in enumerate(blocks)]
     block_ids = {id(t) for b in blocks for t in _streamed_tensors(b)}
     resident = sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if id(t) not in block_ids)
