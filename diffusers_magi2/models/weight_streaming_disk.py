@@ -38,9 +38,18 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..utils.safetensors_io import DTYPE_TO_TORCH, LOADED_FILES_ATTR, read_safetensors_header
+from .weight_streaming_layout import StreamedBlock, next_pow2
+from .weight_streaming_ring import RingSlot, WeightStreamer
 
 
-__all__ = ["BlockFileReader", "FileSource", "check_file_bytes", "extra_host_nbytes", "plan_file_sources"]
+__all__ = [
+    "BlockFileReader",
+    "DiskWeightStreamer",
+    "FileSource",
+    "check_file_bytes",
+    "extra_host_nbytes",
+    "plan_file_sources",
+]
 
 _ADAPTER_NAME = re.compile(r"(^|\.)lora_[A-Za-z_]+(\.|$)")
 
@@ -257,3 +266,59 @@ class BlockFileReader:
         for fh in self.files.values():
             fh.close()
         self.files, self.held = {}, {}
+
+
+class DiskWeightStreamer(WeightStreamer):
+    """:class:`WeightStreamer` of ``host_memory="disk"``: each block read from the safetensors files
+    (module docstring) into a staging ring of ``ring_size`` host buffers, one per slot (pinned on CUDA),
+    then copied into its slot; between uses the block's tensors point at a one-element placeholder of 0xFF bytes
+    (NaN in every float dtype) broadcast to their shapes.
+
+    Attributes (besides the base's):
+        staging: the staging buffers (uint8, each the largest block's bytes).
+        reader: the :class:`BlockFileReader` (its ``cast_buffer``, the tensors it holds).
+    """
+
+    def __init__(self, blocks, device, ring_size: int, use_stream: bool, sources, allocate: bool = True):
+        super().__init__(blocks, device, ring_size, use_stream, allocate=False)
+        self.reader = BlockFileReader([b.entries for b in self.blocks], sources)  # while the tensors hold weights
+        if allocate:
+            self.allocate()
+
+    def allocate(self, read=None) -> None:
+        """Allocate the staging ring and the device ring; the block tensors' weights are dropped (read back from the
+        files before each use; ``read`` is not used)."""
+        slot, ring_size, pinned = max(b.nbytes for b in self.blocks), self.ring_size, self.pinned
+        self.staging = [torch.empty(slot, dtype=torch.uint8, pin_memory=pinned) for _ in range(ring_size)]
+        placeholders = {}
+        for block in self.blocks:
+            for e in block.entries:
+                if e.dtype not in placeholders:
+                    placeholders[e.dtype] = torch.full((e.tensor.element_size(),), 0xFF, dtype=torch.uint8)
+                view = placeholders[e.dtype].view(e.dtype)[0].expand(e.shape)
+                e.tensor.data = view
+                block.host_views.append(view)
+        self.host_nbytes = ring_size * slot + self.reader.extra_nbytes
+        self.host_reserved_nbytes = ring_size * (next_pow2(slot) if pinned else slot) + self.reader.extra_nbytes
+        self._allocate_ring()
+
+    def _copy_in(self, slot: RingSlot, block: StreamedBlock, non_blocking: bool) -> None:
+        staging = self.staging[self.slots.index(slot)]
+        if self.stream is not None:
+            slot.ready.synchronize()  # the last copy out of this staging buffer finished
+        self.reader.read(block.index, block.entries, staging)
+        slot.buffer.narrow(0, 0, block.nbytes).copy_(staging.narrow(0, 0, block.nbytes), non_blocking=non_blocking)
+
+    def _host_bytes(self, block: StreamedBlock) -> torch.Tensor:
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.reader.read(block.index, block.entries, self.staging[0])
+        return self.staging[0]
+
+    def _free_host_buffers(self) -> None:
+        self.staging = []
+        super()._free_host_buffers()
+
+    def restore(self, device=None) -> None:
+        super().restore(device)
+        self.reader.close()

@@ -4,7 +4,7 @@ reverse order.
 With gradient checkpointing each block is called through ``torch.utils.checkpoint``: its forward keeps no tensor
 made inside the block (the checkpoint saves the block's inputs only), and the backward, on reaching block ``i``,
 calls it again (the recompute) to remake the tensors its autograd nodes read, weights among them. For ``n`` blocks
-and a ring of ``r`` slots (:mod:`.weight_streaming`) one training step runs::
+and a ring of ``r`` slots (:mod:`.weight_streaming_ring`) one training step runs::
 
     forward    i = 0 .. n-1:  acquire(i), prefetch i+1 .. i+r-1;  block i;  release(i)
     backward   i = n-1 .. 0:  release the slot held by block i+1 (its backward is done)
@@ -58,8 +58,8 @@ def _phase(streamer, phase: str):
 
 
 def check_streamed_training(block, phase) -> None:
-    """Refuse a call with grad enabled on streamed ``block`` (a ``_StreamedBlock``) outside the checkpoint, or one
-    whose streamed weights require grad.
+    """Refuse a call with grad enabled on streamed ``block`` (a :class:`~.weight_streaming_layout.StreamedBlock`)
+    outside the checkpoint, or one whose streamed weights require grad.
 
     Raises:
         RuntimeError: grad enabled without gradient checkpointing (``phase`` ``None``), or a streamed weight that

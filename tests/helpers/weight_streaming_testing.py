@@ -1,10 +1,26 @@
-"""What the weight-streaming tests share: a no-grad forward, a bit-for-bit comparison, a LoRA with random factors
-and the refiner's inputs."""
+"""What the weight-streaming tests share: a four-block bf16 model, a no-grad forward, a bit-for-bit comparison, a
+LoRA with random factors and the refiner's inputs."""
 
 from __future__ import annotations
 
 import torch
 from peft import LoraConfig
+
+from helpers.tiny_transformer import tiny_model
+
+
+#: four layers (two MoE, two multimodal) so a two-slot ring is reused within one forward
+LAYERS = {"num_layers": 4, "multimodal_layers": [0, 3], "moe_layers": [1, 2]}
+
+
+def bf16_model():
+    """The tiny model with :data:`LAYERS`, in bf16."""
+    return tiny_model(**LAYERS).to(torch.bfloat16)
+
+
+def block_tensors(model):
+    """Every parameter and buffer of ``model``'s ``transformer_blocks``."""
+    return [t for b in model.transformer_blocks for t in [*b.parameters(), *b.buffers()]]
 
 
 def run_model(model, inputs):
