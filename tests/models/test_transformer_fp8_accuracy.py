@@ -20,11 +20,11 @@ import functools
 
 import pytest
 import torch
+from helpers.fixture_forward import preview_out, refiner_out
 from helpers.int4_models import int4_transformer
 from safetensors.torch import load_file
 
 from diffusers_magi2 import Magi2Transformer3DModel
-from diffusers_magi2.moe.layer import Magi2MultiHeadMoE
 
 
 FP8_REL_L2 = 0.15  # weight-only e4m3 experts, end to end (the fixtures README's loose bf16 bound)
@@ -64,42 +64,6 @@ def _case(fixtures_root: str, case: str) -> dict:
     return load_file(f"{fixtures_root}/magi2_tiny/{case}/fp32/transformer_case.safetensors")
 
 
-def _run(model, d: dict, prefix: str, forced=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``model.out`` of the case and the top-k expert indices of every MoE layer (``[H, S, k]``, sorted along k).
-
-    ``forced``: those indices per MoE layer instead of the model's own choice (teacher-forced routing), weighted as
-    the router weights them (sigmoid scores at the chosen experts, L1-normalised, times ``route_scale``)."""
-    chosen: list[torch.Tensor] = []
-    moes = [m for m in model.modules() if isinstance(m, Magi2MultiHeadMoE)]
-
-    def recording(moe):
-        route = moe.route
-
-        def wrapped(x):
-            probs, indices = route(x)
-            if forced is not None:
-                indices = forced[len(chosen)]
-                probs = torch.sigmoid(moe.compute_router_logits(x)).gather(-1, indices)
-                probs = probs / probs.sum(-1, keepdim=True) * moe.config.route_scale
-            chosen.append(indices.sort(dim=-1).values)
-            return probs, indices
-
-        return wrapped
-
-    for moe in moes:
-        moe.route = recording(moe)
-    try:
-        g = lambda k: d[prefix + "model." + k]  # noqa: E731
-        with torch.no_grad():
-            out = model.forward_packed(
-                g("x"), g("coords_mapping"), g("modality_mapping"), g("cu_seqlens_q"), g("time_token_sequence")
-            )
-    finally:
-        for moe in moes:
-            del moe.route
-    return out[:, : g("out").shape[1]].float(), chosen
-
-
 def _flips(chosen, reference) -> list[tuple[int, int]]:
     """Per MoE layer: (token-heads whose expert set differs from the reference's, token-heads)."""
     return [(int((a != b).any(-1).sum()), a.shape[0] * a.shape[1]) for a, b in zip(chosen, reference)]
@@ -110,15 +74,15 @@ def test_quantized_experts_rel_l2_and_routing_flips_against_the_fp32_fixture(fix
     root = str(fixtures_dir)
     d = _case(root, case)
     target = d[prefix + "model.out"]
-    fp32_out, fp32_chosen = _run(_model(root, case, "fp32"), d, prefix)
+    fp32_out, fp32_chosen = preview_out(_model(root, case, "fp32"), d, prefix)
     assert rel_l2(fp32_out, target) <= 1e-5  # the fp32 port reproduces the fixture, so its routing is the reference
     results, forced, chosen = {}, {}, {}
     for kind in ("bf16", "fp8", INT4):
         model = _model(root, case, kind)
-        out, chosen[kind] = _run(model, d, prefix)
+        out, chosen[kind] = preview_out(model, d, prefix)
         assert torch.isfinite(out).all()
         results[kind] = (rel_l2(out, target), _flips(chosen[kind], fp32_chosen))
-        forced[kind] = rel_l2(_run(model, d, prefix, forced=fp32_chosen)[0], target)
+        forced[kind] = rel_l2(preview_out(model, d, prefix, forced=fp32_chosen)[0], target)
     flips = lambda f: ", ".join(f"{n}/{t}" for n, t in f)  # noqa: E731
     names = {"bf16": "bf16", "fp8": "FP8 experts", INT4: "int4 experts (NF4 g32)"}
     print(
@@ -141,27 +105,14 @@ def test_fp8_model_torch_and_triton_paths_agree(fixtures_dir):
     d = _case(root, "preview_h4")
     try:
         model.set_moe_backend("torch")
-        torch_out, _ = _run(model, d, "")
+        torch_out, _ = preview_out(model, d, "")
         model.set_moe_backend("triton")
-        triton_out, _ = _run(model, d, "")
+        triton_out, _ = preview_out(model, d, "")
     finally:
         model.set_moe_backend("auto")
     err = rel_l2(triton_out, torch_out)
     print(f"\nFP8 model, preview_h4 t2v: Triton (interpreter) vs torch rel-L2 {err:.2e}")
     assert err <= TRITON_VS_TORCH_REL_L2
-
-
-def _refiner_out(model, d: dict) -> torch.Tensor:
-    g = lambda k: d["noaudio.model." + k]  # noqa: E731
-    with torch.no_grad():
-        out = model.forward_packed(
-            g("x"),
-            g("coords_mapping"),
-            g("modality_mapping"),
-            q_ranges=g("local_attn.q_ranges"),
-            k_ranges=g("local_attn.k_ranges"),
-        )
-    return out.float()
 
 
 @pytest.mark.parametrize(("case", "prefix"), [*CASES, ("refiner", "")], ids=["h4", "h4-i2v", "h3", "refiner"])
@@ -177,13 +128,13 @@ def test_fp8_stored_dense_weights_where_routing_cannot_flip(fixtures_dir, case, 
         d = load_file(f"{root}/magi2_tiny/refiner/fp32/transformer_case.safetensors")
         target = d["noaudio.model.out"]
         bf16 = Magi2RefinerTransformer3DModel.from_original_checkpoint(path, torch_dtype=torch.bfloat16)
-        run = lambda m: _refiner_out(m, d)  # noqa: E731
+        run = lambda m: refiner_out(m, d)  # noqa: E731
     else:
         d = _case(root, case)
         target = d[prefix + "model.out"]
-        _, routes = _run(_model(root, case, "fp32"), d, prefix)
+        _, routes = preview_out(_model(root, case, "fp32"), d, prefix)
         bf16 = _model(root, case, "bf16")
-        run = lambda m: _run(m, d, prefix, forced=routes)[0]  # noqa: E731
+        run = lambda m: preview_out(m, d, prefix, forced=routes)[0]  # noqa: E731
     scaled, unscaled = copy.deepcopy(bf16), copy.deepcopy(bf16)
     scaled.enable_fp8_storage(compute_dtype=torch.bfloat16)
     unscaled.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
