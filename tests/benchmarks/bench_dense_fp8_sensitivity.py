@@ -45,6 +45,7 @@ GROUPS = {  # name: module-name regex of the projections stored in FP8
     "attention": r"\.attention\.",
     "MLP": r"\.mlp\.",
     "first block": r"^transformer_blocks\.0\.",
+    "middle blocks": "MIDDLE",
     "last block": "LAST",
 }
 
@@ -79,8 +80,12 @@ def stored(model, names) -> torch.nn.Module:
 
 
 def matching(names, pattern: str, last: int) -> set:
-    """The projection names a group's pattern selects (``LAST``: the last block's)."""
-    pattern = rf"^transformer_blocks\.{last}\." if pattern == "LAST" else pattern
+    """The projection names a group's pattern selects (``LAST``: the last block's, ``MIDDLE``: the others but the
+    first's)."""
+    middle = "|".join(str(k) for k in range(1, last))
+    pattern = {"LAST": rf"^transformer_blocks\.{last}\.", "MIDDLE": rf"^transformer_blocks\.({middle})\."}.get(
+        pattern, pattern
+    )
     return {n for n in names if re.search(pattern, n)}
 
 
