@@ -47,7 +47,9 @@ overwrite every rank's routed experts with rank 0's when it wraps the model. Eve
 ``accelerator.save_state`` writes ``<output_dir>/checkpoint-<step>/`` (under a temporary name, renamed when every
 rank is done): the optimizer, the LR schedule, the noise generator and random states, and the LoRA as
 ``pytorch_lora_weights.safetensors`` (diffusers format with its adapter config, ``pipe.load_lora_weights`` reads
-it); ``--resume latest`` (or a checkpoint folder) continues from one with ``accelerator.load_state``.
+it); ``--resume_from_checkpoint latest`` (or a checkpoint folder; ``--resume`` is the same flag) continues from one with
+``accelerator.load_state``; ``latest`` with no checkpoint in ``--output_dir`` says so and starts a new run, as
+diffusers' training scripts do, while a named folder that is not a checkpoint stops the run before any work.
 """
 
 from __future__ import annotations
@@ -107,7 +109,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr_scheduler", default="constant", help="diffusers' get_scheduler name (constant, linear, ...)")
     p.add_argument("--lr_warmup_steps", type=int, default=0)
     p.add_argument("--checkpoint_every", type=int, default=250, help="optimizer steps")
-    p.add_argument("--resume", default=None, help="'latest' or a checkpoint-<step> folder")
+    p.add_argument(
+        "--resume_from_checkpoint",
+        "--resume",
+        default=None,
+        help="'latest' (the newest checkpoint-<step> in --output_dir; a new run when there is none) or a "
+        "checkpoint-<step> folder",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds everything (accelerate's set_seed) and the noise")
     p.add_argument("--dtype", default=None, help="frozen weights' dtype (default bfloat16 on GPU, float32 on CPU)")
     p.add_argument(
@@ -202,6 +210,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1")
     if args.lr_warmup_steps < 0:
         p.error("--lr_warmup_steps must be >= 0")
+    if args.resume_from_checkpoint not in (None, "latest"):
+        try:
+            find_checkpoint(Path(args.output_dir), args.resume_from_checkpoint)
+        except ValueError as error:
+            p.error(str(error))
     try:  # the objective's own checks; the negative prompt's states come later
         objective(args, negative_text_states=0 if args.cfg_dropout > 0 else None)
     except ValueError as error:
@@ -497,23 +510,27 @@ def save_checkpoint(accelerator, output_dir: Path, step: int) -> Path:
     return final
 
 
-def find_checkpoint(output_dir: Path, resume: str) -> tuple[Path, int]:
-    """``(folder, step)`` of ``--resume`` (``latest`` or a ``checkpoint-<step>`` folder); ``ValueError`` when there
-    is none."""
+def find_checkpoint(output_dir: Path, resume: str) -> tuple[Path, int] | None:
+    """``(folder, step)`` of ``--resume_from_checkpoint``: ``latest`` (the newest ``checkpoint-<step>`` in
+    ``output_dir``; ``None`` when there is none, a new run) or a ``checkpoint-<step>`` folder; ``ValueError`` when
+    a named folder is not one."""
+    flag = f"--resume_from_checkpoint {resume!r}"
     if resume == "latest":
         found = sorted(
             (p for p in output_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
             key=lambda p: int(p.name.split("-")[-1]),
         )
         if not found:
-            raise ValueError(f"--resume latest: no checkpoint-<step> folder in {output_dir}")
+            return None
         folder = found[-1]
     else:
         folder = Path(resume)
         if not folder.name.startswith("checkpoint-") or not folder.name.split("-")[-1].isdigit():
-            raise ValueError(f"--resume {resume!r}: expected a checkpoint-<step> folder")
+            raise ValueError(f"{flag}: expected a checkpoint-<step> folder (or 'latest')")
+        if not folder.is_dir():
+            raise ValueError(f"{flag}: no such folder")
     if not (folder / LORA_FILE).is_file():
-        raise ValueError(f"--resume {resume!r}: {folder} holds no {LORA_FILE}")
+        raise ValueError(f"{flag}: {folder} holds no {LORA_FILE}")
     return folder, int(folder.name.split("-")[-1])
 
 
@@ -585,7 +602,7 @@ def train(args):
     if args.cache:
         for video in videos:
             read_video(video)
-    resume = find_checkpoint(output_dir, args.resume) if args.resume else None
+    resume = find_checkpoint(output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
     set_seed(args.seed)  # python, numpy and torch (every device): the LoRA's initial factors among them
     pipe, device = load_pipeline(args)
     accelerator = Accelerator(
@@ -624,6 +641,10 @@ def train(args):
     if resume is not None:
         folder, start = resume
         accelerator.load_state(str(folder))
+    elif args.resume_from_checkpoint is not None:
+        accelerator.print(
+            f"--resume_from_checkpoint latest: no checkpoint-<step> folder in {output_dir}; starting a new training run"
+        )
     fixed = None
     if args.fixed_noise:
         g = torch.Generator().manual_seed(args.seed + 1)

@@ -1,10 +1,11 @@
-"""``examples/train_lora.py`` on the tiny random pipeline (CPU): it overfits one synthetic clip, its LoRA loads
-into a fresh pipeline, gradients reach exactly the LoRA parameters, gradient accumulation averages the micro-batch
-gradients, the LR schedule warms up, it resumes exactly (``accelerator.save_state`` / ``load_state``), CP2 x EP2
-over two gloo processes trains like one process, a LoRA trains over frozen FP8 and int4 experts (int4: with the
-gradients of the dequantized model), ``--expert_dtype`` takes the model's values, ``--offload_block_inputs`` keeps
-the losses, ``--vram_gb`` (weights streamed) keeps the losses and the LoRA, ``--storage_dtype`` stores the dense weights in FP8 with the loss of FP8-rounded ones, and bad datasets
-and switches stop it before training."""
+"""``examples/train_lora.py`` on the tiny random pipeline (CPU): it overfits one synthetic clip, its LoRA loads into a
+fresh pipeline, gradients reach exactly the LoRA parameters, gradient accumulation averages the micro-batch
+gradients, the LR schedule warms up, it resumes exactly (``accelerator.save_state`` / ``load_state``; ``latest``
+without a checkpoint starts a new run, a named folder that is not one is refused), CP2 x EP2 over two gloo processes
+trains like one process, a LoRA trains over frozen FP8 and int4 experts (int4: with the gradients of the dequantized
+model), ``--expert_dtype`` takes the model's values, ``--offload_block_inputs`` keeps the losses, ``--vram_gb``
+(weights streamed) keeps the losses and the LoRA, ``--storage_dtype`` stores the dense weights in FP8 with the loss
+of FP8-rounded ones, and bad datasets and switches stop it before training."""
 
 from __future__ import annotations
 
@@ -113,20 +114,48 @@ def test_gradients_reach_every_lora_parameter_and_no_frozen_weight(tmp_path):
     )
 
 
-def test_resume_continues_the_run_exactly(tmp_path):
+def test_resume_continues_the_run_exactly_and_latest_without_a_checkpoint_starts_a_new_run(tmp_path, capsys):
+    """``--resume_from_checkpoint latest`` on an output folder without checkpoints says so and trains from step 0,
+    as diffusers' training scripts do; ``--resume latest`` (the same flag) then continues from the one written."""
     data = synthetic_clip(tmp_path / "data")
     full, _ = script.train(
         script.parse_args(argv(data, tmp_path / "a", "--max_steps", "4", "--checkpoint_every", "2"))
     )
+    capsys.readouterr()
     first, _ = script.train(
-        script.parse_args(argv(data, tmp_path / "b", "--max_steps", "2", "--checkpoint_every", "2"))
+        script.parse_args(
+            argv(
+                data,
+                tmp_path / "b",
+                "--max_steps",
+                "2",
+                "--checkpoint_every",
+                "2",
+                "--resume_from_checkpoint",
+                "latest",
+            )
+        )
     )
+    assert f"no checkpoint-<step> folder in {tmp_path / 'b'}; starting a new training run" in capsys.readouterr().out
     rest, _ = script.train(
         script.parse_args(
             argv(data, tmp_path / "b", "--max_steps", "4", "--checkpoint_every", "2", "--resume", "latest")
         )
     )
     assert first == full[:2] and rest == full[2:]
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [("checkpoint-5", "no such folder"), ("lora_out", "expected a checkpoint-<step> folder (or 'latest')")],
+)
+def test_resume_from_a_folder_that_is_not_a_checkpoint_is_refused_before_any_work(tmp_path, capsys, name, message):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args(argv(tmp_path / "data", out, "--resume_from_checkpoint", str(out / name)))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--resume_from_checkpoint {str(out / name)!r}: {message}" in err
+    assert not out.exists()
 
 
 @pytest.mark.distributed
