@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 from diffusers.utils import logging
 
+from ..models.turbo_vae import Magi2TurboVAEDecoder
 from ..models.weight_streaming import (
     apply_weight_streaming,
     check_weight_streaming_args,
@@ -103,7 +104,8 @@ class Magi2WeightStreamingPipelineMixin:
         apply_weight_streaming`; their other weights, e.g. the token embedding, resident on ``device``); keep the
         autoencoders (:data:`AUTOENCODER_COMPONENTS`) in host memory, each moved to ``device`` for its own encode or
         decode and back after (dtypes unchanged); move every other component to ``device``; run the refiner's layers
-        in token chunks of :data:`STREAMED_REFINER_CHUNK_SIZE` (``enable_forward_chunking``). Call it instead of
+        in token chunks of :data:`STREAMED_REFINER_CHUNK_SIZE` (``enable_forward_chunking``) and the TurboVAE decode in
+        spatial tiles (``video_decoder.enable_tiling()``, which the 1080p decode needs on a 32 GB card). Call it instead of
         ``pipe.to(device)``; inference only.
 
         Args:
@@ -193,6 +195,8 @@ class Magi2WeightStreamingPipelineMixin:
         self._weight_streaming_stages.install()
         if "refiner" in blocks:
             models["refiner"].enable_forward_chunking(STREAMED_REFINER_CHUNK_SIZE)
+        if isinstance(models.get("video_decoder"), Magi2TurboVAEDecoder):
+            models["video_decoder"].enable_tiling()  # its default tiles, as the plan's 1080p decode row
 
     @contextlib.contextmanager
     def _autoencoder_stage(self, name: str):

@@ -26,10 +26,12 @@ def _encode(pipe):
 def test_two_stage_call_streamed_equals_resident_bit_for_bit():
     pipe, _ = tiny_pipelines(with_refiner=True)
     resident, resident_text = two_stage_call(pipe), _encode(pipe)
+    resident_tiled = pipe.video_decoder.use_tiling
     pipe.enable_weight_streaming(vram_gb=24, device="cpu")
     # built in memory: nothing to re-read, so every streamed model stays held
     assert pipe._weight_streaming_stages.parts == {}
     assert {b.chunk_size for b in pipe.refiner.transformer_blocks} == {STREAMED_REFINER_CHUNK_SIZE}  # the plan's
+    assert not resident_tiled and pipe.video_decoder.use_tiling  # the plan's tiled TurboVAE decode
     released = {"text_encoder": 0, "transformer": 0, "refiner": 0}
     for name in released:
         streamer = getattr(pipe, name)._weight_streamer
