@@ -11,10 +11,17 @@ its slot is filled as in the pinned mode, from a staging buffer instead of a pac
 One staging buffer per device slot, each the largest block's bytes (pinned on CUDA, plain on the CPU), so host
 memory is ``ring_size x`` the largest block, plus the block tensors the files do not hold (LoRA adapters, buffers
 not saved) kept in host memory as they are. Before a staging buffer is refilled, the copy out of it has finished
-(its slot's event). The reads are synchronous on the calling thread: block *i+1* is read in block *i*'s pre-forward
-hook, after block *i*'s weights point into its slot and before block *i*'s kernels are queued. So a read overlaps
-only the GPU work queued before it (block *i-1*'s kernels, as far as the CPU ran ahead of the GPU), not block *i*'s
-own compute; hiding the reads behind that compute would need a reader thread (not built; not measured on a GPU).
+(its slot's event).
+
+The reads run on one reader thread (a one-worker executor), so they overlap the blocks' compute, on the GPU and on
+the CPU alike (``readinto`` releases the GIL). Block *i*'s hook, once block *i*'s weights point into its slot,
+queues the read and the copy of the next blocks in the order the streamer needs them (*i+1* .. in the forward,
+*i-1* .. in the backward's recomputes) and returns; block *i* computes while the thread reads. Block *i+1*'s hook
+waits for its read (an error there is raised, naming the block; nothing falls back to another path), then, on
+CUDA, the compute stream waits for the copy's event as in the pinned mode. The thread fills only the staging
+buffer and the slot of a block it was queued for, each free until that block's hook takes it, so the ring stays
+``ring_size`` deep. The thread starts with the first read and is stopped (its queued reads finished) when the
+streamer is freed (a stage's release) or restored (``disable_weight_streaming``).
 
 Each tensor is read with ``readinto`` straight into its place in the staging buffer (safetensors' ``get_slice``
 would allocate a new tensor per read and cost a second copy). What the file stores must be what loading made of
@@ -29,9 +36,11 @@ trained or edited in memory, expert parallelism) is refused before any weight mo
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -43,6 +52,7 @@ from .weight_streaming_ring import RingSlot, WeightStreamer
 
 
 __all__ = [
+    "READER_THREAD_NAME",
     "BlockFileReader",
     "DiskWeightStreamer",
     "FileSource",
@@ -52,6 +62,9 @@ __all__ = [
 ]
 
 _ADAPTER_NAME = re.compile(r"(^|\.)lora_[A-Za-z_]+(\.|$)")
+
+#: The name prefix of the disk mode's reader thread.
+READER_THREAD_NAME = "magi2-weight-streaming-disk-reader"
 
 _HOW_TO_GET_FILES = (
     "save it with model.save_pretrained(folder) and load it with from_pretrained(folder) (the pipeline: "
@@ -277,11 +290,15 @@ class DiskWeightStreamer(WeightStreamer):
     Attributes (besides the base's):
         staging: the staging buffers (uint8, each the largest block's bytes).
         reader: the :class:`BlockFileReader` (its ``cast_buffer``, the tensors it holds).
+        read_ahead: the reader thread (a one-worker executor, started by the first read, stopped by :meth:`free`
+            and :meth:`restore`), or ``None``.
     """
 
     def __init__(self, blocks, device, ring_size: int, use_stream: bool, sources, allocate: bool = True):
         super().__init__(blocks, device, ring_size, use_stream, allocate=False)
         self.reader = BlockFileReader([b.entries for b in self.blocks], sources)  # while the tensors hold weights
+        self.read_ahead: Optional[ThreadPoolExecutor] = None
+        self._reads: Dict[RingSlot, Future] = {}  # the reads queued on the reader thread, by the slot they fill
         if allocate:
             self.allocate()
 
@@ -309,6 +326,44 @@ class DiskWeightStreamer(WeightStreamer):
         self.reader.read(block.index, block.entries, staging)
         slot.buffer.narrow(0, 0, block.nbytes).copy_(staging.narrow(0, 0, block.nbytes), non_blocking=non_blocking)
 
+    def _start_copy(self, slot: RingSlot, block: StreamedBlock) -> None:
+        """Queue the read of ``block`` into ``slot``'s staging buffer, and its copy into ``slot``, on the reader
+        thread (in the order the blocks are needed: one worker, first in first out)."""
+        if self.read_ahead is None:
+            self.read_ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=READER_THREAD_NAME)
+        self._reads[slot] = self.read_ahead.submit(self._read_and_copy, slot, block)
+
+    def _read_and_copy(self, slot: RingSlot, block: StreamedBlock) -> None:
+        """The reader thread's job: the base's copy, its staging buffer filled from the files first."""
+        device = torch.cuda.device(self.device) if self.stream is not None else contextlib.nullcontext()
+        with torch.no_grad(), device:
+            super()._start_copy(slot, block)
+
+    def _wait_copied(self, slot: RingSlot) -> None:
+        """Wait for the reader thread's read into ``slot``; its error is raised here, naming the block."""
+        read = self._reads.pop(slot, None)
+        if read is not None:
+            try:
+                read.result()
+            except Exception as error:
+                index, slot.block = slot.block, None  # read again at the next use
+                raise RuntimeError(
+                    f"weight streaming (host_memory='disk'): reading block {index}'s weights from the files failed "
+                    f"on the reader thread: {error!r}"
+                ) from error
+        super()._wait_copied(slot)
+
+    def _stop_reading(self) -> None:
+        """Let the queued reads finish (a failed one's slot left empty, its error unraised: no block used it) and stop
+        the reader thread."""
+        for slot, read in self._reads.items():
+            if read.exception() is not None:
+                slot.block = None
+        self._reads = {}
+        if self.read_ahead is not None:
+            self.read_ahead.shutdown(wait=True)
+            self.read_ahead = None
+
     def _host_bytes(self, block: StreamedBlock) -> torch.Tensor:
         if self.stream is not None:
             self.stream.synchronize()
@@ -319,6 +374,11 @@ class DiskWeightStreamer(WeightStreamer):
         self.staging = []
         super()._free_host_buffers()
 
+    def free(self) -> None:
+        self._stop_reading()
+        super().free()
+
     def restore(self, device=None) -> None:
+        self._stop_reading()
         super().restore(device)
         self.reader.close()

@@ -154,7 +154,12 @@ class WeightStreamer:
         if not free:
             return None
         slot = next((s for s in free if s.block is None), free[0])
-        block = self.blocks[index]
+        self._start_copy(slot, self.blocks[index])
+        slot.block = index
+        return slot
+
+    def _start_copy(self, slot: RingSlot, block: StreamedBlock) -> None:
+        """Copy ``block``'s weights into ``slot``: at once on the CPU, queued on the side stream on CUDA."""
         if self.stream is None:
             self._copy_in(slot, block, non_blocking=False)
         else:
@@ -162,8 +167,11 @@ class WeightStreamer:
                 self.stream.wait_event(slot.free)  # the compute that last read this slot is done
                 self._copy_in(slot, block, non_blocking=True)
                 slot.ready.record(self.stream)
-        slot.block = index
-        return slot
+
+    def _wait_copied(self, slot: RingSlot) -> None:
+        """Order the compute that reads ``slot`` after the copy into it."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
 
     def acquire(self, index: int, step: int = 1, hold: bool = False) -> None:
         """Point block ``index``'s tensors at a ring slot holding its weights; prefetch the next blocks in call order
@@ -179,9 +187,8 @@ class WeightStreamer:
         slot = self._find(index) or self._load(index, window)
         if slot is None:
             raise RuntimeError(f"weight streaming: no free ring slot for block {index} (a block did not finish)")
+        self._wait_copied(slot)
         slot.in_use, slot.held = True, hold
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_event(slot.ready)
         views = slot.views.get(index)
         if views is None:
             views = slot.views[index] = [e.view(slot.buffer) for e in block.entries]

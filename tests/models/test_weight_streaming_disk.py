@@ -1,14 +1,17 @@
 """The disk mode of weight streaming on the CPU ring: a model loaded with ``from_pretrained`` streams its blocks from
 its safetensors files bit for bit as the resident model computes (bf16 and int4 experts, FP8-stored dense weights,
-a LoRA, a cast on loading, the refiner), with poisoned slots and staging buffers; host memory is the staging ring,
-not the model; and the refusals."""
+a LoRA, a cast on loading, the refiner), with poisoned slots and staging buffers; the reads on the reader thread,
+each while the block before it computes (in reverse order in the backward), a failed read raised at its block, the
+thread stopped with the streamer; host memory is the staging ring, not the model; and the refusals."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from helpers.tiny_transformer import tiny_inputs, tiny_model
 from helpers.weight_streaming_testing import assert_bitwise, refiner_inputs, run_model, with_lora
 
 from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
+from diffusers_magi2.models.weight_streaming_disk import READER_THREAD_NAME
 
 
 LAYERS = {"num_layers": 4, "multimodal_layers": [0, 3], "moe_layers": [1, 2]}
@@ -30,6 +34,35 @@ def _saved(model, tmp_path, cls=Magi2Transformer3DModel, **kwargs):
 
 def _block_ptrs(model):
     return [t.data_ptr() for b in model.transformer_blocks for t in [*b.parameters(), *b.buffers()]]
+
+
+def _reader_threads(before=()):
+    """The disk mode's reader threads alive now, but those in ``before`` (streamers of other tests not yet collected)."""
+    return [t for t in threading.enumerate() if t.name.startswith(READER_THREAD_NAME) and t not in before]
+
+
+def _disk_streamed(tmp_path):
+    """A bf16 tiny model loaded from ``tmp_path``, its inputs and resident output, then streamed from disk: also the
+    streamer and the reader threads alive before it."""
+    model = _saved(tiny_model(**LAYERS).to(torch.bfloat16), tmp_path)
+    inputs = tiny_inputs(dtype=torch.bfloat16)
+    resident = run_model(model, inputs)
+    others = _reader_threads()
+    return model, inputs, resident, model.enable_weight_streaming("cpu", host_memory="disk"), others
+
+
+def _record_reads(streamer, before=None):
+    """Wrap the streamer's file reads: each records ``(block, thread name)``, after ``before(block)`` returns."""
+    reads, read = [], streamer.reader.read
+
+    def recorded(index, entries, out):
+        if before is not None:
+            before(index)
+        reads.append((index, threading.current_thread().name))
+        read(index, entries, out)
+
+    streamer.reader.read = recorded
+    return reads
 
 
 @pytest.mark.parametrize("variant", ["bf16", "int4", "int4+fp8 storage", "bf16+lora", "fp32 file, bf16 model"])
@@ -72,13 +105,78 @@ def test_poisoned_slots_and_staging_between_uses_give_the_same_output(tmp_path):
     poisoned = []
 
     def poison(slot: torch.Tensor) -> None:
-        for buffer in [slot, *streamer.staging]:
+        # the released slot and its staging buffer (the others may be filling on the reader thread for the next block)
+        k = next(k for k, s in enumerate(streamer.slots) if s.buffer is slot)
+        for buffer in [slot, streamer.staging[k]]:
             buffer.fill_(0xFF)
         poisoned.append(slot.data_ptr())
 
     streamer.on_release = poison
     assert_bitwise(run_model(model, inputs), resident)
     assert len(poisoned) == len(model.transformer_blocks) and len(set(poisoned)) == len(streamer.staging) == 2
+
+
+def test_each_block_is_read_on_the_reader_thread_while_the_block_before_it_computes(tmp_path):
+    model, inputs, resident, streamer, others = _disk_streamed(tmp_path)
+    computing = [threading.Event() for _ in model.transformer_blocks]
+    for i, block in enumerate(model.transformer_blocks):
+        block.attention.register_forward_pre_hook(lambda module, args, i=i: computing[i].set())
+
+    def after_the_block_before_starts(index):  # a read on the calling thread, in that block's hook, waits in vain
+        assert index == 0 or computing[index - 1].wait(timeout=10), f"block {index} read before block {index - 1} ran"
+
+    reads = _record_reads(streamer, after_the_block_before_starts)
+    assert_bitwise(run_model(model, inputs), resident)
+    assert [i for i, _ in reads] == [0, 1, 2, 3]
+    assert all(name.startswith(READER_THREAD_NAME) for _, name in reads) and len(_reader_threads(others)) == 1
+    streamer.free()  # a stage's release: the thread stops with the buffers
+    assert _reader_threads(others) == []
+    del streamer.reader.read
+    streamer.allocate()  # the stage's return
+    assert_bitwise(run_model(model, inputs), resident)
+    assert len(_reader_threads(others)) == 1
+    model.disable_weight_streaming()
+    assert _reader_threads(others) == []
+    assert_bitwise(run_model(model, inputs), resident)
+
+
+def test_a_failed_read_is_raised_where_its_block_runs_naming_it(tmp_path):
+    model, inputs, resident, streamer, others = _disk_streamed(tmp_path)
+
+    def fail_block_2(index):
+        if index == 2:
+            raise OSError(5, "Input/output error")
+
+    _record_reads(streamer, fail_block_2)
+    with pytest.raises(
+        RuntimeError, match=r"reading block 2's weights from the files failed on the reader thread"
+    ) as e:
+        run_model(model, inputs)
+    assert isinstance(e.value.__cause__, OSError) and "Input/output error" in str(e.value)
+    del streamer.reader.read
+    assert_bitwise(run_model(model, inputs), resident)  # block 2 read again
+    model.disable_weight_streaming()
+    assert _reader_threads(others) == []
+
+
+def test_a_lora_step_reads_the_blocks_in_reverse_order_for_the_backward_bit_for_bit(tmp_path):
+    resident = _saved(tiny_model(**LAYERS).to(torch.bfloat16), tmp_path)
+    resident.requires_grad_(False)
+    resident = with_lora(resident).train()  # the factors trainable, the rest frozen
+    resident.enable_gradient_checkpointing()
+    model = copy.deepcopy(resident)
+    inputs = tiny_inputs(dtype=torch.bfloat16)
+    streamer = model.enable_weight_streaming("cpu", host_memory="disk")
+    reads = _record_reads(streamer)
+    grads = []
+    for m in (resident, model):
+        out = m(**inputs)
+        (out.sample.float().square().mean() + out.audio_sample.float().square().mean()).backward()
+        grads.append([p.grad for n, p in m.named_parameters() if p.requires_grad])
+    assert len(grads[0]) > 0 and all(torch.equal(a, b) for a, b in zip(*grads))
+    # the forward reads 0..3; the backward finds 3 and 2 in the ring and reads 1, then 0
+    assert [i for i, _ in reads] == [0, 1, 2, 3, 1, 0]
+    assert all(name.startswith(READER_THREAD_NAME) for _, name in reads)
 
 
 def test_host_holds_the_staging_ring_and_the_adapters_not_the_blocks(tmp_path):
