@@ -1,7 +1,9 @@
 """``Magi2Pipeline.enable_weight_streaming``: the text encoder's decoder layers and both transformers' blocks
 streamed through a device ring (:mod:`~diffusers_magi2.models.weight_streaming`), the autoencoders in host memory
-but for their own encode or decode (moved whole, ``module.to(device)``, as they read ``module.device``), every other
-component resident on the device; with ``release_between_stages``, one streamed model holds its weights at a time
+but for their own encode or decode (moved whole, ``module.to(device)``, as they read ``module.device``; after it,
+each parameter and buffer points back at its host tensor as loaded: no copy back, and a view of the safetensors file
+stays one, file-backed rather than anonymous memory), every other component resident on the device; with
+``release_between_stages``, one streamed model holds its weights at a time
 (:mod:`~diffusers_magi2.pipelines.weight_streaming_stages`).
 
 Checked before any weight moves, in this order:
@@ -70,6 +72,26 @@ def _weight_nbytes(module: torch.nn.Module) -> int:
     return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
 
 
+def _host_tensors(module: torch.nn.Module) -> list:
+    """``(owner, kind, name, tensor)`` of every parameter and buffer of ``module`` as it holds them now."""
+    return [
+        (owner, kind, name, t.detach() if kind == "_parameters" else t)
+        for owner in module.modules()
+        for kind in ("_parameters", "_buffers")
+        for name, t in getattr(owner, kind).items()
+        if t is not None
+    ]
+
+
+def _point_back(tensors: list) -> None:
+    """Point each parameter (its ``data``) and buffer back at the tensor :func:`_host_tensors` recorded."""
+    for owner, kind, name, t in tensors:
+        if kind == "_parameters":
+            owner._parameters[name].data = t
+        else:
+            owner._buffers[name] = t
+
+
 def streamed_blocks(name: str, model: torch.nn.Module) -> torch.nn.ModuleList:
     """The blocks streamed of a pipeline component: the transformers' ``transformer_blocks``; the text encoder's
     decoder layers (``layers`` of a transformers text model, or of its ``model`` / ``language_model``).
@@ -103,9 +125,10 @@ class Magi2WeightStreamingPipelineMixin:
         through a ring of ``ring_size`` device buffers each (:func:`~diffusers_magi2.models.weight_streaming.
         apply_weight_streaming`; their other weights, e.g. the token embedding, resident on ``device``); keep the
         autoencoders (:data:`AUTOENCODER_COMPONENTS`) in host memory, each moved to ``device`` for its own encode or
-        decode and back after (dtypes unchanged); move every other component to ``device``; run the refiner's layers
-        in token chunks of :data:`STREAMED_REFINER_CHUNK_SIZE` (``enable_forward_chunking``) and the TurboVAE decode in
-        spatial tiles (``video_decoder.enable_tiling()``, which the 1080p decode needs on a 32 GB card). Call it instead of
+        decode, then back to its host tensors as loaded (dtypes unchanged); move every other component to
+        ``device``; run the refiner's layers in token chunks of :data:`STREAMED_REFINER_CHUNK_SIZE`
+        (``enable_forward_chunking``) and the TurboVAE decode in spatial tiles (``video_decoder.enable_tiling()``,
+        which the 1080p decode needs on a 32 GB card). Call it instead of
         ``pipe.to(device)``; inference only.
 
         Args:
@@ -200,18 +223,19 @@ class Magi2WeightStreamingPipelineMixin:
 
     @contextlib.contextmanager
     def _autoencoder_stage(self, name: str):
-        """While streaming, the autoencoder ``name`` on the streaming device for the ``with`` body, in host memory
-        after; otherwise nothing moves."""
+        """While streaming, the autoencoder ``name`` on the streaming device for the ``with`` body, then on its host
+        tensors as loaded (inference: its weights unchanged); otherwise nothing moves."""
         device, autoencoders = getattr(self, "_weight_streaming_autoencoders", None) or (None, ())
         module = getattr(self, name, None) if name in autoencoders else None
         if module is None:
             yield
             return
+        as_loaded = _host_tensors(module)
         module.to(device)
         try:
             yield
         finally:
-            module.to("cpu")
+            _point_back(as_loaded)
 
     def _check_streaming_host(self, models, blocks, rereads, host_memory: str, ring_size: int, pinned: bool) -> None:
         """Refuse a host with less available memory than ``host_memory`` holds for the streamed ``blocks`` (the held

@@ -117,15 +117,23 @@ class StreamedWeights:
         """Bytes copied host -> device by one pass over the blocks."""
         return sum(self.blocks)
 
+    def host(self, mode: str, pinned: bool = True) -> int:
+        """Host bytes the streamer holds for the blocks in ``mode``: ``"pinned"``, the blocks packed into its arenas;
+        ``"disk"``, its staging ring; with ``pinned`` (CUDA), each allocation rounded as the pinned allocator does
+        (the arenas by the streamer's own rule)."""
+        if mode == "disk":
+            return RING_DEPTH * (pinned_bytes(max(self.blocks)) if pinned else max(self.blocks))
+        return arena_pinned_bytes(self.blocks) if pinned else sum(self.blocks)
+
     @property
     def host_pinned(self) -> int:
         """Pinned host bytes of the blocks packed into the streamer's arenas, rounded (its own rule)."""
-        return arena_pinned_bytes(self.blocks)
+        return self.host("pinned")
 
     @property
     def host_staging(self) -> int:
         """Pinned host bytes of the disk mode's staging ring."""
-        return RING_DEPTH * pinned_bytes(max(self.blocks))
+        return self.host("disk")
 
 
 def preview_streamed_weights(

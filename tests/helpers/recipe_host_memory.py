@@ -8,14 +8,17 @@ Run as ``python -m helpers.recipe_host_memory FOLDER MODE...`` (``tests/`` on ``
 per mode the process's anonymous RSS (``/proc/self/status`` ``RssAnon``) above its level before loading: its peak
 while loading and while enabling (sampled every 1 ms by a forked process and read at the end of each), and what each
 stage holds after its forward (on the CPU a forward's activations are host memory too); its file-backed RSS
-(``RssFile``) after each, reported apart; and ``planned``, the host memory the package plans on the CPU, where the
-ring is host memory too (per streamed model, from
-:func:`~diffusers_magi2.models.weight_streaming.streaming_host_nbytes` and ``streaming_device_nbytes``)::
+(``RssFile``) after each, reported apart; and ``planned_<stage>``, the host memory the plan gives that stage at this
+width (:class:`~helpers.memory_plan_streaming.StreamedWeights` of the stage's model: its blocks' bytes and the
+weights outside them), on the CPU, where the device ring and the weights outside the blocks are host memory too and
+nothing is pinned (no rounding)::
 
-    pinned:  max over the streamed models (packed blocks + weights outside the blocks + ring)
-    disk:    sum over the streamed models (staging ring + ring)   (the disk mode keeps every model's rings; the
-                                                                   weights outside the blocks stay views of the
-                                                                   files on the CPU: file-backed)
+    pinned:  packed blocks + weights outside the blocks + ring          (of the stage's model alone: the models
+    disk:    staging ring + weights outside the blocks + ring            run before it are released)
+
+On a GPU host the pinned buffers and the device ring are resident from their allocation; on the CPU an allocation's
+pages count once written, and a ring slot that never receives the largest block is never written in full, so after
+each stage every ring and staging buffer that exists (of any streamed model) is written once before RSS is read.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ import torch
 
 from diffusers_magi2 import Magi2Pipeline
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
-from diffusers_magi2.models.weight_streaming import streaming_device_nbytes, streaming_host_nbytes
+from diffusers_magi2.models.weight_streaming import streaming_device_nbytes
 from diffusers_magi2.pipelines.tiny_default import build_tiny_random_pipeline, init_tiny_weights
 from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_COMPONENTS, streamed_blocks
 
 from .int4_models import int4_transformer
+from .memory_plan_streaming import StreamedWeights
 from .weight_streaming_testing import refiner_inputs
 
 
@@ -111,16 +115,24 @@ def _sample(pid: int, peak, stop) -> None:
         time.sleep(0.001)
 
 
-def _planned(pipe, mode: str, ring_size: int = 2) -> int:
-    per_model = []
+def _planned(pipe, mode: str) -> dict:
+    """Per streamed model, the host memory its stage plans on the CPU (module docstring)."""
+    planned = {}
     for name in STREAMED_COMPONENTS:
         model = getattr(pipe, name)
         blocks = list(streamed_blocks(name, model))
-        host = streaming_host_nbytes(model, blocks, mode, ring_size, pinned=False)
-        ring = streaming_device_nbytes(model, blocks, ring_size) - streaming_device_nbytes(model, blocks, 0)
-        outside = streaming_device_nbytes(model, blocks, 0)
-        per_model.append(host + ring + (outside if mode == "pinned" else 0))
-    return max(per_model) if mode == "pinned" else sum(per_model)
+        sizes = [sum(t.nbytes for t in {id(t): t for t in [*b.parameters(), *b.buffers()]}.values()) for b in blocks]
+        weights = StreamedWeights(streaming_device_nbytes(model, blocks, 0), sizes)
+        planned[name] = weights.host(mode, pinned=False) + weights.resident + weights.ring
+    return planned
+
+
+def _write_rings(pipe) -> None:
+    """Write every ring slot and staging buffer that exists once (module docstring)."""
+    for name in STREAMED_COMPONENTS:
+        streamer = getattr(getattr(pipe, name), "_weight_streamer", None)
+        for buffer in [s.buffer for s in streamer.slots] + list(getattr(streamer, "staging", [])):
+            buffer.fill_(0xFF)
 
 
 def _stage_forward(name: str, model) -> None:
@@ -144,7 +156,7 @@ def _stage_forward(name: str, model) -> None:
 def measure(folder: str, mode: str, dtypes: dict) -> dict:
     """The recipe in ``mode`` from ``folder``: the anonymous RSS above the level before loading at its peak while
     loading (``load``) and enabling (``enable``), and held after each stage's forward (``text_encoder``,
-    ``transformer``, ``refiner``); ``file_*`` the file-backed RSS after each; ``planned``."""
+    ``transformer``, ``refiner``); ``file_*`` the file-backed RSS after each; ``planned_*`` each stage's plan."""
     gc.collect()
     base = _status()
     peak = _AnonPeak()
@@ -159,11 +171,12 @@ def measure(folder: str, mode: str, dtypes: dict) -> dict:
     pipe = Magi2Pipeline.from_pretrained(folder, dtype=dtypes)
     pipe.transformer.set_moe_backend("torch_grouped")  # (the CPU's: "auto" takes Triton's interpreter)
     phase("load")
-    result["planned"] = _planned(pipe, mode)
+    result.update({f"planned_{k}": v for k, v in _planned(pipe, mode).items()})
     pipe.enable_weight_streaming(vram_gb=24, device="cpu", host_memory=mode)
     phase("enable")
     for name in STREAMED_COMPONENTS:  # the stages, in the order a call runs them; on the CPU a forward's
         _stage_forward(name, getattr(pipe, name))  # activations are host memory too: held weights only
+        _write_rings(pipe)
         phase(name, peaked=False)
     peak.close()
     return result
