@@ -185,20 +185,28 @@ def write_json(result: dict, path: str) -> str:
 
 
 def consumer_markdown(result: dict) -> str:
-    """The README's table of a streamed recipe."""
+    """The README's table of a streamed recipe (an autoencoder's copy and read: once per stage)."""
     lines = [
-        "| stage | used | resident | ring | activations | peak | host (pinned / disk) | h2d per step | "
-        "copy 25 / 56 GB/s | compute |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| stage | used | resident | ring | activations | peak | host (pinned / disk) | h2d | copy 25 / 56 GB/s | "
+        "compute | disk read 3.5 / 7 GB/s | disk step 3.5 / 7 GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["stages"]:
-        t = r.get("time_per_step") or {}
-        copy = f"{t['copy_s_at_25GBps']} / {t['copy_s_at_56GBps']} s" if t else ""
-        h2d = f"{r['h2d_GB_per_step']} GB" if "h2d_GB_per_step" in r else ""
+        per = "step" if "time_per_step" in r else "stage"
+        t = r.get(f"time_per_{per}") or {}
+        h2d = f"{r[f'h2d_GB_per_{per}']} GB per {per}" if f"h2d_GB_per_{per}" in r else ""
+
+        def pair(key, t=t):
+            return f"{t[key.format(25)]} / {t[key.format(56)]} s" if key.format(25) in t else ""
+
+        def disk(key, t=t):
+            return f"{t[key.format(3.5)]} / {t[key.format(7)]} s" if key.format(7) in t else ""
+
         lines.append(
             f"| {r['stage']} | {'yes' if r['used'] else 'no'} | {r['resident_GB']} GB | {r['ring_GB']} GB | "
             f"{r['activations_GB']} GB | {r['peak_GB']} GB | {r['host_GB']} / {r['host_disk_mode_GB']} GB | {h2d} | "
-            f"{copy} | {str(t['compute_s']) + ' s' if t else ''} |"
+            f"{pair('copy_s_at_{}GBps')} | {str(t['compute_s']) + ' s' if 'compute_s' in t else ''} | "
+            f"{disk('disk_read_s_at_{}GBps')} | {disk('disk_step_s_at_{}GBps')} |"
         )
     lines.append(
         f"\nhost memory at the run's peak: {result['host_ram_GB']} GB pinned mode, "

@@ -36,9 +36,10 @@ from .memory_plan_codecs import (
 )
 from .memory_plan_streaming import (
     CARDS,
-    DISK_GBPS,
+    NVME_GBPS,
     PROCESS_BYTES,
     StreamedStage,
+    gbps_key,
     pinned_bytes,
     preview_step_flops,
     preview_streamed_weights,
@@ -85,13 +86,15 @@ def _traced(kind: str, *args):
     raise ValueError(kind)
 
 
-def _resident(name: str, model: str, row, *, used: bool = True, why=None, notes=()) -> StreamedStage:
-    """A stage of the pipeline component ``model`` that sits on the device whole (loaded through host memory, then
-    moved)."""
+def _resident(name: str, model: str, row, card_gb: int, *, used: bool = True, why=None, notes=()) -> StreamedStage:
+    """A stage of the pipeline component ``model`` (an autoencoder) that sits on the device whole for the stage:
+    copied host -> device once (``module.to(device)``; in the disk mode read from its files first)."""
     host = PROCESS_BYTES + row.weights
     return StreamedStage(
-        name, row.stage, row.weights, 0, row.activations, host, host, used, why, streams=False,
-        peak_at=row.peak_at, notes=list(row.notes) + list(notes), model=model,
+        name, row.stage, row.weights, 0, row.activations, host, host, used, why, row.weights,
+        time_model(row.weights, None, card_gb, disk_bytes=row.weights), row.peak_at, streams=False,
+        notes=list(row.notes) + list(notes) + ["h2d and time: once per stage (the weights onto the device)"],
+        disk_read=row.weights, model=model, per="stage",
     )  # fmt: skip
 
 
@@ -177,17 +180,23 @@ def plan_consumer(card_gb: int) -> Dict[str, object]:
     big = card_gb >= 32
     decode_res = "1080p" if big else "540p"
     stages: List[StreamedStage] = [_text_stage(card_gb)]
-    stages.append(_resident("image_encode_540p", "vae", _traced("image"), notes=["I2V only"]))
+    stages.append(_resident("image_encode_540p", "vae", _traced("image"), card_gb, notes=["I2V only"]))
     stages += [_preview_stage(res, card_gb) for res in ("272p", "540p")]
     stages.append(_refiner_stage(card_gb, used=big))
-    stages.append(_resident(f"turbovae_decode_{decode_res}", "video_decoder", _traced("turbovae", decode_res, big)))
+    turbovae = _traced("turbovae", decode_res, big)
+    stages.append(_resident(f"turbovae_decode_{decode_res}", "video_decoder", turbovae, card_gb))
     for res in ("540p", "1080p") if big else ("540p",):
         stages.append(
             _resident(
-                f"wan_decode_{res}", "vae", _traced("wan", res), used=False, why="the recipe decodes with the TurboVAE"
+                f"wan_decode_{res}",
+                "vae",
+                _traced("wan", res),
+                card_gb,
+                used=False,
+                why="the recipe decodes with the TurboVAE",
             )
         )
-    stages.append(_resident("audio_decode", "audio_vae", _traced("audio")))
+    stages.append(_resident("audio_decode", "audio_vae", _traced("audio"), card_gb))
     stages.append(_lora_stage(card_gb, used=big))
     return {"stages": stages}
 
@@ -272,10 +281,10 @@ def summary(card_gb: int, rows) -> dict:
 
 def reread_per_generation(rows) -> dict:
     """What a generation re-reads from the files (each streamed model once, its stages freed in turn): GB and
-    seconds at ``DISK_GBPS``, per model and in all."""
-    models = {r["model"]: r["reread_GB_per_generation"] for r in rows if r.get("model")}
+    seconds at each of ``NVME_GBPS``, per model and in all."""
+    models = {r["model"]: r["reread_GB_per_generation"] for r in rows if "reread_GB_per_generation" in r}
     total = round(sum(models.values()), 2)
-    return {"models_GB": models, "GB": total, f"s_at_{DISK_GBPS:.0f}GBps": round(total / DISK_GBPS, 2)}
+    return {"models_GB": models, "GB": total, **{f"s_at_{gbps_key(g)}": round(total / g, 2) for g in NVME_GBPS}}
 
 
 #: Host memory, as the plan counts it.

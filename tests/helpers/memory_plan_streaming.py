@@ -20,13 +20,20 @@ so a run's host memory is its largest stage's.
 Stages run one after the other, and a streamed model's weights are freed when the next streamed model's stage
 begins and re-read from its safetensors files when its own begins again
 (``enable_weight_streaming(release_between_stages=...)``), so every generation reads each streamed model once:
-``reread_s = (resident + blocks) / DISK_GBPS`` per model (the files assumed to hold the storage dtypes the
-streamer holds: int4 experts, FP8 dense weights as the converter writes them).
+``reread_s = (resident + blocks) / nvme`` per model at each of ``NVME_GBPS`` (the files assumed to hold the storage
+dtypes the streamer holds: int4 experts, FP8 dense weights as the converter writes them).
 
-Time per step: copy ``h2d / bandwidth`` at 25 GB/s (PCIe Gen4 x16) and 56 GB/s (Gen5), or ``h2d / DISK_GBPS`` in the
-disk mode, against compute ``flops / card peak``, where ``flops = 2 x active parameters x tokens`` (a multimodal
-layer's modality-specific weights counted once per token, the routed experts ``top_k / num_experts`` of theirs) plus
-dense attention ``4 x S^2 x Hq x D`` per CFG half and layer. The copy hides when it is no longer than the compute.
+Time per step: copy ``h2d / pcie`` at each of ``PCIE_GBPS``, against compute ``flops / card peak``, where
+``flops = 2 x active parameters x tokens`` (a multimodal layer's modality-specific weights counted once per token,
+the routed experts ``top_k / num_experts`` of theirs) plus dense attention ``4 x S^2 x Hq x D`` per CFG half and
+layer. The copy hides when it is no longer than the compute. The disk mode also reads the step's blocks from the
+files, ``read = disk_read / nvme``, on a reader thread ahead of the blocks, so the three overlap (the stages of a
+pipeline) and the step takes the slowest::
+
+    disk step = max(read at nvme, copy at 25 GB/s, compute)
+
+An autoencoder stage copies the autoencoder host -> device once (``module.to(device)``), ``weights / pcie``; in the
+disk mode its weights are views of its files, read at ``nvme`` where the page cache does not hold them (counted).
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from .memory_trace import module_bytes
 
 __all__ = [
     "CARDS",
-    "DISK_GBPS",
+    "NVME_GBPS",
     "PCIE_GBPS",
     "PROCESS_BYTES",
     "RING_DEPTH",
@@ -77,8 +84,8 @@ __all__ = [
 #: Device slots per streamed model: ``enable_weight_streaming``'s default ``ring_size``, which the recipes use.
 RING_DEPTH = STREAMED_RING_SIZE
 PCIE_GBPS = (25.0, 56.0)
-#: NVMe sequential read of the disk mode (PCIe Gen4 NVMe, assumed).
-DISK_GBPS = 7.0
+#: NVMe sequential reads (GB/s) of the disk mode and the re-reads: a PCIe Gen3 x4 and a Gen4 x4 drive (assumed).
+NVME_GBPS = (3.5, 7.0)
 #: Python, torch and the CUDA context's host memory (assumed).
 PROCESS_BYTES = 2 * GB
 #: Cards: name, dense bf16 tensor peak with fp32 accumulation (FLOP/s), its source.
@@ -242,20 +249,30 @@ def preview_step_flops(
     return linear + attention
 
 
-def time_model(h2d_bytes: int, flops: float, card_gb: int, disk_bytes: int = 0) -> dict:
-    """Per-step copy and compute estimates (seconds) and whether the copy hides behind the compute."""
+def gbps_key(gbps: float) -> str:
+    """A rate in a JSON key: ``25GBps``, ``3.5GBps``."""
+    return f"{gbps:g}GBps"
+
+
+def time_model(h2d_bytes: int, flops: Optional[float], card_gb: int, disk_bytes: int = 0) -> dict:
+    """Copy and compute estimates (seconds) and whether the copy hides behind the compute; with ``disk_bytes``, the
+    disk mode's reads and its step (module docstring). ``flops=None``: copies and reads only (an autoencoder)."""
     name, peak, _ = CARDS[card_gb]
-    compute = flops / peak
-    out = {"card": name, "compute_s": round(compute, 2), "flops": float(f"{flops:.4g}")}
+    compute = 0.0 if flops is None else flops / peak
+    out = {"card": name}
+    if flops is not None:
+        out.update({"compute_s": round(compute, 2), "flops": float(f"{flops:.4g}")})
     for gbps in PCIE_GBPS:
         copy_s = h2d_bytes / (gbps * GB)
-        out[f"copy_s_at_{gbps:.0f}GBps"] = round(copy_s, 2)
-        out[f"hides_at_{gbps:.0f}GBps"] = copy_s <= compute
-    if disk_bytes:
-        read_s = disk_bytes / (DISK_GBPS * GB)
-        out["disk_read_s"] = round(read_s, 2)
-        out["disk_hides"] = read_s <= compute
-        out["disk_step_s"] = round(max(read_s, compute), 2)
+        out[f"copy_s_at_{gbps_key(gbps)}"] = round(copy_s, 2)
+        if flops is not None:
+            out[f"hides_at_{gbps_key(gbps)}"] = copy_s <= compute
+    for gbps in NVME_GBPS if disk_bytes else ():
+        read_s = disk_bytes / (gbps * GB)
+        out[f"disk_read_s_at_{gbps_key(gbps)}"] = round(read_s, 2)
+        if flops is not None:
+            out[f"disk_hides_at_{gbps_key(gbps)}"] = read_s <= compute
+            out[f"disk_step_s_at_{gbps_key(gbps)}"] = round(max(read_s, h2d_bytes / (PCIE_GBPS[0] * GB), compute), 2)
     return out
 
 
@@ -279,6 +296,7 @@ class StreamedStage:
     notes: List[str] = field(default_factory=list)
     disk_read: Optional[int] = None
     model: Optional[str] = None  # the pipeline component whose weights the stage counts (a streamed one: re-read)
+    per: str = "step"  # what h2d, timing and disk_read count: a step, or the stage (an autoencoder, once)
     reread: Optional[int] = None  # its bytes in the files
 
     @property
@@ -305,15 +323,15 @@ class StreamedStage:
         if not self.used:
             row["why_unused"] = self.why_unused
         if self.h2d is not None:
-            row["h2d_GB_per_step"] = round(self.h2d / GB, 2)
+            row[f"h2d_GB_per_{self.per}"] = round(self.h2d / GB, 2)
         if self.timing is not None:
-            row["time_per_step"] = self.timing
+            row[f"time_per_{self.per}"] = self.timing
         if self.disk_read is not None:
-            row["disk_read_GB_per_step"] = round(self.disk_read / GB, 2)
+            row[f"disk_read_GB_per_{self.per}"] = round(self.disk_read / GB, 2)
         if self.reread is not None:
             row["model"] = self.model
             row["reread_GB_per_generation"] = round(self.reread / GB, 2)
-            row["reread_s_per_generation"] = round(self.reread / (DISK_GBPS * GB), 2)
+            row["reread_s_per_generation"] = {gbps_key(g): round(self.reread / (g * GB), 2) for g in NVME_GBPS}
         if self.peak_at:
             row["peak_at"] = self.peak_at
         if self.notes:

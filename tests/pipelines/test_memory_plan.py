@@ -23,7 +23,7 @@ from helpers.memory_plan import (
     trace_preview_forward,
     trace_refiner_forward,
 )
-from helpers.memory_plan_streaming import RING_DEPTH, preview_streamed_weights
+from helpers.memory_plan_streaming import CARDS, RING_DEPTH, preview_streamed_weights, time_model
 from helpers.memory_plan_training import plan_lora_training_step, trace_lora_training_step
 from helpers.memory_trace import triton_expert_allocations
 from helpers.memory_tracking import LiveStorageTracker, cpu_allocator_peak
@@ -398,3 +398,19 @@ def test_streamed_host_memory_matches_a_fresh_process_within_10_percent():
     measured = int(out.stdout.split()[-1])
     print(f"host: measured {measured} B, planned {planned} B (x{planned / measured:.3f})")
     assert abs(planned - measured) <= 0.10 * measured
+
+
+def test_time_model_divides_the_copies_and_reads_and_a_disk_step_takes_the_slowest():
+    # 56 GB copied and 7 GB read against 2 s of compute at the RTX 4090's bf16 peak; the disk mode's reader thread
+    # overlaps the read, the copy (at 25 GB/s) and the compute, so its step is the slowest of the three
+    t = time_model(56 * GB, 2 * CARDS[24][1], 24, disk_bytes=7 * GB)
+    assert (t["compute_s"], t["copy_s_at_25GBps"], t["copy_s_at_56GBps"]) == (2.0, 2.24, 1.0)
+    assert (t["hides_at_25GBps"], t["hides_at_56GBps"]) == (False, True)
+    assert (t["disk_read_s_at_3.5GBps"], t["disk_read_s_at_7GBps"]) == (2.0, 1.0)
+    assert (t["disk_hides_at_3.5GBps"], t["disk_hides_at_7GBps"]) == (True, True)
+    assert (t["disk_step_s_at_3.5GBps"], t["disk_step_s_at_7GBps"]) == (2.24, 2.24)
+    # an autoencoder's stage: its 2.82 GB onto the device once (and read from its files in the disk mode)
+    assert time_model(2.82 * GB, None, 24, disk_bytes=2.82 * GB) == {
+        "card": "RTX 4090", "copy_s_at_25GBps": 0.11, "copy_s_at_56GBps": 0.05, "disk_read_s_at_3.5GBps": 0.81,
+        "disk_read_s_at_7GBps": 0.4,
+    }  # fmt: skip
