@@ -294,7 +294,9 @@ HOST_MEMORY = (
     "streamed model (text encoder, transformer, refiner) is freed when the next one's stage begins and re-read from "
     "its files when its own begins (reread_per_generation; a LoRA training run is a process of its own). File-backed "
     "pages (the disk mode's page cache of the safetensors files, "
-    "disk_read_GB_per_step) are not counted"
+    "disk_read_GB_per_step) are not counted, nor are the autoencoders' weights outside their own stages: views of "
+    "their files for a repo stored in the dtypes the recipe loads, which their stage moves to the device and then "
+    "points back at (an autoencoder's own row counts its weights)"
 )
 #: Stages every generation runs, checked by default before weights move.
 REQUIRED_STAGES = ("text_encode", "preview_272p", "audio_decode")
