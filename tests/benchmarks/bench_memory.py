@@ -44,6 +44,7 @@ from tests.helpers.memory_plan_codecs import (
     plan_wan_decode,
 )
 from tests.helpers.memory_plan_consumer import budget_table, consumer_result
+from tests.helpers.memory_plan_streaming import NVME_GBPS, PCIE_GBPS, gbps_key
 from tests.helpers.memory_plan_training import plan_lora_training_step
 
 
@@ -186,9 +187,10 @@ def write_json(result: dict, path: str) -> str:
 
 def consumer_markdown(result: dict) -> str:
     """The README's table of a streamed recipe (an autoencoder's copy and read: once per stage)."""
+    pcie, nvme = (" / ".join(f"{g:g}" for g in rates) for rates in (PCIE_GBPS, NVME_GBPS))
     lines = [
-        "| stage | used | resident | ring | activations | peak | host (pinned / disk) | h2d | copy 25 / 56 GB/s | "
-        "compute | disk read 3.5 / 7 GB/s | disk step 3.5 / 7 GB/s |",
+        f"| stage | used | resident | ring | activations | peak | host (pinned / disk) | h2d | copy {pcie} GB/s | "
+        f"compute | disk read {nvme} GB/s | disk step {nvme} GB/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["stages"]:
@@ -196,17 +198,15 @@ def consumer_markdown(result: dict) -> str:
         t = r.get(f"time_per_{per}") or {}
         h2d = f"{r[f'h2d_GB_per_{per}']} GB per {per}" if f"h2d_GB_per_{per}" in r else ""
 
-        def pair(key, t=t):
-            return f"{t[key.format(25)]} / {t[key.format(56)]} s" if key.format(25) in t else ""
-
-        def disk(key, t=t):
-            return f"{t[key.format(3.5)]} / {t[key.format(7)]} s" if key.format(7) in t else ""
+        def rates(key, gbps, t=t):
+            values = [t.get(f"{key}_at_{gbps_key(g)}") for g in gbps]
+            return "" if None in values else " / ".join(map(str, values)) + " s"
 
         lines.append(
             f"| {r['stage']} | {'yes' if r['used'] else 'no'} | {r['resident_GB']} GB | {r['ring_GB']} GB | "
             f"{r['activations_GB']} GB | {r['peak_GB']} GB | {r['host_GB']} / {r['host_disk_mode_GB']} GB | {h2d} | "
-            f"{pair('copy_s_at_{}GBps')} | {str(t['compute_s']) + ' s' if 'compute_s' in t else ''} | "
-            f"{disk('disk_read_s_at_{}GBps')} | {disk('disk_step_s_at_{}GBps')} |"
+            f"{rates('copy_s', PCIE_GBPS)} | {str(t['compute_s']) + ' s' if 'compute_s' in t else ''} | "
+            f"{rates('disk_read_s', NVME_GBPS)} | {rates('disk_step_s', NVME_GBPS)} |"
         )
     lines.append(
         f"\nhost memory at the run's peak: {result['host_ram_GB']} GB pinned mode, "
