@@ -62,6 +62,7 @@ def _restore_active_attention_backend():
 
 
 _DISTRIBUTED_MARK = re.compile(r"\bmark\.distributed\b")
+_SLOW_MARK = re.compile(r"\bmark\.slow\b")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -69,21 +70,36 @@ def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's work units under ``-n N`` (``--dist load``, the default): each test module is one unit (its
     cached models and module fixtures are built once), and every module that holds a ``distributed`` test joins one
     unit, so the multi-process tests run one after another on one worker: never two gloo groups or launches at
-    once, and that worker's pools of gloo ranks (``helpers.ep_spawn_utils``) serve them all. The scheduler sees
-    node ids only, so a module's source is what tells it that the module has a ``distributed`` mark."""
+    once, and that worker's pools of gloo ranks (``helpers.ep_spawn_utils``) serve them all. A free worker takes the
+    costliest unit left (the distributed unit, then modules with a ``slow`` test, then by number of tests), so no
+    long module starts last while the other worker idles. The scheduler sees node ids only, so a module's source is
+    what tells it the module's marks."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     root = config.rootpath
-    distributed: dict[str, bool] = {}
+    marks: dict[str, tuple[bool, bool]] = {}
+
+    def module_marks(module: str) -> tuple[bool, bool]:
+        """``(distributed, slow)``: whether the module's source marks a test so."""
+        if module not in marks:
+            path = root / module
+            source = path.read_text() if path.is_file() else ""
+            marks[module] = (bool(_DISTRIBUTED_MARK.search(source)), bool(_SLOW_MARK.search(source)))
+        return marks[module]
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            if module not in distributed:
-                path = root / module
-                distributed[module] = path.is_file() and bool(_DISTRIBUTED_MARK.search(path.read_text()))
-            return "distributed" if distributed[module] else module
+            return "distributed" if module_marks(module)[0] else module
+
+        def _assign_work_unit(self, node) -> None:
+            def cost(scope: str) -> tuple[bool, bool, int]:
+                distributed, slow = module_marks(next(iter(self.workqueue[scope])).split("::", 1)[0])
+                return distributed, slow, len(self.workqueue[scope])
+
+            self.workqueue.move_to_end(max(self.workqueue, key=cost), last=False)
+            super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)

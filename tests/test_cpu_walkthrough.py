@@ -43,6 +43,7 @@ def walkthrough(tmp_path_factory):
     return work, res
 
 
+@pytest.mark.slow  # the walk-through's three fresh interpreters (module fixture)
 def test_readme_walkthrough_converts_and_generates_a_clip(walkthrough):
     work, res = walkthrough
     release = work / "magi2-tiny-release"
@@ -57,6 +58,7 @@ def test_readme_walkthrough_converts_and_generates_a_clip(walkthrough):
     assert "model magi2-tiny-diffusers" in res.stdout
 
 
+@pytest.mark.slow  # the walk-through's three fresh interpreters (module fixture)
 def test_release_holds_sandai_names_and_the_release_dtypes(walkthrough):
     from safetensors import safe_open
 
@@ -104,6 +106,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # the walk-through's three fresh interpreters (module fixture)
 def test_converted_release_loads_as_remote_code_offline_and_equals_magi2_pipeline(walkthrough, tmp_path):
     """The walk-through's converted repo, loaded with plain diffusers' ``ModularPipeline.from_pretrained(...,
     trust_remote_code=True)`` in a fresh ``HF_HUB_OFFLINE=1`` process, gives ``Magi2Pipeline.from_pretrained``'s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import tomllib
 from helpers.fixtures import REPO_ROOT
 
@@ -30,6 +31,7 @@ def test_ci_runs_the_readme_test_command():
     assert "test-command" in (REPO_ROOT / ".ci" / "run").read_text()
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_public_names_and_component_modules_are_importable():
     import subprocess
     import sys
@@ -53,6 +55,7 @@ def test_public_names_and_component_modules_are_importable():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_package_imports_without_triton():
     """Triton is Linux-only in pyproject: ``import diffusers_magi2`` and the torch MoE path must work without it,
     and asking for the Triton backend must raise rather than fall back."""

@@ -58,6 +58,7 @@ def _results(report: dict) -> list[BuildResult]:
     return out
 
 
+@pytest.mark.slow  # the GPU-target builds (module fixture)
 def test_every_triton_kernel_of_the_package_is_built(report: dict) -> None:
     kernels = {name for names in report["kernels"].values() for name in names}
     assert {"_mh_moe_fwd_kernel", kernel_build.DEQUANT_KERNEL} <= kernels  # the scan finds the kernels it must
@@ -65,6 +66,7 @@ def test_every_triton_kernel_of_the_package_is_built(report: dict) -> None:
     assert kernels <= {row["build"]["kernel"] for row in report["builds"]}
 
 
+@pytest.mark.slow  # the GPU-target builds (module fixture)
 def test_chosen_launch_configs_build_clean_for_gpu_targets(report: dict) -> None:
     results = _results(report)
     print("\n" + kernel_build.format_table(results))
@@ -89,6 +91,7 @@ def test_chosen_launch_configs_build_clean_for_gpu_targets(report: dict) -> None
         assert set(r.prefetch) == set(operands) and min(r.prefetch.values()) >= 2
 
 
+@pytest.mark.slow  # the GPU-target builds (module fixture)
 def test_fp8_experts_below_sm89_are_refused_by_the_launcher(report: dict) -> None:
     refusals = {(r["arch"], r["weights"]): r["error"] for r in report["refusals"]}
     assert set(refusals) == {(80, "float8_e4m3fn"), (86, "float8_e4m3fn")}
