@@ -23,6 +23,7 @@ from helpers.convert_testing_utils import (
     write_index,
 )
 from helpers.fixtures import REPO_ROOT, fixtures_root
+from helpers.fresh_interpreter import run_fresh_checks
 
 from diffusers_magi2.conversion.model_card import format_parameter_count
 from diffusers_magi2.models.transformer_magi2 import Magi2Transformer3DModel
@@ -369,35 +370,102 @@ def test_parameter_count_of_the_released_transformer_renders_as_114b():
     ]
 
 
-def test_model_index_entries_resolve_in_a_fresh_interpreter(full_repo, tmp_path):
-    """Every entry resolves through diffusers' own loader rules after ``import diffusers_magi2``,
-    from a copy standing in for a Hub snapshot, in a fresh process (the prompt enhancer, which diffusers' loader does
-    not know, is ``[null, null]`` here and read by ``Magi2Pipeline.from_pretrained`` when converted)."""
-    snapshot = tmp_path / "snapshot"
-    shutil.copytree(full_repo, snapshot)
-    script = f"""
+#: each runs in a fresh interpreter (``helpers.fresh_interpreter``) with ``HF_HUB_OFFLINE=1``; argv: the paths
+#: ``fresh_checks`` gives it
+MODEL_INDEX_SCRIPT = """
 import json, sys
 import diffusers_magi2
 from diffusers.pipelines.pipeline_loading_utils import ALL_IMPORTABLE_CLASSES, get_class_obj_and_candidates
 import diffusers_magi2.models.transformer_magi2, diffusers_magi2.models.transformer_magi2_refiner, diffusers_magi2.models.turbo_vae
-index = json.load(open({str(snapshot / "model_index.json")!r}))
+snapshot = sys.argv[1]
+index = json.load(open(snapshot + "/model_index.json"))
 # [null, null]: a component not converted (the prompt enhancer without --sandai_code_dir), skipped by diffusers too
 for name, (lib, cls) in sorted((k, v) for k, v in index.items() if isinstance(v, list) and v[0] is not None):
     obj, cands = get_class_obj_and_candidates(lib, cls, ALL_IMPORTABLE_CLASSES, None, False)
     methods = [ALL_IMPORTABLE_CLASSES[c][1] for c, k in cands.items() if k is not None and issubclass(obj, k)]
     assert methods, (name, lib, cls)  # diffusers finds how to load it (its base class is visible)
-    sub = getattr(obj, methods[-1])({str(snapshot)!r} + "/" + name)
+    sub = getattr(obj, methods[-1])(snapshot + "/" + name)
     assert type(sub).__name__ == cls, (name, type(sub))
 print("ok")
 """
-    res = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        timeout=300,
-    )
+
+OFFLINE_BY_ID_SCRIPT = """
+import torch
+from diffusers_magi2 import Magi2Transformer3DModel
+m = Magi2Transformer3DModel.from_pretrained("org/magi2-tiny-cached", subfolder="transformer", dtype=torch.bfloat16)
+bad = [n for n, t in m.state_dict().items() if t.dtype != (torch.float32 if m.is_fp32_island(n) else torch.bfloat16)]
+assert not bad, bad
+assert m.transformer_blocks[1].mlp.moe_mlp.router.expert_bias.dtype == torch.float32
+print("ok", len(m.state_dict()))
+"""
+
+# The tiny release is stitched from fixtures of different widths (Wan2.2 VAE z_dim 48, DiT 12 channels), so loading
+# it raises the component fit error once every component is loaded; with that check switched off, the loaded classes
+# are the ones model_index.json names.
+PIPELINE_SCRIPT = """
+import sys
+from diffusers_magi2 import Magi2Pipeline
+try:
+    Magi2Pipeline.from_pretrained(sys.argv[1])
+except ValueError as error:
+    assert "vae.config.z_dim is 48 but transformer.config.in_channels is 12" in str(error), error
+else:
+    raise AssertionError("mismatched components were accepted")
+Magi2Pipeline._check_components = lambda self: None
+pipe = Magi2Pipeline.from_pretrained(sys.argv[1])
+names = {k: type(v).__name__ for k, v in pipe.components.items()}
+assert names["transformer"] == "Magi2Transformer3DModel" and names["video_decoder"] == "Magi2TurboVAEDecoder", names
+assert names["refiner"] == "Magi2RefinerTransformer3DModel", names
+stage = pipe.refiner_stage_config()
+assert (stage.num_inference_steps, stage.guidance_scale) == (3, 2.5), stage  # model_index.json's, not the defaults
+print("ok")
+"""
+
+MODULAR_SCRIPT = """
+import json, sys
+from diffusers.modular_pipelines import ModularPipeline
+pipe = ModularPipeline.from_pretrained(sys.argv[1], trust_remote_code=True)
+assert type(pipe.blocks).__name__ == "Magi2AutoBlocks", type(pipe.blocks)
+pipe.load_components()
+index = json.load(open(sys.argv[1] + "/model_index.json"))
+parts = {n: v for n, v in index.items() if not n.startswith("_") and isinstance(v, list) and v[0]}
+names = {n: type(getattr(pipe, n)).__name__ for n in parts}
+want = {n: v[1] for n, v in parts.items()}
+assert names == want, (names, want)
+print("ok")
+"""
+
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def fresh_checks(full_repo, tmp_path_factory) -> dict:
+    """The converted repo's fresh-interpreter checks, run once for the module's tests: a copy standing in for a Hub
+    snapshot, and the repo (>= 2 shards) in a local HF cache layout, offline, with their own ``HF_HOME``. The cached
+    copy's id is not the ``--repo_id`` the modular files name, so the cache holds nothing those could load."""
+    work = tmp_path_factory.mktemp("fresh")
+    snapshot = work / "snapshot"
+    shutil.copytree(full_repo, snapshot)
+    repo_dir = work / "hub" / "models--org--magi2-tiny-cached"
+    shutil.copytree(full_repo, repo_dir / "snapshots" / HUB_COMMIT)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(HUB_COMMIT)
+    checks = {
+        "model_index": (MODEL_INDEX_SCRIPT, [snapshot]),
+        "offline_by_id": (OFFLINE_BY_ID_SCRIPT, []),
+        "pipeline": (PIPELINE_SCRIPT, [snapshot]),
+        "modular": (MODULAR_SCRIPT, [snapshot]),
+    }
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(work / "hub"), "HF_HOME": str(work / "home")}
+    results = run_fresh_checks(checks, work, env, timeout=600)
+    return {**results, "hub_snapshot": repo_dir / "snapshots" / HUB_COMMIT}
+
+
+def test_model_index_entries_resolve_in_a_fresh_interpreter(fresh_checks):
+    """Every entry resolves through diffusers' own loader rules after ``import diffusers_magi2``,
+    from a copy standing in for a Hub snapshot, in a fresh process (the prompt enhancer, which diffusers' loader does
+    not know, is ``[null, null]`` here and read by ``Magi2Pipeline.from_pretrained`` when converted)."""
+    res = fresh_checks["model_index"]
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
@@ -434,68 +502,21 @@ def test_push_to_hub_uses_huggingface_hub(tmp_path, monkeypatch):
     assert rc == 0 and calls == [] and "nothing uploaded" in stdout
 
 
-def test_offline_load_by_repo_id_from_the_hf_cache(full_repo, tmp_path):
+def test_offline_load_by_repo_id_from_the_hf_cache(fresh_checks):
     """The converted repo (>= 2 shards) in a local HF cache layout, loaded by repo id, bf16, offline."""
-    cache = tmp_path / "hub"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo_dir = cache / "models--org--magi2-tiny"
-    shutil.copytree(full_repo, repo_dir / "snapshots" / commit)
-    (repo_dir / "refs").mkdir()
-    (repo_dir / "refs" / "main").write_text(commit)
-    script = """
-import torch
-from diffusers_magi2 import Magi2Transformer3DModel
-m = Magi2Transformer3DModel.from_pretrained("org/magi2-tiny", subfolder="transformer", dtype=torch.bfloat16)
-bad = [n for n, t in m.state_dict().items() if t.dtype != (torch.float32 if m.is_fp32_island(n) else torch.bfloat16)]
-assert not bad, bad
-assert m.transformer_blocks[1].mlp.moe_mlp.router.expert_bias.dtype == torch.float32
-print("ok", len(m.state_dict()))
-"""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")}
-    res = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
-    )
+    res = fresh_checks["offline_by_id"]
     assert res.returncode == 0 and "ok 131" in res.stdout, res.stderr[-3000:]
-    assert len(list((repo_dir / "snapshots" / commit / "transformer").glob("*.safetensors"))) >= 2
+    assert len(list((fresh_checks["hub_snapshot"] / "transformer").glob("*.safetensors"))) >= 2
 
 
-def test_pipeline_loads_the_converted_repo_in_a_fresh_interpreter(full_repo, tmp_path):
+def test_pipeline_loads_the_converted_repo_in_a_fresh_interpreter(fresh_checks):
     """A copy standing in for a Hub snapshot, ``import diffusers_magi2`` only, then
     ``Magi2Pipeline.from_pretrained(copy)`` in a fresh process."""
-    snapshot = tmp_path / "snapshot"
-    shutil.copytree(full_repo, snapshot)
-    # The tiny release is stitched from fixtures of different widths (Wan2.2 VAE z_dim 48, DiT 12
-    # channels), so loading it raises the component fit error once every component is loaded; with
-    # that check switched off, the loaded classes are the ones model_index.json names.
-    script = f"""
-from diffusers_magi2 import Magi2Pipeline
-try:
-    Magi2Pipeline.from_pretrained({str(snapshot)!r})
-except ValueError as error:
-    assert "vae.config.z_dim is 48 but transformer.config.in_channels is 12" in str(error), error
-else:
-    raise AssertionError("mismatched components were accepted")
-Magi2Pipeline._check_components = lambda self: None
-pipe = Magi2Pipeline.from_pretrained({str(snapshot)!r})
-names = {{k: type(v).__name__ for k, v in pipe.components.items()}}
-assert names["transformer"] == "Magi2Transformer3DModel" and names["video_decoder"] == "Magi2TurboVAEDecoder", names
-assert names["refiner"] == "Magi2RefinerTransformer3DModel", names
-stage = pipe.refiner_stage_config()
-assert (stage.num_inference_steps, stage.guidance_scale) == (3, 2.5), stage  # model_index.json's, not the defaults
-print("ok")
-"""
-    res = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        timeout=300,
-    )
+    res = fresh_checks["pipeline"]
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
-def test_converted_repo_loads_as_a_modular_pipeline_in_a_fresh_interpreter(full_repo, tmp_path):
+def test_converted_repo_loads_as_a_modular_pipeline_in_a_fresh_interpreter(full_repo, fresh_checks):
     """The converter writes the modular files (components pointing at ``--repo_id``, agreeing with
     ``model_index.json``); a copy loads offline through ``ModularPipeline.from_pretrained(copy,
     trust_remote_code=True)`` with the classes ``model_index.json`` names."""
@@ -508,29 +529,7 @@ def test_converted_repo_loads_as_a_modular_pipeline_in_a_fresh_interpreter(full_
     assert {modular[n][2]["pretrained_model_name_or_path"] for n in ("transformer", "vae", "tokenizer")} == {
         "org/magi2-tiny"
     }
-    snapshot = tmp_path / "snapshot"
-    shutil.copytree(full_repo, snapshot)
-    script = f"""
-import json
-from diffusers.modular_pipelines import ModularPipeline
-pipe = ModularPipeline.from_pretrained({str(snapshot)!r}, trust_remote_code=True)
-assert type(pipe.blocks).__name__ == "Magi2AutoBlocks", type(pipe.blocks)
-pipe.load_components()
-index = json.load(open({str(snapshot / "model_index.json")!r}))
-parts = {{n: v for n, v in index.items() if not n.startswith("_") and isinstance(v, list) and v[0]}}
-names = {{n: type(getattr(pipe, n)).__name__ for n in parts}}
-want = {{n: v[1] for n, v in parts.items()}}
-assert names == want, (names, want)
-print("ok")
-"""
-    res = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home")},
-        timeout=300,
-    )
+    res = fresh_checks["modular"]
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 

@@ -1,0 +1,71 @@
+"""Several fresh-interpreter checks for the price of one interpreter start: one new process imports the third-party
+stack (torch, diffusers, transformers; never ``diffusers_magi2``) and forks one child per check, so each check runs
+in a process where nothing of the package is imported yet and no test state exists, as ``python -c script`` would,
+without importing torch and diffusers again. Environment variables read at import (``HF_HUB_OFFLINE``,
+``HF_HUB_CACHE``, ``HF_HOME``) are the parent's, so the checks of one call share them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+_DRIVER = r"""
+import json, os, sys, traceback
+import torch
+from diffusers import DiffusionPipeline, ModelMixin
+from transformers import PreTrainedModel
+assert not [m for m in sys.modules if m.split(".")[0] == "diffusers_magi2"], "the package was imported before a check"
+checks, out = json.loads(sys.argv[1]), sys.argv[2]
+codes = {}
+for name, (script, argv) in checks.items():
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        for fd, suffix in ((1, "out"), (2, "err")):
+            target = os.open(os.path.join(out, name + "." + suffix), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        sys.argv = [name, *argv]
+        code = 0
+        try:
+            exec(compile(script, "<" + name + ">", "exec"), {"__name__": "__main__"})
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    codes[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(json.dumps(codes))
+"""
+
+
+def run_fresh_checks(
+    checks: dict[str, tuple[str, list]], cwd: Path, env: dict[str, str], timeout: int = 600
+) -> dict[str, subprocess.CompletedProcess]:
+    """Run each ``name: (script, argv)`` as ``python -c script *argv`` would (``sys.argv[1:]`` is ``argv``), each in
+    its own child of one fresh interpreter started with ``env``; returns each check's exit status and output."""
+    out = Path(cwd) / "fresh_checks"
+    out.mkdir()
+    spec = {name: (script, [str(a) for a in argv]) for name, (script, argv) in checks.items()}
+    res = subprocess.run(
+        [sys.executable, "-c", _DRIVER, json.dumps(spec), str(out)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **env},
+        timeout=timeout,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    codes = json.loads(res.stdout.strip().splitlines()[-1])
+    return {
+        name: subprocess.CompletedProcess(
+            name, codes[name], (out / f"{name}.out").read_text(), (out / f"{name}.err").read_text()
+        )
+        for name in checks
+    }
