@@ -80,7 +80,8 @@ def lr_scheduler(args, optimizer):
 
 def check_resume(parser: OneLineParser, args, checkpoints_dir: Path | None = None) -> tuple[Path, int] | None:
     """The checkpoint ``--resume_from_checkpoint`` names, as ``(folder, step)``, ``latest`` looking in
-    ``checkpoints_dir`` (default ``--output_dir``); a usage error if there is none."""
+    ``checkpoints_dir`` (default ``--output_dir``: ``None`` when it holds none, a new run, as diffusers' training
+    scripts do); a usage error for a named folder that is not a checkpoint."""
     if args.lr_warmup_steps < 0:
         parser.error(f"--lr_warmup_steps must be >= 0, got {args.lr_warmup_steps}")
     if args.resume_from_checkpoint is None:
@@ -92,7 +93,8 @@ def check_resume(parser: OneLineParser, args, checkpoints_dir: Path | None = Non
             key=lambda p: int(p.name.split("-")[-1]),
         )
         if not found:
-            parser.error(f"--resume_from_checkpoint latest: no checkpoint-<step> folder in {output_dir}")
+            print(f"--resume_from_checkpoint latest: no checkpoint-<step> folder in {output_dir}; starting a new run")
+            return None
         folder = found[-1]
     else:
         folder = Path(args.resume_from_checkpoint)

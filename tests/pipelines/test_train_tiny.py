@@ -1,5 +1,5 @@
 """The tiny model's training scripts (``examples/tiny``): bad flags are refused with one ``error:`` line before
-any work, and ``--resume_from_checkpoint latest`` picks the newest complete checkpoint."""
+any work, and ``--resume_from_checkpoint latest`` picks the newest complete checkpoint (none: a new run)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _refused(main, argv, capsys, match):
         (["--component", "text_encoder"], "invalid choice"),
         (["--component", "video_decoder", "--max_train_steps", "0"], "must be an integer >= 1"),
         (["--component", "audio_vae", "--learning_rate", "nan"], "finite number > 0"),
-        (["--component", "audio_vae", "--resume_from_checkpoint", "latest"], "no checkpoint-<step> folder"),
+        (["--component", "audio_vae", "--resume_from_checkpoint", "checkpoint-3"], "not a checkpoint-<step> folder"),
         (["--component", "audio_vae", "--lr_warmup_steps", "-1"], "--lr_warmup_steps must be >= 0"),
         (["--component", "audio_vae", "--lr_scheduler", "exponential"], "invalid choice"),
         (["--component", "audio_vae", "--new_concepts"], "apply to --component video_decoder"),
@@ -56,6 +56,18 @@ def test_resume_latest_is_the_newest_complete_checkpoint(tmp_path):
         ["--output_dir", str(tmp_path), "--max_train_steps", "3", "--resume_from_checkpoint", "latest"]
     )
     assert training.check_resume(training.common_parser("x"), args) == (tmp_path / "checkpoint-10", 10)
+
+
+def test_resume_latest_without_a_checkpoint_starts_a_new_run(tmp_path, capsys):
+    """As diffusers' training scripts do: ``latest`` in a folder with no complete checkpoint says so and resumes
+    nothing."""
+    training = load_tiny_training("tiny_training")
+    (tmp_path / ".checkpoint-11.partial").mkdir()
+    args = training.common_parser("x").parse_args(
+        ["--output_dir", str(tmp_path), "--max_train_steps", "3", "--resume_from_checkpoint", "latest"]
+    )
+    assert training.check_resume(training.common_parser("x"), args) is None
+    assert f"no checkpoint-<step> folder in {tmp_path}; starting a new run" in capsys.readouterr().out
 
 
 def test_audio_autoencoder_loss_is_the_waveform_error_plus_the_unit_scale_term():
