@@ -1,10 +1,14 @@
 """Decode the tiny random pipeline's frames under the launch rules of ``examples/generate.py`` (CP = EP = the
 number of processes under ``accelerate launch --multi_gpu``, nothing parallel when run alone) and let rank 0 save
-the uint8 frames, before any video encoding, to ``--out`` (``.npy``). Run by ``test_cp_launch.py``."""
+the uint8 frames, before any video encoding, to ``--out`` (``.npy``). Launched, each rank first prints one
+``EP_PROBE`` JSON line: its world, backend, accelerate's distributed type, its EP group and a MoE layer's expert rows.
+Run by ``test_cp_launch.py``."""
 
 import argparse
 import importlib.util
+import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +41,25 @@ if expert_parallel is not None:
     pipe.transformer.enable_expert_parallel(expert_parallel)
 if context_parallel is not None:
     pipe.enable_context_parallel(context_parallel)
+if expert_parallel is not None:
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    from diffusers_magi2 import Magi2MultiHeadMoE
+
+    moe = next(m for m in pipe.transformer.modules() if isinstance(m, Magi2MultiHeadMoE))
+    probe = {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "backend": str(dist.get_backend()),
+        "distributed_type": str(PartialState().distributed_type),
+        "ep_group_size": dist.get_world_size(moe.ep_group),
+        "local_expert_rows": moe.W_gate.shape[0],
+        "full_expert_rows": moe.config.num_heads * moe.config.num_experts,
+    }
+    # one write(2) of the whole line: both ranks share the pipe, and print()'s separate writes could interleave
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), ("EP_PROBE " + json.dumps(probe) + "\n").encode())
 calls = {"text_encoder": 0, "video_decoder": 0, "audio_decoder": 0}
 
 
