@@ -219,10 +219,10 @@ def test_refiner_stage_runs_the_caching_hooks(two_stage):
     calls = count_attention_work(pipe.refiner)
     kwargs = {
         "prompt": "A red fox trots through fresh snow",
-        "height": 64,
-        "width": 96,
-        "preview_height": 32,
-        "preview_width": 48,
+        "height": 32,
+        "width": 32,
+        "preview_height": 16,
+        "preview_width": 16,
         "num_inference_steps": 1,
         "output_type": "latent",
     }
