@@ -4,15 +4,20 @@ torch is imported, and :func:`~diffusers_magi2.conversion.repo.convert_checkpoin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..loaders.sandai_config import load_sandai_config, released_config_path
 from ..utils.dtype_names import DENSE_STORAGE_DTYPE_CHOICES, DTYPE_CHOICES, EXPERT_DTYPE_CHOICES
 from .release_layout import ALL_COMPONENTS
 from .sandai_prompt_enhancer import sandai_code_problems
 
 
 __all__ = ["ConversionRequest", "ConversionRequestError", "request_problems"]
+
+#: ``--expert_int4_group_size``'s default (``diffusers_magi2.moe.quantize_int4.INT4_GROUP_SIZE``, kept equal by a test).
+DEFAULT_INT4_GROUP_SIZE = 128
 
 
 @dataclass
@@ -87,6 +92,8 @@ def request_problems(req: ConversionRequest) -> list[str]:
         problems.append(
             f"--expert_int4_group_size applies to --expert_dtype int4; got --expert_dtype {req.expert_dtype}"
         )
+    elif req.expert_dtype == "int4" and "transformer" in req.components:
+        problems += int4_group_size_problems(req)
     if req.dense_storage_dtype is not None and req.dense_storage_dtype not in DENSE_STORAGE_DTYPE_CHOICES:
         problems.append(
             f"--dense_storage_dtype must be one of {', '.join(DENSE_STORAGE_DTYPE_CHOICES)}, got {req.dense_storage_dtype!r}"
@@ -113,3 +120,34 @@ def request_problems(req: ConversionRequest) -> list[str]:
     elif out.is_dir() and any(out.iterdir()) and not req.overwrite and not req.dry_run:
         problems.append(f"--output_path {out} exists and is not empty; pass --overwrite to replace it")
     return problems
+
+
+def int4_group_size_problems(req: ConversionRequest) -> list[str]:
+    """``--expert_int4_group_size`` (default 128) against the MoE widths of the transformer's SandAI config
+    (``--config`` or the released one): the group must divide the MoE head width ``Dh = hidden_size / num_heads``
+    and the expert width ``De`` (the contraction dims of ``W_gate``/``W_up`` and ``W_down``). A config that cannot
+    be read or lacks these fields gives no problem here (the conversion reports it)."""
+    try:
+        cfg = load_sandai_config(req.config if req.config is not None else released_config_path())
+        arch = cfg["arch_config"]
+        moe = arch.get("moe_config", {})
+        if not moe.get("moe_layers"):
+            return []
+        widths = {
+            "Dh": int(arch["hidden_size"]) // int(moe.get("num_heads", 1)),
+            "De": int(moe["expert_intermediate_size"]),
+        }
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    group = req.expert_int4_group_size or DEFAULT_INT4_GROUP_SIZE
+    if all(w % group == 0 for w in widths.values()):
+        return []
+    common = math.gcd(*widths.values())
+    allowed = [str(g) for g in range(1, common + 1) if common % g == 0]
+    given = "" if req.expert_int4_group_size else " (the default)"
+    where = f"--config {req.config}" if req.config is not None else "the released config"
+    return [
+        f"--expert_int4_group_size {group}{given} does not divide the transformer's MoE head width Dh="
+        f"{widths['Dh']} and expert width De={widths['De']} ({where}; int4 groups run along each expert matrix's "
+        f"contraction dim); pass --expert_int4_group_size with one of {', '.join(allowed)}"
+    ]

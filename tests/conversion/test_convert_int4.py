@@ -87,7 +87,9 @@ def test_converter_int4_group_size_and_expert_dtype_errors_come_before_anything_
 
     out = tmp_path / "out"
     rc, _, err = run_cli([*COMMON, "--output_path", out, "--expert_dtype", "int4"])  # 128 does not divide 32
-    assert rc == 1 and "expert_int4_group_size=128 does not divide K=32" in err, err
+    allowed = "pass --expert_int4_group_size with one of 1, 2, 4, 8, 16, 32"  # the divisors of Dh = De = 32
+    assert rc == 2 and "--expert_int4_group_size 128 (the default) does not divide" in err and allowed in err, err
+    assert err.count("\n") == 1, err  # one line, argparse's form
     rc, _, err = run_cli([*COMMON, "--output_path", out, "--expert_int4_group_size", "16"])
     assert rc == 2 and "--expert_int4_group_size applies to --expert_dtype int4" in err, err
     with pytest.raises(SystemExit) as exit_info:  # bad usage (a bad group size: test_convert_repo.py)
@@ -116,3 +118,16 @@ def test_converter_int4_refuses_a_non_finite_expert_weight_naming_it_and_writes_
     assert key in err and "non-finite weight (inf) in expert 3 of head 1" in err and "column 9" in err, err
     assert "its int4 group scale" in err
     assert not out.exists() and not list(tmp_path.glob(".out*")), "a half-written repo was left behind"
+
+
+def test_the_request_check_uses_the_quantizers_default_group_and_passes_the_released_widths():
+    """The torch-free request check assumes the quantizer's default group size, which divides the released MoE
+    widths (Dh = 256, De = 1280): a released conversion to int4 needs no --expert_int4_group_size."""
+    from diffusers_magi2.conversion.request import DEFAULT_INT4_GROUP_SIZE, ConversionRequest, request_problems
+    from diffusers_magi2.moe.quantize_int4 import INT4_GROUP_SIZE
+
+    assert DEFAULT_INT4_GROUP_SIZE == INT4_GROUP_SIZE
+    req = ConversionRequest(output_path="unused", components=["transformer"], expert_dtype="int4")
+    assert not [p for p in request_problems(req) if "expert_int4_group_size" in p]
+    req.expert_int4_group_size = 96
+    assert any("one of 1, 2, 4, 8, 16, 32, 64, 128, 256" in p for p in request_problems(req))

@@ -612,6 +612,12 @@ def test_bad_usage_is_one_error_line_before_torch_or_diffusers_is_imported(tmp_p
             [*out, "--preview_dir", ".", "--max_shard_size", "big"],
             "--max_shard_size 'big' is not a size",
         ),
+        # int4 experts whose widths (the config's MoE heads: 32 wide) the default group of 128 does not divide
+        (
+            "entry point",
+            [*out, "--preview_dir", ".", "--config", str(H4_CONFIG), "--expert_dtype", "int4"],
+            "--expert_int4_group_size 128 (the default) does not divide the transformer's MoE head width Dh=32",
+        ),
     ]
     res = subprocess.run(
         [sys.executable, "-c", _USAGE_DRIVER, json.dumps([(how, argv) for how, argv, _ in cases])],
