@@ -221,7 +221,7 @@ class Magi2WeightStreamingMixin:
         the LoRA factors with :meth:`enable_gradient_checkpointing` (:mod:`.weight_streaming_training`).
 
         Args:
-            device: the compute device (``"cpu"`` runs the same ring in host memory, with synchronous copies).
+            device: the compute device (``"cpu"`` runs the same ring in host memory).
             vram_gb: the card's memory in GB (10^9 bytes): refused when the resident weights plus the ring exceed it
                 (activations are not counted here).
             ring_size: device slots, each the largest block's bytes (2 or 3).

@@ -10,18 +10,24 @@ its slot is filled as in the pinned mode, from a staging buffer instead of a pac
 
 One staging buffer per device slot, each the largest block's bytes (pinned on CUDA, plain on the CPU), so host
 memory is ``ring_size x`` the largest block, plus the block tensors the files do not hold (LoRA adapters, buffers
-not saved) kept in host memory as they are. Before a staging buffer is refilled, the copy out of it has finished
-(its slot's event).
+not saved) kept in host memory as they are, and a cast buffer (below); a stage's release frees the staging ring and
+the cast buffer with the device ring. Before a staging buffer is refilled, the copy out of it has finished (its
+slot's event).
 
 The reads run on one reader thread (a one-worker executor), so they overlap the blocks' compute, on the GPU and on
 the CPU alike (``readinto`` releases the GIL). Block *i*'s hook, once block *i*'s weights point into its slot,
-queues the read and the copy of the next blocks in the order the streamer needs them (*i+1* .. in the forward,
-*i-1* .. in the backward's recomputes) and returns; block *i* computes while the thread reads. Block *i+1*'s hook
-waits for its read (an error there is raised, naming the block; nothing falls back to another path), then, on
-CUDA, the compute stream waits for the copy's event as in the pinned mode. The thread fills only the staging
-buffer and the slot of a block it was queued for, each free until that block's hook takes it, so the ring stays
-``ring_size`` deep. The thread starts with the first read and is stopped (its queued reads finished) when the
-streamer is freed (a stage's release) or restored (``disable_weight_streaming``).
+queues the read and the copy of the next blocks in the order the streamer needs them (*i+1* .. in the forward; in
+inference past the last block on to the next forward's first ones, so only a stage's first forward waits for block
+0's read; *i-1* .. in the backward's recomputes) and returns; block *i* computes while the thread reads. (The
+pinned mode copies each block in the call that uses it: its host buffers may be written in place between calls.)
+Block *i+1*'s hook waits for its read (an error there is raised, naming the block; nothing falls back to another
+path; an interrupt leaves the read to be waited for again), then, on CUDA, the compute stream waits for the copy's
+event as in the pinned mode. Correctness rests on the one worker running the reads first in, first out: a slot not
+in use may be given to another block while its read is still queued, and the later read then runs after it, so the
+slot holds the block it was last given once its last queued read is done. The thread starts with the first read;
+the streamer's release and restore (``disable_weight_streaming``) stop it, dropping the reads not started. A
+streamer dropped without either goes with its model at the cyclic garbage collection (diffusers' hook registry and
+its module refer to each other), and the executor's thread exits then.
 
 Each tensor is read with ``readinto`` straight into its place in the staging buffer (safetensors' ``get_slice``
 would allocate a new tensor per read and cost a second copy). What the file stores must be what loading made of
@@ -242,7 +248,7 @@ class BlockFileReader:
 
     Attributes:
         cast_buffer: where a tensor stored in another dtype (or laid out other than in C order) is read first
-            (uint8, the largest such tensor's stored bytes; empty when there is none).
+            (uint8, the largest such tensor's stored bytes, between :meth:`allocate` and :meth:`free`; else empty).
         extra_nbytes: host bytes besides the staging ring (:func:`extra_host_nbytes`).
     """
 
@@ -257,8 +263,8 @@ class BlockFileReader:
                 elif _needs_cast(e.tensor, src):
                     self.cast.add((i, k))
         self.extra_nbytes = extra_host_nbytes([[e.tensor for e in entries] for entries in block_entries], sources)
-        cast = max((sources[i][k].nbytes for i, k in self.cast), default=0)
-        self.cast_buffer = torch.empty(cast, dtype=torch.uint8)
+        self.cast_nbytes = max((sources[i][k].nbytes for i, k in self.cast), default=0)
+        self.free()
         paths = {s.path for ss in sources for s in ss if s is not None}
         self.files = {path: open(path, "rb", buffering=0) for path in paths}
 
@@ -274,6 +280,14 @@ class BlockFileReader:
             elif src.nbytes:
                 _read_into(self.files[src.path], src.offset, out.narrow(0, e.offset, src.nbytes))
 
+    def allocate(self) -> None:
+        """Allocate the cast buffer."""
+        self.cast_buffer = torch.empty(self.cast_nbytes, dtype=torch.uint8)
+
+    def free(self) -> None:
+        """Free the cast buffer."""
+        self.cast_buffer = torch.empty(0, dtype=torch.uint8)
+
     def close(self) -> None:
         """Close the files and drop the held tensors."""
         for fh in self.files.values():
@@ -282,31 +296,28 @@ class BlockFileReader:
 
 
 class DiskWeightStreamer(WeightStreamer):
-    """:class:`WeightStreamer` of ``host_memory="disk"``: each block read from the safetensors files
-    (module docstring) into a staging ring of ``ring_size`` host buffers, one per slot (pinned on CUDA),
-    then copied into its slot; between uses the block's tensors point at a one-element placeholder of 0xFF bytes
-    (NaN in every float dtype) broadcast to their shapes.
+    """:class:`WeightStreamer` of ``host_memory="disk"`` (module docstring).
 
     Attributes (besides the base's):
         staging: the staging buffers (uint8, each the largest block's bytes).
-        reader: the :class:`BlockFileReader` (its ``cast_buffer``, the tensors it holds).
-        read_ahead: the reader thread (a one-worker executor, started by the first read, stopped by :meth:`free`
-            and :meth:`restore`), or ``None``.
+        reader: the :class:`BlockFileReader`.
+        read_ahead: the reader thread's one-worker executor, or ``None``.
     """
 
     def __init__(self, blocks, device, ring_size: int, use_stream: bool, sources, allocate: bool = True):
         super().__init__(blocks, device, ring_size, use_stream, allocate=False)
         self.reader = BlockFileReader([b.entries for b in self.blocks], sources)  # while the tensors hold weights
         self.read_ahead: Optional[ThreadPoolExecutor] = None
-        self._reads: Dict[RingSlot, Future] = {}  # the reads queued on the reader thread, by the slot they fill
+        self._reads: Dict[RingSlot, Future] = {}  # the last read queued into each slot
         if allocate:
             self.allocate()
 
-    def allocate(self, read=None) -> None:
-        """Allocate the staging ring and the device ring; the block tensors' weights are dropped (read back from the
-        files before each use; ``read`` is not used)."""
+    def _allocate_host(self, read=None) -> None:
+        """The staging ring and the cast buffer; the block tensors' weights are dropped (read back from the files
+        before each use; ``read`` is not used)."""
         slot, ring_size, pinned = max(b.nbytes for b in self.blocks), self.ring_size, self.pinned
         self.staging = [torch.empty(slot, dtype=torch.uint8, pin_memory=pinned) for _ in range(ring_size)]
+        self.reader.allocate()
         placeholders = {}
         for block in self.blocks:
             for e in block.entries:
@@ -317,7 +328,6 @@ class DiskWeightStreamer(WeightStreamer):
                 block.host_views.append(view)
         self.host_nbytes = ring_size * slot + self.reader.extra_nbytes
         self.host_reserved_nbytes = ring_size * (next_pow2(slot) if pinned else slot) + self.reader.extra_nbytes
-        self._allocate_ring()
 
     def _copy_in(self, slot: RingSlot, block: StreamedBlock, non_blocking: bool) -> None:
         staging = self.staging[self.slots.index(slot)]
@@ -326,9 +336,17 @@ class DiskWeightStreamer(WeightStreamer):
         self.reader.read(block.index, block.entries, staging)
         slot.buffer.narrow(0, 0, block.nbytes).copy_(staging.narrow(0, 0, block.nbytes), non_blocking=non_blocking)
 
+    def _window(self, index: int, step: int) -> Sequence[int]:
+        """The base's window, in inference past the last block on to the next forward's first ones (a checkpointed
+        forward is followed by its backward, which ends with block 0 in the ring)."""
+        if step < 0 or self.phase is not None:
+            return super()._window(index, step)
+        n = len(self.blocks)
+        return [(index + k) % n for k in range(min(len(self.slots), n))]
+
     def _start_copy(self, slot: RingSlot, block: StreamedBlock) -> None:
         """Queue the read of ``block`` into ``slot``'s staging buffer, and its copy into ``slot``, on the reader
-        thread (in the order the blocks are needed: one worker, first in first out)."""
+        thread (in the order the blocks are needed; ``max_workers=1``: first in, first out, module docstring)."""
         if self.read_ahead is None:
             self.read_ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=READER_THREAD_NAME)
         self._reads[slot] = self.read_ahead.submit(self._read_and_copy, slot, block)
@@ -340,28 +358,28 @@ class DiskWeightStreamer(WeightStreamer):
             super()._start_copy(slot, block)
 
     def _wait_copied(self, slot: RingSlot) -> None:
-        """Wait for the reader thread's read into ``slot``; its error is raised here, naming the block."""
-        read = self._reads.pop(slot, None)
+        """Wait for the reader thread's read into ``slot``; its error is raised here, naming the block. The read is
+        forgotten only once it finished: an interrupt (``KeyboardInterrupt``) leaves it for the next acquire."""
+        read = self._reads.get(slot)
         if read is not None:
             try:
                 read.result()
             except Exception as error:
+                del self._reads[slot]
                 index, slot.block = slot.block, None  # read again at the next use
                 raise RuntimeError(
                     f"weight streaming (host_memory='disk'): reading block {index}'s weights from the files failed "
                     f"on the reader thread: {error!r}"
                 ) from error
+            del self._reads[slot]
         super()._wait_copied(slot)
 
     def _stop_reading(self) -> None:
-        """Let the queued reads finish (a failed one's slot left empty, its error unraised: no block used it) and stop
-        the reader thread."""
-        for slot, read in self._reads.items():
-            if read.exception() is not None:
-                slot.block = None
+        """Stop the reader thread: the reads not started are dropped, the running one finished (the slots go with
+        the ring, so no error of a read no block used is raised)."""
         self._reads = {}
         if self.read_ahead is not None:
-            self.read_ahead.shutdown(wait=True)
+            self.read_ahead.shutdown(wait=True, cancel_futures=True)
             self.read_ahead = None
 
     def _host_bytes(self, block: StreamedBlock) -> torch.Tensor:
@@ -372,6 +390,7 @@ class DiskWeightStreamer(WeightStreamer):
 
     def _free_host_buffers(self) -> None:
         self.staging = []
+        self.reader.free()
         super()._free_host_buffers()
 
     def free(self) -> None:

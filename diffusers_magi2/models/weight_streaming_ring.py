@@ -9,8 +9,9 @@ Before block *i* runs (:meth:`WeightStreamer.acquire`, from the block's hook)::
 
 and after it (:meth:`WeightStreamer.release`): ``params(i) <- views of host(i)``, slot(i) released (on CUDA, with
 an event the next copy into the slot waits for). So the device holds at most ``ring_size`` blocks' weights. On the
-CPU the ring is host memory and the copies are synchronous, so the suite runs the same mechanism. The backward's
-reverse order: :mod:`.weight_streaming_training`; the disk mode's staging ring: :mod:`.weight_streaming_disk`.
+CPU the ring is host memory (the pinned mode's copies made at once, the disk mode's reads on its reader thread), so
+the suite runs the same mechanism. The backward's reverse order: :mod:`.weight_streaming_training`; the disk mode's
+staging ring: :mod:`.weight_streaming_disk`.
 """
 
 from __future__ import annotations
@@ -82,7 +83,15 @@ class WeightStreamer:
 
     def allocate(self, read: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
         """Allocate the host buffers and the device ring. Each tensor's host view is filled by ``read(tensor, view)``
-        (default: a copy of the tensor's current data, which is then freed) and the tensor pointed at it."""
+        (default: a copy of the tensor's current data, which is then freed) and the tensor pointed at it. Inside
+        ``torch.inference_mode()`` too they are made as normal tensors: they outlive the call, and are written in place
+        outside it (the next call, the disk mode's reader thread, :meth:`restore`)."""
+        with torch.inference_mode(False):
+            self._allocate_host(read)
+            self._allocate_ring()
+
+    def _allocate_host(self, read) -> None:
+        """The packed host buffers (:meth:`allocate`)."""
         sizes = [b.nbytes for b in self.blocks]
         arenas = plan_pinned_arenas(sizes) if self.pinned else [[i] for i in range(len(sizes))]
         for group in arenas:
@@ -91,7 +100,6 @@ class WeightStreamer:
             for i in group:
                 self._pack(self.blocks[i], arena.narrow(0, offset, sizes[i]), read)
                 offset += sizes[i]
-        self._allocate_ring()
 
     def _allocate_ring(self) -> None:
         """The ``ring_size`` device slots, each the largest block's bytes (with their events on a side stream)."""
@@ -173,6 +181,11 @@ class WeightStreamer:
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
 
+    def _window(self, index: int, step: int) -> Sequence[int]:
+        """Block ``index`` and the next ones in call order, as many as there are slots."""
+        end = index + step * len(self.slots)
+        return range(index, min(end, len(self.blocks)) if step > 0 else max(end, -1), step)
+
     def acquire(self, index: int, step: int = 1, hold: bool = False) -> None:
         """Point block ``index``'s tensors at a ring slot holding its weights; prefetch the next blocks in call order
         (``step``: 1 in the forward, -1 in the backward's recomputes). With ``hold`` (a recompute) the slot stays
@@ -182,8 +195,7 @@ class WeightStreamer:
             self.release_aborted()
         block = self.blocks[index]
         self._check_unchanged(block)
-        end = index + step * len(self.slots)
-        window = range(index, min(end, len(self.blocks)) if step > 0 else max(end, -1), step)
+        window = self._window(index, step)
         slot = self._find(index) or self._load(index, window)
         if slot is None:
             raise RuntimeError(f"weight streaming: no free ring slot for block {index} (a block did not finish)")
@@ -242,17 +254,19 @@ class WeightStreamer:
     def restore(self, device=None) -> None:
         """Give every block its own tensors again, in host memory (``device=None``: block by block, each block's
         host buffer freed once copied out) or on ``device`` (every copy made before any tensor points at it, so a
-        failure leaves streaming as it was); the ring is freed (:mod:`.weight_streaming_restore`)."""
+        failure leaves streaming as it was); the ring is freed (:mod:`.weight_streaming_restore`). The copies are
+        normal tensors, as :meth:`allocate`'s buffers."""
         if self.stream is not None:
             self.stream.synchronize()
         copies = []
-        for block in self.blocks:
-            host = self._host_bytes(block)
-            views = [e.view(host).to("cpu" if device is None else device, copy=True) for e in block.entries]
-            if device is None:
-                self._point(block, views)
-            else:
-                copies.append(views)
+        with torch.inference_mode(False):
+            for block in self.blocks:
+                host = self._host_bytes(block)
+                views = [e.view(host).to("cpu" if device is None else device, copy=True) for e in block.entries]
+                if device is None:
+                    self._point(block, views)
+                else:
+                    copies.append(views)
         for block, views in zip(self.blocks, copies):
             self._point(block, views)
         self.slots = []

@@ -17,7 +17,8 @@ node first, so every node of block ``i+1`` has run before the first node of bloc
 trigger the recompute of block ``i``): holding a recomputed block's slot until the next acquire never lets the ring
 overwrite weights a node still reads. On CUDA that release records the slot's event on the compute stream after
 block ``i+1``'s backward kernels, so the copy into it waits for them. Each step copies every block twice (forward
-and recompute) less the ``r`` blocks the backward finds still in the ring.
+and recompute) less the ``r`` blocks the backward finds still in the ring, and from the second step on less the
+``r`` the forward finds there (the backward ends with blocks ``0 .. r-1``).
 
 Without checkpointing a block's autograd nodes would save views of its slot during the forward, which later blocks
 overwrite before the backward reads them: a forward with grad enabled is refused unless it runs through the

@@ -23,6 +23,11 @@ def block_tensors(model):
     return [t for b in model.transformer_blocks for t in [*b.parameters(), *b.buffers()]]
 
 
+def block_ptrs(model):
+    """The data pointers of :func:`block_tensors` (to tell that no weight moved)."""
+    return [t.data_ptr() for t in block_tensors(model)]
+
+
 def run_model(model, inputs):
     """``(sample, audio_sample)`` of ``model(**inputs)`` under ``torch.no_grad()``."""
     with torch.no_grad():

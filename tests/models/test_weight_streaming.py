@@ -17,6 +17,7 @@ from helpers.tiny_transformer import tiny_inputs
 from helpers.weight_streaming_testing import (
     assert_bitwise,
     bf16_model,
+    block_ptrs,
     block_tensors,
     refiner_inputs,
     run_model,
@@ -60,7 +61,7 @@ def test_refiner_streamed_output_equals_resident_bit_for_bit():
 
 def test_refusals_before_any_weight_moves():
     model = bf16_model()
-    before = [t.data_ptr() for t in block_tensors(model)]
+    before = block_ptrs(model)
     with pytest.raises(ValueError, match=r"host_memory='disk' .* was not loaded with from_pretrained"):
         model.enable_weight_streaming("cpu", host_memory="disk")  # (the disk mode's own tests: its test file)
     with pytest.raises(ValueError, match=r"host_memory must be one of \('pinned', 'disk'\), got 'ram'"):
@@ -72,7 +73,7 @@ def test_refusals_before_any_weight_moves():
     need = model.weight_streaming_device_nbytes(2)
     with pytest.raises(ValueError, match=r"vram_gb=[0-9.e-]+: the resident weights plus a 2-block ring need"):
         model.enable_weight_streaming("cpu", vram_gb=need / 1e9 / 2)
-    assert [t.data_ptr() for t in block_tensors(model)] == before
+    assert block_ptrs(model) == before
     model.enable_weight_streaming("cpu", vram_gb=need / 1e9)
     with pytest.raises(ValueError, match=r"weights are streamed already; call disable_weight_streaming\(\) first"):
         model.enable_weight_streaming("cpu")

@@ -1,12 +1,16 @@
 """The disk mode of weight streaming on the CPU ring: a model loaded with ``from_pretrained`` streams its blocks from
 its safetensors files bit for bit as the resident model computes (bf16 and int4 experts, FP8-stored dense weights,
-a LoRA, a cast on loading, the refiner), with poisoned slots and staging buffers; the reads on the reader thread,
-each while the block before it computes (in reverse order in the backward), a failed read raised at its block, the
-thread stopped with the streamer; host memory is the staging ring, not the model; and the refusals."""
+a LoRA, a cast on loading, the refiner), with poisoned slots and staging buffers, also set up inside
+``torch.inference_mode()``; the reads on the reader thread, each while the block before it computes (the next
+forward's block 0 while the last block does; in reverse order in the backward), a failed read raised at its block,
+an interrupted wait waited for again, the thread stopped with the streamer; host memory is the staging ring, not
+the model; and the refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import json
 import os
 import subprocess
@@ -18,13 +22,10 @@ import torch
 from helpers.int4_models import int4_transformer
 from helpers.modular_testing_utils import tiny_refiner
 from helpers.tiny_transformer import tiny_inputs, tiny_model
-from helpers.weight_streaming_testing import assert_bitwise, refiner_inputs, run_model, with_lora
+from helpers.weight_streaming_testing import LAYERS, assert_bitwise, block_ptrs, refiner_inputs, run_model, with_lora
 
 from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
 from diffusers_magi2.models.weight_streaming_disk import READER_THREAD_NAME
-
-
-LAYERS = {"num_layers": 4, "multimodal_layers": [0, 3], "moe_layers": [1, 2]}
 
 
 def _saved(model, tmp_path, cls=Magi2Transformer3DModel, **kwargs):
@@ -32,37 +33,42 @@ def _saved(model, tmp_path, cls=Magi2Transformer3DModel, **kwargs):
     return cls.from_pretrained(tmp_path, **kwargs).eval()
 
 
-def _block_ptrs(model):
-    return [t.data_ptr() for b in model.transformer_blocks for t in [*b.parameters(), *b.buffers()]]
-
-
 def _reader_threads(before=()):
     """The disk mode's reader threads alive now, but those in ``before`` (streamers of other tests not yet collected)."""
     return [t for t in threading.enumerate() if t.name.startswith(READER_THREAD_NAME) and t not in before]
 
 
-def _disk_streamed(tmp_path):
-    """A bf16 tiny model loaded from ``tmp_path``, its inputs and resident output, then streamed from disk: also the
-    streamer and the reader threads alive before it."""
+def _disk_streamed(tmp_path, inference_mode=False):
+    """A bf16 tiny model loaded from ``tmp_path``, its inputs and resident output, then streamed from disk (inside
+    ``torch.inference_mode()`` if asked): also the streamer and the reader threads alive before it."""
     model = _saved(tiny_model(**LAYERS).to(torch.bfloat16), tmp_path)
     inputs = tiny_inputs(dtype=torch.bfloat16)
     resident = run_model(model, inputs)
     others = _reader_threads()
-    return model, inputs, resident, model.enable_weight_streaming("cpu", host_memory="disk"), others
+    with torch.inference_mode() if inference_mode else contextlib.nullcontext():
+        streamer = model.enable_weight_streaming("cpu", host_memory="disk")
+    return model, inputs, resident, streamer, others
 
 
 def _record_reads(streamer, before=None):
-    """Wrap the streamer's file reads: each records ``(block, thread name)``, after ``before(block)`` returns."""
-    reads, read = [], streamer.reader.read
+    """Wrap the streamer's file reads: each, after ``before(block)`` returns, reads and records ``(block, thread
+    name)``. Returns the records and ``finished(count)``: whether ``count`` reads finished within 5 s."""
+    reads, read, done = [], streamer.reader.read, threading.Condition()
 
     def recorded(index, entries, out):
         if before is not None:
             before(index)
-        reads.append((index, threading.current_thread().name))
         read(index, entries, out)
+        with done:
+            reads.append((index, threading.current_thread().name))
+            done.notify_all()
+
+    def finished(count):
+        with done:
+            return done.wait_for(lambda: len(reads) >= count, timeout=5)
 
     streamer.reader.read = recorded
-    return reads
+    return reads, finished
 
 
 @pytest.mark.parametrize("variant", ["bf16", "int4", "int4+fp8 storage", "bf16+lora", "fp32 file, bf16 model"])
@@ -113,23 +119,30 @@ def test_poisoned_slots_and_staging_between_uses_give_the_same_output(tmp_path):
 
     streamer.on_release = poison
     assert_bitwise(run_model(model, inputs), resident)
-    assert len(poisoned) == len(model.transformer_blocks) and len(set(poisoned)) == len(streamer.staging) == 2
+    assert_bitwise(run_model(model, inputs), resident)  # block 0 read while the first call's last block computed
+    assert len(poisoned) == 2 * len(model.transformer_blocks) and len(set(poisoned)) == len(streamer.staging) == 2
 
 
 def test_each_block_is_read_on_the_reader_thread_while_the_block_before_it_computes(tmp_path):
     model, inputs, resident, streamer, others = _disk_streamed(tmp_path)
-    computing = [threading.Event() for _ in model.transformer_blocks]
-    for i, block in enumerate(model.transformer_blocks):
-        block.attention.register_forward_pre_hook(lambda module, args, i=i: computing[i].set())
+    reads, finished = _record_reads(streamer)
+    n, call = len(model.transformer_blocks), [0]
 
-    def after_the_block_before_starts(index):  # a read on the calling thread, in that block's hook, waits in vain
-        assert index == 0 or computing[index - 1].wait(timeout=10), f"block {index} read before block {index - 1} ran"
+    def next_read_finishes(i):  # block i's compute waits for the read after its own: only a concurrent one comes
+        assert finished(call[0] * n + i + 2), f"call {call[0]}: block {i} computed without the next block's read"
 
-    reads = _record_reads(streamer, after_the_block_before_starts)
-    assert_bitwise(run_model(model, inputs), resident)
-    assert [i for i, _ in reads] == [0, 1, 2, 3]
+    hooks = [
+        block.attention.register_forward_pre_hook(lambda module, args, i=i: next_read_finishes(i))
+        for i, block in enumerate(model.transformer_blocks)
+    ]
+    for call[0] in range(2):
+        assert_bitwise(run_model(model, inputs), resident)
+    # the last block computes while the next call's block 0 is read, so only the first call waits for a read
+    assert [i for i, _ in reads] == [*range(n), *range(n), 0]
     assert all(name.startswith(READER_THREAD_NAME) for _, name in reads) and len(_reader_threads(others)) == 1
-    streamer.free()  # a stage's release: the thread stops with the buffers
+    for hook in hooks:
+        hook.remove()
+    streamer.free()  # a stage's release: the thread stops with the buffers (the read of block 0 it had done dropped)
     assert _reader_threads(others) == []
     del streamer.reader.read
     streamer.allocate()  # the stage's return
@@ -138,6 +151,62 @@ def test_each_block_is_read_on_the_reader_thread_while_the_block_before_it_compu
     model.disable_weight_streaming()
     assert _reader_threads(others) == []
     assert_bitwise(run_model(model, inputs), resident)
+
+
+def test_streaming_set_up_inside_inference_mode_runs_in_and_outside_it(tmp_path):
+    """The buffers outlive the call that made them: the reader thread (outside inference mode) and later calls
+    write them in place, so they are made as normal tensors."""
+    model, inputs, resident, streamer, _ = _disk_streamed(tmp_path, inference_mode=True)
+    with torch.inference_mode():
+        assert_bitwise(run_model(model, inputs), resident)
+    assert_bitwise(run_model(model, inputs), resident)
+    streamer.free()
+    with torch.inference_mode():
+        streamer.allocate()  # a stage's refill inside a pipeline call
+        assert_bitwise(run_model(model, inputs), resident)
+    model.disable_weight_streaming()  # outside: the blocks read back into a staging buffer
+    assert not any(t.is_inference() for t in model.parameters())
+    assert_bitwise(run_model(model, inputs), resident)
+
+
+def test_an_interrupted_wait_for_a_read_waits_for_it_again_at_the_next_call(tmp_path):
+    model, inputs, resident, streamer, others = _disk_streamed(tmp_path)
+    released = threading.Event()
+    reads, _ = _record_reads(streamer, lambda i: i != 1 or released.wait(timeout=10))
+    start_copy = streamer._start_copy
+
+    def interrupt_the_wait_for_block_1(slot, block):
+        start_copy(slot, block)
+        read = streamer._reads[slot]
+        if block.index == 1 and not released.is_set():
+
+            def interrupted(timeout=None):  # Ctrl-C while the main thread waits; the next wait is the future's own
+                del read.result
+                raise KeyboardInterrupt
+
+            read.result = interrupted
+
+    streamer._start_copy = interrupt_the_wait_for_block_1
+    with pytest.raises(KeyboardInterrupt):
+        run_model(model, inputs)
+    del streamer._start_copy
+    threading.Timer(0.2, released.set).start()  # block 1's read, blocked until now, finishes during the next call
+    model.transformer_blocks[1].attention.register_forward_pre_hook(
+        lambda module, args: pytest.fail("block 1 computed before its read finished") if len(reads) < 2 else None
+    )
+    assert_bitwise(run_model(model, inputs), resident)
+    model.disable_weight_streaming()
+    assert _reader_threads(others) == []
+
+
+def test_a_streamer_dropped_with_its_model_stops_its_reader_thread(tmp_path):
+    model, inputs, resident, streamer, others = _disk_streamed(tmp_path)
+    assert_bitwise(run_model(model, inputs), resident)
+    (thread,) = _reader_threads(others)
+    del model, streamer
+    gc.collect()  # the model and its hooks refer to each other: freed by the cyclic collection
+    thread.join(timeout=5)
+    assert not thread.is_alive()
 
 
 def test_a_failed_read_is_raised_where_its_block_runs_naming_it(tmp_path):
@@ -167,15 +236,17 @@ def test_a_lora_step_reads_the_blocks_in_reverse_order_for_the_backward_bit_for_
     model = copy.deepcopy(resident)
     inputs = tiny_inputs(dtype=torch.bfloat16)
     streamer = model.enable_weight_streaming("cpu", host_memory="disk")
-    reads = _record_reads(streamer)
-    grads = []
-    for m in (resident, model):
-        out = m(**inputs)
-        (out.sample.float().square().mean() + out.audio_sample.float().square().mean()).backward()
-        grads.append([p.grad for n, p in m.named_parameters() if p.requires_grad])
-    assert len(grads[0]) > 0 and all(torch.equal(a, b) for a, b in zip(*grads))
-    # the forward reads 0..3; the backward finds 3 and 2 in the ring and reads 1, then 0
-    assert [i for i, _ in reads] == [0, 1, 2, 3, 1, 0]
+    reads, _ = _record_reads(streamer)
+    for step in range(2):
+        grads = []
+        for m in (resident, model):
+            out = m(**inputs)
+            (out.sample.float().square().mean() + out.audio_sample.float().square().mean()).backward()
+            grads.append([p.grad for n, p in m.named_parameters() if p.requires_grad])
+        assert len(grads[0]) > 0 and all(torch.equal(a, b) for a, b in zip(*grads))
+    # the forward reads 0..3 (not 0 again after 3: the backward comes next); the backward finds 3 and 2 in the ring
+    # and reads 1, then 0; the next step's forward finds 0 and 1 there
+    assert [i for i, _ in reads] == [0, 1, 2, 3, 1, 0, 2, 3, 1, 0]
     assert all(name.startswith(READER_THREAD_NAME) for _, name in reads)
 
 
@@ -193,6 +264,10 @@ def test_host_holds_the_staging_ring_and_the_adapters_not_the_blocks(tmp_path):
     # the LoRA factors are not streamed: they stay resident on the device (here the CPU), not in the host's count
     assert adapters > 0 and streamer.host_nbytes == streamer.host_reserved_nbytes == 3 * slot + cast
     assert streamer.host_nbytes == planned
+    streamer.free()  # a stage's release frees the cast buffer with the rings; its return makes it again
+    assert not streamer.staging and streamer.reader.cast_buffer.nbytes == 0
+    streamer.allocate()
+    assert streamer.reader.cast_buffer.nbytes == cast
     # nothing of the blocks' weights stays in host memory between uses: the placeholders are one element per dtype
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for b in blocks for t in b.parameters()}
     assert sum(storages.values()) - adapters <= 8 * len(storages)
@@ -200,10 +275,10 @@ def test_host_holds_the_staging_ring_and_the_adapters_not_the_blocks(tmp_path):
 
 def test_refusals_before_any_weight_moves(tmp_path):
     in_memory = tiny_model(**LAYERS).to(torch.bfloat16)
-    before = _block_ptrs(in_memory)
+    before = block_ptrs(in_memory)
     with pytest.raises(ValueError, match=r"was not loaded with from_pretrained .*save_pretrained\(folder\)"):
         in_memory.enable_weight_streaming("cpu", host_memory="disk")
-    assert _block_ptrs(in_memory) == before
+    assert block_ptrs(in_memory) == before
     in_memory.save_pretrained(tmp_path)
     # routed experts quantized while loading: the files hold bf16 banks, the model int4 codes and scales
     quantized = Magi2Transformer3DModel.from_pretrained(tmp_path, expert_dtype="int4", expert_int4_group_size=16)
@@ -215,22 +290,22 @@ def test_refusals_before_any_weight_moves(tmp_path):
         model.enable_weight_streaming("cpu", host_memory="disk")
     fused = with_lora(Magi2Transformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16))
     fused.fuse_lora()
-    before = _block_ptrs(fused)
+    before = block_ptrs(fused)
     with pytest.raises(ValueError, match=r"a LoRA is fused into this model's weights in memory; unfuse_lora\(\)"):
         fused.enable_weight_streaming("cpu", host_memory="disk")
-    assert _block_ptrs(fused) == before
+    assert block_ptrs(fused) == before
     # a LoRA fused, then unloaded: no adapter left, each targeted weight (the first: block 1's; block 0's projections
     # are grouped, left out) changed in memory, not in the files
     unloaded = with_lora(Magi2Transformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16))
     unloaded.fuse_lora()
     unloaded.unload_lora()
     assert not any(".lora_" in n for n, _ in unloaded.named_parameters())
-    before = _block_ptrs(unloaded)
+    before = block_ptrs(unloaded)
     with pytest.raises(
         ValueError, match=r"transformer_blocks\.1\.attention\.linear_proj\.weight differs from .* changed in memory"
     ):
         unloaded.enable_weight_streaming("cpu", host_memory="disk")
-    assert _block_ptrs(unloaded) == before
+    assert block_ptrs(unloaded) == before
     edited = Magi2Transformer3DModel.from_pretrained(tmp_path)  # one tensor of the last block edited in place
     name, weight = [(n, p) for n, p in edited.transformer_blocks[-1].named_parameters() if p.dim() == 2 and p.numel()][
         -1

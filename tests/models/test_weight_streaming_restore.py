@@ -6,15 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.modular_testing_utils import tiny_pipelines
-from helpers.tiny_transformer import tiny_inputs, tiny_model
-from helpers.weight_streaming_testing import assert_bitwise, run_model
+from helpers.tiny_transformer import tiny_inputs
+from helpers.weight_streaming_testing import assert_bitwise, bf16_model, run_model
 
 import diffusers_magi2.models.weight_streaming_restore as restore
 from diffusers_magi2.models.weight_streaming import WEIGHT_STREAMING_HOOK, WeightStreamer
 from diffusers_magi2.models.weight_streaming_restore import check_restore
-
-
-LAYERS = {"num_layers": 4, "multimodal_layers": [0, 3], "moe_layers": [1, 2]}
 
 
 def _nbytes(module):
@@ -23,7 +20,7 @@ def _nbytes(module):
 
 def _streamed_with_room_for_the_ring_only():
     """A model streamed on the CPU ring with a ``vram_gb`` between its streamed and its resident weights."""
-    model = tiny_model(**LAYERS).to(torch.bfloat16)
+    model = bf16_model()
     inputs = tiny_inputs(dtype=torch.bfloat16)
     resident = run_model(model, inputs)
     full, streamed = _nbytes(model), model.weight_streaming_device_nbytes(2)

@@ -10,18 +10,16 @@ import copy
 import pytest
 import torch
 from helpers.int4_models import int4_transformer
-from helpers.tiny_transformer import tiny_inputs, tiny_model
+from helpers.tiny_transformer import tiny_inputs
+from helpers.weight_streaming_testing import bf16_model
 from peft import LoraConfig
 
 
-#: four layers (two MoE, two multimodal) so a two-slot ring is reused within one forward and one backward
-LAYERS = {"num_layers": 4, "multimodal_layers": [0, 3], "moe_layers": [1, 2]}
-
-
 def _lora_model(experts: str):
-    """The tiny model frozen, with a trainable fp32 LoRA on every block's attention (random factors, so both get
-    gradients) and per-block gradient checkpointing, as ``examples/train_lora.py`` sets it up."""
-    model = tiny_model(**LAYERS).to(torch.bfloat16)
+    """The four-block tiny model (a two-slot ring is reused within one forward and one backward) frozen, with a
+    trainable fp32 LoRA on every block's attention (random factors, so both get gradients) and per-block gradient
+    checkpointing, as ``examples/train_lora.py`` sets it up."""
+    model = bf16_model()
     if experts == "int4":
         model = int4_transformer(model, 16)
     model.requires_grad_(False)
