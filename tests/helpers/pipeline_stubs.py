@@ -248,12 +248,12 @@ def stub_embeds(n: int = 1) -> dict:
     }
 
 
-#: a small call of :func:`tiny_two_stage_pipeline`: preview 32x48, refined 64x96, one step each
+#: a small call of :func:`tiny_two_stage_pipeline`: preview 16x32, refined 32x64, one step each
 TWO_STAGE_CALL = {
-    "height": 64,
-    "width": 96,
-    "preview_height": 32,
-    "preview_width": 48,
+    "height": 32,
+    "width": 64,
+    "preview_height": 16,
+    "preview_width": 32,
     "num_inference_steps": 1,
     "refiner_num_inference_steps": 1,
 }
