@@ -1,9 +1,10 @@
 """``Magi2Pipeline.enable_weight_streaming`` on the CPU ring: the two-stage call equals the resident one bit for bit
-(host memory pinned, and read from the files); budgets (the planned stage peaks, the device's weights, the host's
-memory read from the OS) and moves refused before any weight moves."""
+(host memory pinned, and read from the files, also inside ``torch.inference_mode()``); budgets (the planned stage
+peaks, the device's weights, the host's memory read from the OS) and moves refused before any weight moves."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import PIL.Image
@@ -115,8 +116,10 @@ def test_two_stage_call_streamed_from_the_files_equals_resident_bit_for_bit(tmp_
     # loaded from files: each streamed model released between stages, its staging and device rings freed
     stages = pipe._weight_streaming_stages
     assert set(stages.parts) == {"text_encoder", "transformer", "refiner"} and stages.held is None
-    for _ in range(2):
-        for a, b in zip(two_stage_call(pipe), resident):
+    for mode in (contextlib.nullcontext, torch.inference_mode):  # each stage refilled inside the call, either way
+        with mode():
+            out = two_stage_call(pipe)
+        for a, b in zip(out, resident):
             assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
         rings = {n: bool(getattr(pipe, n)._weight_streamer.slots) for n in stages.parts}
         assert stages.held == "refiner" and rings == {"text_encoder": False, "transformer": False, "refiner": True}
