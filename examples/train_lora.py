@@ -30,7 +30,12 @@ in host memory for its backward (``enable_gradient_checkpointing(offload_block_i
 272p takes ``--expert_dtype int4 --storage_dtype float8_e4m3fn_scaled --gradient_checkpointing
 --offload_block_inputs``; one 32 GB GPU adds ``--vram_gb 32``: the blocks' frozen weights stay in host memory and
 stream through a ring of device buffers (``enable_weight_streaming``), in order for the forward and in reverse order
-for the recomputes of the backward, while the LoRA parameters stay on the device.
+for the recomputes of the backward, while the LoRA parameters stay on the device. ``--host_memory disk`` (with
+``--vram_gb`` and ``--model``) reads each block from the repo's safetensors files through a staging ring instead of
+holding the blocks in host memory (frozen weights as the files store them: no ``--storage_dtype``, and
+``--expert_dtype`` only as the repo stores its experts). With ``--vram_gb``, ``--cache`` and ``--cfg_dropout``
+encode under generation's rules (``train_lora_data.encode_streamed``: the text encoder streamed in the same host
+memory mode), and the training pipeline, loaded after everything caching used is released, holds no encoder.
 
 The loop is diffusers' training-script form on ``accelerate.Accelerator``: ``accelerator.accumulate`` over
 ``--gradient_accumulation_steps`` micro-batches, ``accelerator.backward``, an LR schedule (``--lr_scheduler``,
@@ -56,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -64,9 +68,17 @@ from pathlib import Path
 EXAMPLES = Path(__file__).resolve().parent
 if str(EXAMPLES) not in sys.path:  # the modules beside this script, also when it is loaded by path
     sys.path.insert(0, str(EXAMPLES))
+from train_lora_checkpoints import (  # noqa: E402
+    NoiseGenerator,
+    find_checkpoint,
+    register_checkpoint_hooks,
+    save_checkpoint,
+    save_lora,
+)
 from train_lora_data import (  # noqa: E402
     encode_dataset,
     encode_negative_prompt,
+    encode_streamed,
     load_cache,
     read_video,
     scan_dataset,
@@ -152,6 +164,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "of device buffers for a card of this many GB (e.g. 32), each block again in reverse order for its "
         "recompute in the backward; the LoRA stays on the device (Magi2Transformer3DModel.enable_weight_streaming)",
     )
+    p.add_argument(
+        "--host_memory",
+        choices=["pinned", "disk"],
+        default=None,
+        help="with --vram_gb: where the streamed weights live (default pinned: held once in page-locked host "
+        "memory; disk: read from --model's safetensors files through a staging ring of a few blocks)",
+    )
     p.add_argument("--ep_degree", type=int, default=None, help="expert-parallel ranks (default: all launched)")
     p.add_argument("--fixed_noise", action="store_true", help="one sigma and noise for every step (overfit check)")
     p.add_argument(
@@ -200,6 +219,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error("--vram_gb streams the weights of one process's GPU: launch one process")
         if args.vram_gb <= 0:
             p.error(f"--vram_gb must be > 0; got {args.vram_gb}")
+    try:
+        check_host_memory(args)
+    except ValueError as error:
+        p.error(str(error))
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown or not targets:
@@ -246,6 +269,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def check_host_memory(args) -> None:
+    """``--host_memory`` (generate.py's rules): only with ``--vram_gb``; ``disk`` only with ``--model``, whose files
+    must hold the frozen weights as trained (no ``--storage_dtype``; ``--expert_dtype`` only as the repo stores the
+    experts); ``ValueError`` otherwise."""
+    if args.host_memory is not None and args.vram_gb is None:
+        raise ValueError("--host_memory goes with --vram_gb (it says where the streamed weights live)")
+    if args.host_memory != "disk":
+        return
+    if args.model is None:
+        raise ValueError(
+            "--host_memory disk reads the streamed weights from the safetensors files of --model; pass --model (a "
+            "magi2-convert folder or a Hub id), or use --host_memory pinned (the default)"
+        )
+    if args.storage_dtype is not None:
+        raise ValueError(
+            f"--host_memory disk streams the frozen weights as --model's files store them; --storage_dtype "
+            f"{args.storage_dtype} would change them after loading (convert with magi2-convert --dense_storage_dtype "
+            "instead, or use --host_memory pinned)"
+        )
+    if args.expert_dtype is not None:
+        from diffusers_magi2 import Magi2Transformer3DModel
+
+        try:
+            config = Magi2Transformer3DModel.load_config(args.model, subfolder="transformer", local_files_only=True)
+        except OSError:
+            return  # a Hub id not yet in the cache: the streamer refuses it when the weights differ
+        stored = config.get("expert_dtype") or "the load dtype"
+        if stored != args.expert_dtype:
+            raise ValueError(
+                f"--host_memory disk streams the experts as {args.model} stores them ({stored}); --expert_dtype "
+                f"{args.expert_dtype} would quantize them while reading (convert with magi2-convert --expert_dtype, "
+                "or use --host_memory pinned)"
+            )
+
+
 def check_int4_group_size(model: str, group_size: int) -> None:
     """Build ``model``'s transformer on the meta device with ``group_size`` (the model's own checks: a positive
     int that divides the expert widths; the size an int4 repo was written with); ``ValueError`` otherwise. A Hub
@@ -283,8 +341,15 @@ def lora_config(args):
     )
 
 
-def load_pipeline(args):
-    """``(pipe, device)``: the tiny random model or ``--model`` in host memory, with EP/CP over the launched ranks."""
+#: The components :func:`load_pipeline` leaves out: the encoders alone for ``--vram_gb``'s caching, the transformer
+#: alone for its training.
+ENCODERS_ONLY = ("transformer", "refiner", "video_decoder")
+TRANSFORMER_ONLY = ("text_encoder", "vae", "audio_vae", "video_decoder", "refiner")
+
+
+def load_pipeline(args, without=()):
+    """``(pipe, device)``: the tiny random model or ``--model`` in host memory, with EP/CP over the launched ranks;
+    the components named in ``without`` are ``None`` (not read from the repo)."""
     import torch
 
     from diffusers_magi2 import Magi2Pipeline
@@ -303,6 +368,8 @@ def load_pipeline(args):
     dtype = parse_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if args.model is None:
         pipe = build_tiny_random_pipeline(dtype=dtype)
+        for name in without:
+            setattr(pipe, name, None)
         if expert_parallel is not None:
             pipe.transformer.enable_expert_parallel(expert_parallel)
         if context_parallel is not None:
@@ -311,8 +378,9 @@ def load_pipeline(args):
         from diffusers_magi2 import Magi2Transformer3DModel
 
         dtypes = {"default": dtype, "vae": torch.float32, "audio_vae": torch.float32}
-        extra = {}
-        if args.expert_dtype:  # FP8 / int4 routed experts: the transformer is read alone (quantized while reading)
+        extra = dict.fromkeys(without)
+        # FP8 / int4 routed experts: the transformer is read alone (quantized while reading)
+        if args.expert_dtype and "transformer" not in without:
             group = args.expert_int4_group_size
             extra["transformer"] = Magi2Transformer3DModel.from_pretrained(
                 args.model,
@@ -325,7 +393,7 @@ def load_pipeline(args):
         pipe = Magi2Pipeline.from_pretrained(
             args.model,
             dtype=dtypes,
-            expert_parallel=None if extra else expert_parallel,
+            expert_parallel=None if "transformer" in extra else expert_parallel,
             context_parallel=context_parallel,
             **extra,
         )
@@ -435,105 +503,6 @@ def train_step(
     return total / len(samples)
 
 
-# ------------------------------------------------------------------------------------------------ checkpoints
-
-LORA_FILE = "pytorch_lora_weights.safetensors"
-
-
-class NoiseGenerator:
-    """The noise generator, checkpointed by ``accelerator.save_state`` (``register_for_checkpointing``); the
-    same seed on every rank, since every rank sees the same sample."""
-
-    def __init__(self, seed: int):
-        import torch
-
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def state_dict(self) -> dict:
-        return {"state": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["state"])
-
-
-def save_lora(pipe, folder: Path) -> None:
-    """``folder/pytorch_lora_weights.safetensors``: the adapter ``default`` in diffusers' LoRA format, with its
-    adapter config (so it reloads at its scale)."""
-    from peft import get_peft_model_state_dict
-
-    t = pipe.transformer
-    pipe.save_lora_weights(
-        folder,
-        transformer_lora_layers=get_peft_model_state_dict(t, adapter_name="default"),
-        transformer_lora_adapter_metadata=t.peft_config["default"].to_dict(),
-    )
-
-
-def register_checkpoint_hooks(accelerator, pipe) -> None:
-    """``accelerator.save_state`` writes the LoRA into the checkpoint as a diffusers LoRA file, and
-    ``accelerator.load_state`` reads it back into the adapter (accelerate saves no weights of its own: the
-    transformer does not go through ``accelerator.prepare``)."""
-    from peft import set_peft_model_state_dict
-
-    def save_hook(models, weights, output_dir):
-        if accelerator.is_main_process:
-            save_lora(pipe, Path(output_dir))
-
-    def load_hook(models, input_dir):
-        import torch
-        from diffusers.training_utils import cast_training_params
-
-        state = pipe.lora_state_dict(Path(input_dir) / LORA_FILE)
-        state = {k.removeprefix("transformer."): v for k, v in state.items()}
-        result = set_peft_model_state_dict(pipe.transformer, state, adapter_name="default")
-        if getattr(result, "unexpected_keys", None):
-            raise ValueError(f"{input_dir}: LoRA keys that this model has not: {result.unexpected_keys[:5]}")
-        cast_training_params(pipe.transformer, dtype=torch.float32)
-
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)
-
-
-def save_checkpoint(accelerator, output_dir: Path, step: int) -> Path:
-    """``accelerator.save_state`` into ``output_dir/checkpoint-<step>/``: written as ``.checkpoint-<step>.partial``
-    and renamed once every rank is done, so a run cut short leaves no checkpoint that looks whole."""
-    final, staging = output_dir / f"checkpoint-{step}", output_dir / f".checkpoint-{step}.partial"
-    if accelerator.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def find_checkpoint(output_dir: Path, resume: str) -> tuple[Path, int] | None:
-    """``(folder, step)`` of ``--resume_from_checkpoint``: ``latest`` (the newest ``checkpoint-<step>`` in
-    ``output_dir``; ``None`` when there is none, a new run) or a ``checkpoint-<step>`` folder; ``ValueError`` when
-    a named folder is not one."""
-    flag = f"--resume_from_checkpoint {resume!r}"
-    if resume == "latest":
-        found = sorted(
-            (p for p in output_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-            key=lambda p: int(p.name.split("-")[-1]),
-        )
-        if not found:
-            return None
-        folder = found[-1]
-    else:
-        folder = Path(resume)
-        if not folder.name.startswith("checkpoint-") or not folder.name.split("-")[-1].isdigit():
-            raise ValueError(f"{flag}: expected a checkpoint-<step> folder (or 'latest')")
-        if not folder.is_dir():
-            raise ValueError(f"{flag}: no such folder")
-    if not (folder / LORA_FILE).is_file():
-        raise ValueError(f"{flag}: {folder} holds no {LORA_FILE}")
-    return folder, int(folder.name.split("-")[-1])
-
-
 # ------------------------------------------------------------------------------------------------ memory
 
 
@@ -603,20 +572,31 @@ def train(args):
         for video in videos:
             read_video(video)
     resume = find_checkpoint(output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    streamed = args.vram_gb is not None  # one process (parse_args)
+    negative = None
+    if streamed and (args.cache or args.cfg_dropout > 0):  # caching's weights released before training's load
+        negative = encode_streamed(
+            lambda: load_pipeline(args, without=ENCODERS_ONLY),
+            videos if args.cache else [],
+            args.vram_gb,
+            args.host_memory or "pinned",
+            negative=args.cfg_dropout > 0,
+        )
     set_seed(args.seed)  # python, numpy and torch (every device): the LoRA's initial factors among them
-    pipe, device = load_pipeline(args)
+    pipe, device = load_pipeline(args, without=TRANSFORMER_ONLY if streamed else ())
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision="no",  # the dtypes are --dtype's (frozen weights) and fp32 (LoRA)
         cpu=device.type == "cpu",
     )
-    if args.cache:
+    if args.cache and not streamed:
         if accelerator.is_main_process:
             encode_dataset(pipe, videos, device)
         accelerator.wait_for_everyone()
     caches = scan_dataset(data_dir, want_videos=False)
     samples = [load_cache(p, pipe.transformer) for p in caches]
-    negative = encode_negative_prompt(pipe, device) if args.cfg_dropout > 0 else None
+    if args.cfg_dropout > 0 and not streamed:
+        negative = encode_negative_prompt(pipe, device)
     loss_objective = objective(args, negative)
 
     params = list(add_lora(pipe.transformer, args).values())
@@ -624,7 +604,9 @@ def train(args):
     if args.vram_gb is None:
         pipe.transformer.to(device)  # alone on the device: the encoders and decoders wait in host memory
     else:  # the blocks' frozen weights stream through a device ring; the rest, the LoRA included, moves to the device
-        pipe.transformer.enable_weight_streaming(device, vram_gb=args.vram_gb)
+        pipe.transformer.enable_weight_streaming(
+            device, vram_gb=args.vram_gb, host_memory=args.host_memory or "pinned"
+        )
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
     # diffusers' convention: the prepared schedule steps once per process at each optimizer step
     lr_scheduler = get_scheduler(

@@ -9,10 +9,16 @@ audio track is resampled (FFmpeg's resampler, through PyAV) to the audio VAE's o
 resamples from by ``audio_resample_ratio``) and its channel layout, cut or padded with silence to ``L * hop``
 samples, and encoded to the posterior mean of the pipeline's audio VAE (``AutoencoderOobleck.encode``), stored as
 ``audio_latents [L, A]``. A video without an audio track is a silent clip: its latents are the encoding of silence.
+
+With ``--vram_gb`` the encoders follow generation's memory rules (:func:`encode_streamed`): a pipeline of the
+encoders alone (no transformer), its text encoder streamed by ``Magi2Pipeline.enable_weight_streaming`` (pinned or
+disk host memory), each VAE on the device for its own encode only; the whole pipeline is released before the
+training weights load, so host memory peaks at the larger of caching's and training's, not their sum.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -23,6 +29,7 @@ __all__ = [
     "encode_audio",
     "encode_dataset",
     "encode_negative_prompt",
+    "encode_streamed",
     "load_cache",
     "read_audio",
     "read_video",
@@ -101,17 +108,18 @@ def read_audio(path: Path, sample_rate: int, channels: int, num_samples: int):
     return torch.from_numpy(out)
 
 
-def encode_dataset(pipe, videos: list[Path], device) -> None:
+def encode_dataset(pipe, videos: list[Path], device, streamed: bool = False) -> None:
     """Write ``<stem>.magi2.safetensors`` for each video: its normalised Wan latent, its audio latents (module
     docstring) and its caption's text states (every video is read and checked before the first is encoded). The
     VAEs and the text encoder run on ``device`` and go back to host memory afterwards (the transformer trains alone
-    on the device)."""
+    on the device); ``streamed``: the pipeline streams (``enable_weight_streaming``), so only each VAE moves, for
+    its own encode."""
     for name, what in (("vae", "Wan VAE"), ("audio_vae", "audio VAE"), ("text_encoder", "text encoder")):
         if getattr(pipe, name, None) is None:
             raise ValueError(f"--cache needs the pipeline's {what} (the repo has no {name} component)")
     scale = pipe.vae_scale_factor_spatial
     pixels = {v: read_video(v, scale) for v in videos}
-    encoders = [pipe.vae, pipe.audio_vae, pipe.text_encoder]
+    encoders = [] if streamed else [pipe.vae, pipe.audio_vae, pipe.text_encoder]
     for encoder in encoders:
         encoder.to(device)
     try:
@@ -121,20 +129,43 @@ def encode_dataset(pipe, videos: list[Path], device) -> None:
             encoder.to("cpu")
 
 
-def encode_negative_prompt(pipe, device):
+def encode_negative_prompt(pipe, device, streamed: bool = False):
     """``[Lt, C]`` fp32 text states of the pipeline's negative prompt (``config.negative_prompt``, what the
-    sampler's unconditional branch feeds), the text encoder on ``device`` for it and back in host memory after."""
+    sampler's unconditional branch feeds), the text encoder on ``device`` for it and back in host memory after
+    (``streamed``: streamed by the pipeline instead)."""
     import torch
 
     if getattr(pipe, "text_encoder", None) is None or not pipe.config.get("negative_prompt"):
         raise ValueError("--cfg_dropout needs the pipeline's text encoder and its config.negative_prompt")
-    pipe.text_encoder.to(device)
+    if not streamed:
+        pipe.text_encoder.to(device)
     try:
         with torch.no_grad():
             embeds, mask, _ = pipe.encode_text([pipe.config.negative_prompt], device)
     finally:
-        pipe.text_encoder.to("cpu")
+        if not streamed:
+            pipe.text_encoder.to("cpu")
     return embeds[0][mask[0]].float().cpu()
+
+
+def encode_streamed(load_encoders, videos: list[Path], vram_gb: float, host_memory: str, negative: bool):
+    """The caches of ``videos`` (:func:`encode_dataset`) and, with ``negative``, the negative prompt's text states
+    (else ``None``), from the pipeline of ``(pipe, device) = load_encoders()`` (its encoders, no transformer)
+    streamed as generation streams it: ``enable_weight_streaming(vram_gb, host_memory)`` on ``device``. Every
+    weight it held is released on return (the pipeline dropped, garbage collected, the CUDA cache emptied)."""
+    import torch
+
+    pipe, device = load_encoders()
+    try:
+        pipe.enable_weight_streaming(vram_gb=vram_gb, host_memory=host_memory, device=str(device))
+        if videos:
+            encode_dataset(pipe, videos, device, streamed=True)
+        return encode_negative_prompt(pipe, device, streamed=True) if negative else None
+    finally:
+        del pipe
+        gc.collect()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def encode_audio(pipe, video: Path, duration_s: float):
@@ -165,15 +196,18 @@ def _encode_videos(pipe, pixels: dict, device) -> None:
     from diffusers_magi2.pipelines.decoding_magi2 import wan_latent_stats
 
     for video, (x, fps) in pixels.items():
-        with torch.no_grad():
+        with torch.no_grad(), pipe._autoencoder_stage("vae"):  # streaming: the VAE on the device for this only
             vae = pipe.vae
             mu = vae.encode(x[None].to(device=vae.device, dtype=vae.dtype)).latent_dist.mode().float()
             mean, inv_std = wan_latent_stats(vae, mu.device)
-            latents = ((mu - mean) * inv_std)[0]
+            latents = ((mu - mean) * inv_std)[0].cpu()
+        with torch.no_grad():
             embeds, mask, _ = pipe.encode_text([video.with_suffix(".txt").read_text(encoding="utf-8").strip()], device)
+        with pipe._autoencoder_stage("audio_vae"):
+            audio = encode_audio(pipe, video, x.shape[1] / fps).cpu()
         out = {
-            "latents": latents.cpu().contiguous(),
-            "audio_latents": encode_audio(pipe, video, x.shape[1] / fps).cpu().contiguous(),
+            "latents": latents.contiguous(),
+            "audio_latents": audio.contiguous(),
             "text_states": embeds[0][mask[0]].float().cpu().contiguous(),
         }
         target = video.parent / (video.stem + CACHE_SUFFIX)

@@ -21,7 +21,15 @@ from .memory_plan import (
 from .memory_trace import Trace, default_dtype, trace_call
 
 
-__all__ = ["plan_audio_decode", "plan_image_encode", "plan_text_encode", "plan_video_decode", "plan_wan_decode"]
+__all__ = [
+    "plan_audio_decode",
+    "plan_audio_encode",
+    "plan_clip_encode",
+    "plan_image_encode",
+    "plan_text_encode",
+    "plan_video_decode",
+    "plan_wan_decode",
+]
 
 
 #: Qwen3.5-27B: its parameter count (the full config is not in this repository), hidden size and depth.
@@ -119,6 +127,49 @@ def plan_image_encode(
 
     trace = trace_call(lambda: AutoencoderKLWan(**WAN22_VAE_CONFIG), call)
     return stage_row(f"Wan2.2 VAE image encode {resolution}", f"image_encode_{resolution}", trace, capacity, margin)
+
+
+def plan_clip_encode(
+    resolution: str = "272p", *, capacity: int = H200_BYTES, margin: int = SPARE_BYTES
+) -> Magi2StageMemory:
+    """Peak device memory of the Wan2.2 VAE encoding one training clip for ``train_lora.py --cache`` (fp32; the
+    clip of the plan's LoRA step: 32 latents <- 125 frames).
+
+    Raises:
+        ValueError: an unknown resolution.
+    """
+    from diffusers import AutoencoderKLWan
+
+    height, width = check_plan_resolution(resolution)
+    frames = 4 * (LATENT_FRAMES - 1) + 1
+
+    def call(vae):
+        return vae.encode(torch.empty(1, 3, frames, height, width)).latent_dist.mode()
+
+    trace = trace_call(lambda: AutoencoderKLWan(**WAN22_VAE_CONFIG), call)
+    return stage_row(
+        f"Wan2.2 VAE clip encode {resolution}",
+        f"clip_encode_{resolution}",
+        trace,
+        capacity,
+        margin,
+        [f"{frames} frames"],
+    )
+
+
+def plan_audio_encode(*, capacity: int = H200_BYTES, margin: int = SPARE_BYTES) -> Magi2StageMemory:
+    """Peak device memory of the Stable Audio Open VAE (fp32) encoding a clip's 10 s of stereo at its own rate
+    (``train_lora.py --cache``: 250 latents x 2048 samples)."""
+    from diffusers import AutoencoderOobleck
+
+    def call(vae):
+        hop = 1
+        for ratio in vae.config.downsampling_ratios:
+            hop *= ratio
+        return vae.encode(torch.empty(1, vae.config.audio_channels, AUDIO_LATENTS * hop)).latent_dist.mean
+
+    trace = trace_call(AutoencoderOobleck, call)
+    return stage_row("audio encode (Oobleck)", "audio_encode", trace, capacity, margin, ["10 s stereo"])
 
 
 def plan_audio_decode(*, capacity: int = H200_BYTES, margin: int = SPARE_BYTES) -> Magi2StageMemory:

@@ -5,7 +5,8 @@ stages of :mod:`helpers.memory_plan_streaming` on the activations traced by :mod
 Recipes. 24 GB (RTX 4090, 3090): a 540p clip; text encoder and preview transformer streamed (int4 experts,
 FP8-stored dense weights), the TurboVAE decode and the audio decode resident; no refiner, no training. 32 GB
 (RTX 5090): the same plus the 1080p refiner (streamed, its MLP and attention chunked), the tiled TurboVAE decode at
-1080p and a 272p LoRA step (block inputs in pinned host memory). The Wan2.2 VAE decode is in the plan but not used
+1080p and a 272p LoRA step (block inputs in pinned host memory), its clips cached first in the same process by a
+pipeline of the encoders released before training (``lora_cache_272p``). The Wan2.2 VAE decode is in the plan but not used
 (the recipes decode with the TurboVAE). Targets: every used stage <= ``card - 2`` GB.
 """
 
@@ -29,6 +30,8 @@ from .memory_plan import (
 )
 from .memory_plan_codecs import (
     plan_audio_decode,
+    plan_audio_encode,
+    plan_clip_encode,
     plan_image_encode,
     plan_text_encode,
     plan_video_decode,
@@ -83,6 +86,10 @@ def _traced(kind: str, *args):
         return plan_image_encode("540p")
     if kind == "audio":
         return plan_audio_decode()
+    if kind == "clip_encode":
+        return plan_clip_encode("272p")
+    if kind == "audio_encode":
+        return plan_audio_encode()
     raise ValueError(kind)
 
 
@@ -169,6 +176,28 @@ def _lora_stage(card_gb: int, used: bool) -> StreamedStage:
     )  # fmt: skip
 
 
+def _cache_stage(card_gb: int, used: bool) -> StreamedStage:
+    """``train_lora.py --cache`` before a LoRA run (a process of its own, released before training loads): the text
+    encoder streamed as in ``text_encode`` (that row: its peak), the autoencoders each on the device for its own
+    encode beside the text encoder's resident weights and ring (``co_resident_GB``). The row's peak is the larger
+    encode (the clip's Wan2.2 VAE encode); host memory the text encoder's in each mode plus both autoencoders."""
+    video, audio = _traced("clip_encode"), _traced("audio_encode")
+    row = max(video, audio, key=lambda r: r.total)
+    text = text_encoder_streamed_weights()
+    autoencoders = video.weights + audio.weights
+    why = None if used else "the 24 GB recipe does not train (its host memory would exceed 80 GB)"
+    notes = [
+        f"{video.stage}: {video.total / GB:.2f} GB, {audio.stage}: {audio.total / GB:.2f} GB (the row: the larger)",
+        "the text encoding: the text_encode row; h2d and time: once per clip (the autoencoder onto the device)",
+    ]
+    return StreamedStage(
+        "lora_cache_272p", "caching a 272p training clip (train_lora.py --cache): " + row.stage, row.weights, 0,
+        row.activations, PROCESS_BYTES + text.host_pinned + autoencoders, PROCESS_BYTES + text.host_staging + autoencoders,
+        used, why, autoencoders, time_model(autoencoders, None, card_gb, disk_bytes=autoencoders), row.peak_at,
+        streams=False, notes=list(row.notes) + notes, disk_read=autoencoders, model="vae", per="stage",
+    )  # fmt: skip
+
+
 def plan_consumer(card_gb: int) -> Dict[str, object]:
     """The recipe of a ``card_gb`` card (24 or 32): ``{"stages": [StreamedStage...], "host_ram": ...}``.
 
@@ -197,6 +226,7 @@ def plan_consumer(card_gb: int) -> Dict[str, object]:
             )
         )
     stages.append(_resident("audio_decode", "audio_vae", _traced("audio"), card_gb))
+    stages.append(_cache_stage(card_gb, used=big))
     stages.append(_lora_stage(card_gb, used=big))
     return {"stages": stages}
 
@@ -205,7 +235,7 @@ def host_ram_gb(rows, mode: str) -> float:
     """The generation's peak host memory in ``mode`` (``"pinned"`` or ``"disk"``), GB: its largest used stage's, from
     the JSON rows (a LoRA training run is a process of its own: its row shows its own host memory)."""
     key = "host_GB" if mode == "pinned" else "host_disk_mode_GB"
-    return max(r[key] for r in rows if r["used"] and not r["stage"].startswith("lora_train"))
+    return max(r[key] for r in rows if r["used"] and not r["stage"].startswith(LORA_RUN))
 
 
 def plan_per_rank_24gb() -> List[dict]:
@@ -262,7 +292,7 @@ def plan_per_rank_24gb() -> List[dict]:
 def summary(card_gb: int, rows) -> dict:
     """The card's name, peak and its source, and the generation's host memory per mode (from the JSON rows)."""
     name, peak, source = CARDS[card_gb]
-    generation = [r for r in rows if r["used"] and not r["stage"].startswith("lora_train")]
+    generation = [r for r in rows if r["used"] and not r["stage"].startswith(LORA_RUN)]
     return {
         "card": name,
         "bf16_peak_TFLOPs": peak / 1e12,
@@ -298,6 +328,8 @@ HOST_MEMORY = (
     "their files for a repo stored in the dtypes the recipe loads, which their stage moves to the device and then "
     "points back at (an autoencoder's own row counts its weights)"
 )
+#: Stage-name prefixes of a LoRA run's rows (``train_lora.py``: caching, then training), a process of its own.
+LORA_RUN, LORA_CACHE = "lora_", "lora_cache"
 #: Stages every generation runs, checked by default before weights move.
 REQUIRED_STAGES = ("text_encode", "preview_272p", "audio_decode")
 
@@ -315,11 +347,12 @@ def co_resident(rows: List[dict]) -> Dict[str, dict]:
     their own stage, so they are beside no other stage. ``released`` (``release_between_stages``): each streamed
     model is freed when the next one's stage begins, so a streamed stage has the device to itself, and an autoencoder
     stage shares it with the streamed model that ran last (counted as the largest). ``held`` (a pipeline built in
-    memory): every other streamed model stays. A LoRA training step is a process of its own: nothing.
+    memory): every other streamed model stays. A LoRA training step is a process of its own: nothing; caching for
+    it (another process) keeps the text encoder's share beside the autoencoders' encodes.
     """
     share, streamed = {}, set()
     for r in rows:
-        if r["used"] and r.get("component") and not r["stage"].startswith("lora_train"):
+        if r["used"] and r.get("component") and not r["stage"].startswith(LORA_RUN):
             c = r["component"]
             share[c] = max(share.get(c, 0.0), round(r["resident_GB"] + r["ring_GB"], 2))
             if r["streams"]:
@@ -327,7 +360,10 @@ def co_resident(rows: List[dict]) -> Dict[str, dict]:
     out = {}
     for r in rows:
         own = r.get("component")
-        if own is None or r["stage"].startswith("lora_train"):
+        if r["stage"].startswith(LORA_CACHE):  # the caching process streams the text encoder alone
+            out[r["stage"]] = {p: {"text_encoder": share["text_encoder"]} for p in POLICIES}
+            continue
+        if own is None or r["stage"].startswith(LORA_RUN):
             out[r["stage"]] = {p: {} for p in POLICIES}
             continue
         held = {c: gb for c, gb in share.items() if c != own and c not in AUTOENCODER_COMPONENTS}

@@ -3,55 +3,29 @@ fresh pipeline, gradients reach exactly the LoRA parameters, gradient accumulati
 gradients, the LR schedule warms up, it resumes exactly (``accelerator.save_state`` / ``load_state``; ``latest``
 without a checkpoint starts a new run, a named folder that is not one is refused), CP2 x EP2 over two gloo processes
 trains like one process, a LoRA trains over frozen FP8 and int4 experts (int4: with the gradients of the dequantized
-model), ``--expert_dtype`` takes the model's values, ``--offload_block_inputs`` keeps the losses, ``--vram_gb``
-(weights streamed) keeps the losses and the LoRA, ``--storage_dtype`` stores the dense weights in FP8 with the loss
-of FP8-rounded ones, and bad datasets and switches stop it before training."""
+model), ``--expert_dtype`` takes the model's values, ``--offload_block_inputs`` keeps the losses, ``--cache`` under
+``--vram_gb`` writes the same caches from a streamed pipeline of the encoders released before training,
+``--storage_dtype`` stores the dense weights in FP8 with the loss of FP8-rounded ones, and bad datasets and switches
+stop it before training (streamed training: ``test_train_lora_streaming.py``)."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
+import shutil
+import weakref
 
 import numpy as np
 import pytest
 import torch
 from helpers.ep_spawn_utils import run_on_ranks
+from helpers.train_lora_testing import argv, synthetic_clip, write_video
 from helpers.train_workers import load_train_script, train_on_rank
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from diffusers_magi2 import build_tiny_random_pipeline  # noqa: E402
 
 
 script = load_train_script()
-
-
-def synthetic_clip(folder: Path, seed: int = 0, frames: int = 2) -> Path:
-    """One cached clip for the tiny random model: latents ``[48, T, 2, 2]``, 5 text states of width 64."""
-    folder.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    save_file(
-        {"latents": torch.randn(48, frames, 2, 2, generator=g), "text_states": torch.randn(5, 64, generator=g)},
-        str(folder / "clip.magi2.safetensors"),
-    )
-    return folder
-
-
-def argv(data: Path, out: Path, *extra: str) -> list[str]:
-    return ["--data_dir", str(data), "--output_dir", str(out), "--rank", "4", "--seed", "3", *extra]
-
-
-def write_video(path: Path, size: tuple[int, int], frames: int = 5) -> None:
-    import av
-
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=12)
-        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
-        for i in range(frames):
-            img = np.full((size[1], size[0], 3), 40 * i, dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
 
 
 def test_overfits_one_clip_and_its_lora_changes_a_fresh_pipeline(tmp_path):
@@ -197,11 +171,15 @@ def test_bad_dataset_names_the_file_and_stops_before_training(tmp_path, case):
 
 def test_cache_encodes_videos_with_the_pipeline_vae_and_text_encoder(tmp_path, monkeypatch):
     """The caches hold the encoders' outputs; the VAE and the text encoder go to the device for the encoding and
-    back to the host, the transformer alone trains there, and the decoders never leave the host."""
+    back to the host, the transformer alone trains there, and the decoders never leave the host. With ``--vram_gb``
+    the text encoder streams (``Magi2Pipeline.enable_weight_streaming``) in a pipeline of the encoders alone, which
+    is released before the training pipeline (no encoder in it) loads, and the caches are the same bit for bit."""
     data = tmp_path / "data"
     data.mkdir()
     write_video(data / "clip.mp4", (32, 32), frames=6)  # 6 frames: cut to 4k + 1 = 5
     (data / "clip.txt").write_text("A red fox trots through fresh snow")
+    streamed_data = tmp_path / "streamed"
+    shutil.copytree(data, streamed_data)
     moves = []
     module_to = torch.nn.Module.to
     monkeypatch.setattr(
@@ -227,6 +205,33 @@ def test_cache_encodes_videos_with_the_pipeline_vae_and_text_encoder(tmp_path, m
         ("text_encoder", "cpu"),
         ("transformer", "cpu"),
     ]
+
+    loaded, load = [], script.load_pipeline
+
+    def load_pipeline(args, without=()):  # each pipeline loaded, and whether those before it are released
+        alive = [ref() is not None for ref in loaded]
+        pipe, device = load(args, without)
+        loaded.append(weakref.ref(pipe))
+        calls.append((sorted(n for n, c in pipe.components.items() if c is None), alive))
+        if pipe.text_encoder is not None:  # record whether it streams when it encodes
+            encode_text = pipe.encode_text
+            pipe.encode_text = lambda *a, **k: (
+                streams.append(pipe.text_encoder._weight_streamer) or encode_text(*a, **k)
+            )
+        return pipe, device
+
+    calls, streams = [], []
+    monkeypatch.setattr(script, "load_pipeline", load_pipeline)
+    flags = ("--cache", "--max_steps", "1", "--vram_gb", "32", "--gradient_checkpointing")
+    losses, pipe = script.train(script.parse_args(argv(streamed_data, tmp_path / "out_streamed", *flags)))
+    assert pipe.text_encoder is None and pipe.transformer._weight_streamer is not None
+    assert calls == [
+        (["prompt_enhancer", "refiner", "transformer", "video_decoder"], []),
+        (["audio_vae", "prompt_enhancer", "refiner", "text_encoder", "vae", "video_decoder"], [False]),
+    ]
+    assert len(streams) == 1 and streams[0] is not None
+    streamed_cache = (streamed_data / "clip.magi2.safetensors").read_bytes()
+    assert streamed_cache == (data / "clip.magi2.safetensors").read_bytes()
 
 
 def test_cache_stores_the_clips_audio_latents_and_training_uses_them(tmp_path, monkeypatch):
@@ -491,33 +496,6 @@ def test_offload_block_inputs_without_gradient_checkpointing_is_refused_before_a
     assert "--offload_block_inputs" in err and "add --gradient_checkpointing" in err
 
 
-def test_vram_gb_streams_the_blocks_and_trains_the_losses_and_lora_of_the_resident_run(tmp_path):
-    """``--vram_gb`` (with ``--gradient_checkpointing --offload_block_inputs``, the 32 GB recipe): the transformer's
-    blocks stream through the ring (here the CPU's), and the per-step losses and the LoRA file written equal the
-    resident run's bit for bit (same seed)."""
-    data = synthetic_clip(tmp_path / "data")
-    runs = []
-    for extra in ((), ("--vram_gb", "32")):
-        out = tmp_path / f"out{len(extra)}"
-        args = script.parse_args(
-            argv(data, out, "--max_steps", "3", "--gradient_checkpointing", "--offload_block_inputs", *extra)
-        )
-        losses, pipe = script.train(args)
-        streamed = getattr(pipe.transformer, "_weight_streamer", None) is not None
-        runs.append((losses, load_file(str(out / "pytorch_lora_weights.safetensors")), streamed))
-    (resident, resident_lora, was_streamed), (losses, lora, is_streamed) = runs
-    assert not was_streamed and is_streamed
-    assert len(losses) == 3 and losses == resident
-    assert lora.keys() == resident_lora.keys() and all(torch.equal(lora[k], resident_lora[k]) for k in lora)
-
-
-def test_vram_gb_without_gradient_checkpointing_is_refused_before_any_work(capsys):
-    with pytest.raises(SystemExit):
-        script.parse_args(["--data_dir", "d", "--output_dir", "o", "--vram_gb", "32"])
-    err = capsys.readouterr().err
-    assert "--vram_gb" in err and "add --gradient_checkpointing" in err
-
-
 def stored_and_reference(args) -> list:
     """``[(model, trainable), (reference, its trainable)]``: two tiny transformers with the same random LoRA
     (``--targets`` of ``args``), the first with its dense weights stored as ``--storage_dtype`` says."""
@@ -586,14 +564,6 @@ def test_fp8_storage_stores_the_dense_weights_in_fp8_and_gives_the_loss_of_fp8_r
     )
     assert len(losses) == 2 and np.isfinite(losses).all()
     assert {n for n, p in pipe.transformer.named_parameters() if p.dtype == fp8} == stored_names
-
-
-@pytest.fixture(scope="module")
-def tiny_repo(tmp_path_factory):
-    """The tiny random pipeline saved as a repo (bf16-style experts: quantized while reading)."""
-    folder = tmp_path_factory.mktemp("tiny_repo")
-    build_tiny_random_pipeline().save_pretrained(folder)
-    return folder
 
 
 def test_two_runs_with_the_same_flags_write_the_same_lora_bit_for_bit(tmp_path, tiny_repo):

@@ -152,7 +152,8 @@ def test_each_planned_peak_is_resident_plus_ring_plus_activations_and_the_host_p
     for name, row in recipe["stages"].items():
         parts = row["resident_GB"] + row["ring_GB"] + row["activations_GB"]
         assert abs(row["peak_GB"] - parts) <= 0.015, name
-    used = [row for name, row in recipe["stages"].items() if row["used"] and not name.startswith("lora_train")]
+    # a LoRA run's rows (caching, training) are a process of their own, not the generation's
+    used = [row for name, row in recipe["stages"].items() if row["used"] and not name.startswith(consumer.LORA_RUN)]
     assert recipe["host_ram_GB"]["pinned"] == max(r["host_GB"] for r in used)
     assert recipe["host_ram_GB"]["disk"] == max(r["host_disk_mode_GB"] for r in used)
 
@@ -180,6 +181,23 @@ def test_what_stays_resident_is_the_plan_arithmetic_on_the_shipped_rows(card):
     assert len(beside) == 1 and set(beside) <= {"text_encoder", "transformer", "refiner"}
     assert not set(stages["preview_540p"]["co_resident_GB"]["held"]) & {"vae", "video_decoder", "audio_vae"}
     assert stages["lora_train_272p"]["co_resident_GB"] == {"released": {}, "held": {}}
+    # caching for a LoRA run streams the text encoder alone: its share stays beside each autoencoder's encode
+    text = stages["text_encode"]
+    share = round(text["resident_GB"] + text["ring_GB"], 2)
+    assert stages["lora_cache_272p"]["co_resident_GB"] == {p: {"text_encoder": share} for p in consumer.POLICIES}
+
+
+@pytest.mark.parametrize("card", CONSUMER_CARDS)
+def test_caching_for_a_lora_run_holds_the_text_encoder_and_the_autoencoders_and_less_than_training(card):
+    # train_lora.py --cache: the streamed text encoder's host memory plus both autoencoders' weights, in each mode;
+    # released before training loads, so the run's host peak is the training step's in both modes
+    stages = _recipe(card)["stages"]
+    cache, train, text = stages["lora_cache_272p"], stages["lora_train_272p"], stages["text_encode"]
+    autoencoders = stages["image_encode_540p"]["resident_GB"] + stages["audio_decode"]["resident_GB"]
+    for key in ("host_GB", "host_disk_mode_GB"):
+        assert abs(cache[key] - (text[key] + autoencoders)) <= 0.015
+        assert cache[key] < train[key]
+    assert cache["used"] == train["used"] == (card == 32)
 
 
 @pytest.mark.parametrize("card", CONSUMER_CARDS)
