@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 from diffusers.utils import logging
+from torch.nn.utils.weight_norm import WeightNorm
 
 from ..models.turbo_vae import Magi2TurboVAEDecoder
 from ..models.weight_streaming import (
@@ -73,23 +74,35 @@ def _weight_nbytes(module: torch.nn.Module) -> int:
 
 
 def _host_tensors(module: torch.nn.Module) -> list:
-    """``(owner, kind, name, tensor)`` of every parameter and buffer of ``module`` as it holds them now."""
-    return [
+    """``(owner, kind, name, tensor)`` of every parameter and buffer of ``module`` as it holds them now, and of every
+    weight that ``torch.nn.utils.weight_norm`` computes into a plain attribute (diffusers' Oobleck audio VAE): its
+    forward recomputes that one from the parameters wherever they are, and ``.to()`` does not move it back."""
+    held = [
         (owner, kind, name, t.detach() if kind == "_parameters" else t)
         for owner in module.modules()
         for kind in ("_parameters", "_buffers")
         for name, t in getattr(owner, kind).items()
         if t is not None
     ]
+    held += [
+        (owner, "__dict__", hook.name, owner.__dict__[hook.name])
+        for owner in module.modules()
+        for hook in owner._forward_pre_hooks.values()
+        if isinstance(hook, WeightNorm) and isinstance(owner.__dict__.get(hook.name), torch.Tensor)
+    ]
+    return held
 
 
 def _point_back(tensors: list) -> None:
-    """Point each parameter (its ``data``) and buffer back at the tensor :func:`_host_tensors` recorded."""
+    """Point each parameter (its ``data``), buffer and computed weight back at the tensor :func:`_host_tensors`
+    recorded."""
     for owner, kind, name, t in tensors:
         if kind == "_parameters":
             owner._parameters[name].data = t
-        else:
+        elif kind == "_buffers":
             owner._buffers[name] = t
+        else:
+            setattr(owner, name, t)
 
 
 def streamed_blocks(name: str, model: torch.nn.Module) -> torch.nn.ModuleList:
