@@ -244,8 +244,8 @@ class Magi2WeightStreamingPipelineMixin:
             yield
             return
         as_loaded = _host_tensors(module)
-        module.to(device)
         try:
+            module.to(device)  # inside: a move that fails part way is pointed back too
             yield
         finally:
             _point_back(as_loaded)

@@ -248,3 +248,24 @@ def test_autoencoders_are_on_the_device_only_for_their_own_stage():
     assert {n: {t.dtype for t in getattr(pipe, n).parameters()} for n in autoencoders} == dtypes  # fp32 stays fp32
     assert {n: _held_tensors(getattr(pipe, n)) for n in autoencoders} == as_loaded
     pipe.disable_weight_streaming()
+
+
+def test_an_autoencoder_move_that_fails_part_way_is_pointed_back():
+    # a device out of memory half way through the VAE's .to(): the tensors already moved come back to the host ones
+    pipe, _ = tiny_pipelines()
+    pipe.enable_weight_streaming(vram_gb=24, device="cpu")
+    vae = pipe.vae
+    as_loaded = _held_tensors(vae)
+    moved = [0]
+
+    def half_then_oom(t):
+        moved[0] += 1
+        if moved[0] > len(as_loaded) // 2:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return t.clone()
+
+    vae.to = lambda *_, **__: vae._apply(half_then_oom)
+    with pytest.raises(RuntimeError, match="simulated"), pipe._autoencoder_stage("vae"):
+        pass
+    assert moved[0] > 1 and _held_tensors(vae) == as_loaded
+    pipe.disable_weight_streaming()
