@@ -152,7 +152,8 @@ def encode_streamed(load_encoders, videos: list[Path], vram_gb: float, host_memo
     """The caches of ``videos`` (:func:`encode_dataset`) and, with ``negative``, the negative prompt's text states
     (else ``None``), from the pipeline of ``(pipe, device) = load_encoders()`` (its encoders, no transformer)
     streamed as generation streams it: ``enable_weight_streaming(vram_gb, host_memory)`` on ``device``. Every
-    weight it held is released on return (the pipeline dropped, garbage collected, the CUDA cache emptied)."""
+    weight it held is released on return (``release_weight_streaming``: the text encoder's pinned buffers handed
+    back to the OS; then the pipeline dropped, garbage collected, the CUDA cache emptied)."""
     import torch
 
     pipe, device = load_encoders()
@@ -162,6 +163,7 @@ def encode_streamed(load_encoders, videos: list[Path], vram_gb: float, host_memo
             encode_dataset(pipe, videos, device, streamed=True)
         return encode_negative_prompt(pipe, device, streamed=True) if negative else None
     finally:
+        pipe.release_weight_streaming()
         del pipe
         gc.collect()
         if torch.device(device).type == "cuda":

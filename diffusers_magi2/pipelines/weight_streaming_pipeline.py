@@ -312,6 +312,28 @@ class Magi2WeightStreamingPipelineMixin:
         self._weight_streaming_stages = None
         self._weight_streaming_autoencoders = None
 
+    def release_weight_streaming(self) -> None:
+        """Stop streaming and drop the streamed models instead of restoring them (:meth:`disable_weight_streaming`
+        restores them): each one's weights are freed as a stage release frees them (host buffers, page-locked
+        memory handed back to the OS, device ring, resident weights) and its component set to ``None``; the
+        autoencoders stay in host memory. For a pipeline whose streamed models have done their work, e.g. the
+        encoders after caching, where dropping the pipeline alone would leave the freed page-locked buffers cached
+        by torch's host allocator. Nothing happens when no weights are streamed."""
+        stages = getattr(self, "_weight_streaming_stages", None)
+        for name in STREAMED_COMPONENTS:
+            streamer = _streamer(self, name)
+            if streamer is None:
+                continue
+            part = stages.parts.get(name) if stages is not None else None
+            if part is None:
+                streamer.free()
+            elif part.held:  # a released model not held was freed when the next stage began
+                part.free()
+            getattr(self, name)._weight_streamer = None
+            self.register_modules(**{name: None})
+        self._weight_streaming_stages = None
+        self._weight_streaming_autoencoders = None
+
     def to(self, *args, **kwargs):
         """``DiffusionPipeline.to``, refused before any component moves while weights are streamed.
 

@@ -22,6 +22,7 @@ from helpers.train_lora_testing import argv, synthetic_clip, write_video
 from helpers.train_workers import load_train_script, train_on_rank
 from safetensors.torch import load_file
 
+import diffusers_magi2.models.weight_streaming_ring as ring  # noqa: E402
 from diffusers_magi2 import build_tiny_random_pipeline  # noqa: E402
 
 
@@ -210,6 +211,7 @@ def test_cache_encodes_videos_with_the_pipeline_vae_and_text_encoder(tmp_path, m
 
     def load_pipeline(args, without=()):  # each pipeline loaded, and whether those before it are released
         alive = [ref() is not None for ref in loaded]
+        calls.append(len(returned))  # the pinned buffers returned before it loads
         pipe, device = load(args, without)
         loaded.append(weakref.ref(pipe))
         calls.append((sorted(n for n, c in pipe.components.items() if c is None), alive))
@@ -220,13 +222,16 @@ def test_cache_encodes_videos_with_the_pipeline_vae_and_text_encoder(tmp_path, m
             )
         return pipe, device
 
-    calls, streams = [], []
+    calls, streams, returned = [], [], []
     monkeypatch.setattr(script, "load_pipeline", load_pipeline)
+    monkeypatch.setattr(ring, "return_pinned_memory", lambda pinned: returned.append(pinned))
     flags = ("--cache", "--max_steps", "1", "--vram_gb", "32", "--gradient_checkpointing")
     losses, pipe = script.train(script.parse_args(argv(streamed_data, tmp_path / "out_streamed", *flags)))
     assert pipe.text_encoder is None and pipe.transformer._weight_streamer is not None
-    assert calls == [
+    assert calls == [  # the text encoder's streamer freed (release_weight_streaming) before the training load
+        0,
         (["prompt_enhancer", "refiner", "transformer", "video_decoder"], []),
+        1,
         (["audio_vae", "prompt_enhancer", "refiner", "text_encoder", "vae", "video_decoder"], [False]),
     ]
     assert len(streams) == 1 and streams[0] is not None

@@ -15,6 +15,7 @@ from helpers.memory_plan_streaming import preview_streamed_weights, text_encoder
 from helpers.modular_testing_utils import tiny_pipelines
 from helpers.streaming_calls import two_stage_call
 
+import diffusers_magi2.models.weight_streaming_ring as ring
 from diffusers_magi2 import Magi2Pipeline
 from diffusers_magi2.pipelines.weight_streaming_pipeline import streamed_blocks
 from diffusers_magi2.pipelines.weight_streaming_stages import plan_reread
@@ -71,7 +72,7 @@ def test_one_streamed_model_held_at_a_time_and_calls_equal_resident(saved):
         assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
 
 
-def test_weights_not_the_files_are_refused_or_held(saved):
+def test_weights_not_the_files_are_refused_or_held_and_release_frees_both_as_a_stage_does(saved, monkeypatch):
     pipe = _load(saved)
     # a cast after loading is re-read as the same cast
     pipe.text_encoder.to(torch.bfloat16)
@@ -88,6 +89,19 @@ def test_weights_not_the_files_are_refused_or_held(saved):
     pipe.enable_weight_streaming(vram_gb=24, device="cpu")  # default: release what can be re-read, hold the rest
     assert set(pipe._weight_streaming_stages.parts) == {"text_encoder", "refiner"}
     assert _holds(pipe, "transformer") and not _holds(pipe, "text_encoder")
+    # release_weight_streaming frees the held transformer and the text encoder held after its stage, each returning
+    # its pinned buffers (the refiner, freed when it was released, has none), and drops the three
+    with torch.no_grad():
+        pipe.encode_prompt("a fox", device="cpu")
+    assert pipe._weight_streaming_stages.held == "text_encoder" and _holds(pipe, "text_encoder")
+    returned, models = [], {n: getattr(pipe, n) for n in STREAMED}
+    monkeypatch.setattr(ring, "return_pinned_memory", lambda pinned: returned.append(pinned))
+    pipe.release_weight_streaming()
+    assert returned == [False, False]  # the CPU ring: nothing pinned, the path run once per held model
+    assert all(getattr(pipe, n) is None for n in STREAMED) and pipe.vae is not None and pipe.audio_vae is not None
+    assert not any(t.numel() for n, m in models.items() for b in streamed_blocks(n, m) for t in b.parameters())
+    assert not models["text_encoder"].get_input_embeddings().weight.numel()  # freed outside its blocks too, as a stage
+    pipe.to("cpu")  # streaming is off
 
 
 # a reduced text encoder (4 equal decoder layers, 105 MB in bf16) and a reduced MoE transformer (115 MB): each a
