@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=DTYPE_CHOICES,
         default="keep",
-        help="output dtype; fp32 islands always stay fp32 (default: keep)",
+        help="output dtype; the fp32 islands, the Wan2.2 VAE and the audio VAE (vae, audio_vae: they run in fp32) are "
+        "always stored in fp32 (default: keep)",
     )
     p.add_argument(
         "--expert_dtype",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..loaders.key_plan import CheckpointValidationError
 from ..pipelines.modular_files import write_modular_files
+from ..pipelines.tiny_default import FP32_COMPONENTS
 from ..utils.dtype_utils import EXPERT_DTYPE_CHOICES
 from . import components
 from .convert_transformer import PreparedTransformer, prepare_transformer_conversion, write_transformer
@@ -235,7 +236,10 @@ def convert_checkpoint(req: ConversionRequest, log: Callable[[str], None] = prin
                 written["text_encoder"] = MODEL_INDEX_ENTRIES["text_encoder"]
                 written["tokenizer"] = (MODEL_INDEX_ENTRIES["tokenizer"][0], _tokenizer_class(tmp / "tokenizer"))
             else:
-                fn(req.inputs[comp], tmp / comp, req.dtype, **req.component_options.get(comp, {}))
+                # the autoencoders run in fp32 (FP32_COMPONENTS): a bf16 file would only round them and make
+                # loading copy every tensor to fp32
+                dtype = "fp32" if comp in FP32_COMPONENTS else req.dtype
+                fn(req.inputs[comp], tmp / comp, dtype, **req.component_options.get(comp, {}))
                 written[comp] = MODEL_INDEX_ENTRIES[comp]
         if "scheduler" in req.components:
             default_scheduler().save_pretrained(tmp / "scheduler")

@@ -29,7 +29,8 @@ class ConversionRequest:
         components: a subset of :data:`ALL_COMPONENTS`.
         inputs: component -> source path (all but ``scheduler``).
         config: SandAI JSON for ``transformer``/``refiner`` (``None``: the released configs).
-        dtype: ``"keep"``, ``"bf16"`` or ``"fp32"`` (fp32 islands stay fp32).
+        dtype: ``"keep"``, ``"bf16"`` or ``"fp32"`` (fp32 islands stay fp32; ``vae`` and ``audio_vae`` are
+            always written in fp32, the dtype they run in).
         expert_dtype: ``None``, ``"fp8_e4m3"`` (the routed experts in FP8 with fp32 scales) or ``"int4"`` (NF4
             codes with bf16 group scales).
         expert_int4_group_size: with ``expert_dtype="int4"``: rows of the contraction dim per scale (``None``: 128).

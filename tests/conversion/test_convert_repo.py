@@ -314,6 +314,26 @@ def test_whole_release_converts_every_component(full_repo):
     assert index["refiner_noise_value"] == 220
 
 
+def _float_dtypes(folder) -> set[str]:
+    from safetensors import safe_open
+
+    dtypes = set()
+    for shard in folder.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            dtypes |= {f.get_slice(k).get_dtype() for k in f.keys()}
+    return dtypes - {"I64", "I32", "BOOL", "U8"}
+
+
+def test_autoencoders_are_stored_in_fp32_whatever_the_dtype(full_repo):
+    """With ``--dtype bf16`` the Wan2.2 VAE and the audio VAE are written in fp32 (they run in fp32); the
+    transformer, the TurboVAE decoder and the text encoder in bf16 (the transformer's fp32 islands beside it)."""
+    assert _float_dtypes(full_repo / "vae") == {"F32"}
+    assert _float_dtypes(full_repo / "audio_vae") == {"F32"}
+    assert _float_dtypes(full_repo / "transformer") == {"BF16", "F32"}
+    assert _float_dtypes(full_repo / "video_decoder") == {"BF16"}
+    assert _float_dtypes(full_repo / "text_encoder") == {"BF16"}
+
+
 def test_scheduler_reproduces_the_reference_schedule(full_repo):
     """The shipped scheduler + the documented sigmas give SandAI's Flow-UniPC schedule (``Magi2PreviewSampler``)."""
     import numpy as np
