@@ -171,7 +171,7 @@ def encode_streamed(load_encoders, videos: list[Path], vram_gb: float, host_memo
 
 
 def encode_audio(pipe, video: Path, duration_s: float):
-    """``[L, A]`` fp32 audio latents of ``video``'s audio track (module docstring), the audio VAE where it is."""
+    """``[L, A]`` fp32 audio latents of ``video``'s audio track (module docstring; ``pipe.encode_audio``)."""
     import math
 
     import torch
@@ -185,9 +185,7 @@ def encode_audio(pipe, video: Path, duration_s: float):
     if wave is None:
         print(f"{video.name}: no audio track; its audio latents encode silence")
         wave = torch.zeros(channels, num_latents * hop)
-    with torch.no_grad():
-        posterior = audio_vae.encode(wave[None].to(device=audio_vae.device, dtype=audio_vae.dtype)).latent_dist
-    return posterior.mean[0].T.float()
+    return pipe.encode_audio(wave[None])[0]
 
 
 def _encode_videos(pipe, pixels: dict, device) -> None:
@@ -195,18 +193,11 @@ def _encode_videos(pipe, pixels: dict, device) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from diffusers_magi2.pipelines.decoding_magi2 import wan_latent_stats
-
     for video, (x, fps) in pixels.items():
-        with torch.no_grad(), pipe._autoencoder_stage("vae"):  # streaming: the VAE on the device for this only
-            vae = pipe.vae
-            mu = vae.encode(x[None].to(device=vae.device, dtype=vae.dtype)).latent_dist.mode().float()
-            mean, inv_std = wan_latent_stats(vae, mu.device)
-            latents = ((mu - mean) * inv_std)[0].cpu()
+        latents = pipe.encode_video(x[None])[0].cpu()
         with torch.no_grad():
             embeds, mask, _ = pipe.encode_text([video.with_suffix(".txt").read_text(encoding="utf-8").strip()], device)
-        with pipe._autoencoder_stage("audio_vae"):
-            audio = encode_audio(pipe, video, x.shape[1] / fps).cpu()
+        audio = encode_audio(pipe, video, x.shape[1] / fps).cpu()
         out = {
             "latents": latents.contiguous(),
             "audio_latents": audio.contiguous(),

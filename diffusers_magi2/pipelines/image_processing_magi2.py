@@ -13,7 +13,7 @@ import PIL.Image
 import torch
 from diffusers.video_processor import VideoProcessor
 
-from .decoding_magi2 import wan_latent_stats
+from .autoencoding_magi2 import encode_video_pixels
 
 
 __all__ = [
@@ -86,7 +86,5 @@ def reference_image_processor(vae_scale_factor_spatial: int = 16) -> VideoProces
 @torch.no_grad()
 def encode_reference_image(vae, pixels: torch.Tensor) -> torch.Tensor:
     """Normalised fp32 mean latent ``[B, 48, 1, H/16, W/16]`` of ``pixels`` ``[B, 3, 1, H, W]`` in [-1, 1] (``vae``:
-    the Wan2.2 ``AutoencoderKLWan``)."""
-    mu = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode().float()
-    mean, inv_std = wan_latent_stats(vae, mu.device)
-    return (mu - mean) * inv_std
+    the Wan2.2 ``AutoencoderKLWan``; :func:`~.autoencoding_magi2.encode_video_pixels` of one frame)."""
+    return encode_video_pixels(vae, pixels)

@@ -36,9 +36,8 @@ from ..models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 from ..models.turbo_vae import Magi2TurboVAEDecoder
 from ..parallel.context_parallel import broadcast_from_first_rank
 from ..utils.dtype_utils import parse_dtype
+from .autoencoding_magi2 import Magi2AutoencoderMixin
 from .decoding_magi2 import (
-    decode_audio_latents,
-    decode_video_latents,
     postprocess_audio,
     postprocess_video_frames,
     resize_video_frames,
@@ -46,7 +45,6 @@ from .decoding_magi2 import (
 from .enhancement_magi2 import PROMPT_ENHANCER, Magi2PromptEnhancementMixin
 from .geometry_magi2 import Magi2LatentGeometryMixin
 from .image_processing_magi2 import (
-    encode_reference_image,
     letterbox_image,
     preprocess_reference_image,
     reference_image_processor,
@@ -104,6 +102,7 @@ class Magi2Pipeline(
     Magi2PipelineChecksMixin,
     Magi2PromptEncodingMixin,
     Magi2LatentGeometryMixin,
+    Magi2AutoencoderMixin,
     Magi2WeightStreamingPipelineMixin,  # (before DiffusionPipeline: its ``to`` refuses while streaming)
     DiffusionPipeline,
     Magi2LoraLoaderMixin,
@@ -300,9 +299,8 @@ class Magi2Pipeline(
 
     def encode_reference_image(self, pixels: torch.Tensor) -> torch.Tensor:
         """Normalised fp32 mean latent ``[B, 48, 1, H/16, W/16]`` of ``pixels`` ``[B, 3, 1, H, W]`` in [-1, 1]
-        (:func:`~.image_processing_magi2.encode_reference_image`)."""
-        with self._autoencoder_stage("vae"):
-            return encode_reference_image(self.vae, pixels)
+        (:meth:`encode_video` of one frame)."""
+        return self.encode_video(pixels)
 
     # --- Latents
 
@@ -325,21 +323,6 @@ class Magi2Pipeline(
         lengths = {"num_frames": num_latent_frames, "num_audio_latents": num_audio_latents}
         geometry = dataclasses.replace(geometry, **{k: int(v) for k, v in lengths.items() if v is not None})
         return prepare_latents(batch_size, height, width, geometry, device, generator, latents, audio_latents)
-
-    # --- Decoding
-
-    @torch.no_grad()
-    def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised video latents ``[B, 48, T, h, w]`` -> pixels ``[B, 3, 4(T-1)+1, 16h, 16w]`` in [-1, 1]."""
-        video_decoder = getattr(self, "video_decoder", None)
-        with self._autoencoder_stage("vae" if video_decoder is None else "video_decoder"):
-            return decode_video_latents(video_decoder, getattr(self, "vae", None), latents)
-
-    @torch.no_grad()
-    def decode_audio(self, audio_latents: torch.Tensor) -> np.ndarray:
-        """Audio latents ``[B, L, 64]`` -> stereo ``[B, 2, S]`` float32 numpy at ``audio_sample_rate``."""
-        with self._autoencoder_stage("audio_vae"):
-            return decode_audio_latents(self.audio_vae, audio_latents, float(self.config.audio_resample_ratio))
 
     # --- Call
 

@@ -65,7 +65,7 @@ def test_wan_encode_cases_and_latent_tables_from_config(wan_fixture):
     torch.testing.assert_close(torch.tensor(vae.config.latents_std), cases["scale.std"], atol=0, rtol=0)
     latent = pipe.encode_reference_image(cases["encode.image"])
     torch.testing.assert_close(latent, cases["encode.image_latent"], atol=1e-5, rtol=1e-5)
-    video = pipe.encode_reference_image(cases["encode.video"])
+    video = pipe.encode_video(cases["encode.video"])  # 9 frames: the public video encode
     torch.testing.assert_close(video, cases["encode.video_latent"], atol=1e-5, rtol=1e-5)
 
 

@@ -1,0 +1,37 @@
+"""``Magi2Pipeline.encode_audio``: the Oobleck posterior mean, time first, the layout ``decode_audio`` takes back
+(the video encode is checked against the Wan2.2 fixture in ``test_pipeline_image.py``)."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import AutoencoderOobleck
+from helpers.pipeline_stubs import StandInTransformer, preview_scheduler
+
+from diffusers_magi2 import Magi2Pipeline  # noqa: E402
+
+
+def test_encode_audio_is_the_time_first_posterior_mean_that_decode_audio_takes():
+    torch.manual_seed(0)
+    audio_vae = AutoencoderOobleck(  # 2048 samples per latent, 64 latent channels (the encoder's 128 halved)
+        encoder_hidden_size=128,
+        downsampling_ratios=[2, 4, 4, 8, 8],
+        channel_multiples=[1, 1, 1, 1, 1],
+        decoder_channels=4,
+        decoder_input_channels=64,
+        audio_channels=2,
+    ).eval()
+    pipe = Magi2Pipeline(
+        tokenizer=None,
+        text_encoder=None,
+        transformer=StandInTransformer(),
+        audio_vae=audio_vae,
+        scheduler=preview_scheduler(),
+    )
+    waveform = torch.randn(2, 2, 3 * 2048, generator=torch.Generator().manual_seed(0)).to(torch.float64)
+    latents = pipe.encode_audio(waveform)
+    assert latents.shape == (2, 3, 64) and latents.dtype == torch.float32
+    with torch.no_grad():
+        mean = audio_vae.encode(waveform.float()).latent_dist.mean  # [B, 64, L]
+    assert torch.equal(latents, mean.permute(0, 2, 1))
+    audio = pipe.decode_audio(latents)  # 3 latents -> 6144 samples -> the 441/512 resample
+    assert audio.shape == (2, 2, 6144 * 441 // 512)
