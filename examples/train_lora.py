@@ -52,7 +52,7 @@ overwrite every rank's routed experts with rank 0's when it wraps the model. Eve
 ``accelerator.save_state`` writes ``<output_dir>/checkpoint-<step>/`` (under a temporary name, renamed when every
 rank is done): the optimizer, the LR schedule, the noise generator and random states, and the LoRA as
 ``pytorch_lora_weights.safetensors`` (diffusers format with its adapter config, ``pipe.load_lora_weights`` reads
-it); ``--resume_from_checkpoint latest`` (or a checkpoint folder; ``--resume`` is the same flag) continues from one with
+it); ``--resume_from_checkpoint latest`` (or a checkpoint folder, a bare ``checkpoint-<step>`` in ``--output_dir``; ``--resume`` is the same flag) continues from one with
 ``accelerator.load_state``; ``latest`` with no checkpoint in ``--output_dir`` says so and starts a new run, as
 diffusers' training scripts do, while a named folder that is not a checkpoint stops the run before any work.
 """
@@ -126,7 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--resume",
         default=None,
         help="'latest' (the newest checkpoint-<step> in --output_dir; a new run when there is none) or a "
-        "checkpoint-<step> folder",
+        "checkpoint-<step> folder (a bare name is looked up in --output_dir)",
     )
     p.add_argument("--seed", type=int, default=0, help="seeds everything (accelerate's set_seed) and the noise")
     p.add_argument("--dtype", default=None, help="frozen weights' dtype (default bfloat16 on GPU, float32 on CPU)")

@@ -93,8 +93,9 @@ def save_checkpoint(accelerator, output_dir: Path, step: int) -> Path:
 
 def find_checkpoint(output_dir: Path, resume: str) -> tuple[Path, int] | None:
     """``(folder, step)`` of ``--resume_from_checkpoint``: ``latest`` (the newest ``checkpoint-<step>`` in
-    ``output_dir``; ``None`` when there is none, a new run) or a ``checkpoint-<step>`` folder; ``ValueError`` when
-    a named folder is not one."""
+    ``output_dir``; ``None`` when there is none, a new run) or a ``checkpoint-<step>`` folder (a bare name in
+    ``output_dir``, as diffusers' training scripts resolve it; a path with a folder part as given); ``ValueError``
+    when a named folder is not one."""
     flag = f"--resume_from_checkpoint {resume!r}"
     if resume == "latest":
         found = sorted(
@@ -105,11 +106,11 @@ def find_checkpoint(output_dir: Path, resume: str) -> tuple[Path, int] | None:
             return None
         folder = found[-1]
     else:
-        folder = Path(resume)
+        folder = output_dir / resume if Path(resume).name == resume else Path(resume)
         if not folder.name.startswith("checkpoint-") or not folder.name.split("-")[-1].isdigit():
             raise ValueError(f"{flag}: expected a checkpoint-<step> folder (or 'latest')")
         if not folder.is_dir():
-            raise ValueError(f"{flag}: no such folder")
+            raise ValueError(f"{flag}: no such folder ({folder})")
     if not (folder / LORA_FILE).is_file():
         raise ValueError(f"{flag}: {folder} holds no {LORA_FILE}")
     return folder, int(folder.name.split("-")[-1])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import shutil
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -131,6 +132,22 @@ def test_resume_from_a_folder_that_is_not_a_checkpoint_is_refused_before_any_wor
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and f"--resume_from_checkpoint {str(out / name)!r}: {message}" in err
     assert not out.exists()
+
+
+def test_a_bare_checkpoint_name_is_looked_up_in_the_output_dir(tmp_path, monkeypatch, capsys):
+    """As diffusers' training scripts: ``checkpoint-<step>`` names a folder of ``--output_dir`` whatever the cwd."""
+    out, cwd = tmp_path / "out", tmp_path / "cwd"
+    for folder in (out / "checkpoint-2", cwd / "checkpoint-3"):
+        folder.mkdir(parents=True)
+        (folder / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    monkeypatch.chdir(cwd)
+    assert script.find_checkpoint(out, "checkpoint-2") == (out / "checkpoint-2", 2)
+    assert script.find_checkpoint(out, "./checkpoint-3") == (Path("checkpoint-3"), 3)  # a folder part: the cwd's
+    assert script.find_checkpoint(out, str(cwd / "checkpoint-3")) == (cwd / "checkpoint-3", 3)
+    with pytest.raises(SystemExit) as exit_info:  # in the cwd, not in --output_dir
+        script.parse_args(argv(tmp_path / "data", out, "--resume_from_checkpoint", "checkpoint-3"))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"'checkpoint-3': no such folder ({out / 'checkpoint-3'})" in err
 
 
 @pytest.mark.distributed
