@@ -290,13 +290,16 @@ def check_host_memory(args) -> None:
         )
     if args.expert_dtype is not None:
         from diffusers_magi2 import Magi2Transformer3DModel
+        from diffusers_magi2.moe.quantize import parse_expert_dtype
 
-        try:
-            config = Magi2Transformer3DModel.load_config(args.model, subfolder="transformer", local_files_only=True)
-        except OSError:
-            return  # a Hub id not yet in the cache: the streamer refuses it when the weights differ
+        try:  # a Hub id not yet cached: its transformer's config.json alone is fetched
+            config = Magi2Transformer3DModel.load_config(args.model, subfolder="transformer")
+        except OSError as error:
+            raise ValueError(
+                f"--host_memory disk: cannot read the transformer config of {args.model} ({error})"
+            ) from None
         stored = config.get("expert_dtype") or "the load dtype"
-        if stored != args.expert_dtype:
+        if parse_expert_dtype(config.get("expert_dtype")) != parse_expert_dtype(args.expert_dtype):
             raise ValueError(
                 f"--host_memory disk streams the experts as {args.model} stores them ({stored}); --expert_dtype "
                 f"{args.expert_dtype} would quantize them while reading (convert with magi2-convert --expert_dtype, "

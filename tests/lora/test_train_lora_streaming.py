@@ -5,6 +5,8 @@ and the switches a run cannot stream with are refused before any work. (``--cach
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from helpers.train_lora_testing import argv, synthetic_clip, write_video
@@ -86,3 +88,24 @@ def test_a_host_memory_the_run_cannot_stream_is_refused_before_any_work(tmp_path
         script.main(["--data_dir", str(tmp_path), "--output_dir", str(out), "--gradient_checkpointing", *extra])
     err = capsys.readouterr().err
     assert "error: --host_memory" in err and message in err and not out.exists()
+
+
+def test_host_memory_disk_compares_expert_dtypes_as_parsed_from_the_fetched_config(tmp_path, monkeypatch):
+    """``--expert_dtype torch.float8_e4m3fn`` is the stored ``float8_e4m3fn``; a Hub id's config.json is fetched
+    (not only looked up in the cache), so an unlike ``--expert_dtype`` is refused before the weights download."""
+    from diffusers_magi2 import Magi2Transformer3DModel
+
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text('{"expert_dtype": "float8_e4m3fn"}')
+    args = argparse.Namespace(host_memory="disk", vram_gb=32, model=str(tmp_path), storage_dtype=None)
+    for same in ("float8_e4m3fn", "torch.float8_e4m3fn"):
+        script.check_host_memory(argparse.Namespace(**vars(args), expert_dtype=same))
+    with pytest.raises(ValueError, match=r"stores them \(float8_e4m3fn\); --expert_dtype int4 would quantize"):
+        script.check_host_memory(argparse.Namespace(**vars(args), expert_dtype="int4"))
+    fetched = []
+    monkeypatch.setattr(
+        Magi2Transformer3DModel, "load_config", lambda *a, **kw: fetched.append(kw) or {"expert_dtype": None}
+    )
+    with pytest.raises(ValueError, match=r"org/magi2 stores them \(the load dtype\); --expert_dtype int4"):
+        script.check_host_memory(argparse.Namespace(**{**vars(args), "model": "org/magi2"}, expert_dtype="int4"))
+    assert fetched == [{"subfolder": "transformer"}]
