@@ -122,17 +122,19 @@ def preview_scheduler() -> UniPCMultistepScheduler:
     )
 
 
-def tiny_oobleck() -> AutoencoderOobleck:
+def tiny_oobleck(**overrides) -> AutoencoderOobleck:
+    """A tiny random ``AutoencoderOobleck`` (2048 samples per latent), its config updated by ``overrides``."""
     torch.manual_seed(0)
-    return AutoencoderOobleck(
-        encoder_hidden_size=4,
-        downsampling_ratios=[2, 4, 4, 8, 8],
-        channel_multiples=[1, 2, 2, 2, 2],
-        decoder_channels=4,
-        decoder_input_channels=64,
-        audio_channels=2,
-        sampling_rate=44100,
-    ).eval()
+    config = {
+        "encoder_hidden_size": 4,
+        "downsampling_ratios": [2, 4, 4, 8, 8],
+        "channel_multiples": [1, 2, 2, 2, 2],
+        "decoder_channels": 4,
+        "decoder_input_channels": 64,
+        "audio_channels": 2,
+        "sampling_rate": 44100,
+    }
+    return AutoencoderOobleck(**{**config, **overrides}).eval()
 
 
 def tiny_wan22_vae():

@@ -4,22 +4,14 @@
 from __future__ import annotations
 
 import torch
-from diffusers import AutoencoderOobleck
-from helpers.pipeline_stubs import StandInTransformer, preview_scheduler
+from helpers.pipeline_stubs import StandInTransformer, preview_scheduler, tiny_oobleck
 
 from diffusers_magi2 import Magi2Pipeline  # noqa: E402
 
 
 def test_encode_audio_is_the_time_first_posterior_mean_that_decode_audio_takes():
-    torch.manual_seed(0)
-    audio_vae = AutoencoderOobleck(  # 2048 samples per latent, 64 latent channels (the encoder's 128 halved)
-        encoder_hidden_size=128,
-        downsampling_ratios=[2, 4, 4, 8, 8],
-        channel_multiples=[1, 1, 1, 1, 1],
-        decoder_channels=4,
-        decoder_input_channels=64,
-        audio_channels=2,
-    ).eval()
+    # 64 latent channels (the encoder's 128 halved), as decode_audio takes them
+    audio_vae = tiny_oobleck(encoder_hidden_size=128, channel_multiples=[1, 1, 1, 1, 1])
     pipe = Magi2Pipeline(
         tokenizer=None,
         text_encoder=None,
