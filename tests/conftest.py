@@ -62,7 +62,18 @@ def _restore_active_attention_backend():
 
 
 _DISTRIBUTED_MARK = re.compile(r"\bmark\.distributed\b")
+_HOST_MEMORY_MARK = re.compile(r"\bmark\.host_memory_checks\b")
 _SLOW_MARK = re.compile(r"\bmark\.slow\b")
+
+
+@pytest.fixture(scope="session")
+def host_memory_checks(request, tmp_path_factory) -> dict:
+    """Every selected test's fresh-process host-memory checks (its ``host_memory_checks`` mark), run once for the
+    session, each forked from one new interpreter (``helpers.fresh_interpreter.run_host_memory_checks``): name to
+    ``subprocess.CompletedProcess``."""
+    from helpers.fresh_interpreter import run_host_memory_checks
+
+    return run_host_memory_checks(request.session.items, tmp_path_factory.mktemp("host_memory_checks"))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -70,34 +81,36 @@ def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's work units under ``-n N`` (``--dist load``, the default): each test module is one unit (its
     cached models and module fixtures are built once), and every module that holds a ``distributed`` test joins one
     unit, so the multi-process tests run one after another on one worker: never two gloo groups or launches at
-    once, and that worker's pools of gloo ranks (``helpers.ep_spawn_utils``) serve them all. A free worker takes the
-    costliest unit left (the distributed unit, then modules with a ``slow`` test, then by number of tests), so no
-    long module starts last while the other worker idles. The scheduler sees node ids only, so a module's source is
-    what tells it the module's marks."""
+    once, and that worker's pools of gloo ranks (``helpers.ep_spawn_utils``) serve them all; every module that holds
+    a ``host_memory_checks`` mark joins another, so the session fixture of that name runs its checks once. A free
+    worker takes the costliest unit left (the distributed unit, then units with a ``slow`` test, then by number of
+    tests), so no long module starts last while the other worker idles. The scheduler sees node ids only, so a
+    module's source is what tells it the module's marks."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     root = config.rootpath
-    marks: dict[str, tuple[bool, bool]] = {}
+    marks: dict[str, tuple[bool, bool, bool]] = {}
 
-    def module_marks(module: str) -> tuple[bool, bool]:
-        """``(distributed, slow)``: whether the module's source marks a test so."""
+    def module_marks(module: str) -> tuple[bool, bool, bool]:
+        """``(distributed, slow, host_memory_checks)``: whether the module's source marks a test so."""
         if module not in marks:
             path = root / module
             source = path.read_text() if path.is_file() else ""
-            marks[module] = (bool(_DISTRIBUTED_MARK.search(source)), bool(_SLOW_MARK.search(source)))
+            marks[module] = tuple(bool(m.search(source)) for m in (_DISTRIBUTED_MARK, _SLOW_MARK, _HOST_MEMORY_MARK))
         return marks[module]
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "distributed" if module_marks(module)[0] else module
+            distributed, _, host_memory = module_marks(module)
+            return "distributed" if distributed else "host_memory_checks" if host_memory else module
 
         def _assign_work_unit(self, node) -> None:
             def cost(scope: str) -> tuple[bool, bool, int]:
-                distributed, slow = module_marks(next(iter(self.workqueue[scope])).split("::", 1)[0])
-                return distributed, slow, len(self.workqueue[scope])
+                unit = [module_marks(nodeid.split("::", 1)[0]) for nodeid in self.workqueue[scope]]
+                return any(m[0] for m in unit), any(m[1] for m in unit), len(unit)
 
             self.workqueue.move_to_end(max(self.workqueue, key=cost), last=False)
             super()._assign_work_unit(node)

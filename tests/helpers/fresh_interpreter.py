@@ -69,3 +69,28 @@ def run_fresh_checks(
         )
         for name in checks
     }
+
+
+#: the host-memory checks' environment: glibc with no dynamic mmap threshold (every freed allocation over 64 KiB goes
+#: back to the OS, so a freed tensor leaves ``RssAnon``), one thread, no Hub
+HOST_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def run_host_memory_checks(items, work: Path) -> dict[str, subprocess.CompletedProcess]:
+    """Run, in one call of :func:`run_fresh_checks` with :data:`HOST_MEMORY_ENV`, every check that the
+    ``host_memory_checks({name: (script, argv)})`` marks of ``items`` name, in the items' order; ``{folder}`` in an
+    argv is a folder of the mark's own, shared by its checks (a save, then a measurement). Each script measures from
+    a baseline it reads after its own imports: the child's resident pages inherited from the interpreter it forks
+    from are in every reading alike."""
+    checks = {}
+    for item in items:
+        mark = item.get_closest_marker("host_memory_checks")
+        if mark is None or set(mark.args[0]) <= set(checks):
+            continue
+        folder = work / next(iter(mark.args[0]))  # named after the mark's first check
+        folder.mkdir()
+        for name, (script, argv) in mark.args[0].items():
+            checks[name] = (script, [str(a).replace("{folder}", str(folder)) for a in argv])
+    tests = str(Path(__file__).resolve().parents[1])  # the checks import ``helpers``
+    env = {**HOST_MEMORY_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    return run_fresh_checks(checks, work, env) if checks else {}

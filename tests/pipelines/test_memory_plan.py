@@ -8,8 +8,6 @@ same reduced-width model, read from ``torch.profiler``'s memory events (every al
 import argparse
 import json
 import os
-import subprocess
-import sys
 import weakref
 
 import pytest
@@ -384,17 +382,15 @@ print(anon() - before)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc (Linux)")
-def test_streamed_host_memory_matches_a_fresh_process_within_10_percent():
+@pytest.mark.host_memory_checks({"memory_plan_streamed": (_HOST_SCRIPT, [json.dumps(HOST_CONFIG)])})
+def test_streamed_host_memory_matches_a_fresh_process_within_10_percent(host_memory_checks):
     # the plan's host memory of a streamed model (on the CPU: the resident weights, the blocks held once, the ring,
     # none of it pinned) against the anonymous RSS a fresh process gains building and streaming it; six layers, so
     # that every slot of the ring (the plan's RING_DEPTH slots) has held a largest block (pages never written are not resident)
     weights = preview_streamed_weights(None, None, transformer_config=HOST_CONFIG)
     planned = weights.resident + weights.streamed + weights.ring
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")  # glibc: no dynamic threshold, frees go back to the OS
-    out = subprocess.run(
-        [sys.executable, "-c", _HOST_SCRIPT, json.dumps(HOST_CONFIG)], check=True, capture_output=True, text=True,
-        env=env,
-    )  # fmt: skip
+    out = host_memory_checks["memory_plan_streamed"]  # glibc: no dynamic threshold, frees go back to the OS
+    assert out.returncode == 0, out.stderr[-3000:]
     measured = int(out.stdout.split()[-1])
     print(f"host: measured {measured} B, planned {planned} B (x{planned / measured:.3f})")
     assert abs(planned - measured) <= 0.10 * measured

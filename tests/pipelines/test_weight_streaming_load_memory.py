@@ -7,29 +7,25 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from helpers.recipe_host_memory import save_recipe_repo
 
 from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_COMPONENTS
 
 
-TESTS = Path(__file__).resolve().parents[1]
+_SAVE = "import sys; from helpers.recipe_host_memory import save_recipe_repo; save_recipe_repo(sys.argv[1])"
+_MEASURE = "import sys; from helpers.recipe_host_memory import main; main(*sys.argv[1:])"
 
 
-@pytest.mark.slow  # a fresh interpreter: ~15 s of CPU, mostly two loads of the repo
+@pytest.mark.slow  # the session's host-memory checks, if this test asks first: ~40 s of CPU
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc (Linux)")
-def test_loading_adds_nothing_and_every_stage_holds_its_planned_host_memory(tmp_path):
-    save_recipe_repo(str(tmp_path))
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))  # helpers
-    out = subprocess.run(
-        [sys.executable, "-m", "helpers.recipe_host_memory", str(tmp_path), "pinned", "disk"],
-        check=True, capture_output=True, text=True, env=env,
-    )  # fmt: skip
+@pytest.mark.host_memory_checks(
+    {"recipe_save": (_SAVE, ["{folder}"]), "recipe_measure": (_MEASURE, ["{folder}", "pinned", "disk"])}
+)
+def test_loading_adds_nothing_and_every_stage_holds_its_planned_host_memory(host_memory_checks):
+    for name in ("recipe_save", "recipe_measure"):
+        assert host_memory_checks[name].returncode == 0, host_memory_checks[name].stderr[-3000:]
+    out = host_memory_checks["recipe_measure"]
     for mode, measured in json.loads(out.stdout.strip().splitlines()[-1]).items():
         print(mode, {k: round(v / 1e6, 1) for k, v in measured.items()}, "MB")
         largest = max(measured[f"planned_{stage}"] for stage in STREAMED_COMPONENTS)
