@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         print(json.dumps(result))
     else:
         print(table)
-        print(f"planned {len(rows)} stages in {result['seconds']} s")
+        print(f"planned {len(result.get('stages') or result['rows'])} stages in {result['seconds']} s")
     if args.out:
         write_json(result, args.out)
     return status

@@ -6,6 +6,7 @@ weight parts against a recomputation from the released configs on the meta devic
 reads most (the text encoder and both previews, the largest host stage) re-planned by the plan's own code.
 """
 
+import json
 import subprocess
 import sys
 
@@ -236,3 +237,19 @@ def test_the_shipped_text_and_preview_rows_equal_the_plan(card):
         common = set(planned) & set(shipped)
         assert {k: planned[k] for k in common} == {k: shipped[k] for k in common}, stage.name
         assert set(shipped) - common == {"co_resident_GB"}, stage.name  # the recipe's arithmetic, checked above
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_bench_memory_prints_the_consumer_plan_as_a_table_or_json(monkeypatch, capsys, json_flag):
+    # the plan itself is stood in (tracing it at the released size takes minutes); the printing is what is checked
+    from tests.benchmarks import bench_memory
+
+    stages = [{"stage": "text_encode", "used": True, "fits": True}, {"stage": "audio_decode", "used": True}]
+    monkeypatch.setattr(bench_memory, "consumer_result", lambda gb: {"stages": stages, "all_used_stages_fit": True})
+    monkeypatch.setattr(bench_memory, "consumer_markdown", lambda result: "| stage |")
+    assert bench_memory.main(["--gpu_gb", "24", *json_flag]) == 0
+    out = capsys.readouterr().out
+    if json_flag:
+        assert json.loads(out)["stages"] == stages
+    else:
+        assert out.splitlines()[0] == "| stage |" and "planned 2 stages in" in out
