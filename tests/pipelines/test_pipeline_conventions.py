@@ -410,10 +410,11 @@ def test_the_latents_leave_the_pipeline_module_only_to_start_the_refiner_and_to_
         if event != "call" or frame.f_back is None:
             return
         callee, caller = frame.f_code.co_filename, frame.f_back.f_code.co_filename
-        # the pipeline's own methods count as the pipeline (its checks mixin lives in validation_magi2.py)
+        # the pipeline's own methods count as the pipeline (its mixins live in other files: validation_magi2.py,
+        # autoencoding_magi2.py), as callee and as caller
         callee_is_pipeline = callee == pipeline_file or frame.f_locals.get("self") is pipe
         caller_is_pipeline = caller == pipeline_file or frame.f_back.f_locals.get("self") is pipe
-        if callee.startswith(folder) and not callee_is_pipeline and caller == pipeline_file:
+        if callee.startswith(folder) and not callee_is_pipeline and caller_is_pipeline:
             if any(is_video_latent(v) for v in frame.f_locals.values()):
                 handed.add(f"{Path(callee).stem}.{frame.f_code.co_name}")
         if callee == pipeline_file and caller.startswith(folder) and not caller_is_pipeline:
