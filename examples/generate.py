@@ -492,6 +492,17 @@ def load_pipeline(args):
     return pipe, defaults
 
 
+def tile_streamed_refined_decode(pipe, args, height: int, width: int) -> bool:
+    """With ``--vram_gb``, a call that refines (the 1080p preset) decodes in the TurboVAE's default 512-pixel tiles
+    (``pipe.video_decoder.enable_tiling()``), as the 32 GB recipe plans it: its whole 1080p frames do not fit a
+    consumer card; a 540p call decodes whole frames. Returns whether tiling was turned on."""
+    decoder = getattr(pipe, "video_decoder", None)
+    if args.vram_gb is None or decoder is None or not pipe.stage_sizes(height, width)[0]:
+        return False
+    decoder.enable_tiling()
+    return True
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -510,6 +521,7 @@ def main(argv=None) -> int:
         height = args.height if args.height is not None else defaults["height"]
         width = args.width if args.width is not None else defaults["width"]
     steps = args.num_inference_steps if args.num_inference_steps is not None else defaults["num_inference_steps"]
+    tile_streamed_refined_decode(pipe, args, height, width)
     generator = torch.Generator("cpu").manual_seed(args.seed)
     prompt = enhance_and_save_prompt(pipe, args) if args.enhance_prompt else args.prompt
 

@@ -9,8 +9,9 @@ frame: ``T`` latent frames give ``1 + 4 (T - 1)`` frames at 16x the latent size.
 Spatial tiling (``enable_tiling``, not in the reference): every op of the decoder is spatially local (convolutions,
 per-position RMS norms, nearest-exact upsampling), so a decoded pixel depends only on latents within the decoder's
 receptive radius ``r`` (in latent pixels; :meth:`Magi2TurboVAEDecoder.spatial_receptive_radius`). A tile of latents
-``[a, b)`` decoded with ``ceil(r)`` extra latents on each side (cut at the frame's edge) therefore gives exactly the
-pixels of ``[16 a, 16 b)`` that a whole-frame decode gives; the tiles are joined without blending. Peak activation
+``[a, b)`` decoded with ``ceil(r)`` extra latents on each side (cut at the frame's edge) therefore gives the pixels
+of ``[16 a, 16 b)`` that a whole-frame decode gives, up to floating-point summation order (the convolutions see
+other input shapes: not bit for bit); the tiles are joined without blending. Peak activation
 memory scales with the tile's area plus its halo instead of the frame's.
 """
 

@@ -406,7 +406,9 @@ class Magi2Pipeline(
             frames = 4.88 s), so export it with ``trim_or_pad_audio=True``, as ``examples/generate.py`` does.
 
         Raises:
-            ValueError: any bad argument or missing component (:meth:`check_inputs`), before any work starts.
+            ValueError: any bad argument or missing component (:meth:`check_inputs`), or a call that refines under
+                weight streaming whose plan decodes in tiles while ``video_decoder`` tiling is off, before any work
+                starts.
         """
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
@@ -443,6 +445,7 @@ class Magi2Pipeline(
         )
         check_scheduler(self.scheduler)
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
+        self._check_streamed_decode(refine)
         refiner_config = None
         if refine:
             refiner_config = self.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale)

@@ -34,6 +34,7 @@ __all__ = [
     "check_streaming_budget",
     "check_streaming_vram",
     "plan_applies",
+    "planned_tiled_decodes",
     "streaming_budgets",
 ]
 
@@ -108,6 +109,17 @@ def _recipe(table: dict, vram_gb: float) -> dict:
     recipes = sorted(table["recipes"].values(), key=lambda r: r["card_gb"])
     fitting = [r for r in recipes if r["card_gb"] <= vram_gb]
     return fitting[-1] if fitting else recipes[0]
+
+
+def planned_tiled_decodes(vram_gb: float) -> Dict[str, float]:
+    """``{stage: peak_GB}`` of the used ``video_decoder`` stages that the recipe of ``vram_gb`` plans in spatial
+    tiles (``"tiled"``: traced with ``enable_tiling()``, its whole frames above the card); empty if none."""
+    stages = _recipe(streaming_budgets(), vram_gb)["stages"]
+    return {
+        n: s["peak_GB"]
+        for n, s in stages.items()
+        if s["used"] and s.get("component") == "video_decoder" and s.get("tiled")
+    }
 
 
 def check_streaming_budget(

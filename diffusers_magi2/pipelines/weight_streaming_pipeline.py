@@ -24,6 +24,11 @@ Checked before any weight moves, in this order:
   (``weight_streaming_host_nbytes``: the packed blocks in the pinned mode, the staging ring in the disk mode)
   against the memory the OS says is available plus the streamed block weights now in host memory (streaming
   replaces them). The table's host figures are not used here: they count the released model and the text encoder.
+
+At the start of a call that refines (before any work), where the plan applies: a recipe whose refined decode is
+planned tiled (its TurboVAE row ``"tiled"``: the 32 GB card's 1080p decode) refuses a ``video_decoder`` with tiling
+off. Streaming never turns tiling on or off: the streamed call equals the resident one bit for bit with the same
+tiling, and a tiled decode equals the whole-frame one only up to floating-point summation order.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from ..models.weight_streaming import (
     streaming_host_nbytes,
 )
 from ..models.weight_streaming_restore import check_restore
-from .weight_streaming_budget import available_host_bytes, check_streaming_vram, plan_applies
+from .weight_streaming_budget import available_host_bytes, check_streaming_vram, plan_applies, planned_tiled_decodes
 from .weight_streaming_stages import StagedHostMemory, plan_reread
 
 
@@ -140,9 +145,9 @@ class Magi2WeightStreamingPipelineMixin:
         autoencoders (:data:`AUTOENCODER_COMPONENTS`) in host memory, each moved to ``device`` for its own encode or
         decode, then back to its host tensors as loaded (dtypes unchanged); move every other component to
         ``device``; run the refiner's layers in token chunks of :data:`STREAMED_REFINER_CHUNK_SIZE`
-        (``enable_forward_chunking``) and the TurboVAE decode in spatial tiles (``video_decoder.enable_tiling()``,
-        which the 1080p decode needs on a 32 GB card). Call it instead of
-        ``pipe.to(device)``; inference only.
+        (``enable_forward_chunking``). Call it instead of ``pipe.to(device)``; inference only. The TurboVAE's tiling
+        stays as set: the refined (1080p) decode needs ``pipe.video_decoder.enable_tiling()`` on a consumer card
+        (a call that refines without it is refused at its start where the plan applies).
 
         Args:
             vram_gb: the card's memory in GB (10^9 bytes), e.g. 24 or 32.
@@ -231,8 +236,23 @@ class Magi2WeightStreamingPipelineMixin:
         self._weight_streaming_stages.install()
         if "refiner" in blocks:
             models["refiner"].enable_forward_chunking(STREAMED_REFINER_CHUNK_SIZE)
-        if isinstance(models.get("video_decoder"), Magi2TurboVAEDecoder):
-            models["video_decoder"].enable_tiling()  # its default tiles, as the plan's 1080p decode row
+
+    def _check_streamed_decode(self, refine: bool) -> None:
+        """Refuse, at the start of a call that ``refine``s, a streamed pipeline whose plan decodes the refined frames
+        in tiles (the recipe's used TurboVAE row is ``"tiled"``) while ``video_decoder`` tiling is off."""
+        budget = getattr(self, "_weight_streaming_budget", None)
+        decoder = getattr(self, "video_decoder", None)
+        if not refine or budget is None or not isinstance(decoder, Magi2TurboVAEDecoder) or decoder.use_tiling:
+            return
+        tiled = planned_tiled_decodes(budget[0]) if plan_applies(self.transformer.config) else {}
+        if tiled:
+            name, peak_gb = next(iter(tiled.items()))
+            raise ValueError(
+                f"vram_gb={budget[0]}: the plan decodes the refined frames in spatial tiles (stage '{name}', "
+                f"{peak_gb} GB; the whole frames do not fit), and video_decoder tiling is off; call "
+                "pipe.video_decoder.enable_tiling() first (the frames then equal the whole-frame decode up to "
+                "floating-point summation order)"
+            )
 
     @contextlib.contextmanager
     def _autoencoder_stage(self, name: str):
@@ -311,6 +331,7 @@ class Magi2WeightStreamingPipelineMixin:
             getattr(self, name)._weight_streamer = None
         self._weight_streaming_stages = None
         self._weight_streaming_autoencoders = None
+        self._weight_streaming_budget = None
 
     def release_weight_streaming(self) -> None:
         """Stop streaming and drop the streamed models instead of restoring them (:meth:`disable_weight_streaming`

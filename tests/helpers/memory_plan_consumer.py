@@ -93,15 +93,18 @@ def _traced(kind: str, *args):
     raise ValueError(kind)
 
 
-def _resident(name: str, model: str, row, card_gb: int, *, used: bool = True, why=None, notes=()) -> StreamedStage:
+def _resident(
+    name: str, model: str, row, card_gb: int, *, used: bool = True, why=None, notes=(), tiled=None
+) -> StreamedStage:
     """A stage of the pipeline component ``model`` (an autoencoder) that sits on the device whole for the stage:
-    copied host -> device once (``module.to(device)``; in the disk mode read from its files first)."""
+    copied host -> device once (``module.to(device)``; in the disk mode read from its files first); ``tiled``: a
+    decode traced with ``enable_tiling()`` or not."""
     host = PROCESS_BYTES + row.weights
     return StreamedStage(
         name, row.stage, row.weights, 0, row.activations, host, host, used, why, row.weights,
         time_model(row.weights, None, card_gb, disk_bytes=row.weights), row.peak_at, streams=False,
         notes=list(row.notes) + list(notes) + ["h2d and time: once per stage (the weights onto the device)"],
-        disk_read=row.weights, model=model, per="stage",
+        disk_read=row.weights, model=model, per="stage", tiled=tiled,
     )  # fmt: skip
 
 
@@ -213,7 +216,7 @@ def plan_consumer(card_gb: int) -> Dict[str, object]:
     stages += [_preview_stage(res, card_gb) for res in ("272p", "540p")]
     stages.append(_refiner_stage(card_gb, used=big))
     turbovae = _traced("turbovae", decode_res, big)
-    stages.append(_resident(f"turbovae_decode_{decode_res}", "video_decoder", turbovae, card_gb))
+    stages.append(_resident(f"turbovae_decode_{decode_res}", "video_decoder", turbovae, card_gb, tiled=big))
     for res in ("540p", "1080p") if big else ("540p",):
         stages.append(
             _resident(
@@ -223,6 +226,7 @@ def plan_consumer(card_gb: int) -> Dict[str, object]:
                 card_gb,
                 used=False,
                 why="the recipe decodes with the TurboVAE",
+                tiled=False,
             )
         )
     stages.append(_resident("audio_decode", "audio_vae", _traced("audio"), card_gb))
@@ -394,7 +398,7 @@ def consumer_result(card_gb: int) -> dict:
 
 _BUDGET_KEYS = (
     "used", "peak_GB", "resident_GB", "ring_GB", "activations_GB", "host_GB", "host_disk_mode_GB", "streams",
-    "component", "co_resident_GB",
+    "component", "tiled", "co_resident_GB",
 )  # fmt: skip
 
 

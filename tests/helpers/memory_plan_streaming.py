@@ -298,6 +298,7 @@ class StreamedStage:
     model: Optional[str] = None  # the pipeline component whose weights the stage counts (a streamed one: re-read)
     per: str = "step"  # what h2d, timing and disk_read count: a step, or the stage (an autoencoder, once)
     reread: Optional[int] = None  # its bytes in the files
+    tiled: Optional[bool] = None  # a decode: traced with the decoder's enable_tiling() (its default tiles)
 
     @property
     def peak(self) -> int:
@@ -320,6 +321,8 @@ class StreamedStage:
         }
         if self.model is not None:
             row["component"] = self.model
+        if self.tiled is not None:
+            row["tiled"] = self.tiled
         if not self.used:
             row["why_unused"] = self.why_unused
         if self.h2d is not None:

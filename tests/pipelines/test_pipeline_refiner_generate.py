@@ -59,3 +59,19 @@ def test_output_size_flags_resize_the_written_frames(tmp_path):
     with av.open(str(out)) as container:
         stream = container.streams.video[0]
         assert (stream.codec_context.height, stream.codec_context.width) == (40, 70)
+
+
+def test_a_streamed_refining_call_tiles_the_turbovae_decode():
+    from types import SimpleNamespace
+
+    from diffusers_magi2 import Magi2Pipeline
+
+    tile = load_generate().tile_streamed_refined_decode
+    config = SimpleNamespace(preview_height=512, preview_width=896)
+    turned_on = []
+    decoder = SimpleNamespace(enable_tiling=lambda: turned_on.append(1))
+    pipe = SimpleNamespace(config=config, video_decoder=decoder)
+    pipe.stage_sizes = lambda h, w: Magi2Pipeline.stage_sizes(pipe, h, w)
+    streamed, resident = SimpleNamespace(vram_gb=32), SimpleNamespace(vram_gb=None)
+    assert not tile(pipe, streamed, 512, 896) and not tile(pipe, resident, 1088, 1920) and turned_on == []
+    assert tile(pipe, streamed, 1088, 1920) and turned_on == [1]  # the 1080p preset, refined from 512 x 896

@@ -24,15 +24,32 @@ def _encode(pipe):
         return pipe.encode_prompt(TWO_STAGE_CALL["prompt"], negative_prompt="blurry", device="cpu")
 
 
+def _tiling(decoder):
+    return decoder.use_tiling, decoder.tile_sample_min_height, decoder.tile_sample_min_width
+
+
+def _decode_first_frame(pipe, latents):
+    """The first latent frame of ``latents`` through the pipeline's decode step, and the decoder's forwards run."""
+    calls = []
+    hook = pipe.video_decoder.decoder.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        return pipe.decode_video(latents[:, :, :1]), len(calls)
+    finally:
+        hook.remove()
+
+
 def test_two_stage_call_streamed_equals_resident_bit_for_bit():
     pipe, _ = tiny_pipelines(with_refiner=True)
+    pipe.video_decoder.enable_tiling(64, 48)  # the 64 x 96 frames in two tiles, as the user set it
+    tiling = _tiling(pipe.video_decoder)
     resident, resident_text = two_stage_call(pipe), _encode(pipe)
-    resident_tiled = pipe.video_decoder.use_tiling
+    resident_video, tiles = _decode_first_frame(pipe, resident[0])
+    assert tiles == 2
     pipe.enable_weight_streaming(vram_gb=24, device="cpu")
     # built in memory: nothing to re-read, so every streamed model stays held
     assert pipe._weight_streaming_stages.parts == {}
     assert {b.chunk_size for b in pipe.refiner.transformer_blocks} == {STREAMED_REFINER_CHUNK_SIZE}  # the plan's
-    assert not resident_tiled and pipe.video_decoder.use_tiling  # the plan's tiled TurboVAE decode
+    assert _tiling(pipe.video_decoder) == tiling  # streaming leaves the decoder's tiling as the user set it
     released = {"text_encoder": 0, "transformer": 0, "refiner": 0}
     for name in released:
         streamer = getattr(pipe, name)._weight_streamer
@@ -46,8 +63,10 @@ def test_two_stage_call_streamed_equals_resident_bit_for_bit():
         assert torch.equal(a, b)
     layers = len(pipe.text_encoder.layers)
     assert released["text_encoder"] == 2 * layers  # the prompt and the negative prompt, every layer from the ring
-    for a, b in zip(two_stage_call(pipe), resident):
+    streamed = two_stage_call(pipe)
+    for a, b in zip(streamed, resident):
         assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    assert torch.equal(_decode_first_frame(pipe, streamed[0])[0], resident_video)  # the same tiles, bit for bit
     assert released["text_encoder"] % layers == 0 and released["text_encoder"] > 2 * layers
     # every block of both models ran from the ring: (cond + uncond) x steps x blocks releases
     assert released["transformer"] % len(pipe.transformer.transformer_blocks) == 0 < released["transformer"]
@@ -59,6 +78,7 @@ def test_two_stage_call_streamed_equals_resident_bit_for_bit():
     assert {n: c.dtype for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)} == dtypes
     pipe.disable_weight_streaming()
     assert all(getattr(pipe, n)._weight_streamer is None for n in released)
+    assert _tiling(pipe.video_decoder) == tiling
     pipe.to("cpu")
 
 
@@ -113,6 +133,7 @@ def test_two_stage_call_streamed_from_the_files_equals_resident_bit_for_bit(tmp_
     resident = two_stage_call(pipe)
     pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu")
     assert type(pipe.refiner._weight_streamer).__name__ == "DiskWeightStreamer"
+    assert not pipe.video_decoder.use_tiling  # off as loaded: streaming does not turn it on
     # loaded from files: each streamed model released between stages, its staging and device rings freed
     stages = pipe._weight_streaming_stages
     assert set(stages.parts) == {"text_encoder", "transformer", "refiner"} and stages.held is None
@@ -145,6 +166,32 @@ def test_a_budget_below_a_planned_stage_is_refused_for_the_released_geometry(mon
         pipe.enable_weight_streaming(vram_gb=need[stage] - 0.5, device="cpu")
     assert seen == [pipe.transformer.config]
     assert [t.data_ptr() for t in pipe.transformer.parameters()] == before
+
+
+def test_a_refining_call_is_refused_untiled_where_the_plan_tiles_the_decode(monkeypatch):
+    pipe, _ = tiny_pipelines(with_refiner=True)
+    pipe.enable_weight_streaming(vram_gb=32, device="cpu")  # the tiny geometry: enabled without the planned peaks
+    tiled = {n: s["peak_GB"] for n, s in streaming_budgets()["recipes"]["32"]["stages"].items() if s.get("tiled")}
+    assert list(tiled) == ["turbovae_decode_1080p"]  # the 32 GB recipe's refined decode, planned tiled
+    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
+    encoded = []
+    pipe.text_encoder.register_forward_pre_hook(lambda *_: encoded.append(1))
+    with pytest.raises(
+        ValueError,
+        match=r"vram_gb=32: the plan decodes the refined frames in spatial tiles \(stage 'turbovae_decode_1080p', "
+        rf"{tiled['turbovae_decode_1080p']} GB; .* call pipe.video_decoder.enable_tiling\(\) first",
+    ):
+        two_stage_call(pipe)
+    assert encoded == []  # refused before any work
+    pipe._check_streamed_decode(refine=False)  # a call that does not refine decodes the 540p preview whole
+    pipe.video_decoder.enable_tiling()
+    pipe._check_streamed_decode(refine=True)
+    pipe.video_decoder.disable_tiling()
+    pipe.disable_weight_streaming()
+    pipe._check_streamed_decode(refine=True)  # no longer streamed
+    pipe.enable_weight_streaming(vram_gb=24, device="cpu")
+    pipe._check_streamed_decode(refine=True)  # the 24 GB recipe decodes whole frames
+    pipe.disable_weight_streaming()
 
 
 def test_a_host_short_of_the_mode_is_refused_naming_the_disk_mode(monkeypatch, tmp_path):
