@@ -486,6 +486,10 @@ def load_pipeline(args):
         )
         defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
     if args.vram_gb is not None:
+        from diffusers_magi2.pipelines.weight_streaming_budget import check_streaming_vram, plan_applies
+
+        if plan_applies(pipe.transformer.config):  # the released model: this call's stages, before any weight moves
+            check_streaming_vram(args.vram_gb, planned_stages(pipe, args, *call_size(args, defaults)))
         pipe.enable_weight_streaming(vram_gb=args.vram_gb, host_memory=args.host_memory or "pinned", device=device)
     else:
         pipe.to(device)
@@ -503,6 +507,32 @@ def tile_streamed_refined_decode(pipe, args, height: int, width: int) -> bool:
     return True
 
 
+def call_size(args, defaults: dict) -> tuple:
+    """The output ``(height, width)``: ``--resolution``'s preset, else ``--height``/``--width`` or the defaults."""
+    if args.resolution is not None:
+        from diffusers_magi2.pipelines.pipeline_magi2 import RESOLUTION_PRESETS
+
+        return RESOLUTION_PRESETS[args.resolution]
+    return (
+        args.height if args.height is not None else defaults["height"],
+        args.width if args.width is not None else defaults["width"],
+    )
+
+
+def planned_stages(pipe, args, height: int, width: int) -> list:
+    """The memory plan's stages (``bench_memory``'s names) a call at ``height x width`` runs: text encoding, the
+    reference image's encode, the preview (272p or 540p), the 1080p refiner, the video decode (the TurboVAE where the
+    repo has it, else the Wan VAE) and the audio decode."""
+    from diffusers_magi2.pipelines.presets_magi2 import resolve_stage_sizes
+
+    refine, preview_height, preview_width = resolve_stage_sizes(height, width)
+    stages = ["text_encode", *(["image_encode_540p"] if args.image else [])]
+    stages.append("preview_272p" if preview_height * preview_width <= 256 * 448 else "preview_540p")
+    stages += ["refiner_1080p"] if refine else []
+    decoder = "turbovae" if getattr(pipe, "video_decoder", None) is not None else "wan"
+    return [*stages, f"{decoder}_decode_{'1080p' if refine else '540p'}", "audio_decode"]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -513,13 +543,7 @@ def main(argv=None) -> int:
     if args.device is not None:
         check_device(args.device)
     pipe, defaults = load_pipeline(args)
-    if args.resolution is not None:
-        from diffusers_magi2.pipelines.pipeline_magi2 import RESOLUTION_PRESETS
-
-        height, width = RESOLUTION_PRESETS[args.resolution]
-    else:
-        height = args.height if args.height is not None else defaults["height"]
-        width = args.width if args.width is not None else defaults["width"]
+    height, width = call_size(args, defaults)
     steps = args.num_inference_steps if args.num_inference_steps is not None else defaults["num_inference_steps"]
     tile_streamed_refined_decode(pipe, args, height, width)
     generator = torch.Generator("cpu").manual_seed(args.seed)

@@ -210,13 +210,13 @@ def plan_consumer(card_gb: int) -> Dict[str, object]:
     if card_gb not in CONSUMER_CARDS:
         raise ValueError(f"the streamed plan has recipes for {CONSUMER_CARDS} GB cards; got {card_gb!r}")
     big = card_gb >= 32
-    decode_res = "1080p" if big else "540p"
     stages: List[StreamedStage] = [_text_stage(card_gb)]
     stages.append(_resident("image_encode_540p", "vae", _traced("image"), card_gb, notes=["I2V only"]))
     stages += [_preview_stage(res, card_gb) for res in ("272p", "540p")]
     stages.append(_refiner_stage(card_gb, used=big))
-    turbovae = _traced("turbovae", decode_res, big)
-    stages.append(_resident(f"turbovae_decode_{decode_res}", "video_decoder", turbovae, card_gb, tiled=big))
+    for res in ("540p", "1080p") if big else ("540p",):  # a 540p clip's frames whole, the refined ones in tiles
+        turbovae = _traced("turbovae", res, res == "1080p")
+        stages.append(_resident(f"turbovae_decode_{res}", "video_decoder", turbovae, card_gb, tiled=res == "1080p"))
     for res in ("540p", "1080p") if big else ("540p",):
         stages.append(
             _resident(
