@@ -3,11 +3,11 @@ stages of :mod:`helpers.memory_plan_streaming` on the activations traced by :mod
 :mod:`helpers.memory_plan_codecs` and :mod:`helpers.memory_plan_training`.
 
 Recipes. 24 GB (RTX 4090, 3090): a 540p clip; text encoder and preview transformer streamed (int4 experts,
-FP8-stored dense weights), the TurboVAE decode and the audio decode resident; no refiner, no training. 32 GB
-(RTX 5090): the same plus the 1080p refiner (streamed, its MLP and attention chunked), the tiled TurboVAE decode at
-1080p and a 272p LoRA step (block inputs in pinned host memory), its clips cached first in the same process by a
-pipeline of the encoders released before training (``lora_cache_272p``). The Wan2.2 VAE decode is in the plan but not used
-(the recipes decode with the TurboVAE). Targets: every used stage <= ``card - 2`` GB.
+FP8-stored dense weights), the TurboVAE decode and the audio decode resident, and a 272p LoRA step (block inputs in
+pinned host memory; its weights read from disk on a 64 GB host), its clips cached first in the same process by a
+pipeline of the encoders released before training (``lora_cache_272p``); no refiner. 32 GB (RTX 5090): the same plus
+the 1080p refiner (streamed, its MLP and attention chunked) and the tiled TurboVAE decode at 1080p. The Wan2.2 VAE
+decode is in the plan but not used (the recipes decode with the TurboVAE). Targets: every used stage <= ``card - 2`` GB.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def _refiner_stage(card_gb: int, used: bool) -> StreamedStage:
     )  # fmt: skip
 
 
-def _lora_stage(card_gb: int, used: bool) -> StreamedStage:
+def _lora_stage(card_gb: int) -> StreamedStage:
     """272p LoRA step: forward and the checkpointed recompute each stream the blocks; the block inputs wait in
     pinned host memory (one pinned tensor per layer) and come back for the backward."""
     weights = preview_streamed_weights("int4", FP8)
@@ -168,18 +168,17 @@ def _lora_stage(card_gb: int, used: bool) -> StreamedStage:
     h2d = 2 * weights.streamed + layers * block_input
     flops = 3 * preview_step_flops("272p") / 2  # one half (no CFG): forward, recompute, input gradients
     timing = time_model(h2d, flops, card_gb, disk_bytes=2 * weights.streamed)
-    why = None if used else "the 24 GB recipe does not train (its host memory would exceed 80 GB)"
     return StreamedStage(
         "lora_train_272p", "LoRA training step 272p, int4 experts, FP8-stored dense weights, streamed forward and "
         "recompute", weights.resident + lora_resident, weights.ring, row.activations,
         PROCESS_BYTES + weights.host_pinned + inputs_host, PROCESS_BYTES + weights.host_staging + inputs_host,
-        used, why, h2d, timing, row.peak_at,
+        True, None, h2d, timing, row.peak_at,
         notes=list(row.notes) + ["h2d: the blocks twice (forward, recompute) + the 40 block inputs back"],
         disk_read=2 * weights.streamed,
     )  # fmt: skip
 
 
-def _cache_stage(card_gb: int, used: bool) -> StreamedStage:
+def _cache_stage(card_gb: int) -> StreamedStage:
     """``train_lora.py --cache`` before a LoRA run (a process of its own, released before training loads): the text
     encoder streamed as in ``text_encode`` (that row: its peak), the autoencoders each on the device for its own
     encode beside the text encoder's resident weights and ring (``co_resident_GB``). The row's peak is the larger
@@ -188,7 +187,6 @@ def _cache_stage(card_gb: int, used: bool) -> StreamedStage:
     row = max(video, audio, key=lambda r: r.total)
     text = text_encoder_streamed_weights()
     autoencoders = video.weights + audio.weights
-    why = None if used else "the 24 GB recipe does not train (its host memory would exceed 80 GB)"
     notes = [
         f"{video.stage}: {video.total / GB:.2f} GB, {audio.stage}: {audio.total / GB:.2f} GB (the row: the larger)",
         "the text encoding: the text_encode row; h2d and time: once per clip (the autoencoder onto the device)",
@@ -196,7 +194,7 @@ def _cache_stage(card_gb: int, used: bool) -> StreamedStage:
     return StreamedStage(
         "lora_cache_272p", "caching a 272p training clip (train_lora.py --cache): " + row.stage, row.weights, 0,
         row.activations, PROCESS_BYTES + text.host_pinned + autoencoders, PROCESS_BYTES + text.host_staging + autoencoders,
-        used, why, autoencoders, time_model(autoencoders, None, card_gb, disk_bytes=autoencoders), row.peak_at,
+        True, None, autoencoders, time_model(autoencoders, None, card_gb, disk_bytes=autoencoders), row.peak_at,
         streams=False, notes=list(row.notes) + notes, disk_read=autoencoders, model="vae", per="stage",
     )  # fmt: skip
 
@@ -230,8 +228,8 @@ def plan_consumer(card_gb: int) -> Dict[str, object]:
             )
         )
     stages.append(_resident("audio_decode", "audio_vae", _traced("audio"), card_gb))
-    stages.append(_cache_stage(card_gb, used=big))
-    stages.append(_lora_stage(card_gb, used=big))
+    stages.append(_cache_stage(card_gb))
+    stages.append(_lora_stage(card_gb))
     return {"stages": stages}
 
 

@@ -198,7 +198,7 @@ def test_caching_for_a_lora_run_holds_the_text_encoder_and_the_autoencoders_and_
     for key in ("host_GB", "host_disk_mode_GB"):
         assert abs(cache[key] - (text[key] + autoencoders)) <= 0.015
         assert cache[key] < train[key]
-    assert cache["used"] == train["used"] == (card == 32)
+    assert cache["used"] and train["used"]  # on both cards (a 64 GB host: the disk mode)
 
 
 @pytest.mark.parametrize("card", CONSUMER_CARDS)
