@@ -487,13 +487,40 @@ def load_pipeline(args):
         defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
     if args.vram_gb is not None:
         from diffusers_magi2.pipelines.weight_streaming_budget import check_streaming_vram, plan_applies
+        from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_RING_SIZE
 
+        host_memory = args.host_memory or "pinned"
+        stages = None
         if plan_applies(pipe.transformer.config):  # the released model: this call's stages, before any weight moves
-            check_streaming_vram(args.vram_gb, planned_stages(pipe, args, *call_size(args, defaults)))
-        pipe.enable_weight_streaming(vram_gb=args.vram_gb, host_memory=args.host_memory or "pinned", device=device)
+            stages = planned_stages(pipe, args, *call_size(args, defaults))
+            check_streaming_vram(args.vram_gb, stages)
+        pipe.enable_weight_streaming(
+            vram_gb=args.vram_gb, host_memory=host_memory, device=device, ring_size=STREAMED_RING_SIZE
+        )
+        if os.environ.get("RANK", "0") == "0":
+            print(streaming_summary(args.vram_gb, host_memory, STREAMED_RING_SIZE, stages), flush=True)
     else:
         pipe.to(device)
     return pipe, defaults
+
+
+def streaming_summary(vram_gb: float, host_memory: str, ring_size: int, stages) -> str:
+    """The line ``--vram_gb`` prints once streaming is on: the mode and the ring, and for the released model (its
+    checked ``stages``) the plan's device peak, with what stays resident beside it, and host memory (the public
+    values of ``check_streaming_budget``); ``stages=None``: another model, which the plan does not cover."""
+    from diffusers_magi2.pipelines.weight_streaming_budget import check_streaming_budget
+
+    line = f"weight streaming: host_memory {host_memory}, a ring of {ring_size} device buffers per streamed model"
+    if stages is None:
+        return line + "; the memory plan does not apply (not the released Preview's config): no planned peaks"
+    # the plan's figures only: enable_weight_streaming has checked the host's memory against the weights it holds
+    planned = check_streaming_budget(vram_gb, host_memory, stages, host_bytes=sys.maxsize)
+    host_gb = planned.pop("host_ram_GB")
+    peak = max(planned, key=planned.get)
+    return (
+        f"{line}; planned device peak {planned[peak]} GB ({peak}, with what stays resident beside it), host memory "
+        f"{host_gb} GB, over the stages {', '.join(planned)}"
+    )
 
 
 def tile_streamed_refined_decode(pipe, args, height: int, width: int) -> bool:

@@ -1,5 +1,6 @@
 """``examples/generate.py --vram_gb``: the plan's stages a call at the asked size runs are checked against the card
-before any weight moves (the released model; the plan's table shipped in the package)."""
+before any weight moves (the released model; the plan's table shipped in the package), and once streaming is on,
+rank 0 prints the mode, the ring and the plan's figures for those stages."""
 
 from __future__ import annotations
 
@@ -30,6 +31,18 @@ def _args(generate, tmp_path, *argv):
 TURBO, WAN = types.SimpleNamespace(video_decoder=object()), types.SimpleNamespace(video_decoder=None)
 
 
+def _fake_repo(monkeypatch, released: bool, enable_weight_streaming):
+    """``from_pretrained`` returns a stand-in pipeline (a TurboVAE repo) that the plan covers when ``released``."""
+    monkeypatch.setattr(weight_streaming_budget, "plan_applies", lambda config: released)
+    pipe = types.SimpleNamespace(
+        transformer=types.SimpleNamespace(config={}),
+        video_decoder=object(),
+        enable_weight_streaming=enable_weight_streaming,
+    )
+    monkeypatch.setattr(Magi2Pipeline, "from_pretrained", classmethod(lambda cls, *a, **k: pipe))
+    return pipe
+
+
 @pytest.mark.parametrize(
     "argv, pipe, stages",
     [
@@ -58,14 +71,8 @@ def test_a_card_too_small_for_the_asked_resolution_is_refused_before_streaming(t
     # 540p on 24 GB and 1080p on 32 GB pass; 1080p on 24 GB (the refiner is not in that recipe) and 540p on a 12 GB
     # card are refused naming the stage, before enable_weight_streaming moves anything
     generate = load_generate()
-    monkeypatch.setattr(weight_streaming_budget, "plan_applies", lambda config: True)
     enabled = []
-    pipe = types.SimpleNamespace(
-        transformer=types.SimpleNamespace(config={}),
-        video_decoder=object(),
-        enable_weight_streaming=lambda **kwargs: enabled.append(kwargs["vram_gb"]),
-    )
-    monkeypatch.setattr(Magi2Pipeline, "from_pretrained", classmethod(lambda cls, *a, **k: pipe))
+    _fake_repo(monkeypatch, True, lambda **kwargs: enabled.append(kwargs["vram_gb"]))
     for vram_gb, resolution, refused in (
         (24, "540p", None),
         (32, "1080p", None),
@@ -80,3 +87,48 @@ def test_a_card_too_small_for_the_asked_resolution_is_refused_before_streaming(t
             with pytest.raises(ValueError, match=refused):
                 generate.load_pipeline(args)
             assert enabled[-1] != vram_gb or len(enabled) == 2
+
+
+@pytest.mark.parametrize(
+    "argv, recipe, mode",
+    [
+        (["--resolution", "540p", "--vram_gb", "24", "--host_memory", "disk"], "24", "disk"),
+        (["--resolution", "1080p", "--vram_gb", "32"], "32", "pinned"),
+    ],
+)
+def test_streaming_prints_the_mode_ring_and_the_plans_peak_and_host_memory(
+    tmp_path, monkeypatch, capsys, argv, recipe, mode
+):
+    # one line on rank 0 once streaming is on: the largest checked stage's planned peak plus what stays resident
+    # (recomputed from the shipped table), the mode's planned host memory; another rank prints nothing
+    generate = load_generate()
+    pipe = _fake_repo(monkeypatch, True, lambda **kwargs: None)
+    args = _args(generate, tmp_path, "--model", "org/repo", *argv)
+    generate.load_pipeline(args)
+    (line,) = capsys.readouterr().out.splitlines()
+    table = weight_streaming_budget.streaming_budgets()["recipes"][recipe]
+    stages = generate.planned_stages(pipe, args, *generate.call_size(args, {}))
+    need = {
+        s: round(table["stages"][s]["peak_GB"] + sum(table["stages"][s]["co_resident_GB"]["released"].values()), 2)
+        for s in stages
+    }
+    peak = max(need, key=need.get)
+    assert peak == ("preview_540p" if recipe == "24" else "refiner_1080p")
+    assert f"host_memory {mode}, a ring of 2 device buffers" in line
+    assert f"planned device peak {need[peak]} GB ({peak}," in line
+    assert f"host memory {table['host_ram_GB'][mode]} GB, over the stages {', '.join(stages)}" in line
+    monkeypatch.setenv("RANK", "1")
+    generate.load_pipeline(args)
+    assert capsys.readouterr().out == ""
+
+
+def test_streaming_a_model_the_plan_does_not_cover_says_so(tmp_path, monkeypatch, capsys):
+    generate = load_generate()
+    modes = []
+    _fake_repo(monkeypatch, False, lambda **k: modes.append((k["host_memory"], k["ring_size"])))
+    generate.load_pipeline(_args(generate, tmp_path, "--model", "org/repo", "--vram_gb", "24"))
+    assert modes == [("pinned", 2)]
+    assert capsys.readouterr().out.splitlines() == [
+        "weight streaming: host_memory pinned, a ring of 2 device buffers per streamed model; the memory plan does not "
+        "apply (not the released Preview's config): no planned peaks"
+    ]
