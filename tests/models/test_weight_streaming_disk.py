@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -202,8 +203,12 @@ def test_a_streamer_dropped_with_its_model_stops_its_reader_thread(tmp_path):
     assert_bitwise(run_model(model, inputs), resident)
     (thread,) = _reader_threads(others)
     del model, streamer
-    gc.collect()  # the model and its hooks refer to each other: freed by the cyclic collection
-    thread.join(timeout=5)
+    # the model and its hooks refer to each other: freed by the cyclic collection, once no read is running (the
+    # forward's last block queued block 0's read for the next forward; while it runs, its frame holds the streamer)
+    deadline = time.monotonic() + 10
+    while thread.is_alive() and time.monotonic() < deadline:
+        gc.collect()
+        thread.join(timeout=0.05)
     assert not thread.is_alive()
 
 
