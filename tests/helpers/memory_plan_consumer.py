@@ -142,10 +142,10 @@ def _preview_stage(resolution: str, card_gb: int) -> StreamedStage:
 
 
 def _refiner_stage(card_gb: int, used: bool) -> StreamedStage:
-    weights = refiner_streamed_weights()
+    weights = refiner_streamed_weights(FP8)
     row = _traced("refiner", REFINER_CHUNK, 1)
     why = None if used else "the 24 GB recipe stops at 540p"
-    what = f"refiner step 1080p, bf16, streamed by block, token chunks of {REFINER_CHUNK}"
+    what = f"refiner step 1080p, FP8-stored dense weights, streamed by block, token chunks of {REFINER_CHUNK}"
     notes = ["peak: one CFG branch; h2d and time: both branches (two passes over the blocks)"]
     return _streamed(
         "refiner_1080p", "refiner", what, weights, row, card_gb, 2 * refiner_step_flops(), passes=2, used=used, why=why,
@@ -259,7 +259,7 @@ def plan_per_rank_24gb() -> List[dict]:
             "h2d_GB_per_step": round(weights.streamed / GB, 2) if streams else 0.0,
         })  # fmt: skip
     refiner = _traced("refiner", REFINER_CHUNK, 8)
-    weights = refiner_streamed_weights()
+    weights = refiner_streamed_weights(FP8)
     whole = weights.resident + weights.streamed + refiner.activations
     streams = whole > 22 * GB
     rows.append({

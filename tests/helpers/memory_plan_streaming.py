@@ -175,18 +175,21 @@ def preview_streamed_weights(
     return StreamedWeights(resident, [block_bytes[k] for k in per_layer])
 
 
-def _meta_refiner(compute_dtype: torch.dtype = torch.bfloat16):
+def _meta_refiner(compute_dtype: torch.dtype = torch.bfloat16, storage_dtype: Optional[torch.dtype] = None):
     from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
 
     from .memory_trace import default_dtype
 
+    dense = None if storage_dtype is None else str(storage_dtype).removeprefix("torch.")
     with torch.device("meta"), default_dtype(compute_dtype):  # its linears take the default dtype (islands: fp32)
-        return Magi2RefinerTransformer3DModel()
+        return Magi2RefinerTransformer3DModel(dense_storage_dtype=dense)
 
 
-def refiner_streamed_weights() -> StreamedWeights:
-    """:class:`StreamedWeights` of the released refiner in bf16 (fp32 islands): adapters resident, blocks streamed."""
-    model = _meta_refiner()
+def refiner_streamed_weights(storage_dtype: Optional[torch.dtype] = torch.float8_e4m3fn) -> StreamedWeights:
+    """:class:`StreamedWeights` of the released refiner as ``from_pretrained`` holds it: bf16 with fp32 islands, the
+    dense projections stored in ``storage_dtype`` (``--dense_storage_dtype fp8_e4m3``: FP8 weights beside fp32
+    per-channel scales; ``None``: bf16); adapters resident, blocks streamed."""
+    model = _meta_refiner(storage_dtype=storage_dtype)
     resident = module_bytes(model.pre_adapter) + module_bytes(model.post_adapter)
     return StreamedWeights(resident, [module_bytes(b) for b in model.transformer_blocks])
 
