@@ -547,17 +547,14 @@ def call_size(args, defaults: dict) -> tuple:
 
 
 def planned_stages(pipe, args, height: int, width: int) -> list:
-    """The memory plan's stages (``bench_memory``'s names) a call at ``height x width`` runs: text encoding, the
-    reference image's encode, the preview (272p or 540p), the 1080p refiner, the video decode (the TurboVAE where the
-    repo has it, else the Wan VAE) and the audio decode."""
+    """The memory plan's stages a call at ``height x width`` runs (``planned_call_stages``; the TurboVAE decode where
+    the repo has one, else the Wan VAE's)."""
     from diffusers_magi2.pipelines.presets_magi2 import resolve_stage_sizes
+    from diffusers_magi2.pipelines.weight_streaming_budget import planned_call_stages
 
     refine, preview_height, preview_width = resolve_stage_sizes(height, width)
-    stages = ["text_encode", *(["image_encode_540p"] if args.image else [])]
-    stages.append("preview_272p" if preview_height * preview_width <= 256 * 448 else "preview_540p")
-    stages += ["refiner_1080p"] if refine else []
-    decoder = "turbovae" if getattr(pipe, "video_decoder", None) is not None else "wan"
-    return [*stages, f"{decoder}_decode_{'1080p' if refine else '540p'}", "audio_decode"]
+    turbovae = getattr(pipe, "video_decoder", None) is not None
+    return planned_call_stages(refine, preview_height, preview_width, image=args.image is not None, turbovae=turbovae)
 
 
 def main(argv=None) -> int:

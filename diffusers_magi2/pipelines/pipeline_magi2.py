@@ -445,7 +445,8 @@ class Magi2Pipeline(
         )
         check_scheduler(self.scheduler)
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
-        self._check_streamed_decode(refine)
+        self._check_streamed_decode(refine and output_type != "latent")
+        self._check_streamed_stages(refine, denoise_height, denoise_width, image is not None, output_type != "latent")
         refiner_config = None
         if refine:
             refiner_config = self.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale)

@@ -24,7 +24,7 @@ import functools
 import json
 import math
 import os
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, List, Optional
 
 
 __all__ = [
@@ -109,6 +109,35 @@ def _recipe(table: dict, vram_gb: float) -> dict:
     recipes = sorted(table["recipes"].values(), key=lambda r: r["card_gb"])
     fitting = [r for r in recipes if r["card_gb"] <= vram_gb]
     return fitting[-1] if fitting else recipes[0]
+
+
+def planned_call_stages(
+    refine: bool,
+    denoise_height: int,
+    denoise_width: int,
+    image: bool = False,
+    turbovae: bool = True,
+    decode: bool = True,
+) -> List[str]:
+    """The plan's stages (``bench_memory``'s names) one call runs: text encoding, the reference image's encode
+    (``image``), the preview (272p up to 256x448 denoised pixels, else 540p), the 1080p refiner (``refine``), the
+    video decode (``decode``: the TurboVAE's, or the Wan2.2 VAE's without ``turbovae``, at 1080p after the refiner
+    else 540p) and the audio decode.
+
+    Raises:
+        ValueError: a preview larger than 512x896 (the plan has no such stage).
+    """
+    area = denoise_height * denoise_width
+    if area > 512 * 896:
+        raise ValueError(
+            f"a {denoise_height}x{denoise_width} preview is larger than the plan's 540p stage (512x896): the streamed "
+            "recipes denoise at 272p or 540p, and reach 1080p through the refiner (resolution='1080p')"
+        )
+    stages = ["text_encode", *(["image_encode_540p"] if image else [])]
+    stages += ["preview_272p" if area <= 256 * 448 else "preview_540p", *(["refiner_1080p"] if refine else [])]
+    if decode:
+        stages.append(f"{'turbovae' if turbovae else 'wan'}_decode_{'1080p' if refine else '540p'}")
+    return [*stages, "audio_decode"]
 
 
 def planned_tiled_decodes(vram_gb: float) -> Dict[str, float]:

@@ -25,9 +25,10 @@ Checked before any weight moves, in this order:
   against the memory the OS says is available plus the streamed block weights now in host memory (streaming
   replaces them). The table's host figures are not used here: they count the released model and the text encoder.
 
-At the start of a call that refines (before any work), where the plan applies: a recipe whose refined decode is
-planned tiled (its TurboVAE row ``"tiled"``: the 32 GB card's 1080p decode) refuses a ``video_decoder`` with tiling
-off. Streaming never turns tiling on or off: the streamed call equals the resident one bit for bit with the same
+At the start of a call (before any work), where the plan applies: ``vram_gb`` against the planned peaks of the stages
+that call runs (its preview size, the refiner, the decoder; ``planned_call_stages``); and where it refines and
+decodes, a recipe whose refined decode is planned tiled (its TurboVAE row ``"tiled"``: the 32 GB card's 1080p
+decode) refuses a ``video_decoder`` with tiling off. Streaming never turns tiling on or off: the streamed call equals the resident one bit for bit with the same
 tiling, and a tiled decode equals the whole-frame one only up to floating-point summation order.
 """
 
@@ -50,7 +51,13 @@ from ..models.weight_streaming import (
     streaming_host_nbytes,
 )
 from ..models.weight_streaming_restore import check_restore
-from .weight_streaming_budget import available_host_bytes, check_streaming_vram, plan_applies, planned_tiled_decodes
+from .weight_streaming_budget import (
+    available_host_bytes,
+    check_streaming_vram,
+    plan_applies,
+    planned_call_stages,
+    planned_tiled_decodes,
+)
 from .weight_streaming_stages import StagedHostMemory, plan_reread
 
 
@@ -196,6 +203,7 @@ class Magi2WeightStreamingPipelineMixin:
         transformer = getattr(self, "transformer", None)
         if transformer is not None and plan_applies(transformer.config):
             check_streaming_vram(vram_gb, release_between_stages=bool(blocks) and rereads.keys() == blocks.keys())
+        self._weight_streaming_released = bool(blocks) and rereads.keys() == blocks.keys()
         need = {n: streaming_device_nbytes(models[n], b, ring_size) for n, b in blocks.items()}
         need.update({n: _weight_nbytes(m) for n, m in models.items() if n not in blocks})
         autoencoders = [n for n in AUTOENCODER_COMPONENTS if n in models]
@@ -253,6 +261,18 @@ class Magi2WeightStreamingPipelineMixin:
                 "pipe.video_decoder.enable_tiling() first (the frames then equal the whole-frame decode up to "
                 "floating-point summation order)"
             )
+
+    def _check_streamed_stages(self, refine: bool, denoise_height: int, denoise_width: int, image: bool, decode: bool):
+        """Refuse, at the start of a call (before any work), a streamed pipeline whose ``vram_gb`` is below the
+        planned peak of a stage this call runs (:func:`~.weight_streaming_budget.planned_call_stages`), where the
+        plan applies; :meth:`enable_weight_streaming` checked only the stages every call runs."""
+        budget = getattr(self, "_weight_streaming_budget", None)
+        transformer = getattr(self, "transformer", None)
+        if budget is None or transformer is None or not plan_applies(transformer.config):
+            return
+        turbovae = isinstance(getattr(self, "video_decoder", None), Magi2TurboVAEDecoder)
+        stages = planned_call_stages(refine, denoise_height, denoise_width, image, turbovae, decode)
+        check_streaming_vram(budget[0], stages, release_between_stages=self._weight_streaming_released)
 
     @contextlib.contextmanager
     def _autoencoder_stage(self, name: str):
@@ -354,6 +374,7 @@ class Magi2WeightStreamingPipelineMixin:
             self.register_modules(**{name: None})
         self._weight_streaming_stages = None
         self._weight_streaming_autoencoders = None
+        self._weight_streaming_budget = None
 
     def to(self, *args, **kwargs):
         """``DiffusionPipeline.to``, refused before any component moves while weights are streamed.

@@ -171,6 +171,7 @@ def test_a_budget_below_a_planned_stage_is_refused_for_the_released_geometry(mon
 def test_a_refining_call_is_refused_untiled_where_the_plan_tiles_the_decode(monkeypatch):
     pipe, _ = tiny_pipelines(with_refiner=True)
     pipe.enable_weight_streaming(vram_gb=32, device="cpu")  # the tiny geometry: enabled without the planned peaks
+    pipe._weight_streaming_released = True  # as a pipeline from from_pretrained: its refiner fits the 32 GB card
     tiled = {n: s["peak_GB"] for n, s in streaming_budgets()["recipes"]["32"]["stages"].items() if s.get("tiled")}
     assert list(tiled) == ["turbovae_decode_1080p"]  # the 32 GB recipe's refined decode, planned tiled
     monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
@@ -181,7 +182,7 @@ def test_a_refining_call_is_refused_untiled_where_the_plan_tiles_the_decode(monk
         match=r"vram_gb=32: the plan decodes the refined frames in spatial tiles \(stage 'turbovae_decode_1080p', "
         rf"{tiled['turbovae_decode_1080p']} GB; .* call pipe.video_decoder.enable_tiling\(\) first",
     ):
-        two_stage_call(pipe)
+        pipe(**{**TWO_STAGE_CALL, "output_type": "np"})  # a call that decodes the refined frames
     assert encoded == []  # refused before any work
     pipe._check_streamed_decode(refine=False)  # a call that does not refine decodes the 540p preview whole
     pipe.video_decoder.enable_tiling()
@@ -191,6 +192,28 @@ def test_a_refining_call_is_refused_untiled_where_the_plan_tiles_the_decode(monk
     pipe._check_streamed_decode(refine=True)  # no longer streamed
     pipe.enable_weight_streaming(vram_gb=24, device="cpu")
     pipe._check_streamed_decode(refine=True)  # the 24 GB recipe decodes whole frames
+    pipe.disable_weight_streaming()
+
+
+def test_a_call_is_refused_where_its_own_stages_exceed_the_card_before_any_work(monkeypatch):
+    # enable checks the stages every call runs; a call checks its own: the refiner on the 24 GB recipe (which does
+    # not run it), a preview above 540p; a refining call that returns latents decodes nothing, so tiling is not asked
+    pipe, _ = tiny_pipelines(with_refiner=True)
+    pipe.enable_weight_streaming(vram_gb=24, device="cpu")  # the tiny geometry: enabled without the planned peaks
+    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
+    encoded = []
+    pipe.text_encoder.register_forward_pre_hook(lambda *_: encoded.append(1))
+    with pytest.raises(ValueError, match="refiner_1080p"):
+        two_stage_call(pipe)
+    with pytest.raises(ValueError, match=r"a 576x1024 preview is larger than the plan's 540p stage"):
+        pipe(**{**TWO_STAGE_CALL, "height": 576, "width": 1024, "preview_height": None, "preview_width": None})
+    assert encoded == []  # refused before any work
+    pipe.disable_weight_streaming()
+    pipe.enable_weight_streaming(vram_gb=32, device="cpu")
+    pipe._weight_streaming_released = True  # as a pipeline from from_pretrained: the "released" figures
+    assert not pipe.video_decoder.use_tiling
+    out = pipe(**{**TWO_STAGE_CALL, "output_type": "latent"}, generator=torch.Generator().manual_seed(0))
+    assert encoded and out.frames is not None
     pipe.disable_weight_streaming()
 
 
