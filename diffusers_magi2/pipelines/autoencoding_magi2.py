@@ -24,6 +24,16 @@ def encode_video_pixels(vae, pixels: torch.Tensor) -> torch.Tensor:
     return (mu - mean) * inv_std
 
 
+def _check_encode_input(name: str, tensor, shape: tuple, dims: dict) -> None:
+    """Refuse an encode input that is not a floating tensor of the layout ``shape`` whose ``dims`` checks hold."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.ndim != len(shape):
+        got = f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else None
+        raise ValueError(f"{name} must be a floating-point tensor [{', '.join(shape)}]; got {got or type(tensor)}")
+    for dim, (what, ok) in dims.items():
+        if not ok(tensor.shape[dim]):
+            raise ValueError(f"{name} of shape {tuple(tensor.shape)}: its {shape[dim]} must be {what}")
+
+
 class Magi2AutoencoderMixin:
     """``encode_video`` / ``encode_audio`` / ``decode_video`` / ``decode_audio`` of
     :class:`~diffusers_magi2.pipelines.pipeline_magi2.Magi2Pipeline`."""
@@ -40,7 +50,25 @@ class Magi2AutoencoderMixin:
         Returns:
             ``torch.Tensor`` fp32 ``[B, 48, (F - 1) / 4 + 1, H / 16, W / 16]`` on the VAE's device (the streaming
             device while weights are streamed).
+
+        Raises:
+            ValueError: the pipeline has no ``vae``, or ``pixels`` is not a floating-point tensor of that layout
+                (naming the dimension that is wrong and what it may be).
         """
+        if getattr(self, "vae", None) is None:
+            raise ValueError("encode_video needs the pipeline's vae (the Wan2.2 VAE); this pipeline has none")
+        step, space = self.vae.config.scale_factor_temporal, self.vae.config.scale_factor_spatial
+        _check_encode_input(
+            "pixels",
+            pixels,
+            ("B", "C", "F", "H", "W"),
+            {
+                1: ("3 (RGB)", lambda c: c == 3),
+                2: (f"{step}k + 1 frames", lambda f: f % step == 1 % step),
+                3: (f"a positive multiple of {space}", lambda h: h > 0 and h % space == 0),
+                4: (f"a positive multiple of {space}", lambda w: w > 0 and w % space == 0),
+            },
+        )
         with self._autoencoder_stage("vae"):
             return encode_video_pixels(self.vae, pixels)
 
@@ -56,7 +84,24 @@ class Magi2AutoencoderMixin:
 
         Returns:
             ``torch.Tensor`` fp32 ``[B, S / 2048, 64]`` (time first, as ``audio_latents``) on the audio VAE's device.
+
+        Raises:
+            ValueError: the pipeline has no ``audio_vae``, or ``waveform`` is not a floating-point tensor of that
+                layout (naming the dimension that is wrong and what it may be).
         """
+        audio_vae = getattr(self, "audio_vae", None)
+        if audio_vae is None:
+            raise ValueError("encode_audio needs the pipeline's audio_vae (the Oobleck VAE); this pipeline has none")
+        channels, hop = audio_vae.config.audio_channels, int(np.prod(audio_vae.config.downsampling_ratios))
+        _check_encode_input(
+            "waveform",
+            waveform,
+            ("B", "C", "S"),
+            {
+                1: (f"{channels} (the audio VAE's audio_channels)", lambda c: c == channels),
+                2: (f"a positive multiple of {hop} samples (one latent each)", lambda n: n > 0 and n % hop == 0),
+            },
+        )
         with self._autoencoder_stage("audio_vae"):
             audio_vae = self.audio_vae
             posterior = audio_vae.encode(waveform.to(device=audio_vae.device, dtype=audio_vae.dtype)).latent_dist

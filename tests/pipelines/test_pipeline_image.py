@@ -134,3 +134,32 @@ def test_i2v_call_keeps_image_in_uncond_and_special_token_in_both(wan_fixture):
     assert call["image_latents"].shape == (2, 48, 1, 2, 2)  # 48x32 floored to multiples of 32: 32x32
     assert torch.equal(call["image_latents"][0], call["image_latents"][1])
     assert torch.equal(call["image_embeds"], token.expand(2, -1))
+
+
+@pytest.mark.parametrize(
+    "pixels, match",
+    [
+        (torch.zeros(1, 3, 9, 32, 96, dtype=torch.uint8), r"pixels must be a floating-point tensor \[B, C, F, H, W\]"),
+        (torch.zeros(3, 9, 32, 96), r"pixels must be a floating-point tensor .* shape \(3, 9, 32, 96\)"),
+        (torch.zeros(1, 4, 9, 32, 96), r"its C must be 3 \(RGB\)"),
+        (torch.zeros(1, 3, 8, 32, 96), r"its F must be 4k \+ 1 frames"),
+        (torch.zeros(1, 3, 9, 40, 96), r"its H must be a positive multiple of 16"),
+        (torch.zeros(1, 3, 9, 32, 0), r"its W must be a positive multiple of 16"),
+    ],
+)
+def test_encode_video_refuses_pixels_of_another_layout_before_encoding(wan_fixture, pixels, match):
+    vae, _, _ = wan_fixture
+    pipe = make_pipe(vae)
+    encoded = []
+    handle = vae.encoder.register_forward_pre_hook(lambda *_: encoded.append(1))
+    try:
+        with pytest.raises(ValueError, match=match):
+            pipe.encode_video(pixels)
+    finally:
+        handle.remove()
+    assert encoded == []
+
+
+def test_encode_video_without_a_vae_says_so():
+    with pytest.raises(ValueError, match="encode_video needs the pipeline's vae"):
+        make_pipe(None).encode_video(torch.zeros(1, 3, 1, 16, 16))
