@@ -525,10 +525,14 @@ def streaming_summary(vram_gb: float, host_memory: str, ring_size: int, stages) 
 
 def tile_streamed_refined_decode(pipe, args, height: int, width: int) -> bool:
     """With ``--vram_gb``, a call that refines (the 1080p preset) decodes in the TurboVAE's default 512-pixel tiles
-    (``pipe.video_decoder.enable_tiling()``), as the 32 GB recipe plans it: its whole 1080p frames do not fit a
-    consumer card; a 540p call decodes whole frames. Returns whether tiling was turned on."""
+    (``pipe.video_decoder.enable_tiling()``) where the recipe plans it (``planned_tiled_decodes``: the whole 1080p
+    frames do not fit the card); a 540p call decodes whole frames. Returns whether tiling was turned on."""
+    from diffusers_magi2.pipelines.weight_streaming_budget import planned_tiled_decodes
+
     decoder = getattr(pipe, "video_decoder", None)
     if args.vram_gb is None or decoder is None or not pipe.stage_sizes(height, width)[0]:
+        return False
+    if not planned_tiled_decodes(args.vram_gb):
         return False
     decoder.enable_tiling()
     return True

@@ -140,14 +140,20 @@ def planned_call_stages(
     return [*stages, "audio_decode"]
 
 
-def planned_tiled_decodes(vram_gb: float) -> Dict[str, float]:
-    """``{stage: peak_GB}`` of the used ``video_decoder`` stages that the recipe of ``vram_gb`` plans in spatial
-    tiles (``"tiled"``: traced with ``enable_tiling()``, its whole frames above the card); empty if none."""
+def planned_tiled_decodes(vram_gb: float, release_between_stages: bool = True) -> Dict[str, float]:
+    """``{stage: peak_GB}`` of the used ``video_decoder`` stages that the recipe of ``vram_gb`` decodes in spatial
+    tiles (``"tiled"``: traced with ``enable_tiling()``) because ``vram_gb`` is below their whole frames' peak
+    (``"whole_frames_peak_GB"``) plus what stays resident beside them (``release_between_stages``: as
+    :func:`check_streaming_vram`); empty if none."""
+    policy = "released" if release_between_stages else "held"
     stages = _recipe(streaming_budgets(), vram_gb)["stages"]
     return {
         n: s["peak_GB"]
         for n, s in stages.items()
-        if s["used"] and s.get("component") == "video_decoder" and s.get("tiled")
+        if s["used"]
+        and s.get("component") == "video_decoder"
+        and s.get("tiled")
+        and vram_gb < s["whole_frames_peak_GB"] + sum(s["co_resident_GB"][policy].values())
     }
 
 

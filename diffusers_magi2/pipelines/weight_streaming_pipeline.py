@@ -27,9 +27,11 @@ Checked before any weight moves, in this order:
 
 At the start of a call (before any work), where the plan applies: ``vram_gb`` against the planned peaks of the stages
 that call runs (its preview size, the refiner, the decoder; ``planned_call_stages``); and where it refines and
-decodes, a recipe whose refined decode is planned tiled (its TurboVAE row ``"tiled"``: the 32 GB card's 1080p
-decode) refuses a ``video_decoder`` with tiling off. Streaming never turns tiling on or off: the streamed call equals the resident one bit for bit with the same
-tiling, and a tiled decode equals the whole-frame one only up to floating-point summation order.
+decodes, a ``video_decoder`` with tiling off is refused where the recipe decodes the refined frames in tiles and
+``vram_gb`` is below their whole frames' planned peak plus what stays resident (``planned_tiled_decodes``: the 32 GB
+recipe's 1080p TurboVAE decode). Streaming never turns tiling on or off: the streamed call
+equals the resident one bit for bit with the same tiling, and a tiled decode equals the whole-frame one only up to
+floating-point summation order.
 """
 
 from __future__ import annotations
@@ -246,13 +248,15 @@ class Magi2WeightStreamingPipelineMixin:
             models["refiner"].enable_forward_chunking(STREAMED_REFINER_CHUNK_SIZE)
 
     def _check_streamed_decode(self, refine: bool) -> None:
-        """Refuse, at the start of a call that ``refine``s, a streamed pipeline whose plan decodes the refined frames
-        in tiles (the recipe's used TurboVAE row is ``"tiled"``) while ``video_decoder`` tiling is off."""
+        """Refuse, at the start of a call that ``refine``s, a streamed pipeline whose ``vram_gb`` needs the refined
+        frames decoded in tiles (:func:`~.weight_streaming_budget.planned_tiled_decodes`) while ``video_decoder``
+        tiling is off."""
         budget = getattr(self, "_weight_streaming_budget", None)
         decoder = getattr(self, "video_decoder", None)
         if not refine or budget is None or not isinstance(decoder, Magi2TurboVAEDecoder) or decoder.use_tiling:
             return
-        tiled = planned_tiled_decodes(budget[0]) if plan_applies(self.transformer.config) else {}
+        released = self._weight_streaming_released
+        tiled = planned_tiled_decodes(budget[0], released) if plan_applies(self.transformer.config) else {}
         if tiled:
             name, peak_gb = next(iter(tiled.items()))
             raise ValueError(

@@ -94,17 +94,18 @@ def _traced(kind: str, *args):
 
 
 def _resident(
-    name: str, model: str, row, card_gb: int, *, used: bool = True, why=None, notes=(), tiled=None
+    name: str, model: str, row, card_gb: int, *, used: bool = True, why=None, notes=(), tiled=None, whole_frames=None
 ) -> StreamedStage:
     """A stage of the pipeline component ``model`` (an autoencoder) that sits on the device whole for the stage:
     copied host -> device once (``module.to(device)``; in the disk mode read from its files first); ``tiled``: a
-    decode traced with ``enable_tiling()`` or not."""
+    decode traced with ``enable_tiling()`` or not; ``whole_frames``: a tiled decode's row traced with tiling off."""
     host = PROCESS_BYTES + row.weights
     return StreamedStage(
         name, row.stage, row.weights, 0, row.activations, host, host, used, why, row.weights,
         time_model(row.weights, None, card_gb, disk_bytes=row.weights), row.peak_at, streams=False,
         notes=list(row.notes) + list(notes) + ["h2d and time: once per stage (the weights onto the device)"],
         disk_read=row.weights, model=model, per="stage", tiled=tiled,
+        whole_frames_peak=None if whole_frames is None else whole_frames.weights + whole_frames.activations,
     )  # fmt: skip
 
 
@@ -213,8 +214,12 @@ def plan_consumer(card_gb: int) -> Dict[str, object]:
     stages += [_preview_stage(res, card_gb) for res in ("272p", "540p")]
     stages.append(_refiner_stage(card_gb, used=big))
     for res in ("540p", "1080p") if big else ("540p",):  # a 540p clip's frames whole, the refined ones in tiles
-        turbovae = _traced("turbovae", res, res == "1080p")
-        stages.append(_resident(f"turbovae_decode_{res}", "video_decoder", turbovae, card_gb, tiled=res == "1080p"))
+        tiled = res == "1080p"
+        whole = _traced("turbovae", res, False) if tiled else None
+        turbovae = _traced("turbovae", res, tiled)
+        stages.append(
+            _resident(f"turbovae_decode_{res}", "video_decoder", turbovae, card_gb, tiled=tiled, whole_frames=whole)
+        )
     for res in ("540p", "1080p") if big else ("540p",):
         stages.append(
             _resident(
@@ -396,7 +401,7 @@ def consumer_result(card_gb: int) -> dict:
 
 _BUDGET_KEYS = (
     "used", "peak_GB", "resident_GB", "ring_GB", "activations_GB", "host_GB", "host_disk_mode_GB", "streams",
-    "component", "tiled", "co_resident_GB",
+    "component", "tiled", "whole_frames_peak_GB", "co_resident_GB",
 )  # fmt: skip
 
 

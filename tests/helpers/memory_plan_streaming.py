@@ -302,6 +302,7 @@ class StreamedStage:
     per: str = "step"  # what h2d, timing and disk_read count: a step, or the stage (an autoencoder, once)
     reread: Optional[int] = None  # its bytes in the files
     tiled: Optional[bool] = None  # a decode: traced with the decoder's enable_tiling() (its default tiles)
+    whole_frames_peak: Optional[int] = None  # a tiled decode: its device peak with whole frames (tiling off)
 
     @property
     def peak(self) -> int:
@@ -326,6 +327,8 @@ class StreamedStage:
             row["component"] = self.model
         if self.tiled is not None:
             row["tiled"] = self.tiled
+        if self.whole_frames_peak is not None:
+            row["whole_frames_peak_GB"] = round(self.whole_frames_peak / GB, 2)
         if not self.used:
             row["why_unused"] = self.why_unused
         if self.h2d is not None:

@@ -75,3 +75,4 @@ def test_a_streamed_refining_call_tiles_the_turbovae_decode():
     streamed, resident = SimpleNamespace(vram_gb=32), SimpleNamespace(vram_gb=None)
     assert not tile(pipe, streamed, 512, 896) and not tile(pipe, resident, 1088, 1920) and turned_on == []
     assert tile(pipe, streamed, 1088, 1920) and turned_on == [1]  # the 1080p preset, refined from 512 x 896
+    assert not tile(pipe, SimpleNamespace(vram_gb=80), 1088, 1920) and turned_on == [1]  # whole frames fit 80 GB

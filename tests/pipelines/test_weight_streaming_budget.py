@@ -25,6 +25,7 @@ from diffusers_magi2.pipelines.weight_streaming_budget import (
     check_streaming_budget,
     check_streaming_vram,
     plan_applies,
+    planned_tiled_decodes,
     streaming_budgets,
 )
 
@@ -206,6 +207,20 @@ def test_each_recipe_fits_its_target_with_what_stays_resident_when_streamed_mode
     # the 32 GB card's 1080p refiner and its decode included: <= 30 GB beside what stays on the device
     for name, row in _recipe(card)["stages"].items():
         assert not row["used"] or _need(card, name) <= card - 2, (name, _need(card, name))
+
+
+def test_a_refined_decode_is_tiled_exactly_below_its_whole_frames_need():
+    # the 32 GB recipe tiles its 1080p TurboVAE decode because the whole frames (plus what stays resident) exceed the
+    # card, and tiling is what brings it under; a larger budget decodes whole frames, with either release policy
+    row = _recipe(32)["stages"]["turbovae_decode_1080p"]
+    assert row["tiled"] and row["peak_GB"] < row["whole_frames_peak_GB"]
+    for policy, released in (("released", True), ("held", False)):
+        whole = row["whole_frames_peak_GB"] + sum(row["co_resident_GB"][policy].values())
+        assert 32 < whole
+        assert planned_tiled_decodes(32, released) == {"turbovae_decode_1080p": row["peak_GB"]}
+        assert planned_tiled_decodes(whole - 0.01, released) == {"turbovae_decode_1080p": row["peak_GB"]}
+        assert planned_tiled_decodes(whole, released) == {}
+    assert planned_tiled_decodes(24) == {}  # the 24 GB recipe does not refine
 
 
 def test_the_24gb_recipe_host_memory_meets_its_targets():

@@ -193,6 +193,12 @@ def test_a_refining_call_is_refused_untiled_where_the_plan_tiles_the_decode(monk
     pipe.enable_weight_streaming(vram_gb=24, device="cpu")
     pipe._check_streamed_decode(refine=True)  # the 24 GB recipe decodes whole frames
     pipe.disable_weight_streaming()
+    row = streaming_budgets()["recipes"]["32"]["stages"]["turbovae_decode_1080p"]
+    whole = row["whole_frames_peak_GB"] + sum(row["co_resident_GB"]["released"].values())
+    pipe.enable_weight_streaming(vram_gb=whole, device="cpu")  # a card the whole refined frames fit
+    pipe._weight_streaming_released = True
+    pipe._check_streamed_decode(refine=True)
+    pipe.disable_weight_streaming()
 
 
 def test_a_call_is_refused_where_its_own_stages_exceed_the_card_before_any_work(monkeypatch):
