@@ -39,6 +39,7 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+from typing import Optional  # noqa: E402
 
 
 class _OneLineArgumentParser(argparse.ArgumentParser):
@@ -469,7 +470,8 @@ def load_pipeline(args):
     args.expert_parallel = expert_parallel
     args.context_parallel = context_parallel
     device = args.device or str(ep_device(expert_parallel))
-    if args.model is None:
+    if args.model is None:  # not the released geometry: no planned stages
+        stages = None
         pipe = build_tiny_default_pipeline(dtype=parse_dtype(args.dtype or "float32"))
         defaults = dict(pipe.tiny_call_defaults)
         if expert_parallel is not None:
@@ -477,6 +479,8 @@ def load_pipeline(args):
         if context_parallel is not None:
             pipe.enable_context_parallel(context_parallel)
     else:
+        defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
+        stages = repo_streamed_stages(args, defaults) if args.vram_gb is not None else None
         dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         pipe = Magi2Pipeline.from_pretrained(
             args.model,
@@ -484,16 +488,10 @@ def load_pipeline(args):
             expert_parallel=expert_parallel,
             context_parallel=context_parallel,
         )
-        defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
     if args.vram_gb is not None:
-        from diffusers_magi2.pipelines.weight_streaming_budget import check_streaming_vram, plan_applies
         from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_RING_SIZE
 
         host_memory = args.host_memory or "pinned"
-        stages = None
-        if plan_applies(pipe.transformer.config):  # the released model: this call's stages, before any weight moves
-            stages = planned_stages(pipe, args, *call_size(args, defaults))
-            check_streaming_vram(args.vram_gb, stages)
         pipe.enable_weight_streaming(
             vram_gb=args.vram_gb, host_memory=host_memory, device=device, ring_size=STREAMED_RING_SIZE
         )
@@ -550,14 +548,30 @@ def call_size(args, defaults: dict) -> tuple:
     )
 
 
-def planned_stages(pipe, args, height: int, width: int) -> list:
+def repo_streamed_stages(args, defaults: dict) -> Optional[list]:
+    """With ``--vram_gb``: the memory plan's stages this call runs, checked against the card
+    (``check_streaming_vram``) from the repo's configs alone, before any weight loads; ``None`` where the plan does
+    not apply (a transformer config other than the released Preview's)."""
+    from diffusers import DiffusionPipeline
+
+    from diffusers_magi2 import Magi2Transformer3DModel
+    from diffusers_magi2.pipelines.weight_streaming_budget import check_streaming_vram, plan_applies
+
+    if not plan_applies(Magi2Transformer3DModel.load_config(args.model, subfolder="transformer")):
+        return None
+    video_decoder = DiffusionPipeline.load_config(args.model).get("video_decoder") or [None, None]
+    stages = planned_stages(args, *call_size(args, defaults), turbovae=video_decoder[0] is not None)
+    check_streaming_vram(args.vram_gb, stages)
+    return stages
+
+
+def planned_stages(args, height: int, width: int, turbovae: bool) -> list:
     """The memory plan's stages a call at ``height x width`` runs (``planned_call_stages``; the TurboVAE decode where
     the repo has one, else the Wan VAE's)."""
     from diffusers_magi2.pipelines.presets_magi2 import resolve_stage_sizes
     from diffusers_magi2.pipelines.weight_streaming_budget import planned_call_stages
 
     refine, preview_height, preview_width = resolve_stage_sizes(height, width)
-    turbovae = getattr(pipe, "video_decoder", None) is not None
     return planned_call_stages(refine, preview_height, preview_width, image=args.image is not None, turbovae=turbovae)
 
 

@@ -1,6 +1,6 @@
 """``examples/generate.py --vram_gb``: the plan's stages a call at the asked size runs are checked against the card
-before any weight moves (the released model; the plan's table shipped in the package), and once streaming is on,
-rank 0 prints the mode, the ring and the plan's figures for those stages."""
+from the repo's configs, before any weight loads (the released model; the plan's table shipped in the package), and
+once streaming is on, rank 0 prints the mode, the ring and the plan's figures for those stages."""
 
 from __future__ import annotations
 
@@ -28,43 +28,51 @@ def _args(generate, tmp_path, *argv):
     return generate.parse_args(["--prompt", "p", "--output", str(tmp_path / "clip.mp4"), *argv])
 
 
-TURBO, WAN = types.SimpleNamespace(video_decoder=object()), types.SimpleNamespace(video_decoder=None)
+def _fake_repo(monkeypatch, released: bool, enable_weight_streaming, turbovae: bool = True):
+    """``from_pretrained`` returns a stand-in pipeline, and the repo's configs read a transformer that the plan covers
+    when ``released`` and a TurboVAE ``video_decoder`` when ``turbovae``; ``loaded`` lists the from_pretrained calls."""
+    from diffusers import DiffusionPipeline
 
+    from diffusers_magi2 import Magi2Transformer3DModel
 
-def _fake_repo(monkeypatch, released: bool, enable_weight_streaming):
-    """``from_pretrained`` returns a stand-in pipeline (a TurboVAE repo) that the plan covers when ``released``."""
-    monkeypatch.setattr(weight_streaming_budget, "plan_applies", lambda config: released)
-    pipe = types.SimpleNamespace(
-        transformer=types.SimpleNamespace(config={}),
-        video_decoder=object(),
-        enable_weight_streaming=enable_weight_streaming,
+    monkeypatch.setattr(weight_streaming_budget, "plan_applies", lambda config: released and config == {"repo": 1})
+    monkeypatch.setattr(Magi2Transformer3DModel, "load_config", classmethod(lambda cls, *a, **k: {"repo": 1}))
+    index = {"video_decoder": ["diffusers_magi2", "Magi2TurboVAEDecoder"] if turbovae else [None, None]}
+    monkeypatch.setattr(DiffusionPipeline, "load_config", classmethod(lambda cls, *a, **k: index))
+    pipe = types.SimpleNamespace(enable_weight_streaming=enable_weight_streaming, loaded=[])
+    monkeypatch.setattr(
+        Magi2Pipeline, "from_pretrained", classmethod(lambda cls, *a, **k: pipe.loaded.append(a) or pipe)
     )
-    monkeypatch.setattr(Magi2Pipeline, "from_pretrained", classmethod(lambda cls, *a, **k: pipe))
     return pipe
 
 
 @pytest.mark.parametrize(
-    "argv, pipe, stages",
+    "argv, turbovae, stages",
     [
-        (["--resolution", "540p"], TURBO, ["text_encode", "preview_540p", "turbovae_decode_540p", "audio_decode"]),
+        (["--resolution", "540p"], True, ["text_encode", "preview_540p", "turbovae_decode_540p", "audio_decode"]),
         (
             ["--resolution", "1080p"],
-            TURBO,
+            True,
             ["text_encode", "preview_540p", "refiner_1080p", "turbovae_decode_1080p", "audio_decode"],
         ),
         (
             ["--resolution", "272p", "--image", "ref.png"],
-            WAN,
+            False,
             ["text_encode", "image_encode_540p", "preview_272p", "wan_decode_540p", "audio_decode"],
         ),
     ],
 )
-def test_the_stages_of_a_call_are_the_plans_names(tmp_path, argv, pipe, stages):
+def test_the_stages_of_a_call_are_the_plans_names(tmp_path, monkeypatch, argv, turbovae, stages):
     generate = load_generate()
-    args = _args(generate, tmp_path, *argv)
-    size = generate.call_size(args, {"height": 512, "width": 896})
-    assert generate.planned_stages(pipe, args, *size) == stages
+    args = _args(generate, tmp_path, "--model", "org/repo", "--vram_gb", "32", *argv)
+    _fake_repo(monkeypatch, True, lambda **kwargs: None, turbovae)
+    assert generate.planned_stages(args, *generate.call_size(args, {}), turbovae=turbovae) == stages
     assert set(stages) <= set(weight_streaming_budget.streaming_budgets()["recipes"]["32"]["stages"])
+    if turbovae:  # read from the repo's configs
+        assert generate.repo_streamed_stages(args, {}) == stages
+    else:  # the streamed recipes decode with the TurboVAE
+        with pytest.raises(ValueError, match=r"does not run \['wan_decode_540p'\]"):
+            generate.repo_streamed_stages(args, {})
 
 
 def test_a_card_too_small_for_the_asked_resolution_is_refused_before_streaming(tmp_path, monkeypatch):
@@ -72,7 +80,7 @@ def test_a_card_too_small_for_the_asked_resolution_is_refused_before_streaming(t
     # card are refused naming the stage, before enable_weight_streaming moves anything
     generate = load_generate()
     enabled = []
-    _fake_repo(monkeypatch, True, lambda **kwargs: enabled.append(kwargs["vram_gb"]))
+    pipe = _fake_repo(monkeypatch, True, lambda **kwargs: enabled.append(kwargs["vram_gb"]))
     for vram_gb, resolution, refused in (
         (24, "540p", None),
         (32, "1080p", None),
@@ -84,9 +92,10 @@ def test_a_card_too_small_for_the_asked_resolution_is_refused_before_streaming(t
             generate.load_pipeline(args)
             assert enabled[-1] == vram_gb
         else:
+            loaded = len(pipe.loaded)
             with pytest.raises(ValueError, match=refused):
                 generate.load_pipeline(args)
-            assert enabled[-1] != vram_gb or len(enabled) == 2
+            assert len(pipe.loaded) == loaded  # refused before from_pretrained loads any weight
 
 
 @pytest.mark.parametrize(
@@ -102,12 +111,12 @@ def test_streaming_prints_the_mode_ring_and_the_plans_peak_and_host_memory(
     # one line on rank 0 once streaming is on: the largest checked stage's planned peak plus what stays resident
     # (recomputed from the shipped table), the mode's planned host memory; another rank prints nothing
     generate = load_generate()
-    pipe = _fake_repo(monkeypatch, True, lambda **kwargs: None)
+    _fake_repo(monkeypatch, True, lambda **kwargs: None)
     args = _args(generate, tmp_path, "--model", "org/repo", *argv)
     generate.load_pipeline(args)
     (line,) = capsys.readouterr().out.splitlines()
     table = weight_streaming_budget.streaming_budgets()["recipes"][recipe]
-    stages = generate.planned_stages(pipe, args, *generate.call_size(args, {}))
+    stages = generate.planned_stages(args, *generate.call_size(args, {}), turbovae=True)
     need = {
         s: round(table["stages"][s]["peak_GB"] + sum(table["stages"][s]["co_resident_GB"]["released"].values()), 2)
         for s in stages
