@@ -28,6 +28,7 @@ Budgets: an H200 as 141 GB, an H100 as 80 GB (10^9 bytes), and 8 GB kept spare.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -331,22 +332,30 @@ def stored_weights(model, kinds, per_layer, storage_dtype, compute_dtype, ep_deg
     ``enable_layerwise_casting(storage_dtype, compute_dtype)`` otherwise; read from a stored copy. The trace itself
     runs the layers in the compute dtype (the hooks replace the weights, which fake parameters refuse), so each
     layer's compute-dtype copy is added to its peak: an upper bound."""
+    stored = _stored_copy(model, storage_dtype, compute_dtype)
+    copies = functools.partial(_cast_copy_bytes, compute_dtype=compute_dtype)
+    blocks = [sum(copies(m) for m in block.modules()) for block in stored.transformer_blocks]
+    return _StoredWeights(
+        preview_weights(stored, kinds, per_layer, ep_degree), max(copies(m) for m in stored.modules()), max(blocks)
+    )
+
+
+def _stored_copy(model, storage_dtype, compute_dtype):
+    """A copy of ``model`` (on meta) with its dense weights stored as :func:`stored_weights` says."""
     stored = copy.deepcopy(model)
     if storage_dtype == torch.float8_e4m3fn:
         stored.enable_fp8_storage(compute_dtype=compute_dtype)
     else:
         stored.enable_layerwise_casting(storage_dtype=storage_dtype, compute_dtype=compute_dtype)
+    return stored
 
-    def copies(module) -> int:  # a module a hook stores: its weights are made in the compute dtype for its call
-        registry = getattr(module, "_diffusers_hook", None)
-        if registry is None or not any(registry.get_hook(h) for h in (_LAYERWISE_CASTING_HOOK, FP8_STORAGE_HOOK)):
-            return 0
-        return sum(t.numel() for t in module.parameters(recurse=False)) * compute_dtype.itemsize
 
-    blocks = [sum(copies(m) for m in block.modules()) for block in stored.transformer_blocks]
-    return _StoredWeights(
-        preview_weights(stored, kinds, per_layer, ep_degree), max(copies(m) for m in stored.modules()), max(blocks)
-    )
+def _cast_copy_bytes(module, compute_dtype) -> int:
+    """Bytes of the compute-dtype copy a storing hook makes of ``module``'s own weights for its call (0 unstored)."""
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is None or not any(registry.get_hook(h) for h in (_LAYERWISE_CASTING_HOOK, FP8_STORAGE_HOOK)):
+        return 0
+    return sum(t.numel() for t in module.parameters(recurse=False)) * compute_dtype.itemsize
 
 
 def trace_preview_forward(
@@ -466,6 +475,7 @@ def trace_refiner_forward(
     kernels: str = "cuda",
     forward_chunk_size: Optional[int] = None,
     compute_dtype: torch.dtype = torch.bfloat16,
+    storage_dtype: Optional[torch.dtype] = None,
 ) -> Trace:
     """Weights and peak activations of one refiner forward (one sample, one CFG branch) on one device.
 
@@ -479,6 +489,8 @@ def trace_refiner_forward(
         refiner_config: model arguments (default: released).
         cp_degree: context-parallel degree; kernels: as :func:`trace_preview_forward`.
         forward_chunk_size: the MLP token chunk (``None``: the model default).
+        storage_dtype: the dense weights stored in that dtype (:func:`stored_weights`; ``None``: off): the largest
+            layer's compute-dtype copy added to the peak (the weights are traced in the compute dtype).
 
     Raises:
         ValueError: unknown ``kernels`` or a bad degree.
@@ -493,6 +505,10 @@ def trace_refiner_forward(
         model = Magi2RefinerTransformer3DModel(
             num_layers=len(kinds), multimodal_layers=[k for k, (m,) in enumerate(kinds) if m], **cfg
         )
+    layer_copy = 0
+    if storage_dtype is not None:  # read on meta, before the parameters are faked
+        stored = _stored_copy(model, storage_dtype, compute_dtype)
+        layer_copy = max(_cast_copy_bytes(m, compute_dtype) for m in stored.modules())
     model = on_fake_tensors(model, fake)
     set_kernels(model, kernels)
     if forward_chunk_size is not None:
@@ -530,7 +546,7 @@ def trace_refiner_forward(
             for hook in hooks:
                 hook.remove()
         del out
-    return Trace(weights, tracker.activations, tracker.peak_op)
+    return Trace(weights, tracker.activations + layer_copy, tracker.peak_op)
 
 
 # ------------------------------------------------------------------------------------------- stage rows
@@ -609,16 +625,24 @@ def plan_refiner_step(
     cp_degree: int = 1,
     text_tokens: int = DEFAULT_TEXT_TOKENS,
     forward_chunk_size: Optional[int] = None,
+    storage_dtype: Optional[torch.dtype] = None,
     capacity: Optional[int] = None,
     margin: int = SPARE_BYTES,
 ) -> Magi2StageMemory:
-    """Peak device memory of one 1080p refiner forward (CFG runs two of them one after the other).
+    """Peak device memory of one 1080p refiner forward (CFG runs two of them one after the other); ``storage_dtype``:
+    as :func:`trace_refiner_forward`.
 
     Raises:
         ValueError: a bad degree.
     """
     video_shape = _refiner_video_shape()
-    trace = trace_refiner_forward(video_shape, text_tokens, cp_degree=cp_degree, forward_chunk_size=forward_chunk_size)
+    trace = trace_refiner_forward(
+        video_shape,
+        text_tokens,
+        cp_degree=cp_degree,
+        forward_chunk_size=forward_chunk_size,
+        storage_dtype=storage_dtype,
+    )
     layout = "1 GPU" if cp_degree == 1 else f"CP{cp_degree}, per rank"
     if capacity is None:
         capacity = H200_BYTES if cp_degree == 1 else H100_BYTES

@@ -72,7 +72,7 @@ def _traced(kind: str, *args):
         return plan_preview_step(resolution, "int4", storage_dtype=FP8, cp_degree=cp, ep_degree=ep)
     if kind == "refiner":
         chunk, cp = args
-        return plan_refiner_step(forward_chunk_size=chunk, cp_degree=cp)
+        return plan_refiner_step(forward_chunk_size=chunk, cp_degree=cp, storage_dtype=FP8)
     if kind == "turbovae":
         resolution, tiled = args
         return plan_video_decode(resolution, tiled=tiled)

@@ -150,22 +150,33 @@ def test_refiner_frees_its_fp32_embedding_before_the_blocks():
     assert freed == [True]
 
 
-def test_refiner_plan_matches_the_measured_cpu_peak_of_its_forward_within_10_percent():
+@pytest.mark.parametrize("storage_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8-stored"])
+def test_refiner_plan_matches_the_measured_cpu_peak_of_its_forward_within_10_percent(storage_dtype):
     """The token-chunked layers as the 32 GB recipe runs them (256-token chunks of 1,040 tokens; at this width the
-    peak is the CPU window kernel's dense-mask construction, not inside the chunked layers)."""
+    peak is the CPU window kernel's dense-mask construction, not inside the chunked layers), the dense weights in
+    bf16 or FP8-stored (the plan adds the largest projection's bf16 copy)."""
     torch.manual_seed(0)
     model = Magi2RefinerTransformer3DModel(**REDUCED_REFINER).to(torch.bfloat16).eval()
     model.enable_forward_chunking(256)
+    if storage_dtype is not None:
+        model.enable_fp8_storage(compute_dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     video = torch.randn(1, 48, *REFINER_VIDEO, generator=gen)
     text = torch.randn(1, 16, REDUCED_REFINER["text_in_channels"], generator=gen).to(torch.bfloat16)
     with torch.no_grad():
         model(video, text)  # warm up
         measured = cpu_allocator_peak(lambda: model(video, text))[1]
-    plan = trace_refiner_forward(REFINER_VIDEO, 16, REDUCED_REFINER, kernels="cpu", forward_chunk_size=256)
-    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    plan = trace_refiner_forward(
+        REFINER_VIDEO, 16, REDUCED_REFINER, kernels="cpu", forward_chunk_size=256, storage_dtype=storage_dtype
+    )
     print(f"refiner: measured {measured} B, planned {plan.activations} B (x{plan.activations / measured:.3f})")
-    assert plan.weights == weights
+    if storage_dtype is None:
+        assert plan.weights == sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    else:  # the added copy: the largest FP8-stored projection in bf16, counted independently
+        bf16 = trace_refiner_forward(REFINER_VIDEO, 16, REDUCED_REFINER, kernels="cpu", forward_chunk_size=256)
+        stored = [m.weight for m in model.modules() if getattr(m, "weight", None) is not None]
+        largest = max(w.numel() for w in stored if w.dtype == storage_dtype)
+        assert plan.activations - bf16.activations == 2 * largest
     assert abs(plan.activations - measured) <= 0.10 * measured
 
 
