@@ -492,8 +492,12 @@ def load_pipeline(args):
         from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_RING_SIZE
 
         host_memory = args.host_memory or "pinned"
-        pipe.enable_weight_streaming(
-            vram_gb=args.vram_gb, host_memory=host_memory, device=device, ring_size=STREAMED_RING_SIZE
+        pipe.enable_weight_streaming(  # the released model streams as the recipes plan it: each model released
+            vram_gb=args.vram_gb,
+            host_memory=host_memory,
+            device=device,
+            ring_size=STREAMED_RING_SIZE,
+            release_between_stages=True if stages is not None else None,
         )
         if os.environ.get("RANK", "0") == "0":
             print(streaming_summary(args.vram_gb, host_memory, STREAMED_RING_SIZE, stages), flush=True)
@@ -504,8 +508,9 @@ def load_pipeline(args):
 
 def streaming_summary(vram_gb: float, host_memory: str, ring_size: int, stages) -> str:
     """The line ``--vram_gb`` prints once streaming is on: the mode and the ring, and for the released model (its
-    checked ``stages``) the plan's device peak, with what stays resident beside it, and host memory (the public
-    values of ``check_streaming_budget``); ``stages=None``: another model, which the plan does not cover."""
+    checked ``stages``, streamed with each model released between stages) the plan's device peak, with what stays
+    resident beside it, and host memory (the public values of ``check_streaming_budget``); ``stages=None``: another
+    model, which the plan does not cover."""
     from diffusers_magi2.pipelines.weight_streaming_budget import check_streaming_budget
 
     line = f"weight streaming: host_memory {host_memory}, a ring of {ring_size} device buffers per streamed model"

@@ -80,7 +80,7 @@ def test_a_card_too_small_for_the_asked_resolution_is_refused_before_streaming(t
     # card are refused naming the stage, before enable_weight_streaming moves anything
     generate = load_generate()
     enabled = []
-    pipe = _fake_repo(monkeypatch, True, lambda **kwargs: enabled.append(kwargs["vram_gb"]))
+    pipe = _fake_repo(monkeypatch, True, lambda **k: enabled.append((k["vram_gb"], k["release_between_stages"])))
     for vram_gb, resolution, refused in (
         (24, "540p", None),
         (32, "1080p", None),
@@ -90,7 +90,7 @@ def test_a_card_too_small_for_the_asked_resolution_is_refused_before_streaming(t
         args = _args(generate, tmp_path, "--model", "org/repo", "--resolution", resolution, "--vram_gb", str(vram_gb))
         if refused is None:
             generate.load_pipeline(args)
-            assert enabled[-1] == vram_gb
+            assert enabled[-1] == (vram_gb, True)  # the released model streams as the recipes plan it
         else:
             loaded = len(pipe.loaded)
             with pytest.raises(ValueError, match=refused):
@@ -134,9 +134,11 @@ def test_streaming_prints_the_mode_ring_and_the_plans_peak_and_host_memory(
 def test_streaming_a_model_the_plan_does_not_cover_says_so(tmp_path, monkeypatch, capsys):
     generate = load_generate()
     modes = []
-    _fake_repo(monkeypatch, False, lambda **k: modes.append((k["host_memory"], k["ring_size"])))
+    _fake_repo(
+        monkeypatch, False, lambda **k: modes.append((k["host_memory"], k["ring_size"], k["release_between_stages"]))
+    )
     generate.load_pipeline(_args(generate, tmp_path, "--model", "org/repo", "--vram_gb", "24"))
-    assert modes == [("pinned", 2)]
+    assert modes == [("pinned", 2, None)]  # released where the models can be re-read, else held
     assert capsys.readouterr().out.splitlines() == [
         "weight streaming: host_memory pinned, a ring of 2 device buffers per streamed model; the memory plan does not "
         "apply (not the released Preview's config): no planned peaks"
