@@ -81,7 +81,13 @@ def run_host_memory_checks(items, work: Path) -> dict[str, subprocess.CompletedP
     ``host_memory_checks({name: (script, argv)})`` marks of ``items`` name, in the items' order; ``{folder}`` in an
     argv is a folder of the mark's own, shared by its checks (a save, then a measurement). Each script measures from
     a baseline it reads after its own imports: the child's resident pages inherited from the interpreter it forks
-    from are in every reading alike."""
+    from are in every reading alike. It reads it after a warm-up, too: the forwards it measures, run once on a model
+    of the same shapes and weights (so the same MoE routing), dropped. The CPU's matmul library keeps state per
+    shape for the life of the process, made in the first forward: on a CPU with AVX512-BF16, torch's bf16 matmuls
+    run oneDNN's kernels, whose primitive cache (a 512 KiB buffer per shape) and scratchpad added 15.6 MB to the
+    disk mode's 129 MB check and 16.5 MB to the recipe's 63 MB pinned transformer stage; with AVX2 kernels
+    (``ONEDNN_MAX_CPU_ISA=AVX2``), 1.4 MB and 0.9 MB. That is the compute's memory, not the plan's, and its size
+    is the CPU's."""
     checks = {}
     for item in items:
         mark = item.get_closest_marker("host_memory_checks")
