@@ -406,9 +406,10 @@ class Magi2Pipeline(
             frames = 4.88 s), so export it with ``trim_or_pad_audio=True``, as ``examples/generate.py`` does.
 
         Raises:
-            ValueError: any bad argument or missing component (:meth:`check_inputs`), or a call that refines under
-                weight streaming whose plan decodes in tiles while ``video_decoder`` tiling is off, before any work
-                starts.
+            ValueError: any bad argument or missing component (:meth:`check_inputs`), or under weight streaming of
+                the released model a call the plan does not cover (a stage above ``vram_gb``, a preview above 540p,
+                a refined output above 1080p, more than one video) or that decodes the refined frames untiled where
+                the plan tiles them, before any work starts.
         """
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
@@ -446,7 +447,12 @@ class Magi2Pipeline(
         check_scheduler(self.scheduler)
         refine, denoise_height, denoise_width = self.stage_sizes(height, width, preview_height, preview_width)
         self._check_streamed_decode(refine and output_type != "latent")
-        self._check_streamed_stages(refine, denoise_height, denoise_width, image is not None, output_type != "latent")
+        videos = (prompt_embeds.shape[0] if prompt is None else 1 if isinstance(prompt, str) else len(prompt)) * int(
+            num_videos_per_prompt
+        )
+        self._check_streamed_stages(
+            refine, denoise_height, denoise_width, image is not None, output_type != "latent", height, width, videos
+        )
         refiner_config = None
         if refine:
             refiner_config = self.refiner_stage_config(refiner_num_inference_steps, refiner_guidance_scale)

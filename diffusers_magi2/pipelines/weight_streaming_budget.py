@@ -26,6 +26,8 @@ import math
 import os
 from typing import Dict, Iterable, List, Optional
 
+from .presets_magi2 import REFINER_RESOLUTION
+
 
 __all__ = [
     "HOST_MEMORY_MODES",
@@ -34,6 +36,7 @@ __all__ = [
     "check_streaming_budget",
     "check_streaming_vram",
     "plan_applies",
+    "planned_call_stages",
     "planned_tiled_decodes",
     "streaming_budgets",
 ]
@@ -118,14 +121,25 @@ def planned_call_stages(
     image: bool = False,
     turbovae: bool = True,
     decode: bool = True,
+    *,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    batch_size: int = 1,
 ) -> List[str]:
-    """The plan's stages (``bench_memory``'s names) one call runs: text encoding, the reference image's encode
-    (``image``), the preview (272p up to 256x448 denoised pixels, else 540p), the 1080p refiner (``refine``), the
-    video decode (``decode``: the TurboVAE's, or the Wan2.2 VAE's without ``turbovae``, at 1080p after the refiner
-    else 540p) and the audio decode.
+    """The plan's stages (``bench_memory``'s names) that one call runs.
+
+    Args:
+        refine: whether the call runs the 1080p refiner after the preview.
+        denoise_height, denoise_width: the preview's pixels (272p up to 256x448, else 540p).
+        image: an I2V call (the reference image's encode).
+        turbovae: the video decode is the TurboVAE's (else the Wan2.2 VAE's).
+        decode: whether the call decodes (the video, at 1080p after the refiner else 540p, and the audio).
+        height, width: the refined output's pixels (``None``: the 1080p preset).
+        batch_size: videos the call generates.
 
     Raises:
-        ValueError: a preview larger than 512x896 (the plan has no such stage).
+        ValueError: a preview larger than 512x896, a refined output larger than 1088x1920 or a ``batch_size`` above
+            1: the plan's stages are one 10 s video at those sizes.
     """
     area = denoise_height * denoise_width
     if area > 512 * 896:
@@ -133,11 +147,20 @@ def planned_call_stages(
             f"a {denoise_height}x{denoise_width} preview is larger than the plan's 540p stage (512x896): the streamed "
             "recipes denoise at 272p or 540p, and reach 1080p through the refiner (resolution='1080p')"
         )
+    if refine and height is not None and height * width > math.prod(REFINER_RESOLUTION):
+        raise ValueError(
+            f"a {height}x{width} refined output is larger than the plan's 1080p refiner stage "
+            f"({'x'.join(map(str, REFINER_RESOLUTION))}); generate at most that (output_height/output_width resize the frames)"
+        )
+    if batch_size != 1:
+        raise ValueError(
+            f"the plan's stages are one video per call; this call generates {batch_size}: call once per video"
+        )
     stages = ["text_encode", *(["image_encode_540p"] if image else [])]
     stages += ["preview_272p" if area <= 256 * 448 else "preview_540p", *(["refiner_1080p"] if refine else [])]
     if decode:
-        stages.append(f"{'turbovae' if turbovae else 'wan'}_decode_{'1080p' if refine else '540p'}")
-    return [*stages, "audio_decode"]
+        stages += [f"{'turbovae' if turbovae else 'wan'}_decode_{'1080p' if refine else '540p'}", "audio_decode"]
+    return stages
 
 
 def planned_tiled_decodes(vram_gb: float, release_between_stages: bool = True) -> Dict[str, float]:

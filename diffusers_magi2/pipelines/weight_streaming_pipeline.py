@@ -30,8 +30,7 @@ that call runs (its preview size, the refiner, the decoder; ``planned_call_stage
 decodes, a ``video_decoder`` with tiling off is refused where the recipe decodes the refined frames in tiles and
 ``vram_gb`` is below their whole frames' planned peak plus what stays resident (``planned_tiled_decodes``: the 32 GB
 recipe's 1080p TurboVAE decode). Streaming never turns tiling on or off: the streamed call
-equals the resident one bit for bit with the same tiling, and a tiled decode equals the whole-frame one only up to
-floating-point summation order.
+equals the resident one bit for bit with the same tiling (what tiling itself changes: ``enable_tiling``).
 """
 
 from __future__ import annotations
@@ -155,8 +154,8 @@ class Magi2WeightStreamingPipelineMixin:
         decode, then back to its host tensors as loaded (dtypes unchanged); move every other component to
         ``device``; run the refiner's layers in token chunks of :data:`STREAMED_REFINER_CHUNK_SIZE`
         (``enable_forward_chunking``). Call it instead of ``pipe.to(device)``; inference only. The TurboVAE's tiling
-        stays as set: the refined (1080p) decode needs ``pipe.video_decoder.enable_tiling()`` on a consumer card
-        (a call that refines without it is refused at its start where the plan applies).
+        stays as set: the refined (1080p) decode needs ``pipe.video_decoder.enable_tiling()`` on a card below its
+        whole frames' planned need (a call that decodes them untiled is refused at its start there).
 
         Args:
             vram_gb: the card's memory in GB (10^9 bytes), e.g. 24 or 32.
@@ -175,7 +174,8 @@ class Magi2WeightStreamingPipelineMixin:
 
         Raises:
             ValueError: ``vram_gb`` not positive, bad streaming arguments (see
-                :func:`~diffusers_magi2.models.weight_streaming.check_weight_streaming_args`), a ``vram_gb`` below
+                :func:`~diffusers_magi2.models.weight_streaming.check_weight_streaming_args`), the released model
+                without a TurboVAE ``video_decoder`` (the recipes decode with it), a ``vram_gb`` below
                 the planned peak of a stage every generation runs plus what stays resident beside it (the released
                 model; naming the stage, its peak and what stays resident), the weights the device would hold above ``vram_gb`` (naming the largest component),
                 ``release_between_stages=True`` with a streamed model that cannot be re-read (naming it and why),
@@ -202,10 +202,15 @@ class Magi2WeightStreamingPipelineMixin:
                         "as loaded, or pass release_between_stages=False (host memory is then the streamed models' sum)"
                     ) from error
                 held_why[name] = str(error)
+        released = bool(blocks) and rereads.keys() == blocks.keys()
         transformer = getattr(self, "transformer", None)
         if transformer is not None and plan_applies(transformer.config):
-            check_streaming_vram(vram_gb, release_between_stages=bool(blocks) and rereads.keys() == blocks.keys())
-        self._weight_streaming_released = bool(blocks) and rereads.keys() == blocks.keys()
+            if not isinstance(getattr(self, "video_decoder", None), Magi2TurboVAEDecoder):
+                raise ValueError(
+                    "the streamed recipes decode with the TurboVAE (video_decoder), which this pipeline lacks: convert "
+                    "the release with magi2-convert --turbo_vae_dir, or pass video_decoder= to from_pretrained"
+                )
+            check_streaming_vram(vram_gb, release_between_stages=released)
         need = {n: streaming_device_nbytes(models[n], b, ring_size) for n, b in blocks.items()}
         need.update({n: _weight_nbytes(m) for n, m in models.items() if n not in blocks})
         autoencoders = [n for n in AUTOENCODER_COMPONENTS if n in models]
@@ -220,9 +225,10 @@ class Magi2WeightStreamingPipelineMixin:
                 f"{largest[0]} at {largest[1] / 1e9:.2f} GB"
             )
         self._check_streaming_host(models, blocks, rereads, host_memory, ring_size, pinned=streamed_to.type == "cuda")
-        self._weight_streaming_budget = (vram_gb, streamed_to, {n: _weight_nbytes(m) for n, m in models.items()})
         # the disk mode: every streamed block tensor against the files' bytes, before anything moves
         disk = {n: plan_streamed_file_sources(models[n], list(b)) for n, b in blocks.items() if host_memory == "disk"}
+        self._weight_streaming_budget = (vram_gb, streamed_to, {n: _weight_nbytes(m) for n, m in models.items()})
+        self._weight_streaming_released = released
         for name in models.keys() - blocks.keys():
             models[name].to("cpu" if name in autoencoders else device)
         self._weight_streaming_autoencoders = (torch.device(device), autoencoders)
@@ -247,36 +253,49 @@ class Magi2WeightStreamingPipelineMixin:
         if "refiner" in blocks:
             models["refiner"].enable_forward_chunking(STREAMED_REFINER_CHUNK_SIZE)
 
-    def _check_streamed_decode(self, refine: bool) -> None:
-        """Refuse, at the start of a call that ``refine``s, a streamed pipeline whose ``vram_gb`` needs the refined
-        frames decoded in tiles (:func:`~.weight_streaming_budget.planned_tiled_decodes`) while ``video_decoder``
-        tiling is off."""
+    def _streamed_plan(self) -> Optional[tuple]:
+        """``(vram_gb, released)`` while weights are streamed and the plan applies to the transformer, else ``None``."""
         budget = getattr(self, "_weight_streaming_budget", None)
+        transformer = getattr(self, "transformer", None)
+        if budget is None or not any(_streamer(self, n) for n in STREAMED_COMPONENTS):
+            return None
+        if transformer is None or not plan_applies(transformer.config):
+            return None
+        return budget[0], self._weight_streaming_released
+
+    def _check_streamed_decode(self, refine: bool) -> None:
+        """Refuse a call that decodes refined frames untiled where the plan tiles them (:func:`planned_tiled_decodes`)."""
+        plan = self._streamed_plan()
         decoder = getattr(self, "video_decoder", None)
-        if not refine or budget is None or not isinstance(decoder, Magi2TurboVAEDecoder) or decoder.use_tiling:
+        if not refine or plan is None or not isinstance(decoder, Magi2TurboVAEDecoder) or decoder.use_tiling:
             return
-        released = self._weight_streaming_released
-        tiled = planned_tiled_decodes(budget[0], released) if plan_applies(self.transformer.config) else {}
+        tiled = planned_tiled_decodes(*plan)
         if tiled:
             name, peak_gb = next(iter(tiled.items()))
             raise ValueError(
-                f"vram_gb={budget[0]}: the plan decodes the refined frames in spatial tiles (stage '{name}', "
+                f"vram_gb={plan[0]}: the plan decodes the refined frames in spatial tiles (stage '{name}', "
                 f"{peak_gb} GB; the whole frames do not fit), and video_decoder tiling is off; call "
-                "pipe.video_decoder.enable_tiling() first (the frames then equal the whole-frame decode up to "
-                "floating-point summation order)"
+                "pipe.video_decoder.enable_tiling() first"
             )
 
-    def _check_streamed_stages(self, refine: bool, denoise_height: int, denoise_width: int, image: bool, decode: bool):
-        """Refuse, at the start of a call (before any work), a streamed pipeline whose ``vram_gb`` is below the
-        planned peak of a stage this call runs (:func:`~.weight_streaming_budget.planned_call_stages`), where the
-        plan applies; :meth:`enable_weight_streaming` checked only the stages every call runs."""
-        budget = getattr(self, "_weight_streaming_budget", None)
-        transformer = getattr(self, "transformer", None)
-        if budget is None or transformer is None or not plan_applies(transformer.config):
+    def _check_streamed_stages(self, refine, denoise_height, denoise_width, image, decode, height, width, videos):
+        """Refuse a call whose own stages (:func:`planned_call_stages`) the plan does not fit within ``vram_gb``."""
+        plan = self._streamed_plan()
+        if plan is None:
             return
         turbovae = isinstance(getattr(self, "video_decoder", None), Magi2TurboVAEDecoder)
-        stages = planned_call_stages(refine, denoise_height, denoise_width, image, turbovae, decode)
-        check_streaming_vram(budget[0], stages, release_between_stages=self._weight_streaming_released)
+        stages = planned_call_stages(
+            refine,
+            denoise_height,
+            denoise_width,
+            image,
+            turbovae,
+            decode,
+            height=height,
+            width=width,
+            batch_size=videos,
+        )
+        check_streaming_vram(plan[0], stages, release_between_stages=plan[1])
 
     @contextlib.contextmanager
     def _autoencoder_stage(self, name: str):
@@ -341,6 +360,7 @@ class Magi2WeightStreamingPipelineMixin:
         stages = getattr(self, "_weight_streaming_stages", None)
         streamers = {n: getattr(self, n)._weight_streamer for n in STREAMED_COMPONENTS if _streamer(self, n)}
         if not streamers:
+            self._weight_streaming_budget = None
             return
         vram_gb, streamed_to, nbytes = self._weight_streaming_budget
         moved = sum(nbytes[n] for n in streamers)

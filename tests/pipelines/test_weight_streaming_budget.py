@@ -25,6 +25,7 @@ from diffusers_magi2.pipelines.weight_streaming_budget import (
     check_streaming_budget,
     check_streaming_vram,
     plan_applies,
+    planned_call_stages,
     planned_tiled_decodes,
     streaming_budgets,
 )
@@ -207,6 +208,24 @@ def test_each_recipe_fits_its_target_with_what_stays_resident_when_streamed_mode
     # the 32 GB card's 1080p refiner and its decode included: <= 30 GB beside what stays on the device
     for name, row in _recipe(card)["stages"].items():
         assert not row["used"] or _need(card, name) <= card - 2, (name, _need(card, name))
+
+
+def test_a_calls_stages_are_the_plans_names_and_a_call_it_does_not_cover_is_refused():
+    assert planned_call_stages(True, 512, 896, image=True) == [
+        "text_encode", "image_encode_540p", "preview_540p", "refiner_1080p", "turbovae_decode_1080p", "audio_decode",
+    ]  # fmt: skip
+    assert planned_call_stages(False, 256, 448, turbovae=False) == [
+        "text_encode", "preview_272p", "wan_decode_540p", "audio_decode",
+    ]  # fmt: skip
+    assert planned_call_stages(True, 256, 448, decode=False) == ["text_encode", "preview_272p", "refiner_1080p"]
+    assert planned_call_stages(True, 512, 896, height=1088, width=1920)[-2] == "turbovae_decode_1080p"
+    for kwargs, match in (
+        ({"denoise_height": 512, "denoise_width": 912}, "a 512x912 preview is larger than the plan's 540p stage"),
+        ({"height": 1088, "width": 1936}, "a 1088x1936 refined output is larger than the plan's 1080p refiner stage"),
+        ({"batch_size": 2}, "one video per call; this call generates 2"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            planned_call_stages(**{"refine": True, "denoise_height": 512, "denoise_width": 896, **kwargs})
 
 
 def test_a_refined_decode_is_tiled_exactly_below_its_whole_frames_need():

@@ -168,10 +168,9 @@ def test_a_budget_below_a_planned_stage_is_refused_for_the_released_geometry(mon
     assert [t.data_ptr() for t in pipe.transformer.parameters()] == before
 
 
-def test_a_refining_call_is_refused_untiled_where_the_plan_tiles_the_decode(monkeypatch):
-    pipe, _ = tiny_pipelines(with_refiner=True)
+def test_a_refining_call_is_refused_untiled_where_the_plan_tiles_the_decode(monkeypatch, tmp_path):
+    pipe = _from_files(tiny_pipelines(with_refiner=True)[0], tmp_path)  # re-readable: the "released" figures
     pipe.enable_weight_streaming(vram_gb=32, device="cpu")  # the tiny geometry: enabled without the planned peaks
-    pipe._weight_streaming_released = True  # as a pipeline from from_pretrained: its refiner fits the 32 GB card
     tiled = {n: s["peak_GB"] for n, s in streaming_budgets()["recipes"]["32"]["stages"].items() if s.get("tiled")}
     assert list(tiled) == ["turbovae_decode_1080p"]  # the 32 GB recipe's refined decode, planned tiled
     monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
@@ -196,31 +195,60 @@ def test_a_refining_call_is_refused_untiled_where_the_plan_tiles_the_decode(monk
     row = streaming_budgets()["recipes"]["32"]["stages"]["turbovae_decode_1080p"]
     whole = row["whole_frames_peak_GB"] + sum(row["co_resident_GB"]["released"].values())
     pipe.enable_weight_streaming(vram_gb=whole, device="cpu")  # a card the whole refined frames fit
-    pipe._weight_streaming_released = True
     pipe._check_streamed_decode(refine=True)
     pipe.disable_weight_streaming()
 
 
-def test_a_call_is_refused_where_its_own_stages_exceed_the_card_before_any_work(monkeypatch):
+def test_a_call_is_refused_where_its_own_stages_exceed_the_card_before_any_work(monkeypatch, tmp_path):
     # enable checks the stages every call runs; a call checks its own: the refiner on the 24 GB recipe (which does
-    # not run it), a preview above 540p; a refining call that returns latents decodes nothing, so tiling is not asked
-    pipe, _ = tiny_pipelines(with_refiner=True)
+    # not run it), a preview above 540p, a refined output above 1080p, more than one video; a refining call that
+    # returns latents decodes nothing, so tiling is not asked
+    pipe = _from_files(tiny_pipelines(with_refiner=True)[0], tmp_path)
     pipe.enable_weight_streaming(vram_gb=24, device="cpu")  # the tiny geometry: enabled without the planned peaks
     monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
     encoded = []
     pipe.text_encoder.register_forward_pre_hook(lambda *_: encoded.append(1))
-    with pytest.raises(ValueError, match="refiner_1080p"):
+    with pytest.raises(ValueError, match="the 24 GB recipe does not run \\['refiner_1080p'\\]"):
         two_stage_call(pipe)
     with pytest.raises(ValueError, match=r"a 576x1024 preview is larger than the plan's 540p stage"):
         pipe(**{**TWO_STAGE_CALL, "height": 576, "width": 1024, "preview_height": None, "preview_width": None})
-    assert encoded == []  # refused before any work
     pipe.disable_weight_streaming()
     pipe.enable_weight_streaming(vram_gb=32, device="cpu")
-    pipe._weight_streaming_released = True  # as a pipeline from from_pretrained: the "released" figures
+    with pytest.raises(ValueError, match=r"a 1152x2048 refined output is larger than the plan's 1080p refiner stage"):
+        pipe(**{**TWO_STAGE_CALL, "height": 1152, "width": 2048})
+    with pytest.raises(ValueError, match="one video per call; this call generates 2"):
+        pipe(**{**TWO_STAGE_CALL, "num_videos_per_prompt": 2})
+    with pytest.raises(ValueError, match="one video per call; this call generates 2"):
+        pipe(**{**TWO_STAGE_CALL, "prompt": ["a", "b"]})
+    assert encoded == []  # refused before any work
     assert not pipe.video_decoder.use_tiling
     out = pipe(**{**TWO_STAGE_CALL, "output_type": "latent"}, generator=torch.Generator().manual_seed(0))
     assert encoded and out.frames is not None
     pipe.disable_weight_streaming()
+    pipe(**{**TWO_STAGE_CALL, "num_videos_per_prompt": 2})  # resident: the plan's limits are streaming's
+
+
+def test_a_refused_enable_leaves_no_streaming_state_behind(monkeypatch, tmp_path):
+    # a disk mode refused at its last check (a block tensor unlike the files') leaves the pipeline as it was: a later
+    # resident call is not checked against the refused budget
+    pipe = _from_files(tiny_pipelines(with_refiner=True)[0], tmp_path)
+    with torch.no_grad():
+        next(streamed_blocks("refiner", pipe.refiner).parameters()).add_(1)
+    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
+    monkeypatch.setattr(streaming_pipeline, "check_streaming_vram", lambda *a, **k: {})  # the tiny geometry's peaks
+    with pytest.raises(ValueError, match="differs from"):
+        pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu", release_between_stages=False)
+    assert getattr(pipe, "_weight_streaming_budget", None) is None
+    two_stage_call(pipe)  # refines: the 24 GB recipe's plan would refuse it
+
+
+def test_the_released_model_without_a_turbovae_is_refused_at_enable(monkeypatch):
+    pipe, _ = tiny_pipelines(with_refiner=True)
+    pipe.register_modules(video_decoder=None)
+    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
+    with pytest.raises(ValueError, match=r"the streamed recipes decode with the TurboVAE \(video_decoder\)"):
+        pipe.enable_weight_streaming(vram_gb=24, device="cpu")
+    assert not any(streaming_pipeline._streamer(pipe, n) for n in ("text_encoder", "transformer", "refiner"))
 
 
 def test_a_host_short_of_the_mode_is_refused_naming_the_disk_mode(monkeypatch, tmp_path):
