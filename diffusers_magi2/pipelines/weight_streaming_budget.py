@@ -164,10 +164,17 @@ def planned_call_stages(
 
 
 def planned_tiled_decodes(vram_gb: float, release_between_stages: bool = True) -> Dict[str, float]:
-    """``{stage: peak_GB}`` of the used ``video_decoder`` stages that the recipe of ``vram_gb`` decodes in spatial
-    tiles (``"tiled"``: traced with ``enable_tiling()``) because ``vram_gb`` is below their whole frames' peak
-    (``"whole_frames_peak_GB"``) plus what stays resident beside them (``release_between_stages``: as
-    :func:`check_streaming_vram`); empty if none."""
+    """The ``video_decoder`` stages a card must decode in spatial tiles (``enable_tiling()``).
+
+    Args:
+        vram_gb: the card's memory in GB; its recipe is the largest planned card no larger.
+        release_between_stages: which figures of what stays resident apply (see :func:`check_streaming_vram`).
+
+    Returns:
+        ``{stage: peak_GB}`` (the tiled peak) of the recipe's used decodes traced tiled (``"tiled"``) whose whole
+        frames' peak (``"whole_frames_peak_GB"``) plus what stays resident beside them exceeds ``vram_gb``; empty if
+        none.
+    """
     policy = "released" if release_between_stages else "held"
     stages = _recipe(streaming_budgets(), vram_gb)["stages"]
     return {
