@@ -1,8 +1,8 @@
 """``examples/generate.py`` (its ``run``, with this script's arguments) keeping the frames it encodes: each export it
 makes first saves the uint8 frames handed to the encoder (``frames_to_uint8`` of the pipeline's frames) beside the
 mp4, as ``<output stem>.npy``; under ``accelerate launch`` rank 0 alone exports. Run by
-``test_ep_accelerate_launch.py``, whose single-process run wraps the export with :func:`keeping_frames` in its own
-process."""
+``test_ep_accelerate_launch.py`` (whose single-process run wraps the export with :func:`keeping_frames` in its own
+process) and ``test_two_machine_launch.py``."""
 
 import importlib.util
 import sys
