@@ -157,7 +157,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="stream the text encoder's layers and both transformers' blocks from host memory through a small ring "
         "on the GPU, for a card of this many GB (e.g. 24 or 32), one model's weights held at a time when loaded from "
-        "files; the other components stay resident (Magi2Pipeline.enable_weight_streaming)",
+        "files (under expert parallelism each rank's transformer stays held); the other components stay resident "
+        "(Magi2Pipeline.enable_weight_streaming)",
     )
     parser.add_argument(
         "--host_memory",
@@ -454,7 +455,9 @@ def end_distributed_run(exit_code: int = 0) -> None:
 
 
 def load_pipeline(args):
-    """The tiny default (no ``--model``) or a converted repo; returns ``(pipe, call_defaults)``."""
+    """The tiny default (no ``--model``) or a converted repo; returns ``(pipe, call_defaults)`` and sets
+    ``args.expert_parallel``, ``args.context_parallel`` and ``args.planned_stages`` (with ``--vram_gb``, the memory
+    plan's checked stages of the call; ``None`` where the plan does not apply or without ``--vram_gb``)."""
     from diffusers_magi2 import Magi2Pipeline
     from diffusers_magi2.parallel.expert_parallel import ep_device
     from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
@@ -470,6 +473,7 @@ def load_pipeline(args):
     args.expert_parallel = expert_parallel
     args.context_parallel = context_parallel
     device = args.device or str(ep_device(expert_parallel))
+    released = releases_streamed_models(args)
     if args.model is None:  # not the released geometry: no planned stages
         stages = None
         pipe = build_tiny_default_pipeline(dtype=parse_dtype(args.dtype or "float32"))
@@ -480,7 +484,7 @@ def load_pipeline(args):
             pipe.enable_context_parallel(context_parallel)
     else:
         defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
-        stages = repo_streamed_stages(args, defaults) if args.vram_gb is not None else None
+        stages = repo_streamed_stages(args, defaults, released) if args.vram_gb is not None else None
         dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         pipe = Magi2Pipeline.from_pretrained(
             args.model,
@@ -488,34 +492,55 @@ def load_pipeline(args):
             expert_parallel=expert_parallel,
             context_parallel=context_parallel,
         )
+    args.planned_stages = stages
     if args.vram_gb is not None:
         from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_RING_SIZE
 
         host_memory = args.host_memory or "pinned"
-        pipe.enable_weight_streaming(  # the released model streams as the recipes plan it: each model released
+        pipe.enable_weight_streaming(  # the released model streams as the recipes plan it, where it can
             vram_gb=args.vram_gb,
             host_memory=host_memory,
             device=device,
             ring_size=STREAMED_RING_SIZE,
-            release_between_stages=True if stages is not None else None,
+            release_between_stages=True if stages is not None and released else None,
         )
         if os.environ.get("RANK", "0") == "0":
-            print(streaming_summary(args.vram_gb, host_memory, STREAMED_RING_SIZE, stages), flush=True)
+            ep_degree = expert_parallel.ep_degree if expert_parallel is not None else 1
+            ulysses_degree = context_parallel.ulysses_degree if context_parallel is not None else 1
+            line = streaming_summary(args.vram_gb, host_memory, STREAMED_RING_SIZE, stages, ep_degree, ulysses_degree)
+            print(line, flush=True)
     else:
         pipe.to(device)
     return pipe, defaults
 
 
-def streaming_summary(vram_gb: float, host_memory: str, ring_size: int, stages) -> str:
+def releases_streamed_models(args) -> bool:
+    """Whether ``--vram_gb`` frees each streamed model between stages, as the recipes plan it: not under expert
+    parallelism, where a rank's transformer holds only its experts' rows, so its files cannot re-read it."""
+    return args.expert_parallel is None
+
+
+def streaming_summary(
+    vram_gb: float, host_memory: str, ring_size: int, stages, ep_degree: int = 1, ulysses_degree: int = 1
+) -> str:
     """The line ``--vram_gb`` prints once streaming is on: the mode and the ring, and for the released model (its
     checked ``stages``, streamed with each model released between stages) the plan's device peak, with what stays
     resident beside it, and host memory (the public values of ``check_streaming_budget``); ``stages=None``: another
-    model, which the plan does not cover."""
+    model, which the plan does not cover; ``ep_degree`` or ``ulysses_degree`` above 1: a launched run, whose ranks
+    the plan's single-card figures do not describe (under expert parallelism each rank's transformer is held)."""
     from diffusers_magi2.pipelines.weight_streaming_budget import check_streaming_budget
 
     line = f"weight streaming: host_memory {host_memory}, a ring of {ring_size} device buffers per streamed model"
     if stages is None:
         return line + "; the memory plan does not apply (not the released Preview's config): no planned peaks"
+    degrees = {"expert": ep_degree, "context": ulysses_degree}
+    parallel = [f"{kind} parallelism over {n} ranks" for kind, n in degrees.items() if n > 1]
+    if parallel:
+        held = "; each rank's transformer held between stages" if ep_degree > 1 else ""
+        return (
+            f"{line}{held}; the memory plan's figures are a single card's, running the whole call, not a rank's under "
+            f"{' and '.join(parallel)}: no planned peaks"
+        )
     # the plan's figures only: enable_weight_streaming has checked the host's memory against the weights it holds
     planned = check_streaming_budget(vram_gb, host_memory, stages, host_bytes=sys.maxsize)
     host_gb = planned.pop("host_ram_GB")
@@ -528,14 +553,16 @@ def streaming_summary(vram_gb: float, host_memory: str, ring_size: int, stages) 
 
 def tile_streamed_refined_decode(pipe, args, height: int, width: int) -> bool:
     """With ``--vram_gb``, a call that refines (the 1080p preset) decodes in the TurboVAE's default 512-pixel tiles
-    (``pipe.video_decoder.enable_tiling()``) where the recipe plans it (``planned_tiled_decodes``: the whole 1080p
-    frames do not fit the card); a 540p call decodes whole frames. Returns whether tiling was turned on."""
+    (``pipe.video_decoder.enable_tiling()``): for the released model (``args.planned_stages`` set by
+    :func:`load_pipeline`) where the recipe plans it (``planned_tiled_decodes``: the whole 1080p frames do not fit
+    the card), for another model (no planned figures) always; a 540p call decodes whole frames. Returns whether
+    tiling was turned on."""
     from diffusers_magi2.pipelines.weight_streaming_budget import planned_tiled_decodes
 
     decoder = getattr(pipe, "video_decoder", None)
     if args.vram_gb is None or decoder is None or not pipe.stage_sizes(height, width)[0]:
         return False
-    if not planned_tiled_decodes(args.vram_gb):
+    if args.planned_stages is not None and not planned_tiled_decodes(args.vram_gb, releases_streamed_models(args)):
         return False
     decoder.enable_tiling()
     return True
@@ -553,10 +580,10 @@ def call_size(args, defaults: dict) -> tuple:
     )
 
 
-def repo_streamed_stages(args, defaults: dict) -> Optional[list]:
+def repo_streamed_stages(args, defaults: dict, release_between_stages: bool) -> Optional[list]:
     """With ``--vram_gb``: the memory plan's stages this call runs, checked against the card
-    (``check_streaming_vram``) from the repo's configs alone, before any weight loads; ``None`` where the plan does
-    not apply (a transformer config other than the released Preview's)."""
+    (``check_streaming_vram`` with ``release_between_stages``) from the repo's configs alone, before any weight
+    loads; ``None`` where the plan does not apply (a transformer config other than the released Preview's)."""
     from diffusers import DiffusionPipeline
 
     from diffusers_magi2 import Magi2Transformer3DModel
@@ -566,7 +593,7 @@ def repo_streamed_stages(args, defaults: dict) -> Optional[list]:
         return None
     video_decoder = DiffusionPipeline.load_config(args.model).get("video_decoder") or [None, None]
     stages = planned_stages(args, *call_size(args, defaults), turbovae=video_decoder[0] is not None)
-    check_streaming_vram(args.vram_gb, stages)
+    check_streaming_vram(args.vram_gb, stages, release_between_stages=release_between_stages)
     return stages
 
 

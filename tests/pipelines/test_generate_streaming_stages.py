@@ -69,10 +69,10 @@ def test_the_stages_of_a_call_are_the_plans_names(tmp_path, monkeypatch, argv, t
     assert generate.planned_stages(args, *generate.call_size(args, {}), turbovae=turbovae) == stages
     assert set(stages) <= set(weight_streaming_budget.streaming_budgets()["recipes"]["32"]["stages"])
     if turbovae:  # read from the repo's configs
-        assert generate.repo_streamed_stages(args, {}) == stages
+        assert generate.repo_streamed_stages(args, {}, True) == stages
     else:  # the streamed recipes decode with the TurboVAE
         with pytest.raises(ValueError, match=r"does not run \['wan_decode_540p'\]"):
-            generate.repo_streamed_stages(args, {})
+            generate.repo_streamed_stages(args, {}, True)
 
 
 def test_a_card_too_small_for_the_asked_resolution_is_refused_before_streaming(tmp_path, monkeypatch):
@@ -117,6 +117,7 @@ def test_streaming_prints_the_mode_ring_and_the_plans_peak_and_host_memory(
     (line,) = capsys.readouterr().out.splitlines()
     table = weight_streaming_budget.streaming_budgets()["recipes"][recipe]
     stages = generate.planned_stages(args, *generate.call_size(args, {}), turbovae=True)
+    assert args.planned_stages == stages  # carried to the call (the refined decode's tiling)
     need = {
         s: round(table["stages"][s]["peak_GB"] + sum(table["stages"][s]["co_resident_GB"]["released"].values()), 2)
         for s in stages
@@ -137,9 +138,65 @@ def test_streaming_a_model_the_plan_does_not_cover_says_so(tmp_path, monkeypatch
     _fake_repo(
         monkeypatch, False, lambda **k: modes.append((k["host_memory"], k["ring_size"], k["release_between_stages"]))
     )
-    generate.load_pipeline(_args(generate, tmp_path, "--model", "org/repo", "--vram_gb", "24"))
+    args = _args(generate, tmp_path, "--model", "org/repo", "--vram_gb", "24")
+    generate.load_pipeline(args)
     assert modes == [("pinned", 2, None)]  # released where the models can be re-read, else held
+    assert args.planned_stages is None
     assert capsys.readouterr().out.splitlines() == [
         "weight streaming: host_memory pinned, a ring of 2 device buffers per streamed model; the memory plan does not "
         "apply (not the released Preview's config): no planned peaks"
     ]
+
+
+def _fake_launch(generate, monkeypatch, ep_degree: int, ulysses_degree: int):
+    """``load_pipeline``'s launch rules as in a run launched with ``ep_degree`` expert-parallel and ``ulysses_degree``
+    context-parallel ranks (a degree of 1: none), without a process group; the argument checks stay one process's."""
+    ep = types.SimpleNamespace(ep_degree=ep_degree) if ep_degree > 1 else None
+    cp = types.SimpleNamespace(ulysses_degree=ulysses_degree) if ulysses_degree > 1 else None
+    rules = types.SimpleNamespace(
+        launch_degrees=generate.launch_rules().launch_degrees,
+        init_distributed_from_launch=lambda: None,
+        expert_parallel_from_launch=lambda degree: ep,
+        context_parallel_from_launch=lambda degree, ep_degree: cp,
+    )
+    monkeypatch.setattr(generate, "launch_rules", lambda: rules)
+
+
+@pytest.mark.parametrize(
+    "ep_degree, ulysses_degree, released, parallel",
+    [
+        (2, 2, None, "; each rank's transformer held between stages; the memory plan's figures are a single card's, "
+         "running the whole call, not a rank's under expert parallelism over 2 ranks and context parallelism over 2 "
+         "ranks: no planned peaks"),
+        (2, 1, None, "; each rank's transformer held between stages; the memory plan's figures are a single card's, "
+         "running the whole call, not a rank's under expert parallelism over 2 ranks: no planned peaks"),
+        (1, 2, True, "; the memory plan's figures are a single card's, running the whole call, not a rank's under "
+         "context parallelism over 2 ranks: no planned peaks"),
+    ],
+)  # fmt: skip
+def test_a_launched_run_streams_what_its_ranks_can_and_prints_no_single_card_figures(
+    tmp_path, monkeypatch, capsys, ep_degree, ulysses_degree, released, parallel
+):
+    # an expert-parallel rank's transformer holds only its experts' rows, which its files cannot re-read
+    # (enable_weight_streaming(release_between_stages=True) refuses it): such a run streams automatically, checked
+    # against the plan's "held" figures; a context-parallel rank holds every weight and releases them. The plan's
+    # figures are a single card's: a launched run prints none as its ranks'
+    generate = load_generate()
+    _fake_launch(generate, monkeypatch, ep_degree, ulysses_degree)
+    enabled = []
+    pipe = _fake_repo(monkeypatch, True, lambda **k: enabled.append(k["release_between_stages"]))
+    argv = ("--model", "org/repo", "--device", "cpu", "--resolution", "1080p", "--vram_gb")
+    held = ep_degree > 1
+    stages = weight_streaming_budget.streaming_budgets()["recipes"]["32"]["stages"]
+    refiner = {p: stages["refiner_1080p"]["peak_GB"] + sum(stages["refiner_1080p"]["co_resident_GB"][p].values())
+               for p in ("released", "held")}  # fmt: skip
+    assert refiner["released"] <= 32 < refiner["held"] <= 36
+    if held:  # 32 GB fits the 1080p refiner released, not held: refused before any weight loads
+        with pytest.raises(ValueError, match=rf"refiner_1080p.*{refiner['held']}"):
+            generate.load_pipeline(_args(generate, tmp_path, *argv, "32"))
+        assert pipe.loaded == [] and enabled == []
+    args = _args(generate, tmp_path, *argv, "36" if held else "32")
+    generate.load_pipeline(args)
+    assert enabled == [released] and args.planned_stages is not None
+    line = "weight streaming: host_memory pinned, a ring of 2 device buffers per streamed model" + parallel
+    assert capsys.readouterr().out.splitlines() == [line]

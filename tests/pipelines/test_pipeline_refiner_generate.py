@@ -62,9 +62,13 @@ def test_output_size_flags_resize_the_written_frames(tmp_path):
 
 
 def test_a_streamed_refining_call_tiles_the_turbovae_decode():
+    # the released model (planned stages): tiled where the recipe needs it, the whole refined frames' planned need
+    # (with what stays resident, released or, under expert parallelism, held) above the card; another model (no
+    # planned figures): any refining call with --vram_gb tiles. A 540p call, or one without --vram_gb, never tiles
     from types import SimpleNamespace
 
     from diffusers_magi2 import Magi2Pipeline
+    from diffusers_magi2.pipelines.weight_streaming_budget import streaming_budgets
 
     tile = load_generate().tile_streamed_refined_decode
     config = SimpleNamespace(preview_height=512, preview_width=896)
@@ -72,7 +76,23 @@ def test_a_streamed_refining_call_tiles_the_turbovae_decode():
     decoder = SimpleNamespace(enable_tiling=lambda: turned_on.append(1))
     pipe = SimpleNamespace(config=config, video_decoder=decoder)
     pipe.stage_sizes = lambda h, w: Magi2Pipeline.stage_sizes(pipe, h, w)
-    streamed, resident = SimpleNamespace(vram_gb=32), SimpleNamespace(vram_gb=None)
-    assert not tile(pipe, streamed, 512, 896) and not tile(pipe, resident, 1088, 1920) and turned_on == []
-    assert tile(pipe, streamed, 1088, 1920) and turned_on == [1]  # the 1080p preset, refined from 512 x 896
-    assert not tile(pipe, SimpleNamespace(vram_gb=80), 1088, 1920) and turned_on == [1]  # whole frames fit 80 GB
+    row = streaming_budgets()["recipes"]["32"]["stages"]["turbovae_decode_1080p"]
+    whole = {p: row["whole_frames_peak_GB"] + sum(row["co_resident_GB"][p].values()) for p in ("released", "held")}
+    between = 39  # the whole frames fit released, not held
+    assert 32 < whole["released"] <= between < whole["held"] <= 80
+
+    def tiles(vram_gb, planned: bool, expert_parallel=None, size=(1088, 1920)) -> bool:
+        stages = ["refiner_1080p", "turbovae_decode_1080p"] if planned else None
+        args = SimpleNamespace(vram_gb=vram_gb, planned_stages=stages, expert_parallel=expert_parallel)
+        before = len(turned_on)
+        tiled = tile(pipe, args, *size)
+        assert len(turned_on) == before + tiled  # enable_tiling called exactly when it says so
+        return tiled
+
+    ep = SimpleNamespace(ep_degree=2)
+    for planned in (True, False):
+        assert not tiles(32, planned, size=(512, 896)) and not tiles(None, planned)
+    assert tiles(32, True)  # the 1080p preset, refined from 512 x 896
+    assert not tiles(between, True) and tiles(between, True, ep)
+    assert not tiles(80, True) and not tiles(80, True, ep)  # whole frames fit 80 GB
+    assert tiles(32, False) and tiles(between, False) and tiles(80, False)  # no plan: as before it had figures
