@@ -194,6 +194,12 @@ class Magi2WeightStreamingPipelineMixin:
         rereads, held_why = {}, {}
         for name in blocks if release_between_stages is not False else ():
             try:
+                ep_size = max((getattr(m, "ep_size", 1) for m in models[name].modules()), default=1)
+                if ep_size > 1:
+                    raise ValueError(
+                        f"{name}'s routed experts are sharded over {ep_size} expert-parallel ranks, and its files hold "
+                        "every expert, so it cannot be re-read as this rank holds it"
+                    )
                 rereads[name] = plan_reread(name, models[name], blocks[name])
             except ValueError as error:
                 if release_between_stages:

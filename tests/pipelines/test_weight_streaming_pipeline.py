@@ -373,3 +373,15 @@ def test_an_autoencoder_move_that_fails_part_way_is_pointed_back():
         pass
     assert moved[0] > 1 and _held_tensors(vae) == as_loaded
     pipe.disable_weight_streaming()
+
+
+def test_an_expert_parallel_transformer_is_held_naming_its_sharding(monkeypatch, tmp_path):
+    # a rank's transformer holds only its experts' rows, the files every expert: it cannot be released and re-read
+    pipe = _from_files(tiny_pipelines(with_refiner=True)[0], tmp_path)
+    moe = next(m for m in pipe.transformer.modules() if hasattr(m, "ep_size"))
+    monkeypatch.setattr(moe, "ep_size", 2)  # as apply_expert_parallel leaves a rank's layer
+    with pytest.raises(ValueError, match="transformer's routed experts are sharded over 2 expert-parallel ranks"):
+        pipe.enable_weight_streaming(vram_gb=24, device="cpu", release_between_stages=True)
+    pipe.enable_weight_streaming(vram_gb=24, device="cpu")  # automatic: the transformer held, the others released
+    assert set(pipe._weight_streaming_stages.parts) == {"text_encoder", "refiner"}
+    pipe.disable_weight_streaming()
