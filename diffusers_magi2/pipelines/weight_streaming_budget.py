@@ -267,14 +267,14 @@ def check_streaming_vram(
     names = list(recipe["required_stages"] if stages is None else stages)
     if isinstance(stages, str) or not names:
         raise ValueError(f"stages must be a non-empty list of stage names; got {stages!r}")
-    unknown = [n for n in names if n not in planned]
+    known = {n for r in streaming_budgets()["recipes"].values() for n in r["stages"]}
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown stages {unknown}; the plan has {sorted(planned)}")
-    skipped = [n for n in names if not planned[n]["used"]]
-    if skipped:
-        raise ValueError(
-            f"the {recipe['card_gb']} GB recipe does not run {skipped} ({planned[skipped[0]].get('why_unused', '')})"
-        )
+        raise ValueError(f"unknown stages {unknown}; the plan has {sorted(known)}")
+    skipped = [n for n in names if n not in planned or not planned[n]["used"]]
+    if skipped:  # a stage of another recipe only, or planned here and not used
+        why = next((planned[n]["why_unused"] for n in skipped if n in planned), "")
+        raise ValueError(f"the {recipe['card_gb']} GB recipe does not run {skipped}" + (f" ({why})" if why else ""))
     policy = "released" if release_between_stages else "held"
     beside = {n: planned[n]["co_resident_GB"][policy] for n in names}
     need = {n: round(planned[n]["peak_GB"] + sum(beside[n].values()), 2) for n in names}

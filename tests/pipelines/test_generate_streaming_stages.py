@@ -84,8 +84,12 @@ def test_a_card_too_small_for_the_asked_resolution_is_refused_before_streaming(t
     for vram_gb, resolution, refused in (
         (24, "540p", None),
         (32, "1080p", None),
-        (24, "1080p", "refiner_1080p"),
-        (12, "540p", "preview_540p"),
+        (
+            24,
+            "1080p",
+            r"the 24 GB recipe does not run \['refiner_1080p', 'turbovae_decode_1080p'\] \(the 24 GB recipe",
+        ),
+        (12, "540p", r"vram_gb=12 is below the planned peak of stage 'preview_540p'"),
     ):
         args = _args(generate, tmp_path, "--model", "org/repo", "--resolution", resolution, "--vram_gb", str(vram_gb))
         if refused is None:

@@ -111,6 +111,10 @@ def test_a_stage_the_recipe_skips_is_refused():
         ({"vram_gb": float("nan")}, "vram_gb must be a positive number"),
         ({"vram_gb": 24, "host_memory": "swap"}, "host_memory must be one of"),
         ({"vram_gb": 24, "stages": ["preview_720p"]}, "unknown stages"),
+        (
+            {"vram_gb": 24, "stages": ["turbovae_decode_1080p"]},
+            r"the 24 GB recipe does not run \['turbovae_decode_1080p'\]$",
+        ),
         ({"vram_gb": 24, "stages": "preview_272p"}, "non-empty list of stage names"),
         ({"vram_gb": 24, "stages": []}, "non-empty list of stage names"),
     ],
