@@ -457,7 +457,8 @@ def end_distributed_run(exit_code: int = 0) -> None:
 def load_pipeline(args):
     """The tiny default (no ``--model``) or a converted repo; returns ``(pipe, call_defaults)`` and sets
     ``args.expert_parallel``, ``args.context_parallel`` and ``args.planned_stages`` (with ``--vram_gb``, the memory
-    plan's checked stages of the call; ``None`` where the plan does not apply or without ``--vram_gb``)."""
+    plan's checked stages of the call; ``None`` where the plan does not apply, another model or a launched parallel
+    run, or without ``--vram_gb``)."""
     from diffusers_magi2 import Magi2Pipeline
     from diffusers_magi2.parallel.expert_parallel import ep_device
     from diffusers_magi2.pipelines.tiny_default import build_tiny_default_pipeline
@@ -473,7 +474,7 @@ def load_pipeline(args):
     args.expert_parallel = expert_parallel
     args.context_parallel = context_parallel
     device = args.device or str(ep_device(expert_parallel))
-    released = releases_streamed_models(args)
+    single_card = expert_parallel is None and context_parallel is None  # what the memory plan describes
     if args.model is None:  # not the released geometry: no planned stages
         stages = None
         pipe = build_tiny_default_pipeline(dtype=parse_dtype(args.dtype or "float32"))
@@ -484,7 +485,7 @@ def load_pipeline(args):
             pipe.enable_context_parallel(context_parallel)
     else:
         defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
-        stages = repo_streamed_stages(args, defaults, released) if args.vram_gb is not None else None
+        stages = repo_streamed_stages(args, defaults) if args.vram_gb is not None and single_card else None
         dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         pipe = Magi2Pipeline.from_pretrained(
             args.model,
@@ -497,12 +498,12 @@ def load_pipeline(args):
         from diffusers_magi2.pipelines.weight_streaming_pipeline import STREAMED_RING_SIZE
 
         host_memory = args.host_memory or "pinned"
-        pipe.enable_weight_streaming(  # the released model streams as the recipes plan it, where it can
+        pipe.enable_weight_streaming(  # the released model on one card streams as the recipes plan it
             vram_gb=args.vram_gb,
             host_memory=host_memory,
             device=device,
             ring_size=STREAMED_RING_SIZE,
-            release_between_stages=True if stages is not None and released else None,
+            release_between_stages=True if stages is not None else None,
         )
         if os.environ.get("RANK", "0") == "0":
             ep_degree = expert_parallel.ep_degree if expert_parallel is not None else 1
@@ -514,25 +515,17 @@ def load_pipeline(args):
     return pipe, defaults
 
 
-def releases_streamed_models(args) -> bool:
-    """Whether ``--vram_gb`` frees each streamed model between stages, as the recipes plan it: not under expert
-    parallelism, where a rank's transformer holds only its experts' rows, so its files cannot re-read it."""
-    return args.expert_parallel is None
-
-
 def streaming_summary(
     vram_gb: float, host_memory: str, ring_size: int, stages, ep_degree: int = 1, ulysses_degree: int = 1
 ) -> str:
-    """The line ``--vram_gb`` prints once streaming is on: the mode and the ring, and for the released model (its
-    checked ``stages``, streamed with each model released between stages) the plan's device peak, with what stays
-    resident beside it, and host memory (the public values of ``check_streaming_budget``); ``stages=None``: another
-    model, which the plan does not cover; ``ep_degree`` or ``ulysses_degree`` above 1: a launched run, whose ranks
-    the plan's single-card figures do not describe (under expert parallelism each rank's transformer is held)."""
+    """The line ``--vram_gb`` prints once streaming is on: the mode and the ring, and for the released model on one
+    card (its checked ``stages``, streamed with each model released between stages) the plan's device peak, with what
+    stays resident beside it, and host memory (the public values of ``check_streaming_budget``); ``ep_degree`` or
+    ``ulysses_degree`` above 1: a launched run, whose ranks the plan's single-card figures do not describe (under
+    expert parallelism each rank's transformer is held); ``stages=None`` otherwise: a model the plan does not cover."""
     from diffusers_magi2.pipelines.weight_streaming_budget import check_streaming_budget
 
     line = f"weight streaming: host_memory {host_memory}, a ring of {ring_size} device buffers per streamed model"
-    if stages is None:
-        return line + "; the memory plan does not apply (not the released Preview's config): no planned peaks"
     degrees = {"expert": ep_degree, "context": ulysses_degree}
     parallel = [f"{kind} parallelism over {n} ranks" for kind, n in degrees.items() if n > 1]
     if parallel:
@@ -541,6 +534,8 @@ def streaming_summary(
             f"{line}{held}; the memory plan's figures are a single card's, running the whole call, not a rank's under "
             f"{' and '.join(parallel)}: no planned peaks"
         )
+    if stages is None:
+        return line + "; the memory plan does not apply (not the released Preview's config): no planned peaks"
     # the plan's figures only: enable_weight_streaming has checked the host's memory against the weights it holds
     planned = check_streaming_budget(vram_gb, host_memory, stages, host_bytes=sys.maxsize)
     host_gb = planned.pop("host_ram_GB")
@@ -553,16 +548,16 @@ def streaming_summary(
 
 def tile_streamed_refined_decode(pipe, args, height: int, width: int) -> bool:
     """With ``--vram_gb``, a call that refines (the 1080p preset) decodes in the TurboVAE's default 512-pixel tiles
-    (``pipe.video_decoder.enable_tiling()``): for the released model (``args.planned_stages`` set by
+    (``pipe.video_decoder.enable_tiling()``): for the released model on one card (``args.planned_stages`` set by
     :func:`load_pipeline`) where the recipe plans it (``planned_tiled_decodes``: the whole 1080p frames do not fit
-    the card), for another model (no planned figures) always; a 540p call decodes whole frames. Returns whether
-    tiling was turned on."""
+    the card), otherwise (no planned figures) always; a 540p call decodes whole frames. Returns whether tiling was
+    turned on."""
     from diffusers_magi2.pipelines.weight_streaming_budget import planned_tiled_decodes
 
     decoder = getattr(pipe, "video_decoder", None)
     if args.vram_gb is None or decoder is None or not pipe.stage_sizes(height, width)[0]:
         return False
-    if args.planned_stages is not None and not planned_tiled_decodes(args.vram_gb, releases_streamed_models(args)):
+    if args.planned_stages is not None and not planned_tiled_decodes(args.vram_gb):
         return False
     decoder.enable_tiling()
     return True
@@ -580,10 +575,11 @@ def call_size(args, defaults: dict) -> tuple:
     )
 
 
-def repo_streamed_stages(args, defaults: dict, release_between_stages: bool) -> Optional[list]:
-    """With ``--vram_gb``: the memory plan's stages this call runs, checked against the card
-    (``check_streaming_vram`` with ``release_between_stages``) from the repo's configs alone, before any weight
-    loads; ``None`` where the plan does not apply (a transformer config other than the released Preview's)."""
+def repo_streamed_stages(args, defaults: dict) -> Optional[list]:
+    """With ``--vram_gb`` on one card: the memory plan's stages this call runs, checked against the card
+    (``check_streaming_vram``, each streamed model released between stages) from the repo's configs alone, before
+    any weight loads; ``None`` where the plan does not apply (a transformer config other than the released
+    Preview's)."""
     from diffusers import DiffusionPipeline
 
     from diffusers_magi2 import Magi2Transformer3DModel
@@ -593,7 +589,7 @@ def repo_streamed_stages(args, defaults: dict, release_between_stages: bool) -> 
         return None
     video_decoder = DiffusionPipeline.load_config(args.model).get("video_decoder") or [None, None]
     stages = planned_stages(args, *call_size(args, defaults), turbovae=video_decoder[0] is not None)
-    check_streaming_vram(args.vram_gb, stages, release_between_stages=release_between_stages)
+    check_streaming_vram(args.vram_gb, stages)
     return stages
 
 

@@ -12,9 +12,10 @@ Checked before any weight moves, in this order:
   where one cannot);
 * ``vram_gb`` against the planned stage peaks shipped in the package plus what stays resident on the device beside
   each (:func:`~.weight_streaming_budget.check_streaming_vram`: the stages every generation runs; its ``"released"``
-  figures when every streamed model is released between stages, else ``"held"``), when the transformer has the
-  geometry the plan was made for (:func:`~.weight_streaming_budget.plan_applies`: the released Preview; the table
-  records it). The peaks include activations, which only the plan knows.
+  figures when every streamed model is released between stages, else ``"held"``), where the plan describes the
+  pipeline: a transformer of the geometry the plan was made for (:func:`~.weight_streaming_budget.plan_applies`: the
+  released Preview; the table records it) on one device (no context or expert parallelism: the figures are a single
+  card's running the whole call, not a rank's). The peaks include activations, which only the plan knows.
 * ``vram_gb`` against the weights the device holds, for any model::
 
       sum over held streamed models (weights outside the blocks + ring_size * largest block)
@@ -25,7 +26,7 @@ Checked before any weight moves, in this order:
   against the memory the OS says is available plus the streamed block weights now in host memory (streaming
   replaces them). The table's host figures are not used here: they count the released model and the text encoder.
 
-At the start of a call (before any work), where the plan applies: ``vram_gb`` against the planned peaks of the stages
+At the start of a call (before any work), where the plan describes the pipeline: ``vram_gb`` against the planned peaks of the stages
 that call runs (its preview size, the refiner, the decoder; ``planned_call_stages``); and where it refines and
 decodes, a ``video_decoder`` with tiling off is refused where the recipe decodes the refined frames in tiles and
 ``vram_gb`` is below their whole frames' planned peak plus what stays resident (``planned_tiled_decodes``: the 32 GB
@@ -209,8 +210,7 @@ class Magi2WeightStreamingPipelineMixin:
                     ) from error
                 held_why[name] = str(error)
         released = bool(blocks) and rereads.keys() == blocks.keys()
-        transformer = getattr(self, "transformer", None)
-        if transformer is not None and plan_applies(transformer.config):
+        if self._plan_describes():
             if not isinstance(getattr(self, "video_decoder", None), Magi2TurboVAEDecoder):
                 raise ValueError(
                     "the streamed recipes decode with the TurboVAE (video_decoder), which this pipeline lacks: convert "
@@ -259,13 +259,20 @@ class Magi2WeightStreamingPipelineMixin:
         if "refiner" in blocks:
             models["refiner"].enable_forward_chunking(STREAMED_REFINER_CHUNK_SIZE)
 
-    def _streamed_plan(self) -> Optional[tuple]:
-        """``(vram_gb, released)`` while weights are streamed and the plan applies to the transformer, else ``None``."""
-        budget = getattr(self, "_weight_streaming_budget", None)
+    def _plan_describes(self) -> bool:
+        """Whether the plan's single-card figures describe this pipeline: the released transformer, on one device."""
         transformer = getattr(self, "transformer", None)
-        if budget is None or not any(_streamer(self, n) for n in STREAMED_COMPONENTS):
-            return None
         if transformer is None or not plan_applies(transformer.config):
+            return False
+        models = [m for m in (transformer, getattr(self, "refiner", None)) if m is not None]
+        parallel = [getattr(m, "context_parallel_degree", 1) for m in models]
+        parallel += [getattr(layer, "ep_size", 1) for layer in transformer.modules()]
+        return max(parallel) == 1
+
+    def _streamed_plan(self) -> Optional[tuple]:
+        """``(vram_gb, released)`` while weights are streamed and the plan describes the pipeline, else ``None``."""
+        budget = getattr(self, "_weight_streaming_budget", None)
+        if budget is None or not any(_streamer(self, n) for n in STREAMED_COMPONENTS) or not self._plan_describes():
             return None
         return budget[0], self._weight_streaming_released
 

@@ -1,7 +1,8 @@
 """``examples/generate.py --vram_gb`` under ``accelerate launch --multi_gpu --num_processes 2`` (gloo ranks on CPU,
-CP2 x EP2) with the memory plan applying to the saved pipeline (``generate_planned_script.py``). Each rank's
-transformer, loaded by ``from_pretrained(expert_parallel=...)``, holds only its experts' rows, so it cannot be re-read
-from its files (``enable_weight_streaming(release_between_stages=True)`` refuses it); the run streams with
+CP2 x EP2) with the memory plan applying to the saved pipeline (``generate_planned_script.py``). The plan's figures
+are a single card's, so a launched run is not checked against them. Each rank's transformer, loaded by
+``from_pretrained(expert_parallel=...)``, holds only its experts' rows, so it cannot be re-read from its files
+(``enable_weight_streaming(release_between_stages=True)`` refuses it); the run streams with
 ``release_between_stages=None`` (that transformer held), writes the clip, and prints no single-card figures as a
 rank's."""
 

@@ -385,3 +385,18 @@ def test_an_expert_parallel_transformer_is_held_naming_its_sharding(monkeypatch,
     pipe.enable_weight_streaming(vram_gb=24, device="cpu")  # automatic: the transformer held, the others released
     assert set(pipe._weight_streaming_stages.parts) == {"text_encoder", "refiner"}
     pipe.disable_weight_streaming()
+
+
+def test_a_parallel_pipeline_is_not_held_to_the_single_card_plan(monkeypatch, tmp_path):
+    # the plan's figures are a single card's running the whole call: a context- or expert-parallel rank's call is
+    # checked only against the weights it holds (an 8 x 24 GB box runs the CP8 refiner at 1080p)
+    pipe = _from_files(tiny_pipelines(with_refiner=True)[0], tmp_path)
+    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
+    with pytest.raises(ValueError, match="the 24 GB recipe does not run"):  # one card: the refiner is not in it
+        pipe.enable_weight_streaming(vram_gb=24, device="cpu")
+        two_stage_call(pipe)
+    pipe.disable_weight_streaming()
+    monkeypatch.setattr(type(pipe.transformer), "context_parallel_degree", property(lambda self: 2))
+    pipe.enable_weight_streaming(vram_gb=24, device="cpu")
+    pipe._check_streamed_stages(True, 512, 896, False, True, 1088, 1920, 1)  # the 1080p preset on a rank
+    pipe.disable_weight_streaming()
