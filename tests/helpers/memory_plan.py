@@ -13,6 +13,17 @@ CPU code, the checked mode: on a reduced config the plan equals a CPU run's allo
 (``tests/pipelines/test_memory_plan.py``). The LoRA training step is :mod:`helpers.memory_plan_training`, the text
 encoder and the VAEs :mod:`helpers.memory_plan_codecs`.
 
+Dense weights stored narrower (FP8 storage, layerwise casting) are traced in the compute dtype, and each call of a
+stored layer with ``numel`` weights adds, from its start, what the storing hook holds beside the layer's own work::
+
+    held      = numel * compute itemsize    the compute-dtype weight, until the call returns
+    transient = 2 * numel * 4               FP8 on the CPU, once, as it starts: ``copy.mul_(fp32 scale)`` runs through
+                                            TensorIterator's CPU temporaries (the copy promoted to fp32, an fp32
+                                            output); CUDA casts inside the kernel (0)
+
+Measured by the CPU allocator at bf16: an FP8-stored projection's dequantization peaks at ``10 numel`` bytes,
+``2 numel`` of them held through the call.
+
 Token counts (SandAI ``entry.py`` presets; ``magi2_reference_spec`` §5): per CFG half, video ``32 * H/16 * W/16``
 (272p 14,336, 540p 57,344), audio 250, text ``text_tokens`` (512 by default: a prompt and the negative
 prompt fit); one forward holds both halves. The 1080p refiner runs one 514,080-token video (+ text) forward per
@@ -27,6 +38,7 @@ Budgets: an H200 as 141 GB, an H100 as 80 GB (10^9 bytes), and 8 GB kept spare.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
@@ -47,6 +59,7 @@ from diffusers_magi2.moe.quantize_int4 import INT4_SCALE_NAMES
 from diffusers_magi2.parallel.expert_parallel import ep_head_layout
 
 from .memory_trace import (
+    KERNELS,
     Trace,
     check_kernels,
     default_dtype,
@@ -81,6 +94,7 @@ __all__ = [
     "preview_token_counts",
     "preview_weights",
     "stage_row",
+    "stored_layer_calls",
     "stored_weights",
     "trace_preview_forward",
     "trace_refiner_forward",
@@ -317,12 +331,12 @@ def preview_weights(model, kinds, per_layer, ep_degree: int) -> int:
 
 @dataclass
 class _StoredWeights:
-    """The model's bytes with its dense weights stored in a narrower dtype (layerwise casting), and the bytes of the
-    compute-dtype copies a call makes: of the largest cast layer, and of all cast layers of the largest block (a
+    """The model's bytes with its dense weights stored in a narrower dtype, what each stored layer's call adds
+    (:func:`stored_layer_calls`), and the compute-dtype copies of all stored layers of the largest block (a
     checkpointed block's backward keeps its layers' copies until it is done)."""
 
     weights: int
-    layer_copy: int
+    calls: Dict[str, Dict[str, tuple]]
     block_copy: int
 
 
@@ -331,12 +345,14 @@ def stored_weights(model, kinds, per_layer, storage_dtype, compute_dtype, ep_deg
     ``enable_fp8_storage(compute_dtype)`` for e4m3 (the 80 GB recipe: the codes and their fp32 per-channel scales),
     ``enable_layerwise_casting(storage_dtype, compute_dtype)`` otherwise; read from a stored copy. The trace itself
     runs the layers in the compute dtype (the hooks replace the weights, which fake parameters refuse), so each
-    layer's compute-dtype copy is added to its peak: an upper bound."""
+    stored layer's call adds what the hook holds (module docstring)."""
     stored = _stored_copy(model, storage_dtype, compute_dtype)
     copies = functools.partial(_cast_copy_bytes, compute_dtype=compute_dtype)
     blocks = [sum(copies(m) for m in block.modules()) for block in stored.transformer_blocks]
     return _StoredWeights(
-        preview_weights(stored, kinds, per_layer, ep_degree), max(copies(m) for m in stored.modules()), max(blocks)
+        preview_weights(stored, kinds, per_layer, ep_degree),
+        {k: _layer_calls(stored, compute_dtype, k) for k in KERNELS},
+        max(blocks),
     )
 
 
@@ -356,6 +372,66 @@ def _cast_copy_bytes(module, compute_dtype) -> int:
     if registry is None or not any(registry.get_hook(h) for h in (_LAYERWISE_CASTING_HOOK, FP8_STORAGE_HOOK)):
         return 0
     return sum(t.numel() for t in module.parameters(recurse=False)) * compute_dtype.itemsize
+
+
+def _layer_calls(stored, compute_dtype, kernels: str) -> Dict[str, tuple]:
+    """``{name: (held, transient)}`` bytes of each stored layer's call in ``stored`` (module docstring)."""
+    calls = {}
+    for name, module in stored.named_modules():
+        held = _cast_copy_bytes(module, compute_dtype)
+        if not held:
+            continue
+        scaled = module._diffusers_hook.get_hook(FP8_STORAGE_HOOK) is not None and compute_dtype != torch.float32
+        calls[name] = (held, 2 * module.weight.numel() * torch.float32.itemsize if scaled and kernels == "cpu" else 0)
+    return calls
+
+
+def stored_layer_calls(
+    model, storage_dtype: torch.dtype, kernels: str, compute_dtype: torch.dtype = torch.bfloat16
+) -> Dict[str, tuple]:
+    """What each call of a stored layer adds to the trace: ``{name: (held, transient)}`` bytes, the compute-dtype
+    weight held through the call and the storing hook's temporaries as it starts (module docstring).
+
+    Args:
+        model: a transformer (on meta or real) with its dense weights not yet stored.
+        storage_dtype: ``torch.float8_e4m3fn`` (``enable_fp8_storage``) or a layerwise-casting storage dtype.
+        kernels: ``"cuda"`` or ``"cpu"``.
+        compute_dtype: the dtype the layers compute in.
+
+    Raises:
+        ValueError: unknown ``kernels``.
+    """
+    check_kernels(kernels)
+    return _layer_calls(_stored_copy(model, storage_dtype, compute_dtype), compute_dtype, kernels)
+
+
+@contextlib.contextmanager
+def _stored_calls_traced(model, calls: Dict[str, tuple], tracker: LiveStorageTracker, compute_dtype):
+    """Around each call of a stored layer of ``model`` (named in ``calls``), its held copy live (a fake tensor) and
+    its transient a peak candidate."""
+    held = []
+
+    def before(name):
+        def hook(module, args):
+            nbytes, transient = calls[name]
+            held.append(torch.empty(nbytes // compute_dtype.itemsize, dtype=compute_dtype))
+            if transient:
+                tracker.add_transient(transient, f"{name}: the stored weight's dequantization")
+
+        return hook
+
+    def after(module, args, out):
+        held.pop()
+
+    handles = []
+    for name in calls:
+        module = model.get_submodule(name)
+        handles += [module.register_forward_pre_hook(before(name)), module.register_forward_hook(after)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def trace_preview_forward(
@@ -387,7 +463,7 @@ def trace_preview_forward(
             ``hidden_states`` once embedded); ``False``: the caller holds them and they are not counted
             (``forward_packed`` called directly).
         storage_dtype: the dense weights stored in that dtype (:func:`stored_weights`; ``None``: off): the weights
-            so stored, and the largest layer's compute-dtype copy added to the peak.
+            so stored, and each stored layer's call adding its compute-dtype copy (module docstring).
 
     Raises:
         ValueError: unknown ``kernels``, bad degrees, or segments not summing to the tokens.
@@ -441,7 +517,12 @@ def trace_preview_forward(
         "moe": [b.mlp.moe_mlp for b in model.transformer_blocks if hasattr(b.mlp, "moe_mlp")],
         "adapters": [model.pre_adapter, model.post_adapter],
     }
-    with traced(model, fake, kernels) as tracker, part_peaks(tracker, parts) as peaks:
+    calls = stored[0].calls[kernels] if stored else {}
+    with (
+        traced(model, fake, kernels) as tracker,
+        part_peaks(tracker, parts) as peaks,
+        _stored_calls_traced(model, calls, tracker, compute_dtype),
+    ):
         if count_inputs:
             tracker.count(inputs)
             inputs[0] = None  # forward hands the packed input over: forward_packed holds the last reference
@@ -455,10 +536,7 @@ def trace_preview_forward(
         del out
     for hook in hooks:
         hook.remove()
-    layer_copy = stored[0].layer_copy if stored else 0  # the largest layer's compute-dtype copy, while any layer runs
-    return Trace(
-        weights, tracker.activations + layer_copy, tracker.peak_op, {k: v + layer_copy for k, v in peaks.items()}
-    )
+    return Trace(weights, tracker.activations, tracker.peak_op, peaks)
 
 
 def _refiner_video_shape() -> tuple:
@@ -489,8 +567,9 @@ def trace_refiner_forward(
         refiner_config: model arguments (default: released).
         cp_degree: context-parallel degree; kernels: as :func:`trace_preview_forward`.
         forward_chunk_size: the MLP token chunk (``None``: the model default).
-        storage_dtype: the dense weights stored in that dtype (:func:`stored_weights`; ``None``: off): the largest
-            layer's compute-dtype copy added to the peak (the weights are traced in the compute dtype).
+        storage_dtype: the dense weights stored in that dtype (:func:`stored_weights`; ``None``: off): each stored
+            layer's call adding its compute-dtype copy (module docstring; the weights are traced in the compute
+            dtype).
 
     Raises:
         ValueError: unknown ``kernels`` or a bad degree.
@@ -505,10 +584,9 @@ def trace_refiner_forward(
         model = Magi2RefinerTransformer3DModel(
             num_layers=len(kinds), multimodal_layers=[k for k, (m,) in enumerate(kinds) if m], **cfg
         )
-    layer_copy = 0
+    calls = {}
     if storage_dtype is not None:  # read on meta, before the parameters are faked
-        stored = _stored_copy(model, storage_dtype, compute_dtype)
-        layer_copy = max(_cast_copy_bytes(m, compute_dtype) for m in stored.modules())
+        calls = stored_layer_calls(model, storage_dtype, kernels, compute_dtype)
     model = on_fake_tensors(model, fake)
     set_kernels(model, kernels)
     if forward_chunk_size is not None:
@@ -535,7 +613,7 @@ def trace_refiner_forward(
         inputs = [video, text, shard, _unit_coords(n_loc)]
     else:
         inputs = [video, text]
-    with traced(model, fake, kernels) as tracker:
+    with traced(model, fake, kernels) as tracker, _stored_calls_traced(model, calls, tracker, compute_dtype):
         tracker.count(inputs)
         if cp_degree == 1:
             out = model(hidden_states=video, encoder_hidden_states=text)
@@ -546,7 +624,7 @@ def trace_refiner_forward(
             for hook in hooks:
                 hook.remove()
         del out
-    return Trace(weights, tracker.activations + layer_copy, tracker.peak_op)
+    return Trace(weights, tracker.activations, tracker.peak_op)
 
 
 # ------------------------------------------------------------------------------------------- stage rows
