@@ -43,6 +43,8 @@ __all__ = [
 
 
 HOST_MEMORY_MODES = ("pinned", "disk")
+#: the clip length the plan traces (the released model's ``duration_s``)
+PLANNED_DURATION_S = 10.0
 BUDGETS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weight_streaming_budgets.json")
 _GB = 10**9
 #: the transformer config fields the table records under ``planned_for`` (the geometry the peaks were planned for)
@@ -125,6 +127,7 @@ def planned_call_stages(
     height: Optional[int] = None,
     width: Optional[int] = None,
     batch_size: int = 1,
+    duration_s: float = 10.0,
 ) -> List[str]:
     """The plan's stages (``bench_memory``'s names) that one call runs.
 
@@ -136,10 +139,11 @@ def planned_call_stages(
         decode: whether the call decodes (the video, at 1080p after the refiner else 540p, and the audio).
         height, width: the refined output's pixels (``None``: the 1080p preset).
         batch_size: videos the call generates.
+        duration_s: the clip's length in seconds (the pipeline's ``config.duration_s``).
 
     Raises:
-        ValueError: a preview larger than 512x896, a refined output larger than 1088x1920 or a ``batch_size`` above
-            1: the plan's stages are one 10 s video at those sizes.
+        ValueError: a preview larger than 512x896, a refined output larger than 1088x1920, a ``batch_size`` above 1
+            or a clip longer than 10 s: the plan's stages are one 10 s video at those sizes.
     """
     area = denoise_height * denoise_width
     if area > 512 * 896:
@@ -151,6 +155,11 @@ def planned_call_stages(
         raise ValueError(
             f"a {height}x{width} refined output is larger than the plan's 1080p refiner stage "
             f"({'x'.join(map(str, REFINER_RESOLUTION))}); generate at most that (output_height/output_width resize the frames)"
+        )
+    if duration_s > PLANNED_DURATION_S:
+        raise ValueError(
+            f"a {duration_s} s clip is longer than the plan's {PLANNED_DURATION_S} s (its tokens and activations "
+            "grow with the clip); set config.duration_s to at most that"
         )
     if batch_size != 1:
         raise ValueError(

@@ -307,6 +307,7 @@ class Magi2WeightStreamingPipelineMixin:
             height=height,
             width=width,
             batch_size=videos,
+            duration_s=float(self.config.duration_s),
         )
         check_streaming_vram(plan[0], stages, release_between_stages=plan[1])
 

@@ -223,10 +223,12 @@ def test_a_calls_stages_are_the_plans_names_and_a_call_it_does_not_cover_is_refu
     ]  # fmt: skip
     assert planned_call_stages(True, 256, 448, decode=False) == ["text_encode", "preview_272p", "refiner_1080p"]
     assert planned_call_stages(True, 512, 896, height=1088, width=1920)[-2] == "turbovae_decode_1080p"
+    assert planned_call_stages(False, 256, 448, duration_s=5.0)[1] == "preview_272p"  # a shorter clip: fewer tokens
     for kwargs, match in (
         ({"denoise_height": 512, "denoise_width": 912}, "a 512x912 preview is larger than the plan's 540p stage"),
         ({"height": 1088, "width": 1936}, "a 1088x1936 refined output is larger than the plan's 1080p refiner stage"),
         ({"batch_size": 2}, "one video per call; this call generates 2"),
+        ({"duration_s": 10.5}, r"a 10.5 s clip is longer than the plan's 10.0 s"),
     ):
         with pytest.raises(ValueError, match=match):
             planned_call_stages(**{"refine": True, "denoise_height": 512, "denoise_width": 896, **kwargs})

@@ -220,6 +220,11 @@ def test_a_call_is_refused_where_its_own_stages_exceed_the_card_before_any_work(
         pipe(**{**TWO_STAGE_CALL, "num_videos_per_prompt": 2})
     with pytest.raises(ValueError, match="one video per call; this call generates 2"):
         pipe(**{**TWO_STAGE_CALL, "prompt": ["a", "b"]})
+    duration = pipe.config.duration_s
+    pipe.register_to_config(duration_s=12.0)
+    with pytest.raises(ValueError, match=r"a 12.0 s clip is longer than the plan's 10.0 s"):
+        two_stage_call(pipe)
+    pipe.register_to_config(duration_s=duration)
     assert encoded == []  # refused before any work
     assert not pipe.video_decoder.use_tiling
     out = pipe(**{**TWO_STAGE_CALL, "output_type": "latent"}, generator=torch.Generator().manual_seed(0))
