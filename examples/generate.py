@@ -578,16 +578,20 @@ def call_size(args, defaults: dict) -> tuple:
 def repo_streamed_stages(args, defaults: dict) -> Optional[list]:
     """With ``--vram_gb`` on one card: the memory plan's stages this call runs, checked against the card
     (``check_streaming_vram``, each streamed model released between stages) from the repo's configs alone, before
-    any weight loads; ``None`` where the plan does not apply (a transformer config other than the released
-    Preview's)."""
+    any weight loads; ``None`` where the plan does not apply (a transformer or refiner config other than the
+    released Preview's)."""
     from diffusers import DiffusionPipeline
 
-    from diffusers_magi2 import Magi2Transformer3DModel
+    from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
     from diffusers_magi2.pipelines.weight_streaming_budget import check_streaming_vram, plan_applies
 
-    if not plan_applies(Magi2Transformer3DModel.load_config(args.model, subfolder="transformer")):
+    index = DiffusionPipeline.load_config(args.model)
+    refiner = None
+    if (index.get("refiner") or [None])[0] is not None:
+        refiner = Magi2RefinerTransformer3DModel.load_config(args.model, subfolder="refiner")
+    if not plan_applies(Magi2Transformer3DModel.load_config(args.model, subfolder="transformer"), refiner):
         return None
-    video_decoder = DiffusionPipeline.load_config(args.model).get("video_decoder") or [None, None]
+    video_decoder = index.get("video_decoder") or [None, None]
     stages = planned_stages(args, *call_size(args, defaults), turbovae=video_decoder[0] is not None)
     check_streaming_vram(args.vram_gb, stages)
     return stages

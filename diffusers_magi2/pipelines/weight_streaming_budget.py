@@ -32,6 +32,7 @@ from .presets_magi2 import REFINER_RESOLUTION
 __all__ = [
     "HOST_MEMORY_MODES",
     "PLANNED_CONFIG_KEYS",
+    "PLANNED_REFINER_CONFIG_KEYS",
     "available_host_bytes",
     "check_streaming_budget",
     "check_streaming_vram",
@@ -66,6 +67,20 @@ PLANNED_CONFIG_KEYS = (
     "moe_expert_intermediate_size",
     "shared_expert_intermediate_size",
     "modality_specific_expert_intermediate_size",
+)
+#: the refiner config fields the table records under ``planned_for`` (its 1080p stage's geometry)
+PLANNED_REFINER_CONFIG_KEYS = (
+    "num_layers",
+    "num_attention_heads",
+    "attention_head_dim",
+    "num_key_value_heads",
+    "in_channels",
+    "text_in_channels",
+    "multimodal_layers",
+    "window_attention_layers",
+    "window_block_size",
+    "window_radius",
+    "mlp_intermediate_size",
 )
 
 
@@ -102,11 +117,15 @@ def available_host_bytes() -> int:
         raise OSError("cannot read the available host memory (no /proc/meminfo MemAvailable, no sysconf)") from error
 
 
-def plan_applies(transformer_config) -> bool:
-    """Whether the table's peaks apply to a preview transformer of ``transformer_config`` (a mapping): its
-    :data:`PLANNED_CONFIG_KEYS` equal those the plan was made for (the released Preview; lists and tuples alike)."""
-    planned = streaming_budgets()["planned_for"]["transformer"]
-    return all(json.loads(json.dumps(transformer_config.get(k))) == planned[k] for k in PLANNED_CONFIG_KEYS)
+def plan_applies(transformer_config, refiner_config=None) -> bool:
+    """Whether the table's peaks apply to a preview transformer of ``transformer_config`` (a mapping) and, where
+    given, a refiner of ``refiner_config``: their :data:`PLANNED_CONFIG_KEYS` / :data:`PLANNED_REFINER_CONFIG_KEYS`
+    equal those the plan was made for (the released Preview; lists and tuples alike)."""
+    planned = streaming_budgets()["planned_for"]
+    checks = [(transformer_config, planned["transformer"], PLANNED_CONFIG_KEYS)]
+    if refiner_config is not None:
+        checks.append((refiner_config, planned["refiner"], PLANNED_REFINER_CONFIG_KEYS))
+    return all(json.loads(json.dumps(c.get(k))) == p[k] for c, p, keys in checks for k in keys)
 
 
 def _recipe(table: dict, vram_gb: float) -> dict:

@@ -260,11 +260,12 @@ class Magi2WeightStreamingPipelineMixin:
             models["refiner"].enable_forward_chunking(STREAMED_REFINER_CHUNK_SIZE)
 
     def _plan_describes(self) -> bool:
-        """Whether the plan's single-card figures describe this pipeline: the released transformer, on one device."""
-        transformer = getattr(self, "transformer", None)
-        if transformer is None or not plan_applies(transformer.config):
+        """Whether the plan's single-card figures describe this pipeline: the released transformer (and refiner), on
+        one device."""
+        transformer, refiner = getattr(self, "transformer", None), getattr(self, "refiner", None)
+        if transformer is None or not plan_applies(transformer.config, None if refiner is None else refiner.config):
             return False
-        models = [m for m in (transformer, getattr(self, "refiner", None)) if m is not None]
+        models = [m for m in (transformer, refiner) if m is not None]
         parallel = [getattr(m, "context_parallel_degree", 1) for m in models]
         parallel += [getattr(layer, "ep_size", 1) for layer in transformer.modules()]
         return max(parallel) == 1

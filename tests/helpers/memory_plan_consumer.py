@@ -426,7 +426,7 @@ def budget_table(results: Optional[Dict[int, dict]] = None) -> dict:
         "generated_by": "python -m tests.benchmarks.bench_memory --write_budgets",
         "units": "GB = 10^9 bytes",
         "host_memory": HOST_MEMORY,
-        "planned_for": {"transformer": planned_transformer_config()},
+        "planned_for": {"transformer": planned_transformer_config(), "refiner": planned_refiner_config()},
         "recipes": recipes,
     }
 
@@ -441,3 +441,15 @@ def planned_transformer_config() -> dict:
 
     defaults = inspect.signature(Magi2Transformer3DModel.__init__).parameters
     return {k: json.loads(json.dumps(defaults[k].default)) for k in PLANNED_CONFIG_KEYS}
+
+
+def planned_refiner_config() -> dict:
+    """The released refiner geometry the plan traces (``Magi2RefinerTransformer3DModel``'s defaults), as the table
+    records it (``PLANNED_REFINER_CONFIG_KEYS``)."""
+    import inspect
+
+    from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
+    from diffusers_magi2.pipelines.weight_streaming_budget import PLANNED_REFINER_CONFIG_KEYS
+
+    defaults = inspect.signature(Magi2RefinerTransformer3DModel.__init__).parameters
+    return {k: json.loads(json.dumps(defaults[k].default)) for k in PLANNED_REFINER_CONFIG_KEYS}

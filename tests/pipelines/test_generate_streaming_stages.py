@@ -29,15 +29,25 @@ def _args(generate, tmp_path, *argv):
 
 
 def _fake_repo(monkeypatch, released: bool, enable_weight_streaming, turbovae: bool = True):
-    """``from_pretrained`` returns a stand-in pipeline, and the repo's configs read a transformer that the plan covers
-    when ``released`` and a TurboVAE ``video_decoder`` when ``turbovae``; ``loaded`` lists the from_pretrained calls."""
+    """``from_pretrained`` returns a stand-in pipeline, and the repo's configs read a transformer and a refiner that
+    the plan covers when ``released`` (both read) and a TurboVAE ``video_decoder`` when ``turbovae``; ``loaded`` lists
+    the from_pretrained calls."""
     from diffusers import DiffusionPipeline
 
-    from diffusers_magi2 import Magi2Transformer3DModel
+    from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
 
-    monkeypatch.setattr(weight_streaming_budget, "plan_applies", lambda config: released and config == {"repo": 1})
+    def plan_applies(config, refiner_config=None):
+        return released and config == {"repo": 1} and refiner_config == {"refiner": 1}
+
+    monkeypatch.setattr(weight_streaming_budget, "plan_applies", plan_applies)
     monkeypatch.setattr(Magi2Transformer3DModel, "load_config", classmethod(lambda cls, *a, **k: {"repo": 1}))
-    index = {"video_decoder": ["diffusers_magi2", "Magi2TurboVAEDecoder"] if turbovae else [None, None]}
+    monkeypatch.setattr(
+        Magi2RefinerTransformer3DModel, "load_config", classmethod(lambda cls, *a, **k: {"refiner": 1})
+    )
+    index = {
+        "video_decoder": ["diffusers_magi2", "Magi2TurboVAEDecoder"] if turbovae else [None, None],
+        "refiner": ["diffusers_magi2", "Magi2RefinerTransformer3DModel"],
+    }
     monkeypatch.setattr(DiffusionPipeline, "load_config", classmethod(lambda cls, *a, **k: index))
     pipe = types.SimpleNamespace(enable_weight_streaming=enable_weight_streaming, loaded=[])
     monkeypatch.setattr(

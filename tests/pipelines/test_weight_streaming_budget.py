@@ -13,7 +13,12 @@ import sys
 import pytest
 from helpers import memory_plan_consumer as consumer
 from helpers.memory_plan import GB
-from helpers.memory_plan_consumer import CONSUMER_CARDS, REQUIRED_STAGES, planned_transformer_config
+from helpers.memory_plan_consumer import (
+    CONSUMER_CARDS,
+    REQUIRED_STAGES,
+    planned_refiner_config,
+    planned_transformer_config,
+)
 from helpers.memory_plan_streaming import (
     PROCESS_BYTES,
     refiner_streamed_weights,
@@ -96,6 +101,10 @@ def test_the_table_records_the_geometry_it_was_planned_for():
     assert plan_applies({**released, "moe_layers": tuple(released["moe_layers"])})  # a config's tuples match
     assert not plan_applies({**released, "num_layers": 4})
     assert not plan_applies({})
+    refiner = planned_refiner_config()
+    assert TABLE["planned_for"]["refiner"] == refiner and refiner["num_layers"] == 30
+    assert plan_applies(released, {**refiner, "window_radius": (2, 2, 2)})
+    assert not plan_applies(released, {**refiner, "window_radius": [3, 3, 3]})  # a refiner of another geometry
 
 
 def test_a_stage_the_recipe_skips_is_refused():

@@ -148,7 +148,7 @@ def test_two_stage_call_streamed_from_the_files_equals_resident_bit_for_bit(tmp_
 
 
 def test_a_budget_below_a_planned_stage_is_refused_for_the_released_geometry(monkeypatch):
-    pipe, _ = tiny_pipelines()
+    pipe, _ = tiny_pipelines(with_refiner=True)
     pipe.enable_weight_streaming(vram_gb=1, device="cpu")  # the tiny geometry: the planned peaks do not apply
     pipe.disable_weight_streaming()
     before = [t.data_ptr() for t in pipe.transformer.parameters()]
@@ -158,13 +158,13 @@ def test_a_budget_below_a_planned_stage_is_refused_for_the_released_geometry(mon
     stage = max(streaming_budgets()["recipes"]["24"]["required_stages"], key=need.get)
     peak = stages[stage]["peak_GB"]
     seen = []
-    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: seen.append(config) or True)
+    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda *configs: seen.append(configs) or True)
     with pytest.raises(
         ValueError,
         match=rf"vram_gb={need[stage] - 0.5} is below the planned peak of stage '{stage}': {peak} GB, plus .* held",
     ):
         pipe.enable_weight_streaming(vram_gb=need[stage] - 0.5, device="cpu")
-    assert seen == [pipe.transformer.config]
+    assert seen == [(pipe.transformer.config, pipe.refiner.config)]  # the refiner's geometry checked too
     assert [t.data_ptr() for t in pipe.transformer.parameters()] == before
 
 
@@ -173,7 +173,7 @@ def test_a_refining_call_is_refused_untiled_where_the_plan_tiles_the_decode(monk
     pipe.enable_weight_streaming(vram_gb=32, device="cpu")  # the tiny geometry: enabled without the planned peaks
     tiled = {n: s["peak_GB"] for n, s in streaming_budgets()["recipes"]["32"]["stages"].items() if s.get("tiled")}
     assert list(tiled) == ["turbovae_decode_1080p"]  # the 32 GB recipe's refined decode, planned tiled
-    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
+    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda *configs: True)  # as the released geometry
     encoded = []
     pipe.text_encoder.register_forward_pre_hook(lambda *_: encoded.append(1))
     with pytest.raises(
@@ -205,7 +205,7 @@ def test_a_call_is_refused_where_its_own_stages_exceed_the_card_before_any_work(
     # returns latents decodes nothing, so tiling is not asked
     pipe = _from_files(tiny_pipelines(with_refiner=True)[0], tmp_path)
     pipe.enable_weight_streaming(vram_gb=24, device="cpu")  # the tiny geometry: enabled without the planned peaks
-    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
+    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda *configs: True)  # as the released geometry
     encoded = []
     pipe.text_encoder.register_forward_pre_hook(lambda *_: encoded.append(1))
     with pytest.raises(ValueError, match="the 24 GB recipe does not run \\['refiner_1080p'\\]"):
@@ -239,7 +239,7 @@ def test_a_refused_enable_leaves_no_streaming_state_behind(monkeypatch, tmp_path
     pipe = _from_files(tiny_pipelines(with_refiner=True)[0], tmp_path)
     with torch.no_grad():
         next(streamed_blocks("refiner", pipe.refiner).parameters()).add_(1)
-    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
+    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda *configs: True)  # as the released geometry
     monkeypatch.setattr(streaming_pipeline, "check_streaming_vram", lambda *a, **k: {})  # the tiny geometry's peaks
     with pytest.raises(ValueError, match="differs from"):
         pipe.enable_weight_streaming(vram_gb=24, host_memory="disk", device="cpu", release_between_stages=False)
@@ -250,7 +250,7 @@ def test_a_refused_enable_leaves_no_streaming_state_behind(monkeypatch, tmp_path
 def test_the_released_model_without_a_turbovae_is_refused_at_enable(monkeypatch):
     pipe, _ = tiny_pipelines(with_refiner=True)
     pipe.register_modules(video_decoder=None)
-    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
+    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda *configs: True)  # as the released geometry
     with pytest.raises(ValueError, match=r"the streamed recipes decode with the TurboVAE \(video_decoder\)"):
         pipe.enable_weight_streaming(vram_gb=24, device="cpu")
     assert not any(streaming_pipeline._streamer(pipe, n) for n in ("text_encoder", "transformer", "refiner"))
@@ -396,7 +396,7 @@ def test_a_parallel_pipeline_is_not_held_to_the_single_card_plan(monkeypatch, tm
     # the plan's figures are a single card's running the whole call: a context- or expert-parallel rank's call is
     # checked only against the weights it holds (an 8 x 24 GB box runs the CP8 refiner at 1080p)
     pipe = _from_files(tiny_pipelines(with_refiner=True)[0], tmp_path)
-    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda config: True)  # as the released geometry
+    monkeypatch.setattr(streaming_pipeline, "plan_applies", lambda *configs: True)  # as the released geometry
     with pytest.raises(ValueError, match="the 24 GB recipe does not run"):  # one card: the refiner is not in it
         pipe.enable_weight_streaming(vram_gb=24, device="cpu")
         two_stage_call(pipe)
