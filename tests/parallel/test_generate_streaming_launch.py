@@ -30,9 +30,10 @@ def test_a_launched_expert_parallel_run_streams_the_planned_model_with_its_trans
     argv = [*SMOKE_ARGS, "--model", str(model_dir), "--dtype", "float32", "--vram_gb", "80", "--output", str(out)]
     res = run_launched(multi_cpu_launch(PLANNED_SCRIPT, *argv), run_dir)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.splitlines()[0] == (
+    streaming = [line for line in res.stdout.splitlines() if line.startswith("weight streaming:")]
+    assert streaming == [  # rank 0 alone; other lines are the launcher's and gloo's (torch 2.10's gloo prints some)
         "weight streaming: host_memory pinned, a ring of 2 device buffers per streamed model; each rank's transformer "
         "held between stages; the memory plan's figures are a single card's, running the whole call, not a rank's "
         "under expert parallelism over 2 ranks and context parallelism over 2 ranks: no planned peaks"
-    )
+    ]
     assert res.stdout.count("wrote ") == 1 and out.stat().st_size > 0
