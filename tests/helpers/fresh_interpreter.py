@@ -73,6 +73,18 @@ def run_fresh_checks(
 
 #: the host-memory checks' environment: glibc with no dynamic mmap threshold (every freed allocation over 64 KiB goes
 #: back to the OS, so a freed tensor leaves ``RssAnon``), one thread, no Hub
+#: Host-memory workers' shared lines: ``anon()`` (the process's anonymous RSS) and ``forward(model)`` (one no-grad
+#: forward of the small transformer the streaming checks build, fixed inputs: the warm-up and the measured call).
+RSS_WORKER_PRELUDE = """
+def anon():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+def forward(model):
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model(hidden_states=torch.randn(1, 16, 1, 4, 4, generator=g), timestep=torch.tensor([500.0]),
+              encoder_hidden_states=torch.randn(1, 3, 64, generator=g),
+              audio_hidden_states=torch.randn(1, 2, 16, generator=g))
+"""
 HOST_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 

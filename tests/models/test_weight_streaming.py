@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from helpers.fresh_interpreter import RSS_WORKER_PRELUDE
 from helpers.int4_models import int4_transformer
 from helpers.modular_testing_utils import tiny_refiner
 from helpers.tiny_transformer import tiny_inputs
@@ -107,11 +108,13 @@ def test_router_check_hook_composes_with_streaming():
     assert_bitwise(run_model(model, inputs), resident)
 
 
-RSS_WORKER = """
+RSS_WORKER = (
+    """
 import gc, json, torch
 from diffusers_magi2 import Magi2Transformer3DModel
-def anon():
-    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+"""
+    + RSS_WORKER_PRELUDE
+    + """
 def build():
     torch.manual_seed(0)
     return Magi2Transformer3DModel(num_layers=4, num_attention_heads=8, attention_head_dim=64, num_key_value_heads=8,
@@ -119,12 +122,6 @@ def build():
         moe_num_heads=4, moe_num_experts=32, moe_top_k=2, moe_expert_intermediate_size=256,
         shared_expert_intermediate_size=256, modality_specific_expert_intermediate_size=256,
         params_dtype=torch.bfloat16).eval()
-def forward(model):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        model(hidden_states=torch.randn(1, 16, 1, 4, 4, generator=g), timestep=torch.tensor([500.0]),
-              encoder_hidden_states=torch.randn(1, 3, 64, generator=g),
-              audio_hidden_states=torch.randn(1, 2, 16, generator=g))
 forward(build())  # the warm-up (helpers.fresh_interpreter.run_host_memory_checks): the same forward, resident
 gc.collect(); base = anon()
 model = build()
@@ -134,6 +131,7 @@ forward(model)  # touches every page of the ring
 gc.collect()
 print(json.dumps({"measured": anon() - base, "plan": plan}))
 """
+)
 
 
 @pytest.mark.slow  # the session's host-memory checks, if this test asks first: ~40 s of CPU

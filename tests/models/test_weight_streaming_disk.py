@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from helpers.fresh_interpreter import RSS_WORKER_PRELUDE
 from helpers.int4_models import int4_transformer
 from helpers.modular_testing_utils import tiny_refiner
 from helpers.tiny_transformer import tiny_inputs, tiny_model
@@ -332,19 +333,15 @@ Magi2Transformer3DModel(num_layers=6, num_attention_heads=8, attention_head_dim=
     shared_expert_intermediate_size=256, modality_specific_expert_intermediate_size=256,
     params_dtype=torch.bfloat16).save_pretrained(sys.argv[1])
 """
-RSS_WORKER = """
+RSS_WORKER = (
+    """
 import gc, json, sys, torch
 from diffusers_magi2 import Magi2Transformer3DModel
-def anon():
-    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+"""
+    + RSS_WORKER_PRELUDE
+    + """
 def load():
     return Magi2Transformer3DModel.from_pretrained(sys.argv[1], torch_dtype=torch.bfloat16).eval()
-def forward(model):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        model(hidden_states=torch.randn(1, 16, 1, 4, 4, generator=g), timestep=torch.tensor([500.0]),
-              encoder_hidden_states=torch.randn(1, 3, 64, generator=g),
-              audio_hidden_states=torch.randn(1, 2, 16, generator=g))
 forward(load())  # the warm-up (helpers.fresh_interpreter.run_host_memory_checks): the same forward, resident
 gc.collect(); base = anon()
 model = load()
@@ -356,6 +353,7 @@ forward(model)  # touches every page of the ring and the staging buffers
 gc.collect()
 print(json.dumps({"measured": anon() - base, "plan": plan, "host": host, "blocks": blocks}))
 """
+)
 
 
 @pytest.mark.slow  # the session's host-memory checks, if this test asks first: ~40 s of CPU
