@@ -9,16 +9,18 @@ from helpers.pipeline_stubs import StandInTransformer, preview_scheduler, tiny_o
 from diffusers_magi2 import Magi2Pipeline  # noqa: E402
 
 
-def test_encode_audio_is_the_time_first_posterior_mean_that_decode_audio_takes():
-    # 64 latent channels (the encoder's 128 halved), as decode_audio takes them
+def _audio_pipe():
+    """A pipeline with a tiny Oobleck of 64 latent channels (the encoder's 128 halved), as decode_audio takes them."""
     audio_vae = tiny_oobleck(encoder_hidden_size=128, channel_multiples=[1, 1, 1, 1, 1])
     pipe = Magi2Pipeline(
-        tokenizer=None,
-        text_encoder=None,
-        transformer=StandInTransformer(),
-        audio_vae=audio_vae,
+        tokenizer=None, text_encoder=None, transformer=StandInTransformer(), audio_vae=audio_vae,
         scheduler=preview_scheduler(),
-    )
+    )  # fmt: skip
+    return pipe, audio_vae
+
+
+def test_encode_audio_is_the_time_first_posterior_mean_that_decode_audio_takes():
+    pipe, audio_vae = _audio_pipe()
     waveform = torch.randn(2, 2, 3 * 2048, generator=torch.Generator().manual_seed(0)).to(torch.float64)
     latents = pipe.encode_audio(waveform)
     assert latents.shape == (2, 3, 64) and latents.dtype == torch.float32
@@ -32,11 +34,7 @@ def test_encode_audio_is_the_time_first_posterior_mean_that_decode_audio_takes()
 def test_encode_audio_refuses_a_waveform_of_another_layout_before_encoding():
     import pytest
 
-    audio_vae = tiny_oobleck(encoder_hidden_size=128, channel_multiples=[1, 1, 1, 1, 1])
-    pipe = Magi2Pipeline(
-        tokenizer=None, text_encoder=None, transformer=StandInTransformer(), audio_vae=audio_vae,
-        scheduler=preview_scheduler(),
-    )  # fmt: skip
+    pipe, audio_vae = _audio_pipe()
     encoded = []
     audio_vae.encoder.register_forward_pre_hook(lambda *_: encoded.append(1))
     cases = [
