@@ -13,16 +13,8 @@ CPU code, the checked mode: on a reduced config the plan equals a CPU run's allo
 (``tests/pipelines/test_memory_plan.py``). The LoRA training step is :mod:`helpers.memory_plan_training`, the text
 encoder and the VAEs :mod:`helpers.memory_plan_codecs`.
 
-Dense weights stored narrower (FP8 storage, layerwise casting) are traced in the compute dtype, and each call of a
-stored layer with ``numel`` weights adds, from its start, what the storing hook holds beside the layer's own work::
-
-    held      = numel * compute itemsize    the compute-dtype weight, until the call returns
-    transient = 2 * numel * 4               FP8 on the CPU, once, as it starts: ``copy.mul_(fp32 scale)`` runs through
-                                            TensorIterator's CPU temporaries (the copy promoted to fp32, an fp32
-                                            output); CUDA casts inside the kernel (0)
-
-Measured by the CPU allocator at bf16: an FP8-stored projection's dequantization peaks at ``10 numel`` bytes,
-``2 numel`` of them held through the call.
+Dense weights stored narrower (FP8 storage, layerwise casting) are traced in the compute dtype, each stored layer's
+call adding what its storing hook holds (:mod:`helpers.memory_plan_storage`).
 
 Token counts (SandAI ``entry.py`` presets; ``magi2_reference_spec`` §5): per CFG half, video ``32 * H/16 * W/16``
 (272p 14,336, 540p 57,344), audio 250, text ``text_tokens`` (512 by default: a prompt and the negative
@@ -38,8 +30,6 @@ Budgets: an H200 as 141 GB, an H100 as 80 GB (10^9 bytes), and 8 GB kept spare.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import functools
 import itertools
 import math
@@ -47,10 +37,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
-from diffusers.hooks.layerwise_casting import _LAYERWISE_CASTING_HOOK
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from diffusers_magi2.models.fp8_storage_magi2 import FP8_STORAGE_HOOK
 from diffusers_magi2.models.modality import Modality
 from diffusers_magi2.models.transformer_magi2 import DEFAULT_FORWARD_CHUNK_SIZE, Magi2Transformer3DModel
 from diffusers_magi2.models.transformer_magi2_refiner import Magi2RefinerTransformer3DModel
@@ -58,6 +46,7 @@ from diffusers_magi2.moe.quantize import FP8_SCALE_NAMES
 from diffusers_magi2.moe.quantize_int4 import INT4_SCALE_NAMES
 from diffusers_magi2.parallel.expert_parallel import ep_head_layout
 
+from .memory_plan_storage import cast_copy_bytes, layer_calls, stored_calls_traced, stored_copy, stored_layer_calls
 from .memory_trace import (
     KERNELS,
     Trace,
@@ -94,7 +83,6 @@ __all__ = [
     "preview_token_counts",
     "preview_weights",
     "stage_row",
-    "stored_layer_calls",
     "stored_weights",
     "trace_preview_forward",
     "trace_refiner_forward",
@@ -345,93 +333,15 @@ def stored_weights(model, kinds, per_layer, storage_dtype, compute_dtype, ep_deg
     ``enable_fp8_storage(compute_dtype)`` for e4m3 (the 80 GB recipe: the codes and their fp32 per-channel scales),
     ``enable_layerwise_casting(storage_dtype, compute_dtype)`` otherwise; read from a stored copy. The trace itself
     runs the layers in the compute dtype (the hooks replace the weights, which fake parameters refuse), so each
-    stored layer's call adds what the hook holds (module docstring)."""
-    stored = _stored_copy(model, storage_dtype, compute_dtype)
-    copies = functools.partial(_cast_copy_bytes, compute_dtype=compute_dtype)
+    stored layer's call adds what the hook holds (:mod:`helpers.memory_plan_storage`)."""
+    stored = stored_copy(model, storage_dtype, compute_dtype)
+    copies = functools.partial(cast_copy_bytes, compute_dtype=compute_dtype)
     blocks = [sum(copies(m) for m in block.modules()) for block in stored.transformer_blocks]
     return _StoredWeights(
         preview_weights(stored, kinds, per_layer, ep_degree),
-        {k: _layer_calls(stored, compute_dtype, k) for k in KERNELS},
+        {k: layer_calls(stored, compute_dtype, k) for k in KERNELS},
         max(blocks),
     )
-
-
-def _stored_copy(model, storage_dtype, compute_dtype):
-    """A copy of ``model`` (on meta) with its dense weights stored as :func:`stored_weights` says."""
-    stored = copy.deepcopy(model)
-    if storage_dtype == torch.float8_e4m3fn:
-        stored.enable_fp8_storage(compute_dtype=compute_dtype)
-    else:
-        stored.enable_layerwise_casting(storage_dtype=storage_dtype, compute_dtype=compute_dtype)
-    return stored
-
-
-def _cast_copy_bytes(module, compute_dtype) -> int:
-    """Bytes of the compute-dtype copy a storing hook makes of ``module``'s own weights for its call (0 unstored)."""
-    registry = getattr(module, "_diffusers_hook", None)
-    if registry is None or not any(registry.get_hook(h) for h in (_LAYERWISE_CASTING_HOOK, FP8_STORAGE_HOOK)):
-        return 0
-    return sum(t.numel() for t in module.parameters(recurse=False)) * compute_dtype.itemsize
-
-
-def _layer_calls(stored, compute_dtype, kernels: str) -> Dict[str, tuple]:
-    """``{name: (held, transient)}`` bytes of each stored layer's call in ``stored`` (module docstring)."""
-    calls = {}
-    for name, module in stored.named_modules():
-        held = _cast_copy_bytes(module, compute_dtype)
-        if not held:
-            continue
-        scaled = module._diffusers_hook.get_hook(FP8_STORAGE_HOOK) is not None and compute_dtype != torch.float32
-        calls[name] = (held, 2 * module.weight.numel() * torch.float32.itemsize if scaled and kernels == "cpu" else 0)
-    return calls
-
-
-def stored_layer_calls(
-    model, storage_dtype: torch.dtype, kernels: str, compute_dtype: torch.dtype = torch.bfloat16
-) -> Dict[str, tuple]:
-    """What each call of a stored layer adds to the trace: ``{name: (held, transient)}`` bytes, the compute-dtype
-    weight held through the call and the storing hook's temporaries as it starts (module docstring).
-
-    Args:
-        model: a transformer (on meta or real) with its dense weights not yet stored.
-        storage_dtype: ``torch.float8_e4m3fn`` (``enable_fp8_storage``) or a layerwise-casting storage dtype.
-        kernels: ``"cuda"`` or ``"cpu"``.
-        compute_dtype: the dtype the layers compute in.
-
-    Raises:
-        ValueError: unknown ``kernels``.
-    """
-    check_kernels(kernels)
-    return _layer_calls(_stored_copy(model, storage_dtype, compute_dtype), compute_dtype, kernels)
-
-
-@contextlib.contextmanager
-def _stored_calls_traced(model, calls: Dict[str, tuple], tracker: LiveStorageTracker, compute_dtype):
-    """Around each call of a stored layer of ``model`` (named in ``calls``), its held copy live (a fake tensor) and
-    its transient a peak candidate."""
-    held = []
-
-    def before(name):
-        def hook(module, args):
-            nbytes, transient = calls[name]
-            held.append(torch.empty(nbytes // compute_dtype.itemsize, dtype=compute_dtype))
-            if transient:
-                tracker.add_transient(transient, f"{name}: the stored weight's dequantization")
-
-        return hook
-
-    def after(module, args, out):
-        held.pop()
-
-    handles = []
-    for name in calls:
-        module = model.get_submodule(name)
-        handles += [module.register_forward_pre_hook(before(name)), module.register_forward_hook(after)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def trace_preview_forward(
@@ -463,7 +373,7 @@ def trace_preview_forward(
             ``hidden_states`` once embedded); ``False``: the caller holds them and they are not counted
             (``forward_packed`` called directly).
         storage_dtype: the dense weights stored in that dtype (:func:`stored_weights`; ``None``: off): the weights
-            so stored, and each stored layer's call adding its compute-dtype copy (module docstring).
+            so stored, and each stored layer's call adding its compute-dtype copy (:mod:`helpers.memory_plan_storage`).
 
     Raises:
         ValueError: unknown ``kernels``, bad degrees, or segments not summing to the tokens.
@@ -521,7 +431,7 @@ def trace_preview_forward(
     with (
         traced(model, fake, kernels) as tracker,
         part_peaks(tracker, parts) as peaks,
-        _stored_calls_traced(model, calls, tracker, compute_dtype),
+        stored_calls_traced(model, calls, tracker, compute_dtype),
     ):
         if count_inputs:
             tracker.count(inputs)
@@ -568,8 +478,8 @@ def trace_refiner_forward(
         cp_degree: context-parallel degree; kernels: as :func:`trace_preview_forward`.
         forward_chunk_size: the MLP token chunk (``None``: the model default).
         storage_dtype: the dense weights stored in that dtype (:func:`stored_weights`; ``None``: off): each stored
-            layer's call adding its compute-dtype copy (module docstring; the weights are traced in the compute
-            dtype).
+            layer's call adding its compute-dtype copy (:mod:`helpers.memory_plan_storage`; the weights are traced
+            in the compute dtype).
 
     Raises:
         ValueError: unknown ``kernels`` or a bad degree.
@@ -613,7 +523,7 @@ def trace_refiner_forward(
         inputs = [video, text, shard, _unit_coords(n_loc)]
     else:
         inputs = [video, text]
-    with traced(model, fake, kernels) as tracker, _stored_calls_traced(model, calls, tracker, compute_dtype):
+    with traced(model, fake, kernels) as tracker, stored_calls_traced(model, calls, tracker, compute_dtype):
         tracker.count(inputs)
         if cp_degree == 1:
             out = model(hidden_states=video, encoder_hidden_states=text)

@@ -19,10 +19,10 @@ from helpers.memory_plan import (
     check_plan_resolution,
     plan_preview_step,
     preview_token_counts,
-    stored_layer_calls,
     trace_preview_forward,
     trace_refiner_forward,
 )
+from helpers.memory_plan_storage import stored_layer_calls
 from helpers.memory_plan_streaming import CARDS, RING_DEPTH, preview_streamed_weights, time_model
 from helpers.memory_plan_training import plan_lora_training_step, trace_lora_training_step
 from helpers.memory_trace import triton_expert_allocations
