@@ -39,7 +39,6 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
-from typing import Optional  # noqa: E402
 
 
 class _OneLineArgumentParser(argparse.ArgumentParser):
@@ -276,9 +275,7 @@ def check_launch_degrees(ep_degree, ulysses_degree) -> None:
 
 
 def launch_rules():
-    """``examples/launch_rules.py`` (beside this script, also when the script itself is loaded by path)."""
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
+    """``examples/launch_rules.py`` (beside this script, on ``sys.path`` since this module's import)."""
     import launch_rules as rules
 
     return rules
@@ -286,6 +283,13 @@ def launch_rules():
 
 EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+if EXAMPLES not in sys.path:  # the modules beside this script, also when it is loaded by path
+    sys.path.insert(0, EXAMPLES)
+from generate_streaming import (  # noqa: E402
+    repo_streamed_stages,
+    streaming_summary,
+    tile_streamed_refined_decode,
+)
 
 
 def check_model_path(model: str) -> None:
@@ -485,7 +489,8 @@ def load_pipeline(args):
             pipe.enable_context_parallel(context_parallel)
     else:
         defaults = {"height": 512, "width": 896, "num_inference_steps": 100}
-        stages = repo_streamed_stages(args, defaults) if args.vram_gb is not None and single_card else None
+        streamed = args.vram_gb is not None and single_card
+        stages = repo_streamed_stages(args, *call_size(args, defaults)) if streamed else None
         dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         pipe = Magi2Pipeline.from_pretrained(
             args.model,
@@ -515,54 +520,6 @@ def load_pipeline(args):
     return pipe, defaults
 
 
-def streaming_summary(
-    vram_gb: float, host_memory: str, ring_size: int, stages, ep_degree: int = 1, ulysses_degree: int = 1
-) -> str:
-    """The line ``--vram_gb`` prints once streaming is on: the mode and the ring, and for the released model on one
-    card (its checked ``stages``, streamed with each model released between stages) the plan's device peak, with what
-    stays resident beside it, and host memory (the public values of ``check_streaming_budget``); ``ep_degree`` or
-    ``ulysses_degree`` above 1: a launched run, whose ranks the plan's single-card figures do not describe (under
-    expert parallelism each rank's transformer is held); ``stages=None`` otherwise: a model the plan does not cover."""
-    from diffusers_magi2.pipelines.weight_streaming_budget import check_streaming_budget
-
-    line = f"weight streaming: host_memory {host_memory}, a ring of {ring_size} device buffers per streamed model"
-    degrees = {"expert": ep_degree, "context": ulysses_degree}
-    parallel = [f"{kind} parallelism over {n} ranks" for kind, n in degrees.items() if n > 1]
-    if parallel:
-        held = "; each rank's transformer held between stages" if ep_degree > 1 else ""
-        return (
-            f"{line}{held}; the memory plan's figures are a single card's, running the whole call, not a rank's under "
-            f"{' and '.join(parallel)}: no planned peaks"
-        )
-    if stages is None:
-        return line + "; the memory plan does not apply (not the released Preview's config): no planned peaks"
-    # the plan's figures only: enable_weight_streaming has checked the host's memory against the weights it holds
-    planned = check_streaming_budget(vram_gb, host_memory, stages, host_bytes=sys.maxsize)
-    host_gb = planned.pop("host_ram_GB")
-    peak = max(planned, key=planned.get)
-    return (
-        f"{line}; planned device peak {planned[peak]} GB ({peak}, with what stays resident beside it), host memory "
-        f"{host_gb} GB, over the stages {', '.join(planned)}"
-    )
-
-
-def tile_streamed_refined_decode(pipe, args, height: int, width: int) -> bool:
-    """With ``--vram_gb``, a call that refines (the 1080p preset) decodes in the TurboVAE's default 512-pixel tiles
-    (``pipe.video_decoder.enable_tiling()``): for the released model on one card (``args.planned_stages`` set by
-    :func:`load_pipeline`) where the recipe plans it (``planned_tiled_decodes``: the whole 1080p frames do not fit
-    the card), otherwise (no planned figures) always; a 540p call decodes whole frames. Returns whether tiling was
-    turned on."""
-    from diffusers_magi2.pipelines.weight_streaming_budget import planned_tiled_decodes
-
-    decoder = getattr(pipe, "video_decoder", None)
-    if args.vram_gb is None or decoder is None or not pipe.stage_sizes(height, width)[0]:
-        return False
-    if args.planned_stages is not None and not planned_tiled_decodes(args.vram_gb):
-        return False
-    decoder.enable_tiling()
-    return True
-
-
 def call_size(args, defaults: dict) -> tuple:
     """The output ``(height, width)``: ``--resolution``'s preset, else ``--height``/``--width`` or the defaults."""
     if args.resolution is not None:
@@ -573,38 +530,6 @@ def call_size(args, defaults: dict) -> tuple:
         args.height if args.height is not None else defaults["height"],
         args.width if args.width is not None else defaults["width"],
     )
-
-
-def repo_streamed_stages(args, defaults: dict) -> Optional[list]:
-    """With ``--vram_gb`` on one card: the memory plan's stages this call runs, checked against the card
-    (``check_streaming_vram``, each streamed model released between stages) from the repo's configs alone, before
-    any weight loads; ``None`` where the plan does not apply (a transformer or refiner config other than the
-    released Preview's)."""
-    from diffusers import DiffusionPipeline
-
-    from diffusers_magi2 import Magi2RefinerTransformer3DModel, Magi2Transformer3DModel
-    from diffusers_magi2.pipelines.weight_streaming_budget import check_streaming_vram, plan_applies
-
-    index = DiffusionPipeline.load_config(args.model)
-    refiner = None
-    if (index.get("refiner") or [None])[0] is not None:
-        refiner = Magi2RefinerTransformer3DModel.load_config(args.model, subfolder="refiner")
-    if not plan_applies(Magi2Transformer3DModel.load_config(args.model, subfolder="transformer"), refiner):
-        return None
-    video_decoder = index.get("video_decoder") or [None, None]
-    stages = planned_stages(args, *call_size(args, defaults), turbovae=video_decoder[0] is not None)
-    check_streaming_vram(args.vram_gb, stages)
-    return stages
-
-
-def planned_stages(args, height: int, width: int, turbovae: bool) -> list:
-    """The memory plan's stages a call at ``height x width`` runs (``planned_call_stages``; the TurboVAE decode where
-    the repo has one, else the Wan VAE's)."""
-    from diffusers_magi2.pipelines.presets_magi2 import resolve_stage_sizes
-    from diffusers_magi2.pipelines.weight_streaming_budget import planned_call_stages
-
-    refine, preview_height, preview_width = resolve_stage_sizes(height, width)
-    return planned_call_stages(refine, preview_height, preview_width, image=args.image is not None, turbovae=turbovae)
 
 
 def main(argv=None) -> int:

@@ -15,8 +15,9 @@ from diffusers_magi2 import Magi2Pipeline
 from diffusers_magi2.pipelines import weight_streaming_budget
 
 
-def load_generate():
-    spec = importlib.util.spec_from_file_location("magi2_generate_stages", REPO_ROOT / "examples" / "generate.py")
+def load_example(name: str = "generate"):
+    """``examples/<name>.py``, loaded by path."""
+    spec = importlib.util.spec_from_file_location(f"magi2_{name}_stages", REPO_ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -73,22 +74,25 @@ def _fake_repo(monkeypatch, released: bool, enable_weight_streaming, turbovae: b
     ],
 )
 def test_the_stages_of_a_call_are_the_plans_names(tmp_path, monkeypatch, argv, turbovae, stages):
-    generate = load_generate()
+    generate = load_example()
     args = _args(generate, tmp_path, "--model", "org/repo", "--vram_gb", "32", *argv)
     _fake_repo(monkeypatch, True, lambda **kwargs: None, turbovae)
-    assert generate.planned_stages(args, *generate.call_size(args, {}), turbovae=turbovae) == stages
+    assert (
+        load_example("generate_streaming").planned_stages(args, *generate.call_size(args, {}), turbovae=turbovae)
+        == stages
+    )
     assert set(stages) <= set(weight_streaming_budget.streaming_budgets()["recipes"]["32"]["stages"])
     if turbovae:  # read from the repo's configs
-        assert generate.repo_streamed_stages(args, {}) == stages
+        assert generate.repo_streamed_stages(args, *generate.call_size(args, {})) == stages
     else:  # the streamed recipes decode with the TurboVAE
         with pytest.raises(ValueError, match=r"does not run \['wan_decode_540p'\]"):
-            generate.repo_streamed_stages(args, {})
+            generate.repo_streamed_stages(args, *generate.call_size(args, {}))
 
 
 def test_a_card_too_small_for_the_asked_resolution_is_refused_before_streaming(tmp_path, monkeypatch):
     # 540p on 24 GB and 1080p on 32 GB pass; 1080p on 24 GB (the refiner is not in that recipe) and 540p on a 12 GB
     # card are refused naming the stage, before enable_weight_streaming moves anything
-    generate = load_generate()
+    generate = load_example()
     enabled = []
     pipe = _fake_repo(monkeypatch, True, lambda **k: enabled.append((k["vram_gb"], k["release_between_stages"])))
     for vram_gb, resolution, refused in (
@@ -124,13 +128,13 @@ def test_streaming_prints_the_mode_ring_and_the_plans_peak_and_host_memory(
 ):
     # one line on rank 0 once streaming is on: the largest checked stage's planned peak plus what stays resident
     # (recomputed from the shipped table), the mode's planned host memory; another rank prints nothing
-    generate = load_generate()
+    generate = load_example()
     _fake_repo(monkeypatch, True, lambda **kwargs: None)
     args = _args(generate, tmp_path, "--model", "org/repo", *argv)
     generate.load_pipeline(args)
     (line,) = capsys.readouterr().out.splitlines()
     table = weight_streaming_budget.streaming_budgets()["recipes"][recipe]
-    stages = generate.planned_stages(args, *generate.call_size(args, {}), turbovae=True)
+    stages = load_example("generate_streaming").planned_stages(args, *generate.call_size(args, {}), turbovae=True)
     assert args.planned_stages == stages  # carried to the call (the refined decode's tiling)
     need = {
         s: round(table["stages"][s]["peak_GB"] + sum(table["stages"][s]["co_resident_GB"]["released"].values()), 2)
@@ -147,7 +151,7 @@ def test_streaming_prints_the_mode_ring_and_the_plans_peak_and_host_memory(
 
 
 def test_streaming_a_model_the_plan_does_not_cover_says_so(tmp_path, monkeypatch, capsys):
-    generate = load_generate()
+    generate = load_example()
     modes = []
     _fake_repo(
         monkeypatch, False, lambda **k: modes.append((k["host_memory"], k["ring_size"], k["release_between_stages"]))
@@ -195,7 +199,7 @@ def test_a_launched_run_is_not_checked_against_single_card_figures(
     # 8 x 24 GB box runs the CP8 refiner resident at 1080p, which the single 24 GB card's recipe does not run); it
     # streams automatically (an expert-parallel rank's transformer, holding only its experts' rows, cannot be
     # re-read from its files and stays held) and prints no planned figures as its ranks'
-    generate = load_generate()
+    generate = load_example()
     _fake_launch(generate, monkeypatch, ep_degree, ulysses_degree)
     enabled = []
     pipe = _fake_repo(monkeypatch, True, lambda **k: enabled.append(k["release_between_stages"]))
@@ -203,7 +207,7 @@ def test_a_launched_run_is_not_checked_against_single_card_figures(
         generate, tmp_path, "--model", "org/repo", "--device", "cpu", "--resolution", "1080p", "--vram_gb", "24"
     )
     with pytest.raises(ValueError, match=r"the 24 GB recipe does not run \['refiner_1080p'"):
-        generate.repo_streamed_stages(args, {})  # what one 24 GB card would be told
+        generate.repo_streamed_stages(args, *generate.call_size(args, {}))  # what one 24 GB card would be told
     generate.load_pipeline(args)
     assert pipe.loaded and enabled == [None] and args.planned_stages is None
     line = "weight streaming: host_memory pinned, a ring of 2 device buffers per streamed model" + parallel
