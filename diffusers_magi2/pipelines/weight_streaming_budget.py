@@ -26,7 +26,7 @@ import math
 import os
 from typing import Dict, Iterable, List, Optional
 
-from .presets_magi2 import REFINER_RESOLUTION
+from .presets_magi2 import REFINER_RESOLUTION, RESOLUTION_PRESETS
 
 
 __all__ = [
@@ -146,7 +146,7 @@ def planned_call_stages(
     height: Optional[int] = None,
     width: Optional[int] = None,
     batch_size: int = 1,
-    duration_s: float = 10.0,
+    duration_s: float = PLANNED_DURATION_S,
 ) -> List[str]:
     """The plan's stages (``bench_memory``'s names) that one call runs.
 
@@ -164,10 +164,11 @@ def planned_call_stages(
         ValueError: a preview larger than 512x896, a refined output larger than 1088x1920, a ``batch_size`` above 1
             or a clip longer than 10 s: the plan's stages are one 10 s video at those sizes.
     """
-    area = denoise_height * denoise_width
-    if area > 512 * 896:
+    area, largest = denoise_height * denoise_width, RESOLUTION_PRESETS["540p"]
+    if area > math.prod(largest):
         raise ValueError(
-            f"a {denoise_height}x{denoise_width} preview is larger than the plan's 540p stage (512x896): the streamed "
+            f"a {denoise_height}x{denoise_width} preview is larger than the plan's 540p stage "
+            f"({'x'.join(map(str, largest))}): the streamed "
             "recipes denoise at 272p or 540p, and reach 1080p through the refiner (resolution='1080p')"
         )
     if refine and height is not None and height * width > math.prod(REFINER_RESOLUTION):
@@ -185,7 +186,10 @@ def planned_call_stages(
             f"the plan's stages are one video per call; this call generates {batch_size}: call once per video"
         )
     stages = ["text_encode", *(["image_encode_540p"] if image else [])]
-    stages += ["preview_272p" if area <= 256 * 448 else "preview_540p", *(["refiner_1080p"] if refine else [])]
+    stages += [
+        "preview_272p" if area <= math.prod(RESOLUTION_PRESETS["272p"]) else "preview_540p",
+        *(["refiner_1080p"] if refine else []),
+    ]
     if decode:
         stages += [f"{'turbovae' if turbovae else 'wan'}_decode_{'1080p' if refine else '540p'}", "audio_decode"]
     return stages
